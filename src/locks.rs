@@ -1,0 +1,495 @@
+//! The in-process keyed lock: [`KeyedLocks`], its guard and its errors.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_keyed_lock::{KeyedLocks, LockError};
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let locks = KeyedLocks::new();
+//! let order_42 = locks.lock("order-42").await.unwrap();
+//!
+//! // Another key is independent…
+//! let order_7 = locks.try_lock("order-7").unwrap();
+//! // …the same key is not.
+//! assert!(matches!(locks.try_lock("order-42"), Err(LockError::Busy)));
+//! assert!(matches!(
+//!     locks.lock_timeout("order-42", Duration::from_millis(10)).await,
+//!     Err(LockError::Timeout)
+//! ));
+//!
+//! drop((order_42, order_7));
+//! assert!(locks.is_empty()); // entries leave with their last holder
+//! # }
+//! ```
+
+mod acquire;
+mod slot;
+mod table;
+
+use std::error::Error;
+use std::fmt;
+use std::hash::Hash;
+use std::time::Duration;
+
+pub use acquire::Acquire;
+
+use crate::sync::{Arc, AtomicUsize, Ordering};
+use slot::{Attempt, Slot, Waiter};
+use table::Table;
+
+/// A table of async locks, one per key, created on demand and removed the moment the
+/// last holder or waiter of a key leaves.
+///
+/// Clones share one table. Waiters of a key are served in arrival order (FIFO); at most
+/// `permits` holders hold a key at once (1 unless set with
+/// [`KeyedLocksBuilder::permits`]). A lock future dropped at any point — before it was
+/// polled, while queued, or after a releasing holder handed it the permit but before it
+/// ran — gives back what it was given, so cancellation never leaks a permit or an entry.
+///
+/// See the [module docs](crate::locks) for an example.
+pub struct KeyedLocks<K> {
+    inner: Arc<Inner<K>>,
+}
+
+struct Inner<K> {
+    table: Table<K, Slot>,
+    /// Keys in the table. Raised before a slot is inserted and lowered after one is
+    /// removed, so it never undercounts; it is exact whenever no call is in flight.
+    keys: AtomicUsize,
+    permits: usize,
+    max_waiters: usize,
+    max_keys: usize,
+}
+
+/// Configures a [`KeyedLocks`]; every limit defaults to "none" and `permits` to 1.
+///
+/// ```
+/// use tower_keyed_lock::KeyedLocks;
+///
+/// let locks: KeyedLocks<u64> = KeyedLocks::builder()
+///     .permits(2)        // two holders per key
+///     .max_waiters(16)   // then `QueueFull`
+///     .max_keys(10_000)  // then `TooManyKeys` for a new key
+///     .build();
+/// ```
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct KeyedLocksBuilder<K> {
+    permits: usize,
+    max_waiters: usize,
+    max_keys: usize,
+    _key: std::marker::PhantomData<fn() -> K>,
+}
+
+/// Proof that a key is held; dropping it releases the key (or hands it to the next
+/// waiter). Owned, `Send` and `'static`, so it can move into a spawned task.
+#[must_use = "the key is released as soon as the guard is dropped"]
+pub struct KeyGuard<K: Eq + Hash> {
+    inner: Arc<Inner<K>>,
+    key: K,
+}
+
+/// Why a key could not be locked.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum LockError {
+    /// The wait for the key exceeded its timeout.
+    Timeout,
+    /// [`KeyedLocks::try_lock`] found the key held.
+    Busy,
+    /// The key already has `max_waiters` waiters.
+    QueueFull,
+    /// The key is new and the table already holds `max_keys` keys.
+    TooManyKeys,
+    /// A distributed backend failed (unreachable, protocol error, …).
+    Backend(Box<dyn Error + Send + Sync>),
+}
+
+impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
+    /// A table with one holder per key and no limits.
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// A builder for permits per key, a waiter bound per key and a key bound.
+    pub fn builder() -> KeyedLocksBuilder<K> {
+        KeyedLocksBuilder {
+            permits: 1,
+            max_waiters: usize::MAX,
+            max_keys: usize::MAX,
+            _key: std::marker::PhantomData,
+        }
+    }
+
+    /// Waits for `key` without a time limit.
+    ///
+    /// The returned future is cancel-safe: dropping it at any point releases whatever it
+    /// acquired. It fails at once with [`LockError::QueueFull`] or
+    /// [`LockError::TooManyKeys`] when a limit is reached.
+    pub fn lock(&self, key: K) -> Acquire<K> {
+        Acquire::new(self.inner.clone(), key, None)
+    }
+
+    /// Waits for `key` at most `timeout`, then fails with [`LockError::Timeout`].
+    /// `Duration::ZERO` tries once and never waits. Needs a Tokio runtime with time
+    /// enabled when it has to wait.
+    pub fn lock_timeout(&self, key: K, timeout: Duration) -> Acquire<K> {
+        Acquire::new(self.inner.clone(), key, Some(timeout))
+    }
+
+    /// Takes `key` if a permit is free now, else fails with [`LockError::Busy`].
+    pub fn try_lock(&self, key: K) -> Result<KeyGuard<K>, LockError> {
+        match self.inner.attempt(&key, None) {
+            Ok(Attempt::Acquired) => Ok(KeyGuard::new(self.inner.clone(), key)),
+            Ok(_) => Err(LockError::Busy),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Keys that have a holder or a waiter now (exact when no call is in flight).
+    pub fn len(&self) -> usize {
+        self.inner.keys.load(Ordering::Acquire)
+    }
+
+    /// True when no key has a holder or a waiter.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<K: Eq + Hash> Inner<K> {
+    /// First attempt on `key`: acquire, or queue with `waker`, or say why not.
+    fn attempt(&self, key: &K, waker: Option<&std::task::Waker>) -> Result<Attempt, LockError>
+    where
+        K: Clone,
+    {
+        let try_slot =
+            |slot: &mut Slot| slot.acquire_or_enqueue(self.permits, self.max_waiters, waker);
+        // Existing key: no clone of the key, no allocation.
+        if let Some(attempt) = self.table.update(key, try_slot) {
+            return Ok(attempt);
+        }
+        // New key: reserve room for it before inserting, so concurrent inserts on
+        // different shards cannot overshoot `max_keys`.
+        if self.keys.fetch_add(1, Ordering::AcqRel) >= self.max_keys {
+            self.keys.fetch_sub(1, Ordering::AcqRel);
+            return Err(LockError::TooManyKeys);
+        }
+        Ok(self
+            .table
+            .upsert(key.clone(), Slot::default, |slot, inserted| {
+                if !inserted {
+                    // Another caller inserted the key in between; its reservation counts.
+                    self.keys.fetch_sub(1, Ordering::AcqRel);
+                }
+                try_slot(slot)
+            }))
+    }
+
+    fn release(&self, key: &K) {
+        self.finish(key, Slot::release);
+    }
+
+    fn withdraw(&self, key: &K, waiter: &Arc<Waiter>) {
+        self.finish(key, |slot| slot.withdraw(waiter));
+    }
+
+    /// Applies a leaving step to the slot of `key`, removes the slot when it says so, and
+    /// wakes the next holder after the shard lock is released.
+    fn finish(&self, key: &K, step: impl FnOnce(&mut Slot) -> (Option<std::task::Waker>, bool)) {
+        let mut next = None;
+        let removed = self.table.update_or_remove(key, |slot| {
+            let (waker, remove) = step(slot);
+            next = waker;
+            remove
+        });
+        if removed {
+            self.keys.fetch_sub(1, Ordering::AcqRel);
+        }
+        if let Some(waker) = next {
+            waker.wake();
+        }
+    }
+}
+
+impl<K> Clone for KeyedLocks<K> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<K: Eq + Hash + Clone + Send + Sync + 'static> Default for KeyedLocks<K> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<K> fmt::Debug for KeyedLocks<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyedLocks")
+            .field("keys", &self.inner.keys.load(Ordering::Relaxed))
+            .field("permits", &self.inner.permits)
+            .field("max_waiters", &self.inner.max_waiters)
+            .field("max_keys", &self.inner.max_keys)
+            .finish()
+    }
+}
+
+impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
+    /// Holders allowed per key at once (default 1).
+    ///
+    /// # Panics
+    /// If `permits` is 0: no request could ever run.
+    pub fn permits(mut self, permits: usize) -> Self {
+        assert!(permits > 0, "KeyedLocks permits must be at least 1");
+        self.permits = permits;
+        self
+    }
+
+    /// Waiters allowed per key (default unbounded); a `lock` beyond it fails at once
+    /// with [`LockError::QueueFull`]. 0 means a busy key is never waited for.
+    pub fn max_waiters(mut self, max_waiters: usize) -> Self {
+        self.max_waiters = max_waiters;
+        self
+    }
+
+    /// Keys allowed in the table at once (default unbounded); a `lock` on a new key
+    /// beyond it fails at once with [`LockError::TooManyKeys`].
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys;
+        self
+    }
+
+    /// Builds the table.
+    pub fn build(self) -> KeyedLocks<K> {
+        KeyedLocks {
+            inner: Arc::new(Inner {
+                table: Table::new(),
+                keys: AtomicUsize::new(0),
+                permits: self.permits,
+                max_waiters: self.max_waiters,
+                max_keys: self.max_keys,
+            }),
+        }
+    }
+}
+
+impl<K: Eq + Hash> KeyGuard<K> {
+    fn new(inner: Arc<Inner<K>>, key: K) -> Self {
+        Self { inner, key }
+    }
+
+    /// The key this guard holds.
+    pub fn key(&self) -> &K {
+        &self.key
+    }
+}
+
+impl<K: Eq + Hash> Drop for KeyGuard<K> {
+    fn drop(&mut self) {
+        self.inner.release(&self.key);
+    }
+}
+
+impl<K: Eq + Hash + fmt::Debug> fmt::Debug for KeyGuard<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyGuard").field("key", &self.key).finish()
+    }
+}
+
+impl fmt::Display for LockError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LockError::Timeout => f.write_str("timed out waiting for the key"),
+            LockError::Busy => f.write_str("the key is held"),
+            LockError::QueueFull => f.write_str("too many waiters for the key"),
+            LockError::TooManyKeys => f.write_str("too many keys in the lock table"),
+            LockError::Backend(error) => write!(f, "lock backend failed: {error}"),
+        }
+    }
+}
+
+impl Error for LockError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        match self {
+            LockError::Backend(error) => Some(&**error),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::{Context, Poll, Waker};
+
+    use super::*;
+
+    /// Polls `future` once with a waker that does nothing.
+    fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
+        Pin::new(future).poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    #[test]
+    fn same_key_excludes_other_keys_do_not() {
+        let locks = KeyedLocks::new();
+        let a = locks.try_lock("a").unwrap();
+        assert!(matches!(locks.try_lock("a"), Err(LockError::Busy)));
+        let b = locks.try_lock("b").unwrap();
+        assert_eq!((a.key(), b.key(), locks.len()), (&"a", &"b", 2));
+        drop(a);
+        assert_eq!(locks.len(), 1);
+        drop(locks.try_lock("a").unwrap());
+        drop(b);
+        assert!(locks.is_empty());
+    }
+
+    #[test]
+    fn permits_bound_the_holders_of_a_key() {
+        let locks = KeyedLocks::builder().permits(2).build();
+        let first = locks.try_lock(1).unwrap();
+        let _second = locks.try_lock(1).unwrap();
+        assert!(matches!(locks.try_lock(1), Err(LockError::Busy)));
+        drop(first);
+        let _third = locks.try_lock(1).unwrap();
+        assert_eq!(locks.len(), 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "at least 1")]
+    fn zero_permits_is_refused_at_build_time() {
+        let _ = KeyedLocks::<u8>::builder().permits(0);
+    }
+
+    #[test]
+    fn waiters_are_served_in_arrival_order() {
+        let locks = KeyedLocks::new();
+        let holder = locks.try_lock(7).unwrap();
+        let mut waiters: Vec<_> = (0..5).map(|_| locks.lock(7)).collect();
+        for waiter in &mut waiters {
+            assert!(poll_once(waiter).is_pending());
+        }
+        drop(holder);
+        for i in 0..waiters.len() {
+            // Only the front waiter holds; everyone behind it still waits.
+            let Poll::Ready(Ok(guard)) = poll_once(&mut waiters[i]) else {
+                panic!("waiter {i} was not served in order");
+            };
+            for later in &mut waiters[i + 1..] {
+                assert!(poll_once(later).is_pending());
+            }
+            drop(guard);
+        }
+        assert!(locks.is_empty());
+    }
+
+    #[test]
+    fn queue_full_fails_at_once_and_leaves_the_queue_intact() {
+        let locks = KeyedLocks::builder().max_waiters(1).build();
+        let holder = locks.try_lock("k").unwrap();
+        let mut queued = locks.lock("k");
+        assert!(poll_once(&mut queued).is_pending());
+        assert!(matches!(
+            poll_once(&mut locks.lock("k")),
+            Poll::Ready(Err(LockError::QueueFull))
+        ));
+        drop(holder);
+        assert!(matches!(poll_once(&mut queued), Poll::Ready(Ok(_))));
+        assert!(locks.is_empty());
+    }
+
+    #[test]
+    fn zero_max_waiters_never_queues() {
+        let locks = KeyedLocks::builder().max_waiters(0).build();
+        let _holder = locks.try_lock(1).unwrap();
+        assert!(matches!(
+            poll_once(&mut locks.lock(1)),
+            Poll::Ready(Err(LockError::QueueFull))
+        ));
+    }
+
+    #[test]
+    fn too_many_keys_refuses_only_new_keys() {
+        let locks = KeyedLocks::builder().max_keys(2).build();
+        let _a = locks.try_lock("a").unwrap();
+        let b = locks.try_lock("b").unwrap();
+        assert!(matches!(locks.try_lock("c"), Err(LockError::TooManyKeys)));
+        assert!(matches!(
+            poll_once(&mut locks.lock("c")),
+            Poll::Ready(Err(LockError::TooManyKeys))
+        ));
+        // An existing key may still queue.
+        assert!(poll_once(&mut locks.lock("a")).is_pending());
+        assert_eq!(locks.len(), 2);
+        drop(b);
+        let _c = locks.try_lock("c").unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lock_timeout_expires_and_withdraws() {
+        let locks = KeyedLocks::new();
+        let holder = locks.try_lock(1).unwrap();
+        let result = locks.lock_timeout(1, Duration::from_secs(2)).await;
+        assert!(matches!(result, Err(LockError::Timeout)));
+        assert_eq!(locks.len(), 1);
+        drop(holder);
+        assert!(locks.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lock_timeout_succeeds_when_released_in_time() {
+        let locks = KeyedLocks::new();
+        let holder = locks.try_lock(1).unwrap();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            drop(holder);
+        });
+        let guard = locks.lock_timeout(1, Duration::from_secs(2)).await.unwrap();
+        assert_eq!(*guard.key(), 1);
+    }
+
+    #[test]
+    fn zero_timeout_tries_once_without_a_runtime() {
+        let locks = KeyedLocks::new();
+        let holder = locks.try_lock(1).unwrap();
+        let mut attempt = locks.lock_timeout(1, Duration::ZERO);
+        assert!(matches!(
+            poll_once(&mut attempt),
+            Poll::Ready(Err(LockError::Timeout))
+        ));
+        drop(holder);
+        assert!(matches!(
+            poll_once(&mut locks.lock_timeout(1, Duration::ZERO)),
+            Poll::Ready(Ok(_))
+        ));
+        assert!(locks.is_empty());
+    }
+
+    #[test]
+    fn clones_share_one_table() {
+        let locks = KeyedLocks::new();
+        let clone = locks.clone();
+        let _held = locks.try_lock("k").unwrap();
+        assert!(matches!(clone.try_lock("k"), Err(LockError::Busy)));
+        assert_eq!(clone.len(), 1);
+    }
+
+    #[test]
+    fn guard_moves_into_a_spawned_task() {
+        fn assert_send_static<T: Send + 'static>(_: &T) {}
+        let locks = KeyedLocks::<String>::new();
+        let guard = locks.try_lock("k".to_owned()).unwrap();
+        assert_send_static(&guard);
+        assert_send_static(&locks.lock("k".to_owned()));
+    }
+
+    #[test]
+    fn backend_error_keeps_its_source() {
+        let error = LockError::Backend("connection refused".into());
+        assert_eq!(error.to_string(), "lock backend failed: connection refused");
+        assert!(error.source().is_some());
+    }
+}

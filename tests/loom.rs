@@ -1,0 +1,88 @@
+//! Model checks of the lock table's hand-off and removal under every interleaving.
+//!
+//! Run with `RUSTFLAGS="--cfg loom" cargo test --release --test loom`.
+#![cfg(loom)]
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+
+use loom::future::block_on;
+use loom::sync::atomic::{AtomicUsize, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+use tower_keyed_lock::KeyedLocks;
+
+/// Runs a critical section, checking no one else holds the key.
+fn hold(holders: &AtomicUsize) {
+    assert_eq!(
+        holders.fetch_add(1, Ordering::SeqCst),
+        0,
+        "two holders at once"
+    );
+    holders.fetch_sub(1, Ordering::SeqCst);
+}
+
+fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
+    Pin::new(future).poll(&mut Context::from_waker(Waker::noop()))
+}
+
+/// One task locks, the other polls once and is cancelled: whatever it was given
+/// (nothing, a queue place, or the permit just handed over) is given back.
+#[test]
+fn cancelled_waiter_loses_no_permit_and_leaves_no_entry() {
+    loom::model(|| {
+        let locks = KeyedLocks::<u8>::new();
+        let holders = Arc::new(AtomicUsize::new(0));
+
+        let other = {
+            let (locks, holders) = (locks.clone(), holders.clone());
+            thread::spawn(move || {
+                let guard = block_on(locks.lock(1)).unwrap();
+                hold(&holders);
+                drop(guard);
+            })
+        };
+
+        let mut cancelled = locks.lock(1);
+        if let Poll::Ready(guard) = poll_once(&mut cancelled) {
+            hold(&holders);
+            drop(guard);
+        }
+        drop(cancelled);
+
+        other.join().unwrap();
+        assert_eq!(locks.len(), 0, "entry left behind");
+        assert!(locks.try_lock(1).is_ok(), "permit lost");
+    });
+}
+
+/// A holder releases while a queued waiter is being cancelled and a third task waits:
+/// the permit must reach the third task whichever way the race goes.
+#[test]
+fn hand_off_races_with_cancellation() {
+    loom::model(|| {
+        let locks = KeyedLocks::<u8>::new();
+        let holders = Arc::new(AtomicUsize::new(0));
+        let holder = locks.try_lock(1).unwrap();
+
+        let mut cancelled = locks.lock(1);
+        assert!(poll_once(&mut cancelled).is_pending());
+
+        let waiter = {
+            let (locks, holders) = (locks.clone(), holders.clone());
+            thread::spawn(move || {
+                let guard = block_on(locks.lock(1)).unwrap();
+                hold(&holders);
+                drop(guard);
+            })
+        };
+        let canceller = thread::spawn(move || drop(cancelled));
+
+        drop(holder);
+        canceller.join().unwrap();
+        waiter.join().unwrap();
+        assert_eq!(locks.len(), 0, "entry left behind");
+        assert!(locks.try_lock(1).is_ok(), "permit lost");
+    });
+}
