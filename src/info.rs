@@ -1,0 +1,52 @@
+//! What the handler learns about the lock it runs under.
+
+use std::time::Duration;
+
+use crate::key::Key;
+
+/// Put in the request extensions by the layer before the inner service is called.
+///
+/// ```
+/// use axum::{routing::post, Extension, Router};
+/// use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+///
+/// async fn pay(Extension(lock): Extension<LockInfo>) -> String {
+///     format!("paid {} after waiting {:?}", lock.key(), lock.waited())
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/orders/{order_id}/pay", post(pay))
+///     .layer(KeyedLockLayer::by_path("order_id"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct LockInfo {
+    key: Key,
+    waited: std::time::Duration,
+    fencing_token: Option<u64>,
+}
+
+impl LockInfo {
+    pub(crate) fn new(key: Key, waited: Duration, fencing_token: Option<u64>) -> Self {
+        Self {
+            key,
+            waited,
+            fencing_token,
+        }
+    }
+
+    /// The key this request holds.
+    pub fn key(&self) -> &str {
+        self.key.as_str()
+    }
+
+    /// How long the request waited for the key (zero when it was free).
+    pub fn waited(&self) -> Duration {
+        self.waited
+    }
+
+    /// A number that grows with every grant of this key, for fencing writes to storage.
+    /// `None` in process: only distributed backends issue fencing tokens.
+    pub fn fencing_token(&self) -> Option<u64> {
+        self.fencing_token
+    }
+}

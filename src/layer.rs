@@ -1,0 +1,383 @@
+//! [`KeyedLockLayer`]: per-key request serialization as a tower layer.
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::{routing::post, Router};
+//! use http::StatusCode;
+//! use tower_keyed_lock::KeyedLockLayer;
+//!
+//! async fn pay() -> &'static str { "paid" }
+//! async fn refund() -> &'static str { "refunded" }
+//!
+//! let app: Router = Router::new()
+//!     .route("/orders/{order_id}/pay", post(pay))
+//!     .route("/orders/{order_id}/refund", post(refund))
+//!     .layer(
+//!         KeyedLockLayer::by_path("order_id")
+//!             .wait_timeout(Duration::from_secs(2)) // then 409 Conflict…
+//!             .timeout_status(StatusCode::CONFLICT) // …or 429
+//!             .max_waiters(32),                     // queue bound per key, then 429
+//!     );
+//! ```
+//!
+//! # Use outside axum
+//!
+//! The layer works for any tower service over `http::Request`/`http::Response` whose
+//! response body yields [`Bytes`]: hyper services, tonic servers
+//! (`tonic::transport::Server::builder().layer(KeyedLockLayer::by_header(..))`, keyed by
+//! a metadata header, since gRPC has no path parameters) or a bare `service_fn`.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderName, Response, StatusCode};
+use tower_layer::Layer;
+
+use crate::key::{
+    ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN,
+};
+use crate::locks::{KeyedLocks, LockError};
+use crate::reject::{Rejection, RejectionKind};
+use crate::service::KeyedLock;
+
+/// The default [`KeyedLockLayer::wait_timeout`].
+pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The default [`KeyedLockLayer::retry_after`].
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// The default [`KeyedLockLayer::name`].
+pub const DEFAULT_NAME: &str = "default";
+
+type RejectionHandler = Arc<dyn Fn(Rejection) -> Response<Bytes> + Send + Sync>;
+
+/// Serializes requests that carry the same key; requests with different keys run in
+/// parallel. See the [module docs](crate::layer) for an example.
+///
+/// The guard is taken before the inner service is called and held until the inner
+/// future completes (or, with [`hold_until_body_end`](Self::hold_until_body_end), until
+/// the response body ends). The handler finds a [`LockInfo`](crate::LockInfo) in the
+/// request extensions. Rejections are ordinary responses (`Ok`), so axum needs no
+/// `HandleErrorLayer`:
+///
+/// | case | status | `Retry-After` |
+/// |---|---|---|
+/// | wait timeout | [`timeout_status`](Self::timeout_status) (409) | yes |
+/// | queue full ([`max_waiters`](Self::max_waiters)) | 429 | yes |
+/// | table full ([`max_keys`](Self::max_keys)) | 503 | yes |
+/// | key missing, empty, not UTF-8, control characters, too long | 400 | no |
+///
+/// Bodies are `application/problem+json` (RFC 9457); [`on_rejection`](Self::on_rejection)
+/// replaces them.
+///
+/// Configuration is fixed before the layer is applied. Every clone of a configured layer,
+/// and every route it is applied to, shares one lock table; a builder method called
+/// afterwards makes a new layer value with a table of its own.
+#[derive(Clone)]
+#[must_use]
+pub struct KeyedLockLayer<E> {
+    extractor: E,
+    config: Config,
+    /// The table and settings, made once when the layer is first applied.
+    shared: Arc<OnceLock<Arc<Shared>>>,
+}
+
+#[derive(Clone)]
+struct Config {
+    wait_timeout: Duration,
+    timeout_status: StatusCode,
+    retry_after: Duration,
+    max_waiters: usize,
+    max_keys: usize,
+    permits: usize,
+    max_key_len: usize,
+    name: &'static str,
+    allow_missing_key: bool,
+    hold_until_body_end: bool,
+    on_rejection: Option<RejectionHandler>,
+}
+
+/// What every service made by one layer value shares.
+pub(crate) struct Shared {
+    pub(crate) locks: KeyedLocks<Key>,
+    pub(crate) wait_timeout: Duration,
+    pub(crate) max_key_len: usize,
+    pub(crate) allow_missing_key: bool,
+    pub(crate) hold_until_body_end: bool,
+    timeout_status: StatusCode,
+    retry_after: Duration,
+    name: &'static str,
+    on_rejection: Option<RejectionHandler>,
+}
+
+#[cfg(feature = "axum")]
+impl KeyedLockLayer<crate::key::PathParam> {
+    /// Keys requests by the axum path parameter `name` (as in `/orders/{order_id}`).
+    /// Works with `Router::layer` and `Router::route_layer`.
+    pub fn by_path(name: &str) -> Self {
+        Self::new(crate::key::PathParam::new(name))
+    }
+}
+
+impl KeyedLockLayer<HeaderKey> {
+    /// Keys requests by the first value of the header `name`, such as
+    /// `idempotency-key`.
+    ///
+    /// # Panics
+    /// If `name` is not a valid header name (a configuration mistake).
+    pub fn by_header(name: &str) -> Self {
+        let name = HeaderName::try_from(name)
+            .unwrap_or_else(|_| panic!("by_header: {name:?} is not a valid header name"));
+        Self::new(HeaderKey::new(name))
+    }
+}
+
+// Written for `ExtensionKey<()>` only so that `KeyedLockLayer::by_extension::<T>()`
+// names `T` on the function, where callers expect it.
+impl KeyedLockLayer<ExtensionKey<()>> {
+    /// Keys requests by a value of type `T` that an earlier layer (usually
+    /// authentication) put in the request extensions, such as a user id; the key is
+    /// its `Display` text.
+    pub fn by_extension<T: fmt::Display + Send + Sync + 'static>() -> KeyedLockLayer<ExtensionKey<T>>
+    {
+        KeyedLockLayer::new(ExtensionKey::new())
+    }
+}
+
+impl<F> KeyedLockLayer<FnKey<F>>
+where
+    F: Fn(&http::request::Parts) -> Option<String> + Clone + Send + Sync + 'static,
+{
+    /// Keys requests by a function of the request head; `None` means "no key".
+    pub fn by_fn(f: F) -> Self {
+        Self::new(FnKey::new(f))
+    }
+}
+
+impl<E: KeyExtractor> KeyedLockLayer<E> {
+    /// Keys requests with a custom [`KeyExtractor`].
+    pub fn new(extractor: E) -> Self {
+        Self {
+            extractor,
+            config: Config {
+                wait_timeout: DEFAULT_WAIT_TIMEOUT,
+                timeout_status: StatusCode::CONFLICT,
+                retry_after: DEFAULT_RETRY_AFTER,
+                max_waiters: usize::MAX,
+                max_keys: usize::MAX,
+                permits: 1,
+                max_key_len: DEFAULT_MAX_KEY_LEN,
+                name: DEFAULT_NAME,
+                allow_missing_key: false,
+                hold_until_body_end: false,
+                on_rejection: None,
+            },
+            shared: Arc::default(),
+        }
+    }
+
+    /// Changes the configuration; the result is a new layer value with its own table.
+    fn configure(mut self, change: impl FnOnce(&mut Config)) -> Self {
+        change(&mut self.config);
+        self.shared = Arc::default();
+        self
+    }
+
+    /// How long a request waits for its key before it is rejected with
+    /// [`timeout_status`](Self::timeout_status). Default [`DEFAULT_WAIT_TIMEOUT`] (5 s).
+    /// `Duration::ZERO` tries once and never waits: "a request for this key is already
+    /// in progress".
+    pub fn wait_timeout(self, timeout: Duration) -> Self {
+        self.configure(|c| c.wait_timeout = timeout)
+    }
+
+    /// The status of a wait timeout: 409 Conflict (default) or 429 Too Many Requests.
+    pub fn timeout_status(self, status: StatusCode) -> Self {
+        self.configure(|c| c.timeout_status = status)
+    }
+
+    /// The `Retry-After` of timeout, queue-full and table-full rejections
+    /// (default 1 s, rounded up to whole seconds).
+    pub fn retry_after(self, after: Duration) -> Self {
+        self.configure(|c| c.retry_after = after)
+    }
+
+    /// Requests allowed to wait per key (default unbounded); one beyond it gets 429 at
+    /// once.
+    pub fn max_waiters(self, max_waiters: usize) -> Self {
+        self.configure(|c| c.max_waiters = max_waiters)
+    }
+
+    /// Keys with a holder or waiter allowed at once (default unbounded); a request for
+    /// a new key beyond it gets 503. Set it when keys come from clients.
+    pub fn max_keys(self, max_keys: usize) -> Self {
+        self.configure(|c| c.max_keys = max_keys)
+    }
+
+    /// Requests allowed to hold one key at once (default 1).
+    ///
+    /// # Panics
+    /// If `permits` is 0.
+    pub fn permits(self, permits: usize) -> Self {
+        assert!(permits > 0, "KeyedLockLayer permits must be at least 1");
+        self.configure(|c| c.permits = permits)
+    }
+
+    /// The longest key accepted, in bytes (default [`DEFAULT_MAX_KEY_LEN`], 256);
+    /// longer keys get 400.
+    pub fn max_key_len(self, max_len: usize) -> Self {
+        self.configure(|c| c.max_key_len = max_len)
+    }
+
+    /// The `name` label of this layer's metrics (default `"default"`).
+    pub fn name(self, name: &'static str) -> Self {
+        self.configure(|c| c.name = name)
+    }
+
+    /// Lets requests whose key is *missing* run without a lock instead of getting 400.
+    /// A key that is present but unusable (empty, too long, not UTF-8) is still
+    /// rejected: the client sent something broken.
+    pub fn allow_missing_key(self) -> Self {
+        self.configure(|c| c.allow_missing_key = true)
+    }
+
+    /// Holds the key until the response body has been sent in full or dropped, not
+    /// only until the handler returns (for streamed responses whose writing is part of
+    /// the critical section).
+    pub fn hold_until_body_end(self) -> Self {
+        self.configure(|c| c.hold_until_body_end = true)
+    }
+
+    /// Replaces the response of every rejection.
+    ///
+    /// ```
+    /// use bytes::Bytes;
+    /// use http::Response;
+    /// use tower_keyed_lock::{KeyedLockLayer, RejectionKind};
+    ///
+    /// let layer = KeyedLockLayer::by_header("idempotency-key").on_rejection(|rejection| {
+    ///     let text = match rejection.kind() {
+    ///         RejectionKind::Timeout => "already processing this delivery",
+    ///         _ => "cannot take this request now",
+    ///     };
+    ///     Response::builder()
+    ///         .status(rejection.status())
+    ///         .body(Bytes::from(text))
+    ///         .unwrap()
+    /// });
+    /// ```
+    pub fn on_rejection<F>(self, handler: F) -> Self
+    where
+        F: Fn(Rejection) -> Response<Bytes> + Send + Sync + 'static,
+    {
+        self.configure(|c| c.on_rejection = Some(Arc::new(handler)))
+    }
+
+    /// Keys with a holder or a waiter now, in this layer's table.
+    pub fn active_keys(&self) -> usize {
+        self.shared.get().map_or(0, |shared| shared.locks.len())
+    }
+
+    fn shared(&self) -> Arc<Shared> {
+        self.shared
+            .get_or_init(|| Arc::new(Shared::new(&self.config)))
+            .clone()
+    }
+}
+
+impl<S, E: KeyExtractor> Layer<S> for KeyedLockLayer<E> {
+    type Service = KeyedLock<S, E>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        KeyedLock::new(inner, self.extractor.clone(), self.shared())
+    }
+}
+
+impl<E: fmt::Debug> fmt::Debug for KeyedLockLayer<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        f.debug_struct("KeyedLockLayer")
+            .field("extractor", &self.extractor)
+            .field("name", &c.name)
+            .field("wait_timeout", &c.wait_timeout)
+            .field("timeout_status", &c.timeout_status)
+            .field("max_waiters", &c.max_waiters)
+            .field("max_keys", &c.max_keys)
+            .field("permits", &c.permits)
+            .field("max_key_len", &c.max_key_len)
+            .field("allow_missing_key", &c.allow_missing_key)
+            .field("hold_until_body_end", &c.hold_until_body_end)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    fn new(config: &Config) -> Self {
+        Self {
+            locks: KeyedLocks::builder()
+                .permits(config.permits)
+                .max_waiters(config.max_waiters)
+                .max_keys(config.max_keys)
+                .build(),
+            wait_timeout: config.wait_timeout,
+            max_key_len: config.max_key_len,
+            allow_missing_key: config.allow_missing_key,
+            hold_until_body_end: config.hold_until_body_end,
+            timeout_status: config.timeout_status,
+            retry_after: config.retry_after,
+            name: config.name,
+            on_rejection: config.on_rejection.clone(),
+        }
+    }
+
+    /// The rejection for a key that could not be taken from the request.
+    pub(crate) fn key_rejection(&self, error: &KeyError) -> Rejection {
+        Rejection::new(
+            RejectionKind::from(error),
+            StatusCode::BAD_REQUEST,
+            None,
+            format!("no usable lock key: {error}"),
+        )
+    }
+
+    /// The rejection for a lock that could not be acquired.
+    pub(crate) fn lock_rejection(&self, error: &LockError) -> Rejection {
+        let retry = Some(self.retry_after);
+        let (kind, status, detail) = match error {
+            LockError::Timeout | LockError::Busy => (
+                RejectionKind::Timeout,
+                self.timeout_status,
+                "a request for this key is already in progress",
+            ),
+            LockError::QueueFull => (
+                RejectionKind::QueueFull,
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many requests are waiting for this key",
+            ),
+            LockError::TooManyKeys => (
+                RejectionKind::TooManyKeys,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many keys are in use",
+            ),
+            LockError::Backend(_) => (
+                RejectionKind::Backend,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the lock backend is unavailable",
+            ),
+        };
+        Rejection::new(kind, status, retry, detail)
+    }
+
+    /// The response for `rejection`: the user's handler's, or the default.
+    pub(crate) fn respond(&self, rejection: Rejection) -> Response<Bytes> {
+        tracing::debug!(
+            layer = self.name,
+            reason = rejection.kind().as_str(),
+            "request rejected"
+        );
+        match &self.on_rejection {
+            Some(handler) => handler(rejection),
+            None => rejection.into_response(),
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! [`KeyedLock`]: the service made by [`KeyedLockLayer`](crate::KeyedLockLayer).
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use http::{Request, Response};
+use tower_service::Service;
+
+use crate::body::KeyedLockBody;
+use crate::future::ResponseFuture;
+use crate::info::LockInfo;
+use crate::key::{Key, KeyExtractor};
+use crate::layer::Shared;
+use crate::locks::LockError;
+
+/// Serializes requests per key around the inner service `S`; made by
+/// [`KeyedLockLayer`](crate::KeyedLockLayer).
+pub struct KeyedLock<S, E> {
+    inner: S,
+    extractor: E,
+    shared: Arc<Shared>,
+}
+
+impl<S, E> KeyedLock<S, E> {
+    pub(crate) fn new(inner: S, extractor: E, shared: Arc<Shared>) -> Self {
+        Self {
+            inner,
+            extractor,
+            shared,
+        }
+    }
+}
+
+impl<S, E, ReqBody, ResBody> Service<Request<ReqBody>> for KeyedLock<S, E>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    E: KeyExtractor,
+{
+    type Response = Response<KeyedLockBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let shared = &self.shared;
+        let (mut parts, body) = request.into_parts();
+        let key = self
+            .extractor
+            .extract(&mut parts)
+            .and_then(|raw| Key::new(&raw, shared.max_key_len));
+        let key = match key {
+            Ok(key) => key,
+            Err(error) if error.is_missing() && shared.allow_missing_key => {
+                let request = Request::from_parts(parts, body);
+                return ResponseFuture::running(self.inner.call(request), None, shared.clone());
+            }
+            Err(error) => {
+                return ResponseFuture::rejected(shared.respond(shared.key_rejection(&error)))
+            }
+        };
+
+        // Uncontended: take the key now and call the inner service at once, with no
+        // clock read, timer or service clone.
+        let error = match shared.locks.try_lock(key.clone()) {
+            Ok(guard) => {
+                parts
+                    .extensions
+                    .insert(LockInfo::new(key, Duration::ZERO, None));
+                let future = self.inner.call(Request::from_parts(parts, body));
+                return ResponseFuture::running(future, Some(guard), shared.clone());
+            }
+            Err(error) => error,
+        };
+        if !matches!(error, LockError::Busy) || shared.wait_timeout.is_zero() {
+            return ResponseFuture::rejected(shared.respond(shared.lock_rejection(&error)));
+        }
+
+        // Contended: wait for the key, then call the service that `poll_ready` readied
+        // (leaving a fresh clone behind for the next request).
+        let fresh = self.inner.clone();
+        let ready = std::mem::replace(&mut self.inner, fresh);
+        let acquire = shared.locks.lock_timeout(key, shared.wait_timeout);
+        ResponseFuture::waiting(
+            acquire,
+            ready,
+            Request::from_parts(parts, body),
+            Instant::now(),
+            shared.clone(),
+        )
+    }
+}
+
+impl<S: Clone, E: Clone> Clone for KeyedLock<S, E> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            extractor: self.extractor.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, E: fmt::Debug> fmt::Debug for KeyedLock<S, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyedLock")
+            .field("inner", &self.inner)
+            .field("extractor", &self.extractor)
+            .field("active_keys", &self.shared.locks.len())
+            .finish()
+    }
+}

@@ -1,0 +1,112 @@
+//! A real HTTP server on 127.0.0.1 and a client for the integration tests.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+
+/// Serves `app` on a free port of 127.0.0.1 until the test ends.
+pub async fn serve(app: Router) -> Server {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Server {
+        addr,
+        client: Client::builder(TokioExecutor::new()).build_http(),
+    }
+}
+
+pub struct Server {
+    pub addr: SocketAddr,
+    client: Client<HttpConnector, Empty<Bytes>>,
+}
+
+/// A response read to the end.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: String,
+}
+
+impl Server {
+    pub async fn post(&self, path: &str) -> Answer {
+        self.send(Request::post(path).body(()).unwrap()).await
+    }
+
+    pub async fn send(&self, request: Request<()>) -> Answer {
+        let (mut parts, ()) = request.into_parts();
+        parts.uri = format!("http://{}{}", self.addr, parts.uri)
+            .parse()
+            .unwrap();
+        let response: Response<_> = self
+            .client
+            .request(Request::from_parts(parts, Empty::new()))
+            .await
+            .expect("request failed");
+        let (parts, body) = response.into_parts();
+        let body = body.collect().await.expect("body failed").to_bytes();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: String::from_utf8(body.to_vec()).unwrap(),
+        }
+    }
+
+    /// Sends a request on a raw connection and returns the connection, so the test
+    /// can drop it (a client that disconnects).
+    pub async fn send_raw(&self, path: &str) -> TcpStream {
+        let mut stream = TcpStream::connect(self.addr).await.unwrap();
+        let head = format!("POST {path} HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n\r\n");
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream
+    }
+}
+
+/// Waits until `condition` holds, failing the test after 5 s.
+pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Counts the handlers running at once and remembers the most seen.
+#[derive(Default)]
+pub struct Overlap {
+    now: std::sync::atomic::AtomicUsize,
+    max: std::sync::atomic::AtomicUsize,
+}
+
+impl Overlap {
+    pub fn enter(&self) -> OverlapGuard<'_> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.now.fetch_add(1, SeqCst) + 1;
+        self.max.fetch_max(now, SeqCst);
+        OverlapGuard(self)
+    }
+
+    pub fn max(&self) -> usize {
+        self.max.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+pub struct OverlapGuard<'a>(&'a Overlap);
+
+impl Drop for OverlapGuard<'_> {
+    fn drop(&mut self) {
+        self.0.now.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
