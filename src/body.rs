@@ -7,8 +7,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::key::Key;
-use crate::locks::KeyGuard;
+use crate::held::HeldKey;
 
 pin_project! {
     /// The body of every response that passes through the layer.
@@ -28,14 +27,14 @@ pin_project! {
             #[pin]
             body: B,
             // Dropped at the end of the stream, on an error, or with the body.
-            guard: Option<KeyGuard<Key>>,
+            guard: Option<HeldKey>,
         },
         Full { data: Option<Bytes> },
     }
 }
 
 impl<B> KeyedLockBody<B> {
-    pub(crate) fn inner(body: B, guard: Option<KeyGuard<Key>>) -> Self {
+    pub(crate) fn inner(body: B, guard: Option<HeldKey>) -> Self {
         Self {
             kind: Kind::Inner { body, guard },
         }
@@ -60,6 +59,9 @@ impl<B: Body<Data = Bytes>> Body for KeyedLockBody<B> {
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
             KindProj::Inner { body, guard } => {
+                if let Some(held) = guard {
+                    held.check_long_hold();
+                }
                 let frame = ready!(body.poll_frame(cx));
                 if !matches!(frame, Some(Ok(_))) {
                     guard.take();

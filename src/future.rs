@@ -13,10 +13,11 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use crate::body::KeyedLockBody;
+use crate::held::HeldKey;
 use crate::info::LockInfo;
 use crate::key::Key;
 use crate::layer::Shared;
-use crate::locks::{Acquire, KeyGuard};
+use crate::locks::{Acquire, LockError};
 
 pin_project! {
     /// The response future of [`KeyedLock`](crate::KeyedLock).
@@ -36,16 +37,14 @@ pin_project! {
         Waiting {
             acquire: Acquire<Key>,
             call: Option<(S, Request<ReqBody>)>,
-            arrived: Instant,
-            shared: Arc<Shared>,
+            ticket: WaitTicket,
         },
         // The inner service runs under `guard` (`None` for a request let through
         // without a key).
         Running {
             #[pin]
             future: F,
-            guard: Option<KeyGuard<Key>>,
-            shared: Arc<Shared>,
+            held: Option<HeldKey>,
         },
         // Answered by the layer; the body becomes `KeyedLockBody::full` when polled.
         Rejected {
@@ -58,17 +57,9 @@ impl<S, ReqBody, ResBody> ResponseFuture<S, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
 {
-    pub(crate) fn running(
-        future: S::Future,
-        guard: Option<KeyGuard<Key>>,
-        shared: Arc<Shared>,
-    ) -> Self {
+    pub(crate) fn running(future: S::Future, held: Option<HeldKey>) -> Self {
         Self {
-            state: State::Running {
-                future,
-                guard,
-                shared,
-            },
+            state: State::Running { future, held },
         }
     }
 
@@ -76,15 +67,13 @@ where
         acquire: Acquire<Key>,
         service: S,
         request: Request<ReqBody>,
-        arrived: Instant,
-        shared: Arc<Shared>,
+        ticket: WaitTicket,
     ) -> Self {
         Self {
             state: State::Waiting {
                 acquire,
                 call: Some((service, request)),
-                arrived,
-                shared,
+                ticket,
             },
         }
     }
@@ -111,40 +100,49 @@ where
                 StateProj::Waiting {
                     acquire,
                     call,
-                    arrived,
-                    shared,
+                    ticket,
                 } => {
-                    let shared = shared.clone();
-                    let guard = match ready!(Pin::new(acquire).poll(cx)) {
+                    let result = ready!(Pin::new(acquire).poll(cx));
+                    let waited = ticket.arrived.elapsed();
+                    let shared = ticket.shared.clone();
+                    let metrics = shared.metrics();
+                    let guard = match result {
                         Ok(guard) => guard,
                         Err(error) => {
+                            match error {
+                                LockError::Timeout => metrics.wait_timeout.record(waited),
+                                LockError::QueueFull => metrics.wait_queue_full.record(waited),
+                                _ => {}
+                            }
                             let response = shared.respond(shared.lock_rejection(&error));
                             state.set(State::Rejected { response: None });
                             return Poll::Ready(Ok(response.map(KeyedLockBody::full)));
                         }
                     };
+                    metrics.acquired_contended.increment(1);
+                    metrics.wait_acquired.record(waited);
                     let (mut service, mut request) = call.take().expect("polled after completion");
-                    let info = LockInfo::new(guard.key().clone(), arrived.elapsed(), None);
+                    let info = LockInfo::new(guard.key().clone(), waited, None);
                     request.extensions_mut().insert(info);
+                    let held = HeldKey::new(guard, shared);
                     let future = service.call(request);
                     state.set(State::Running {
                         future,
-                        guard: Some(guard),
-                        shared,
+                        held: Some(held),
                     });
                 }
-                StateProj::Running {
-                    future,
-                    guard,
-                    shared,
-                } => {
-                    let result = ready!(future.poll(cx));
-                    let guard = guard.take();
+                StateProj::Running { future, held } => {
+                    let result = future.poll(cx);
+                    if let Some(held) = held.as_mut() {
+                        held.check_long_hold();
+                    }
+                    let result = ready!(result);
+                    let held = held.take();
                     return Poll::Ready(result.map(|response| {
-                        // Without `hold_until_body_end` the guard drops here, as the
-                        // handler finishes.
-                        let guard = guard.filter(|_| shared.hold_until_body_end);
-                        response.map(|body| KeyedLockBody::inner(body, guard))
+                        // Unless the key is held until the body ends, it is released
+                        // here, as the handler finishes.
+                        let held = held.filter(HeldKey::until_body_end);
+                        response.map(|body| KeyedLockBody::inner(body, held))
                     }));
                 }
                 StateProj::Rejected { response } => {
@@ -153,6 +151,29 @@ where
                 }
             }
         }
+    }
+}
+
+/// A request waiting for its key: when it arrived, and its place in the `waiting`
+/// gauge, which it leaves however the wait ends (guard, rejection or cancellation).
+pub(crate) struct WaitTicket {
+    arrived: Instant,
+    shared: Arc<Shared>,
+}
+
+impl WaitTicket {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        shared.metrics().waiting.increment(1.0);
+        Self {
+            arrived: Instant::now(),
+            shared,
+        }
+    }
+}
+
+impl Drop for WaitTicket {
+    fn drop(&mut self) {
+        self.shared.metrics().waiting.decrement(1.0);
     }
 }
 

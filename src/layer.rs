@@ -39,6 +39,7 @@ use crate::key::{
     ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN,
 };
 use crate::locks::{KeyedLocks, LockError};
+use crate::metrics::Metrics;
 use crate::reject::{Rejection, RejectionKind};
 use crate::service::KeyedLock;
 
@@ -94,6 +95,7 @@ struct Config {
     name: &'static str,
     allow_missing_key: bool,
     hold_until_body_end: bool,
+    long_hold: Option<Duration>,
     on_rejection: Option<RejectionHandler>,
 }
 
@@ -104,10 +106,12 @@ pub(crate) struct Shared {
     pub(crate) max_key_len: usize,
     pub(crate) allow_missing_key: bool,
     pub(crate) hold_until_body_end: bool,
+    pub(crate) long_hold: Option<Duration>,
+    pub(crate) name: &'static str,
     timeout_status: StatusCode,
     retry_after: Duration,
-    name: &'static str,
     on_rejection: Option<RejectionHandler>,
+    metrics: OnceLock<Metrics>,
 }
 
 #[cfg(feature = "axum")]
@@ -170,6 +174,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
                 name: DEFAULT_NAME,
                 allow_missing_key: false,
                 hold_until_body_end: false,
+                long_hold: None,
                 on_rejection: None,
             },
             shared: Arc::default(),
@@ -248,6 +253,15 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.configure(|c| c.hold_until_body_end = true)
     }
 
+    /// Logs one `tracing` warning (layer name, hold time so far, a short escaped key
+    /// prefix) for each hold that lasts longer than `threshold`. Off by default.
+    ///
+    /// The check runs whenever the held request makes progress and when it releases the
+    /// key, so a hold is reported at the latest when it ends; no timer is set per request.
+    pub fn warn_long_hold(self, threshold: Duration) -> Self {
+        self.configure(|c| c.long_hold = Some(threshold))
+    }
+
     /// Replaces the response of every rejection.
     ///
     /// ```
@@ -307,6 +321,7 @@ impl<E: fmt::Debug> fmt::Debug for KeyedLockLayer<E> {
             .field("max_key_len", &c.max_key_len)
             .field("allow_missing_key", &c.allow_missing_key)
             .field("hold_until_body_end", &c.hold_until_body_end)
+            .field("long_hold", &c.long_hold)
             .finish_non_exhaustive()
     }
 }
@@ -323,11 +338,19 @@ impl Shared {
             max_key_len: config.max_key_len,
             allow_missing_key: config.allow_missing_key,
             hold_until_body_end: config.hold_until_body_end,
+            long_hold: config.long_hold,
             timeout_status: config.timeout_status,
             retry_after: config.retry_after,
             name: config.name,
             on_rejection: config.on_rejection.clone(),
+            metrics: OnceLock::new(),
         }
+    }
+
+    /// This layer's metric handles, registered on first use (the configuration, and so
+    /// the `name` label, is final by then).
+    pub(crate) fn metrics(&self) -> &Metrics {
+        self.metrics.get_or_init(|| Metrics::new(self.name))
     }
 
     /// The rejection for a key that could not be taken from the request.
@@ -370,6 +393,7 @@ impl Shared {
 
     /// The response for `rejection`: the user's handler's, or the default.
     pub(crate) fn respond(&self, rejection: Rejection) -> Response<Bytes> {
+        self.metrics().rejected(rejection.kind());
         tracing::debug!(
             layer = self.name,
             reason = rejection.kind().as_str(),

@@ -37,10 +37,12 @@
 
 mod body;
 mod future;
+mod held;
 mod info;
 pub mod key;
 pub mod layer;
 pub mod locks;
+pub mod metrics;
 pub mod reject;
 mod service;
 mod sync;

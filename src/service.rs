@@ -3,13 +3,14 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::{Request, Response};
 use tower_service::Service;
 
 use crate::body::KeyedLockBody;
-use crate::future::ResponseFuture;
+use crate::future::{ResponseFuture, WaitTicket};
+use crate::held::HeldKey;
 use crate::info::LockInfo;
 use crate::key::{Key, KeyExtractor};
 use crate::layer::Shared;
@@ -57,7 +58,7 @@ where
             Ok(key) => key,
             Err(error) if error.is_missing() && shared.allow_missing_key => {
                 let request = Request::from_parts(parts, body);
-                return ResponseFuture::running(self.inner.call(request), None, shared.clone());
+                return ResponseFuture::running(self.inner.call(request), None);
             }
             Err(error) => {
                 return ResponseFuture::rejected(shared.respond(shared.key_rejection(&error)))
@@ -68,15 +69,23 @@ where
         // clock read, timer or service clone.
         let error = match shared.locks.try_lock(key.clone()) {
             Ok(guard) => {
+                let metrics = shared.metrics();
+                metrics.acquired_uncontended.increment(1);
+                metrics.wait_acquired.record(0.0);
+                let held = HeldKey::new(guard, shared.clone());
                 parts
                     .extensions
                     .insert(LockInfo::new(key, Duration::ZERO, None));
                 let future = self.inner.call(Request::from_parts(parts, body));
-                return ResponseFuture::running(future, Some(guard), shared.clone());
+                return ResponseFuture::running(future, Some(held));
             }
             Err(error) => error,
         };
-        if !matches!(error, LockError::Busy) || shared.wait_timeout.is_zero() {
+        let busy = matches!(error, LockError::Busy);
+        if !busy || shared.wait_timeout.is_zero() {
+            if busy {
+                shared.metrics().wait_timeout.record(0.0);
+            }
             return ResponseFuture::rejected(shared.respond(shared.lock_rejection(&error)));
         }
 
@@ -89,8 +98,7 @@ where
             acquire,
             ready,
             Request::from_parts(parts, body),
-            Instant::now(),
-            shared.clone(),
+            WaitTicket::new(shared.clone()),
         )
     }
 }

@@ -1,0 +1,111 @@
+//! Metric names and the handles one layer records into.
+//!
+//! Everything goes through the [`metrics`] facade: install any recorder (Prometheus,
+//! StatsD, …) and the series appear. Every series carries the label `name` (set with
+//! [`KeyedLockLayer::name`](crate::KeyedLockLayer::name)); keys never appear in labels.
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | [`WAIT_SECONDS`] | histogram: arrival → guard or rejection | `outcome` = `acquired` \| `timeout` \| `queue_full` |
+//! | [`HOLD_SECONDS`] | histogram: time the guard was held | |
+//! | [`ACQUIRED_TOTAL`] | counter | `contended` = `true` \| `false` |
+//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` |
+//! | [`WAITING`] | gauge: requests waiting now | |
+//! | [`KEYS`] | gauge: keys with a holder or waiter now | |
+//! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | |
+//!
+//! Handles are registered once per layer, on its first request, so a recorder installed
+//! after the router was built but before it serves is still used.
+
+use metrics::{Counter, Gauge, Histogram, Unit};
+
+use crate::reject::RejectionKind;
+
+/// Histogram of the time from a request's arrival to its guard (or its rejection).
+pub const WAIT_SECONDS: &str = "keyed_lock_wait_seconds";
+/// Histogram of the time a guard was held.
+pub const HOLD_SECONDS: &str = "keyed_lock_hold_seconds";
+/// Counter of acquired guards.
+pub const ACQUIRED_TOTAL: &str = "keyed_lock_acquired_total";
+/// Counter of rejected requests.
+pub const REJECTED_TOTAL: &str = "keyed_lock_rejected_total";
+/// Gauge of requests waiting for a key now.
+pub const WAITING: &str = "keyed_lock_waiting";
+/// Gauge of keys that have a holder or a waiter now.
+pub const KEYS: &str = "keyed_lock_keys";
+/// Counter of leases lost while held (distributed backends).
+pub const LEASE_LOST_TOTAL: &str = "keyed_lock_lease_lost_total";
+
+/// The handles of one layer.
+pub(crate) struct Metrics {
+    pub(crate) wait_acquired: Histogram,
+    pub(crate) wait_timeout: Histogram,
+    pub(crate) wait_queue_full: Histogram,
+    pub(crate) hold: Histogram,
+    pub(crate) acquired_uncontended: Counter,
+    pub(crate) acquired_contended: Counter,
+    rejected: [(RejectionKind, Counter); 7],
+    pub(crate) waiting: Gauge,
+    pub(crate) keys: Gauge,
+    // Registered now so the series exists; recorded by the distributed backends.
+    #[allow(dead_code)]
+    pub(crate) lease_lost: Counter,
+}
+
+impl Metrics {
+    pub(crate) fn new(name: &'static str) -> Self {
+        describe();
+        let rejected = [
+            RejectionKind::Timeout,
+            RejectionKind::QueueFull,
+            RejectionKind::TooManyKeys,
+            RejectionKind::MissingKey,
+            RejectionKind::InvalidKey,
+            RejectionKind::Backend,
+            RejectionKind::LeaseLost,
+        ]
+        .map(|kind| {
+            let counter =
+                metrics::counter!(REJECTED_TOTAL, "name" => name, "reason" => kind.as_str());
+            (kind, counter)
+        });
+        Self {
+            wait_acquired: metrics::histogram!(WAIT_SECONDS, "name" => name, "outcome" => "acquired"),
+            wait_timeout: metrics::histogram!(WAIT_SECONDS, "name" => name, "outcome" => "timeout"),
+            wait_queue_full: metrics::histogram!(WAIT_SECONDS, "name" => name, "outcome" => "queue_full"),
+            hold: metrics::histogram!(HOLD_SECONDS, "name" => name),
+            acquired_uncontended: metrics::counter!(ACQUIRED_TOTAL, "name" => name, "contended" => "false"),
+            acquired_contended: metrics::counter!(ACQUIRED_TOTAL, "name" => name, "contended" => "true"),
+            rejected,
+            waiting: metrics::gauge!(WAITING, "name" => name),
+            keys: metrics::gauge!(KEYS, "name" => name),
+            lease_lost: metrics::counter!(LEASE_LOST_TOTAL, "name" => name),
+        }
+    }
+
+    pub(crate) fn rejected(&self, kind: RejectionKind) {
+        if let Some((_, counter)) = self.rejected.iter().find(|(k, _)| *k == kind) {
+            counter.increment(1);
+        }
+    }
+}
+
+fn describe() {
+    metrics::describe_histogram!(
+        WAIT_SECONDS,
+        Unit::Seconds,
+        "Time from a request's arrival to its key guard or rejection."
+    );
+    metrics::describe_histogram!(HOLD_SECONDS, Unit::Seconds, "Time a key guard was held.");
+    metrics::describe_counter!(
+        ACQUIRED_TOTAL,
+        "Key guards acquired, by whether the request had to wait."
+    );
+    metrics::describe_counter!(
+        REJECTED_TOTAL,
+        "Requests answered by the lock layer instead of the service, by reason."
+    );
+    metrics::describe_gauge!(WAITING, "Requests waiting for a key now.");
+    metrics::describe_gauge!(KEYS, "Keys with a holder or a waiter now.");
+    metrics::describe_counter!(LEASE_LOST_TOTAL, "Distributed leases lost while held.");
+}

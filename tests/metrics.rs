@@ -1,0 +1,276 @@
+//! The metrics and the long-hold warning, recorded through real recorders.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::routing::post;
+use axum::Router;
+use http::{Request, StatusCode};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use tokio::sync::Notify;
+use tower::ServiceExt;
+use tower_keyed_lock::KeyedLockLayer;
+
+fn snapshotter() -> &'static Snapshotter {
+    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder
+            .install()
+            .expect("no other recorder in this test binary");
+        snapshotter
+    })
+}
+
+/// One series: metric name and its labels other than `name`.
+type Series = (String, BTreeMap<String, String>);
+
+/// Every series of the layer called `layer`. Panics if any label value holds a key.
+fn series_of(layer: &str, keys: &[&str]) -> BTreeMap<Series, DebugValue> {
+    let mut found = BTreeMap::new();
+    for (composite, _, _, value) in snapshotter().snapshot().into_vec() {
+        let key = composite.key();
+        let labels: BTreeMap<String, String> = key
+            .labels()
+            .map(|l| (l.key().to_owned(), l.value().to_owned()))
+            .collect();
+        for value in labels.values() {
+            assert!(
+                !keys.iter().any(|k| value.contains(k)),
+                "a key leaked into a label: {value}"
+            );
+        }
+        if labels.get("name").map(String::as_str) == Some(layer) {
+            let mut labels = labels;
+            labels.remove("name");
+            found.insert((key.name().to_owned(), labels), value);
+        }
+    }
+    found
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+fn counter(series: &BTreeMap<Series, DebugValue>, name: &str, pairs: &[(&str, &str)]) -> u64 {
+    match series.get(&(name.to_owned(), labels(pairs))) {
+        Some(DebugValue::Counter(value)) => *value,
+        other => panic!("{name} {pairs:?}: {other:?}"),
+    }
+}
+
+fn samples(series: &BTreeMap<Series, DebugValue>, name: &str, pairs: &[(&str, &str)]) -> Vec<f64> {
+    match series.get(&(name.to_owned(), labels(pairs))) {
+        Some(DebugValue::Histogram(values)) => values.iter().map(|v| v.into_inner()).collect(),
+        other => panic!("{name} {pairs:?}: {other:?}"),
+    }
+}
+
+fn gauge(series: &BTreeMap<Series, DebugValue>, name: &str) -> f64 {
+    match series.get(&(name.to_owned(), BTreeMap::new())) {
+        Some(DebugValue::Gauge(value)) => value.into_inner(),
+        other => panic!("{name}: {other:?}"),
+    }
+}
+
+fn post_to(uri: &str) -> Request<Body> {
+    Request::post(uri).body(Body::empty()).unwrap()
+}
+
+/// All outcomes in one test: the debugging recorder drains histograms on every
+/// snapshot, so tests in parallel would steal each other's samples.
+#[tokio::test]
+async fn every_outcome_is_recorded_with_its_labels() {
+    snapshotter();
+    let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let layer = KeyedLockLayer::by_path("order_id")
+        .name("orders")
+        .max_waiters(1)
+        .max_keys(1)
+        .max_key_len(20)
+        .wait_timeout(Duration::from_millis(300));
+    let gate = {
+        let (started, finish) = (started.clone(), finish.clone());
+        move || {
+            let (started, finish) = (started.clone(), finish.clone());
+            async move {
+                started.notify_one();
+                finish.notified().await;
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{order_id}", post(|| async {}))
+        .route("/orders/{order_id}/gate", post(gate))
+        .route("/unkeyed", post(|| async {}))
+        .layer(layer.clone());
+
+    // Uncontended.
+    let app2 = app.clone();
+    assert_eq!(
+        app2.oneshot(post_to("/orders/secret-1"))
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::OK
+    );
+
+    // Contended, then a queue-full rejection, a timeout and a table-full rejection.
+    let holder = tokio::spawn(app.clone().oneshot(post_to("/orders/secret-2/gate")));
+    started.notified().await;
+    let waiter = tokio::spawn(app.clone().oneshot(post_to("/orders/secret-2")));
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let full = app
+        .clone()
+        .oneshot(post_to("/orders/secret-2"))
+        .await
+        .unwrap();
+    assert_eq!(full.status(), StatusCode::TOO_MANY_REQUESTS);
+    let table_full = app
+        .clone()
+        .oneshot(post_to("/orders/secret-3"))
+        .await
+        .unwrap();
+    assert_eq!(table_full.status(), StatusCode::SERVICE_UNAVAILABLE);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    finish.notify_one();
+    holder.await.unwrap().unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap().status(), StatusCode::OK);
+
+    let holder = tokio::spawn(app.clone().oneshot(post_to("/orders/secret-4/gate")));
+    started.notified().await;
+    let timed_out = app
+        .clone()
+        .oneshot(post_to("/orders/secret-4"))
+        .await
+        .unwrap();
+    assert_eq!(timed_out.status(), StatusCode::CONFLICT);
+    finish.notify_one();
+    holder.await.unwrap().unwrap();
+
+    // Missing and invalid keys.
+    let missing = app.clone().oneshot(post_to("/unkeyed")).await.unwrap();
+    assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+    let too_long = app
+        .clone()
+        .oneshot(post_to("/orders/secret-5-is-far-too-long"))
+        .await
+        .unwrap();
+    assert_eq!(too_long.status(), StatusCode::BAD_REQUEST);
+
+    let series = series_of("orders", &["secret"]);
+    let acquired = "keyed_lock_acquired_total";
+    assert_eq!(counter(&series, acquired, &[("contended", "false")]), 3);
+    assert_eq!(counter(&series, acquired, &[("contended", "true")]), 1);
+    let rejected = "keyed_lock_rejected_total";
+    for (reason, count) in [
+        ("timeout", 1),
+        ("queue_full", 1),
+        ("too_many_keys", 1),
+        ("missing_key", 1),
+        ("invalid_key", 1),
+        ("backend", 0),
+    ] {
+        assert_eq!(
+            counter(&series, rejected, &[("reason", reason)]),
+            count,
+            "{reason}"
+        );
+    }
+    let wait = "keyed_lock_wait_seconds";
+    let acquired_waits = samples(&series, wait, &[("outcome", "acquired")]);
+    assert_eq!(acquired_waits.len(), 4);
+    assert_eq!(acquired_waits.iter().filter(|w| **w == 0.0).count(), 3);
+    assert!(
+        acquired_waits.iter().any(|w| *w >= 0.04),
+        "{acquired_waits:?}"
+    );
+    let timeout_waits = samples(&series, wait, &[("outcome", "timeout")]);
+    assert!(
+        timeout_waits.len() == 1 && timeout_waits[0] >= 0.29,
+        "{timeout_waits:?}"
+    );
+    assert_eq!(
+        samples(&series, wait, &[("outcome", "queue_full")]).len(),
+        1
+    );
+    let holds = samples(&series, "keyed_lock_hold_seconds", &[]);
+    assert_eq!(holds.len(), 4);
+    assert!(holds.iter().any(|h| *h >= 0.04), "{holds:?}");
+    assert_eq!(gauge(&series, "keyed_lock_waiting"), 0.0);
+    assert_eq!(gauge(&series, "keyed_lock_keys"), 0.0);
+    assert_eq!(counter(&series, "keyed_lock_lease_lost_total", &[]), 0);
+    assert_eq!(layer.active_keys(), 0);
+}
+
+/// A `tracing` writer into a shared buffer.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_long_hold_is_warned_about_once() {
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .finish();
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    let app = Router::new()
+        .route(
+            "/orders/{order_id}",
+            post(
+                |axum::extract::Path(id): axum::extract::Path<String>| async move {
+                    // Several wake-ups past the threshold: still one warning.
+                    let steps = if id.starts_with("slow") { 6 } else { 0 };
+                    for _ in 0..steps {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                },
+            ),
+        )
+        .layer(
+            KeyedLockLayer::by_path("order_id")
+                .name("slow-orders")
+                .warn_long_hold(Duration::from_millis(50)),
+        );
+
+    app.clone()
+        .oneshot(post_to("/orders/fast-1"))
+        .await
+        .unwrap();
+    assert!(
+        captured.0.lock().unwrap().is_empty(),
+        "a fast hold was warned about"
+    );
+
+    app.oneshot(post_to("/orders/slow-0123456789abcdefghij"))
+        .await
+        .unwrap();
+    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(log.matches("long-hold threshold").count(), 1, "{log}");
+    assert!(log.contains("slow-orders"), "{log}");
+    assert!(log.contains("slow-0123456789a"), "{log}");
+    assert!(
+        !log.contains("abcdefghij"),
+        "the whole key was logged: {log}"
+    );
+}
