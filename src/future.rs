@@ -1,4 +1,5 @@
-//! [`ResponseFuture`]: waits for the key, then runs the inner service under it.
+//! [`ResponseFuture`]: waits for the key (locally, then remotely when the layer has a
+//! backend), then runs the inner service under it.
 
 use std::fmt;
 use std::future::Future;
@@ -12,12 +13,14 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
+use crate::backend::{acquire_detached, BoxFuture, Lease};
 use crate::body::KeyedLockBody;
 use crate::held::HeldKey;
 use crate::info::LockInfo;
 use crate::key::Key;
 use crate::layer::Shared;
-use crate::locks::{Acquire, LockError};
+use crate::locks::{Acquire, KeyGuard, LockError};
+use crate::reject::{Rejection, RejectionKind};
 
 pin_project! {
     /// The response future of [`KeyedLock`](crate::KeyedLock).
@@ -33,23 +36,47 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<S, ReqBody, F> {
-        // Queued for the key; `call` holds the readied service and the request.
+        // Queued for the key in this process.
         Waiting {
             acquire: Acquire<Key>,
-            call: Option<(S, Request<ReqBody>)>,
-            ticket: WaitTicket,
+            pending: Option<Pending<S, ReqBody>>,
         },
-        // The inner service runs under `guard` (`None` for a request let through
-        // without a key).
+        // Holds the key locally; waits for it at the backend.
+        Remote {
+            acquire: BoxFuture<Result<Lease, LockError>>,
+            local: Option<KeyGuard<Key>>,
+            pending: Option<Pending<S, ReqBody>>,
+        },
+        // The inner service runs under `held` (`None` for a request let through
+        // without a key). `lost` resolves if the lease is lost and the layer aborts then.
         Running {
             #[pin]
             future: F,
             held: Option<HeldKey>,
+            lost: Option<BoxFuture<()>>,
         },
         // Answered by the layer; the body becomes `KeyedLockBody::full` when polled.
         Rejected {
             response: Option<Response<Bytes>>,
         },
+    }
+}
+
+/// A request that has not reached the inner service yet.
+pub(crate) struct Pending<S, ReqBody> {
+    /// The service `poll_ready` readied for this request.
+    service: S,
+    request: Request<ReqBody>,
+    ticket: WaitTicket,
+}
+
+impl<S, ReqBody> Pending<S, ReqBody> {
+    pub(crate) fn new(service: S, request: Request<ReqBody>, ticket: WaitTicket) -> Self {
+        Self {
+            service,
+            request,
+            ticket,
+        }
     }
 }
 
@@ -59,22 +86,27 @@ where
 {
     pub(crate) fn running(future: S::Future, held: Option<HeldKey>) -> Self {
         Self {
-            state: State::Running { future, held },
+            state: State::Running {
+                future,
+                held,
+                lost: None,
+            },
         }
     }
 
-    pub(crate) fn waiting(
-        acquire: Acquire<Key>,
-        service: S,
-        request: Request<ReqBody>,
-        ticket: WaitTicket,
-    ) -> Self {
+    pub(crate) fn waiting(acquire: Acquire<Key>, pending: Pending<S, ReqBody>) -> Self {
         Self {
             state: State::Waiting {
                 acquire,
-                call: Some((service, request)),
-                ticket,
+                pending: Some(pending),
             },
+        }
+    }
+
+    /// Holds the key locally; next, the backend.
+    pub(crate) fn remote(local: KeyGuard<Key>, pending: Pending<S, ReqBody>) -> Self {
+        Self {
+            state: remote_state(local, pending),
         }
     }
 
@@ -87,6 +119,53 @@ where
     }
 }
 
+fn remote_state<S, ReqBody, F>(
+    local: KeyGuard<Key>,
+    pending: Pending<S, ReqBody>,
+) -> State<S, ReqBody, F> {
+    let shared = &pending.ticket.shared;
+    let backend = shared
+        .backend
+        .as_ref()
+        .expect("remote tier without a backend");
+    let wait = shared
+        .wait_timeout
+        .saturating_sub(pending.ticket.arrived.elapsed());
+    State::Remote {
+        acquire: acquire_detached(backend, shared.name, local.key(), wait),
+        local: Some(local),
+        pending: Some(pending),
+    }
+}
+
+/// Calls the inner service under the key: the end of every successful wait.
+fn start<S, ReqBody>(
+    pending: Pending<S, ReqBody>,
+    local: KeyGuard<Key>,
+    lease: Option<Lease>,
+) -> (S::Future, HeldKey, Option<BoxFuture<()>>)
+where
+    S: Service<Request<ReqBody>>,
+{
+    let Pending {
+        mut service,
+        mut request,
+        ticket,
+    } = pending;
+    let shared = ticket.shared.clone();
+    let waited = ticket.acquired();
+    let signal = lease.as_ref().map(|lease| lease.signal().clone());
+    let lost = signal
+        .clone()
+        .filter(|_| shared.abort_on_lease_lost)
+        .map(|signal| Box::pin(async move { signal.lost().await }) as BoxFuture<()>);
+    let fencing_token = lease.as_ref().and_then(Lease::fencing_token);
+    let info = LockInfo::new(local.key().clone(), waited, fencing_token, signal);
+    request.extensions_mut().insert(info);
+    let held = HeldKey::new(local, lease, shared);
+    (service.call(request), held, lost)
+}
+
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
@@ -96,62 +175,119 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut state = self.project().state;
         loop {
-            match state.as_mut().project() {
-                StateProj::Waiting {
-                    acquire,
-                    call,
-                    ticket,
-                } => {
+            let next = match state.as_mut().project() {
+                StateProj::Waiting { acquire, pending } => {
                     let result = ready!(Pin::new(acquire).poll(cx));
-                    let waited = ticket.arrived.elapsed();
-                    let shared = ticket.shared.clone();
-                    let metrics = shared.metrics();
-                    let guard = match result {
-                        Ok(guard) => guard,
-                        Err(error) => {
-                            match error {
-                                LockError::Timeout => metrics.wait_timeout.record(waited),
-                                LockError::QueueFull => metrics.wait_queue_full.record(waited),
-                                _ => {}
-                            }
-                            let response = shared.respond(shared.lock_rejection(&error));
-                            state.set(State::Rejected { response: None });
-                            return Poll::Ready(Ok(response.map(KeyedLockBody::full)));
+                    let pending = pending.take().expect("polled after completion");
+                    match result {
+                        Ok(local) if pending.ticket.shared.backend.is_some() => {
+                            remote_state(local, pending)
                         }
-                    };
-                    metrics.acquired_contended.increment(1);
-                    metrics.wait_acquired.record(waited);
-                    let (mut service, mut request) = call.take().expect("polled after completion");
-                    let info = LockInfo::new(guard.key().clone(), waited, None);
-                    request.extensions_mut().insert(info);
-                    let held = HeldKey::new(guard, shared);
-                    let future = service.call(request);
-                    state.set(State::Running {
-                        future,
-                        held: Some(held),
-                    });
-                }
-                StateProj::Running { future, held } => {
-                    let result = future.poll(cx);
-                    if let Some(held) = held.as_mut() {
-                        held.check_long_hold();
+                        Ok(local) => {
+                            let (future, held, lost) = start(pending, local, None);
+                            State::Running {
+                                future,
+                                held: Some(held),
+                                lost,
+                            }
+                        }
+                        Err(error) => State::Rejected {
+                            response: Some(pending.ticket.reject(&error)),
+                        },
                     }
-                    let result = ready!(result);
-                    let held = held.take();
-                    return Poll::Ready(result.map(|response| {
-                        // Unless the key is held until the body ends, it is released
-                        // here, as the handler finishes.
-                        let held = held.filter(HeldKey::until_body_end);
-                        response.map(|body| KeyedLockBody::inner(body, held))
-                    }));
+                }
+                StateProj::Remote {
+                    acquire,
+                    local,
+                    pending,
+                } => {
+                    let result = ready!(acquire.as_mut().poll(cx));
+                    let pending = pending.take().expect("polled after completion");
+                    let local = local.take().expect("polled after completion");
+                    let shared = &pending.ticket.shared;
+                    match result {
+                        Ok(lease) => {
+                            let (future, held, lost) = start(pending, local, Some(lease));
+                            State::Running {
+                                future,
+                                held: Some(held),
+                                lost,
+                            }
+                        }
+                        Err(LockError::Backend(error)) if shared.fail_open => {
+                            // Fail open: run under the local lock only, and say so.
+                            shared.metrics().rejected(RejectionKind::Backend);
+                            tracing::warn!(layer = shared.name, %error, "lock backend failed; running under the local lock only");
+                            let (future, held, lost) = start(pending, local, None);
+                            State::Running {
+                                future,
+                                held: Some(held),
+                                lost,
+                            }
+                        }
+                        Err(error) => {
+                            drop(local);
+                            State::Rejected {
+                                response: Some(pending.ticket.reject(&error)),
+                            }
+                        }
+                    }
+                }
+                StateProj::Running { future, held, lost } => {
+                    if let Some(lease_lost) = lost {
+                        if lease_lost.as_mut().poll(cx).is_ready() {
+                            // Abort: the inner future is dropped with this state.
+                            let shared = held
+                                .as_ref()
+                                .expect("a lease implies a hold")
+                                .shared()
+                                .clone();
+                            let rejection = Rejection::new(
+                                RejectionKind::LeaseLost,
+                                http::StatusCode::SERVICE_UNAVAILABLE,
+                                Some(shared.retry_after),
+                                "the lock lease was lost while the request ran",
+                            );
+                            State::Rejected {
+                                response: Some(shared.respond(rejection)),
+                            }
+                        } else {
+                            return poll_running(future, held, cx);
+                        }
+                    } else {
+                        return poll_running(future, held, cx);
+                    }
                 }
                 StateProj::Rejected { response } => {
                     let response = response.take().expect("polled after completion");
                     return Poll::Ready(Ok(response.map(KeyedLockBody::full)));
                 }
-            }
+            };
+            state.set(next);
         }
     }
+}
+
+fn poll_running<F, ResBody, E>(
+    future: Pin<&mut F>,
+    held: &mut Option<HeldKey>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<Response<KeyedLockBody<ResBody>>, E>>
+where
+    F: Future<Output = Result<Response<ResBody>, E>>,
+{
+    let result = future.poll(cx);
+    if let Some(held) = held.as_mut() {
+        held.check_long_hold();
+    }
+    let result = ready!(result);
+    let held = held.take();
+    Poll::Ready(result.map(|response| {
+        // Unless the key is held until the body ends, it is released here, as the
+        // handler finishes.
+        let held = held.filter(HeldKey::until_body_end);
+        response.map(|body| KeyedLockBody::inner(body, held))
+    }))
 }
 
 /// A request waiting for its key: when it arrived, and its place in the `waiting`
@@ -159,15 +295,42 @@ where
 pub(crate) struct WaitTicket {
     arrived: Instant,
     shared: Arc<Shared>,
+    /// Whether the request queued behind another in this process.
+    contended: bool,
 }
 
 impl WaitTicket {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, contended: bool) -> Self {
         shared.metrics().waiting.increment(1.0);
         Self {
             arrived: Instant::now(),
             shared,
+            contended,
         }
+    }
+
+    /// Records an acquisition; returns the time waited.
+    fn acquired(&self) -> std::time::Duration {
+        let waited = self.arrived.elapsed();
+        let metrics = self.shared.metrics();
+        match self.contended {
+            true => metrics.acquired_contended.increment(1),
+            false => metrics.acquired_uncontended.increment(1),
+        }
+        metrics.wait_acquired.record(waited);
+        waited
+    }
+
+    /// Records a failed wait and answers it.
+    fn reject(&self, error: &LockError) -> Response<Bytes> {
+        let metrics = self.shared.metrics();
+        let waited = self.arrived.elapsed();
+        match error {
+            LockError::Timeout => metrics.wait_timeout.record(waited),
+            LockError::QueueFull => metrics.wait_queue_full.record(waited),
+            _ => {}
+        }
+        self.shared.respond(self.shared.lock_rejection(error))
     }
 }
 
@@ -184,6 +347,7 @@ where
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
             State::Waiting { .. } => "waiting",
+            State::Remote { .. } => "remote",
             State::Running { .. } => "running",
             State::Rejected { .. } => "rejected",
         };

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::backend::Lease;
 use crate::key::Key;
 use crate::layer::Shared;
 use crate::locks::KeyGuard;
@@ -12,20 +13,27 @@ use crate::locks::KeyGuard;
 pub(crate) struct HeldKey {
     /// `Some` until dropped, so the gauge can be read after the release.
     guard: Option<KeyGuard<Key>>,
+    /// The remote lease, when the layer has a backend; released before the local guard.
+    lease: Option<Lease>,
     since: Instant,
     shared: Arc<Shared>,
     warned: bool,
 }
 
 impl HeldKey {
-    pub(crate) fn new(guard: KeyGuard<Key>, shared: Arc<Shared>) -> Self {
+    pub(crate) fn new(guard: KeyGuard<Key>, lease: Option<Lease>, shared: Arc<Shared>) -> Self {
         shared.metrics().keys.set(shared.locks.len() as f64);
         Self {
             guard: Some(guard),
+            lease,
             since: Instant::now(),
             shared,
             warned: false,
         }
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
     }
 
     /// Whether the key stays held until the response body ends.
@@ -60,9 +68,28 @@ impl HeldKey {
 impl Drop for HeldKey {
     fn drop(&mut self) {
         self.check_long_hold();
-        drop(self.guard.take());
         let metrics = self.shared.metrics();
         metrics.hold.record(self.since.elapsed());
-        metrics.keys.set(self.shared.locks.len() as f64);
+        let guard = self.guard.take();
+        let Some(lease) = self.lease.take() else {
+            drop(guard);
+            metrics.keys.set(self.shared.locks.len() as f64);
+            return;
+        };
+        if lease.signal().is_lost() {
+            metrics.lease_lost.increment(1);
+        }
+        // Release remotely first, then locally: the next local waiter then finds the
+        // remote lock free instead of racing the release.
+        let shared = self.shared.clone();
+        let release = async move {
+            lease.release().await;
+            drop(guard);
+            shared.metrics().keys.set(shared.locks.len() as f64);
+        };
+        // Without a runtime (it is shutting down) the lease runs out by itself.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(release);
+        }
     }
 }

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::backend::LeaseSignal;
 use crate::key::Key;
 
 /// Put in the request extensions by the layer before the inner service is called.
@@ -23,14 +24,21 @@ pub struct LockInfo {
     key: Key,
     waited: std::time::Duration,
     fencing_token: Option<u64>,
+    lease: Option<LeaseSignal>,
 }
 
 impl LockInfo {
-    pub(crate) fn new(key: Key, waited: Duration, fencing_token: Option<u64>) -> Self {
+    pub(crate) fn new(
+        key: Key,
+        waited: Duration,
+        fencing_token: Option<u64>,
+        lease: Option<LeaseSignal>,
+    ) -> Self {
         Self {
             key,
             waited,
             fencing_token,
+            lease,
         }
     }
 
@@ -48,5 +56,17 @@ impl LockInfo {
     /// `None` in process: only distributed backends issue fencing tokens.
     pub fn fencing_token(&self) -> Option<u64> {
         self.fencing_token
+    }
+
+    /// The lost-lease signal of the distributed lease this request holds; `None` in
+    /// process (an in-process lock cannot be lost).
+    pub fn lease(&self) -> Option<&LeaseSignal> {
+        self.lease.as_ref()
+    }
+
+    /// Whether the distributed lease was lost: another instance may now hold the key.
+    /// Always false in process.
+    pub fn is_lease_lost(&self) -> bool {
+        self.lease.as_ref().is_some_and(LeaseSignal::is_lost)
     }
 }

@@ -35,6 +35,7 @@ use bytes::Bytes;
 use http::{HeaderName, Response, StatusCode};
 use tower_layer::Layer;
 
+use crate::backend::LockBackend;
 use crate::key::{
     ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN,
 };
@@ -97,6 +98,9 @@ struct Config {
     hold_until_body_end: bool,
     long_hold: Option<Duration>,
     on_rejection: Option<RejectionHandler>,
+    backend: Option<Arc<dyn LockBackend>>,
+    fail_open: bool,
+    abort_on_lease_lost: bool,
 }
 
 /// What every service made by one layer value shares.
@@ -108,8 +112,11 @@ pub(crate) struct Shared {
     pub(crate) hold_until_body_end: bool,
     pub(crate) long_hold: Option<Duration>,
     pub(crate) name: &'static str,
+    pub(crate) retry_after: Duration,
+    pub(crate) backend: Option<Arc<dyn LockBackend>>,
+    pub(crate) fail_open: bool,
+    pub(crate) abort_on_lease_lost: bool,
     timeout_status: StatusCode,
-    retry_after: Duration,
     on_rejection: Option<RejectionHandler>,
     metrics: OnceLock<Metrics>,
 }
@@ -176,6 +183,9 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
                 hold_until_body_end: false,
                 long_hold: None,
                 on_rejection: None,
+                backend: None,
+                fail_open: false,
+                abort_on_lease_lost: false,
             },
             shared: Arc::default(),
         }
@@ -287,6 +297,31 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.configure(|c| c.on_rejection = Some(Arc::new(handler)))
     }
 
+    /// Serializes keys across every instance that shares `backend` (Redis,
+    /// PostgreSQL, or your own [`LockBackend`]), on top of the in-process lock: requests
+    /// queue locally first and only the local winner contends remotely. The remote key
+    /// is namespaced by [`name`](Self::name), so give each layer its own name.
+    ///
+    /// The [`wait_timeout`](Self::wait_timeout) covers both tiers. When the backend
+    /// cannot be reached the request gets 503 with `Retry-After` (fail closed) unless
+    /// [`fail_open`](Self::fail_open) is set.
+    pub fn backend(self, backend: impl LockBackend) -> Self {
+        self.configure(|c| c.backend = Some(Arc::new(backend)))
+    }
+
+    /// When the backend fails, run the request under the in-process lock only (counted
+    /// as `keyed_lock_rejected_total{reason="backend"}` and logged) instead of
+    /// answering 503.
+    pub fn fail_open(self) -> Self {
+        self.configure(|c| c.fail_open = true)
+    }
+
+    /// When a request's distributed lease is lost while it runs, drop the inner future
+    /// and answer 503, instead of only raising [`LockInfo::is_lease_lost`](crate::LockInfo::is_lease_lost).
+    pub fn abort_on_lease_lost(self) -> Self {
+        self.configure(|c| c.abort_on_lease_lost = true)
+    }
+
     /// Keys with a holder or a waiter now, in this layer's table.
     pub fn active_keys(&self) -> usize {
         self.shared.get().map_or(0, |shared| shared.locks.len())
@@ -322,6 +357,9 @@ impl<E: fmt::Debug> fmt::Debug for KeyedLockLayer<E> {
             .field("allow_missing_key", &c.allow_missing_key)
             .field("hold_until_body_end", &c.hold_until_body_end)
             .field("long_hold", &c.long_hold)
+            .field("distributed", &c.backend.is_some())
+            .field("fail_open", &c.fail_open)
+            .field("abort_on_lease_lost", &c.abort_on_lease_lost)
             .finish_non_exhaustive()
     }
 }
@@ -343,6 +381,9 @@ impl Shared {
             retry_after: config.retry_after,
             name: config.name,
             on_rejection: config.on_rejection.clone(),
+            backend: config.backend.clone(),
+            fail_open: config.fail_open,
+            abort_on_lease_lost: config.abort_on_lease_lost,
             metrics: OnceLock::new(),
         }
     }

@@ -35,6 +35,7 @@
 //! - `redis`, `postgres`: distributed backends (in progress).
 #![forbid(unsafe_code)]
 
+pub mod backend;
 mod body;
 mod future;
 mod held;
@@ -47,6 +48,7 @@ pub mod reject;
 mod service;
 mod sync;
 
+pub use backend::{Lease, LeaseSignal, LockBackend};
 pub use body::KeyedLockBody;
 pub use future::ResponseFuture;
 pub use info::LockInfo;

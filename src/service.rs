@@ -9,7 +9,7 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::body::KeyedLockBody;
-use crate::future::{ResponseFuture, WaitTicket};
+use crate::future::{Pending, ResponseFuture, WaitTicket};
 use crate::held::HeldKey;
 use crate::info::LockInfo;
 use crate::key::{Key, KeyExtractor};
@@ -68,14 +68,22 @@ where
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read, timer or service clone.
         let error = match shared.locks.try_lock(key.clone()) {
+            Ok(guard) if shared.backend.is_some() => {
+                // Held here; now the backend, with the readied service set aside.
+                let fresh = self.inner.clone();
+                let ready = std::mem::replace(&mut self.inner, fresh);
+                let request = Request::from_parts(parts, body);
+                let pending = Pending::new(ready, request, WaitTicket::new(shared.clone(), false));
+                return ResponseFuture::remote(guard, pending);
+            }
             Ok(guard) => {
                 let metrics = shared.metrics();
                 metrics.acquired_uncontended.increment(1);
                 metrics.wait_acquired.record(0.0);
-                let held = HeldKey::new(guard, shared.clone());
+                let held = HeldKey::new(guard, None, shared.clone());
                 parts
                     .extensions
-                    .insert(LockInfo::new(key, Duration::ZERO, None));
+                    .insert(LockInfo::new(key, Duration::ZERO, None, None));
                 let future = self.inner.call(Request::from_parts(parts, body));
                 return ResponseFuture::running(future, Some(held));
             }
@@ -94,12 +102,9 @@ where
         let fresh = self.inner.clone();
         let ready = std::mem::replace(&mut self.inner, fresh);
         let acquire = shared.locks.lock_timeout(key, shared.wait_timeout);
-        ResponseFuture::waiting(
-            acquire,
-            ready,
-            Request::from_parts(parts, body),
-            WaitTicket::new(shared.clone()),
-        )
+        let request = Request::from_parts(parts, body);
+        let pending = Pending::new(ready, request, WaitTicket::new(shared.clone(), true));
+        ResponseFuture::waiting(acquire, pending)
     }
 }
 

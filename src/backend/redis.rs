@@ -1,0 +1,1 @@
+//! Redis backend (in progress).
