@@ -1,0 +1,2 @@
+//! Placeholder: the postgres benchmarks are being written.
+fn main() {}
