@@ -34,6 +34,15 @@ impl<S, E> KeyedLock<S, E> {
     }
 }
 
+impl<S: Clone, E> KeyedLock<S, E> {
+    /// Takes the service `poll_ready` readied, for a request that calls it later,
+    /// leaving a fresh clone for the next request.
+    fn take_ready(&mut self) -> S {
+        let fresh = self.inner.clone();
+        std::mem::replace(&mut self.inner, fresh)
+    }
+}
+
 impl<S, E, ReqBody, ResBody> Service<Request<ReqBody>> for KeyedLock<S, E>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
@@ -48,7 +57,7 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let shared = &self.shared;
+        let shared = self.shared.clone();
         let (mut parts, body) = request.into_parts();
         let key = self
             .extractor
@@ -69,18 +78,17 @@ where
         // clock read, timer or service clone.
         let error = match shared.locks.try_lock(key.clone()) {
             Ok(guard) if shared.backend.is_some() => {
-                // Held here; now the backend, with the readied service set aside.
-                let fresh = self.inner.clone();
-                let ready = std::mem::replace(&mut self.inner, fresh);
+                // Held here; now the backend.
+                let ready = self.take_ready();
                 let request = Request::from_parts(parts, body);
-                let pending = Pending::new(ready, request, WaitTicket::new(shared.clone(), false));
+                let pending = Pending::new(ready, request, WaitTicket::new(shared, false));
                 return ResponseFuture::remote(guard, pending);
             }
             Ok(guard) => {
                 let metrics = shared.metrics();
                 metrics.acquired_uncontended.increment(1);
                 metrics.wait_acquired.record(0.0);
-                let held = HeldKey::new(guard, None, shared.clone());
+                let held = HeldKey::new(guard, None, shared);
                 parts
                     .extensions
                     .insert(LockInfo::new(key, Duration::ZERO, None, None));
@@ -97,13 +105,11 @@ where
             return ResponseFuture::rejected(shared.respond(shared.lock_rejection(&error)));
         }
 
-        // Contended: wait for the key, then call the service that `poll_ready` readied
-        // (leaving a fresh clone behind for the next request).
-        let fresh = self.inner.clone();
-        let ready = std::mem::replace(&mut self.inner, fresh);
+        // Contended: wait for the key, then call the readied service.
+        let ready = self.take_ready();
         let acquire = shared.locks.lock_timeout(key, shared.wait_timeout);
         let request = Request::from_parts(parts, body);
-        let pending = Pending::new(ready, request, WaitTicket::new(shared.clone(), true));
+        let pending = Pending::new(ready, request, WaitTicket::new(shared, true));
         ResponseFuture::waiting(acquire, pending)
     }
 }
