@@ -125,6 +125,15 @@ pub(crate) struct Shared {
 impl KeyedLockLayer<crate::key::PathParam> {
     /// Keys requests by the axum path parameter `name` (as in `/orders/{order_id}`).
     /// Works with `Router::layer` and `Router::route_layer`.
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// let app: Router = Router::new()
+    ///     .route("/orders/{order_id}/pay", post(|| async { "paid" }))
+    ///     .route_layer(KeyedLockLayer::by_path("order_id"));
+    /// ```
     pub fn by_path(name: &str) -> Self {
         Self::new(crate::key::PathParam::new(name))
     }
@@ -136,6 +145,14 @@ impl KeyedLockLayer<HeaderKey> {
     ///
     /// # Panics
     /// If `name` is not a valid header name (a configuration mistake).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// // A duplicate webhook delivery in flight gets 409 at once.
+    /// let layer = KeyedLockLayer::by_header("idempotency-key").wait_timeout(Duration::ZERO);
+    /// ```
     pub fn by_header(name: &str) -> Self {
         let name = HeaderName::try_from(name)
             .unwrap_or_else(|_| panic!("by_header: {name:?} is not a valid header name"));
@@ -149,6 +166,21 @@ impl KeyedLockLayer<ExtensionKey<()>> {
     /// Keys requests by a value of type `T` that an earlier layer (usually
     /// authentication) put in the request extensions, such as a user id; the key is
     /// its `Display` text.
+    ///
+    /// ```
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// #[derive(Clone)]
+    /// struct UserId(u64);
+    /// impl std::fmt::Display for UserId {
+    ///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+    ///         write!(f, "user-{}", self.0)
+    ///     }
+    /// }
+    ///
+    /// // Add it inside (before) the auth layer that inserts the `UserId`.
+    /// let layer = KeyedLockLayer::by_extension::<UserId>();
+    /// ```
     pub fn by_extension<T: fmt::Display + Send + Sync + 'static>() -> KeyedLockLayer<ExtensionKey<T>>
     {
         KeyedLockLayer::new(ExtensionKey::new())
@@ -160,6 +192,16 @@ where
     F: Fn(&http::request::Parts) -> Option<String> + Clone + Send + Sync + 'static,
 {
     /// Keys requests by a function of the request head; `None` means "no key".
+    ///
+    /// ```
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// // Serialize per tenant, taken from the host name.
+    /// let layer = KeyedLockLayer::by_fn(|parts| {
+    ///     let host = parts.headers.get(http::header::HOST)?.to_str().ok()?;
+    ///     Some(host.split('.').next()?.to_owned())
+    /// });
+    /// ```
     pub fn by_fn(f: F) -> Self {
         Self::new(FnKey::new(f))
     }
@@ -167,6 +209,28 @@ where
 
 impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// Keys requests with a custom [`KeyExtractor`].
+    ///
+    /// ```
+    /// use std::borrow::Cow;
+    /// use tower_keyed_lock::{KeyError, KeyExtractor, KeyedLockLayer};
+    ///
+    /// /// The account in the first path segment: `/acct-1/...`.
+    /// #[derive(Clone)]
+    /// struct Account;
+    ///
+    /// impl KeyExtractor for Account {
+    ///     fn extract<'a>(
+    ///         &self,
+    ///         parts: &'a mut http::request::Parts,
+    ///     ) -> Result<Cow<'a, str>, KeyError> {
+    ///         let segment = parts.uri.path().trim_start_matches('/').split('/').next();
+    ///         let segment = segment.filter(|s| !s.is_empty()).ok_or(KeyError::Missing)?;
+    ///         Ok(Cow::Owned(segment.to_owned()))
+    ///     }
+    /// }
+    ///
+    /// let layer = KeyedLockLayer::new(Account);
+    /// ```
     pub fn new(extractor: E) -> Self {
         Self {
             extractor,
@@ -207,6 +271,13 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     }
 
     /// The status of a wait timeout: 409 Conflict (default) or 429 Too Many Requests.
+    ///
+    /// ```
+    /// use http::StatusCode;
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// let layer = KeyedLockLayer::by_header("x-user").timeout_status(StatusCode::TOO_MANY_REQUESTS);
+    /// ```
     pub fn timeout_status(self, status: StatusCode) -> Self {
         self.configure(|c| c.timeout_status = status)
     }
@@ -225,6 +296,15 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
 
     /// Keys with a holder or waiter allowed at once (default unbounded); a request for
     /// a new key beyond it gets 503. Set it when keys come from clients.
+    ///
+    /// ```
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// // Keys from a client header: bound their length and their number.
+    /// let layer = KeyedLockLayer::by_header("idempotency-key")
+    ///     .max_key_len(64)
+    ///     .max_keys(100_000);
+    /// ```
     pub fn max_keys(self, max_keys: usize) -> Self {
         self.configure(|c| c.max_keys = max_keys)
     }
@@ -252,6 +332,13 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// Lets requests whose key is *missing* run without a lock instead of getting 400.
     /// A key that is present but unusable (empty, too long, not UTF-8) is still
     /// rejected: the client sent something broken.
+    ///
+    /// ```
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// // The idempotency key is optional: requests without one are not serialized.
+    /// let layer = KeyedLockLayer::by_header("idempotency-key").allow_missing_key();
+    /// ```
     pub fn allow_missing_key(self) -> Self {
         self.configure(|c| c.allow_missing_key = true)
     }
@@ -259,6 +346,13 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// Holds the key until the response body has been sent in full or dropped, not
     /// only until the handler returns (for streamed responses whose writing is part of
     /// the critical section).
+    ///
+    /// ```
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// // An export streamed to the client is part of the critical section.
+    /// let layer = KeyedLockLayer::by_path("report_id").hold_until_body_end();
+    /// ```
     pub fn hold_until_body_end(self) -> Self {
         self.configure(|c| c.hold_until_body_end = true)
     }
@@ -323,6 +417,17 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     }
 
     /// Keys with a holder or a waiter now, in this layer's table.
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// let layer = KeyedLockLayer::by_path("order_id");
+    /// let app: Router = Router::new()
+    ///     .route("/orders/{order_id}", post(|| async {}))
+    ///     .layer(layer.clone()); // the clone shares the table
+    /// assert_eq!(layer.active_keys(), 0);
+    /// ```
     pub fn active_keys(&self) -> usize {
         self.shared.get().map_or(0, |shared| shared.locks.len())
     }
