@@ -7,8 +7,9 @@
 //! instances, fairness is what the backend gives: PostgreSQL queues waiters in arrival
 //! order; Redis wakes every waiter on a release and the fastest one wins.
 //!
-//! A backend implements [`LockBackend`]; the layer makes every acquisition cancel-safe
-//! (a dropped request never leaves a remote lock held: see [`acquire_detached`]).
+//! A backend implements [`LockBackend`]; the layer makes every acquisition cancel-safe:
+//! it runs the acquire in a task of its own, so a dropped request detaches it instead of
+//! cancelling it mid-round-trip, and an unwanted lease is released when the task ends.
 
 use std::fmt;
 use std::future::Future;
@@ -37,9 +38,9 @@ pub trait LockBackend: Send + Sync + 'static {
     /// or [`LockError::Backend`] when the backend cannot be reached or errs. Must not
     /// outlive `wait` by more than one network timeout.
     ///
-    /// The future may be dropped at any point only after the layer hands it to
-    /// [`acquire_detached`], which runs it to completion and releases an unwanted
-    /// lease; so implementations need not be cancel-safe themselves.
+    /// The layer runs the future in a task of its own and never drops it midway; a
+    /// lease nobody waits for any more is dropped, which releases it. So
+    /// implementations need not be cancel-safe themselves.
     fn acquire(
         &self,
         name: &'static str,
