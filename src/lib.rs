@@ -32,7 +32,14 @@
 //!
 //! - `axum` (default): [`KeyedLockLayer::by_path`] for axum path parameters. Nothing else
 //!   in the crate depends on axum.
-//! - `redis`, `postgres`: distributed backends (in progress).
+//! - `redis`: [`RedisBackend`](backend::redis::RedisBackend), serializing keys across
+//!   instances through Redis (leases, renewal, fencing tokens, pub/sub wake-ups).
+//! - `postgres`: a PostgreSQL advisory-lock backend (in progress).
+//!
+//! # Across instances
+//!
+//! [`KeyedLockLayer::backend`] adds a distributed tier: requests queue in process first,
+//! and only the local winner contends at the backend. See [`backend`].
 #![forbid(unsafe_code)]
 
 pub mod backend;
@@ -48,6 +55,8 @@ pub mod reject;
 mod service;
 mod sync;
 
+#[cfg(feature = "redis")]
+pub use backend::redis::RedisBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
 pub use body::KeyedLockBody;
 pub use future::ResponseFuture;
