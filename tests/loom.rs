@@ -1,6 +1,6 @@
 //! Model checks of the lock table's hand-off and removal under every interleaving.
 //!
-//! Run with `RUSTFLAGS="--cfg loom" cargo test --release --test loom`.
+//! Run with `LOOM_MAX_PREEMPTIONS=3 RUSTFLAGS="--cfg loom" cargo test --release --no-default-features --test loom`.
 #![cfg(loom)]
 
 use std::future::Future;
@@ -82,6 +82,79 @@ fn hand_off_races_with_cancellation() {
         drop(holder);
         canceller.join().unwrap();
         waiter.join().unwrap();
+        assert_eq!(locks.len(), 0, "entry left behind");
+        assert!(locks.try_lock(1).is_ok(), "permit lost");
+    });
+}
+
+/// Two permits, three tasks: never more than two holders, and a holder that drops
+/// while the third task is being cancelled hands its permit to no one twice.
+#[test]
+fn two_permits_bound_holders_under_cancellation() {
+    loom::model(|| {
+        let locks = KeyedLocks::<u8>::builder().permits(2).build();
+        let holders = Arc::new(AtomicUsize::new(0));
+        let hold_one_of_two = |holders: &AtomicUsize| {
+            assert!(
+                holders.fetch_add(1, Ordering::SeqCst) < 2,
+                "three holders of two permits"
+            );
+            holders.fetch_sub(1, Ordering::SeqCst);
+        };
+
+        let first = locks.try_lock(1).unwrap();
+        let second = locks.try_lock(1).unwrap();
+        let mut cancelled = locks.lock(1);
+        assert!(poll_once(&mut cancelled).is_pending());
+
+        let waiter = {
+            let (locks, holders) = (locks.clone(), holders.clone());
+            thread::spawn(move || {
+                let guard = block_on(locks.lock(1)).unwrap();
+                hold_one_of_two(&holders);
+                drop(guard);
+            })
+        };
+        let canceller = thread::spawn(move || drop(cancelled));
+        drop(first);
+        hold_one_of_two(&holders);
+        drop(second);
+
+        canceller.join().unwrap();
+        waiter.join().unwrap();
+        assert_eq!(locks.len(), 0, "entry left behind");
+        let again = (locks.try_lock(1), locks.try_lock(1));
+        assert!(again.0.is_ok() && again.1.is_ok(), "permit lost");
+    });
+}
+
+/// With one waiter place, a waiter that leaves frees its place for the next one,
+/// whatever the interleaving; a full queue answers `QueueFull` without queueing.
+#[test]
+fn max_waiters_place_is_freed_by_a_leaving_waiter() {
+    loom::model(|| {
+        let locks = KeyedLocks::<u8>::builder().max_waiters(1).build();
+        let holder = locks.try_lock(1).unwrap();
+        let mut first = locks.lock(1);
+        assert!(poll_once(&mut first).is_pending());
+
+        let leaver = thread::spawn(move || drop(first));
+        let contender = {
+            let locks = locks.clone();
+            thread::spawn(move || {
+                let mut second = locks.lock(1);
+                match poll_once(&mut second) {
+                    // Queued after the first waiter left, or refused while it was there.
+                    Poll::Pending => true,
+                    Poll::Ready(Err(tower_keyed_lock::LockError::QueueFull)) => false,
+                    Poll::Ready(other) => panic!("unexpected {:?}", other.map(|_| ())),
+                }
+            })
+        };
+
+        leaver.join().unwrap();
+        let _queued = contender.join().unwrap();
+        drop(holder);
         assert_eq!(locks.len(), 0, "entry left behind");
         assert!(locks.try_lock(1).is_ok(), "permit lost");
     });
