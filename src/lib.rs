@@ -32,7 +32,7 @@
 //!
 //! - `axum` (default): [`KeyedLockLayer::by_path`] for axum path parameters. Nothing else
 //!   in the crate depends on axum.
-//! - `redis`: [`RedisBackend`](backend::redis::RedisBackend), serializing keys across
+//! - `redis`: [`RedisBackend`], serializing keys across
 //!   instances through Redis (leases, renewal, fencing tokens, pub/sub wake-ups).
 //! - `postgres`: a PostgreSQL advisory-lock backend (in progress).
 //!
