@@ -13,6 +13,8 @@ use hyper_util::rt::TokioExecutor;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
+pub mod soak;
+
 /// Serves `app` on a free port of 127.0.0.1 until the test ends.
 pub async fn serve(app: Router) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -1,0 +1,174 @@
+//! A soak run over several instances of one service (one layer and one hyper server
+//! each): random keys, random handler delays, random client disconnects, optional
+//! faults injected meanwhile. Every handler checks it is alone in its key.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Extension, Path, State};
+use axum::routing::post;
+use axum::Router;
+use http::StatusCode;
+use tokio::time::Instant;
+use tower_keyed_lock::{KeyedLockLayer, LockInfo, PathParam};
+
+use super::{serve, Server};
+
+pub struct Soak {
+    pub requests: u64,
+    pub keys: usize,
+    pub clients: usize,
+    /// A request not answered within this is a hang.
+    pub deadline: Duration,
+}
+
+#[derive(Debug, Default)]
+pub struct Report {
+    pub ok: u64,
+    pub conflict: u64,
+    pub unavailable: u64,
+    pub other: u64,
+    pub cancelled: u64,
+    pub hung: u64,
+    pub overlaps: u64,
+    pub lease_lost: u64,
+    pub slowest: Duration,
+}
+
+impl Report {
+    pub fn answered(&self) -> u64 {
+        self.ok + self.conflict + self.unavailable + self.other
+    }
+}
+
+struct Keys {
+    inside: Vec<AtomicUsize>,
+    overlaps: AtomicU64,
+    lease_lost: AtomicU64,
+}
+
+/// Leaves the key on drop: a disconnecting client cancels the handler at an await.
+struct Inside<'a>(&'a AtomicUsize);
+
+impl Drop for Inside<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn handle(
+    State(keys): State<Arc<Keys>>,
+    Path(id): Path<usize>,
+    Extension(info): Extension<LockInfo>,
+) {
+    let inside = &keys.inside[id];
+    if inside.fetch_add(1, Ordering::SeqCst) != 0 {
+        keys.overlaps.fetch_add(1, Ordering::SeqCst);
+    }
+    let _inside = Inside(inside);
+    let delay = mix(id as u64 ^ info.waited().as_nanos() as u64) % 2_000;
+    if delay > 200 {
+        tokio::time::sleep(Duration::from_micros(delay)).await;
+    }
+    if info.is_lease_lost() {
+        keys.lease_lost.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+impl Soak {
+    /// Serves one instance per layer and drives them until `requests` are answered or
+    /// cancelled; `faults` runs alongside and is dropped when the load ends.
+    pub async fn run(
+        &self,
+        layers: &[KeyedLockLayer<PathParam>],
+        faults: impl Future<Output = ()>,
+    ) -> Report {
+        let keys = Arc::new(Keys {
+            inside: (0..self.keys).map(|_| AtomicUsize::new(0)).collect(),
+            overlaps: AtomicU64::new(0),
+            lease_lost: AtomicU64::new(0),
+        });
+        let mut servers = Vec::new();
+        for layer in layers {
+            let app = Router::new()
+                .route("/orders/{id}", post(handle))
+                .with_state(keys.clone())
+                .layer(layer.clone());
+            servers.push(Arc::new(serve(app).await));
+        }
+        let servers = Arc::new(servers);
+        let next = Arc::new(AtomicU64::new(0));
+        let report = Arc::new(std::sync::Mutex::new(Report::default()));
+
+        let clients: Vec<_> = (0..self.clients)
+            .map(|_| {
+                let (servers, next, report) = (servers.clone(), next.clone(), report.clone());
+                let (total, key_count, deadline) = (self.requests, self.keys as u64, self.deadline);
+                tokio::spawn(async move {
+                    loop {
+                        let n = next.fetch_add(1, Ordering::Relaxed);
+                        if n >= total {
+                            break;
+                        }
+                        let r = mix(n);
+                        let server: &Server = &servers[(r >> 40) as usize % servers.len()];
+                        let path = format!("/orders/{}", r % key_count);
+                        let started = Instant::now();
+                        // One request in 20 disconnects after 0–3 ms.
+                        let patience = if r % 20 == 0 {
+                            Duration::from_micros((r >> 8) % 3_000)
+                        } else {
+                            deadline
+                        };
+                        let status = tokio::time::timeout(patience, server.post(&path))
+                            .await
+                            .ok()
+                            .map(|a| a.status);
+                        let took = started.elapsed();
+                        let mut report = report.lock().unwrap();
+                        report.slowest = report.slowest.max(took);
+                        match status {
+                            Some(StatusCode::OK) => report.ok += 1,
+                            Some(StatusCode::CONFLICT) => report.conflict += 1,
+                            Some(StatusCode::SERVICE_UNAVAILABLE) => report.unavailable += 1,
+                            Some(_) => report.other += 1,
+                            None if patience < deadline => report.cancelled += 1,
+                            None => report.hung += 1,
+                        }
+                    }
+                })
+            })
+            .collect();
+
+        let load = async {
+            for client in clients {
+                client.await.unwrap();
+            }
+        };
+        tokio::pin!(load);
+        tokio::select! {
+            () = &mut load => {}
+            () = faults => load.await,
+        }
+
+        // Cancelled requests leave as the server notices their connections closed.
+        super::eventually("every layer's table empties", || {
+            layers.iter().all(|l| l.active_keys() == 0)
+        })
+        .await;
+        let mut report = std::mem::take(&mut *report.lock().unwrap());
+        report.overlaps = keys.overlaps.load(Ordering::SeqCst);
+        report.lease_lost = keys.lease_lost.load(Ordering::SeqCst);
+        report
+    }
+}
