@@ -32,9 +32,10 @@
 //!
 //! - `axum` (default): [`KeyedLockLayer::by_path`] for axum path parameters. Nothing else
 //!   in the crate depends on axum.
-//! - `redis`: [`RedisBackend`], serializing keys across
-//!   instances through Redis (leases, renewal, fencing tokens, pub/sub wake-ups).
-//! - `postgres`: a PostgreSQL advisory-lock backend (in progress).
+//! - `redis`: `RedisBackend`, serializing keys across instances through Redis (leases,
+//!   renewal, fencing tokens, pub/sub wake-ups).
+//! - `postgres`: `PostgresBackend`, the same through PostgreSQL advisory locks (waiters
+//!   queue inside PostgreSQL; lost sessions are detected; optional fencing tokens).
 //!
 //! # Across instances
 //!
@@ -55,6 +56,8 @@ pub mod reject;
 mod service;
 mod sync;
 
+#[cfg(feature = "postgres")]
+pub use backend::postgres::PostgresBackend;
 #[cfg(feature = "redis")]
 pub use backend::redis::RedisBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
