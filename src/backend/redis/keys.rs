@@ -1,0 +1,127 @@
+//! The names of a lock's Redis keys (see [Redis keys](super#redis-keys)), and its
+//! random tokens.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+/// Names and keys longer than this are hashed.
+const MAX_PLAIN_LEN: usize = 64;
+
+/// The Redis keys of one lock, in one hash slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct RedisKeys {
+    pub(super) lock: Arc<str>,
+    pub(super) fence: String,
+    /// Present while some instance waits for the lock: its release must publish.
+    pub(super) waiting: String,
+}
+
+impl RedisKeys {
+    /// `prefix` is normalized (empty or ending with `:`, no braces).
+    pub(super) fn new(prefix: &str, name: &str, key: &str) -> Self {
+        let tag = format!("{{{prefix}{}:{}}}", component(name), component(key));
+        Self {
+            lock: format!("{tag}:lock").into(),
+            fence: format!("{tag}:fence"),
+            waiting: format!("{tag}:waiting"),
+        }
+    }
+}
+
+/// A layer name or request key as it appears in a Redis key: as-is when short and
+/// plain, else `#` + hex SHA-256. Plain text has no `#`, so the forms never collide.
+fn component(text: &str) -> Cow<'_, str> {
+    let plain = |b: u8| b.is_ascii_alphanumeric() || b"-_.@+=/~,".contains(&b);
+    if !text.is_empty() && text.len() <= MAX_PLAIN_LEN && text.bytes().all(plain) {
+        return Cow::Borrowed(text);
+    }
+    let mut hashed = String::with_capacity(65);
+    hashed.push('#');
+    push_hex(&mut hashed, &Sha256::digest(text.as_bytes()));
+    Cow::Owned(hashed)
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for &b in bytes {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+}
+
+/// A fresh random 128-bit token, in hex.
+pub(super) fn new_token() -> Result<String, getrandom::Error> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes)?;
+    let mut token = String::with_capacity(32);
+    push_hex(&mut token, &bytes);
+    Ok(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sha256_hex(text: &str) -> String {
+        let mut out = String::new();
+        push_hex(&mut out, &Sha256::digest(text.as_bytes()));
+        out
+    }
+
+    #[test]
+    fn plain_names_and_keys_are_kept() {
+        let keys = RedisKeys::new("keyed-lock:", "orders", "order-42");
+        assert_eq!(&*keys.lock, "{keyed-lock:orders:order-42}:lock");
+        assert_eq!(keys.fence, "{keyed-lock:orders:order-42}:fence");
+        let keys = RedisKeys::new("", "a", "b");
+        assert_eq!(&*keys.lock, "{a:b}:lock");
+    }
+
+    #[test]
+    fn odd_or_long_text_is_hashed_with_a_marker() {
+        for odd in ["a:b", "{x}", "*", "a b", "é", "#abc", &"k".repeat(65), ""] {
+            assert_eq!(component(odd), format!("#{}", sha256_hex(odd)), "{odd:?}");
+        }
+        assert_eq!(component(&"k".repeat(64)), "k".repeat(64));
+    }
+
+    #[test]
+    fn hashing_is_stable_across_builds_and_machines() {
+        // The FIPS 180-2 test vector: SHA-256, not a per-process hasher.
+        assert_eq!(component("abc:"), format!("#{}", sha256_hex("abc:")));
+        assert_eq!(
+            sha256_hex("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn names_and_keys_cannot_reach_each_other() {
+        let triples = [
+            ("p:", "a", "b:c"),
+            ("p:", "a:b", "c"),
+            ("p:a:", "b", "c"),
+            ("p:", "a", "b"),
+            ("", "p", "a:b"),
+            ("p:a:b:", "c", "d"),
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for (prefix, name, key) in triples {
+            let keys = RedisKeys::new(prefix, name, key);
+            assert!(seen.insert(keys.lock.clone()), "{prefix} {name} {key}");
+            let tag = keys.lock.strip_suffix(":lock").unwrap();
+            assert_eq!(tag.matches('{').count(), 1);
+            assert_eq!(tag.matches('}').count(), 1);
+        }
+    }
+
+    #[test]
+    fn tokens_are_fresh_128_bit_hex() {
+        let (a, b) = (new_token().unwrap(), new_token().unwrap());
+        assert_eq!(a.len(), 32);
+        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,339 @@
+//! A lease's life in Redis: acquire attempts and the waits between them, the renewal
+//! task, and giving the lock back (also when an attempt's answer never came).
+
+use std::fmt;
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::RedisError;
+use tokio::task::AbortHandle;
+use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
+
+use super::keys::{new_token, RedisKeys};
+use super::{jitter, Inner, RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
+use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
+use crate::locks::LockError;
+
+/// How often a waiter polls while the subscription is down (capped by `poll_interval`).
+const UNSUBSCRIBED_POLL: Duration = Duration::from_millis(50);
+
+/// A Redis command that took longer than the command timeout.
+#[derive(Debug)]
+struct CommandTimeout(Duration);
+
+impl fmt::Display for CommandTimeout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "redis did not answer within {:?}", self.0)
+    }
+}
+
+impl std::error::Error for CommandTimeout {}
+
+/// What one acquire attempt found.
+enum Attempt {
+    Granted {
+        fence: u64,
+    },
+    /// Held by another token, which expires in this many ms (negative: no TTL).
+    Held {
+        ttl_ms: i64,
+    },
+}
+
+impl Inner {
+    pub(super) async fn acquire(
+        self: Arc<Self>,
+        keys: Arc<RedisKeys>,
+        wait: Duration,
+    ) -> Result<Lease, LockError> {
+        let started = Instant::now();
+        let deadline = started
+            .checked_add(wait)
+            .unwrap_or_else(|| started + Duration::from_secs(86_400 * 365));
+        let token = new_token().map_err(|error| {
+            LockError::Backend(Box::new(std::io::Error::other(error.to_string())))
+        })?;
+        // Registered before the first attempt, so no release after it goes unnoticed.
+        let interest = self.releases.register(&keys.lock);
+        let mut in_flight = InFlight {
+            inner: self.clone(),
+            keys,
+            token,
+            sent_at: None,
+        };
+        let mut first = true;
+        loop {
+            let mut released = pin!(interest.notify.notified());
+            released.as_mut().enable();
+
+            let sent_at = Instant::now();
+            // The first attempt gets a whole command timeout (a zero wait still tries
+            // once); later ones end with the wait.
+            let limit = match first {
+                true => sent_at + self.config.command_timeout,
+                false => (sent_at + self.config.command_timeout).min(deadline),
+            };
+            first = false;
+            in_flight.sent_at = Some(sent_at);
+            let attempt = self.attempt(&in_flight.keys, &in_flight.token);
+            // On an error or timeout `in_flight` stays armed: its drop gives back what
+            // the attempt may have been granted.
+            let ttl_ms = match timeout_at(limit, attempt).await {
+                Ok(Ok(Attempt::Granted { fence })) => {
+                    in_flight.sent_at = None;
+                    let (keys, token) = (in_flight.keys.clone(), in_flight.token.clone());
+                    return Ok(self.grant(keys, token, fence, sent_at));
+                }
+                Ok(Ok(Attempt::Held { ttl_ms })) => ttl_ms,
+                Ok(Err(error)) => return Err(LockError::Backend(Box::new(error))),
+                Err(_) if limit == deadline => return Err(LockError::Timeout),
+                Err(_) => {
+                    let timeout = CommandTimeout(self.config.command_timeout);
+                    return Err(LockError::Backend(Box::new(timeout)));
+                }
+            };
+            in_flight.sent_at = None;
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(LockError::Timeout);
+            }
+            let pause = self.pause(ttl_ms).min(deadline - now);
+            // Woken by a release message or the end of the pause, whichever is first.
+            tokio::select! {
+                biased;
+                () = released => {}
+                () = sleep(pause) => {}
+            }
+            if Instant::now() >= deadline {
+                return Err(LockError::Timeout);
+            }
+        }
+    }
+
+    /// How long to wait for a release message before trying again.
+    fn pause(&self, holder_ttl_ms: i64) -> Duration {
+        let mut poll = self.config.poll_interval;
+        if !*self.subscribed.borrow() {
+            poll = poll.min(UNSUBSCRIBED_POLL);
+        }
+        let pause = jitter(poll);
+        match u64::try_from(holder_ttl_ms) {
+            // One ms past the holder's expiry, the key is free.
+            Ok(ttl) => pause.min(Duration::from_millis(ttl + 1)),
+            Err(_) => pause,
+        }
+    }
+
+    async fn attempt(&self, keys: &RedisKeys, token: &str) -> Result<Attempt, RedisError> {
+        let fence_ttl = self
+            .config
+            .fence_ttl
+            .map_or(0, |ttl| millis(ttl.max(self.config.lease)));
+        // Outlasts this waiter's longest pause and its next attempt's round trip.
+        let waiting_ttl = self.config.poll_interval + self.config.command_timeout;
+        let (granted, value): (i64, i64) = self
+            .acquire
+            .key(&*keys.lock)
+            .key(&keys.fence)
+            .key(&keys.waiting)
+            .arg(token)
+            .arg(millis(self.config.first_ttl()))
+            .arg(fence_ttl)
+            .arg(millis(waiting_ttl))
+            .invoke_async(&mut self.commands.clone())
+            .await?;
+        Ok(match granted {
+            1 => Attempt::Granted {
+                fence: u64::try_from(value).unwrap_or_default(),
+            },
+            _ => Attempt::Held { ttl_ms: value },
+        })
+    }
+
+    /// A lease for a grant sent at `sent_at`, with its renewal task.
+    fn grant(
+        self: &Arc<Self>,
+        keys: Arc<RedisKeys>,
+        token: String,
+        fence: u64,
+        sent_at: Instant,
+    ) -> Lease {
+        let (lost, signal) = LeaseSignal::new();
+        let renewal =
+            tokio::spawn(
+                self.clone()
+                    .keep(keys.lock.clone(), token.clone(), sent_at, lost),
+            );
+        let release = RedisRelease {
+            inner: self.clone(),
+            keys,
+            token,
+            renewal: renewal.abort_handle(),
+        };
+        Lease::new(Some(fence), signal, release)
+    }
+
+    /// Keeps a lease acquired at `acquired_at` alive, and raises `lost` at its local
+    /// deadline or at the first reply saying it is not ours. Aborted when the lease is
+    /// released or dropped.
+    async fn keep(
+        self: Arc<Self>,
+        lock: Arc<str>,
+        token: String,
+        acquired_at: Instant,
+        lost: LeaseLostSender,
+    ) {
+        let config = &self.config;
+        let period = config.lease / 3;
+        let hold_end = config.max_hold.map(|max| acquired_at + max);
+        // Invariant: the lease is valid (ours in Redis, modulo drift) until `valid_until`.
+        let mut valid_until = acquired_at + config.first_ttl().saturating_sub(self.drift);
+        let mut next = acquired_at + period;
+        loop {
+            let renew = config.renewal && hold_end.is_none_or(|end| next < end);
+            if !renew {
+                sleep_until(valid_until).await;
+                break;
+            }
+            // The deadline first: once it has passed, the lease is lost even if it is
+            // also time to renew.
+            tokio::select! {
+                biased;
+                () = sleep_until(valid_until) => break,
+                () = sleep_until(next) => {}
+            }
+            let sent = Instant::now();
+            let ttl = hold_end
+                .map_or(config.lease, |end| {
+                    config.lease.min(end.saturating_duration_since(sent))
+                })
+                .max(Duration::from_millis(1));
+            let limit = (sent + config.command_timeout).min(valid_until);
+            match timeout_at(limit, self.renew(&lock, &token, ttl)).await {
+                Ok(Ok(true)) => {
+                    valid_until = sent + ttl.saturating_sub(self.drift);
+                    next = sent + period;
+                }
+                // Definitely not ours any more: deleted, expired or taken over.
+                Ok(Ok(false)) => break,
+                // Unknown: try again soon; the deadline stands.
+                Ok(Err(_)) | Err(_) => next = Instant::now() + period / 4,
+            }
+        }
+        lost.lose();
+    }
+
+    async fn renew(&self, lock: &str, token: &str, ttl: Duration) -> Result<bool, RedisError> {
+        let renewed: i64 = self
+            .renew
+            .key(lock)
+            .arg(token)
+            .arg(millis(ttl))
+            .invoke_async(&mut self.commands.clone())
+            .await?;
+        Ok(renewed == 1)
+    }
+
+    /// Deletes the lock if `token` still holds it and announces the release. Returns
+    /// after one try, bounded by the command timeout; if that gets no answer, tries
+    /// again in the background with backoff until `expires`, when Redis drops the key
+    /// by itself.
+    async fn give_back(self: &Arc<Self>, keys: Arc<RedisKeys>, token: String, expires: Instant) {
+        if self.try_give_back(&keys, &token).await {
+            return;
+        }
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let mut backoff = RESUBSCRIBE_MIN;
+            while Instant::now() + backoff < expires {
+                sleep(jitter(backoff)).await;
+                if inner.try_give_back(&keys, &token).await {
+                    return;
+                }
+                backoff = (backoff * 2).min(RESUBSCRIBE_MAX);
+            }
+            tracing::debug!("redis lock release failed; the key expires by its lease");
+        });
+    }
+
+    /// One release attempt; whether Redis answered.
+    async fn try_give_back(&self, keys: &RedisKeys, token: &str) -> bool {
+        let mut invocation = self.release.key(&*keys.lock);
+        invocation.key(&keys.waiting).arg(token).arg(&self.channel);
+        let mut commands = self.commands.clone();
+        let release = invocation.invoke_async::<i64>(&mut commands);
+        match timeout(self.config.command_timeout, release).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "redis lock release failed");
+                false
+            }
+            Err(_) => {
+                tracing::debug!("redis lock release timed out");
+                false
+            }
+        }
+    }
+}
+
+/// An acquisition's token, armed while an attempt may have been granted without us
+/// knowing: an error, a timeout, or the acquire future dropped mid-attempt. Then the
+/// script may have run (or may still run: a silent server can wake up), so dropping
+/// it gives back what the token may hold rather than leave the key blocked for a lease.
+struct InFlight {
+    inner: Arc<Inner>,
+    keys: Arc<RedisKeys>,
+    token: String,
+    /// When the attempt in flight was sent; `None` when none is.
+    sent_at: Option<Instant>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(sent_at) = self.sent_at else {
+            return;
+        };
+        // Without a runtime (it is shutting down) the key expires by its lease.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (inner, keys) = (self.inner.clone(), self.keys.clone());
+            let token = std::mem::take(&mut self.token);
+            let expires = sent_at + inner.config.first_ttl();
+            runtime.spawn(async move { inner.give_back(keys, token, expires).await });
+        }
+    }
+}
+
+/// Gives a Redis lease back: stops its renewal, then deletes the key if still ours.
+struct RedisRelease {
+    inner: Arc<Inner>,
+    keys: Arc<RedisKeys>,
+    token: String,
+    renewal: AbortHandle,
+}
+
+impl ReleaseLease for RedisRelease {
+    fn release(self: Box<Self>) -> BoxFuture<()> {
+        self.renewal.abort();
+        // No renewal can follow, so the key is gone from Redis within one lease.
+        let expires = Instant::now() + self.inner.config.lease;
+        Box::pin(async move {
+            let (keys, token) = (self.keys.clone(), self.token.clone());
+            self.inner.give_back(keys, token, expires).await;
+        })
+    }
+}
+
+impl Drop for RedisRelease {
+    fn drop(&mut self) {
+        // Also when dropped without `release` (no runtime left): renewal stops.
+        self.renewal.abort();
+    }
+}
+
+/// Whole milliseconds, at least 1 (Redis rejects a zero `PX`).
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
