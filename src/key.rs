@@ -204,6 +204,13 @@ pub trait KeyExtractor: Clone + Send + Sync + 'static {
     /// `parts` is mutable only because some extractors (axum's path
     /// parameters) need `&mut`; an extractor should not change it.
     fn extract<'a>(&self, parts: &'a mut Parts) -> Result<Cow<'a, str>, KeyError>;
+
+    /// Extracts and validates the key in one step: what the layer calls. The default
+    /// validates what [`extract`](Self::extract) returns; an extractor that would
+    /// otherwise return an owned copy overrides it to skip that copy.
+    fn extract_key(&self, parts: &mut Parts, max_len: usize) -> Result<Key, KeyError> {
+        Key::new(&self.extract(parts)?, max_len)
+    }
 }
 
 /// The key is the named axum path parameter, e.g. `order_id` in
@@ -236,8 +243,13 @@ impl PathParam {
 }
 
 #[cfg(feature = "axum")]
-impl KeyExtractor for PathParam {
-    fn extract<'a>(&self, parts: &'a mut Parts) -> Result<Cow<'a, str>, KeyError> {
+impl PathParam {
+    /// Runs `with` on the parameter's value.
+    fn with_value<R>(
+        &self,
+        parts: &mut Parts,
+        with: impl FnOnce(&str) -> R,
+    ) -> Result<R, KeyError> {
         use axum::extract::path::RawPathParams;
         use axum::extract::rejection::RawPathParamsRejection;
         use axum::extract::FromRequestParts;
@@ -258,8 +270,20 @@ impl KeyExtractor for PathParam {
         params
             .iter()
             .find(|(name, _)| *name == &*self.name)
-            .map(|(_, value)| Cow::Owned(value.to_owned()))
+            .map(|(_, value)| with(value))
             .ok_or(KeyError::Missing)
+    }
+}
+
+#[cfg(feature = "axum")]
+impl KeyExtractor for PathParam {
+    fn extract<'a>(&self, parts: &'a mut Parts) -> Result<Cow<'a, str>, KeyError> {
+        self.with_value(parts, |value| Cow::Owned(value.to_owned()))
+    }
+
+    fn extract_key(&self, parts: &mut Parts, max_len: usize) -> Result<Key, KeyError> {
+        // The parameters are owned by a temporary: validate in place, copy once.
+        self.with_value(parts, |value| Key::new(value, max_len))?
     }
 }
 

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 pub use acquire::Acquire;
 
-use crate::sync::{Arc, AtomicUsize, Ordering};
+use crate::sync::{Arc, AtomicUsize, CachePadded, Ordering};
 use slot::{Attempt, Slot, Waiter};
 use table::Table;
 
@@ -52,10 +52,12 @@ pub struct KeyedLocks<K> {
 }
 
 struct Inner<K> {
-    table: Table<K, Slot>,
+    /// Read by every call; padded away from the `Arc`'s reference counts in front of
+    /// it and from `keys`, which both change on every call.
+    table: CachePadded<Table<K, Slot>>,
     /// Keys in the table. Raised before a slot is inserted and lowered after one is
     /// removed, so it never undercounts; it is exact whenever no call is in flight.
-    keys: AtomicUsize,
+    keys: CachePadded<AtomicUsize>,
     permits: usize,
     max_waiters: usize,
     max_keys: usize,
@@ -266,8 +268,8 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
     pub fn build(self) -> KeyedLocks<K> {
         KeyedLocks {
             inner: Arc::new(Inner {
-                table: Table::new(),
-                keys: AtomicUsize::new(0),
+                table: CachePadded(Table::new()),
+                keys: CachePadded(AtomicUsize::new(0)),
                 permits: self.permits,
                 max_waiters: self.max_waiters,
                 max_keys: self.max_keys,

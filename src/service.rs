@@ -12,7 +12,7 @@ use crate::body::KeyedLockBody;
 use crate::future::{Pending, ResponseFuture, WaitTicket};
 use crate::held::HeldKey;
 use crate::info::LockInfo;
-use crate::key::{Key, KeyExtractor};
+use crate::key::KeyExtractor;
 use crate::layer::Shared;
 use crate::locks::LockError;
 
@@ -59,10 +59,7 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let shared = self.shared.clone();
         let (mut parts, body) = request.into_parts();
-        let key = self
-            .extractor
-            .extract(&mut parts)
-            .and_then(|raw| Key::new(&raw, shared.max_key_len));
+        let key = self.extractor.extract_key(&mut parts, shared.max_key_len);
         let key = match key {
             Ok(key) => key,
             Err(error) if error.is_missing() && shared.allow_missing_key => {

@@ -19,3 +19,17 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
+
+/// Keeps a value on cache lines of its own (128 bytes covers the adjacent-line
+/// prefetcher of x86 and the 128-byte lines of Apple silicon), so that writes to it do
+/// not slow down readers of its neighbours.
+#[repr(align(128))]
+pub(crate) struct CachePadded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for CachePadded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}

@@ -16,9 +16,9 @@ use crate::sync::Arc;
 /// before it resolves gives back anything it was handed.
 #[must_use = "futures do nothing unless polled"]
 pub struct Acquire<K: Eq + Hash> {
-    inner: Arc<Inner<K>>,
-    /// `Some` until the future resolves; then moved into the guard.
-    key: Option<K>,
+    /// The table and the key, until the future resolves: then both move into the guard
+    /// (no second reference count on the table per lock).
+    wanted: Option<(Arc<Inner<K>>, K)>,
     queued: Option<Arc<Waiter>>,
     timeout: Option<Duration>,
     /// Created only once the future has to wait, so the uncontended path never touches
@@ -29,18 +29,17 @@ pub struct Acquire<K: Eq + Hash> {
 impl<K: Eq + Hash> Acquire<K> {
     pub(super) fn new(inner: Arc<Inner<K>>, key: K, timeout: Option<Duration>) -> Self {
         Self {
-            inner,
-            key: Some(key),
+            wanted: Some((inner, key)),
             queued: None,
             timeout,
             deadline: None,
         }
     }
 
-    fn guard(&mut self) -> KeyGuard<K> {
+    fn resolve(&mut self, result: Result<(), LockError>) -> Poll<Result<KeyGuard<K>, LockError>> {
         self.queued = None;
-        let key = self.key.take().expect("Acquire polled after completion");
-        KeyGuard::new(self.inner.clone(), key)
+        let (inner, key) = self.wanted.take().expect("Acquire polled after completion");
+        Poll::Ready(result.map(|()| KeyGuard::new(inner, key)))
     }
 }
 
@@ -52,32 +51,26 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let key = this.key.as_ref().expect("Acquire polled after completion");
+        let (inner, key) = this
+            .wanted
+            .as_ref()
+            .expect("Acquire polled after completion");
 
         match &this.queued {
             Some(waiter) => {
                 if waiter.poll_granted(cx.waker()) {
-                    return Poll::Ready(Ok(this.guard()));
+                    return this.resolve(Ok(()));
                 }
             }
             None => {
                 let try_once = this.timeout == Some(Duration::ZERO);
                 let waker = (!try_once).then(|| cx.waker());
-                match this.inner.attempt(key, waker) {
-                    Ok(Attempt::Acquired) => return Poll::Ready(Ok(this.guard())),
+                match inner.attempt(key, waker) {
+                    Ok(Attempt::Acquired) => return this.resolve(Ok(())),
                     Ok(Attempt::Queued(waiter)) => this.queued = Some(waiter),
-                    Ok(Attempt::Busy) => {
-                        this.key = None;
-                        return Poll::Ready(Err(LockError::Timeout));
-                    }
-                    Ok(Attempt::QueueFull) => {
-                        this.key = None;
-                        return Poll::Ready(Err(LockError::QueueFull));
-                    }
-                    Err(error) => {
-                        this.key = None;
-                        return Poll::Ready(Err(error));
-                    }
+                    Ok(Attempt::Busy) => return this.resolve(Err(LockError::Timeout)),
+                    Ok(Attempt::QueueFull) => return this.resolve(Err(LockError::QueueFull)),
+                    Err(error) => return this.resolve(Err(error)),
                 }
                 if let Some(timeout) = this.timeout {
                     this.deadline = Some(Box::pin(tokio::time::sleep(timeout)));
@@ -98,18 +91,18 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
             .take()
             .expect("a deadline implies a queued waiter");
         if waiter.is_granted() {
-            return Poll::Ready(Ok(this.guard()));
+            return this.resolve(Ok(()));
         }
-        let key = this.key.take().expect("checked above");
-        this.inner.withdraw(&key, &waiter);
-        Poll::Ready(Err(LockError::Timeout))
+        let (inner, key) = this.wanted.as_ref().expect("checked above");
+        inner.withdraw(key, &waiter);
+        this.resolve(Err(LockError::Timeout))
     }
 }
 
 impl<K: Eq + Hash> Drop for Acquire<K> {
     fn drop(&mut self) {
-        if let (Some(waiter), Some(key)) = (self.queued.take(), &self.key) {
-            self.inner.withdraw(key, &waiter);
+        if let (Some(waiter), Some((inner, key))) = (self.queued.take(), &self.wanted) {
+            inner.withdraw(key, &waiter);
         }
     }
 }
@@ -117,7 +110,7 @@ impl<K: Eq + Hash> Drop for Acquire<K> {
 impl<K: Eq + Hash + fmt::Debug> fmt::Debug for Acquire<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Acquire")
-            .field("key", &self.key)
+            .field("key", &self.wanted.as_ref().map(|(_, key)| key))
             .field("queued", &self.queued.is_some())
             .field("timeout", &self.timeout)
             .finish()
