@@ -23,6 +23,7 @@
 //! ```
 
 mod acquire;
+mod count;
 mod slot;
 mod table;
 
@@ -33,7 +34,8 @@ use std::time::Duration;
 
 pub use acquire::Acquire;
 
-use crate::sync::{Arc, AtomicUsize, CachePadded, Ordering};
+use crate::sync::{Arc, CachePadded};
+use count::KeyCount;
 use slot::{Attempt, Slot, Waiter};
 use table::Table;
 
@@ -55,9 +57,8 @@ struct Inner<K> {
     /// Read by every call; padded away from the `Arc`'s reference counts in front of
     /// it and from `keys`, which both change on every call.
     table: CachePadded<Table<K, Slot>>,
-    /// Keys in the table. Raised before a slot is inserted and lowered after one is
-    /// removed, so it never undercounts; it is exact whenever no call is in flight.
-    keys: CachePadded<AtomicUsize>,
+    /// Keys in the table, counted as slots are inserted and removed.
+    keys: KeyCount,
     permits: usize,
     max_waiters: usize,
     max_keys: usize,
@@ -141,16 +142,16 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
 
     /// Takes `key` if a permit is free now, else fails with [`LockError::Busy`].
     pub fn try_lock(&self, key: K) -> Result<KeyGuard<K>, LockError> {
-        match self.inner.attempt(&key, None) {
-            Ok(Attempt::Acquired) => Ok(KeyGuard::new(self.inner.clone(), key)),
-            Ok(_) => Err(LockError::Busy),
-            Err(error) => Err(error),
+        match self.inner.attempt(key, None) {
+            (key, Ok(Attempt::Acquired)) => Ok(KeyGuard::new(self.inner.clone(), key)),
+            (_, Ok(_)) => Err(LockError::Busy),
+            (_, Err(error)) => Err(error),
         }
     }
 
     /// Keys that have a holder or a waiter now (exact when no call is in flight).
     pub fn len(&self) -> usize {
-        self.inner.keys.load(Ordering::Acquire)
+        self.inner.keys.get()
     }
 
     /// True when no key has a holder or a waiter.
@@ -161,31 +162,17 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
 
 impl<K: Eq + Hash> Inner<K> {
     /// First attempt on `key`: acquire, or queue with `waker`, or say why not.
-    fn attempt(&self, key: &K, waker: Option<&std::task::Waker>) -> Result<Attempt, LockError>
+    /// Hands the key back (the table keeps a clone of a new key).
+    fn attempt(&self, key: K, waker: Option<&std::task::Waker>) -> (K, Result<Attempt, LockError>)
     where
         K: Clone,
     {
-        let try_slot =
-            |slot: &mut Slot| slot.acquire_or_enqueue(self.permits, self.max_waiters, waker);
-        // Existing key: no clone of the key, no allocation.
-        if let Some(attempt) = self.table.update(key, try_slot) {
-            return Ok(attempt);
-        }
-        // New key: reserve room for it before inserting, so concurrent inserts on
-        // different shards cannot overshoot `max_keys`.
-        if self.keys.fetch_add(1, Ordering::AcqRel) >= self.max_keys {
-            self.keys.fetch_sub(1, Ordering::AcqRel);
-            return Err(LockError::TooManyKeys);
-        }
-        Ok(self
-            .table
-            .upsert(key.clone(), Slot::default, |slot, inserted| {
-                if !inserted {
-                    // Another caller inserted the key in between; its reservation counts.
-                    self.keys.fetch_sub(1, Ordering::AcqRel);
-                }
-                try_slot(slot)
-            }))
+        let (key, attempt) = self.table.with_slot(
+            key,
+            || self.keys.admit(),
+            |slot| slot.acquire_or_enqueue(self.permits, self.max_waiters, waker),
+        );
+        (key, attempt.ok_or(LockError::TooManyKeys))
     }
 
     fn release(&self, key: &K) {
@@ -206,7 +193,7 @@ impl<K: Eq + Hash> Inner<K> {
             remove
         });
         if removed {
-            self.keys.fetch_sub(1, Ordering::AcqRel);
+            self.keys.removed();
         }
         if let Some(waker) = next {
             waker.wake();
@@ -231,7 +218,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> Default for KeyedLocks<K> {
 impl<K> fmt::Debug for KeyedLocks<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KeyedLocks")
-            .field("keys", &self.inner.keys.load(Ordering::Relaxed))
+            .field("keys", &self.inner.keys.get())
             .field("permits", &self.inner.permits)
             .field("max_waiters", &self.inner.max_waiters)
             .field("max_keys", &self.inner.max_keys)
@@ -269,7 +256,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
         KeyedLocks {
             inner: Arc::new(Inner {
                 table: CachePadded(Table::new()),
-                keys: CachePadded(AtomicUsize::new(0)),
+                keys: KeyCount::new(self.max_keys),
                 permits: self.permits,
                 max_waiters: self.max_waiters,
                 max_keys: self.max_keys,

@@ -51,11 +51,6 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let (inner, key) = this
-            .wanted
-            .as_ref()
-            .expect("Acquire polled after completion");
-
         match &this.queued {
             Some(waiter) => {
                 if waiter.poll_granted(cx.waker()) {
@@ -63,9 +58,12 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
                 }
             }
             None => {
+                let (inner, key) = this.wanted.take().expect("Acquire polled after completion");
                 let try_once = this.timeout == Some(Duration::ZERO);
                 let waker = (!try_once).then(|| cx.waker());
-                match inner.attempt(key, waker) {
+                let (key, attempt) = inner.attempt(key, waker);
+                this.wanted = Some((inner, key));
+                match attempt {
                     Ok(Attempt::Acquired) => return this.resolve(Ok(())),
                     Ok(Attempt::Queued(waiter)) => this.queued = Some(waiter),
                     Ok(Attempt::Busy) => return this.resolve(Err(LockError::Timeout)),

@@ -18,22 +18,33 @@ impl<K: Eq + Hash, V> Table<K, V> {
         Self(dashmap::DashMap::new())
     }
 
-    /// Runs `f` on the slot of `key` if there is one.
-    pub(crate) fn update<R>(&self, key: &K, f: impl FnOnce(&mut V) -> R) -> Option<R> {
-        self.0.get_mut(key).map(|mut slot| f(&mut slot))
-    }
-
-    /// Runs `f` on the slot of `key`, inserting `init()` first if there is none;
-    /// `f` learns whether the slot was inserted by this call.
-    pub(crate) fn upsert<R>(
+    /// Runs `f` on the slot of `key`, first inserting a default slot if there is none
+    /// and `admit_new()` allows it. Returns the key (the caller's own, or a clone when
+    /// the table kept the original) and `f`'s result, `None` when not admitted.
+    /// One lookup whether the key is there or not, and no clone when it is.
+    pub(crate) fn with_slot<R>(
         &self,
         key: K,
-        init: impl FnOnce() -> V,
-        f: impl FnOnce(&mut V, bool) -> R,
-    ) -> R {
+        admit_new: impl FnOnce() -> bool,
+        f: impl FnOnce(&mut V) -> R,
+    ) -> (K, Option<R>)
+    where
+        K: Clone,
+        V: Default,
+    {
         match self.0.entry(key) {
-            dashmap::Entry::Occupied(mut slot) => f(slot.get_mut(), false),
-            dashmap::Entry::Vacant(vacant) => f(&mut vacant.insert(init()), true),
+            dashmap::Entry::Occupied(mut slot) => {
+                let result = f(slot.get_mut());
+                (slot.into_key(), Some(result))
+            }
+            dashmap::Entry::Vacant(vacant) => {
+                if !admit_new() {
+                    return (vacant.into_key(), None);
+                }
+                let key = vacant.key().clone();
+                let result = f(&mut vacant.insert(V::default()));
+                (key, Some(result))
+            }
         }
     }
 
@@ -53,19 +64,26 @@ impl<K: Eq + Hash, V> Table<K, V> {
         Self(loom::sync::Mutex::new(std::collections::HashMap::new()))
     }
 
-    pub(crate) fn update<R>(&self, key: &K, f: impl FnOnce(&mut V) -> R) -> Option<R> {
-        self.0.lock().unwrap().get_mut(key).map(f)
-    }
-
-    pub(crate) fn upsert<R>(
+    pub(crate) fn with_slot<R>(
         &self,
         key: K,
-        init: impl FnOnce() -> V,
-        f: impl FnOnce(&mut V, bool) -> R,
-    ) -> R {
+        admit_new: impl FnOnce() -> bool,
+        f: impl FnOnce(&mut V) -> R,
+    ) -> (K, Option<R>)
+    where
+        K: Clone,
+        V: Default,
+    {
         let mut map = self.0.lock().unwrap();
-        let inserted = !map.contains_key(&key);
-        f(map.entry(key).or_insert_with(init), inserted)
+        if let Some(slot) = map.get_mut(&key) {
+            let result = f(slot);
+            return (key, Some(result));
+        }
+        if !admit_new() {
+            return (key, None);
+        }
+        let result = f(map.entry(key.clone()).or_default());
+        (key, Some(result))
     }
 
     pub(crate) fn update_or_remove(&self, key: &K, f: impl FnOnce(&mut V) -> bool) -> bool {
