@@ -40,8 +40,8 @@ async fn two_instances_sharing_postgres_never_overlap() {
     let layers = [instance(&pg), instance(&pg)];
     let soak = Soak {
         requests: requests(),
-        keys: 200,
-        clients: 64,
+        keys: 1_000,
+        clients: 512,
         deadline: Duration::from_secs(6),
     };
 
@@ -66,8 +66,8 @@ async fn postgres_restarted_during_a_soak() {
     let layers = [instance(&pg), instance(&pg)];
     let soak = Soak {
         requests: requests(),
-        keys: 200,
-        clients: 64,
+        keys: 1_000,
+        clients: 512,
         deadline: Duration::from_secs(6),
     };
     let mut faults = 0;
@@ -102,7 +102,9 @@ async fn postgres_restarted_during_a_soak() {
     if !pg.is_running() {
         pg.start_again();
     }
-    // Recovery without restarting the app.
+    // Recovery without restarting the app: wait for the first request to be served,
+    // then all must be.
+    support::soak::wait_until_served(&layers).await;
     let after = Soak {
         requests: 200,
         keys: 20,

@@ -172,3 +172,25 @@ impl Soak {
         report
     }
 }
+
+/// Sends single requests to each instance until one is served (its backend
+/// connection is back: the first command on a broken connection fails, and that
+/// request gets 503), failing the test after 10 s.
+pub async fn wait_until_served(layers: &[KeyedLockLayer<PathParam>]) {
+    let probe = Soak {
+        requests: 1,
+        keys: 1,
+        clients: 1,
+        deadline: Duration::from_secs(5),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for instance in layers.chunks(1) {
+        while probe.run(instance, std::future::pending()).await.ok == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the layer did not recover within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
