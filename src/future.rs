@@ -226,6 +226,9 @@ where
                             }
                         }
                         Err(error) => {
+                            if let LockError::Backend(cause) = &error {
+                                tracing::warn!(layer = shared.name, error = %cause, "lock backend failed; answering 503");
+                            }
                             drop(local);
                             State::Rejected {
                                 response: Some(pending.ticket.reject(&error)),

@@ -1135,3 +1135,34 @@ async fn an_acquire_dropped_mid_attempt_gives_back_what_it_may_hold() {
     })
     .await;
 }
+
+/// After Redis restarts, requests on every instance are served at once: an attempt
+/// that finds its connection dropped ("broken pipe") is retried on the reconnected one
+/// instead of answered with 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_first_requests_after_a_redis_restart_are_served() {
+    let mut redis = RedisServer::start();
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let backend = connect(&redis, |b| b.command_timeout(Duration::from_millis(500))).await;
+        let (gate, _entered) = gate();
+        servers.push(serve(gated_router(gate).layer(layer(backend))).await);
+    }
+    for server in &servers {
+        assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
+    }
+
+    redis.restart();
+
+    for round in 0..20 {
+        for server in &servers {
+            let answer = server.post(&format!("/quick/{round}")).await;
+            assert_eq!(
+                answer.status,
+                StatusCode::OK,
+                "round {round}: {}",
+                answer.body
+            );
+        }
+    }
+}

@@ -41,6 +41,12 @@ enum Attempt {
     },
 }
 
+/// A random token for one acquisition.
+fn fresh_token() -> Result<String, LockError> {
+    new_token()
+        .map_err(|error| LockError::Backend(Box::new(std::io::Error::other(error.to_string()))))
+}
+
 impl Inner {
     pub(super) async fn acquire(
         self: Arc<Self>,
@@ -51,9 +57,7 @@ impl Inner {
         let deadline = started
             .checked_add(wait)
             .unwrap_or_else(|| started + Duration::from_secs(86_400 * 365));
-        let token = new_token().map_err(|error| {
-            LockError::Backend(Box::new(std::io::Error::other(error.to_string())))
-        })?;
+        let token = fresh_token()?;
         // Registered before the first attempt, so no release after it goes unnoticed.
         let interest = self.releases.register(&keys.lock);
         let mut in_flight = InFlight {
@@ -63,6 +67,7 @@ impl Inner {
             sent_at: None,
         };
         let mut first = true;
+        let mut reconnected = false;
         loop {
             let mut released = pin!(interest.notify.notified());
             released.as_mut().enable();
@@ -86,6 +91,26 @@ impl Inner {
                     return Ok(self.grant(keys, token, fence, sent_at));
                 }
                 Ok(Ok(Attempt::Held { ttl_ms })) => ttl_ms,
+                Ok(Err(error))
+                    if !reconnected
+                        && error.is_connection_dropped()
+                        && Instant::now() < deadline =>
+                {
+                    // The connection died under this attempt (Redis restarted, a
+                    // failover): the manager reconnects on the next command, so try
+                    // once more rather than fail a request Redis could serve. The lost
+                    // attempt may still have been granted: dropping its `InFlight`
+                    // gives that token back, and the retry uses a fresh one.
+                    reconnected = true;
+                    let keys = in_flight.keys.clone();
+                    in_flight = InFlight {
+                        inner: self.clone(),
+                        keys,
+                        token: fresh_token()?,
+                        sent_at: None,
+                    };
+                    continue;
+                }
                 Ok(Err(error)) => return Err(LockError::Backend(Box::new(error))),
                 Err(_) if limit == deadline => return Err(LockError::Timeout),
                 Err(_) => {
