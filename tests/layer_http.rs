@@ -32,40 +32,11 @@ fn overlap_router(overlap: Arc<Overlap>, hold: Duration) -> Router {
 async fn fire(server: &support::Server, paths: Vec<String>) -> Vec<StatusCode> {
     let server = Arc::new(server);
     let requests = paths.iter().map(|path| server.post(path));
-    futures_join_all(requests)
+    support::join_all(requests)
         .await
         .into_iter()
         .map(|a| a.status)
         .collect()
-}
-
-/// `join_all` without the futures crate: spawn-free, polls all in one task.
-async fn futures_join_all<F: std::future::Future>(
-    futures: impl IntoIterator<Item = F>,
-) -> Vec<F::Output> {
-    let mut set = Vec::new();
-    for future in futures {
-        set.push(Box::pin(future));
-    }
-    let mut outputs: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (future, output) in set.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match future.as_mut().poll(cx) {
-                    std::task::Poll::Ready(value) => *output = Some(value),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().map(Option::unwrap).collect()
 }
 
 #[tokio::test]

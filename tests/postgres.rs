@@ -352,7 +352,7 @@ async fn same_key_is_serialized_across_instances() {
         requests.push(send(&server_a, "/orders/1"));
         requests.push(send(&server_b, "/orders/1"));
     }
-    let answers = join_all(requests).await;
+    let answers = support::join_all(requests).await;
     for answer in &answers {
         assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
     }
@@ -942,28 +942,4 @@ async fn fencing_tokens_strictly_increase() {
     let plain = serve(app(layer(backend(&pg, "plain"), PATIENCE), probe.clone())).await;
     probe.gate.add_permits(1);
     assert_eq!(send(&plain, "/orders/1").await.body, "");
-}
-
-/// Polls all futures in one task; the answers in order.
-async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
-    let mut futures: Vec<_> = futures.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if output.is_none() {
-                match future.as_mut().poll(cx) {
-                    std::task::Poll::Ready(value) => *output = Some(value),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().map(Option::unwrap).collect()
 }
