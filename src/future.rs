@@ -20,7 +20,7 @@ use crate::info::LockInfo;
 use crate::key::Key;
 use crate::layer::Shared;
 use crate::locks::{Acquire, KeyGuard, LockError};
-use crate::reject::{Rejection, RejectionKind};
+use crate::reject::RejectionKind;
 
 pin_project! {
     /// The response future of [`KeyedLock`](crate::KeyedLock).
@@ -237,28 +237,20 @@ where
                     }
                 }
                 StateProj::Running { future, held, lost } => {
-                    if let Some(lease_lost) = lost {
-                        if lease_lost.as_mut().poll(cx).is_ready() {
-                            // Abort: the inner future is dropped with this state.
-                            let shared = held
-                                .as_ref()
-                                .expect("a lease implies a hold")
-                                .shared()
-                                .clone();
-                            let rejection = Rejection::new(
-                                RejectionKind::LeaseLost,
-                                http::StatusCode::SERVICE_UNAVAILABLE,
-                                Some(shared.retry_after),
-                                "the lock lease was lost while the request ran",
-                            );
-                            State::Rejected {
-                                response: Some(shared.respond(rejection)),
-                            }
-                        } else {
-                            return poll_running(future, held, cx);
-                        }
-                    } else {
+                    let lease_lost = lost
+                        .as_mut()
+                        .is_some_and(|lost| lost.as_mut().poll(cx).is_ready());
+                    if !lease_lost {
                         return poll_running(future, held, cx);
+                    }
+                    // Abort: the inner future is dropped with this state.
+                    let shared = held
+                        .as_ref()
+                        .expect("a lease implies a hold")
+                        .shared()
+                        .clone();
+                    State::Rejected {
+                        response: Some(shared.respond(shared.lease_lost_rejection())),
                     }
                 }
                 StateProj::Rejected { response } => {

@@ -112,7 +112,7 @@ pub(crate) struct Shared {
     pub(crate) hold_until_body_end: bool,
     pub(crate) long_hold: Option<Duration>,
     pub(crate) name: &'static str,
-    pub(crate) retry_after: Duration,
+    retry_after: Duration,
     pub(crate) backend: Option<Arc<dyn LockBackend>>,
     pub(crate) fail_open: bool,
     pub(crate) abort_on_lease_lost: bool,
@@ -535,6 +535,16 @@ impl Shared {
             ),
         };
         Rejection::new(kind, status, retry, detail)
+    }
+
+    /// The rejection for a request aborted because its distributed lease was lost.
+    pub(crate) fn lease_lost_rejection(&self) -> Rejection {
+        Rejection::new(
+            RejectionKind::LeaseLost,
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(self.retry_after),
+            "the lock lease was lost while the request ran",
+        )
     }
 
     /// The response for `rejection`: the user's handler's, or the default.
