@@ -55,7 +55,8 @@ pub struct KeyedLocks<K> {
 
 struct Inner<K> {
     /// Read by every call; padded away from the `Arc`'s reference counts in front of
-    /// it and from `keys`, which both change on every call.
+    /// it, which change on every call, and from `keys`, which changes as keys come and
+    /// go.
     table: CachePadded<Table<K, Slot>>,
     /// Keys in the table, counted as slots are inserted and removed.
     keys: KeyCount,

@@ -1,4 +1,4 @@
-//! The map under the lock table, reduced to the three operations the table needs.
+//! The map under the lock table, reduced to the two operations the table needs.
 //!
 //! Each operation runs its closure while holding the lock of the key's shard, so a
 //! closure sees and changes a slot atomically with respect to every other operation on
