@@ -1,29 +1,20 @@
 //! The metrics and the long-hold warning, recorded through real recorders.
 
+mod support;
+
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use metrics_util::debugging::DebugValue;
+use support::recorder::snapshotter;
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_keyed_lock::KeyedLockLayer;
-
-fn snapshotter() -> &'static Snapshotter {
-    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
-    SNAPSHOTTER.get_or_init(|| {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        recorder
-            .install()
-            .expect("no other recorder in this test binary");
-        snapshotter
-    })
-}
 
 /// One series: metric name and its labels other than `name`.
 type Series = (String, BTreeMap<String, String>);

@@ -8,15 +8,15 @@ mod pg_server;
 mod support;
 
 use std::future::Future;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::Extension;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use pg_server::PgServer;
+use support::recorder::counter;
 use support::{serve, Overlap, Server};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_postgres::{Client, NoTls};
@@ -230,36 +230,6 @@ async fn answer(task: tokio::task::JoinHandle<support::Answer>) -> support::Answ
         .await
         .expect("request did not finish")
         .unwrap()
-}
-
-fn snapshotter() -> &'static Snapshotter {
-    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
-    SNAPSHOTTER.get_or_init(|| {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        recorder
-            .install()
-            .expect("no other recorder in this test binary");
-        snapshotter
-    })
-}
-
-fn counter(metric: &str, layer: &str) -> u64 {
-    snapshotter()
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .find_map(|(composite, _, _, value)| {
-            let key = composite.key();
-            let named = key
-                .labels()
-                .any(|l| l.key() == "name" && l.value() == layer);
-            match value {
-                DebugValue::Counter(n) if key.name() == metric && named => Some(n),
-                _ => None,
-            }
-        })
-        .unwrap_or(0)
 }
 
 // ---------------------------------------------------------------- lock ids
@@ -647,7 +617,7 @@ async fn terminated_connection_raises_lease_lost() {
         .name("pg-lost")
         .backend(a.clone());
     let server = Arc::new(serve(app(layer, probe.clone())).await);
-    let before = counter(tower_keyed_lock::metrics::LEASE_LOST_TOTAL, "pg-lost");
+    let before = counter(tower_keyed_lock::metrics::LEASE_LOST_TOTAL, "pg-lost", &[]);
 
     let request = spawn_post(&server, "/lost/1");
     let info = next_entered(&mut entered).await;
@@ -666,7 +636,7 @@ async fn terminated_connection_raises_lease_lost() {
     assert!(info.is_lease_lost());
     assert!(started.elapsed() < Duration::from_secs(2), "noticed late");
     eventually("the loss is counted", || async {
-        counter(tower_keyed_lock::metrics::LEASE_LOST_TOTAL, "pg-lost") == before + 1
+        counter(tower_keyed_lock::metrics::LEASE_LOST_TOTAL, "pg-lost", &[]) == before + 1
     })
     .await;
     // The dead connection did not go back to the pool.

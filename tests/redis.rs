@@ -7,19 +7,19 @@
 mod redis_server;
 mod support;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::Extension;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use redis::aio::MultiplexedConnection;
 use redis_server::RedisServer;
 use sha2::{Digest, Sha256};
+use support::recorder::counter;
 use support::{serve, Answer, Overlap, Server};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 use tokio::task::JoinHandle;
@@ -216,37 +216,6 @@ fn path_escape(text: &str) -> String {
             false => format!("%{b:02X}"),
         })
         .collect()
-}
-
-fn snapshotter() -> &'static Snapshotter {
-    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
-    SNAPSHOTTER.get_or_init(|| {
-        let recorder = DebuggingRecorder::new();
-        let snapshotter = recorder.snapshotter();
-        recorder
-            .install()
-            .expect("no other recorder in this test binary");
-        snapshotter
-    })
-}
-
-/// The value of counter `metric` with label `name` = `layer` and `extra` labels.
-fn counter(metric: &str, layer: &str, extra: &[(&str, &str)]) -> u64 {
-    let mut wanted: BTreeMap<&str, &str> = extra.iter().copied().collect();
-    wanted.insert("name", layer);
-    snapshotter()
-        .snapshot()
-        .into_vec()
-        .into_iter()
-        .find_map(|(composite, _, _, value)| {
-            let key = composite.key();
-            let labels: BTreeMap<&str, &str> = key.labels().map(|l| (l.key(), l.value())).collect();
-            match value {
-                DebugValue::Counter(n) if key.name() == metric && labels == wanted => Some(n),
-                _ => None,
-            }
-        })
-        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

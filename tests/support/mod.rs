@@ -13,6 +13,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
+pub mod recorder;
 pub mod soak;
 
 /// Serves `app` on a free port of 127.0.0.1 until the test ends.
