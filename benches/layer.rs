@@ -40,6 +40,10 @@ use tower::limit::ConcurrencyLimitLayer;
 use tower::ServiceExt;
 use tower_keyed_lock::KeyedLockLayer;
 
+mod support;
+
+use support::{criterion_dir, percentiles_f64, process_cpu_ns};
+
 fn main() {
     let mut c = Criterion::default()
         .sample_size(20)
@@ -228,30 +232,12 @@ fn paired(rt: &Runtime, args: &Args, base: &Router, subject: &Router) -> [Pair; 
             ratios.push(s / b.max(f64::MIN_POSITIVE));
         }
         Pair {
-            base: quantiles(&mut bases, [0.5])[0],
-            subject: quantiles(&mut subjects, [0.5])[0],
-            added: quantiles(&mut added, [0.1, 0.5, 0.9]),
-            ratio: quantiles(&mut ratios, [0.5])[0],
+            base: percentiles_f64(&mut bases, [0.5])[0],
+            subject: percentiles_f64(&mut subjects, [0.5])[0],
+            added: percentiles_f64(&mut added, [0.1, 0.5, 0.9]),
+            ratio: percentiles_f64(&mut ratios, [0.5])[0],
         }
     })
-}
-
-/// On-CPU nanoseconds of all live threads of this process (`schedstat`'s first field;
-/// the kernel updates it at scheduler ticks, so batches last tens of milliseconds).
-fn process_cpu_ns() -> u64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    tasks
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok())
-        .filter_map(|stat| stat.split(' ').next()?.parse::<u64>().ok())
-        .sum()
-}
-
-/// Nearest-rank quantiles; sorts `samples`.
-fn quantiles<const N: usize>(samples: &mut [f64], qs: [f64; N]) -> [f64; N] {
-    samples.sort_unstable_by(f64::total_cmp);
-    qs.map(|q| samples[((samples.len() - 1) as f64 * q).round() as usize])
 }
 
 /// The command line as far as the paired runs need it.
@@ -300,14 +286,7 @@ fn write_report(args: &Args, lines: &[String]) {
     if args.quick || lines.is_empty() {
         return;
     }
-    let criterion = match std::env::var_os("CRITERION_HOME") {
-        Some(home) => home.into(),
-        None => std::path::PathBuf::from(
-            std::env::var_os("CARGO_TARGET_DIR").unwrap_or_else(|| "target".into()),
-        )
-        .join("criterion"),
-    };
-    let dir = criterion.join("tkl-custom");
+    let dir = criterion_dir().join("tkl-custom");
     let path = dir.join("layer.jsonl");
     let text: String = lines.iter().map(|line| format!("{line}\n")).collect();
     match std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, text)) {

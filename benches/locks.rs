@@ -53,6 +53,10 @@ use tokio::runtime::Runtime;
 use tokio::sync::{Mutex, OwnedMutexGuard, OwnedSemaphorePermit, Semaphore};
 use tower_keyed_lock::{KeyGuard, KeyedLocks};
 
+mod support;
+
+use support::{criterion_dir, percentiles_f64, process_cpu_ns};
+
 /// Keys cycled through by workload 1 (the size).
 const UNCONTENDED_KEYS: u64 = 1_000_000;
 /// Tasks of workloads 2 and 4, on a runtime with 2 workers.
@@ -1027,17 +1031,6 @@ impl Sample {
     }
 }
 
-/// On-CPU nanoseconds of all live threads of this process (`schedstat`'s first field).
-fn process_cpu_ns() -> u64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
-    };
-    tasks
-        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok())
-        .filter_map(|stat| stat.split(' ').next()?.parse::<u64>().ok())
-        .sum()
-}
-
 // ---------------------------------------------------------------------------------------
 // Helpers.
 
@@ -1060,15 +1053,6 @@ fn percentiles<const N: usize>(samples: &mut [u64], qs: [f64; N]) -> [u64; N] {
     samples.sort_unstable();
     qs.map(|q| match samples.len() {
         0 => 0,
-        n => samples[((n - 1) as f64 * q).round() as usize],
-    })
-}
-
-/// The values at quantiles `qs` (nearest rank) of `samples`, 0 for none. Sorts them.
-fn percentiles_f64<const N: usize>(samples: &mut [f64], qs: [f64; N]) -> [f64; N] {
-    samples.sort_unstable_by(f64::total_cmp);
-    qs.map(|q| match samples.len() {
-        0 => 0.0,
         n => samples[((n - 1) as f64 * q).round() as usize],
     })
 }
@@ -1212,14 +1196,4 @@ impl Report {
             Err(error) => eprintln!("could not write {}: {error}", path.display()),
         }
     }
-}
-
-/// Where criterion writes its results: `$CRITERION_HOME`, `$CARGO_TARGET_DIR/criterion`,
-/// else `target/criterion` (cargo runs benchmarks from the package root).
-fn criterion_dir() -> std::path::PathBuf {
-    if let Some(home) = std::env::var_os("CRITERION_HOME") {
-        return home.into();
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR").unwrap_or_else(|| "target".into());
-    std::path::PathBuf::from(target).join("criterion")
 }
