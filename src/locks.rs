@@ -107,6 +107,9 @@ pub enum LockError {
     TooManyKeys,
     /// A distributed backend failed (unreachable, protocol error, …).
     Backend(Box<dyn Error + Send + Sync>),
+    /// The key cannot be used (empty, too long, control characters): from
+    /// [`DistributedLocks`](crate::DistributedLocks), which takes keys as text.
+    InvalidKey(crate::key::KeyError),
 }
 
 impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
@@ -297,6 +300,7 @@ impl fmt::Display for LockError {
             LockError::QueueFull => f.write_str("too many waiters for the key"),
             LockError::TooManyKeys => f.write_str("too many keys in the lock table"),
             LockError::Backend(error) => write!(f, "lock backend failed: {error}"),
+            LockError::InvalidKey(error) => write!(f, "invalid lock key: {error}"),
         }
     }
 }
@@ -305,6 +309,7 @@ impl Error for LockError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         match self {
             LockError::Backend(error) => Some(&**error),
+            LockError::InvalidKey(error) => Some(error),
             _ => None,
         }
     }

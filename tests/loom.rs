@@ -159,3 +159,29 @@ fn max_waiters_place_is_freed_by_a_leaving_waiter() {
         assert!(locks.try_lock(1).is_ok(), "permit lost");
     });
 }
+
+/// Two queued waiters; the one behind the front withdraws while the holder releases:
+/// the front waiter gets the key, and its own release skips the withdrawn one, however
+/// the withdrawal (a mark left in the queue) and the hand-offs interleave.
+#[test]
+fn withdrawn_waiter_behind_the_front_is_skipped() {
+    loom::model(|| {
+        let locks = KeyedLocks::<u8>::new();
+        let holders = Arc::new(AtomicUsize::new(0));
+        let holder = locks.try_lock(1).unwrap();
+        let mut front = locks.lock(1);
+        let mut behind = locks.lock(1);
+        assert!(poll_once(&mut front).is_pending());
+        assert!(poll_once(&mut behind).is_pending());
+
+        let canceller = thread::spawn(move || drop(behind));
+        drop(holder);
+        let guard = block_on(front).unwrap();
+        hold(&holders);
+        drop(guard);
+
+        canceller.join().unwrap();
+        assert_eq!(locks.len(), 0, "entry left behind");
+        assert!(locks.try_lock(1).is_ok(), "permit lost");
+    });
+}

@@ -9,12 +9,20 @@ use crate::sync::{lock, Arc, Mutex};
 ///
 /// Invariant (every change happens under the key's shard lock): a waiter is queued only
 /// while all permits are taken, and a releasing holder hands its permit to the front
-/// waiter instead of returning it. So `waiters` is non-empty only when
+/// waiter instead of returning it. So `queue` is non-empty only when
 /// `holders == permits`, and the slot can be removed exactly when `holders == 0`.
+///
+/// A waiter that gives up is marked withdrawn and left where it is (finding it would
+/// mean searching the queue under the shard lock); a release skips it, and the queue
+/// drops all withdrawn entries at once when they outnumber the waiting ones, so each
+/// withdrawal costs O(1) amortized.
 #[derive(Default)]
 pub(crate) struct Slot {
     holders: usize,
-    waiters: VecDeque<Arc<Waiter>>,
+    /// Waiters in arrival order, withdrawn ones included until skipped or compacted.
+    queue: VecDeque<Arc<Waiter>>,
+    /// Entries of `queue` still waiting: what `max_waiters` bounds.
+    waiting: usize,
 }
 
 /// The outcome of a first attempt on a slot.
@@ -24,6 +32,9 @@ pub(crate) enum Attempt {
     Busy,
     QueueFull,
 }
+
+/// A queue longer than this keeps no more than four times its length in capacity.
+const QUEUE_CAPACITY_KEPT: usize = 64;
 
 impl Slot {
     /// Takes a permit if one is free; otherwise queues a waiter woken by `waker`,
@@ -35,88 +46,121 @@ impl Slot {
         waker: Option<&Waker>,
     ) -> Attempt {
         if self.holders < permits {
-            debug_assert!(
-                self.waiters.is_empty(),
-                "waiters queued beside a free permit"
-            );
+            debug_assert!(self.queue.is_empty(), "waiters queued beside a free permit");
             self.holders += 1;
             return Attempt::Acquired;
         }
         let Some(waker) = waker else {
             return Attempt::Busy;
         };
-        if self.waiters.len() >= max_waiters {
+        if self.waiting >= max_waiters {
             return Attempt::QueueFull;
         }
         let waiter = Arc::new(Waiter::new(waker.clone()));
-        self.waiters.push_back(waiter.clone());
+        self.queue.push_back(waiter.clone());
+        self.waiting += 1;
         Attempt::Queued(waiter)
     }
 
-    /// Gives up one permit: hands it to the front waiter if there is one.
+    /// Gives up one permit: hands it to the first waiter still waiting, if any.
     /// Returns the waker to call (after the shard lock is released) and whether the
     /// slot is now unused and must be removed.
     pub(crate) fn release(&mut self) -> (Option<Waker>, bool) {
-        match self.waiters.pop_front() {
-            Some(next) => (next.grant(), false),
-            None => {
-                self.holders -= 1;
-                (None, self.holders == 0)
+        while let Some(next) = self.queue.pop_front() {
+            if let Some(waker) = next.grant() {
+                self.waiting -= 1;
+                return (Some(waker), false);
             }
         }
+        self.holders -= 1;
+        (None, self.holders == 0)
     }
 
     /// Withdraws a waiter that is giving up. If the permit was already handed to it,
     /// the permit is released instead, exactly as its holder would have.
-    pub(crate) fn withdraw(&mut self, waiter: &Arc<Waiter>) -> (Option<Waker>, bool) {
-        if waiter.is_granted() {
+    pub(crate) fn withdraw(&mut self, waiter: &Waiter) -> (Option<Waker>, bool) {
+        if !waiter.withdraw() {
             return self.release();
         }
-        if let Some(at) = self.waiters.iter().position(|w| Arc::ptr_eq(w, waiter)) {
-            self.waiters.remove(at);
+        self.waiting -= 1;
+        if self.queue.len() > 2 * self.waiting {
+            self.compact();
         }
         // A queued waiter implies a holder, so the slot stays.
         (None, false)
     }
+
+    /// Drops the withdrawn entries; they are at least half the queue, which pays for
+    /// the pass.
+    fn compact(&mut self) {
+        self.queue.retain(|waiter| !waiter.is_withdrawn());
+        let kept = (4 * self.queue.len()).max(QUEUE_CAPACITY_KEPT);
+        if self.queue.capacity() > kept {
+            self.queue.shrink_to(kept);
+        }
+    }
 }
 
-/// A queued acquisition. `granted` is set only by the releasing holder, under the
-/// key's shard lock; the waiter itself reads it without that lock.
+/// A queued acquisition, shared by the queue and the waiting future. Its state changes
+/// from `Waiting` only under the key's shard lock; the future reads it without that
+/// lock.
 pub(crate) struct Waiter(Mutex<WaiterState>);
 
-struct WaiterState {
-    granted: bool,
-    waker: Option<Waker>,
+enum WaiterState {
+    /// Queued; the waker wakes the waiting future.
+    Waiting(Waker),
+    /// The permit was handed over by a releasing holder.
+    Granted,
+    /// The future gave up before it was granted; releases skip it.
+    Withdrawn,
 }
 
 impl Waiter {
     fn new(waker: Waker) -> Self {
-        Waiter(Mutex::new(WaiterState {
-            granted: false,
-            waker: Some(waker),
-        }))
+        Waiter(Mutex::new(WaiterState::Waiting(waker)))
     }
 
-    /// Marks the permit as handed over and returns the waker to call.
+    /// Hands the permit over and returns the waker to call, or `None` if the waiter
+    /// has withdrawn and the permit must go to the next one.
     fn grant(&self) -> Option<Waker> {
         let mut state = lock(&self.0);
-        state.granted = true;
-        state.waker.take()
+        match std::mem::replace(&mut *state, WaiterState::Granted) {
+            WaiterState::Waiting(waker) => Some(waker),
+            WaiterState::Withdrawn => {
+                *state = WaiterState::Withdrawn;
+                None
+            }
+            WaiterState::Granted => unreachable!("a permit granted twice"),
+        }
+    }
+
+    /// Marks the waiter withdrawn; false if it was granted the permit first.
+    fn withdraw(&self) -> bool {
+        let mut state = lock(&self.0);
+        if matches!(*state, WaiterState::Granted) {
+            return false;
+        }
+        *state = WaiterState::Withdrawn;
+        true
+    }
+
+    fn is_withdrawn(&self) -> bool {
+        matches!(*lock(&self.0), WaiterState::Withdrawn)
     }
 
     pub(crate) fn is_granted(&self) -> bool {
-        lock(&self.0).granted
+        matches!(*lock(&self.0), WaiterState::Granted)
     }
 
     /// Returns true once the permit is handed over; until then keeps `waker` registered.
     pub(crate) fn poll_granted(&self, waker: &Waker) -> bool {
-        let mut state = lock(&self.0);
-        if !state.granted {
-            match &mut state.waker {
-                Some(current) => current.clone_from(waker),
-                None => state.waker = Some(waker.clone()),
+        match &mut *lock(&self.0) {
+            WaiterState::Waiting(current) => {
+                current.clone_from(waker);
+                false
             }
+            WaiterState::Granted => true,
+            WaiterState::Withdrawn => unreachable!("a withdrawn waiter polled"),
         }
-        state.granted
     }
 }

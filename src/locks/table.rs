@@ -4,18 +4,58 @@
 //! closure sees and changes a slot atomically with respect to every other operation on
 //! that key. Closures never await: no shard lock is ever held across an `.await`.
 //!
-//! Under `cfg(loom)` a single `loom` mutex over a `HashMap` stands in for `DashMap`, so
-//! the model checker sees every lock acquisition.
+//! Under `cfg(loom)` a single `loom` mutex over a `HashMap` stands in for the sharded
+//! table, so the model checker sees every lock acquisition.
 
 use std::hash::Hash;
 
 #[cfg(not(loom))]
-pub(crate) struct Table<K, V>(dashmap::DashMap<K, V>);
+use crate::sync::{lock, CachePadded, Mutex};
+#[cfg(not(loom))]
+use std::hash::BuildHasher;
+
+/// A shard keeps this much capacity while it has keys: below it, shrinking would free
+/// and reallocate as a few keys come and go.
+#[cfg(not(loom))]
+const KEPT_CAPACITY: usize = 256;
+
+/// One shard: the keys whose hash picks it, under one lock.
+#[cfg(not(loom))]
+type Shard<K, V> = Mutex<hashbrown::HashTable<(K, V)>>;
+
+/// A sharded hash table: a key's hash, computed once per operation, picks its shard
+/// and its bucket. Keys come from clients, so the hasher is std's randomly keyed
+/// SipHash: no one can aim keys at one shard or one probe sequence.
+#[cfg(not(loom))]
+pub(crate) struct Table<K, V> {
+    hasher: std::hash::RandomState,
+    shards: Box<[CachePadded<Shard<K, V>>]>,
+    /// `64 - log2(shards.len())`.
+    shard_shift: u32,
+}
 
 #[cfg(not(loom))]
 impl<K: Eq + Hash, V> Table<K, V> {
     pub(crate) fn new() -> Self {
-        Self(dashmap::DashMap::new())
+        // As many shards as DashMap takes: four per core, a power of two.
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        let shards = (cores * 4).next_power_of_two();
+        Self {
+            hasher: std::hash::RandomState::new(),
+            shards: (0..shards)
+                .map(|_| CachePadded(Mutex::new(hashbrown::HashTable::new())))
+                .collect(),
+            shard_shift: 64 - shards.trailing_zeros(),
+        }
+    }
+
+    /// The key's hash and its shard. The shard index comes from the bits below the
+    /// top 7 (which the table keeps as a tag in its control bytes), far above the low
+    /// bits that index buckets, so one shard's keys still spread over all its buckets.
+    fn locate(&self, key: &K) -> (u64, &Shard<K, V>) {
+        let hash = self.hasher.hash_one(key);
+        let shard = ((hash << 7) >> self.shard_shift) as usize;
+        (hash, &self.shards[shard])
     }
 
     /// Runs `f` on the slot of `key`, first inserting a default slot if there is none
@@ -32,17 +72,23 @@ impl<K: Eq + Hash, V> Table<K, V> {
         K: Clone,
         V: Default,
     {
-        match self.0.entry(key) {
-            dashmap::Entry::Occupied(mut slot) => {
-                let result = f(slot.get_mut());
-                (slot.into_key(), Some(result))
+        let (hash, shard) = self.locate(&key);
+        let mut shard = lock(shard);
+        match shard.find_entry(hash, |(present, _)| *present == key) {
+            Ok(mut slot) => {
+                let result = f(&mut slot.get_mut().1);
+                (key, Some(result))
             }
-            dashmap::Entry::Vacant(vacant) => {
+            Err(absent) => {
                 if !admit_new() {
-                    return (vacant.into_key(), None);
+                    return (key, None);
                 }
-                let key = vacant.key().clone();
-                let result = f(&mut vacant.insert(V::default()));
+                let hasher = |(key, _): &(K, V)| self.hasher.hash_one(key);
+                let mut slot =
+                    absent
+                        .into_table()
+                        .insert_unique(hash, (key.clone(), V::default()), hasher);
+                let result = f(&mut slot.get_mut().1);
                 (key, Some(result))
             }
         }
@@ -50,8 +96,33 @@ impl<K: Eq + Hash, V> Table<K, V> {
 
     /// Runs `f` on the slot of `key` and removes the slot if `f` returns true.
     /// Returns whether a slot was removed.
+    ///
+    /// A shard left less than a quarter full is shrunk to twice its length (not below
+    /// [`KEPT_CAPACITY`]), so a burst of keys does not pin its peak memory. A shrink
+    /// follows three quarters of a shard's keys leaving since it last grew or shrank,
+    /// which pays for the rehash.
     pub(crate) fn update_or_remove(&self, key: &K, f: impl FnOnce(&mut V) -> bool) -> bool {
-        self.0.remove_if_mut(key, |_, slot| f(slot)).is_some()
+        let (hash, shard) = self.locate(key);
+        let mut shard = lock(shard);
+        let Ok(mut slot) = shard.find_entry(hash, |(present, _)| present == key) else {
+            return false;
+        };
+        if !f(&mut slot.get_mut().1) {
+            return false;
+        }
+        slot.remove();
+        let (len, capacity) = (shard.len(), shard.capacity());
+        if capacity > KEPT_CAPACITY && len < capacity / 4 {
+            // An emptied shard frees everything: a small table left behind would keep
+            // the allocator from returning the memory freed below it.
+            let target = if len == 0 {
+                0
+            } else {
+                (2 * len).max(KEPT_CAPACITY)
+            };
+            shard.shrink_to(target, |(key, _)| self.hasher.hash_one(key));
+        }
+        true
     }
 }
 
