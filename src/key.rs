@@ -131,9 +131,19 @@ impl AsRef<str> for Key {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KeyError {
-    /// The path parameter, header or extension is absent (or a [`FnKey`]
-    /// returned `None`).
+    /// The key is absent from what the client sent: no such header (or a [`FnKey`]
+    /// returned `None`). Answered with 400.
     Missing,
+    /// The key source that the server controls is absent: the route has no such path
+    /// parameter, or no layer inserted the extension. A server bug, answered with 500
+    /// and logged; `source` names the parameter or type, never key text.
+    Misconfigured {
+        /// What the key should have come from, such as ``path parameter `order_id` ``.
+        source: Cow<'static, str>,
+    },
+    /// The key header appears more than once: the lock would take one value while the
+    /// application may read another.
+    Repeated,
     /// The key is the empty string.
     Empty,
     /// The key is not valid UTF-8. For [`HeaderKey`] this also covers header
@@ -151,10 +161,17 @@ pub enum KeyError {
 }
 
 impl KeyError {
-    /// `true` when the key is absent, `false` when it is present but unusable
-    /// (the `missing_key` and `invalid_key` rejection reasons).
+    /// `true` when the client sent no key, `false` when it sent an unusable one
+    /// (the `missing_key` and `invalid_key` rejection reasons) or the server is
+    /// misconfigured.
     pub fn is_missing(&self) -> bool {
         matches!(self, KeyError::Missing)
+    }
+
+    /// `true` when the key is absent, whoever's fault that is: the requests that
+    /// [`allow_missing_key`](crate::KeyedLockLayer::allow_missing_key) lets through.
+    pub fn is_absent(&self) -> bool {
+        matches!(self, KeyError::Missing | KeyError::Misconfigured { .. })
     }
 }
 
@@ -162,6 +179,13 @@ impl fmt::Display for KeyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             KeyError::Missing => f.write_str("the request carries no lock key"),
+            KeyError::Misconfigured { source } => {
+                write!(
+                    f,
+                    "the server is misconfigured: the request has no {source}"
+                )
+            }
+            KeyError::Repeated => f.write_str("the lock key header appears more than once"),
             KeyError::Empty => f.write_str("the lock key is empty"),
             KeyError::NotUtf8 => f.write_str("the lock key is not valid text"),
             KeyError::ControlChar => f.write_str("the lock key contains a control character"),
@@ -216,8 +240,9 @@ pub trait KeyExtractor: Clone + Send + Sync + 'static {
 /// The key is the named axum path parameter, e.g. `order_id` in
 /// `/orders/{order_id}`.
 ///
-/// A route without that parameter gives [`KeyError::Missing`]; a parameter
-/// that is not UTF-8 once percent-decoded gives [`KeyError::NotUtf8`].
+/// A route without that parameter, or a request not routed by axum, gives
+/// [`KeyError::Misconfigured`] (a server bug: 500); a parameter that is not UTF-8 once
+/// percent-decoded gives [`KeyError::NotUtf8`].
 ///
 /// ```
 /// use axum::{routing::post, Router};
@@ -265,14 +290,38 @@ impl PathParam {
                 return Err(KeyError::NotUtf8)
             }
             // MissingPathParams (not routed by axum) and anything newer.
-            Poll::Ready(Err(_)) | Poll::Pending => return Err(KeyError::Missing),
+            Poll::Ready(Err(_)) | Poll::Pending => return Err(self.misconfigured()),
         };
         params
             .iter()
             .find(|(name, _)| *name == &*self.name)
             .map(|(_, value)| with(value))
-            .ok_or(KeyError::Missing)
+            .ok_or_else(|| self.misconfigured())
     }
+
+    fn misconfigured(&self) -> KeyError {
+        KeyError::Misconfigured {
+            source: Cow::Owned(format!("path parameter `{}`", self.name)),
+        }
+    }
+}
+
+/// Whether axum routed `parts` to a fallback: the router ran (it inserted path
+/// parameters, possibly none) but no route matched (no `MatchedPath`). Such a request
+/// passes the layer untouched, so `Router::layer` keeps the fallback's 404.
+#[cfg(feature = "axum")]
+pub(crate) fn is_unrouted(parts: &mut Parts) -> bool {
+    use axum::extract::{FromRequestParts, MatchedPath, RawPathParams};
+    use std::future::Future;
+    use std::task::{Context, Waker};
+
+    if parts.extensions.get::<MatchedPath>().is_some() {
+        return false;
+    }
+    // Ready on the first poll: it only reads the extensions.
+    let params = std::pin::pin!(RawPathParams::from_request_parts(parts, &()));
+    let routed = params.poll(&mut Context::from_waker(Waker::noop()));
+    matches!(routed, std::task::Poll::Ready(Ok(_)))
 }
 
 #[cfg(feature = "axum")]
@@ -290,8 +339,8 @@ impl KeyExtractor for PathParam {
 /// The key is the value of a request header, e.g. `Idempotency-Key`.
 ///
 /// An absent header gives [`KeyError::Missing`]; a value with bytes other than
-/// visible ASCII gives [`KeyError::NotUtf8`]. If the header appears several
-/// times, the first value is used.
+/// visible ASCII gives [`KeyError::NotUtf8`]; the header more than once gives
+/// [`KeyError::Repeated`].
 ///
 /// ```
 /// use http::{header::HeaderName, Request};
@@ -315,7 +364,11 @@ impl HeaderKey {
 
 impl KeyExtractor for HeaderKey {
     fn extract<'a>(&self, parts: &'a mut Parts) -> Result<Cow<'a, str>, KeyError> {
-        let value = parts.headers.get(&self.name).ok_or(KeyError::Missing)?;
+        let mut values = parts.headers.get_all(&self.name).into_iter();
+        let value = values.next().ok_or(KeyError::Missing)?;
+        if values.next().is_some() {
+            return Err(KeyError::Repeated);
+        }
         let text = value.to_str().map_err(|_| KeyError::NotUtf8)?;
         Ok(Cow::Borrowed(text))
     }
@@ -324,7 +377,8 @@ impl KeyExtractor for HeaderKey {
 /// The key is a value of type `T` in the request extensions, e.g. a `UserId`
 /// that an authentication layer inserted; the key text is its `to_string()`.
 ///
-/// An absent value gives [`KeyError::Missing`].
+/// An absent value gives [`KeyError::Misconfigured`] naming `T`: the layer that should
+/// have inserted it is missing or runs in the wrong order (a server bug: 500).
 ///
 /// ```
 /// use std::fmt;
@@ -383,7 +437,12 @@ where
     T: fmt::Display + Send + Sync + 'static,
 {
     fn extract<'a>(&self, parts: &'a mut Parts) -> Result<Cow<'a, str>, KeyError> {
-        let value = parts.extensions.get::<T>().ok_or(KeyError::Missing)?;
+        let value = parts
+            .extensions
+            .get::<T>()
+            .ok_or_else(|| KeyError::Misconfigured {
+                source: Cow::Owned(format!("extension `{}`", std::any::type_name::<T>())),
+            })?;
         Ok(Cow::Owned(value.to_string()))
     }
 }
@@ -516,7 +575,7 @@ mod tests {
     }
 
     #[test]
-    fn header_key_uses_first_value() {
+    fn header_key_refuses_a_repeated_header() {
         let name = HeaderName::from_static("idempotency-key");
         let mut parts = parts();
         parts
@@ -525,8 +584,16 @@ mod tests {
         parts
             .headers
             .append(&name, HeaderValue::from_static("second"));
-        let extracted = HeaderKey::new(name).extract(&mut parts).unwrap();
-        assert!(matches!(extracted, Cow::Borrowed("first")));
+        let extractor = HeaderKey::new(name.clone());
+        assert_eq!(extractor.extract(&mut parts), Err(KeyError::Repeated));
+        parts.headers.remove(&name);
+        parts
+            .headers
+            .insert(&name, HeaderValue::from_static("only"));
+        assert!(matches!(
+            extractor.extract(&mut parts),
+            Ok(Cow::Borrowed("only"))
+        ));
     }
 
     #[test]
@@ -560,7 +627,9 @@ mod tests {
     fn extension_key_present_and_absent() {
         let extractor = ExtensionKey::<UserId>::default();
         let mut parts = parts();
-        assert_eq!(extractor.extract(&mut parts), Err(KeyError::Missing));
+        let absent = extractor.extract(&mut parts).unwrap_err();
+        assert!(absent.is_absent() && !absent.is_missing());
+        assert!(absent.to_string().contains("UserId"), "{absent}");
         parts.extensions.insert(UserId(7));
         assert_eq!(extractor.clone().extract(&mut parts).unwrap(), "user-7");
         assert!(format!("{extractor:?}").contains("UserId"));
@@ -629,19 +698,21 @@ mod tests {
         }
 
         #[tokio::test]
-        async fn unknown_param_name_is_missing() {
+        async fn unknown_param_name_is_a_misconfiguration() {
             assert_eq!(
                 extract_through_router("user_id", "/orders/42").await,
-                "Err(Missing)"
+                "Err(Misconfigured { source: \"path parameter `user_id`\" })"
             );
         }
 
         #[test]
-        fn request_not_routed_by_axum_is_missing() {
+        fn request_not_routed_by_axum_is_a_misconfiguration() {
             let (mut parts, ()) = http::Request::new(()).into_parts();
-            assert_eq!(
-                PathParam::new("order_id").extract(&mut parts),
-                Err(KeyError::Missing)
+            let error = PathParam::new("order_id").extract(&mut parts).unwrap_err();
+            assert!(matches!(error, KeyError::Misconfigured { .. }), "{error:?}");
+            assert!(
+                !crate::key::is_unrouted(&mut parts),
+                "not routed by axum at all"
             );
         }
     }

@@ -12,12 +12,94 @@
 //! let app: Router = Router::new()
 //!     .route("/orders/{order_id}/pay", post(pay))
 //!     .route("/orders/{order_id}/refund", post(refund))
-//!     .layer(
+//!     // `route_layer`: path parameters exist on routes, not on the fallback.
+//!     .route_layer(
 //!         KeyedLockLayer::by_path("order_id")
 //!             .wait_timeout(Duration::from_secs(2)) // then 409 Conflict…
 //!             .timeout_status(StatusCode::CONFLICT) // …or 429
 //!             .max_waiters(32),                     // queue bound per key, then 429
 //!     );
+//! ```
+//!
+//! # With authentication: which layer goes first
+//!
+//! A lock keyed by the user needs the user id that an authentication layer puts in the
+//! request extensions, so the authentication layer must run *before* (outside) the lock.
+//! With `Router::layer`, the layer added *last* runs *first*; with tower's
+//! `ServiceBuilder`, the layer added *first* runs first.
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::extract::Request;
+//! use axum::middleware::{self, Next};
+//! use axum::response::{IntoResponse, Response};
+//! use axum::{routing::post, Extension, Router};
+//! use http::StatusCode;
+//! use tower::ServiceBuilder;
+//! use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+//!
+//! #[derive(Clone)]
+//! struct UserId(u64);
+//!
+//! impl std::fmt::Display for UserId {
+//!     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+//!         write!(f, "user-{}", self.0)
+//!     }
+//! }
+//!
+//! /// Authentication: a bearer token becomes a `UserId` in the extensions.
+//! async fn authenticate(mut request: Request, next: Next) -> Response {
+//!     let token = request.headers().get("authorization").and_then(|v| v.to_str().ok());
+//!     let Some(id) = token.and_then(|t| t.strip_prefix("Bearer user-")?.parse().ok()) else {
+//!         return StatusCode::UNAUTHORIZED.into_response();
+//!     };
+//!     request.extensions_mut().insert(UserId(id));
+//!     next.run(request).await
+//! }
+//!
+//! async fn transfer(Extension(lock): Extension<LockInfo>) -> String {
+//!     format!("transfer for {} ran alone", lock.key())
+//! }
+//!
+//! let per_user = KeyedLockLayer::by_extension::<UserId>()
+//!     .name("transfers")
+//!     .wait_timeout(Duration::from_secs(1))
+//!     .timeout_status(StatusCode::TOO_MANY_REQUESTS);
+//!
+//! // `Router::layer`: the last layer added runs first, so authentication goes last.
+//! let app: Router = Router::new()
+//!     .route("/transfers", post(transfer))
+//!     .layer(per_user.clone())
+//!     .layer(middleware::from_fn(authenticate));
+//!
+//! // `ServiceBuilder`: top to bottom is outside to inside, so authentication goes first.
+//! let same_app: Router = Router::new().route("/transfers", post(transfer)).layer(
+//!     ServiceBuilder::new()
+//!         .layer(middleware::from_fn(authenticate))
+//!         .layer(per_user),
+//! );
+//! # let _ = (app, same_app);
+//! ```
+//!
+//! If the lock runs first by mistake, no `UserId` is there yet: every request gets a
+//! 500 and the layer logs the missing extension once, naming its type.
+//!
+//! # On a single route
+//!
+//! `post(handler).layer(lock)` works. Chaining a second `.layer` on a `MethodRouter`
+//! fails with E0283 ("cannot infer type of the type parameter `NewError`"): the error
+//! type between the two layers is left open. Name it on the first call, or use
+//! `Router::route_layer` instead:
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use axum::{routing::post, Router};
+//! use tower_keyed_lock::KeyedLockLayer;
+//!
+//! let route = post(|| async { "paid" })
+//!     .layer::<_, Infallible>(KeyedLockLayer::by_path("order_id"))
+//!     .layer(KeyedLockLayer::by_header("x-user"));
+//! let app: Router = Router::new().route("/orders/{order_id}/pay", route);
 //! ```
 //!
 //! # Use outside axum
@@ -27,6 +109,7 @@
 //! (`tonic::transport::Server::builder().layer(KeyedLockLayer::by_header(..))`, keyed by
 //! a metadata header, since gRPC has no path parameters) or a bare `service_fn`.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -36,22 +119,20 @@ use http::{HeaderName, Response, StatusCode};
 use tower_layer::Layer;
 
 use crate::backend::LockBackend;
-use crate::key::{
-    ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN,
-};
-use crate::locks::{KeyedLocks, LockError};
-use crate::metrics::Metrics;
-use crate::reject::{Rejection, RejectionKind};
+use crate::key::{ExtensionKey, FnKey, HeaderKey, KeyExtractor, DEFAULT_MAX_KEY_LEN};
+use crate::reject::Rejection;
 use crate::service::KeyedLock;
+use crate::shared::{Config, Shared};
 
 /// The default [`KeyedLockLayer::wait_timeout`].
 pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The default [`KeyedLockLayer::retry_after`].
 pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// The default [`KeyedLockLayer::max_waiters`]: enough for a burst on one key, while
+/// bounding what a flood of requests for one key can queue.
+pub const DEFAULT_MAX_WAITERS: usize = 1024;
 /// The default [`KeyedLockLayer::name`].
 pub const DEFAULT_NAME: &str = "default";
-
-type RejectionHandler = Arc<dyn Fn(Rejection) -> Response<Bytes> + Send + Sync>;
 
 /// Serializes requests that carry the same key; requests with different keys run in
 /// parallel. See the [module docs](crate::layer) for an example.
@@ -84,47 +165,15 @@ pub struct KeyedLockLayer<E> {
     shared: Arc<OnceLock<Arc<Shared>>>,
 }
 
-#[derive(Clone)]
-struct Config {
-    wait_timeout: Duration,
-    timeout_status: StatusCode,
-    retry_after: Duration,
-    max_waiters: usize,
-    max_keys: usize,
-    permits: usize,
-    max_key_len: usize,
-    name: &'static str,
-    allow_missing_key: bool,
-    hold_until_body_end: bool,
-    long_hold: Option<Duration>,
-    on_rejection: Option<RejectionHandler>,
-    backend: Option<Arc<dyn LockBackend>>,
-    fail_open: bool,
-    abort_on_lease_lost: bool,
-}
-
-/// What every service made by one layer value shares.
-pub(crate) struct Shared {
-    pub(crate) locks: KeyedLocks<Key>,
-    pub(crate) wait_timeout: Duration,
-    pub(crate) max_key_len: usize,
-    pub(crate) allow_missing_key: bool,
-    pub(crate) hold_until_body_end: bool,
-    pub(crate) long_hold: Option<Duration>,
-    pub(crate) name: &'static str,
-    retry_after: Duration,
-    pub(crate) backend: Option<Arc<dyn LockBackend>>,
-    pub(crate) fail_open: bool,
-    pub(crate) abort_on_lease_lost: bool,
-    timeout_status: StatusCode,
-    on_rejection: Option<RejectionHandler>,
-    metrics: OnceLock<Metrics>,
-}
-
 #[cfg(feature = "axum")]
 impl KeyedLockLayer<crate::key::PathParam> {
     /// Keys requests by the axum path parameter `name` (as in `/orders/{order_id}`).
-    /// Works with `Router::layer` and `Router::route_layer`.
+    ///
+    /// Prefer `Router::route_layer`: it wraps only the routes, which is where path
+    /// parameters exist. `Router::layer` works too: it also wraps the fallback, and a
+    /// request that matched no route passes through untouched, so its 404 (or your
+    /// custom fallback) still reaches the client. A matched route without the parameter
+    /// is a server misconfiguration: 500 and one `error` log per layer.
     ///
     /// ```
     /// use axum::{routing::post, Router};
@@ -140,8 +189,9 @@ impl KeyedLockLayer<crate::key::PathParam> {
 }
 
 impl KeyedLockLayer<HeaderKey> {
-    /// Keys requests by the first value of the header `name`, such as
-    /// `idempotency-key`.
+    /// Keys requests by the value of the header `name`, such as `idempotency-key`.
+    /// The client controls it: a request without it, with an unusable value, or with
+    /// the header more than once (which value would the application read?) gets 400.
     ///
     /// # Panics
     /// If `name` is not a valid header name (a configuration mistake).
@@ -238,11 +288,11 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
                 wait_timeout: DEFAULT_WAIT_TIMEOUT,
                 timeout_status: StatusCode::CONFLICT,
                 retry_after: DEFAULT_RETRY_AFTER,
-                max_waiters: usize::MAX,
+                max_waiters: DEFAULT_MAX_WAITERS,
                 max_keys: usize::MAX,
                 permits: 1,
                 max_key_len: DEFAULT_MAX_KEY_LEN,
-                name: DEFAULT_NAME,
+                name: Cow::Borrowed(DEFAULT_NAME),
                 allow_missing_key: false,
                 hold_until_body_end: false,
                 long_hold: None,
@@ -270,7 +320,12 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.configure(|c| c.wait_timeout = timeout)
     }
 
-    /// The status of a wait timeout: 409 Conflict (default) or 429 Too Many Requests.
+    /// The status of a wait timeout: 409 Conflict (default, "a request for this key is
+    /// already in progress") or 429 Too Many Requests; any 4xx or 5xx is accepted.
+    ///
+    /// # Panics
+    /// If `status` is not a client or server error (a 2xx "rejection" would tell the
+    /// client its request ran).
     ///
     /// ```
     /// use http::StatusCode;
@@ -279,6 +334,10 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// let layer = KeyedLockLayer::by_header("x-user").timeout_status(StatusCode::TOO_MANY_REQUESTS);
     /// ```
     pub fn timeout_status(self, status: StatusCode) -> Self {
+        assert!(
+            status.is_client_error() || status.is_server_error(),
+            "KeyedLockLayer::timeout_status must be a 4xx or 5xx status, not {status}"
+        );
         self.configure(|c| c.timeout_status = status)
     }
 
@@ -288,8 +347,8 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.configure(|c| c.retry_after = after)
     }
 
-    /// Requests allowed to wait per key (default unbounded); one beyond it gets 429 at
-    /// once.
+    /// Requests allowed to wait per key (default [`DEFAULT_MAX_WAITERS`], 1024); one
+    /// beyond it gets 429 at once. `usize::MAX` lets the queue grow without bound.
     pub fn max_waiters(self, max_waiters: usize) -> Self {
         self.configure(|c| c.max_waiters = max_waiters)
     }
@@ -324,20 +383,45 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.configure(|c| c.max_key_len = max_len)
     }
 
-    /// The `name` label of this layer's metrics (default `"default"`).
-    pub fn name(self, name: &'static str) -> Self {
-        self.configure(|c| c.name = name)
-    }
-
-    /// Lets requests whose key is *missing* run without a lock instead of getting 400.
-    /// A key that is present but unusable (empty, too long, not UTF-8) is still
-    /// rejected: the client sent something broken.
+    /// The `name` label of this layer's metrics (default `"default"`), and the
+    /// namespace of its keys at a distributed backend. A `&'static str` or a `String`.
     ///
     /// ```
     /// use tower_keyed_lock::KeyedLockLayer;
     ///
+    /// let tenant = "acme";
+    /// let layer = KeyedLockLayer::by_path("order_id").name(format!("{tenant}-orders"));
+    /// ```
+    pub fn name(self, name: impl Into<Cow<'static, str>>) -> Self {
+        let name = name.into();
+        self.configure(|c| c.name = name)
+    }
+
+    /// Lets requests whose key is *absent* run without a lock instead of being
+    /// rejected: a missing header (400 otherwise), and also a path parameter the route
+    /// does not have or an extension no layer inserted (500 otherwise), for routers
+    /// where only some requests carry a key. A key that is present but unusable (empty,
+    /// too long, not UTF-8, repeated) is still rejected: the client sent something
+    /// broken.
+    ///
+    /// Such a request reaches the handler without a [`LockInfo`](crate::LockInfo), so
+    /// the handler takes `Option<Extension<LockInfo>>`.
+    ///
+    /// ```
+    /// use axum::{routing::post, Extension, Router};
+    /// use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+    ///
+    /// async fn deliver(lock: Option<Extension<LockInfo>>) -> &'static str {
+    ///     match lock {
+    ///         Some(_) => "processed under the idempotency key",
+    ///         None => "processed without a key",
+    ///     }
+    /// }
+    ///
     /// // The idempotency key is optional: requests without one are not serialized.
-    /// let layer = KeyedLockLayer::by_header("idempotency-key").allow_missing_key();
+    /// let app: Router = Router::new()
+    ///     .route("/deliveries", post(deliver))
+    ///     .layer(KeyedLockLayer::by_header("idempotency-key").allow_missing_key());
     /// ```
     pub fn allow_missing_key(self) -> Self {
         self.configure(|c| c.allow_missing_key = true)
@@ -434,7 +518,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
 
     fn shared(&self) -> Arc<Shared> {
         self.shared
-            .get_or_init(|| Arc::new(Shared::new(&self.config)))
+            .get_or_init(|| Arc::new(Shared::new(self.config.clone())))
             .clone()
     }
 }
@@ -469,95 +553,23 @@ impl<E: fmt::Debug> fmt::Debug for KeyedLockLayer<E> {
     }
 }
 
-impl Shared {
-    fn new(config: &Config) -> Self {
-        Self {
-            locks: KeyedLocks::builder()
-                .permits(config.permits)
-                .max_waiters(config.max_waiters)
-                .max_keys(config.max_keys)
-                .build(),
-            wait_timeout: config.wait_timeout,
-            max_key_len: config.max_key_len,
-            allow_missing_key: config.allow_missing_key,
-            hold_until_body_end: config.hold_until_body_end,
-            long_hold: config.long_hold,
-            timeout_status: config.timeout_status,
-            retry_after: config.retry_after,
-            name: config.name,
-            on_rejection: config.on_rejection.clone(),
-            backend: config.backend.clone(),
-            fail_open: config.fail_open,
-            abort_on_lease_lost: config.abort_on_lease_lost,
-            metrics: OnceLock::new(),
-        }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "must be a 4xx or 5xx status")]
+    fn a_success_status_is_refused_as_the_timeout_status() {
+        let _ = KeyedLockLayer::by_header("x-key").timeout_status(StatusCode::OK);
     }
 
-    /// This layer's metric handles, registered on first use (the configuration, and so
-    /// the `name` label, is final by then).
-    pub(crate) fn metrics(&self) -> &Metrics {
-        self.metrics.get_or_init(|| Metrics::new(self.name))
-    }
-
-    /// The rejection for a key that could not be taken from the request.
-    pub(crate) fn key_rejection(&self, error: &KeyError) -> Rejection {
-        Rejection::new(
-            RejectionKind::from(error),
-            StatusCode::BAD_REQUEST,
-            None,
-            format!("no usable lock key: {error}"),
-        )
-    }
-
-    /// The rejection for a lock that could not be acquired.
-    pub(crate) fn lock_rejection(&self, error: &LockError) -> Rejection {
-        let retry = Some(self.retry_after);
-        let (kind, status, detail) = match error {
-            LockError::Timeout | LockError::Busy => (
-                RejectionKind::Timeout,
-                self.timeout_status,
-                "a request for this key is already in progress",
-            ),
-            LockError::QueueFull => (
-                RejectionKind::QueueFull,
-                StatusCode::TOO_MANY_REQUESTS,
-                "too many requests are waiting for this key",
-            ),
-            LockError::TooManyKeys => (
-                RejectionKind::TooManyKeys,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "too many keys are in use",
-            ),
-            LockError::Backend(_) => (
-                RejectionKind::Backend,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the lock backend is unavailable",
-            ),
-        };
-        Rejection::new(kind, status, retry, detail)
-    }
-
-    /// The rejection for a request aborted because its distributed lease was lost.
-    pub(crate) fn lease_lost_rejection(&self) -> Rejection {
-        Rejection::new(
-            RejectionKind::LeaseLost,
-            StatusCode::SERVICE_UNAVAILABLE,
-            Some(self.retry_after),
-            "the lock lease was lost while the request ran",
-        )
-    }
-
-    /// The response for `rejection`: the user's handler's, or the default.
-    pub(crate) fn respond(&self, rejection: Rejection) -> Response<Bytes> {
-        self.metrics().rejected(rejection.kind());
-        tracing::debug!(
-            layer = self.name,
-            reason = rejection.kind().as_str(),
-            "request rejected"
-        );
-        match &self.on_rejection {
-            Some(handler) => handler(rejection),
-            None => rejection.into_response(),
-        }
+    #[test]
+    fn any_error_status_is_accepted_and_name_takes_a_string() {
+        let layer = KeyedLockLayer::by_header("x-key")
+            .timeout_status(StatusCode::SERVICE_UNAVAILABLE)
+            .name(String::from("tenant-a"));
+        assert_eq!(layer.config.timeout_status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(layer.config.name, "tenant-a");
+        assert_eq!(layer.config.max_waiters, DEFAULT_MAX_WAITERS);
     }
 }

@@ -6,12 +6,12 @@
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
-//! | [`WAIT_SECONDS`] | histogram: arrival → guard or rejection | `outcome` = `acquired` \| `timeout` \| `queue_full` |
+//! | [`WAIT_SECONDS`] | histogram: arrival → guard, rejection or client gone | `outcome` = `acquired` \| `timeout` \| `queue_full` \| `cancelled` |
 //! | [`HOLD_SECONDS`] | histogram: time the guard was held | |
 //! | [`ACQUIRED_TOTAL`] | counter | `contended` = `true` \| `false` |
-//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` |
+//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `misconfigured` |
 //! | [`WAITING`] | gauge: requests waiting now | |
-//! | [`KEYS`] | gauge: keys with a holder or waiter now | |
+//! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
 //! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | |
 //!
 //! Handles are registered once per layer, on its first request, so a recorder installed
@@ -41,44 +41,36 @@ pub(crate) struct Metrics {
     pub(crate) wait_acquired: Histogram,
     pub(crate) wait_timeout: Histogram,
     pub(crate) wait_queue_full: Histogram,
+    /// Waits whose request was dropped (client disconnect, an outer timeout).
+    pub(crate) wait_cancelled: Histogram,
     pub(crate) hold: Histogram,
     pub(crate) acquired_uncontended: Counter,
     pub(crate) acquired_contended: Counter,
-    rejected: [(RejectionKind, Counter); 7],
+    rejected: [(RejectionKind, Counter); RejectionKind::ALL.len()],
     pub(crate) waiting: Gauge,
     pub(crate) keys: Gauge,
-    // Registered now so the series exists; recorded by the distributed backends.
-    #[allow(dead_code)]
     pub(crate) lease_lost: Counter,
 }
 
 impl Metrics {
-    pub(crate) fn new(name: &'static str) -> Self {
+    pub(crate) fn new(name: &str) -> Self {
         describe();
-        let rejected = [
-            RejectionKind::Timeout,
-            RejectionKind::QueueFull,
-            RejectionKind::TooManyKeys,
-            RejectionKind::MissingKey,
-            RejectionKind::InvalidKey,
-            RejectionKind::Backend,
-            RejectionKind::LeaseLost,
-        ]
-        .map(|kind| {
-            let counter =
-                metrics::counter!(REJECTED_TOTAL, "name" => name, "reason" => kind.as_str());
+        let name = metrics::SharedString::from(name.to_owned());
+        let rejected = RejectionKind::ALL.map(|kind| {
+            let counter = metrics::counter!(REJECTED_TOTAL, "name" => name.clone(), "reason" => kind.as_str());
             (kind, counter)
         });
         Self {
-            wait_acquired: metrics::histogram!(WAIT_SECONDS, "name" => name, "outcome" => "acquired"),
-            wait_timeout: metrics::histogram!(WAIT_SECONDS, "name" => name, "outcome" => "timeout"),
-            wait_queue_full: metrics::histogram!(WAIT_SECONDS, "name" => name, "outcome" => "queue_full"),
-            hold: metrics::histogram!(HOLD_SECONDS, "name" => name),
-            acquired_uncontended: metrics::counter!(ACQUIRED_TOTAL, "name" => name, "contended" => "false"),
-            acquired_contended: metrics::counter!(ACQUIRED_TOTAL, "name" => name, "contended" => "true"),
+            wait_acquired: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "acquired"),
+            wait_timeout: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "timeout"),
+            wait_queue_full: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "queue_full"),
+            wait_cancelled: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "cancelled"),
+            hold: metrics::histogram!(HOLD_SECONDS, "name" => name.clone()),
+            acquired_uncontended: metrics::counter!(ACQUIRED_TOTAL, "name" => name.clone(), "contended" => "false"),
+            acquired_contended: metrics::counter!(ACQUIRED_TOTAL, "name" => name.clone(), "contended" => "true"),
             rejected,
-            waiting: metrics::gauge!(WAITING, "name" => name),
-            keys: metrics::gauge!(KEYS, "name" => name),
+            waiting: metrics::gauge!(WAITING, "name" => name.clone()),
+            keys: metrics::gauge!(KEYS, "name" => name.clone()),
             lease_lost: metrics::counter!(LEASE_LOST_TOTAL, "name" => name),
         }
     }
@@ -94,7 +86,7 @@ fn describe() {
     metrics::describe_histogram!(
         WAIT_SECONDS,
         Unit::Seconds,
-        "Time from a request's arrival to its key guard or rejection."
+        "Time from a request's arrival to its key guard, its rejection or its cancellation."
     );
     metrics::describe_histogram!(HOLD_SECONDS, Unit::Seconds, "Time a key guard was held.");
     metrics::describe_counter!(

@@ -49,12 +49,36 @@ pub enum RejectionKind {
     Backend,
     /// The distributed lease was lost while the request held it.
     LeaseLost,
+    /// The key was used before for a different request (a different fingerprint).
+    FingerprintMismatch,
+    /// The request body is longer than the limit of the body-buffering layer.
+    BodyTooLarge,
+    /// The request body did not arrive within the read timeout, or broke off.
+    BodyUnread,
+    /// The layers are set up in a way that cannot work (an `error` is logged).
+    Misconfigured,
 }
 
 impl RejectionKind {
+    /// Every kind, in the order of [`as_str`](Self::as_str)'s list.
+    pub(crate) const ALL: [RejectionKind; 11] = [
+        RejectionKind::Timeout,
+        RejectionKind::QueueFull,
+        RejectionKind::TooManyKeys,
+        RejectionKind::MissingKey,
+        RejectionKind::InvalidKey,
+        RejectionKind::Backend,
+        RejectionKind::LeaseLost,
+        RejectionKind::FingerprintMismatch,
+        RejectionKind::BodyTooLarge,
+        RejectionKind::BodyUnread,
+        RejectionKind::Misconfigured,
+    ];
+
     /// The `reason` metric label and the `reason` field of the response body:
     /// `timeout`, `queue_full`, `too_many_keys`, `missing_key`, `invalid_key`,
-    /// `backend` or `lease_lost`.
+    /// `backend`, `lease_lost`, `fingerprint_mismatch`, `body_too_large`,
+    /// `body_unread` or `misconfigured`.
     pub fn as_str(self) -> &'static str {
         match self {
             RejectionKind::Timeout => "timeout",
@@ -64,18 +88,23 @@ impl RejectionKind {
             RejectionKind::InvalidKey => "invalid_key",
             RejectionKind::Backend => "backend",
             RejectionKind::LeaseLost => "lease_lost",
+            RejectionKind::FingerprintMismatch => "fingerprint_mismatch",
+            RejectionKind::BodyTooLarge => "body_too_large",
+            RejectionKind::BodyUnread => "body_unread",
+            RejectionKind::Misconfigured => "misconfigured",
         }
     }
 }
 
 impl From<&KeyError> for RejectionKind {
-    /// [`KeyError::Missing`] is [`RejectionKind::MissingKey`]; every other
+    /// [`KeyError::Missing`] is [`RejectionKind::MissingKey`],
+    /// [`KeyError::Misconfigured`] is [`RejectionKind::Misconfigured`]; every other
     /// error is [`RejectionKind::InvalidKey`].
     fn from(error: &KeyError) -> Self {
-        if error.is_missing() {
-            RejectionKind::MissingKey
-        } else {
-            RejectionKind::InvalidKey
+        match error {
+            KeyError::Missing => RejectionKind::MissingKey,
+            KeyError::Misconfigured { .. } => RejectionKind::Misconfigured,
+            _ => RejectionKind::InvalidKey,
         }
     }
 }
@@ -233,7 +262,28 @@ mod tests {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "lease_lost",
             ),
+            (
+                RejectionKind::FingerprintMismatch,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "fingerprint_mismatch",
+            ),
+            (
+                RejectionKind::BodyTooLarge,
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+            ),
+            (
+                RejectionKind::BodyUnread,
+                StatusCode::REQUEST_TIMEOUT,
+                "body_unread",
+            ),
+            (
+                RejectionKind::Misconfigured,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "misconfigured",
+            ),
         ];
+        assert_eq!(cases.len(), RejectionKind::ALL.len());
         for (kind, status, reason) in cases {
             assert_eq!(kind.as_str(), reason);
             let response = Rejection::new(kind, status, None, "why").into_response();

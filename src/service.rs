@@ -13,8 +13,8 @@ use crate::future::{Pending, ResponseFuture, WaitTicket};
 use crate::held::HeldKey;
 use crate::info::LockInfo;
 use crate::key::KeyExtractor;
-use crate::layer::Shared;
 use crate::locks::LockError;
+use crate::shared::Shared;
 
 /// Serializes requests per key around the inner service `S`; made by
 /// [`KeyedLockLayer`](crate::KeyedLockLayer).
@@ -57,45 +57,60 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let shared = self.shared.clone();
+        let shared = &self.shared;
         let (mut parts, body) = request.into_parts();
-        let key = self.extractor.extract_key(&mut parts, shared.max_key_len);
-        let key = match key {
+        #[cfg(feature = "axum")]
+        if crate::key::is_unrouted(&mut parts) {
+            return self.pass_through(Request::from_parts(parts, body));
+        }
+        let key = match self
+            .extractor
+            .extract_key(&mut parts, shared.config.max_key_len)
+        {
             Ok(key) => key,
-            Err(error) if error.is_missing() && shared.allow_missing_key => {
-                let request = Request::from_parts(parts, body);
-                return ResponseFuture::running(self.inner.call(request), None);
+            Err(error) if error.is_absent() && shared.config.allow_missing_key => {
+                return self.pass_through(Request::from_parts(parts, body));
             }
             Err(error) => {
                 return ResponseFuture::rejected(shared.respond(shared.key_rejection(&error)))
             }
         };
+        let reentered = parts.extensions.get::<LockInfo>();
+        if reentered.is_some_and(|info| info.holds(shared, &key)) {
+            // The same layer value, applied again on this request's path, already holds
+            // the key for it: waiting would be waiting for itself.
+            return self.pass_through(Request::from_parts(parts, body));
+        }
 
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read, timer or service clone.
-        let error = match shared.locks.try_lock(key.clone()) {
-            Ok(guard) if shared.backend.is_some() => {
+        let shared = shared.clone();
+        let wait_timeout = shared.config.wait_timeout;
+        let error = match shared.locks.local().try_lock(key.clone()) {
+            Ok(local) if shared.locks.is_distributed() => {
                 // Held here; now the backend.
                 let ready = self.take_ready();
+                let acquire = shared.locks.after_local(local, Some(wait_timeout));
                 let request = Request::from_parts(parts, body);
                 let pending = Pending::new(ready, request, WaitTicket::new(shared, false));
-                return ResponseFuture::remote(guard, pending);
+                return ResponseFuture::acquiring(acquire, pending);
             }
-            Ok(guard) => {
+            Ok(local) => {
                 let metrics = shared.metrics();
                 metrics.acquired_uncontended.increment(1);
                 metrics.wait_acquired.record(0.0);
-                let held = HeldKey::new(guard, None, shared);
-                parts
-                    .extensions
-                    .insert(LockInfo::new(key, Duration::ZERO, None, None));
+                let guard = shared.locks.local_guard(local);
+                let key = guard.key_ref().clone();
+                LockInfo::new(shared.clone(), key, Duration::ZERO, None, None)
+                    .insert_into(&mut parts.extensions);
+                let held = HeldKey::new(guard, shared);
                 let future = self.inner.call(Request::from_parts(parts, body));
                 return ResponseFuture::running(future, Some(held));
             }
             Err(error) => error,
         };
         let busy = matches!(error, LockError::Busy);
-        if !busy || shared.wait_timeout.is_zero() {
+        if !busy || shared.config.wait_timeout.is_zero() {
             if busy {
                 shared.metrics().wait_timeout.record(0.0);
             }
@@ -104,10 +119,24 @@ where
 
         // Contended: wait for the key, then call the readied service.
         let ready = self.take_ready();
-        let acquire = shared.locks.lock_timeout(key, shared.wait_timeout);
+        let acquire = shared.locks.acquire(key, Some(wait_timeout));
         let request = Request::from_parts(parts, body);
         let pending = Pending::new(ready, request, WaitTicket::new(shared, true));
-        ResponseFuture::waiting(acquire, pending)
+        ResponseFuture::acquiring(acquire, pending)
+    }
+}
+
+impl<S, E> KeyedLock<S, E> {
+    /// Calls the inner service without a lock (no key, or an unrouted request, or one
+    /// that already holds its key here).
+    fn pass_through<ReqBody, ResBody>(
+        &mut self,
+        request: Request<ReqBody>,
+    ) -> ResponseFuture<S, ReqBody>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    {
+        ResponseFuture::running(self.inner.call(request), None)
     }
 }
 

@@ -11,7 +11,7 @@ use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
 use metrics_util::debugging::DebugValue;
-use support::recorder::snapshotter;
+use support::recorder;
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_keyed_lock::KeyedLockLayer;
@@ -22,7 +22,7 @@ type Series = (String, BTreeMap<String, String>);
 /// Every series of the layer called `layer`. Panics if any label value holds a key.
 fn series_of(layer: &str, keys: &[&str]) -> BTreeMap<Series, DebugValue> {
     let mut found = BTreeMap::new();
-    for (composite, _, _, value) in snapshotter().snapshot().into_vec() {
+    for (composite, value) in recorder::snapshot() {
         let key = composite.key();
         let labels: BTreeMap<String, String> = key
             .labels()
@@ -79,7 +79,7 @@ fn post_to(uri: &str) -> Request<Body> {
 /// snapshot, so tests in parallel would steal each other's samples.
 #[tokio::test]
 async fn every_outcome_is_recorded_with_its_labels() {
-    snapshotter();
+    recorder::install();
     let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let layer = KeyedLockLayer::by_path("order_id")
         .name("orders")
@@ -146,9 +146,9 @@ async fn every_outcome_is_recorded_with_its_labels() {
     finish.notify_one();
     holder.await.unwrap().unwrap();
 
-    // Missing and invalid keys.
-    let missing = app.clone().oneshot(post_to("/unkeyed")).await.unwrap();
-    assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+    // A route without the key's parameter (a server bug), and an invalid key.
+    let misconfigured = app.clone().oneshot(post_to("/unkeyed")).await.unwrap();
+    assert_eq!(misconfigured.status(), StatusCode::INTERNAL_SERVER_ERROR);
     let too_long = app
         .clone()
         .oneshot(post_to("/orders/secret-5-is-far-too-long"))
@@ -165,7 +165,8 @@ async fn every_outcome_is_recorded_with_its_labels() {
         ("timeout", 1),
         ("queue_full", 1),
         ("too_many_keys", 1),
-        ("missing_key", 1),
+        ("missing_key", 0),
+        ("misconfigured", 1),
         ("invalid_key", 1),
         ("backend", 0),
     ] {
@@ -264,4 +265,79 @@ async fn a_long_hold_is_warned_about_once() {
         !log.contains("abcdefghij"),
         "the whole key was logged: {log}"
     );
+}
+
+/// A router whose `/orders/{id}/gate` handler signals `started` and waits for `finish`.
+fn gated_app(
+    layer: KeyedLockLayer<tower_keyed_lock::PathParam>,
+) -> (Router, Arc<Notify>, Arc<Notify>) {
+    let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let gate = {
+        let (started, finish) = (started.clone(), finish.clone());
+        move || {
+            let (started, finish) = (started.clone(), finish.clone());
+            async move {
+                started.notify_one();
+                finish.notified().await;
+            }
+        }
+    };
+    let app = Router::new()
+        .route("/orders/{order_id}", post(|| async {}))
+        .route("/orders/{order_id}/gate", post(gate))
+        .layer(layer);
+    (app, started, finish)
+}
+
+#[tokio::test]
+async fn a_hand_off_cancelled_before_it_runs_leaves_no_phantom_key() {
+    recorder::install();
+    let layer = KeyedLockLayer::by_path("order_id").name("handoff");
+    let (app, started, finish) = gated_app(layer.clone());
+    let holder = tokio::spawn(app.clone().oneshot(post_to("/orders/1/gate")));
+    started.notified().await;
+    let mut waiter = Box::pin(app.clone().oneshot(post_to("/orders/1")));
+    let queued = tokio::time::timeout(Duration::from_millis(50), &mut waiter).await;
+    assert!(queued.is_err(), "the second request did not wait");
+
+    finish.notify_one();
+    holder.await.unwrap().unwrap();
+    // The key was handed to the waiter, whose client leaves before it runs.
+    drop(waiter);
+
+    assert_eq!(layer.active_keys(), 0);
+    let series = series_of("handoff", &[]);
+    assert_eq!(gauge(&series, "keyed_lock_keys"), 0.0);
+    assert_eq!(gauge(&series, "keyed_lock_waiting"), 0.0);
+    let cancelled = samples(
+        &series,
+        "keyed_lock_wait_seconds",
+        &[("outcome", "cancelled")],
+    );
+    assert_eq!(
+        cancelled.len(),
+        1,
+        "the disconnected waiter was not recorded"
+    );
+    assert!(cancelled[0] >= 0.04, "{cancelled:?}");
+}
+
+#[tokio::test]
+async fn layers_sharing_a_name_add_up_in_the_key_gauge() {
+    recorder::install();
+    let (first, started_1, finish_1) = gated_app(KeyedLockLayer::by_path("order_id").name("twins"));
+    let (second, started_2, finish_2) =
+        gated_app(KeyedLockLayer::by_path("order_id").name("twins"));
+    let holder_1 = tokio::spawn(first.oneshot(post_to("/orders/1/gate")));
+    started_1.notified().await;
+    let holder_2 = tokio::spawn(second.oneshot(post_to("/orders/2/gate")));
+    started_2.notified().await;
+    assert_eq!(gauge(&series_of("twins", &[]), "keyed_lock_keys"), 2.0);
+
+    finish_1.notify_one();
+    holder_1.await.unwrap().unwrap();
+    assert_eq!(gauge(&series_of("twins", &[]), "keyed_lock_keys"), 1.0);
+    finish_2.notify_one();
+    holder_2.await.unwrap().unwrap();
+    assert_eq!(gauge(&series_of("twins", &[]), "keyed_lock_keys"), 0.0);
 }

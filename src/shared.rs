@@ -1,0 +1,191 @@
+//! What every service made by one layer value shares: its settings, its lock table and
+//! its metric handles. The layer creates it; the service, the response future, the
+//! held key and the body read it.
+
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Response, StatusCode};
+
+use crate::backend::LockBackend;
+use crate::distributed::DistributedLocks;
+use crate::key::KeyError;
+use crate::locks::LockError;
+use crate::metrics::Metrics;
+use crate::reject::{Rejection, RejectionKind};
+
+pub(crate) type RejectionHandler = Arc<dyn Fn(Rejection) -> Response<Bytes> + Send + Sync>;
+
+/// A layer's settings, fixed before the layer is applied.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) wait_timeout: Duration,
+    pub(crate) timeout_status: StatusCode,
+    pub(crate) retry_after: Duration,
+    pub(crate) max_waiters: usize,
+    pub(crate) max_keys: usize,
+    pub(crate) permits: usize,
+    pub(crate) max_key_len: usize,
+    pub(crate) name: Cow<'static, str>,
+    pub(crate) allow_missing_key: bool,
+    pub(crate) hold_until_body_end: bool,
+    pub(crate) long_hold: Option<Duration>,
+    pub(crate) on_rejection: Option<RejectionHandler>,
+    pub(crate) backend: Option<Arc<dyn LockBackend>>,
+    pub(crate) fail_open: bool,
+    pub(crate) abort_on_lease_lost: bool,
+}
+
+/// The table, settings and metrics of one configured layer value.
+pub(crate) struct Shared {
+    /// The two-tier lock: this process's table, then the backend if there is one.
+    pub(crate) locks: DistributedLocks,
+    pub(crate) config: Config,
+    metrics: OnceLock<Metrics>,
+    /// The key count this layer last added to the `keyed_lock_keys` gauge. The gauge
+    /// moves by differences, so layers that share a `name` add up.
+    keys_reported: AtomicUsize,
+    /// A misconfiguration is logged once per layer, not once per request.
+    misconfiguration_logged: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn new(config: Config) -> Self {
+        Self {
+            locks: {
+                let builder = DistributedLocks::builder(config.name.clone())
+                    .permits(config.permits)
+                    .max_waiters(config.max_waiters)
+                    .max_keys(config.max_keys)
+                    .max_key_len(config.max_key_len)
+                    .fail_open(config.fail_open);
+                match &config.backend {
+                    Some(backend) => builder.shared_backend(backend.clone()),
+                    None => builder,
+                }
+                .build()
+            },
+            config,
+            metrics: OnceLock::new(),
+            keys_reported: AtomicUsize::new(0),
+            misconfiguration_logged: AtomicBool::new(false),
+        }
+    }
+
+    /// The layer's `name`, the label of its metrics and the namespace of its keys at a
+    /// distributed backend.
+    pub(crate) fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// This layer's metric handles, registered on first use (the configuration, and so
+    /// the `name` label, is final by then).
+    pub(crate) fn metrics(&self) -> &Metrics {
+        self.metrics.get_or_init(|| Metrics::new(&self.config.name))
+    }
+
+    /// Brings the `keyed_lock_keys` gauge to the table's key count. Called after every
+    /// step that can insert or remove a key (a guard taken or dropped, a waiter gone).
+    pub(crate) fn sync_keys_gauge(&self) {
+        // Two threads may read the count in one order and swap in the other; whoever
+        // swaps last re-reads the count, so the gauge is right once the table is quiet.
+        loop {
+            let now = self.locks.len();
+            let before = self.keys_reported.swap(now, Ordering::AcqRel);
+            if now != before {
+                self.metrics().keys.increment(now as f64 - before as f64);
+            }
+            if self.locks.len() == now {
+                return;
+            }
+        }
+    }
+
+    /// The rejection for a key that could not be taken from the request. A key source
+    /// the server controls that is absent is the server's fault: 500, logged once.
+    pub(crate) fn key_rejection(&self, error: &KeyError) -> Rejection {
+        if let KeyError::Misconfigured { source } = error {
+            if !self.misconfiguration_logged.swap(true, Ordering::Relaxed) {
+                tracing::error!(
+                    layer = self.name(),
+                    source = %source,
+                    "KeyedLockLayer misconfigured: the request has no {source} to take \
+                     the lock key from; answering 500 (logged once per layer)"
+                );
+            }
+            return Rejection::new(
+                RejectionKind::Misconfigured,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                None,
+                "the server is not configured to take a lock key from this request",
+            );
+        }
+        Rejection::new(
+            RejectionKind::from(error),
+            StatusCode::BAD_REQUEST,
+            None,
+            format!("no usable lock key: {error}"),
+        )
+    }
+
+    /// The rejection for a lock that could not be acquired.
+    pub(crate) fn lock_rejection(&self, error: &LockError) -> Rejection {
+        let retry = Some(self.config.retry_after);
+        let (kind, status, detail) = match error {
+            LockError::Timeout | LockError::Busy => (
+                RejectionKind::Timeout,
+                self.config.timeout_status,
+                "a request for this key is already in progress",
+            ),
+            LockError::QueueFull => (
+                RejectionKind::QueueFull,
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many requests are waiting for this key",
+            ),
+            LockError::TooManyKeys => (
+                RejectionKind::TooManyKeys,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many keys are in use",
+            ),
+            LockError::Backend(_) => (
+                RejectionKind::Backend,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the lock backend is unavailable",
+            ),
+            // The layer validates keys before it locks; kept for completeness.
+            LockError::InvalidKey(_) => (
+                RejectionKind::InvalidKey,
+                StatusCode::BAD_REQUEST,
+                "the lock key cannot be used",
+            ),
+        };
+        Rejection::new(kind, status, retry, detail)
+    }
+
+    /// The rejection for a request aborted because its distributed lease was lost.
+    pub(crate) fn lease_lost_rejection(&self) -> Rejection {
+        Rejection::new(
+            RejectionKind::LeaseLost,
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(self.config.retry_after),
+            "the lock lease was lost while the request ran",
+        )
+    }
+
+    /// The response for `rejection`: the user's handler's, or the default.
+    pub(crate) fn respond(&self, rejection: Rejection) -> Response<Bytes> {
+        self.metrics().rejected(rejection.kind());
+        tracing::debug!(
+            layer = self.name(),
+            reason = rejection.kind().as_str(),
+            "request rejected"
+        );
+        match &self.config.on_rejection {
+            Some(handler) => handler(rejection),
+            None => rejection.into_response(),
+        }
+    }
+}
