@@ -1,5 +1,5 @@
-//! [`ResponseFuture`]: waits for the key (locally, then remotely when the layer has a
-//! backend), then runs the inner service under it.
+//! [`ResponseFuture`]: waits for the key (through the layer's two-tier lock), then runs
+//! the inner service under it.
 
 use std::fmt;
 use std::future::Future;
@@ -13,14 +13,14 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::backend::{acquire_detached, BoxFuture, Lease};
+use crate::backend::BoxFuture;
 use crate::body::KeyedLockBody;
+use crate::distributed::{DistributedAcquire, DistributedGuard};
 use crate::held::HeldKey;
 use crate::info::LockInfo;
-use crate::key::Key;
-use crate::layer::Shared;
-use crate::locks::{Acquire, KeyGuard, LockError};
+use crate::locks::LockError;
 use crate::reject::RejectionKind;
+use crate::shared::Shared;
 
 pin_project! {
     /// The response future of [`KeyedLock`](crate::KeyedLock).
@@ -36,15 +36,11 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<S, ReqBody, F> {
-        // Queued for the key in this process.
-        Waiting {
-            acquire: Acquire<Key>,
-            pending: Option<Pending<S, ReqBody>>,
-        },
-        // Holds the key locally; waits for it at the backend.
-        Remote {
-            acquire: BoxFuture<Result<Lease, LockError>>,
-            local: Option<KeyGuard<Key>>,
+        // Waiting for the key: in this process, then at the backend if there is one.
+        // `acquire` is declared first so it is dropped (and gives back what it got)
+        // before the ticket in `pending` records a cancellation.
+        Acquiring {
+            acquire: DistributedAcquire,
             pending: Option<Pending<S, ReqBody>>,
         },
         // The inner service runs under `held` (`None` for a request let through
@@ -94,19 +90,12 @@ where
         }
     }
 
-    pub(crate) fn waiting(acquire: Acquire<Key>, pending: Pending<S, ReqBody>) -> Self {
+    pub(crate) fn acquiring(acquire: DistributedAcquire, pending: Pending<S, ReqBody>) -> Self {
         Self {
-            state: State::Waiting {
+            state: State::Acquiring {
                 acquire,
                 pending: Some(pending),
             },
-        }
-    }
-
-    /// Holds the key locally; next, the backend.
-    pub(crate) fn remote(local: KeyGuard<Key>, pending: Pending<S, ReqBody>) -> Self {
-        Self {
-            state: remote_state(local, pending),
         }
     }
 
@@ -119,30 +108,10 @@ where
     }
 }
 
-fn remote_state<S, ReqBody, F>(
-    local: KeyGuard<Key>,
-    pending: Pending<S, ReqBody>,
-) -> State<S, ReqBody, F> {
-    let shared = &pending.ticket.shared;
-    let backend = shared
-        .backend
-        .as_ref()
-        .expect("remote tier without a backend");
-    let wait = shared
-        .wait_timeout
-        .saturating_sub(pending.ticket.arrived.elapsed());
-    State::Remote {
-        acquire: acquire_detached(backend, shared.name, local.key(), wait),
-        local: Some(local),
-        pending: Some(pending),
-    }
-}
-
 /// Calls the inner service under the key: the end of every successful wait.
 fn start<S, ReqBody>(
     pending: Pending<S, ReqBody>,
-    local: KeyGuard<Key>,
-    lease: Option<Lease>,
+    guard: DistributedGuard,
 ) -> (S::Future, HeldKey, Option<BoxFuture<()>>)
 where
     S: Service<Request<ReqBody>>,
@@ -150,19 +119,24 @@ where
     let Pending {
         mut service,
         mut request,
-        ticket,
+        mut ticket,
     } = pending;
     let shared = ticket.shared.clone();
     let waited = ticket.acquired();
-    let signal = lease.as_ref().map(|lease| lease.signal().clone());
+    if let Some(error) = guard.failed_open() {
+        // Fail open: run under the local lock only, and say so.
+        shared.metrics().rejected(RejectionKind::Backend);
+        tracing::warn!(layer = shared.name(), %error, "lock backend failed; running under the local lock only");
+    }
+    let signal = guard.lease().cloned();
     let lost = signal
         .clone()
-        .filter(|_| shared.abort_on_lease_lost)
+        .filter(|_| shared.config.abort_on_lease_lost)
         .map(|signal| Box::pin(async move { signal.lost().await }) as BoxFuture<()>);
-    let fencing_token = lease.as_ref().and_then(Lease::fencing_token);
-    let info = LockInfo::new(local.key().clone(), waited, fencing_token, signal);
-    request.extensions_mut().insert(info);
-    let held = HeldKey::new(local, lease, shared);
+    let key = guard.key_ref().clone();
+    LockInfo::new(shared.clone(), key, waited, guard.fencing_token(), signal)
+        .insert_into(request.extensions_mut());
+    let held = HeldKey::new(guard, shared);
     (service.call(request), held, lost)
 }
 
@@ -176,49 +150,12 @@ where
         let mut state = self.project().state;
         loop {
             let next = match state.as_mut().project() {
-                StateProj::Waiting { acquire, pending } => {
+                StateProj::Acquiring { acquire, pending } => {
                     let result = ready!(Pin::new(acquire).poll(cx));
-                    let pending = pending.take().expect("polled after completion");
+                    let mut pending = pending.take().expect("polled after completion");
                     match result {
-                        Ok(local) if pending.ticket.shared.backend.is_some() => {
-                            remote_state(local, pending)
-                        }
-                        Ok(local) => {
-                            let (future, held, lost) = start(pending, local, None);
-                            State::Running {
-                                future,
-                                held: Some(held),
-                                lost,
-                            }
-                        }
-                        Err(error) => State::Rejected {
-                            response: Some(pending.ticket.reject(&error)),
-                        },
-                    }
-                }
-                StateProj::Remote {
-                    acquire,
-                    local,
-                    pending,
-                } => {
-                    let result = ready!(acquire.as_mut().poll(cx));
-                    let pending = pending.take().expect("polled after completion");
-                    let local = local.take().expect("polled after completion");
-                    let shared = &pending.ticket.shared;
-                    match result {
-                        Ok(lease) => {
-                            let (future, held, lost) = start(pending, local, Some(lease));
-                            State::Running {
-                                future,
-                                held: Some(held),
-                                lost,
-                            }
-                        }
-                        Err(LockError::Backend(error)) if shared.fail_open => {
-                            // Fail open: run under the local lock only, and say so.
-                            shared.metrics().rejected(RejectionKind::Backend);
-                            tracing::warn!(layer = shared.name, %error, "lock backend failed; running under the local lock only");
-                            let (future, held, lost) = start(pending, local, None);
+                        Ok(guard) => {
+                            let (future, held, lost) = start(pending, guard);
                             State::Running {
                                 future,
                                 held: Some(held),
@@ -227,9 +164,9 @@ where
                         }
                         Err(error) => {
                             if let LockError::Backend(cause) = &error {
-                                tracing::warn!(layer = shared.name, error = %cause, "lock backend failed; answering 503");
+                                let layer = pending.ticket.shared.name();
+                                tracing::warn!(layer, error = %cause, "lock backend failed; answering 503");
                             }
-                            drop(local);
                             State::Rejected {
                                 response: Some(pending.ticket.reject(&error)),
                             }
@@ -292,6 +229,8 @@ pub(crate) struct WaitTicket {
     shared: Arc<Shared>,
     /// Whether the request queued behind another in this process.
     contended: bool,
+    /// Whether the wait ended with a guard or a rejection; if not, it was cancelled.
+    ended: bool,
 }
 
 impl WaitTicket {
@@ -301,11 +240,13 @@ impl WaitTicket {
             arrived: Instant::now(),
             shared,
             contended,
+            ended: false,
         }
     }
 
     /// Records an acquisition; returns the time waited.
-    fn acquired(&self) -> std::time::Duration {
+    fn acquired(&mut self) -> std::time::Duration {
+        self.ended = true;
         let waited = self.arrived.elapsed();
         let metrics = self.shared.metrics();
         match self.contended {
@@ -317,7 +258,8 @@ impl WaitTicket {
     }
 
     /// Records a failed wait and answers it.
-    fn reject(&self, error: &LockError) -> Response<Bytes> {
+    fn reject(&mut self, error: &LockError) -> Response<Bytes> {
+        self.ended = true;
         let metrics = self.shared.metrics();
         let waited = self.arrived.elapsed();
         match error {
@@ -331,7 +273,15 @@ impl WaitTicket {
 
 impl Drop for WaitTicket {
     fn drop(&mut self) {
-        self.shared.metrics().waiting.decrement(1.0);
+        let metrics = self.shared.metrics();
+        metrics.waiting.decrement(1.0);
+        if !self.ended {
+            // The request was dropped while it waited (its client went away). Whatever
+            // it queued for or was handed is released by now: its lock futures and
+            // guards are dropped before the ticket.
+            metrics.wait_cancelled.record(self.arrived.elapsed());
+            self.shared.sync_keys_gauge();
+        }
     }
 }
 
@@ -341,8 +291,7 @@ where
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
-            State::Waiting { .. } => "waiting",
-            State::Remote { .. } => "remote",
+            State::Acquiring { .. } => "acquiring",
             State::Running { .. } => "running",
             State::Rejected { .. } => "rejected",
         };

@@ -3,29 +3,24 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::backend::Lease;
-use crate::key::Key;
-use crate::layer::Shared;
-use crate::locks::KeyGuard;
+use crate::distributed::DistributedGuard;
+use crate::shared::Shared;
 
 /// Owns a request's guard; on drop releases it, records the hold time and updates the
 /// key gauge. Warns once if the hold outlives the layer's long-hold threshold.
 pub(crate) struct HeldKey {
-    /// `Some` until dropped, so the gauge can be read after the release.
-    guard: Option<KeyGuard<Key>>,
-    /// The remote lease, when the layer has a backend; released before the local guard.
-    lease: Option<Lease>,
+    /// `Some` until dropped.
+    guard: Option<DistributedGuard>,
     since: Instant,
     shared: Arc<Shared>,
     warned: bool,
 }
 
 impl HeldKey {
-    pub(crate) fn new(guard: KeyGuard<Key>, lease: Option<Lease>, shared: Arc<Shared>) -> Self {
-        shared.metrics().keys.set(shared.locks.len() as f64);
+    pub(crate) fn new(guard: DistributedGuard, shared: Arc<Shared>) -> Self {
+        shared.sync_keys_gauge();
         Self {
             guard: Some(guard),
-            lease,
             since: Instant::now(),
             shared,
             warned: false,
@@ -38,13 +33,13 @@ impl HeldKey {
 
     /// Whether the key stays held until the response body ends.
     pub(crate) fn until_body_end(&self) -> bool {
-        self.shared.hold_until_body_end
+        self.shared.config.hold_until_body_end
     }
 
     /// Logs one warning per hold once it has lasted longer than the threshold. Checked
     /// whenever the request makes progress and at release: no timer per request.
     pub(crate) fn check_long_hold(&mut self) {
-        let Some(threshold) = self.shared.long_hold else {
+        let Some(threshold) = self.shared.config.long_hold else {
             return;
         };
         let held = self.since.elapsed();
@@ -53,10 +48,10 @@ impl HeldKey {
             let key = self
                 .guard
                 .as_ref()
-                .map(|g| g.key().short())
+                .map(|g| g.key_ref().short())
                 .unwrap_or_default();
             tracing::warn!(
-                layer = self.shared.name,
+                layer = self.shared.name(),
                 held_ms = held.as_millis() as u64,
                 key = %key,
                 "key held longer than the long-hold threshold"
@@ -70,22 +65,22 @@ impl Drop for HeldKey {
         self.check_long_hold();
         let metrics = self.shared.metrics();
         metrics.hold.record(self.since.elapsed());
-        let guard = self.guard.take();
-        let Some(lease) = self.lease.take() else {
-            drop(guard);
-            metrics.keys.set(self.shared.locks.len() as f64);
+        let Some(guard) = self.guard.take() else {
             return;
         };
-        if lease.signal().is_lost() {
+        if guard.is_lost() {
             metrics.lease_lost.increment(1);
         }
-        // Release remotely first, then locally: the next local waiter then finds the
-        // remote lock free instead of racing the release.
+        if !guard.is_remote() {
+            drop(guard);
+            self.shared.sync_keys_gauge();
+            return;
+        }
+        // The release is a round trip: the gauge follows once the key is free locally.
         let shared = self.shared.clone();
         let release = async move {
-            lease.release().await;
-            drop(guard);
-            shared.metrics().keys.set(shared.locks.len() as f64);
+            guard.release().await;
+            shared.sync_keys_gauge();
         };
         // Without a runtime (it is shutting down) the lease runs out by itself.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {

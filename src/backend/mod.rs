@@ -22,9 +22,13 @@ use tokio::sync::watch;
 use crate::key::Key;
 use crate::locks::LockError;
 
+#[cfg(feature = "dynamodb")]
+pub mod dynamodb;
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 
 /// A boxed, sendable future: backends do network round trips, where one allocation is
@@ -41,12 +45,8 @@ pub trait LockBackend: Send + Sync + 'static {
     /// The layer runs the future in a task of its own and never drops it midway; a
     /// lease nobody waits for any more is dropped, which releases it. So
     /// implementations need not be cancel-safe themselves.
-    fn acquire(
-        &self,
-        name: &'static str,
-        key: &Key,
-        wait: Duration,
-    ) -> BoxFuture<Result<Lease, LockError>>;
+    fn acquire(&self, name: &str, key: &Key, wait: Duration)
+        -> BoxFuture<Result<Lease, LockError>>;
 }
 
 /// A remote lock held: its fencing token and lost-lease signal. Dropping it releases
@@ -183,7 +183,7 @@ impl fmt::Debug for LeaseSignal {
 /// cancellation can leave a remote lock held or a locked connection in a pool.
 pub(crate) fn acquire_detached(
     backend: &Arc<dyn LockBackend>,
-    name: &'static str,
+    name: &str,
     key: &Key,
     wait: Duration,
 ) -> BoxFuture<Result<Lease, LockError>> {

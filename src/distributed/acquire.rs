@@ -1,0 +1,184 @@
+//! [`DistributedAcquire`]: the future that takes a key locally, then at the backend.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use super::guard::DistributedGuard;
+use super::Inner;
+use crate::backend::{acquire_detached, BoxFuture, Lease};
+use crate::key::{Key, KeyError};
+use crate::locks::{Acquire, KeyGuard, LockError};
+
+/// The remote wait of an acquisition without a time limit. Backends add the wait to
+/// `Instant::now()`, which must not overflow; a year is "until it is free".
+const NO_LIMIT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Resolves to a [`DistributedGuard`] once the key is held in this process and, when
+/// there is a backend, remotely; made by [`DistributedLocks`](super::DistributedLocks).
+///
+/// Dropping it at any point gives back what it acquired: a local place in the queue or
+/// a local permit at once, and a remote grant as soon as the detached remote attempt
+/// ends.
+#[must_use = "futures do nothing unless polled"]
+pub struct DistributedAcquire {
+    locks: Arc<Inner>,
+    state: State,
+    /// When the acquisition began: the remote tier gets what is left of `timeout`.
+    started: Instant,
+    /// `None`: no limit. `Some(ZERO)`: try once, and a held key is `Busy`.
+    timeout: Option<Duration>,
+}
+
+enum State {
+    /// The key was refused before any lock was touched.
+    Invalid(KeyError),
+    /// Queued in this process.
+    Local(Acquire<Key>),
+    /// Held in this process, and there is no backend: ready.
+    Held(Option<KeyGuard<Key>>),
+    /// Held in this process; waiting at the backend.
+    Remote {
+        local: Option<KeyGuard<Key>>,
+        remote: BoxFuture<Result<Lease, LockError>>,
+    },
+    Done,
+}
+
+impl DistributedAcquire {
+    pub(super) fn new(locks: Arc<Inner>, key: &str, timeout: Option<Duration>) -> Self {
+        match Key::new(key, locks.max_key_len) {
+            Ok(key) => Self::for_key(locks, key, timeout),
+            Err(error) => Self::with_state(locks, State::Invalid(error), timeout),
+        }
+    }
+
+    pub(super) fn for_key(locks: Arc<Inner>, key: Key, timeout: Option<Duration>) -> Self {
+        let local = match timeout {
+            Some(timeout) => locks.local.lock_timeout(key, timeout),
+            None => locks.local.lock(key),
+        };
+        Self::with_state(locks, State::Local(local), timeout)
+    }
+
+    pub(super) fn after_local(
+        locks: Arc<Inner>,
+        local: KeyGuard<Key>,
+        timeout: Option<Duration>,
+    ) -> Self {
+        let mut this = Self::with_state(locks, State::Done, timeout);
+        this.state = this.held_locally(local);
+        this
+    }
+
+    fn with_state(locks: Arc<Inner>, state: State, timeout: Option<Duration>) -> Self {
+        Self {
+            locks,
+            state,
+            started: Instant::now(),
+            timeout,
+        }
+    }
+
+    fn try_once(&self) -> bool {
+        self.timeout == Some(Duration::ZERO)
+    }
+
+    /// The next state once the key is held in this process.
+    fn held_locally(&self, local: KeyGuard<Key>) -> State {
+        match &self.locks.backend {
+            Some(backend) => {
+                let wait = match self.timeout {
+                    Some(timeout) => timeout.saturating_sub(self.started.elapsed()),
+                    None => NO_LIMIT,
+                };
+                State::Remote {
+                    remote: acquire_detached(backend, &self.locks.name, local.key(), wait),
+                    local: Some(local),
+                }
+            }
+            None => State::Held(Some(local)),
+        }
+    }
+
+    fn guard(
+        &self,
+        local: KeyGuard<Key>,
+        lease: Option<Lease>,
+        failed: Option<LockError>,
+    ) -> DistributedGuard {
+        DistributedGuard::new(self.locks.clone(), local, lease, failed)
+    }
+}
+
+// Every field is Unpin: the local acquisition is, and the remote one is boxed.
+impl Unpin for DistributedAcquire {}
+
+impl Future for DistributedAcquire {
+    type Output = Result<DistributedGuard, LockError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        loop {
+            match &mut this.state {
+                State::Invalid(error) => {
+                    let error = error.clone();
+                    this.state = State::Done;
+                    return Poll::Ready(Err(LockError::InvalidKey(error)));
+                }
+                State::Local(acquire) => {
+                    let result = ready!(Pin::new(acquire).poll(cx));
+                    this.state = State::Done;
+                    let local = match result {
+                        Ok(local) => local,
+                        Err(LockError::Timeout) if this.try_once() => {
+                            return Poll::Ready(Err(LockError::Busy))
+                        }
+                        Err(error) => return Poll::Ready(Err(error)),
+                    };
+                    this.state = this.held_locally(local);
+                }
+                State::Held(local) => {
+                    let local = local.take().expect("polled after completion");
+                    this.state = State::Done;
+                    return Poll::Ready(Ok(this.guard(local, None, None)));
+                }
+                State::Remote { local, remote } => {
+                    let result = ready!(remote.as_mut().poll(cx));
+                    let local = local.take().expect("polled after completion");
+                    this.state = State::Done;
+                    return Poll::Ready(match result {
+                        Ok(lease) => Ok(this.guard(local, Some(lease), None)),
+                        Err(LockError::Timeout) if this.try_once() => Err(LockError::Busy),
+                        Err(error @ LockError::Backend(_)) if this.locks.fail_open => {
+                            Ok(this.guard(local, None, Some(error)))
+                        }
+                        // The local guard is dropped here, before the caller hears.
+                        Err(error) => Err(error),
+                    });
+                }
+                State::Done => panic!("DistributedAcquire polled after completion"),
+            }
+        }
+    }
+}
+
+impl fmt::Debug for DistributedAcquire {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match &self.state {
+            State::Invalid(_) => "invalid",
+            State::Local(_) => "local",
+            State::Held(_) => "held",
+            State::Remote { .. } => "remote",
+            State::Done => "done",
+        };
+        f.debug_struct("DistributedAcquire")
+            .field("name", &self.locks.name)
+            .field("state", &state)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}

@@ -1,0 +1,181 @@
+//! [`DistributedGuard`]: a key held in this process and, with a backend, remotely.
+
+use std::error::Error;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::task::JoinHandle;
+
+use super::Inner;
+use crate::backend::{Lease, LeaseSignal};
+use crate::key::Key;
+use crate::locks::{KeyGuard, LockError};
+
+/// Proof that a key is held: locally, and at the backend when the locks have one.
+/// Owned, `Send` and `'static`. Dropping it releases the key — remotely first (in a
+/// task of its own, since that is a round trip), then locally; [`release`](Self::release)
+/// does the same and waits for it.
+#[must_use = "the key is released as soon as the guard is dropped"]
+pub struct DistributedGuard {
+    locks: Arc<Inner>,
+    /// `Some` until released.
+    local: Option<KeyGuard<Key>>,
+    lease: Option<Lease>,
+    /// The backend error the guard was granted despite, with `fail_open`.
+    failed: Option<LockError>,
+}
+
+/// The error of [`DistributedGuard::run_while_held`] when the lease was lost first:
+/// the work was cancelled, because another instance may hold the key now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseLost;
+
+impl DistributedGuard {
+    pub(super) fn new(
+        locks: Arc<Inner>,
+        local: KeyGuard<Key>,
+        lease: Option<Lease>,
+        failed: Option<LockError>,
+    ) -> Self {
+        Self {
+            locks,
+            local: Some(local),
+            lease,
+            failed,
+        }
+    }
+
+    /// The key held.
+    pub fn key(&self) -> &str {
+        self.key_ref().as_str()
+    }
+
+    pub(crate) fn key_ref(&self) -> &Key {
+        self.local.as_ref().expect("held until dropped").key()
+    }
+
+    /// The name of the locks (the namespace of the key at the backend).
+    pub fn name(&self) -> &str {
+        &self.locks.name
+    }
+
+    /// The fencing token issued with the remote grant: it grows with every grant of
+    /// this key, so storage can refuse a write from an older holder. `None` in
+    /// process, and from a backend that does not issue them.
+    pub fn fencing_token(&self) -> Option<u64> {
+        self.lease.as_ref().and_then(Lease::fencing_token)
+    }
+
+    /// The lost-lease signal of the remote lease; `None` in process.
+    pub fn lease(&self) -> Option<&LeaseSignal> {
+        self.lease.as_ref().map(Lease::signal)
+    }
+
+    /// Whether the remote lease was lost: another instance may hold the key now.
+    /// Always false in process.
+    pub fn is_lost(&self) -> bool {
+        self.lease().is_some_and(LeaseSignal::is_lost)
+    }
+
+    /// Resolves when the remote lease is lost; never, in process.
+    pub async fn lost(&self) {
+        match self.lease() {
+            Some(signal) => signal.lost().await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// The backend error this guard was granted despite: with
+    /// [`fail_open`](super::DistributedLocksBuilder::fail_open), a backend failure
+    /// leaves the key held in this process only.
+    pub fn failed_open(&self) -> Option<&(dyn Error + Send + Sync + 'static)> {
+        match &self.failed {
+            Some(LockError::Backend(error)) => Some(&**error),
+            _ => None,
+        }
+    }
+
+    /// Runs `work` while the key is held, and cancels it (drops it) if the lease is lost
+    /// first. In process the lease cannot be lost, so `work` always runs to the end.
+    ///
+    /// ```no_run
+    /// # use tower_keyed_lock::DistributedLocks;
+    /// # async fn rebuild_index() -> usize { 0 }
+    /// # async fn run(jobs: DistributedLocks) {
+    /// let guard = jobs.lock("search-index").await.unwrap();
+    /// match guard.run_while_held(rebuild_index()).await {
+    ///     Ok(documents) => println!("indexed {documents} documents"),
+    ///     Err(lost) => eprintln!("{lost}: stopped the rebuild"),
+    /// }
+    /// # }
+    /// ```
+    pub async fn run_while_held<F: Future>(&self, work: F) -> Result<F::Output, LeaseLost> {
+        if self.is_lost() {
+            return Err(LeaseLost);
+        }
+        tokio::select! {
+            biased;
+            () = self.lost() => Err(LeaseLost),
+            output = work => Ok(output),
+        }
+    }
+
+    /// Whether the key is held at a backend (so releasing it is a round trip).
+    pub(crate) fn is_remote(&self) -> bool {
+        self.lease.is_some()
+    }
+
+    /// Releases the key and waits until the backend has it back (or its release gave
+    /// up), then releases it locally. Dropping this future midway does not stop the
+    /// release: it runs in a task of its own.
+    pub async fn release(mut self) {
+        let Some(lease) = self.lease.take() else {
+            return; // the local guard drops with `self`
+        };
+        if let Some(release) = release_detached(lease, self.local.take()) {
+            let _ = release.await;
+        }
+    }
+}
+
+impl Drop for DistributedGuard {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            let _ = release_detached(lease, self.local.take());
+        }
+        // Else the local guard drops with the fields.
+    }
+}
+
+/// Releases `lease`, then `local`, in a task of its own, so that the release completes
+/// however its caller is cancelled. Remote first, then local: the next local waiter
+/// then finds the remote lock free instead of racing the release. Without a runtime
+/// (it is shutting down) both are dropped here: the lease runs out by itself.
+fn release_detached(lease: Lease, local: Option<KeyGuard<Key>>) -> Option<JoinHandle<()>> {
+    let runtime = tokio::runtime::Handle::try_current().ok()?;
+    Some(runtime.spawn(async move {
+        lease.release().await;
+        drop(local);
+    }))
+}
+
+impl fmt::Debug for DistributedGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DistributedGuard")
+            .field("name", &self.locks.name)
+            .field("key", &self.local.as_ref().map(KeyGuard::key))
+            .field("fencing_token", &self.fencing_token())
+            .field("lost", &self.is_lost())
+            .field("failed_open", &self.failed.is_some())
+            .finish()
+    }
+}
+
+impl fmt::Display for LeaseLost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the lock's lease was lost; another instance may hold the key")
+    }
+}
+
+impl Error for LeaseLost {}

@@ -1,0 +1,289 @@
+//! The servers the `distributed*` tests run against, behind one trait so every test
+//! body is written once and runs on Redis, on PostgreSQL and (where it makes sense) in
+//! process. Each test file declares `redis_server`, `pg_server` and `support` at its
+//! root and includes this file.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use tower_keyed_lock::backend::BoxFuture;
+use tower_keyed_lock::{DistributedAcquire, DistributedLocks, Key, Lease, LockBackend, LockError};
+
+/// The name every instance gives its locks, so they share keys at the backend.
+pub const NAME: &str = "jobs";
+
+/// Long enough for anything that should happen; a test fails instead of hanging.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long a key may stay held after its guard or acquisition was dropped: the remote
+/// release is a round trip in a task of its own. Shorter than the Redis lease, so that
+/// a key left to expire instead is caught.
+pub const FREED_WITHIN: Duration = Duration::from_millis(500);
+
+/// Where instances meet: a server they share, or one process's table.
+pub trait Fixture: Sized {
+    /// Starts the server (panics with a clear message when it is not installed).
+    fn start() -> Self;
+
+    /// The locks of one instance: its own backend connections, the shared server.
+    fn instance(&self, name: &str) -> impl Future<Output = DistributedLocks>;
+}
+
+/// A fixture with a real server that instances reach over the network.
+pub trait Remote: Fixture {
+    /// A fresh backend, as the instance `name` would build it.
+    fn backend(&self, name: &str) -> impl Future<Output = Arc<dyn LockBackend>>;
+
+    /// Kills the server (SIGKILL for Redis, a fast shutdown for PostgreSQL): every
+    /// session and every lock on it is gone.
+    fn kill(&mut self);
+
+    /// The most a held lease may take to be declared lost once the server is killed:
+    /// the Redis lease, or PostgreSQL's liveness interval plus network timeout.
+    fn loss_bound(&self) -> Duration;
+}
+
+/// The locks of an instance on `backend`.
+pub fn locks_on(backend: Arc<dyn LockBackend>) -> DistributedLocks {
+    DistributedLocks::builder(NAME)
+        .shared_backend(backend)
+        .build()
+}
+
+/// Every instance is a clone of one in-process table: the locks without a backend.
+pub struct InProcess(DistributedLocks);
+
+impl Fixture for InProcess {
+    fn start() -> Self {
+        InProcess(DistributedLocks::in_process(NAME))
+    }
+
+    async fn instance(&self, _name: &str) -> DistributedLocks {
+        self.0.clone()
+    }
+}
+
+#[cfg(feature = "redis")]
+pub use self::redis::Redis;
+
+#[cfg(feature = "redis")]
+mod redis {
+    use super::*;
+    use crate::redis_server::RedisServer;
+    use tower_keyed_lock::RedisBackend;
+
+    /// Short enough that a crashed holder's key frees soon, long enough to renew
+    /// (every lease/3) on a loaded machine.
+    pub const LEASE: Duration = Duration::from_secs(1);
+
+    pub struct Redis(pub RedisServer);
+
+    impl Fixture for Redis {
+        fn start() -> Self {
+            Redis(RedisServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    impl Remote for Redis {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            let backend = RedisBackend::builder(self.0.client())
+                // A server started for this run: no instance can hold a key it lost.
+                .restart_guard(false)
+                .lease(LEASE)
+                .command_timeout(Duration::from_millis(500))
+                .build()
+                .await
+                .expect("the backend connects to Redis");
+            Arc::new(backend)
+        }
+
+        fn kill(&mut self) {
+            self.0.stop();
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+pub use self::postgres::Postgres;
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+    use crate::pg_server::PgServer;
+    use tower_keyed_lock::PostgresBackend;
+
+    const LIVENESS: Duration = Duration::from_millis(100);
+    const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+
+    pub struct Postgres(pub PgServer);
+
+    impl Fixture for Postgres {
+        fn start() -> Self {
+            Postgres(PgServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    impl Remote for Postgres {
+        async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
+            let mut config: tokio_postgres::Config = self.0.conn_str().parse().unwrap();
+            // Tells the instances apart in `pg_stat_activity` and the server log.
+            config.application_name(name);
+            let backend = PostgresBackend::from_config(config)
+                .liveness_interval(LIVENESS)
+                .network_timeout(NETWORK_TIMEOUT)
+                .fencing(true);
+            Arc::new(backend)
+        }
+
+        fn kill(&mut self) {
+            tokio::task::block_in_place(|| self.0.stop());
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LIVENESS + NETWORK_TIMEOUT
+        }
+    }
+}
+
+/// A real backend that counts the acquisitions this instance sends it: how many in
+/// all, and the most in flight at once.
+pub struct Counting {
+    inner: Arc<dyn LockBackend>,
+    in_flight: Arc<AtomicUsize>,
+    most_in_flight: Arc<AtomicUsize>,
+    calls: AtomicUsize,
+}
+
+impl Counting {
+    pub fn new(inner: Arc<dyn LockBackend>) -> Arc<Self> {
+        Arc::new(Counting {
+            inner,
+            in_flight: Arc::default(),
+            most_in_flight: Arc::default(),
+            calls: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn calls(&self) -> usize {
+        self.calls.load(SeqCst)
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(SeqCst)
+    }
+
+    pub fn most_in_flight(&self) -> usize {
+        self.most_in_flight.load(SeqCst)
+    }
+}
+
+impl LockBackend for Counting {
+    fn acquire(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+    ) -> BoxFuture<Result<Lease, LockError>> {
+        self.calls.fetch_add(1, SeqCst);
+        let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+        self.most_in_flight.fetch_max(now, SeqCst);
+        let in_flight = self.in_flight.clone();
+        let acquire = self.inner.acquire(name, key, wait);
+        Box::pin(async move {
+            let result = acquire.await;
+            in_flight.fetch_sub(1, SeqCst);
+            result
+        })
+    }
+}
+
+/// Fails the test instead of hanging it.
+pub async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
+}
+
+/// Generates one `#[tokio::test]` per generic test body and fixture:
+/// `for_each_fixture!(all: [a, b], remote: [c])` makes `in_process::a` calling
+/// `a::<InProcess>()`, `redis::a`, `redis::c`, `postgres::a`, and so on.
+macro_rules! for_each_fixture {
+    (all: [$($all:ident),* $(,)?], remote: [$($remote:ident),* $(,)?] $(,)?) => {
+        for_each_fixture!(@mod in_process, crate::servers::InProcess, []; $($all),*);
+        for_each_fixture!(@mod redis, crate::servers::Redis, ["redis"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod postgres, crate::servers::Postgres, ["postgres"]; $($all,)* $($remote),*);
+    };
+    (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
+        $(#[cfg(feature = $feature)])?
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    super::$test::<$fixture>().await
+                }
+            )*
+        }
+    };
+}
+
+/// Polls `future` once, with a waker that does nothing.
+pub fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
+    Pin::new(future).poll(&mut Context::from_waker(Waker::noop()))
+}
+
+/// Which await the acquisition is at (`local`, `remote`, ...), from its `Debug` form.
+pub fn state(acquire: &DistributedAcquire) -> String {
+    let debug = format!("{acquire:?}");
+    let start = debug.find("state: \"").expect("Debug shows the state") + 8;
+    debug[start..].split('"').next().unwrap().to_owned()
+}
+
+/// Takes `key` on `locks` with `try_lock` until it is free, failing the test after
+/// `limit`; returns how long that took.
+pub async fn wait_free(locks: &DistributedLocks, key: &str, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        match locks.try_lock(key).await {
+            Ok(guard) => {
+                guard.release().await;
+                return started.elapsed();
+            }
+            Err(LockError::Busy) => {}
+            Err(error) => panic!("try_lock({key:?}) failed: {error}"),
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{key:?} still held after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until `condition` holds, failing the test after [`PATIENCE`].
+pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !condition() {
+        assert!(
+            started.elapsed() < PATIENCE,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
