@@ -913,3 +913,59 @@ async fn fencing_tokens_strictly_increase() {
     probe.gate.add_permits(1);
     assert_eq!(send(&plain, "/orders/1").await.body, "");
 }
+
+/// A sequence with `CACHE 20` hands each session its own range of 20 values, so two
+/// instances' tokens interleave out of order (1, 21, 2, ...): refused with a clear
+/// error instead, and taken up without a restart once fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fencing_sequence_that_could_go_backwards_is_refused() {
+    let pg = PgServer::start();
+    let admin = admin(&pg).await;
+    admin
+        .batch_execute(
+            "CREATE SEQUENCE cached_tokens CACHE 20; CREATE SEQUENCE cycling_tokens CYCLE",
+        )
+        .await
+        .unwrap();
+    let key = Key::new("1", 64).unwrap();
+    let mut refused = Vec::new();
+    for sequence in ["cached_tokens", "cycling_tokens"] {
+        let a = backend(&pg, "fence-a").fencing_sequence(sequence);
+        refused.push(a.clone());
+        let b = backend(&pg, "fence-b").fencing_sequence(sequence);
+        let mut tokens = Vec::new();
+        for i in 0..4 {
+            let instance = if i % 2 == 0 { &a } else { &b };
+            match instance.acquire("orders", &key, Duration::ZERO).await {
+                Ok(lease) => {
+                    tokens.push(lease.fencing_token().unwrap());
+                    lease.release().await;
+                }
+                Err(LockError::Backend(error)) => {
+                    let message = error.to_string();
+                    assert!(
+                        message.contains("CACHE 1") && message.contains("NO CYCLE"),
+                        "unclear error: {message}"
+                    );
+                }
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+        assert!(
+            tokens.windows(2).all(|pair| pair[0] < pair[1]),
+            "{sequence}: tokens went backwards: {tokens:?}"
+        );
+        assert!(tokens.is_empty(), "{sequence} was accepted: {tokens:?}");
+    }
+
+    // Fixed in the database: the same backends issue tokens again.
+    admin
+        .batch_execute("ALTER SEQUENCE cached_tokens CACHE 1")
+        .await
+        .unwrap();
+    let lease = refused[0]
+        .acquire("orders", &key, Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(lease.fencing_token().is_some());
+}

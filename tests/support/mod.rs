@@ -15,6 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 pub mod recorder;
 pub mod soak;
+pub mod tcp_proxy;
 
 /// Serves `app` on a free port of 127.0.0.1 until the test ends.
 pub async fn serve(app: Router) -> Server {

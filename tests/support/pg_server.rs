@@ -284,7 +284,7 @@ fn pg_bin() -> PathBuf {
     }
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     let output = Command::new("id")
         .arg("-u")
         .output()
@@ -313,12 +313,12 @@ fn id_of(user: &str, flag: &str) -> u32 {
         .unwrap()
 }
 
-fn chown_to(path: &Path, user: &str) {
+pub fn chown_to(path: &Path, user: &str) {
     std::os::unix::fs::chown(path, Some(id_of(user, "-u")), Some(id_of(user, "-g")))
         .expect("cannot chown the server dir");
 }
 
-fn temp_dir() -> PathBuf {
+pub fn temp_dir() -> PathBuf {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -1,19 +1,69 @@
-//! A real `redis-server` process on a free port of 127.0.0.1, killed on drop.
+//! A real `redis-server` process on a free port of 127.0.0.1, killed on drop. Each
+//! server has a data directory of its own, so a snapshot (`SAVE`) is read back only by
+//! [`RedisServer::restart_from_snapshot`] of the same server.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct RedisServer {
     port: u16,
     child: Option<Child>,
+    /// Holds `dump.rdb` when the test saved a snapshot; removed on drop.
+    dir: PathBuf,
+    role: Role,
 }
+
+/// What a server is started as.
+#[derive(Clone, Copy)]
+enum Role {
+    Primary,
+    /// A replica of the primary on this port.
+    Replica(u16),
+    /// A Sentinel monitoring the primary on this port as `mymaster`, with a quorum of
+    /// one and short timeouts (down after 500 ms).
+    Sentinel(u16),
+    /// A Redis Cluster node (not yet part of a cluster), failing over after 1 s.
+    ClusterNode,
+}
+
+/// The name under which a test Sentinel monitors its primary.
+pub const SENTINEL_MASTER: &str = "mymaster";
 
 impl RedisServer {
     /// Starts a server on a free port; panics if `redis-server` is not installed.
     pub fn start() -> Self {
+        Self::start_as(Role::Primary)
+    }
+
+    /// Starts a replica of `primary` and waits until it is in sync.
+    pub fn start_replica_of(primary: &RedisServer) -> Self {
+        let replica = Self::start_as(Role::Replica(primary.port));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !info(replica.port, "replication").contains("master_link_status:up") {
+            assert!(
+                Instant::now() < deadline,
+                "the replica did not sync within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        replica
+    }
+
+    /// Starts a node for a Redis Cluster; see `redis_cluster.rs`.
+    pub fn start_cluster_node() -> Self {
+        Self::start_as(Role::ClusterNode)
+    }
+
+    /// Starts a Sentinel that monitors `primary` as [`SENTINEL_MASTER`].
+    pub fn start_sentinel_of(primary: &RedisServer) -> Self {
+        Self::start_as(Role::Sentinel(primary.port))
+    }
+
+    fn start_as(role: Role) -> Self {
         // The port is free when we look; another process may take it before Redis
         // binds, so try a few.
         let mut last_error = String::new();
@@ -22,7 +72,17 @@ impl RedisServer {
                 .and_then(|listener| listener.local_addr())
                 .expect("no free port")
                 .port();
-            let mut server = Self { port, child: None };
+            let dir = std::env::temp_dir().join(format!(
+                "tower-keyed-lock-redis-{}-{port}",
+                std::process::id()
+            ));
+            std::fs::create_dir_all(&dir).expect("creating the redis data directory");
+            let mut server = Self {
+                port,
+                child: None,
+                dir,
+                role,
+            };
             match server.spawn() {
                 Ok(()) => return server,
                 Err(error) => last_error = error,
@@ -43,6 +103,11 @@ impl RedisServer {
         redis::Client::open(self.url()).unwrap()
     }
 
+    /// Whether the server process runs (it was not stopped).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
     /// The process id of the running server.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("redis-server is stopped").id()
@@ -56,9 +121,26 @@ impl RedisServer {
         }
     }
 
-    /// Starts a fresh (empty) server on the same port.
+    /// Kills the server and starts a fresh (empty) one on the same port.
     pub fn restart(&mut self) {
         self.stop();
+        let _ = std::fs::remove_file(self.dir.join("dump.rdb"));
+        self.start_again();
+    }
+
+    /// Kills the server (SIGKILL, so nothing is saved on the way out) and starts it
+    /// again on the same port from its last snapshot (`SAVE`): every write after the
+    /// snapshot is lost, as after a crash with RDB persistence.
+    pub fn restart_from_snapshot(&mut self) {
+        self.stop();
+        assert!(
+            self.dir.join("dump.rdb").exists(),
+            "no snapshot to restart from: SAVE first"
+        );
+        self.start_again();
+    }
+
+    fn start_again(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             match self.spawn() {
@@ -82,10 +164,46 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> Result<(), String> {
-        let mut child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string()])
-            .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
-            .args(["--dir", &std::env::temp_dir().to_string_lossy()])
+        let mut command = Command::new("redis-server");
+        match self.role {
+            Role::Sentinel(primary) => {
+                // Sentinel rewrites its configuration file, so it gets one of its own.
+                let config = self.dir.join("sentinel.conf");
+                let text = format!(
+                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                     sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary} 1\n\
+                     sentinel down-after-milliseconds {SENTINEL_MASTER} 500\n\
+                     sentinel failover-timeout {SENTINEL_MASTER} 2000\n",
+                    port = self.port,
+                    dir = self.dir.display(),
+                );
+                std::fs::write(&config, text).map_err(|error| error.to_string())?;
+                command.arg(&config).arg("--sentinel");
+            }
+            Role::Primary | Role::Replica(_) | Role::ClusterNode => {
+                command
+                    .args(["--port", &self.port.to_string()])
+                    .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+                    .args(["--dir", &self.dir.to_string_lossy()])
+                    // Replicas sync at once, not after the default 5 s wait for others.
+                    .args(["--repl-diskless-sync-delay", "0"]);
+                match self.role {
+                    Role::Replica(primary) => {
+                        command.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
+                    }
+                    Role::ClusterNode => {
+                        command.args([
+                            "--cluster-enabled",
+                            "yes",
+                            "--cluster-node-timeout",
+                            "1000",
+                        ]);
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -119,6 +237,7 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         // SIGKILL also ends a paused (stopped) process.
         self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -128,6 +247,21 @@ fn signal(pid: u32, signal: &str) {
         .status()
         .expect("running kill");
     assert!(status.success(), "kill {signal} {pid} failed");
+}
+
+/// A section of `INFO` of the server on `port`, through `redis-cli`.
+pub fn info(port: u16, section: &str) -> String {
+    cli(port, &["INFO", section])
+}
+
+/// Runs one command with `redis-cli` against the server on `port`; its output.
+pub fn cli(port: u16, args: &[&str]) -> String {
+    let output = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("running redis-cli");
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// Whether a server on `port` answers `PING` with `+PONG`.

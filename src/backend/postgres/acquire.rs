@@ -1,23 +1,57 @@
-//! Taking a lock: `pg_try_advisory_lock`, then the wait in PostgreSQL's own queue, and
-//! the fencing token of each grant.
+//! Taking a session lock: `pg_try_advisory_lock`, then the wait in PostgreSQL's own
+//! queue, with the fencing token, the server process id and the session's limits set in
+//! the statement that grants it.
+//!
+//! Every statement is a simple query (numbers and a checked sequence name formatted in):
+//! a pooler in front of PostgreSQL then sees nothing it could mishandle, and the checks
+//! below are what tells a transaction pooler apart.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::{timeout, Instant};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::SimpleQueryMessage;
+use tokio_postgres::SimpleQueryRow;
 
 use super::error::PgError;
-use super::session::Session;
-use super::{Fencing, Inner};
+use super::session::{last_row, Session};
+use super::Inner;
 use crate::backend::Lease;
 use crate::locks::LockError;
 
-/// Whether this session holds the lock (`$1` the high, `$2` the low 32 bits of the id).
-const HOLDS_SQL: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
-    WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted \
-    AND objsubid = 1 AND classid::bigint = $1 AND objid::bigint = $2)";
+/// A session-level setting that names the lock a session holds for this crate. Set in
+/// the granting statement and cleared by the unlock, so a session found with it set
+/// before a try is shared with another client: a transaction pooler.
+const LEASE_MARKER: &str = "tower_keyed_lock.lease";
+
+/// The server-side limits set on every session that tries a lock, for the rest of its
+/// life (see `Inner::server_idle_limit`): a session cut off from its client, holding a
+/// lock or not, ends once idle that long. `current_setting(.., true)` is NULL on a
+/// server without the setting, which skips it.
+const LIMITED_SETTINGS: [&str; 2] = ["idle_session_timeout", "tcp_user_timeout"];
+
+/// What a granting statement answered: its row is `pid, locked, token`.
+pub(super) struct Grant {
+    pub(super) pid: i32,
+    /// `None`: the session was found holding another client's lock.
+    pub(super) locked: Option<bool>,
+    pub(super) token: Option<u64>,
+}
+
+impl Grant {
+    pub(super) fn parse(row: &SimpleQueryRow) -> Result<Grant, PgError> {
+        let malformed = || PgError::message("PostgreSQL answered the lock statement oddly");
+        let pid = row
+            .get(0)
+            .and_then(|pid| pid.parse().ok())
+            .ok_or_else(malformed)?;
+        Ok(Grant {
+            pid,
+            locked: row.get(1).map(|locked| locked == "t"),
+            token: row.get(2).and_then(|token| token.parse().ok()),
+        })
+    }
+}
 
 impl Inner {
     pub(super) async fn acquire(
@@ -26,25 +60,31 @@ impl Inner {
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let deadline = Instant::now() + wait;
-        let mut session = self.session(deadline).await?;
-        if let Some(fencing) = &self.fencing {
-            self.create_sequence(fencing, &session).await?;
-        }
-        let tried = match self.try_lock(&session, id).await {
-            // A pooled connection that died while idle (a server restart) and was not
-            // noticed yet: the session is gone, and its locks with it, so one more try
-            // on a fresh connection is safe.
-            Err(error) if error.closed && session.reused() => {
-                drop(session);
-                session = self.session(deadline).await?;
-                self.try_lock(&session, id).await
-            }
-            tried => tried,
-        };
+        self.prepare_fencing(deadline).await?;
+        let try_sql = format!(
+            "SELECT pid, locked, CASE WHEN locked THEN {granted} END, {limits} \
+             FROM (SELECT pg_backend_pid() AS pid, \
+                   CASE WHEN coalesce(current_setting('{LEASE_MARKER}', true), '') <> '' \
+                        THEN NULL ELSE pg_try_advisory_lock({id}) END AS locked) AS try",
+            granted = self.granted(id),
+            limits = limits_sql(&format!("'{}ms'", self.server_idle_limit().as_millis())),
+        );
+        let (session, tried) = self
+            .first_query(deadline, || try_sql.clone(), self.network_timeout)
+            .await?;
         // On every early return below, `session` is dropped: closed, not pooled.
-        let token = match tried.map_err(PgError::into_lock_error)? {
-            Some(token) => token,
-            None => match self.wait_lock(&session, id, deadline).await? {
+        let tried = tried.and_then(|answer| {
+            let row = last_row(&answer).ok_or_else(PgError::shared_session)?;
+            Grant::parse(row)
+        });
+        let grant = tried.map_err(PgError::into_lock_error)?;
+        let token = match grant.locked {
+            None => {
+                tracing::error!(lock_id = id, "{}", super::error::SHARED_SESSION);
+                return Err(PgError::shared_session().into_lock_error());
+            }
+            Some(true) => grant.token,
+            Some(false) => match self.wait_lock(&session, id, grant.pid, deadline).await? {
                 Some(token) => token,
                 None => {
                     session.give_back();
@@ -52,99 +92,61 @@ impl Inner {
                 }
             },
         };
-        Ok(self.hold(session, id, token))
+        Ok(self.hold(session, id, grant.pid, token))
     }
 
-    /// Creates the fencing sequence once per backend (and again after a failure).
-    async fn create_sequence(&self, fencing: &Fencing, session: &Session) -> Result<(), LockError> {
-        let create = async {
-            let sql = format!("CREATE SEQUENCE IF NOT EXISTS {}", fencing.sequence);
-            match self.round_trip(session.batch_execute(&sql)).await {
-                Ok(()) => Ok(()),
-                // Another instance created it at the same moment, or we may not create
-                // it but it may exist (`nextval` will tell).
-                Err(PgError {
-                    code: Some(code), ..
-                }) if code == SqlState::UNIQUE_VIOLATION
-                    || code == SqlState::DUPLICATE_TABLE
-                    || code == SqlState::INSUFFICIENT_PRIVILEGE =>
-                {
-                    Ok(())
-                }
-                Err(error) => Err(error),
-            }
-        };
-        fencing
-            .created
-            .get_or_try_init(|| create)
-            .await
-            .map(|_| ())
-            .map_err(PgError::into_lock_error)
-    }
-
-    /// `pg_try_advisory_lock`: `Some(token)` when granted.
-    async fn try_lock(&self, session: &Session, id: i64) -> Result<Option<Option<u64>>, PgError> {
-        let sql = match &self.fencing {
-            Some(fencing) => &*fencing.try_sql,
-            None => "SELECT pg_try_advisory_lock($1)",
-        };
-        let row = self
-            .round_trip(async {
-                let statement = session.prepare_cached(sql).await?;
-                session.query_one(&statement, &[&id]).await
-            })
-            .await?;
-        Ok(match &self.fencing {
-            Some(_) => row.get::<_, Option<i64>>(0).map(|token| Some(token as u64)),
-            None => row.get::<_, bool>(0).then_some(None),
-        })
+    /// The expression, evaluated once the lock is granted, that takes the fencing token
+    /// and marks the session; its value is the token (NULL without fencing).
+    fn granted(&self, id: i64) -> String {
+        format!(
+            "(SELECT token FROM (SELECT {token} AS token, \
+              set_config('{LEASE_MARKER}', '{id}', false)) AS granted)",
+            token = self.token_sql(),
+        )
     }
 
     /// Waits in PostgreSQL's own queue until granted (`Some(token)`) or `deadline`
-    /// (`None`). Returns `None` with the session unlocked and clean.
+    /// (`None`). Returns `None` with the session unlocked and clean. `pid` is the server
+    /// process of the try: the wait must run on it too.
     async fn wait_lock(
         &self,
         session: &Session,
         id: i64,
+        pid: i32,
         deadline: Instant,
     ) -> Result<Option<Option<u64>>, LockError> {
         let remaining = deadline.saturating_duration_since(Instant::now());
         // `lock_timeout = 0` would mean "wait forever".
-        let millis = remaining.as_millis();
+        let millis = whole_millis(remaining);
         if millis == 0 {
             return Ok(None);
         }
-        let nextval = match &self.fencing {
-            Some(fencing) => format!("; SELECT nextval('{}')", fencing.sequence),
-            None => String::new(),
-        };
         // One simple-protocol message is one implicit transaction: the setting is
         // transaction-local, so it cannot leak to the next user of the connection,
-        // while the session lock outlives the transaction. `id` and `millis` are
-        // numbers we made, so formatting them in is safe.
+        // while the session lock outlives the transaction. A transaction pooler may run
+        // it on another server process than the try: then nothing is locked, and no row
+        // comes back.
         let sql = format!(
             "SELECT set_config('lock_timeout', '{millis}ms', true); \
-             SELECT pg_advisory_lock({id}){nextval}"
+             SELECT pg_advisory_lock({id}) WHERE pg_backend_pid() = {pid}; \
+             {granted}",
+            granted = self.granted_sql(id, pid),
         );
         let answer = timeout(remaining + self.network_timeout, session.simple_query(&sql)).await;
         match answer {
-            Ok(Ok(messages)) => Ok(Some(self.fencing.as_ref().and(last_value(&messages)))),
+            Ok(Ok(messages)) => self.granted_token(&messages).map(Some),
             Ok(Err(error)) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
                 // The lock may have been granted as the timeout fired: PostgreSQL then
                 // keeps the session lock although the statement failed.
-                match self.holds(session, id).await {
+                match self.holds(session, id, pid).await {
                     Ok(false) => Ok(None),
-                    Ok(true) => match &self.fencing {
-                        Some(fencing) => {
-                            let sql = format!("SELECT nextval('{}')", fencing.sequence);
-                            let token = self
-                                .round_trip(session.query_one(&sql, &[]))
-                                .await
-                                .map_err(PgError::into_lock_error)?;
-                            Ok(Some(Some(token.get::<_, i64>(0) as u64)))
-                        }
-                        None => Ok(Some(None)),
-                    },
+                    Ok(true) => {
+                        let granted = self
+                            .round_trip(session.simple_query(&self.granted_sql(id, pid)))
+                            .await
+                            .map_err(PgError::into_lock_error)?;
+                        self.granted_token(&granted).map(Some)
+                    }
                     // Unknown: the caller's drop closes the session, which frees the
                     // lock if it was granted. The wait is over either way.
                     Err(_) => Err(LockError::Timeout),
@@ -158,21 +160,66 @@ impl Inner {
         }
     }
 
-    /// Whether this session holds the advisory lock `id` (per `pg_locks`).
-    async fn holds(&self, session: &Session, id: i64) -> Result<bool, PgError> {
+    /// A statement for a session that was just granted `id`: the `Grant` row with the
+    /// token, the session marked; no row on another server process.
+    fn granted_sql(&self, id: i64, pid: i32) -> String {
+        format!(
+            "SELECT pg_backend_pid(), true, {granted} WHERE pg_backend_pid() = {pid}",
+            granted = self.granted(id)
+        )
+    }
+
+    /// The token in a `granted_sql` answer; no row means a transaction pooler.
+    fn granted_token(
+        &self,
+        messages: &[tokio_postgres::SimpleQueryMessage],
+    ) -> Result<Option<u64>, LockError> {
+        let row = last_row(messages).ok_or_else(|| {
+            tracing::error!("{}", super::error::SHARED_SESSION);
+            PgError::shared_session().into_lock_error()
+        })?;
+        Ok(Grant::parse(row).map_err(PgError::into_lock_error)?.token)
+    }
+
+    /// Whether this session (server process `pid`) holds the advisory lock `id`.
+    async fn holds(&self, session: &Session, id: i64, pid: i32) -> Result<bool, PgError> {
         let bits = id as u64;
-        let (high, low) = ((bits >> 32) as i64, (bits & 0xffff_ffff) as i64);
-        let row = self
-            .round_trip(session.query_one(HOLDS_SQL, &[&high, &low]))
-            .await?;
-        Ok(row.get(0))
+        let (high, low) = (bits >> 32, bits & 0xffff_ffff);
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks \
+             WHERE locktype = 'advisory' AND pid = {pid} AND granted AND objsubid = 1 \
+             AND classid::bigint = {high} AND objid::bigint = {low}) \
+             WHERE pg_backend_pid() = {pid}"
+        );
+        let answer = self.round_trip(session.simple_query(&sql)).await?;
+        let row = last_row(&answer).ok_or_else(PgError::shared_session)?;
+        Ok(row.get(0) == Some("t"))
+    }
+
+    /// The statement that unlocks `id` on server process `pid` and clears the session's
+    /// marker: its row says whether the lock was held; no row means another server
+    /// process answered (a transaction pooler), which was left alone.
+    pub(super) fn unlock_sql(id: i64, pid: i32) -> String {
+        format!(
+            "SELECT pg_advisory_unlock({id}), set_config('{LEASE_MARKER}', NULL, false) \
+             WHERE pg_backend_pid() = {pid}"
+        )
     }
 }
 
-/// The most recent value in a simple-query answer: the fencing token.
-fn last_value(messages: &[SimpleQueryMessage]) -> Option<u64> {
-    messages.iter().rev().find_map(|message| match message {
-        SimpleQueryMessage::Row(row) => row.get(0)?.parse().ok(),
-        _ => None,
-    })
+/// `duration` in milliseconds, rounded up: a lock wait never ends before the deadline.
+pub(super) fn whole_millis(duration: Duration) -> u128 {
+    duration.as_micros().div_ceil(1000)
+}
+
+/// Sets every setting of [`LIMITED_SETTINGS`] the server has to `value` for the session.
+fn limits_sql(value: &str) -> String {
+    LIMITED_SETTINGS
+        .map(|name| {
+            format!(
+                "CASE WHEN current_setting('{name}', true) IS NOT NULL \
+                 THEN set_config('{name}', {value}, false) END"
+            )
+        })
+        .join(", ")
 }

@@ -7,6 +7,13 @@ use tokio_postgres::error::SqlState;
 
 use crate::locks::LockError;
 
+/// Why a session lock cannot work through a transaction pooler, for errors and logs.
+pub(super) const SHARED_SESSION: &str = "the PostgreSQL session is shared with other clients \
+    (its statements ran on different server processes, or it already held a lock of \
+    another client): a transaction pooler such as PgBouncer in pool_mode=transaction \
+    is in between. Session locks need a direct connection or session pooling; behind a \
+    transaction pooler use LockScope::Transaction";
+
 /// A backend failure: what failed, and the PostgreSQL or pool error behind it.
 #[derive(Debug)]
 pub(super) struct PgError {
@@ -39,6 +46,12 @@ impl PgError {
             closed: false,
             source: None,
         }
+    }
+
+    /// The session's statements ran on two server processes, or the session was found
+    /// holding another client's lock: a transaction pooler shares server sessions.
+    pub(super) fn shared_session() -> Self {
+        Self::message(SHARED_SESSION)
     }
 
     pub(super) fn into_lock_error(self) -> LockError {

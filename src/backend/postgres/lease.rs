@@ -1,75 +1,147 @@
-//! A held lock: the task that checks its connection every liveness interval, and the
-//! unlock on release.
+//! A held lock: the task that watches its connection (closed? still the same server
+//! process?) until release, and the unlock or rollback on release.
 
-use std::future::Future;
-use std::pin::pin;
 use std::sync::Arc;
-use std::task::Poll;
+use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 
-use super::session::Session;
-use super::Inner;
+use super::error::SHARED_SESSION;
+use super::session::{last_row, Session};
+use super::{Inner, LockScope};
 use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
 
-const UNLOCK_SQL: &str = "SELECT pg_advisory_unlock($1)";
+/// How often a held connection is looked at (no round trip: whether its connection task
+/// ended), so a session that ended raises the lost-lease signal within this period.
+const CLOSED_CHECK_PERIOD: Duration = Duration::from_millis(5);
 
 impl Inner {
-    /// Hands the locked session to a task that watches it until the lease is released.
-    pub(super) fn hold(self: Arc<Self>, session: Session, id: i64, token: Option<u64>) -> Lease {
+    /// Hands the locked session (server process `pid`) to a task that watches it until
+    /// the lease is released.
+    pub(super) fn hold(
+        self: Arc<Self>,
+        session: Session,
+        id: i64,
+        pid: i32,
+        token: Option<u64>,
+    ) -> Lease {
         let (lost, signal) = LeaseSignal::new();
         let (stop, stopped) = oneshot::channel();
-        let task = tokio::spawn(self.watch(session, id, lost, stopped));
+        let task = tokio::spawn(self.watch(session, id, pid, lost, stopped));
         Lease::new(token, signal, PgRelease { stop, task })
     }
 
-    /// Checks the held connection every liveness interval until the lease is released
-    /// (or dropped), then unlocks. If the runtime drops this task instead, `session`'s
-    /// drop closes the connection, which frees the lock.
+    /// Watches the held connection until the lease is released (or dropped), then
+    /// unlocks. If the runtime drops this task instead, `session`'s drop closes the
+    /// connection, which frees the lock.
     async fn watch(
         self: Arc<Self>,
         session: Session,
         id: i64,
+        pid: i32,
         lost: LeaseLostSender,
         mut stop: oneshot::Receiver<()>,
     ) {
-        let interval = self.liveness_interval;
-        let mut ticks = tokio::time::interval_at(Instant::now() + interval, interval);
-        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        loop {
-            // `stop` fires on release, and on its sender's drop.
-            if let Either::Left(_) = race(&mut stop, ticks.tick()).await {
-                break;
-            }
-            let alive = !session.is_closed()
-                && match race(&mut stop, self.round_trip(session.simple_query("SELECT 1"))).await {
-                    Either::Left(_) => break,
-                    Either::Right(ping) => ping.is_ok(),
-                };
-            if !alive {
-                // The session ended (so PostgreSQL freed the lock) or went silent: another
-                // instance may hold the key now, or soon. Close our end too.
-                if lost.lose() {
-                    tracing::warn!(lock_id = id, "PostgreSQL lock lost: its connection died");
-                }
-                return;
-            }
+        if self
+            .stays_alive(&session, id, pid, &mut stop)
+            .await
+            .is_err()
+        {
+            // The session ended (so PostgreSQL freed the lock), went silent, or is not
+            // the one that holds the lock: another instance may hold the key now, or
+            // soon. Dropping `session` closes our end too.
+            lost.lose();
+            return;
         }
-        let unlocked = self
-            .round_trip(async {
-                let statement = session.prepare_cached(UNLOCK_SQL).await?;
-                session.query_one(&statement, &[&id]).await
-            })
-            .await;
+        let released = match self.scope {
+            LockScope::Session => self.unlock(&session, id, pid).await,
+            // Ending the transaction ends its lock.
+            LockScope::Transaction => self
+                .round_trip(session.simple_query("ROLLBACK"))
+                .await
+                .map(drop)
+                .map_err(|error| tracing::debug!(lock_id = id, %error, "rollback failed")),
+        };
         // Only a connection known to hold nothing goes back; otherwise `session` is
         // dropped here: closed, so PostgreSQL ends the session and frees its locks.
-        match unlocked {
-            Ok(row) if row.get::<_, bool>(0) => session.give_back(),
-            Ok(_) => tracing::warn!(lock_id = id, "PostgreSQL lock was not held at release"),
+        if released.is_ok() {
+            session.give_back();
+        }
+    }
+
+    /// Returns `Ok` when `stop` fires (the lease is released), `Err` when the lock is
+    /// lost. Between liveness checks the connection is looked at every
+    /// [`CLOSED_CHECK_PERIOD`]: a session that ended is noticed at once, not at the
+    /// next check.
+    async fn stays_alive(
+        &self,
+        session: &Session,
+        id: i64,
+        pid: i32,
+        stop: &mut oneshot::Receiver<()>,
+    ) -> Result<(), ()> {
+        let interval = self.liveness_interval;
+        let mut checks = tokio::time::interval_at(Instant::now() + interval, interval);
+        checks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut looks = tokio::time::interval(CLOSED_CHECK_PERIOD);
+        looks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            // `stop` fires on release, and on its sender's drop.
+            tokio::select! {
+                biased;
+                _ = &mut *stop => return Ok(()),
+                _ = looks.tick() => {
+                    if session.is_closed() {
+                        tracing::warn!(lock_id = id, "PostgreSQL lock lost: its connection closed");
+                        return Err(());
+                    }
+                }
+                _ = checks.tick() => {
+                    let check = self.round_trip(session.simple_query("SELECT pg_backend_pid()"));
+                    let answer = tokio::select! {
+                        biased;
+                        _ = &mut *stop => return Ok(()),
+                        answer = check => answer,
+                    };
+                    let answered_by = answer.map(|answer| {
+                        last_row(&answer).and_then(|row| row.get(0)?.parse::<i32>().ok())
+                    });
+                    match answered_by {
+                        Ok(Some(now)) if now == pid => {}
+                        Ok(_) => {
+                            tracing::error!(lock_id = id, "PostgreSQL lock lost: {SHARED_SESSION}");
+                            return Err(());
+                        }
+                        Err(error) => {
+                            tracing::warn!(lock_id = id, %error, "PostgreSQL lock lost: its connection failed");
+                            return Err(());
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Unlocks a session lock; `Ok` when the session is known to hold nothing now.
+    async fn unlock(&self, session: &Session, id: i64, pid: i32) -> Result<(), ()> {
+        let answer = self
+            .round_trip(session.simple_query(&Inner::unlock_sql(id, pid)))
+            .await;
+        match answer.as_deref().map(last_row) {
+            Ok(Some(row)) if row.get(0) == Some("t") => Ok(()),
+            Ok(Some(_)) => {
+                tracing::warn!(lock_id = id, "PostgreSQL lock was not held at release");
+                Err(())
+            }
+            Ok(None) => {
+                tracing::error!(lock_id = id, "PostgreSQL unlock failed: {SHARED_SESSION}");
+                Err(())
+            }
             Err(error) => {
-                tracing::debug!(lock_id = id, %error, "unlock failed; closing the connection")
+                tracing::debug!(lock_id = id, %error, "unlock failed; closing the connection");
+                Err(())
             }
         }
     }
@@ -89,21 +161,4 @@ impl ReleaseLease for PgRelease {
             let _ = task.await;
         })
     }
-}
-
-enum Either<A, B> {
-    Left(A),
-    Right(B),
-}
-
-/// Polls both futures; the first ready wins (`left` first). The other is dropped.
-async fn race<A: Future + Unpin, B: Future>(mut left: A, right: B) -> Either<A::Output, B::Output> {
-    let mut right = pin!(right);
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(value) = std::pin::Pin::new(&mut left).poll(cx) {
-            return Poll::Ready(Either::Left(value));
-        }
-        right.as_mut().poll(cx).map(Either::Right)
-    })
-    .await
 }

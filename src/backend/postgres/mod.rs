@@ -40,11 +40,52 @@
 //! `pg_locks` for a grant that raced the timeout before it reports
 //! [`LockError::Timeout`].
 //!
-//! Release runs `pg_advisory_unlock(id)` on the same connection and returns it to the
-//! pool. The holding session is the lock's owner token: no other session can unlock
-//! it, and a lock has no expiry to renew — it lasts exactly as long as the session. A connection whose state is unknown — an error or timeout while acquiring or
-//! unlocking, a task dropped mid-statement — is never returned to the pool: it is taken
-//! out of the pool and closed, and PostgreSQL frees every lock of a session that ends.
+//! The statement that tries the lock also records the server process
+//! (`pg_backend_pid()`), sets the [server-side limits](self#lost-locks)
+//! `idle_session_timeout` and `tcp_user_timeout` for the session, and, when granted,
+//! takes the fencing token and sets the marker `tower_keyed_lock.lease` (the lock id)
+//! until the unlock.
+//! Every statement is a simple query (the id, the pid and the limits are numbers the
+//! backend made; the sequence name is checked), so a pooler in between sees nothing it
+//! could mishandle.
+//!
+//! Release runs `pg_advisory_unlock(id)` on the same connection, clears the marker,
+//! and returns the connection to the pool. The holding session is
+//! the lock's owner token: no other session can unlock it, and a lock has no expiry to
+//! renew — it lasts as long as the session (or, for [`LockScope::Transaction`], the
+//! transaction). A connection whose state is unknown — an error or timeout while
+//! acquiring or unlocking, a task dropped mid-statement — is never returned to the
+//! pool: it is taken out of the pool and closed, and PostgreSQL frees every lock of a
+//! session that ends.
+//!
+//! # Lock scopes and poolers
+//!
+//! A session lock needs **a direct connection or session pooling** (PgBouncer
+//! `pool_mode=session`): it lives in a server session, and a transaction pooler
+//! (PgBouncer `pool_mode=transaction`, and the like) hands that session to another
+//! client after every transaction. That client would find the lock already held by
+//! "its" session, and `pg_try_advisory_lock` is re-entrant: a second grant, silently.
+//! The backend refuses instead: a session found with another client's marker set, or
+//! a statement answered by another server process than the one that granted the lock
+//! (the pid is compared at the wait, at every liveness check and at the unlock), fails
+//! the acquisition with a [`LockError::Backend`] that names the cause, or raises the
+//! lost-lease signal of a holder. A lock left behind on a pooler's server session that
+//! way stays until that session has been idle for the server-side limit.
+//!
+//! Behind a transaction pooler use [`LockScope::Transaction`]
+//! ([`lock_scope`](PostgresBackend::lock_scope)): the lock is
+//! `pg_advisory_xact_lock(id)`, taken in one round trip with
+//! `BEGIN; SET LOCAL idle_in_transaction_session_timeout …; SET LOCAL lock_timeout …`
+//! (or `pg_try_advisory_xact_lock` for a zero wait), inside a transaction held open
+//! until release, which ends it with `ROLLBACK`. The open transaction pins the server
+//! session to the connection, so the pooler cannot hand it to anyone else. Its cost:
+//! a pooled connection, and a pooler server connection, per held key (size the
+//! pooler's `default_pool_size` for the keys held at once by every instance), and an
+//! open transaction as long as the key is held. With fencing, `nextval` gives that
+//! transaction an id, which holds back vacuum's horizon while the key is held: keep
+//! holds short. Both scopes use the same lock ids, and a session lock and a
+//! transaction lock of one id exclude each other, so instances may be moved from one
+//! scope to the other one at a time.
 //!
 //! # Pool size
 //!
@@ -94,24 +135,56 @@
 //!
 //! # Lost locks
 //!
-//! PostgreSQL holds the lock as long as the holding session lives. If the connection
-//! dies — a server restart, `pg_terminate_backend`, a network failure — the lock is
-//! gone and another instance may take the key. Every held connection is checked every
+//! PostgreSQL holds the lock as long as the holding session lives. When the session
+//! ends — a server restart, `pg_terminate_backend`, a connection reset, the idle limit
+//! below — the lock is gone and another instance may take the key.
+//!
+//! The holder watches its connection: every 5 ms it looks whether the connection has
+//! closed (no round trip: whether its connection task ended), and every
 //! [`liveness_interval`](PostgresBackend::liveness_interval) (default
-//! [`DEFAULT_LIVENESS_INTERVAL`], 1 s): a closed connection, or a `SELECT 1` that fails
-//! or takes longer than the [`network_timeout`](PostgresBackend::network_timeout),
-//! raises the lease-lost signal of [`LockInfo`](crate::LockInfo) within one interval
-//! (plus the network timeout when the server went silent), the layer counts it in
-//! `keyed_lock_lease_lost_total`, and
-//! [`abort_on_lease_lost`](crate::KeyedLockLayer::abort_on_lease_lost) turns it into 503.
+//! [`DEFAULT_LIVENESS_INTERVAL`], 1 s) it asks `SELECT pg_backend_pid()`. A closed
+//! connection, a check that fails, takes longer than the
+//! [`network_timeout`](PostgresBackend::network_timeout) or is answered by another
+//! server process raises the lease-lost signal of [`LockInfo`](crate::LockInfo), the
+//! layer counts it in `keyed_lock_lease_lost_total`, and
+//! [`abort_on_lease_lost`](crate::KeyedLockLayer::abort_on_lease_lost) turns it into
+//! 503.
+//!
+//! A network that goes silent frees nothing by itself: PostgreSQL does not know the
+//! holder is gone, and without help an idle session would keep its lock until TCP
+//! keepalive gives up (hours by default). So every session the backend uses carries a
+//! server-side limit of one liveness interval plus two network timeouts (5 s with the
+//! defaults): `idle_session_timeout` (PostgreSQL 14 or later; for
+//! [`LockScope::Transaction`], `idle_in_transaction_session_timeout` while the lock is
+//! held) ends a session that heard nothing for that long, and `tcp_user_timeout`
+//! (PostgreSQL 12 or later) one whose answers go unacknowledged as long. A live holder
+//! is never idle that long: its liveness checks keep the session busy. The limit stays
+//! on pooled connections too, so a partition strands no server session, holding a lock
+//! or not; its cost is that a pooled connection idle for that long is closed by the
+//! server and opened again when next needed. A holder cut off is told at most
+//! one interval plus one network timeout after its last answered check, one network
+//! timeout *before* the server frees the lock (measured: 300 ms ahead with a 300 ms
+//! network timeout; see `RELIABILITY.md`).
+//!
+//! The signal is not a guard everywhere: when the session ends on the server's side
+//! first (`pg_terminate_backend`, a server restart), a waiting instance is granted
+//! within a millisecond or two, and the holder hears of it only when its connection
+//! closes a few milliseconds later. For work that must never overlap, write the
+//! [fencing token](self#fencing-tokens) with it and let the store reject older tokens:
+//! the token, not the signal, is what orders the two holders.
 //!
 //! # Fencing tokens
 //!
 //! With [`fencing(true)`](PostgresBackend::fencing) every grant also takes `nextval` of
 //! a sequence (default [`DEFAULT_FENCING_SEQUENCE`], created by the backend with
-//! `CREATE SEQUENCE IF NOT EXISTS` on first use) in the same round trip as the lock, so
-//! the tokens of one key strictly increase from holder to holder; the handler reads it
-//! with [`LockInfo::fencing_token`](crate::LockInfo::fencing_token).
+//! `CREATE SEQUENCE IF NOT EXISTS` on first use) in the statement that grants the lock,
+//! so the tokens of one key strictly increase from holder to holder; the handler reads
+//! it with [`LockInfo::fencing_token`](crate::LockInfo::fencing_token). That holds only
+//! for a sequence with `CACHE 1` (each session caches its own range otherwise, and two
+//! instances' tokens interleave: 1, 21, 2, …), `NO CYCLE`, a positive increment and a
+//! minimum of at least 0: the backend checks the sequence on first use and refuses
+//! another one — every acquisition fails with a [`LockError::Backend`] saying what to
+//! change, until the sequence is altered (no restart needed).
 //!
 //! # Failures
 //!
@@ -125,13 +198,16 @@
 
 // One concern per file: `lock_id` is the stable hash of a key and its SQL form,
 // `session` takes pooled connections and closes those in an unknown state, `acquire`
-// runs the try and wait statements, `lease` watches a held lock and unlocks it, and
+// runs the session lock's try and wait statements, `xact` the transaction lock's,
+// `fencing` checks the sequence, `lease` watches a held lock and releases it, and
 // `error` is the backend's error. This file has the public type and its configuration.
 mod acquire;
 mod error;
+mod fencing;
 mod lease;
 mod lock_id;
 mod session;
+mod xact;
 
 use std::fmt;
 use std::sync::atomic::AtomicBool;
@@ -198,14 +274,30 @@ struct Inner {
     /// Kept while fencing is off, so turning it back on keeps the name.
     sequence: Arc<str>,
     fencing: Option<Fencing>,
+    scope: LockScope,
 }
 
 #[derive(Clone)]
 struct Fencing {
     sequence: Arc<str>,
-    /// Set once the sequence is known to exist; shared by clones with this sequence.
-    created: Arc<OnceCell<()>>,
-    try_sql: Arc<str>,
+    /// Set once the sequence is known to exist and to issue increasing values; shared
+    /// by clones with this sequence.
+    checked: Arc<OnceCell<()>>,
+}
+
+/// How long a lock lasts in PostgreSQL: see [Lock scopes](self#lock-scopes).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LockScope {
+    /// `pg_advisory_lock`: the lock lasts as long as the session, which sits idle
+    /// between liveness checks. Needs a direct connection or session pooling (the
+    /// default).
+    #[default]
+    Session,
+    /// `pg_advisory_xact_lock` inside a transaction held open until release: works
+    /// behind a transaction pooler (PgBouncer `pool_mode=transaction`), at the cost of
+    /// an open transaction per held key.
+    Transaction,
 }
 
 impl PostgresBackend {
@@ -238,6 +330,7 @@ impl PostgresBackend {
                 network_timeout: DEFAULT_NETWORK_TIMEOUT,
                 sequence: DEFAULT_FENCING_SEQUENCE.into(),
                 fencing: None,
+                scope: LockScope::Session,
             }),
         }
     }
@@ -288,9 +381,11 @@ impl PostgresBackend {
         self.configure(|inner| inner.namespace = namespace.into())
     }
 
-    /// How often held connections are checked (default 1 s): a lost lock is signalled
-    /// at most this long after its connection died (plus the network timeout if the
-    /// server went silent). Each check of a live connection is one `SELECT 1`.
+    /// How often held connections are checked with a round trip (default 1 s): a
+    /// server gone silent is noticed at most this long plus the network timeout after
+    /// its last answer (a closed connection is noticed within 5 ms, without a round
+    /// trip). Each check is one `SELECT pg_backend_pid()`. Also part of the server-side
+    /// limit of a holding session (see [Lost locks](self#lost-locks)).
     ///
     /// # Panics
     /// If `interval` is zero.
@@ -302,7 +397,8 @@ impl PostgresBackend {
     /// The longest wait for one answer from PostgreSQL — connecting, a statement, a
     /// liveness check, the unlock — beyond the request's own wait (default 2 s). A
     /// statement past it leaves its connection in an unknown state, so the connection
-    /// is closed rather than reused.
+    /// is closed rather than reused. The server-side limit of a holding session is one
+    /// liveness interval plus two network timeouts (see [Lost locks](self#lost-locks)).
     ///
     /// # Panics
     /// If `timeout` is zero.
@@ -342,6 +438,13 @@ impl PostgresBackend {
             inner.sequence = name.into();
             inner.fencing = Some(Fencing::new(inner.sequence.clone()));
         })
+    }
+
+    /// How long a lock lasts in PostgreSQL (default [`LockScope::Session`]); see
+    /// [Lock scopes](self#lock-scopes). Behind PgBouncer in `pool_mode=transaction`,
+    /// use [`LockScope::Transaction`].
+    pub fn lock_scope(self, scope: LockScope) -> Self {
+        self.configure(|inner| inner.scope = scope)
     }
 
     /// The pool the locks are taken on.
@@ -390,13 +493,23 @@ fn own_pool(config: tokio_postgres::Config, size: usize) -> Pool {
 impl Fencing {
     fn new(sequence: Arc<str>) -> Self {
         Self {
-            try_sql: format!(
-                "SELECT CASE WHEN pg_try_advisory_lock($1) THEN nextval('{sequence}') END"
-            )
-            .into(),
             sequence,
-            created: Arc::default(),
+            checked: Arc::default(),
         }
+    }
+}
+
+impl Inner {
+    /// How long PostgreSQL lets a holding session sit idle (`idle_session_timeout`,
+    /// `tcp_user_timeout`; `idle_in_transaction_session_timeout` for transaction-scoped
+    /// locks) before it ends it and frees the lock: one liveness interval plus two
+    /// network timeouts. A live holder is never idle that long (its checks come every
+    /// interval, and one slower than a network timeout already lost the lease), and a
+    /// holder cut off declares the lease lost at most one interval plus one network
+    /// timeout after its last answered check: a network timeout before the server
+    /// frees the lock.
+    fn server_idle_limit(&self) -> Duration {
+        self.liveness_interval + 2 * self.network_timeout
     }
 }
 
@@ -412,6 +525,7 @@ impl fmt::Debug for PostgresBackend {
                 "fencing_sequence",
                 &inner.fencing.as_ref().map(|f| &*f.sequence),
             )
+            .field("lock_scope", &inner.scope)
             .field("max_connections", &status.max_size)
             .field("connections", &status.size)
             .finish()
@@ -421,18 +535,27 @@ impl fmt::Debug for PostgresBackend {
 impl LockBackend for PostgresBackend {
     fn acquire(
         &self,
-        name: &'static str,
+        name: &str,
         key: &Key,
         wait: Duration,
     ) -> BoxFuture<Result<Lease, LockError>> {
         let id = self.lock_id(name, key.as_str());
         let inner = self.inner.clone();
+        // PostgreSQL's `lock_timeout` is an `int` of milliseconds (24.8 days): a longer
+        // wait (`Duration::MAX` for "no limit" included) ends there, with a timeout.
+        let wait = wait.min(Duration::from_millis(i32::MAX as u64));
         // The whole acquisition stays within the wait plus one network timeout, however
         // many round trips were slow. Cut short, it drops its connection: closed, so
         // whatever PostgreSQL granted it is freed.
         let limit = wait + inner.network_timeout;
         Box::pin(async move {
-            match timeout(limit, inner.acquire(id, wait)).await {
+            let acquire = async {
+                match inner.scope {
+                    LockScope::Session => inner.acquire(id, wait).await,
+                    LockScope::Transaction => inner.acquire_in_transaction(id, wait).await,
+                }
+            };
+            match timeout(limit, acquire).await {
                 Ok(result) => result,
                 Err(_) => Err(PgError::message(
                     "PostgreSQL did not answer within the wait plus the network timeout",

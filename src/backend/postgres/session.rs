@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{Object, PoolError, TimeoutType, Timeouts};
 use tokio::time::{timeout, Instant};
+use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
 use super::error::PgError;
 use super::Inner;
@@ -92,15 +93,60 @@ impl Inner {
         }
     }
 
+    /// Takes a pooled session and runs its first statement, `sql()` (made once the
+    /// session is there, so it can use the time left), within `limit`. A
+    /// reused connection that died while idle (a server restart) and was not noticed
+    /// yet fails at once as closed: its session, and any lock of it, is gone, so the
+    /// statement runs once more on a fresh connection.
+    pub(super) async fn first_query(
+        &self,
+        deadline: Instant,
+        sql: impl Fn() -> String,
+        limit: Duration,
+    ) -> Result<(Session, Result<Vec<SimpleQueryMessage>, PgError>), LockError> {
+        let session = self.session(deadline).await?;
+        match self
+            .round_trip_within(limit, session.simple_query(&sql()))
+            .await
+        {
+            Err(error) if error.closed && session.reused() => {
+                drop(session);
+                let session = self.session(deadline).await?;
+                let answer = self
+                    .round_trip_within(limit, session.simple_query(&sql()))
+                    .await;
+                Ok((session, answer))
+            }
+            answer => Ok((session, answer)),
+        }
+    }
+
     /// Runs one round trip within the network timeout.
     pub(super) async fn round_trip<T>(
         &self,
         query: impl Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, PgError> {
-        match timeout(self.network_timeout, query).await {
+        self.round_trip_within(self.network_timeout, query).await
+    }
+
+    /// Runs one round trip within `limit`.
+    pub(super) async fn round_trip_within<T>(
+        &self,
+        limit: Duration,
+        query: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, PgError> {
+        match timeout(limit, query).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => Err(PgError::new("PostgreSQL statement failed", error)),
             Err(_) => Err(PgError::message("PostgreSQL did not answer in time")),
         }
     }
+}
+
+/// The last row of a simple-query answer: what its last `SELECT` returned.
+pub(super) fn last_row(messages: &[SimpleQueryMessage]) -> Option<&SimpleQueryRow> {
+    messages.iter().rev().find_map(|message| match message {
+        SimpleQueryMessage::Row(row) => Some(row),
+        _ => None,
+    })
 }

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use redis::RedisError;
 use tokio::task::AbortHandle;
-use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
+use tokio::time::{sleep, sleep_until, Instant};
 
+use super::connection::Failure;
 use super::keys::{new_token, RedisKeys};
 use super::{jitter, Inner, RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
 use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
@@ -30,6 +31,41 @@ impl fmt::Display for CommandTimeout {
 
 impl std::error::Error for CommandTimeout {}
 
+/// The restart guard refused a grant for longer than the request may wait.
+#[derive(Debug)]
+struct RestartGuard(Duration);
+
+impl fmt::Display for RestartGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "redis started less than a lease ago; grants resume in {:?}",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for RestartGuard {}
+
+/// A grant that fewer replicas than asked acknowledged within the wait.
+#[derive(Debug)]
+struct NotReplicated {
+    acknowledged: u32,
+    wanted: u32,
+}
+
+impl fmt::Display for NotReplicated {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "redis grant acknowledged by {} replicas, {} wanted",
+            self.acknowledged, self.wanted
+        )
+    }
+}
+
+impl std::error::Error for NotReplicated {}
+
 /// What one acquire attempt found.
 enum Attempt {
     Granted {
@@ -39,6 +75,12 @@ enum Attempt {
     Held {
         ttl_ms: i64,
     },
+    /// The server is up for less than a lease: no grant for this many ms.
+    Restarted {
+        wait_ms: u64,
+    },
+    /// Granted, but acknowledged by too few replicas: to be given back.
+    NotReplicated(NotReplicated),
 }
 
 /// A random token for one acquisition.
@@ -81,17 +123,32 @@ impl Inner {
             };
             first = false;
             in_flight.sent_at = Some(sent_at);
-            let attempt = self.attempt(&in_flight.keys, &in_flight.token);
+            // Only a whole command timeout says the connection may be silent.
+            let counts = limit == sent_at + self.config.command_timeout;
+            let attempt = self.attempt(&in_flight.keys, &in_flight.token, limit, counts);
             // On an error or timeout `in_flight` stays armed: its drop gives back what
             // the attempt may have been granted.
-            let ttl_ms = match timeout_at(limit, attempt).await {
-                Ok(Ok(Attempt::Granted { fence })) => {
+            let ttl_ms = match attempt.await {
+                Ok(Attempt::Granted { fence }) => {
                     in_flight.sent_at = None;
                     let (keys, token) = (in_flight.keys.clone(), in_flight.token.clone());
                     return Ok(self.grant(keys, token, fence, sent_at));
                 }
-                Ok(Ok(Attempt::Held { ttl_ms })) => ttl_ms,
-                Ok(Err(error))
+                Ok(Attempt::Held { ttl_ms }) => ttl_ms,
+                // `in_flight` stays armed: its drop gives the grant back.
+                Ok(Attempt::NotReplicated(error)) => {
+                    return Err(LockError::Backend(Box::new(error)))
+                }
+                Ok(Attempt::Restarted { wait_ms }) => {
+                    in_flight.sent_at = None;
+                    let wait = Duration::from_millis(wait_ms);
+                    if Instant::now() + wait >= deadline {
+                        return Err(LockError::Backend(Box::new(RestartGuard(wait))));
+                    }
+                    sleep(wait).await;
+                    continue;
+                }
+                Err(Failure::Redis(error))
                     if !reconnected
                         && error.is_connection_dropped()
                         && Instant::now() < deadline =>
@@ -111,9 +168,9 @@ impl Inner {
                     };
                     continue;
                 }
-                Ok(Err(error)) => return Err(LockError::Backend(Box::new(error))),
-                Err(_) if limit == deadline => return Err(LockError::Timeout),
-                Err(_) => {
+                Err(Failure::Redis(error)) => return Err(LockError::Backend(Box::new(error))),
+                Err(Failure::TimedOut) if limit == deadline => return Err(LockError::Timeout),
+                Err(Failure::TimedOut) => {
                     let timeout = CommandTimeout(self.config.command_timeout);
                     return Err(LockError::Backend(Box::new(timeout)));
                 }
@@ -150,27 +207,59 @@ impl Inner {
         }
     }
 
-    async fn attempt(&self, keys: &RedisKeys, token: &str) -> Result<Attempt, RedisError> {
+    async fn attempt(
+        &self,
+        keys: &RedisKeys,
+        token: &str,
+        limit: Instant,
+        counts: bool,
+    ) -> Result<Attempt, Failure> {
         let fence_ttl = self
             .config
             .fence_ttl
             .map_or(0, |ttl| millis(ttl.max(self.config.lease)));
         // Outlasts this waiter's longest pause and its next attempt's round trip.
         let waiting_ttl = self.config.poll_interval + self.config.command_timeout;
-        let (granted, value): (i64, i64) = self
-            .acquire
-            .key(&*keys.lock)
+        let restart_guard = match self.config.restart_guard {
+            true => millis(self.config.lease),
+            false => 0,
+        };
+        let mut invocation = self.acquire.key(&*keys.lock);
+        invocation
             .key(&keys.fence)
             .key(&keys.waiting)
             .arg(token)
             .arg(millis(self.config.first_ttl()))
             .arg(fence_ttl)
             .arg(millis(waiting_ttl))
-            .invoke_async(&mut self.commands.clone())
+            .arg(restart_guard);
+        let replicas = self.config.replicas;
+        let (outcome, value, acknowledged) = self
+            .commands
+            .run(limit, counts, |mut connection| async move {
+                let (outcome, value): (i64, i64) = invocation.invoke_async(&mut connection).await?;
+                // WAIT on the connection that sent the grant counts its writes.
+                let acknowledged = match (outcome, replicas) {
+                    (1, Some(replicas)) => Some(replicas.wait(&mut connection).await?),
+                    _ => None,
+                };
+                Ok((outcome, value, acknowledged))
+            })
             .await?;
-        Ok(match granted {
-            1 => Attempt::Granted {
-                fence: u64::try_from(value).unwrap_or_default(),
+        Ok(match outcome {
+            1 => match (replicas, acknowledged) {
+                (Some(replicas), Some(acknowledged)) if acknowledged < replicas.count => {
+                    Attempt::NotReplicated(NotReplicated {
+                        acknowledged,
+                        wanted: replicas.count,
+                    })
+                }
+                _ => Attempt::Granted {
+                    fence: u64::try_from(value).unwrap_or_default(),
+                },
+            },
+            2 => Attempt::Restarted {
+                wait_ms: u64::try_from(value).unwrap_or_default(),
             },
             _ => Attempt::Held { ttl_ms: value },
         })
@@ -234,30 +323,49 @@ impl Inner {
                     config.lease.min(end.saturating_duration_since(sent))
                 })
                 .max(Duration::from_millis(1));
-            let limit = (sent + config.command_timeout).min(valid_until);
-            match timeout_at(limit, self.renew(&lock, &token, ttl)).await {
-                Ok(Ok(true)) => {
+            let full = sent + config.command_timeout;
+            let limit = full.min(valid_until);
+            match self.renew(&lock, &token, ttl, limit, limit == full).await {
+                Ok(true) => {
                     valid_until = sent + ttl.saturating_sub(self.drift);
                     next = sent + period;
                 }
                 // Definitely not ours any more: deleted, expired or taken over.
-                Ok(Ok(false)) => break,
-                // Unknown: try again soon; the deadline stands.
-                Ok(Err(_)) | Err(_) => next = Instant::now() + period / 4,
+                Ok(false) => break,
+                // Renewed, but acknowledged by too few replicas, or unknown: try again
+                // soon; the deadline stands.
+                Err(_) => next = Instant::now() + period / 4,
             }
         }
         lost.lose();
     }
 
-    async fn renew(&self, lock: &str, token: &str, ttl: Duration) -> Result<bool, RedisError> {
-        let renewed: i64 = self
-            .renew
-            .key(lock)
-            .arg(token)
-            .arg(millis(ttl))
-            .invoke_async(&mut self.commands.clone())
-            .await?;
-        Ok(renewed == 1)
+    async fn renew(
+        &self,
+        lock: &str,
+        token: &str,
+        ttl: Duration,
+        limit: Instant,
+        counts: bool,
+    ) -> Result<bool, Failure> {
+        let mut invocation = self.renew.key(lock);
+        invocation.arg(token).arg(millis(ttl));
+        let replicas = self.config.replicas;
+        self.commands
+            .run(limit, counts, |mut connection| async move {
+                let renewed: i64 = invocation.invoke_async(&mut connection).await?;
+                if let (1, Some(replicas)) = (renewed, replicas) {
+                    let acknowledged = replicas.wait(&mut connection).await?;
+                    if acknowledged < replicas.count {
+                        return Err(RedisError::from((
+                            redis::ErrorKind::Io,
+                            "renewal not acknowledged by enough replicas",
+                        )));
+                    }
+                }
+                Ok(renewed == 1)
+            })
+            .await
     }
 
     /// Deletes the lock if `token` still holds it and announces the release. Returns
@@ -286,15 +394,17 @@ impl Inner {
     async fn try_give_back(&self, keys: &RedisKeys, token: &str) -> bool {
         let mut invocation = self.release.key(&*keys.lock);
         invocation.key(&keys.waiting).arg(token).arg(&self.channel);
-        let mut commands = self.commands.clone();
-        let release = invocation.invoke_async::<i64>(&mut commands);
-        match timeout(self.config.command_timeout, release).await {
-            Ok(Ok(_)) => true,
-            Ok(Err(error)) => {
+        let limit = Instant::now() + self.config.command_timeout;
+        let release = self.commands.run(limit, true, |mut connection| async move {
+            invocation.invoke_async::<i64>(&mut connection).await
+        });
+        match release.await {
+            Ok(_) => true,
+            Err(Failure::Redis(error)) => {
                 tracing::debug!(%error, "redis lock release failed");
                 false
             }
-            Err(_) => {
+            Err(Failure::TimedOut) => {
                 tracing::debug!("redis lock release timed out");
                 false
             }

@@ -25,8 +25,9 @@
 //! # How a key is held
 //!
 //! - **Acquire.** One Lua script runs `SET lock token NX PX lease` with a fresh random
-//!   128-bit token and, when granted, `INCR`s the key's fence counter: the fencing token
-//!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)). When the key is held
+//!   128-bit token and, when granted, issues the key's fencing token
+//!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): `max(counter + 1,
+//!   server time in µs)`, stored back in the key's fence counter. When the key is held
 //!   it returns the holder's remaining TTL instead. An attempt whose answer never comes
 //!   (error, timeout, or the acquire future dropped) may still have been granted, so its
 //!   token is released in the background: the acquire is cancel-safe by itself.
@@ -52,8 +53,69 @@
 //! when Redis is down or silent, acquisitions fail with
 //! [`LockError::Backend`] promptly and the layer answers 503 (or runs the
 //! request under its local lock with [`fail_open`](crate::KeyedLockLayer::fail_open)).
-//! Commands go through a [`ConnectionManager`], which reconnects by itself; the
-//! subscription resubscribes after a reconnect.
+//!
+//! # Connections
+//!
+//! Commands go through a [`ConnectionManager`](redis::aio::ConnectionManager), which
+//! reconnects when its connection closes. A connection can also go silent without
+//! closing (a partition, a dead NAT or load-balancer entry: no reset ever comes), so
+//! after 3 command timeouts in a row, with no answer at all for 2 command timeouts,
+//! the manager is replaced by a fresh one, which connects anew: a silent path costs
+//! two to three command timeouts, not the minutes TCP takes to give up. A slow but
+//! answering connection (an overloaded server or process) is kept: a reconnection
+//! would only add to the load, and the commands in flight on it would be lost. The subscription is pinged
+//! every second; a ping unanswered within the command timeout, or a closed connection,
+//! makes it resubscribe on a new connection, and every waiter then retries once (a
+//! release may have gone unheard). Sockets get TCP keepalive and, on Linux,
+//! `TCP_USER_TIMEOUT` (10 command timeouts, at least 5 s) as the kernel's backstop.
+//!
+//! # Restarts and lost writes
+//!
+//! Redis can lose writes: a restart without persistence comes back empty, one from an
+//! RDB snapshot or an `appendfsync everysec` log comes back as it was a moment (or
+//! minutes) earlier, and an asynchronous replica promoted by a failover may lack the
+//! last writes. Two rules keep that from breaking the lock:
+//!
+//! - **Fencing tokens never go back on one server clock.** A token is `max(counter + 1,
+//!   TIME in µs)` of the Redis server: if the counter went back, was wiped or expired
+//!   ([`fence_ttl`](RedisBackendBuilder::fence_ttl)), the clock still moved on. Tokens
+//!   are monotonic across any restart or failover that loses writes *as long as the
+//!   clock of the server that grants is not behind the clock of the one that granted
+//!   before* (the same server after a restart, or a promoted replica whose clock is in
+//!   sync) and no more than one grant per key happens per microsecond beyond the counter
+//!   (the counter covers those). A server clock stepped back by `d` can repeat tokens
+//!   issued in the last `d`, unless the counter survived.
+//! - **Restart guard.** A server that lost a key may grant it again while its holder,
+//!   which cannot tell, still counts its lease as valid: for up to one lease after the
+//!   restart. So while the server's `uptime_in_seconds` is below the lease plus one
+//!   second (the uptime is counted in whole seconds), the acquire script grants nothing ([`restart_guard`](RedisBackendBuilder::restart_guard), on
+//!   by default): the holder's lease reaches its local deadline (or its renewal finds
+//!   the key gone) and the lost-lease signal is raised before any other instance gets
+//!   the key. Acquisitions wait out the guard when their wait allows, or fail with
+//!   [`LockError::Backend`] (503). Every instance must use the same lease (the guard
+//!   counts its own). The guard reads the uptime from `INFO server`, on the wall clock
+//!   of the server; it does not cover a failover to a replica that has been up for
+//!   long: lost writes there are only caught by the holder's renewal (at most lease/3
+//!   later), and the fencing token.
+//!
+//! # Redis Cluster
+//!
+//! [`RedisBackend::cluster_builder`] takes a [`ClusterClient`] (built with RESP3, for the
+//! subscription) and keeps every rule above: the keys of a lock share one hash tag,
+//! so each script runs on the primary that owns the slot, and the restart guard reads
+//! that primary's uptime. A silent cluster connection is replaced like a single one;
+//! TCP settings are the cluster client's own. Releases are announced with `PUBLISH`,
+//! which a cluster broadcasts to every node, so the one subscription (on whichever
+//! node the cluster connection chose, moved by it when that node fails) hears them
+//! all. Sharded pub/sub (`SPUBLISH`) would keep that traffic on the slot's shard but
+//! needs a subscription per waited key; it is not used. When a primary fails, its
+//! keys cannot be granted or renewed until a replica takes over (about the cluster's
+//! node timeout plus an election); requests for them meanwhile get 503 within their
+//! wait plus a command timeout, and a holder on that shard is told its lease is lost
+//! at its deadline if no renewal gets through. With
+//! [`wait_for_replicas`](RedisBackendBuilder::wait_for_replicas), the cluster
+//! connection sends `WAIT` to every primary and takes the smallest count: every shard
+//! needs that many replicas in sync.
 //!
 //! # Fairness between instances
 //!
@@ -72,7 +134,7 @@
 //!
 //! ```text
 //! {<prefix><name>:<key>}:lock     the token of the holder, with the lease as TTL
-//! {<prefix><name>:<key>}:fence    the fence counter (no TTL unless `fence_ttl` is set)
+//! {<prefix><name>:<key>}:fence    the last fencing token issued (no TTL unless `fence_ttl` is set)
 //! {<prefix><name>:<key>}:waiting  while another instance waits: its release publishes
 //! ```
 //!
@@ -94,6 +156,7 @@
 // One concern per file: `keys` names the Redis keys, `scripts` holds the Lua run on
 // Redis, `lease` acquires, renews and gives back leases, and `subscriber` turns release
 // messages into wake-ups. This file has the public types and their configuration.
+mod connection;
 mod keys;
 mod lease;
 mod scripts;
@@ -103,11 +166,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
 use redis::{Client, ErrorKind, RedisError, Script};
 use tokio::sync::{oneshot, watch};
-use tokio::time::timeout;
+use tokio::time::{timeout, Instant};
 
+use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
 use self::scripts::{ACQUIRE, RELEASE, RENEW};
 use self::subscriber::{Releases, Subscriber};
@@ -172,7 +236,7 @@ pub struct RedisBackend {
 #[derive(Clone)]
 #[must_use]
 pub struct RedisBackendBuilder {
-    client: Client,
+    target: Target,
     config: Config,
 }
 
@@ -188,6 +252,32 @@ struct Config {
     command_timeout: Duration,
     poll_interval: Duration,
     fence_ttl: Option<Duration>,
+    restart_guard: bool,
+    replicas: Option<Replicas>,
+}
+
+/// How many replicas must acknowledge a grant or renewal, and for how long to wait.
+#[derive(Clone, Copy, Debug)]
+struct Replicas {
+    count: u32,
+    timeout: Duration,
+}
+
+impl Replicas {
+    /// `WAIT`: how many replicas acknowledged every write sent on `connection` so far.
+    async fn wait(
+        self,
+        connection: &mut impl redis::aio::ConnectionLike,
+    ) -> Result<u32, RedisError> {
+        let timeout = u64::try_from(self.timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        redis::cmd("WAIT")
+            .arg(self.count)
+            .arg(timeout)
+            .query_async(connection)
+            .await
+    }
 }
 
 impl Config {
@@ -203,7 +293,7 @@ impl Config {
 }
 
 struct Inner {
-    commands: ConnectionManager,
+    commands: Commands,
     config: Config,
     drift: Duration,
     acquire: Script,
@@ -219,8 +309,33 @@ struct Inner {
 impl RedisBackend {
     /// Starts configuring a backend that talks to Redis through `client`.
     pub fn builder(client: Client) -> RedisBackendBuilder {
+        Self::builder_for(Target::Single(client))
+    }
+
+    /// Starts configuring a backend on a Redis Cluster, with the same settings and
+    /// behaviour as on a single server (see [Redis Cluster](self#redis-cluster)).
+    /// `client` must speak RESP3, for the release subscription.
+    ///
+    /// ```no_run
+    /// use tower_keyed_lock::backend::redis::RedisBackend;
+    ///
+    /// # async fn run() -> Result<(), redis::RedisError> {
+    /// let nodes = ["redis://10.0.0.1:6379/", "redis://10.0.0.2:6379/"];
+    /// let client = redis::cluster::ClusterClientBuilder::new(nodes)
+    ///     .use_protocol(redis::ProtocolVersion::RESP3)
+    ///     .build()?;
+    /// let backend = RedisBackend::cluster_builder(client).build().await?;
+    /// # let _ = backend;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn cluster_builder(client: ClusterClient) -> RedisBackendBuilder {
+        Self::builder_for(Target::Cluster(Box::new(client)))
+    }
+
+    fn builder_for(target: Target) -> RedisBackendBuilder {
         RedisBackendBuilder {
-            client,
+            target,
             config: Config {
                 lease: DEFAULT_LEASE,
                 renewal: true,
@@ -230,6 +345,8 @@ impl RedisBackend {
                 command_timeout: DEFAULT_COMMAND_TIMEOUT,
                 poll_interval: DEFAULT_POLL_INTERVAL,
                 fence_ttl: None,
+                restart_guard: true,
+                replicas: None,
             },
         }
     }
@@ -354,7 +471,8 @@ impl RedisBackendBuilder {
     /// The longest any Redis command may take (default [`DEFAULT_COMMAND_TIMEOUT`],
     /// 1 s). Past it the acquisition fails with [`LockError::Backend`], and a release
     /// returns and goes on retrying in the background (at worst the key expires by its
-    /// lease). Also used as the connect timeout.
+    /// lease). Also used as the connect timeout. Three timeouts in a row replace the
+    /// connection (see [Connections](self#connections)).
     ///
     /// A retry inside a request's wait is also cut short at the end of the wait; only
     /// the first attempt may outlast a wait shorter than one command.
@@ -374,12 +492,63 @@ impl RedisBackendBuilder {
 
     /// Lets a key's fence counter expire after it was last granted for this long
     /// (default `None`: counters stay forever, one small Redis key per key ever
-    /// locked). Set it when keys come from clients (idempotency keys). A counter that
-    /// expired starts again from the Redis server clock in microseconds, so tokens
-    /// still increase as long as that clock does not step back. Kept at least as long
+    /// locked). Set it when keys come from clients (idempotency keys). Tokens are at
+    /// least the Redis server clock in microseconds, so they still increase after the
+    /// counter expired, as long as that clock does not step back. Kept at least as long
     /// as the lease.
     pub fn fence_ttl(mut self, ttl: Option<Duration>) -> Self {
         self.config.fence_ttl = ttl;
+        self
+    }
+
+    /// Whether a Redis server up for less than a lease (plus one second) grants
+    /// nothing (default on).
+    /// A server restarted empty, or from a snapshot older than some grant, has lost
+    /// keys that instances may still hold for up to a lease; with the guard on, no
+    /// other instance is granted such a key before its holder's lease has run out
+    /// (and the holder has been told). The cost: for a lease and a second after Redis
+    /// starts, acquisitions wait, or fail with [`LockError::Backend`] when their wait
+    /// is shorter (503, or [`fail_open`](crate::KeyedLockLayer::fail_open)). Every
+    /// instance sharing Redis should use the same lease. See
+    /// [Restarts and lost writes](self#restarts-and-lost-writes).
+    pub fn restart_guard(mut self, on: bool) -> Self {
+        self.config.restart_guard = on;
+        self
+    }
+
+    /// Waits after every grant and renewal until `replicas` replicas acknowledged it
+    /// (Redis `WAIT`, as Redisson does), at most `timeout` (default: no waiting). A
+    /// grant acknowledged by fewer is given back and the acquisition fails with
+    /// [`LockError::Backend`]; a renewal acknowledged by fewer does not extend the
+    /// lease's validity, so a lease whose renewals cannot be replicated is declared
+    /// lost at its deadline.
+    ///
+    /// What it buys: a failover that promotes an acknowledging replica keeps the key,
+    /// with its TTL, so no other instance is granted it while the holder counts its
+    /// lease as valid. Ask for **every** replica: with fewer, a failover can promote a
+    /// replica that missed a renewal the others acknowledged (Sentinel promotes one
+    /// while the old primary, not yet demoted, renews with the other's
+    /// acknowledgement), and the promoted one expires the key while the holder still
+    /// counts its lease as valid — seen in every run of that test with one of two.
+    ///
+    /// What it costs: one more round trip to the slowest acknowledging replica per
+    /// grant and renewal; while `WAIT` blocks, the backend's other commands (one
+    /// connection) queue behind it; and no grant succeeds while a replica is missing
+    /// (after a failover, until the old primary rejoins as a replica). What it does
+    /// not guarantee: `WAIT` is not consensus — a replica restarted without
+    /// persistence forgets what it acknowledged, a replica added later has not
+    /// acknowledged anything, and a write whose `WAIT` fell short is not undone on
+    /// the replicas that got it. `timeout` counts within the
+    /// [`command_timeout`](Self::command_timeout), which should exceed it.
+    ///
+    /// # Panics
+    /// If `replicas` is 0.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        assert!(replicas > 0, "wait_for_replicas needs at least one replica");
+        self.config.replicas = Some(Replicas {
+            count: replicas,
+            timeout,
+        });
         self
     }
 
@@ -392,7 +561,7 @@ impl RedisBackendBuilder {
     /// # Panics
     /// If the drift margin is not shorter than half the lease.
     pub async fn build(self) -> Result<RedisBackend, RedisError> {
-        let Self { client, config } = self;
+        let Self { target, config } = self;
         let drift = config.drift();
         assert!(
             drift < config.lease / 2,
@@ -400,22 +569,27 @@ impl RedisBackendBuilder {
             config.lease
         );
         let limit = config.command_timeout;
-        let manager_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(limit))
-            .set_response_timeout(Some(limit))
-            // Few, short retries: a failed reconnection ends quickly and the next
-            // command starts a new one, so the backend recovers soon after Redis does.
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(20))
-            .set_max_delay(Duration::from_millis(500));
-        let mut commands = ConnectionManager::new_lazy_with_config(client.clone(), manager_config)?;
-        let ping = redis::cmd("PING");
-        timeout(limit, ping.query_async::<()>(&mut commands))
-            .await
-            .map_err(|_| timed_out("connecting to Redis"))??;
+        // The kernel's own backstop for a dead path; replacing a silent connection
+        // after a few command timeouts is the fast one. A cluster client keeps the
+        // TCP settings it was built with.
+        let target = match target {
+            Target::Single(client) => Target::Single(with_tcp_settings(
+                &client,
+                (limit * 10).max(Duration::from_secs(5)),
+            )?),
+            cluster @ Target::Cluster(_) => cluster,
+        };
+        let commands = Commands::new(target.clone(), limit)?;
+        let ping = commands.run(Instant::now() + limit, false, |mut connection| async move {
+            redis::cmd("PING").query_async::<()>(&mut connection).await
+        });
+        ping.await.map_err(|failure| match failure {
+            connection::Failure::Redis(error) => error,
+            connection::Failure::TimedOut => timed_out("connecting to Redis"),
+        })?;
 
         let channel = format!("{}release", config.prefix);
-        let subscriber = Subscriber::new(&client, channel.clone(), limit)?;
+        let subscriber = Subscriber::new(&target, channel.clone(), limit)?;
         let first = timeout(limit, subscriber.subscribe())
             .await
             .map_err(|_| timed_out("subscribing to the release channel"))??;
@@ -448,7 +622,7 @@ fn timed_out(what: &'static str) -> RedisError {
 impl LockBackend for RedisBackend {
     fn acquire(
         &self,
-        name: &'static str,
+        name: &str,
         key: &Key,
         wait: Duration,
     ) -> BoxFuture<Result<Lease, LockError>> {
@@ -476,7 +650,8 @@ mod tests {
         assert_eq!(builder.clone().prefix("app").config.prefix, "app:");
         assert_eq!(builder.clone().prefix("app:").config.prefix, "app:");
         assert_eq!(builder.clone().prefix("").config.prefix, "");
-        let braces = std::panic::catch_unwind(|| builder.prefix("a{b}"));
+        let braces =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| builder.prefix("a{b}")));
         assert!(braces.is_err());
     }
 

@@ -1,23 +1,41 @@
 //! The Lua scripts that acquire, renew and release a lock, each one atomic in Redis.
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting; `ARGV[1]` token, `ARGV[2]` lease
-/// ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark TTL ms. Returns
-/// `{1, fencing token}` or `{0, holder's PTTL}`.
+/// ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]` restart
+/// guard ms (0: off). Returns `{1, fencing token}`, `{0, holder's PTTL}`, or `{2, ms
+/// until the restart guard lets grants through}`.
 ///
-/// A missing fence counter starts from the server clock in microseconds, so tokens keep
-/// growing after the counter expired or Redis lost its data (as long as that clock does
-/// not step back). The seed is concatenated as text: Lua numbers are doubles.
+/// Restart guard: a server up for less than a lease may have lost (restarted empty,
+/// or from an older snapshot) a key some instance still believes it holds, for at
+/// most a lease after the restart; it grants nothing until then. `uptime_in_seconds`
+/// is the difference of two whole-second clocks, short of the real uptime by up to a
+/// second, so one second more is asked for.
+///
+/// Fencing token: `max(counter + 1, server time in µs)`, so tokens keep growing when
+/// the counter expired or went back with lost writes, as long as the server clock
+/// does not step back. The time is kept as text: it has 16 digits, exact in a Lua
+/// number (a double) but not worth risking in a `SET`.
 ///
 /// When not granted, the waiting mark tells the holder's release to publish. Its TTL
 /// outlasts the caller's pause before the next attempt (which marks again), and is
 /// only ever extended, so a waiter with a longer pause keeps its mark.
 pub(super) const ACQUIRE: &str = r"
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if ARGV[5] ~= '0' then
+    local info = redis.call('INFO', 'server')
+    local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+    local early = tonumber(ARGV[5]) + 1000 - uptime * 1000
+    if early > 0 then
+      return {2, early}
+    end
+  end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  local now = redis.call('TIME')
+  local micros = now[1] .. string.sub('00000' .. now[2], -6)
   local fence = redis.call('INCR', KEYS[2])
-  if fence == 1 then
-    local now = redis.call('TIME')
-    redis.call('SET', KEYS[2], now[1] .. string.sub('00000' .. now[2], -6))
-    fence = redis.call('INCR', KEYS[2])
+  if fence < tonumber(micros) then
+    redis.call('SET', KEYS[2], micros)
+    fence = tonumber(micros)
   end
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])

@@ -6,14 +6,18 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
+use redis::cluster::ClusterConfig;
+use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, Client, PushInfo, PushKind, RedisError};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::time::{sleep, timeout};
 
+use super::connection::Target;
 use super::{jitter, RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
 
-/// How often the subscription connection is pinged, to notice a silent server.
-const KEEPALIVE: Duration = Duration::from_secs(5);
+/// How often the subscription connection is pinged: a ping unanswered within the
+/// command timeout means a silent connection, replaced by a fresh subscription.
+const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// Waiters for the release of a lock key, woken by the subscription task.
 #[derive(Default)]
@@ -92,28 +96,51 @@ impl Drop for Interest {
 
 /// The release subscription: one RESP3 connection whose push messages wake waiters.
 pub(super) struct Subscriber {
-    client: Client,
+    target: Target,
     channel: String,
     timeout: Duration,
 }
 
 /// A subscribed connection and its push messages.
-type Subscription = (MultiplexedConnection, mpsc::UnboundedReceiver<PushInfo>);
+type Subscription = (Subscribed, mpsc::UnboundedReceiver<PushInfo>);
+
+/// The connection that holds the subscription.
+pub(super) enum Subscribed {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+impl Subscribed {
+    async fn ping(&mut self) -> Result<(), RedisError> {
+        let ping = redis::cmd("PING");
+        match self {
+            Self::Single(connection) => ping.query_async(connection).await,
+            Self::Cluster(connection) => ping.query_async(connection).await,
+        }
+    }
+}
 
 impl Subscriber {
+    /// A cluster client must speak RESP3 already (it cannot be changed here).
     pub(super) fn new(
-        client: &Client,
+        target: &Target,
         channel: String,
         timeout: Duration,
     ) -> Result<Self, RedisError> {
-        // Push messages need RESP3, whatever the command connection speaks.
-        let info = client.get_connection_info().clone();
-        let settings = info
-            .redis_settings()
-            .clone()
-            .set_protocol(redis::ProtocolVersion::RESP3);
+        let target = match target {
+            // Push messages need RESP3, whatever the command connection speaks.
+            Target::Single(client) => {
+                let info = client.get_connection_info().clone();
+                let settings = info
+                    .redis_settings()
+                    .clone()
+                    .set_protocol(redis::ProtocolVersion::RESP3);
+                Target::Single(Client::open(info.set_redis_settings(settings))?)
+            }
+            Target::Cluster(client) => Target::Cluster(client.clone()),
+        };
         Ok(Self {
-            client: Client::open(info.set_redis_settings(settings))?,
+            target,
             channel,
             timeout,
         })
@@ -121,15 +148,31 @@ impl Subscriber {
 
     pub(super) async fn subscribe(&self) -> Result<Subscription, RedisError> {
         let (sender, receiver) = mpsc::unbounded_channel();
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
-            .set_push_sender(sender);
-        let mut connection = self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
-        connection.subscribe(&self.channel).await?;
+        let connection = match &self.target {
+            Target::Single(client) => {
+                let config = AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.timeout))
+                    .set_push_sender(sender);
+                let mut connection = client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await?;
+                connection.subscribe(&self.channel).await?;
+                Subscribed::Single(connection)
+            }
+            // Releases are published with PUBLISH, which a cluster broadcasts to every
+            // node: one subscription anywhere hears them all, and the cluster
+            // connection moves it to another node when its node fails.
+            Target::Cluster(client) => {
+                let config = ClusterConfig::new()
+                    .set_connection_timeout(self.timeout)
+                    .set_response_timeout(self.timeout)
+                    .set_push_sender(sender);
+                let mut connection = client.get_async_connection_with_config(config).await?;
+                connection.subscribe(&self.channel).await?;
+                Subscribed::Cluster(connection)
+            }
+        };
         Ok((connection, receiver))
     }
 
@@ -212,9 +255,7 @@ impl Subscriber {
                     },
                 },
                 _ = keepalive.tick() => {
-                    let ping = redis::cmd("PING");
-                    let answer =
-                        timeout(self.timeout, ping.query_async::<()>(&mut connection)).await;
+                    let answer = timeout(self.timeout, connection.ping()).await;
                     if !matches!(answer, Ok(Ok(()))) {
                         return false;
                     }

@@ -1,0 +1,85 @@
+//! The fencing sequence: created on first use, and refused when its values could go
+//! backwards between two sessions (a cache, a cycle, a negative step or start).
+
+use tokio::time::Instant;
+use tokio_postgres::error::SqlState;
+
+use super::error::PgError;
+use super::session::last_row;
+use super::Inner;
+use crate::locks::LockError;
+
+impl Inner {
+    /// The SQL of the next fencing token: `nextval` of the sequence, or NULL without
+    /// fencing.
+    pub(super) fn token_sql(&self) -> String {
+        match &self.fencing {
+            Some(fencing) => format!("nextval('{}')", fencing.sequence),
+            None => "NULL::bigint".to_owned(),
+        }
+    }
+
+    /// Creates the fencing sequence if it is missing and checks that its values strictly
+    /// increase across sessions; once per backend (again after a failure, so a fixed
+    /// sequence is taken up without a restart).
+    pub(super) async fn prepare_fencing(&self, deadline: Instant) -> Result<(), LockError> {
+        let Some(fencing) = &self.fencing else {
+            return Ok(());
+        };
+        let prepare = async {
+            let session = self.session(deadline).await?;
+            let sequence = &fencing.sequence;
+            let create = format!("CREATE SEQUENCE IF NOT EXISTS {sequence}");
+            match self.round_trip(session.simple_query(&create)).await {
+                Ok(_) => {}
+                // Another instance created it at the same moment, or we may not create
+                // it but it may exist (the check below will tell).
+                Err(PgError {
+                    code: Some(code), ..
+                }) if code == SqlState::UNIQUE_VIOLATION
+                    || code == SqlState::DUPLICATE_TABLE
+                    || code == SqlState::INSUFFICIENT_PRIVILEGE => {}
+                Err(error) => return Err(error.into_lock_error()),
+            }
+            // A session takes `CACHE` values at a time: with two sessions, tokens
+            // interleave out of order (1, 21, 2, ...). A cycle wraps around.
+            let check = format!(
+                "SELECT seqcache = 1 AND NOT seqcycle AND seqincrement > 0 AND seqmin >= 0, \
+                 seqcache, seqcycle, seqincrement, seqmin \
+                 FROM pg_sequence WHERE seqrelid = '{sequence}'::regclass"
+            );
+            let answer = self
+                .round_trip(session.simple_query(&check))
+                .await
+                .map_err(PgError::into_lock_error)?;
+            let row = last_row(&answer).ok_or_else(|| {
+                PgError::message("the fencing sequence is not a sequence").into_lock_error()
+            })?;
+            if row.get(0) != Some("t") {
+                let found = |i| row.get(i).unwrap_or("?");
+                tracing::error!(
+                    sequence = &**sequence,
+                    cache = found(1),
+                    cycle = found(2),
+                    increment = found(3),
+                    min_value = found(4),
+                    "refusing the fencing sequence: its tokens could go backwards; \
+                     ALTER SEQUENCE ... CACHE 1 NO CYCLE INCREMENT BY 1 MINVALUE 0"
+                );
+                return Err(PgError::message(
+                    "the fencing sequence can issue tokens out of order: it needs CACHE 1, \
+                     NO CYCLE, a positive INCREMENT and MINVALUE >= 0 \
+                     (ALTER SEQUENCE ... CACHE 1 NO CYCLE)",
+                )
+                .into_lock_error());
+            }
+            session.give_back();
+            Ok(())
+        };
+        fencing
+            .checked
+            .get_or_try_init(|| prepare)
+            .await
+            .map(|_| ())
+    }
+}

@@ -1,0 +1,278 @@
+//! The Redis backend on a real Redis Cluster (three primaries with a replica each, on
+//! free ports): the cross-instance guarantees, release notifications, and a primary
+//! killed in the middle of a run.
+//!
+//! Figures: `cargo test --all-features --test redis_cluster -- --nocapture`; the
+//! run's length: `CLUSTER_SOAK_SECS` (default 6).
+#![cfg(feature = "redis")]
+
+#[path = "support/redis_cluster.rs"]
+mod redis_cluster;
+#[path = "support/redis_server.rs"]
+mod redis_server;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use redis_cluster::RedisCluster;
+use tokio::time::Instant;
+use tower_keyed_lock::backend::redis::RedisBackend;
+use tower_keyed_lock::{Key, LockBackend, LockError};
+
+const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// An instance on the cluster. The restart guard is off: the nodes are fresh.
+async fn instance(cluster: &RedisCluster, poll: Duration) -> RedisBackend {
+    RedisBackend::cluster_builder(cluster.client())
+        .lease(Duration::from_secs(2))
+        .command_timeout(COMMAND_TIMEOUT)
+        .poll_interval(poll)
+        .restart_guard(false)
+        .build()
+        .await
+        .expect("backend connects to the cluster")
+}
+
+/// Fails the test instead of hanging it.
+async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
+}
+
+fn key(text: &str) -> Key {
+    Key::new(text, 256).unwrap()
+}
+
+/// Keys spread over the three primaries, one instance contending from each side, and
+/// a release heard on the other instance through the subscription.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn keys_on_every_shard_are_serialized_and_releases_wake_other_instances() {
+    let cluster = RedisCluster::start();
+    // Waiters wake by release messages only: the poll is longer than the test.
+    let poll = Duration::from_secs(30);
+    let instances = [
+        instance(&cluster, poll).await,
+        instance(&cluster, poll).await,
+    ];
+    let keys: Vec<String> = (0..12).map(|i| format!("order-{i}")).collect();
+    let shards: std::collections::HashSet<_> = keys
+        .iter()
+        .map(|k| cluster.primary_of(&instances[0].lock_key("cluster", k)))
+        .collect();
+    assert_eq!(shards.len(), 3, "the keys should cover every primary");
+
+    let running: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for (i, name) in keys.iter().enumerate() {
+        for backend in &instances {
+            let (backend, name) = (backend.clone(), name.clone());
+            let (running, overlaps) = (running.clone(), overlaps.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut last = 0;
+                for _ in 0..5 {
+                    let lease = backend
+                        .acquire("cluster", &key(&name), Duration::from_secs(10))
+                        .await
+                        .expect("granted");
+                    let token = lease.fencing_token().unwrap();
+                    assert!(token > last, "token {token} after {last}");
+                    last = token;
+                    {
+                        let mut running = running.lock().unwrap();
+                        let count = running.entry(name.clone()).or_default();
+                        *count += 1;
+                        if *count > 1 {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(2 + (i as u64 % 3))).await;
+                    *running.lock().unwrap().get_mut(&name).unwrap() -= 1;
+                    lease.release().await;
+                }
+            }));
+        }
+    }
+    within("the contended rounds", Duration::from_secs(30), async {
+        for task in tasks {
+            task.await.unwrap();
+        }
+    })
+    .await;
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "two holders of one key at once"
+    );
+
+    // A release on one instance wakes the waiter on the other at once.
+    for name in &keys[..3] {
+        let held = instances[0]
+            .acquire("cluster", &key(name), Duration::ZERO)
+            .await
+            .unwrap();
+        let waiter = {
+            let (backend, name) = (instances[1].clone(), name.clone());
+            tokio::spawn(async move {
+                backend
+                    .acquire("cluster", &key(&name), Duration::from_secs(20))
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let released = Instant::now();
+        held.release().await;
+        let lease = within("the waiter wakes", Duration::from_secs(5), waiter)
+            .await
+            .unwrap()
+            .unwrap();
+        let woken = released.elapsed();
+        println!("cluster: waiter on {name} woken {woken:?} after the release");
+        assert!(
+            woken < Duration::from_secs(1),
+            "woken {woken:?} after: by the poll"
+        );
+        lease.release().await;
+    }
+}
+
+/// A primary is killed (SIGKILL) in the middle of a run of two instances over keys on
+/// every shard. No two unsignalled holders of a key overlap, no acquisition outlasts
+/// its wait by more than a command timeout, and once the replica has taken over, keys
+/// of the failed shard are granted again without restarting anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_primary_killed_mid_run_fails_over_without_overlap_or_hang() {
+    let mut cluster = RedisCluster::start();
+    let seconds: u64 = std::env::var("CLUSTER_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(6);
+    let instances = [
+        instance(&cluster, Duration::from_millis(200)).await,
+        instance(&cluster, Duration::from_millis(200)).await,
+    ];
+    let keys: Vec<String> = (0..24).map(|i| format!("k{i}")).collect();
+    let victim_key = instances[0].lock_key("soak", &keys[0]);
+    let victim = cluster.primary_of(&victim_key);
+
+    /// The holder of a key now, and whether its lease was signalled lost.
+    type Holders = Mutex<HashMap<String, (u64, tower_keyed_lock::backend::LeaseSignal)>>;
+    let holders: Arc<Holders> = Arc::default();
+    let unsignalled = Arc::new(AtomicUsize::new(0));
+    let grants = Arc::new(AtomicU64::new(0));
+    let failures = Arc::new(AtomicU64::new(0));
+    let slowest = Arc::new(Mutex::new(Duration::ZERO));
+    let stop = Arc::new(AtomicBool::new(false));
+    let wait = Duration::from_millis(500);
+    let mut tasks = Vec::new();
+    for worker in 0..16 {
+        let backend = instances[worker % 2].clone();
+        let keys = keys.clone();
+        let (holders, unsignalled, grants, failures, slowest, stop) = (
+            holders.clone(),
+            unsignalled.clone(),
+            grants.clone(),
+            failures.clone(),
+            slowest.clone(),
+            stop.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut n = worker;
+            while !stop.load(Ordering::SeqCst) {
+                n = (n * 7 + 3) % keys.len();
+                let name = &keys[n];
+                let started = Instant::now();
+                let result = backend.acquire("soak", &key(name), wait).await;
+                let took = started.elapsed();
+                {
+                    let mut slowest = slowest.lock().unwrap();
+                    *slowest = (*slowest).max(took);
+                }
+                let lease = match result {
+                    Ok(lease) => lease,
+                    Err(LockError::Timeout | LockError::Backend(_)) => {
+                        failures.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                    Err(error) => panic!("{error}"),
+                };
+                grants.fetch_add(1, Ordering::SeqCst);
+                let token = lease.fencing_token().unwrap();
+                {
+                    let mut holders = holders.lock().unwrap();
+                    if let Some((_, signal)) = holders.get(name) {
+                        if !signal.is_lost() {
+                            unsignalled.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    holders.insert(name.clone(), (token, lease.signal().clone()));
+                }
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                {
+                    let mut holders = holders.lock().unwrap();
+                    if holders.get(name).is_some_and(|(held, _)| *held == token) {
+                        holders.remove(name);
+                    }
+                }
+                lease.release().await;
+            }
+        }));
+    }
+
+    tokio::time::sleep(Duration::from_secs(seconds) / 3).await;
+    let before_kill = grants.load(Ordering::SeqCst);
+    cluster.nodes[victim].stop();
+    let killed = Instant::now();
+    // Keys of the killed shard are granted again once its replica took over.
+    let recovered = within(
+        "the failed shard serves again",
+        Duration::from_secs(20),
+        async {
+            loop {
+                // A grant of the victim's key, under the run's own contention, proves the
+                // shard is back.
+                let attempt = instances[1].acquire("soak", &key(&keys[0]), wait);
+                match attempt.await {
+                    Ok(lease) => {
+                        lease.release().await;
+                        break killed.elapsed();
+                    }
+                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(seconds) * 2 / 3).await;
+    stop.store(true, Ordering::SeqCst);
+    within("the workers stop", Duration::from_secs(10), async {
+        for task in tasks {
+            task.await.unwrap();
+        }
+    })
+    .await;
+
+    let slowest = *slowest.lock().unwrap();
+    println!(
+        "cluster primary kill: {} grants ({before_kill} before the kill), {} timeouts or \
+         503s, shard back {recovered:?} after the kill, slowest acquire {slowest:?} \
+         (wait {wait:?}, command timeout {COMMAND_TIMEOUT:?}), unsignalled overlaps {}",
+        grants.load(Ordering::SeqCst),
+        failures.load(Ordering::SeqCst),
+        unsignalled.load(Ordering::SeqCst),
+    );
+    assert_eq!(unsignalled.load(Ordering::SeqCst), 0, "unsignalled overlap");
+    assert!(
+        slowest < wait + COMMAND_TIMEOUT + Duration::from_millis(300),
+        "an acquisition took {slowest:?}"
+    );
+    assert!(
+        grants.load(Ordering::SeqCst) > before_kill,
+        "no grant after the kill"
+    );
+}

@@ -1,0 +1,123 @@
+//! A real Redis Cluster on free ports of 127.0.0.1: three primaries, each with one
+//! replica, so that a killed primary fails over (node timeout 1 s).
+#![allow(dead_code)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::redis_server::{cli, info, RedisServer};
+
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts six nodes, joins them with `redis-cli --cluster create`, and waits until
+    /// every node reports `cluster_state:ok` and every replica is in sync (a replica
+    /// that never synced refuses to take over).
+    pub fn start() -> Self {
+        let nodes: Vec<_> = (0..6).map(|_| RedisServer::start_cluster_node()).collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|node| format!("127.0.0.1:{}", node.port()))
+            .collect();
+        let output = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("running redis-cli --cluster create");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        let cluster = Self { nodes };
+        cluster.wait_until_ok(Duration::from_secs(20));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let synced = cluster
+                .nodes
+                .iter()
+                .map(|node| info(node.port(), "replication"))
+                .filter(|replication| replication.contains("role:slave"))
+                .filter(|replication| replication.contains("master_link_status:up"))
+                .count();
+            if synced == 3 {
+                return cluster;
+            }
+            assert!(Instant::now() < deadline, "replicas not in sync after 20 s");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `redis://` addresses of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// A cluster client speaking RESP3 (the backend's subscription needs it).
+    pub fn client(&self) -> redis::cluster::ClusterClient {
+        redis::cluster::ClusterClientBuilder::new(self.urls())
+            .use_protocol(redis::ProtocolVersion::RESP3)
+            .build()
+            .unwrap()
+    }
+
+    /// Waits until every running node says the cluster is ok and agrees on three
+    /// primaries that each serve slots.
+    pub fn wait_until_ok(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let ok = self.running().all(|node| {
+                info_cluster(node.port()).contains("cluster_state:ok")
+                    && info_cluster(node.port()).contains("cluster_size:3")
+            });
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster is not ok after {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The node that serves `key`'s slot now, by asking a running node.
+    pub fn primary_of(&self, key: &str) -> usize {
+        let node = self.running().next().expect("a running node");
+        let slot = cli(node.port(), &["CLUSTER", "KEYSLOT", key]);
+        let slot: u16 = slot.trim().parse().expect("a slot number");
+        self.nodes
+            .iter()
+            .position(|node| {
+                node.is_running()
+                    && info(node.port(), "replication").contains("role:master")
+                    && serves(node.port(), slot)
+            })
+            .expect("a primary for the slot")
+    }
+
+    fn running(&self) -> impl Iterator<Item = &RedisServer> {
+        self.nodes.iter().filter(|node| node.is_running())
+    }
+}
+
+fn info_cluster(port: u16) -> String {
+    cli(port, &["CLUSTER", "INFO"])
+}
+
+/// Whether the node on `port` lists `slot` among its own in `CLUSTER NODES`.
+fn serves(port: u16, slot: u16) -> bool {
+    let nodes = cli(port, &["CLUSTER", "NODES"]);
+    let Some(myself) = nodes.lines().find(|line| line.contains("myself")) else {
+        return false;
+    };
+    myself.split_whitespace().skip(8).any(|range| {
+        let mut bounds = range.split('-');
+        let start = bounds.next().and_then(|b| b.parse::<u16>().ok());
+        let end = bounds.next().and_then(|b| b.parse::<u16>().ok()).or(start);
+        matches!((start, end), (Some(start), Some(end)) if start <= slot && slot <= end)
+    })
+}
