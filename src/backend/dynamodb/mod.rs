@@ -1,0 +1,485 @@
+//! DynamoDB backend: serializes a key across every instance that shares a DynamoDB
+//! table, through conditional writes.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use axum::{routing::post, Router};
+//! use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, SetupError};
+//! use tower_keyed_lock::KeyedLockLayer;
+//!
+//! # async fn pay() {}
+//! # async fn app(config: aws_sdk_dynamodb::Config) -> Result<Router, SetupError> {
+//! // `config` as your application loads it, e.g. with the `aws-config` crate.
+//! let client = aws_sdk_dynamodb::Client::from_conf(config);
+//! let backend = DynamoDbBackend::builder(client, "locks")
+//!     .lease(Duration::from_secs(10))
+//!     .build()
+//!     .await?;
+//! let app = Router::new().route("/orders/{order_id}/pay", post(pay)).layer(
+//!     KeyedLockLayer::by_path("order_id")
+//!         .name("orders")
+//!         .wait_timeout(Duration::from_secs(2))
+//!         .backend(backend),
+//! );
+//! # Ok(app)
+//! # }
+//! ```
+//!
+//! The backend uses the client's region, credentials, endpoint and HTTP client; it
+//! replaces the client's retry and timeout settings with its own (see
+//! [`command_timeout`](DynamoDbBackendBuilder::command_timeout)).
+//!
+//! # How a key is held
+//!
+//! - **Acquire.** One conditional `UpdateItem`: if the item has no owner, or its record
+//!   version is one this waiter saw go stale (below), it writes a fresh random 128-bit
+//!   owner token, a fresh random record version, the lease length, and increments the
+//!   item's fence counter, returned with `UPDATED_NEW`: the fencing token
+//!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)). When the condition
+//!   fails the old item comes back (`ReturnValuesOnConditionCheckFailure`), so the
+//!   waiter learns the holder's record version and lease without another read. An
+//!   attempt whose answer never comes (error, timeout, or the acquire future dropped)
+//!   may still have been applied, so its token is given back in the background: the
+//!   acquire is cancel-safe by itself.
+//! - **Takeover, on the waiter's clock.** No wall clock decides that a lease ran out
+//!   (clocks of instances disagree). Instead, as in the AWS DynamoDB lock client, a
+//!   waiter that finds the key held notes the record version and starts a timer on its
+//!   own monotonic clock when the answer arrives. If the version is unchanged a whole
+//!   lease (the one the holder wrote) later, the holder stopped renewing, and the next
+//!   attempt takes the key over on the condition that the version is still that one.
+//!   The holder wrote that version before the waiter saw it, and declares its lease lost
+//!   at its send time + lease − drift margin: before the takeover (see
+//!   [Validity](#how-a-key-is-held)). The cost: a key whose holder crashed is free one
+//!   lease after a waiter starts watching it, however long ago the crash was.
+//! - **Wait.** DynamoDB has no notification: a waiter polls, with jittered exponential
+//!   backoff from 5 ms up to [`poll_interval`](DynamoDbBackendBuilder::poll_interval),
+//!   cut to the moment the watched version goes stale and to the end of the request's
+//!   wait. Only the wait bounds it, never a number of attempts.
+//! - **Validity.** The lease counts as valid until *send time of the last successful
+//!   acquire or renewal + lease − drift margin*, on the monotonic clock. At that instant
+//!   it is declared lost (even if DynamoDB never answers again), as it is at the first
+//!   answer saying the key is no longer ours; the handler sees it through
+//!   [`LockInfo::lease`](crate::LockInfo::lease).
+//! - **Renewal.** While held, a task writes a new record version every lease/3 with an
+//!   update conditional on the owner token, and stops when the lease is released,
+//!   dropped or lost.
+//! - **Release.** An update conditional on the owner token that removes the owner,
+//!   version and lease (the item, with its fence counter, stays). If DynamoDB cannot be
+//!   reached within the command timeout, the release is retried in the background for a
+//!   lease; after that, waiters take the key over.
+//! - **Errors.** Throttling (`ProvisionedThroughputExceeded`, `RequestLimitExceeded`,
+//!   `ThrottlingException`) and DynamoDB's own failures (5xx) are retried with backoff
+//!   within the request's wait. Every call is bounded by
+//!   [`command_timeout`](DynamoDbBackendBuilder::command_timeout): an unreachable or
+//!   silent endpoint fails the acquisition with [`LockError::Backend`] promptly, and the
+//!   layer answers 503 (or runs the request under its local lock with
+//!   [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//!
+//! # Fencing tokens
+//!
+//! The fence counter is set with `if_not_exists(lock_fence, :seed) + 1`, where the seed
+//! is the writer's wall clock in microseconds: tokens grow by one per grant while the
+//! item exists. The item is never deleted by this crate, only cleared, so the counter
+//! survives releases. The table's TTL deletes an item
+//! [`item_ttl`](DynamoDbBackendBuilder::item_ttl) (default one day) after its last
+//! write; a later grant starts again from the then wall clock in microseconds, which is
+//! above every token the old item gave unless the clocks of the instances disagree by
+//! more than `item_ttl`. On a table without TTL enabled items stay, and counters never
+//! restart.
+//!
+//! # The item
+//!
+//! A layer named `name` locks request key `key` in the item whose partition key
+//! ([`partition_key`](DynamoDbBackendBuilder::partition_key), default `pk`) is
+//! `<prefix><name>:<key>`, as a string, and whose sort key, if one is configured
+//! ([`sort_key`](DynamoDbBackendBuilder::sort_key)), has the configured value:
+//!
+//! ```text
+//! pk             S  "keyed-lock:orders:42"   the prefix, layer name and key
+//! (sort key)     S  the configured value     single-table designs only
+//! lock_owner     S  random hex               the holder's token; absent while free
+//! lock_rvn       S  random hex               record version, new at every renewal
+//! lock_lease_ms  N  30000                    the holder's lease, how long waiters watch
+//! lock_fence     N  1732360000000123         the fencing token of the latest grant
+//! ttl            N  epoch seconds            lease + item_ttl after the last write
+//! ```
+//!
+//! The prefix (default `"keyed-lock:"`) gets a trailing `:` if it has none. In the layer
+//! name `%` and `:` are written `%25` and `%3A`, so the first `:` after the prefix ends
+//! it. A key that starts with `#`, or that would make the partition key longer than
+//! DynamoDB's 2048 bytes, is written as `#` and the hex SHA-256 of its bytes; no plain
+//! key starts with `#`. [`DynamoDbBackend::partition_key_value`] computes the value.
+//!
+//! The table needs the partition key (and sort key, if configured) as strings, and TTL
+//! on the TTL attribute ([`ttl_attribute`](DynamoDbBackendBuilder::ttl_attribute),
+//! default `ttl`) to clean up items of keys no longer used.
+//! [`DynamoDbBackendBuilder::create_table`] creates such a table (on-demand capacity)
+//! for tests and local use.
+//!
+//! Conditional writes on one item are strongly consistent in DynamoDB, which is what
+//! the exclusion rests on. Global tables replicate between regions with last-writer-wins:
+//! lock from one region only.
+
+// One concern per file: `item` lays out the lock item, `lease` acquires, renews and
+// gives back leases, `retry` paces attempts and sorts errors, and `table` checks and
+// creates the table. This file has the public types and their configuration.
+mod item;
+mod lease;
+mod retry;
+mod table;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aws_sdk_dynamodb::config::retry::RetryConfig;
+use aws_sdk_dynamodb::config::timeout::TimeoutConfig;
+use aws_sdk_dynamodb::Client;
+
+use self::item::{partition_value, Layout};
+pub use self::table::SetupError;
+use super::{BoxFuture, Lease, LockBackend};
+use crate::key::Key;
+use crate::locks::LockError;
+
+/// The default [`DynamoDbBackendBuilder::lease`].
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The default [`DynamoDbBackendBuilder::command_timeout`].
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
+/// The default [`DynamoDbBackendBuilder::poll_interval`].
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// The default [`DynamoDbBackendBuilder::prefix`].
+pub const DEFAULT_PREFIX: &str = "keyed-lock:";
+/// The default [`DynamoDbBackendBuilder::partition_key`].
+pub const DEFAULT_PARTITION_KEY: &str = "pk";
+/// The default [`DynamoDbBackendBuilder::ttl_attribute`].
+pub const DEFAULT_TTL_ATTRIBUTE: &str = "ttl";
+/// The default [`DynamoDbBackendBuilder::item_ttl`].
+pub const DEFAULT_ITEM_TTL: Duration = Duration::from_secs(86_400);
+/// The shortest lease accepted: renewal runs every lease/3.
+pub const MIN_LEASE: Duration = Duration::from_millis(30);
+
+/// A [`LockBackend`] on a DynamoDB table, shared by every clone. See the
+/// [module docs](self).
+#[derive(Clone)]
+pub struct DynamoDbBackend {
+    inner: Arc<Inner>,
+}
+
+/// Configures a [`DynamoDbBackend`]; made by [`DynamoDbBackend::builder`].
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, SetupError};
+///
+/// # async fn run(client: aws_sdk_dynamodb::Client) -> Result<(), SetupError> {
+/// // One table for everything: the locks are items with sort key "lock".
+/// let backend = DynamoDbBackend::builder(client, "app")
+///     .partition_key("PK")
+///     .sort_key("SK", "lock")
+///     .ttl_attribute("expires_at")
+///     .lease(Duration::from_secs(10))
+///     .command_timeout(Duration::from_millis(500))
+///     .build()
+///     .await?;
+/// # let _ = backend;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+#[must_use]
+pub struct DynamoDbBackendBuilder {
+    client: Client,
+    layout: Layout,
+    config: Config,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    lease: Duration,
+    renewal: bool,
+    /// Non-empty, ends with `:`.
+    prefix: String,
+    /// `None`: 1% of the lease + 2 ms.
+    drift: Option<Duration>,
+    command_timeout: Duration,
+    poll_interval: Duration,
+    /// How long an item outlives its last write, beyond the lease.
+    item_ttl: Duration,
+}
+
+impl Config {
+    fn drift(&self) -> Duration {
+        self.drift
+            .unwrap_or(self.lease / 100 + Duration::from_millis(2))
+    }
+}
+
+struct Inner {
+    client: Client,
+    layout: Layout,
+    config: Config,
+    drift: Duration,
+}
+
+impl DynamoDbBackend {
+    /// Starts configuring a backend that locks in `table` through `client`.
+    pub fn builder(client: Client, table: impl Into<String>) -> DynamoDbBackendBuilder {
+        DynamoDbBackendBuilder {
+            client,
+            layout: Layout {
+                table: table.into(),
+                partition_key: DEFAULT_PARTITION_KEY.to_owned(),
+                sort_key: None,
+                ttl_attribute: DEFAULT_TTL_ATTRIBUTE.to_owned(),
+            },
+            config: Config {
+                lease: DEFAULT_LEASE,
+                renewal: true,
+                prefix: DEFAULT_PREFIX.to_owned(),
+                drift: None,
+                command_timeout: DEFAULT_COMMAND_TIMEOUT,
+                poll_interval: DEFAULT_POLL_INTERVAL,
+                item_ttl: DEFAULT_ITEM_TTL,
+            },
+        }
+    }
+
+    /// The partition key value of the item that locks `key` for the layer called
+    /// `name` (see [The item](self#the-item)).
+    ///
+    /// ```no_run
+    /// # use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
+    /// # async fn run(client: aws_sdk_dynamodb::Client) {
+    /// # let backend = DynamoDbBackend::builder(client, "locks").build().await.unwrap();
+    /// assert_eq!(backend.partition_key_value("orders", "42"), "keyed-lock:orders:42");
+    /// assert!(backend.partition_key_value("orders", "#x").starts_with("keyed-lock:orders:#"));
+    /// # }
+    /// ```
+    pub fn partition_key_value(&self, name: &str, key: &str) -> String {
+        partition_value(&self.inner.config.prefix, name, key)
+    }
+}
+
+impl fmt::Debug for DynamoDbBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynamoDbBackend")
+            .field("layout", &self.inner.layout)
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for DynamoDbBackendBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DynamoDbBackendBuilder")
+            .field("layout", &self.layout)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DynamoDbBackendBuilder {
+    /// How long a grant lasts without renewal (default [`DEFAULT_LEASE`], 30 s): how
+    /// long a waiter watches an unchanged record before it takes the key over, so it
+    /// bounds how long a crashed instance keeps a key. With renewal on, a live holder
+    /// keeps it as long as it runs.
+    ///
+    /// # Panics
+    /// If `lease` is shorter than [`MIN_LEASE`] (30 ms).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        assert!(
+            lease >= MIN_LEASE,
+            "DynamoDbBackend lease must be at least {MIN_LEASE:?}"
+        );
+        self.config.lease = lease;
+        self
+    }
+
+    /// Whether a held lease is renewed every lease/3 (default on). Off, a request that
+    /// runs longer than the lease loses it.
+    pub fn renewal(mut self, renewal: bool) -> Self {
+        self.config.renewal = renewal;
+        self
+    }
+
+    /// The start of every partition key value (default [`DEFAULT_PREFIX`],
+    /// `"keyed-lock:"`); a `:` is appended if it does not end with one. Applications
+    /// that share a table keep apart by prefix.
+    ///
+    /// # Panics
+    /// If `prefix` is empty: a prefix keeps lock items apart from the table's others.
+    pub fn prefix(mut self, prefix: &str) -> Self {
+        assert!(
+            !prefix.is_empty(),
+            "DynamoDbBackend prefix must not be empty"
+        );
+        let mut prefix = prefix.to_owned();
+        if !prefix.ends_with(':') {
+            prefix.push(':');
+        }
+        self.config.prefix = prefix;
+        self
+    }
+
+    /// What is taken off every validity period for the clock rates of this process and
+    /// of the waiters on other instances (default 1% of the lease + 2 ms): a lease
+    /// counts as valid until send time + lease − drift margin.
+    pub fn drift_margin(mut self, margin: Duration) -> Self {
+        self.config.drift = Some(margin);
+        self
+    }
+
+    /// The longest any DynamoDB call may take (default [`DEFAULT_COMMAND_TIMEOUT`],
+    /// 1 s), also used as the connect timeout. Past it the acquisition fails with
+    /// [`LockError::Backend`], and a release returns and goes on retrying in the
+    /// background.
+    ///
+    /// A retry inside a request's wait is also cut short at the end of the wait; only
+    /// the first attempt may outlast a wait shorter than one call.
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.config.command_timeout = timeout;
+        self
+    }
+
+    /// The longest pause between two attempts of a waiter (default
+    /// [`DEFAULT_POLL_INTERVAL`], 500 ms). Pauses start at 5 ms and double up to it,
+    /// each a random time between half of its step and all of it.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.config.poll_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The name of the table's partition key attribute (default
+    /// [`DEFAULT_PARTITION_KEY`], `pk`), a string.
+    pub fn partition_key(mut self, attribute: impl Into<String>) -> Self {
+        self.layout.partition_key = attribute.into();
+        self
+    }
+
+    /// The table's sort key attribute and the value it has in every lock item, for
+    /// tables that have one (single-table designs). Default: no sort key.
+    pub fn sort_key(mut self, attribute: impl Into<String>, value: impl Into<String>) -> Self {
+        self.layout.sort_key = Some((attribute.into(), value.into()));
+        self
+    }
+
+    /// The attribute the table's TTL is set on (default [`DEFAULT_TTL_ATTRIBUTE`],
+    /// `ttl`): every write puts epoch seconds there.
+    pub fn ttl_attribute(mut self, attribute: impl Into<String>) -> Self {
+        self.layout.ttl_attribute = attribute.into();
+        self
+    }
+
+    /// How long after its last write (plus one lease) an item may be deleted by the
+    /// table's TTL (default [`DEFAULT_ITEM_TTL`], one day). See
+    /// [Fencing tokens](self#fencing-tokens) for what a deletion does to the counter.
+    pub fn item_ttl(mut self, ttl: Duration) -> Self {
+        self.config.item_ttl = ttl;
+        self
+    }
+
+    /// Creates the table this builder describes, if it does not exist: the partition
+    /// key (and sort key) as strings, on-demand capacity, TTL on the TTL attribute. Waits
+    /// until it is active. For tests and local use; production tables belong in your
+    /// infrastructure code.
+    pub async fn create_table(&self) -> Result<(), SetupError> {
+        table::create(&self.client, &self.layout, self.config.command_timeout).await
+    }
+
+    /// Checks that the table exists with the configured keys (one `DescribeTable`,
+    /// within the command timeout) and makes the backend. Its client is a copy of the
+    /// given one with retries off (the backend retries by itself, within each request's
+    /// wait) and every call bounded by the command timeout.
+    ///
+    /// # Panics
+    /// If the drift margin is not shorter than half the lease.
+    pub async fn build(self) -> Result<DynamoDbBackend, SetupError> {
+        let Self {
+            client,
+            layout,
+            config,
+        } = self;
+        let drift = config.drift();
+        assert!(
+            drift < config.lease / 2,
+            "DynamoDbBackend drift margin {drift:?} must be shorter than half the lease {:?}",
+            config.lease
+        );
+        let limit = config.command_timeout;
+        let timeouts = TimeoutConfig::builder()
+            .connect_timeout(limit)
+            .operation_timeout(limit)
+            .build();
+        let client = Client::from_conf(
+            client
+                .config()
+                .to_builder()
+                .retry_config(RetryConfig::disabled())
+                .timeout_config(timeouts)
+                .build(),
+        );
+        table::check(&client, &layout, limit).await?;
+        Ok(DynamoDbBackend {
+            inner: Arc::new(Inner {
+                client,
+                layout,
+                config,
+                drift,
+            }),
+        })
+    }
+}
+
+impl LockBackend for DynamoDbBackend {
+    fn acquire(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+    ) -> BoxFuture<Result<Lease, LockError>> {
+        let item = self
+            .inner
+            .layout
+            .item_key(&self.inner.config.prefix, name, key.as_str());
+        Box::pin(self.inner.clone().acquire(Arc::new(item), wait))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aws_sdk_dynamodb::config::{BehaviorVersion, Region};
+
+    fn builder() -> DynamoDbBackendBuilder {
+        let config = aws_sdk_dynamodb::Config::builder()
+            .behavior_version(BehaviorVersion::latest())
+            .region(Region::new("us-east-1"))
+            .build();
+        DynamoDbBackend::builder(Client::from_conf(config), "locks")
+    }
+
+    #[test]
+    fn the_prefix_gets_a_colon_and_must_not_be_empty() {
+        assert_eq!(builder().prefix("app").config.prefix, "app:");
+        assert_eq!(builder().prefix("app:").config.prefix, "app:");
+        assert!(std::panic::catch_unwind(|| builder().prefix("")).is_err());
+    }
+
+    #[test]
+    fn drift_defaults_to_one_percent_plus_two_ms() {
+        let builder = builder().lease(Duration::from_secs(10));
+        assert_eq!(builder.config.drift(), Duration::from_millis(102));
+        let builder = builder.drift_margin(Duration::from_millis(7));
+        assert_eq!(builder.config.drift(), Duration::from_millis(7));
+    }
+
+    #[test]
+    fn a_sort_key_joins_the_item_key() {
+        let builder = builder().partition_key("PK").sort_key("SK", "lock");
+        let key = builder.layout.item_key("p:", "orders", "1");
+        assert_eq!(key.len(), 2);
+        assert_eq!(key["PK"].as_s().unwrap(), "p:orders:1");
+        assert_eq!(key["SK"].as_s().unwrap(), "lock");
+    }
+}

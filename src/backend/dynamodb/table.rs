@@ -1,0 +1,190 @@
+//! The lock table: checking that it fits the configured layout, and creating it for
+//! tests and local use.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType, TableStatus,
+    TimeToLiveSpecification,
+};
+use aws_sdk_dynamodb::Client;
+use tokio::time::{sleep, timeout, Instant};
+
+use super::item::Layout;
+
+/// How long [`create_table`](super::DynamoDbBackendBuilder::create_table) waits for a
+/// new table to become active.
+const ACTIVE_WITHIN: Duration = Duration::from_secs(60);
+
+/// Why a [`DynamoDbBackend`](super::DynamoDbBackend) could not be set up.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// DynamoDB answered with an error, or could not be reached.
+    DynamoDb(Box<aws_sdk_dynamodb::Error>),
+    /// DynamoDB did not answer within the command timeout.
+    TimedOut(Duration),
+    /// The table's key schema is not the configured one, or it did not become active.
+    Table(String),
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::DynamoDb(error) => write!(f, "dynamodb: {error}"),
+            Self::TimedOut(limit) => write!(f, "dynamodb did not answer within {limit:?}"),
+            Self::Table(problem) => write!(f, "dynamodb lock table: {problem}"),
+        }
+    }
+}
+
+impl std::error::Error for SetupError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::DynamoDb(error) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+/// Runs one call within `limit`, mapping its error into a [`SetupError`].
+async fn call<T, E>(
+    limit: Duration,
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, SetupError>
+where
+    aws_sdk_dynamodb::Error: From<E>,
+{
+    match timeout(limit, call).await {
+        Ok(result) => result.map_err(|error| SetupError::DynamoDb(Box::new(error.into()))),
+        Err(_) => Err(SetupError::TimedOut(limit)),
+    }
+}
+
+/// Checks that the table exists with the layout's key schema: its partition key, and
+/// its sort key if and only if one is configured.
+pub(super) async fn check(
+    client: &Client,
+    layout: &Layout,
+    limit: Duration,
+) -> Result<(), SetupError> {
+    let described = call(
+        limit,
+        client.describe_table().table_name(&layout.table).send(),
+    )
+    .await?;
+    let schema = described
+        .table()
+        .map(|table| table.key_schema())
+        .unwrap_or_default();
+    let key_named = |kind: KeyType| {
+        schema
+            .iter()
+            .find(|element| *element.key_type() == kind)
+            .map(|element| element.attribute_name())
+    };
+    let expected_sort = layout.sort_key.as_ref().map(|(name, _)| name.as_str());
+    if key_named(KeyType::Hash) != Some(&*layout.partition_key)
+        || key_named(KeyType::Range) != expected_sort
+    {
+        return Err(SetupError::Table(format!(
+            "table {:?} has key schema {schema:?}; expected partition key {:?} and sort key {expected_sort:?}",
+            layout.table, layout.partition_key
+        )));
+    }
+    Ok(())
+}
+
+/// Creates the table (on-demand capacity, string keys) unless it exists, waits until
+/// it is active, and turns on its TTL attribute.
+pub(super) async fn create(
+    client: &Client,
+    layout: &Layout,
+    limit: Duration,
+) -> Result<(), SetupError> {
+    let mut keys = vec![(layout.partition_key.as_str(), KeyType::Hash)];
+    if let Some((sort_key, _)) = &layout.sort_key {
+        keys.push((sort_key.as_str(), KeyType::Range));
+    }
+    let mut create = client
+        .create_table()
+        .table_name(&layout.table)
+        .billing_mode(BillingMode::PayPerRequest);
+    for (name, kind) in keys {
+        let definition = AttributeDefinition::builder()
+            .attribute_name(name)
+            .attribute_type(ScalarAttributeType::S)
+            .build()
+            .map_err(|error| SetupError::Table(error.to_string()))?;
+        let element = KeySchemaElement::builder()
+            .attribute_name(name)
+            .key_type(kind)
+            .build()
+            .map_err(|error| SetupError::Table(error.to_string()))?;
+        create = create.attribute_definitions(definition).key_schema(element);
+    }
+    if let Err(error) = call(limit, create.send()).await {
+        // A table that exists already (made earlier, or by another instance) will do.
+        if table_status(client, layout, limit).await.is_err() {
+            return Err(error);
+        }
+    }
+
+    let give_up = Instant::now() + ACTIVE_WITHIN;
+    while table_status(client, layout, limit).await? != Some(TableStatus::Active) {
+        if Instant::now() > give_up {
+            return Err(SetupError::Table(format!(
+                "table {:?} not active within {ACTIVE_WITHIN:?}",
+                layout.table
+            )));
+        }
+        sleep(Duration::from_millis(200)).await;
+    }
+
+    let ttl = TimeToLiveSpecification::builder()
+        .enabled(true)
+        .attribute_name(&layout.ttl_attribute)
+        .build()
+        .map_err(|error| SetupError::Table(error.to_string()))?;
+    let described = call(
+        limit,
+        client
+            .describe_time_to_live()
+            .table_name(&layout.table)
+            .send(),
+    )
+    .await?;
+    let enabled = described
+        .time_to_live_description()
+        .and_then(|description| description.attribute_name());
+    if enabled != Some(&*layout.ttl_attribute) {
+        call(
+            limit,
+            client
+                .update_time_to_live()
+                .table_name(&layout.table)
+                .time_to_live_specification(ttl)
+                .send(),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+async fn table_status(
+    client: &Client,
+    layout: &Layout,
+    limit: Duration,
+) -> Result<Option<TableStatus>, SetupError> {
+    let described = call(
+        limit,
+        client.describe_table().table_name(&layout.table).send(),
+    )
+    .await?;
+    Ok(described
+        .table()
+        .and_then(|table| table.table_status())
+        .cloned())
+}

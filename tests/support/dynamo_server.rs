@@ -1,0 +1,193 @@
+//! A real DynamoDB-compatible server (moto, from PyPI) on a free port of 127.0.0.1,
+//! killed on drop, and clients for it with static fake credentials.
+//!
+//! moto runs each request in a thread of its own and does not lock an item between a
+//! condition check and the write, so two conditional writes can both pass. DynamoDB
+//! applies conditional writes on an item atomically; to give the tests that guarantee,
+//! the launcher below runs moto's WSGI app behind one lock (one request at a time).
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
+use aws_sdk_dynamodb::Client;
+
+/// The launcher: moto's server app, one request at a time, on `127.0.0.1:argv[1]`.
+const LAUNCHER: &str = r#"
+import sys, threading
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+app = DomainDispatcherApplication(create_backend_app)
+lock = threading.Lock()
+def one_at_a_time(environ, start_response):
+    with lock:
+        return list(app(environ, start_response))
+run_simple("127.0.0.1", int(sys.argv[1]), one_at_a_time, threaded=True)
+"#;
+
+pub struct DynamoServer {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl DynamoServer {
+    /// Starts a server on a free port; panics if moto is not installed.
+    pub fn start() -> Self {
+        let mut last_error = String::new();
+        for _ in 0..5 {
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|listener| listener.local_addr())
+                .expect("no free port")
+                .port();
+            let mut server = Self { port, child: None };
+            match server.spawn() {
+                Ok(()) => return server,
+                Err(error) => last_error = error,
+            }
+        }
+        panic!("could not start moto: {last_error}");
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// A client of this server (its own connection pool: one instance of an app).
+    pub fn client(&self) -> Client {
+        client_for(&self.url())
+    }
+
+    /// The process id of the running server.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("moto is stopped").id()
+    }
+
+    /// Kills the server (SIGKILL: it loses every table, like a crash of a store
+    /// without disk).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts a fresh (empty) server on the same port.
+    pub fn restart(&mut self) {
+        self.stop();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match self.spawn() {
+                Ok(()) => return,
+                Err(error) if Instant::now() > deadline => {
+                    panic!("could not restart moto: {error}")
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(100)),
+            }
+        }
+    }
+
+    /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
+    pub fn pause(&self) {
+        signal(self.pid(), "-STOP");
+    }
+
+    /// Undoes [`pause`](Self::pause).
+    pub fn resume(&self) {
+        signal(self.pid(), "-CONT");
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let mut child = Command::new("python3")
+            .args(["-c", LAUNCHER, &self.port.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|error| match error.kind() {
+                std::io::ErrorKind::NotFound => panic!(
+                    "python3 is not on PATH: the DynamoDB tests run moto; run ./scripts/test, \
+                     which installs it"
+                ),
+                _ => format!("spawning moto: {error}"),
+            })?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                let mut stderr = String::new();
+                if let Some(mut pipe) = child.stderr.take() {
+                    let _ = pipe.read_to_string(&mut stderr);
+                }
+                if stderr.contains("No module named") {
+                    panic!(
+                        "moto is not installed: run ./scripts/test, which installs it \
+                         (or python3 -m pip install 'moto[server]'): {stderr}"
+                    );
+                }
+                return Err(format!("moto exited with {status}: {stderr}"));
+            }
+            if answers(self.port) {
+                // Werkzeug logs every request to stderr: stop reading it, drain it.
+                if let Some(mut pipe) = child.stderr.take() {
+                    std::thread::spawn(move || std::io::copy(&mut pipe, &mut std::io::sink()));
+                }
+                self.child = Some(child);
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("moto did not answer within 30 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for DynamoServer {
+    fn drop(&mut self) {
+        // SIGKILL also ends a paused (stopped) process.
+        self.stop();
+    }
+}
+
+/// A client of the DynamoDB endpoint at `url` with static fake credentials.
+pub fn client_for(url: &str) -> Client {
+    let config = aws_sdk_dynamodb::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .endpoint_url(url)
+        .credentials_provider(Credentials::new("test", "test", None, None, "static"))
+        .build();
+    Client::from_conf(config)
+}
+
+fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("running kill");
+    assert!(status.success(), "kill {signal} {pid} failed");
+}
+
+/// Whether an HTTP server on `port` answers a request.
+fn answers(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(2000)));
+    if stream
+        .write_all(b"GET /moto-api/ HTTP/1.0\r\nhost: localhost\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 8];
+    stream.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.")
+}
