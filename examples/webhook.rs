@@ -1,163 +1,168 @@
-//! A webhook receiver that processes each event once at a time:
-//! `KeyedLockLayer::by_header("idempotency-key")` with `wait_timeout(Duration::ZERO)`.
+//! A webhook receiver that processes each event exactly once, keyed by the Standard
+//! Webhooks `webhook-id` header.
 //!
-//! Webhook senders redeliver an event when they think a delivery failed, so two copies
-//! can arrive at the same moment. With `Duration::ZERO` the second copy does not wait:
-//! it gets `409 Conflict` with an `application/problem+json` body at once ("a request for
-//! this key is already in progress") and the sender retries later. A different event is
-//! processed in parallel, and a delivery without the header is refused with 400.
+//! Senders redeliver an event for hours when they think a delivery failed: sometimes
+//! while the first delivery still runs, mostly after it finished. The stack is
 //!
-//! (The lock stops *concurrent* processing. Remembering which events were already
-//! processed, so that a later redelivery is skipped, is the application's job.)
+//! - `BufferRequestBodyLayer`: the body is read before the key is taken, so a slow
+//!   sender cannot hold the key;
+//! - `KeyedLockLayer::by_header("webhook-id")`: copies that arrive while the event is
+//!   being processed wait for it;
+//! - `ReplayLayer` with a `MemoryStore`: every copy after the first gets the first
+//!   response back, marked `Idempotent-Replayed: true`, without running the handler; a
+//!   copy with a different body under the same id gets 422.
 //!
-//! Run it with `cargo run --example webhook`. It serves and drives itself on 127.0.0.1
-//! and exits non-zero if the responses are not the ones described.
+//! Run it with `cargo run --example webhook --features replay`. It serves and drives
+//! itself on 127.0.0.1 (no servers needed) and exits non-zero if the side effect does
+//! not happen exactly once per event or the answers are not the ones described.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::routing::post;
 use axum::{Extension, Router};
 use bytes::Bytes;
-use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+use tower_keyed_lock::replay::{MemoryStore, ReplayLayer};
+use tower_keyed_lock::{BufferRequestBodyLayer, KeyedLockLayer, LockInfo};
 
-/// How long processing one event takes: the other deliveries arrive meanwhile.
-const PROCESSING: Duration = Duration::from_millis(300);
+/// How long processing one event takes: concurrent copies arrive meanwhile.
+const PROCESSING: Duration = Duration::from_millis(200);
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+/// The side effects: how many times each event was processed.
+type Processed = Arc<Mutex<HashMap<String, usize>>>;
 
-async fn receive_event(Extension(lock): Extension<LockInfo>, payload: String) -> String {
+async fn receive_event(
+    Extension(processed): Extension<Processed>,
+    Extension(lock): Extension<LockInfo>,
+    payload: String,
+) -> String {
     // Stands in for the real work: charging a card, sending an email, ...
     tokio::time::sleep(PROCESSING).await;
-    format!("processed event {} ({} bytes)", lock.key(), payload.len())
+    *processed
+        .lock()
+        .unwrap()
+        .entry(lock.key().to_owned())
+        .or_default() += 1;
+    format!("processed {} ({payload})", lock.key())
 }
 
 /// What came back for one delivery.
-struct Outcome {
-    label: &'static str,
+#[derive(Debug)]
+struct Answer {
     status: StatusCode,
-    took: Duration,
-    content_type: String,
-    retry_after: String,
+    replayed: bool,
     body: String,
 }
 
 #[tokio::main]
 async fn main() {
-    let one_at_a_time = KeyedLockLayer::by_header("idempotency-key").wait_timeout(Duration::ZERO);
+    let processed = Processed::default();
     let app = Router::new()
-        .route("/webhooks/payments", post(receive_event))
-        .layer(one_at_a_time.clone());
-    let addr = serve(app).await;
-    let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+        .route("/webhooks", post(receive_event))
+        .layer(ReplayLayer::new(MemoryStore::default()))
+        .layer(KeyedLockLayer::by_header("webhook-id").wait_timeout(Duration::from_secs(5)))
+        .layer(BufferRequestBodyLayer::new())
+        .layer(Extension(processed.clone()));
+    let sender = Sender::new(serve(app).await);
 
-    let deliveries = [
-        ("evt_1, delivery A", Some("evt_1")),
-        ("evt_1, delivery B", Some("evt_1")),
-        ("evt_2", Some("evt_2")),
-        ("no idempotency-key", None),
-    ];
-    // All at once; the handles keep the printing in this order.
-    let handles: Vec<_> = deliveries
-        .into_iter()
-        .map(|(label, key)| {
-            let uri = format!("http://{addr}/webhooks/payments");
-            tokio::spawn(deliver(client.clone(), uri, label, key))
-        })
-        .collect();
-    let mut outcomes = Vec::new();
-    for handle in handles {
-        outcomes.push(handle.await.unwrap());
+    // 1. The first delivery of evt_1 runs.
+    let first = sender.deliver("evt_1", "amount=10").await;
+    show("evt_1, first delivery", &first);
+    assert_eq!((first.status, first.replayed), (StatusCode::OK, false));
+
+    // 2. Three retries after it completed, at once: replayed, not run.
+    let retries = sender.deliver_many("evt_1", "amount=10", 3).await;
+    for retry in &retries {
+        show("evt_1, retry after completion", retry);
+        assert_eq!((retry.status, retry.replayed), (StatusCode::OK, true));
+        assert_eq!(retry.body, first.body);
     }
 
-    for o in &outcomes {
-        // `StatusCode`'s Display ignores padding, hence `to_string()`.
-        println!(
-            "{:<19} -> {:<22} in {:>3} ms",
-            o.label,
-            o.status.to_string(),
-            o.took.as_millis()
-        );
-        if o.status.is_success() {
-            println!("    {}", o.body);
-        } else {
-            println!("    content-type: {}", o.content_type);
-            println!("    retry-after:  {}", o.retry_after);
-            println!("    {}", o.body);
+    // 3. Three copies of evt_2 at once: one runs, the others wait and get its answer.
+    let copies = sender.deliver_many("evt_2", "amount=20", 3).await;
+    for copy in &copies {
+        show("evt_2, concurrent copy", copy);
+        assert_eq!(copy.status, StatusCode::OK);
+        assert_eq!(copy.body, copies[0].body);
+    }
+    assert_eq!(copies.iter().filter(|copy| !copy.replayed).count(), 1);
+
+    // 4. evt_1 again with a changed body: not the same event, refused.
+    let changed = sender.deliver("evt_1", "amount=9999").await;
+    show("evt_1, changed body", &changed);
+    assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(changed.body.contains("fingerprint_mismatch"));
+
+    let processed = processed.lock().unwrap().clone();
+    println!("\nside effects: {processed:?}");
+    assert_eq!(
+        processed,
+        HashMap::from([("evt_1".into(), 1), ("evt_2".into(), 1)])
+    );
+    println!("every event processed exactly once");
+}
+
+fn show(label: &str, answer: &Answer) {
+    let replayed = match (answer.replayed, answer.status.is_success()) {
+        (true, _) => "replayed",
+        (false, true) => "ran",
+        (false, false) => "refused",
+    };
+    println!(
+        "{label:<32} {} {replayed:<8} {}",
+        answer.status.as_u16(),
+        answer.body
+    );
+}
+
+/// A webhook sender: POSTs a payload with a `webhook-id`.
+#[derive(Clone)]
+struct Sender {
+    client: Client<HttpConnector, Full<Bytes>>,
+    uri: String,
+}
+
+impl Sender {
+    fn new(addr: SocketAddr) -> Self {
+        Self {
+            client: Client::builder(TokioExecutor::new()).build_http(),
+            uri: format!("http://{addr}/webhooks"),
         }
     }
-    println!("\nactive_keys() now: {}", one_at_a_time.active_keys());
 
-    let mut evt_1 = [outcomes[0].status, outcomes[1].status];
-    evt_1.sort();
-    assert_eq!(
-        evt_1,
-        [StatusCode::OK, StatusCode::CONFLICT],
-        "one copy of evt_1 should be processed, the other refused with 409"
-    );
-    let refused = outcomes
-        .iter()
-        .find(|o| o.status == StatusCode::CONFLICT)
-        .unwrap();
-    assert_eq!(refused.content_type, "application/problem+json");
-    assert!(
-        refused.took < PROCESSING,
-        "the 409 should come at once, not after waiting"
-    );
-    assert_eq!(outcomes[2].status, StatusCode::OK, "evt_2 runs in parallel");
-    assert_eq!(
-        outcomes[3].status,
-        StatusCode::BAD_REQUEST,
-        "a delivery without a key is refused"
-    );
-    assert_eq!(one_at_a_time.active_keys(), 0, "no key should stay locked");
-}
-
-/// POSTs a small event payload, with an `idempotency-key` header if `key` is set.
-async fn deliver(
-    client: HttpClient,
-    uri: String,
-    label: &'static str,
-    key: Option<&str>,
-) -> Outcome {
-    let mut request = Request::post(uri).header(CONTENT_TYPE, "application/json");
-    if let Some(key) = key {
-        request = request.header("idempotency-key", key);
+    async fn deliver(&self, id: &str, payload: &str) -> Answer {
+        let request = Request::post(&self.uri)
+            .header("webhook-id", id)
+            .body(Full::new(Bytes::from(payload.to_owned())))
+            .unwrap();
+        let response = self.client.request(request).await.expect("delivered");
+        let status = response.status();
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        Answer {
+            status,
+            replayed,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        }
     }
-    let payload = format!(
-        r#"{{"id":"{}","type":"payment.succeeded"}}"#,
-        key.unwrap_or("?")
-    );
-    let request = request.body(Full::from(payload)).unwrap();
 
-    let started = Instant::now();
-    let response = client.request(request).await.expect("request failed");
-    let header = |name| {
-        response
-            .headers()
-            .get(name)
-            .map_or("-", |value| value.to_str().unwrap())
-            .to_owned()
-    };
-    let (content_type, retry_after) = (header(CONTENT_TYPE), header(RETRY_AFTER));
-    let status = response.status();
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    Outcome {
-        label,
-        status,
-        took: started.elapsed(),
-        content_type,
-        retry_after,
-        body: String::from_utf8_lossy(&body).into_owned(),
+    /// `copies` deliveries of one event, all in flight at once.
+    async fn deliver_many(&self, id: &str, payload: &str, copies: usize) -> Vec<Answer> {
+        let mut in_flight = tokio::task::JoinSet::new();
+        for _ in 0..copies {
+            let (sender, id, payload) = (self.clone(), id.to_owned(), payload.to_owned());
+            in_flight.spawn(async move { sender.deliver(&id, &payload).await });
+        }
+        in_flight.join_all().await
     }
 }
 
-/// Serves `app` on a free port of 127.0.0.1 in the background.
 async fn serve(app: Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();

@@ -1,0 +1,122 @@
+//! The fingerprint of a request and the scope of a record, both SHA-256: stable across
+//! builds and machines, so instances sharing a store agree.
+
+use http::request::Parts;
+use sha2::{Digest, Sha256};
+
+use super::record::Fingerprint;
+
+/// SHA-256 over the method, path, query and body, each prefixed by its length as a
+/// big-endian `u64` (so no two requests share an input).
+pub(crate) fn fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
+    let mut hasher = Sha256::new();
+    for part in [
+        parts.method.as_str().as_bytes(),
+        parts.uri.path().as_bytes(),
+        parts.uri.query().unwrap_or("").as_bytes(),
+        body,
+    ] {
+        push_part(&mut hasher, part);
+    }
+    hasher.finalize().into()
+}
+
+/// The scope of a record, in lowercase hex: SHA-256 over the method, the route (axum's
+/// matched route when there is one, else the path) and the principal, if any.
+pub(crate) fn scope(parts: &Parts, principal: Option<&str>) -> String {
+    let mut hasher = Sha256::new();
+    push_part(&mut hasher, parts.method.as_str().as_bytes());
+    push_part(&mut hasher, route(parts).as_bytes());
+    match principal {
+        Some(principal) => {
+            hasher.update([1]);
+            push_part(&mut hasher, principal.as_bytes());
+        }
+        None => hasher.update([0]),
+    }
+    hex(&hasher.finalize())
+}
+
+#[cfg(feature = "axum")]
+fn route(parts: &Parts) -> &str {
+    parts
+        .extensions
+        .get::<axum::extract::MatchedPath>()
+        .map_or(parts.uri.path(), axum::extract::MatchedPath::as_str)
+}
+
+#[cfg(not(feature = "axum"))]
+fn route(parts: &Parts) -> &str {
+    parts.uri.path()
+}
+
+fn push_part(hasher: &mut Sha256, part: &[u8]) {
+    hasher.update((part.len() as u64).to_be_bytes());
+    hasher.update(part);
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for &b in bytes {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+
+    fn parts(method: &str, uri: &str) -> Parts {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    #[test]
+    fn fingerprint_covers_method_path_query_and_body() {
+        let base = fingerprint(&parts("POST", "/a?x=1"), b"body");
+        assert_eq!(base, fingerprint(&parts("POST", "/a?x=1"), b"body"));
+        for other in [
+            fingerprint(&parts("PUT", "/a?x=1"), b"body"),
+            fingerprint(&parts("POST", "/b?x=1"), b"body"),
+            fingerprint(&parts("POST", "/a?x=2"), b"body"),
+            fingerprint(&parts("POST", "/a?x=1"), b"bodY"),
+            // Moving bytes between parts changes it too.
+            fingerprint(&parts("POST", "/a?x=1b"), b"ody"),
+        ] {
+            assert_ne!(base, other);
+        }
+    }
+
+    #[test]
+    fn scope_separates_methods_routes_and_principals() {
+        let post = parts("POST", "/a");
+        let scopes = [
+            scope(&post, None),
+            scope(&parts("PUT", "/a"), None),
+            scope(&parts("POST", "/b"), None),
+            scope(&post, Some("alice")),
+            scope(&post, Some("bob")),
+            scope(&post, Some("")),
+        ];
+        let unique: std::collections::HashSet<_> = scopes.iter().collect();
+        assert_eq!(unique.len(), scopes.len());
+        assert_eq!(scopes[0].len(), 64);
+    }
+
+    #[test]
+    fn scope_ignores_the_query() {
+        assert_eq!(
+            scope(&parts("POST", "/a?x=1"), None),
+            scope(&parts("POST", "/a?x=2"), None)
+        );
+    }
+}

@@ -1,0 +1,219 @@
+//! [`ReplayLayer`] and its settings.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use http::header::HeaderName;
+use http::{Extensions, StatusCode};
+use tower_layer::Layer;
+
+use super::metrics::ReplayMetrics;
+use super::record::DEFAULT_REPLAYED_HEADERS;
+use super::service::Replay;
+use super::store::ReplayStore;
+
+/// The default [`ttl`](ReplayLayer::ttl): 24 hours.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
+/// The default [`max_response_bytes`](ReplayLayer::max_response_bytes): 1 MiB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+/// The default [`max_request_bytes`](ReplayLayer::max_request_bytes): 1 MiB.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
+/// The default [`store_timeout`](ReplayLayer::store_timeout): 2 s.
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
+
+type PrincipalFn = dyn Fn(&Extensions) -> Option<String> + Send + Sync;
+
+/// Replays the stored response of a completed request to later requests with the same
+/// key; goes *inside* a [`KeyedLockLayer`](crate::KeyedLockLayer). See the
+/// [module docs](super).
+#[derive(Clone)]
+#[must_use]
+pub struct ReplayLayer {
+    settings: Settings,
+    shared: Arc<Shared>,
+}
+
+/// The configuration, fixed when the layer is applied.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    pub(crate) store: Arc<dyn ReplayStore>,
+    pub(crate) ttl: Duration,
+    pub(crate) max_request_bytes: usize,
+    pub(crate) read_timeout: Duration,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) fingerprint: bool,
+    pub(crate) mismatch_status: StatusCode,
+    pub(crate) store_server_errors: bool,
+    pub(crate) fail_open: bool,
+    pub(crate) store_timeout: Duration,
+    pub(crate) replayed_headers: Vec<HeaderName>,
+    pub(crate) principal: Option<Arc<PrincipalFn>>,
+}
+
+/// State every clone of one layer shares.
+#[derive(Default)]
+pub(crate) struct Shared {
+    metrics: OnceLock<ReplayMetrics>,
+    misconfiguration_logged: AtomicBool,
+}
+
+impl Shared {
+    /// The handles for the lock layer `name`, registered on first use (the name comes
+    /// with the first request's `LockInfo`).
+    pub(crate) fn metrics(&self, name: &str) -> &ReplayMetrics {
+        self.metrics.get_or_init(|| ReplayMetrics::new(name))
+    }
+
+    /// Whether this is the first misconfiguration seen: log it once per layer.
+    pub(crate) fn first_misconfiguration(&self) -> bool {
+        !self.misconfiguration_logged.swap(true, Ordering::Relaxed)
+    }
+}
+
+impl ReplayLayer {
+    /// Replays from `store`, with the defaults: records kept [`DEFAULT_TTL`], request
+    /// fingerprints checked (422 on a mismatch), responses up to
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`] stored, 5xx not stored, fail closed (503) when
+    /// the store is unreachable.
+    pub fn new(store: impl ReplayStore) -> Self {
+        Self {
+            settings: Settings {
+                store: Arc::new(store),
+                ttl: DEFAULT_TTL,
+                max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+                read_timeout: crate::buffer::DEFAULT_READ_TIMEOUT,
+                max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+                fingerprint: true,
+                mismatch_status: StatusCode::UNPROCESSABLE_ENTITY,
+                store_server_errors: false,
+                fail_open: false,
+                store_timeout: DEFAULT_STORE_TIMEOUT,
+                replayed_headers: DEFAULT_REPLAYED_HEADERS.to_vec(),
+                principal: None,
+            },
+            shared: Arc::default(),
+        }
+    }
+
+    /// How long a record is replayed (default [`DEFAULT_TTL`]); after that the key
+    /// makes a new request.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.settings.ttl = ttl;
+        self
+    }
+
+    /// Whether a reused key must come with the same request — SHA-256 of method, path,
+    /// query and body — (default true); a different one gets the
+    /// [`mismatch_status`](Self::mismatch_status). Turn it off for webhooks whose id is
+    /// already unique per event.
+    pub fn fingerprint(mut self, enabled: bool) -> Self {
+        self.settings.fingerprint = enabled;
+        self
+    }
+
+    /// The answer to a reused key with a different request (default 422 Unprocessable
+    /// Content, as the idempotency-key draft says).
+    pub fn mismatch_status(mut self, status: StatusCode) -> Self {
+        self.settings.mismatch_status = status;
+        self
+    }
+
+    /// The longest request body read for the fingerprint (default
+    /// [`DEFAULT_MAX_REQUEST_BYTES`]); a longer one gets 413. The body is read under the
+    /// key: put a [`BufferRequestBodyLayer`](crate::BufferRequestBodyLayer) outside
+    /// the lock to read it before.
+    pub fn max_request_bytes(mut self, bytes: usize) -> Self {
+        self.settings.max_request_bytes = bytes;
+        self
+    }
+
+    /// How long the request body may take to arrive (default 10 s); then 408.
+    pub fn read_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.read_timeout = timeout;
+        self
+    }
+
+    /// The longest response body stored (default [`DEFAULT_MAX_RESPONSE_BYTES`]). A
+    /// longer one is passed through as it streams and **not stored**: a retry runs the
+    /// handler again.
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        self.settings.max_response_bytes = bytes;
+        self
+    }
+
+    /// Whether 5xx answers are stored and replayed too (default false: a retry runs
+    /// again). 401, 403, 408, 409 and 429 are never stored.
+    pub fn store_server_errors(mut self, store: bool) -> Self {
+        self.settings.store_server_errors = store;
+        self
+    }
+
+    /// When the store cannot be read: run the request without replay and without
+    /// storing (`true`), or answer 503 with `Retry-After` (`false`, the default).
+    pub fn fail_open(mut self, fail_open: bool) -> Self {
+        self.settings.fail_open = fail_open;
+        self
+    }
+
+    /// How long one store call may take before it counts as unreachable (default
+    /// [`DEFAULT_STORE_TIMEOUT`]).
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        self.settings.store_timeout = timeout;
+        self
+    }
+
+    /// Adds a response header to replay, besides
+    /// [`DEFAULT_REPLAYED_HEADERS`](super::DEFAULT_REPLAYED_HEADERS). `Set-Cookie`,
+    /// `WWW-Authenticate` and `Proxy-Authenticate` are never replayed.
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        self.settings.replayed_headers.push(name);
+        self
+    }
+
+    /// Scopes records to a principal: the `T` an authentication layer put in the
+    /// request extensions, so one user's key never replays another user's response. A
+    /// request without `T` gets 500 (a misconfiguration, logged once).
+    pub fn principal<T>(mut self) -> Self
+    where
+        T: std::fmt::Display + Send + Sync + 'static,
+    {
+        self.settings.principal = Some(Arc::new(|extensions: &Extensions| {
+            extensions.get::<T>().map(T::to_string)
+        }));
+        self
+    }
+
+    /// Whether the store is per instance, which a distributed lock refuses.
+    pub(crate) fn is_per_instance(&self) -> bool {
+        self.settings.store.is_per_instance()
+    }
+}
+
+impl<S> Layer<S> for ReplayLayer {
+    type Service = Replay<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Replay::new(
+            inner,
+            Arc::new(self.settings.clone()),
+            Arc::clone(&self.shared),
+        )
+    }
+}
+
+impl std::fmt::Debug for ReplayLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let settings = &self.settings;
+        f.debug_struct("ReplayLayer")
+            .field("ttl", &settings.ttl)
+            .field("fingerprint", &settings.fingerprint)
+            .field("mismatch_status", &settings.mismatch_status)
+            .field("max_request_bytes", &settings.max_request_bytes)
+            .field("max_response_bytes", &settings.max_response_bytes)
+            .field("store_server_errors", &settings.store_server_errors)
+            .field("fail_open", &settings.fail_open)
+            .field("per_instance_store", &self.is_per_instance())
+            .finish_non_exhaustive()
+    }
+}

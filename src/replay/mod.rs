@@ -1,0 +1,111 @@
+//! Idempotent replay: a completed request's response is stored and replayed to later
+//! requests with the same key.
+//!
+//! The [`KeyedLockLayer`](crate::KeyedLockLayer) makes a duplicate that arrives while
+//! the first request runs wait (or get 409). [`ReplayLayer`], stacked *inside* it, makes
+//! the duplicate that arrives *after* — a webhook retried for hours, an API client's
+//! retry with the same `Idempotency-Key` — get the first response back instead of
+//! running the handler again.
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum::{routing::post, Router};
+//! use tower_keyed_lock::replay::{MemoryStore, ReplayLayer};
+//! use tower_keyed_lock::{BufferRequestBodyLayer, KeyedLockLayer};
+//!
+//! let app: Router = Router::new()
+//!     .route("/payments", post(|| async { "paid" }))
+//!     // The later `.layer` is the outer one: body read, then the key, then replay.
+//!     .layer(ReplayLayer::new(MemoryStore::default()))
+//!     .layer(KeyedLockLayer::by_header("idempotency-key").wait_timeout(Duration::from_secs(5)))
+//!     .layer(BufferRequestBodyLayer::new());
+//! ```
+//!
+//! # What happens to a request
+//!
+//! Following draft-ietf-httpapi-idempotency-key-header where it speaks:
+//!
+//! | case | answer |
+//! |---|---|
+//! | first request for a key | runs under the key's lock; its response is stored |
+//! | duplicate while the first runs | waits on the lock (the lock layer's `wait_timeout`), then is replayed; with `wait_timeout(ZERO)` the lock layer answers 409 |
+//! | duplicate after completion, same fingerprint | the stored status, replayed headers and body, plus `Idempotent-Replayed: true`; the handler is not called |
+//! | same key, different fingerprint | 422 problem+json ([`mismatch_status`](ReplayLayer::mismatch_status)), reason `fingerprint_mismatch` |
+//! | handler answered 5xx, panicked, or the request was cancelled before it answered | nothing stored: a retry runs again ([`store_server_errors`](ReplayLayer::store_server_errors) stores 5xx) |
+//! | 401, 403, 408, 409, 429 | never stored |
+//! | response body over [`max_response_bytes`](ReplayLayer::max_response_bytes) | passed through as it streams, **not stored** |
+//! | store unreachable | 503 with `Retry-After` (fail closed), or [`fail_open`](ReplayLayer::fail_open) |
+//! | record older than its [`ttl`](ReplayLayer::ttl) (default 24 h) | a new request |
+//! | no `LockInfo` (the lock layer let the request through without a key) | runs, nothing stored |
+//!
+//! A record is scoped by the lock layer's name, the request key, the method, the matched
+//! route (axum's `MatchedPath`, else the path) and optionally a
+//! [`principal`](ReplayLayer::principal), so one key never replays another endpoint's
+//! (or user's) response. The fingerprint is SHA-256 over method, path, query and body.
+//!
+//! Replayed headers are an allow-list ([`DEFAULT_REPLAYED_HEADERS`], extended with
+//! [`replay_header`](ReplayLayer::replay_header)); multi-valued headers keep every
+//! value; `Set-Cookie`, `WWW-Authenticate` and `Proxy-Authenticate` are never replayed.
+//!
+//! The layer reads the request body (for the fingerprint) while holding the key. A
+//! client that trickles its body would hold the key meanwhile: put a
+//! [`BufferRequestBodyLayer`](crate::BufferRequestBodyLayer) outside the lock, as above.
+//!
+//! # Stores
+//!
+//! - [`MemoryStore`]: this process only, bounded by bytes and TTL. Under a distributed
+//!   lock backend it is refused: 500 problem+json (reason `misconfigured`) and one
+//!   `error` log per layer.
+//! - `RedisReplayStore` (features `replay` + `redis`): records beside the lock's keys,
+//!   written by a script that checks the lock's fence.
+//! - `PostgresReplayStore` (features `replay` + `postgres`): a table, writes ordered by
+//!   fencing token.
+//!
+//! # What the fences prevent, and what they do not
+//!
+//! A record is written after the handler answered, while the request still holds its
+//! key. If the holder's lease was lost meanwhile (a pause, a partition) another
+//! instance may already run the same key:
+//!
+//! - Redis: the write lands only if the lock key exists and the fence counter still
+//!   equals this request's fencing token, in one script — so a holder whose lease was
+//!   lost never overwrites or pre-empts its successor's record.
+//! - PostgreSQL: the upsert never lets a lower fencing token overwrite a higher one. A
+//!   stale holder can still write a record where none exists yet; its successor's
+//!   write then replaces it.
+//!
+//! Neither makes the handler's side effect and the record one atomic step: if the
+//! process dies between the handler's answer and the write, or the lease is lost in
+//! between, the record is missing and a retry runs the handler again. Only a side
+//! effect written in the same transaction as the record (or an idempotent side effect)
+//! closes that gap.
+
+mod body;
+mod fingerprint;
+mod future;
+mod layer;
+mod memory;
+mod metrics;
+#[cfg(feature = "postgres")]
+mod postgres;
+mod record;
+#[cfg(feature = "redis")]
+mod redis;
+mod service;
+mod store;
+
+pub use body::ReplayBody;
+pub use future::{ReplayFuture, IDEMPOTENT_REPLAYED};
+pub use layer::{
+    ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_STORE_TIMEOUT,
+    DEFAULT_TTL,
+};
+pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
+pub use metrics::{REPLAYED_TOTAL, STORED_TOTAL};
+#[cfg(feature = "postgres")]
+pub use postgres::{PostgresReplayStore, DEFAULT_TABLE};
+pub use record::{Fingerprint, Record, DEFAULT_REPLAYED_HEADERS};
+#[cfg(feature = "redis")]
+pub use redis::RedisReplayStore;
+pub use service::Replay;
+pub use store::{RecordKey, ReplayStore, StoreError, Stored};

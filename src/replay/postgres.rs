@@ -1,0 +1,197 @@
+//! The PostgreSQL store: a table of records, writes ordered by fencing token.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use tokio::sync::OnceCell;
+
+use crate::backend::BoxFuture;
+
+use super::record::Record;
+use super::store::{RecordKey, ReplayStore, StoreError, Stored};
+
+/// The default table name.
+pub const DEFAULT_TABLE: &str = "keyed_lock_replay";
+
+const MAX_TTL_MS: i64 = 100 * 365 * 24 * 60 * 60 * 1000;
+
+/// Records in a PostgreSQL table, created on first use if missing:
+///
+/// ```sql
+/// CREATE TABLE IF NOT EXISTS keyed_lock_replay (
+///     layer      text        NOT NULL,  -- the lock layer's name
+///     key        text        NOT NULL,  -- the request key
+///     scope      text        NOT NULL,  -- hex SHA-256 of method, route, principal
+///     fence      bigint      NOT NULL,  -- the fencing token of the writer
+///     record     bytea       NOT NULL,  -- Record::to_bytes
+///     expires_at timestamptz NOT NULL,
+///     PRIMARY KEY (layer, key, scope)
+/// )
+/// ```
+///
+/// A write is one conditional upsert: it inserts, or replaces a row whose `fence` is
+/// lower than the writer's token, so a holder whose lock was lost never overwrites its
+/// successor's record. It needs the fencing tokens of the PostgreSQL backend
+/// ([`fencing(true)`](crate::backend::postgres::PostgresBackend::fencing)); without a
+/// token the write fails (logged, nothing stored). A stale holder can still insert a
+/// record where none exists yet; the successor's write replaces it. Rows past
+/// `expires_at` are never returned; [`purge_expired`](Self::purge_expired) deletes them.
+///
+/// Give the store its own pool: the lock backend's connections sit idle holding locks.
+#[derive(Clone)]
+pub struct PostgresReplayStore {
+    pool: Pool,
+    statements: Arc<Statements>,
+    created: Arc<OnceCell<()>>,
+}
+
+struct Statements {
+    create: String,
+    get: String,
+    put: String,
+    purge: String,
+}
+
+impl PostgresReplayStore {
+    /// A store in table [`DEFAULT_TABLE`], through `pool`.
+    pub fn new(pool: Pool) -> Self {
+        Self::with_table(pool, DEFAULT_TABLE).expect("the default table name is valid")
+    }
+
+    /// A store in `table` (letters, digits and `_`, optionally `schema.table`), through
+    /// `pool`. Fails on any other name.
+    pub fn with_table(pool: Pool, table: &str) -> Result<Self, StoreError> {
+        let plain = |part: &str| {
+            !part.is_empty()
+                && part.len() <= 63
+                && !part.starts_with(|c: char| c.is_ascii_digit())
+                && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        };
+        if !table.split('.').all(plain) || table.split('.').count() > 2 {
+            return Err(StoreError::new(format!(
+                "not a plain table name: {table:?}"
+            )));
+        }
+        Ok(Self {
+            pool,
+            statements: Arc::new(Statements::for_table(table)),
+            created: Arc::new(OnceCell::new()),
+        })
+    }
+
+    /// Deletes the expired rows; returns how many. Run it now and then (expired rows
+    /// are already never replayed).
+    pub async fn purge_expired(&self) -> Result<u64, StoreError> {
+        let client = self.client().await?;
+        client
+            .execute(&self.statements.purge, &[])
+            .await
+            .map_err(StoreError::new)
+    }
+
+    /// A pooled connection, after the table exists.
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        let client = self.pool.get().await.map_err(StoreError::new)?;
+        self.created
+            .get_or_try_init(|| async {
+                client
+                    .batch_execute(&self.statements.create)
+                    .await
+                    .map_err(StoreError::new)
+            })
+            .await?;
+        Ok(client)
+    }
+}
+
+impl Statements {
+    fn for_table(table: &str) -> Self {
+        Self {
+            create: format!(
+                "CREATE TABLE IF NOT EXISTS {table} (\
+                   layer text NOT NULL, key text NOT NULL, scope text NOT NULL, \
+                   fence bigint NOT NULL, record bytea NOT NULL, \
+                   expires_at timestamptz NOT NULL, PRIMARY KEY (layer, key, scope))"
+            ),
+            get: format!(
+                "SELECT record FROM {table} \
+                 WHERE layer = $1 AND key = $2 AND scope = $3 AND expires_at > now()"
+            ),
+            put: format!(
+                "INSERT INTO {table} AS t (layer, key, scope, fence, record, expires_at) \
+                 VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond') \
+                 ON CONFLICT (layer, key, scope) DO UPDATE \
+                 SET fence = EXCLUDED.fence, record = EXCLUDED.record, \
+                     expires_at = EXCLUDED.expires_at \
+                 WHERE t.fence < EXCLUDED.fence"
+            ),
+            purge: format!("DELETE FROM {table} WHERE expires_at <= now()"),
+        }
+    }
+}
+
+impl ReplayStore for PostgresReplayStore {
+    fn get(&self, key: &RecordKey) -> BoxFuture<Result<Option<Record>, StoreError>> {
+        let store = self.clone();
+        let key = key.clone();
+        Box::pin(async move {
+            let client = store.client().await?;
+            let row = client
+                .query_opt(
+                    &store.statements.get,
+                    &[&key.layer(), &key.key(), &key.scope()],
+                )
+                .await
+                .map_err(StoreError::new)?;
+            row.map(|row| Record::from_bytes(row.get::<_, &[u8]>(0)))
+                .transpose()
+        })
+    }
+
+    fn put(
+        &self,
+        key: &RecordKey,
+        record: Record,
+        ttl: Duration,
+        fencing_token: Option<u64>,
+    ) -> BoxFuture<Result<Stored, StoreError>> {
+        let store = self.clone();
+        let key = key.clone();
+        Box::pin(async move {
+            let token = fencing_token.ok_or_else(|| {
+                StoreError::new("the PostgreSQL replay store needs fencing tokens: PostgresBackend::fencing(true)")
+            })?;
+            let fence = i64::try_from(token).map_err(StoreError::new)?;
+            // Capped at 100 years: PostgreSQL intervals overflow long before `i64::MAX` ms.
+            let ttl_ms = i64::try_from(ttl.as_millis()).map_or(MAX_TTL_MS, |ms| ms.min(MAX_TTL_MS));
+            let client = store.client().await?;
+            let written = client
+                .execute(
+                    &store.statements.put,
+                    &[
+                        &key.layer(),
+                        &key.key(),
+                        &key.scope(),
+                        &fence,
+                        &record.to_bytes(),
+                        &ttl_ms,
+                    ],
+                )
+                .await
+                .map_err(StoreError::new)?;
+            Ok(if written == 1 {
+                Stored::Written
+            } else {
+                Stored::Fenced
+            })
+        })
+    }
+}
+
+impl std::fmt::Debug for PostgresReplayStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresReplayStore")
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,135 @@
+//! The Redis store: records beside the lock's keys, writes fenced by the lock.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::{Client, RedisError, Script};
+
+use crate::backend::redis::RedisBackend;
+use crate::backend::BoxFuture;
+
+use super::record::Record;
+use super::store::{RecordKey, ReplayStore, StoreError, Stored};
+
+/// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` record; `ARGV[1]` the request's fencing
+/// token, `ARGV[2]` the record, `ARGV[3]` its TTL in ms. Writes only while the lock is
+/// held and no grant came after this request's: 1 if written.
+const PUT: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('GET', KEYS[2]) == ARGV[1] then
+  redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
+  return 1
+end
+return 0
+";
+
+/// Records in the Redis server of a [`RedisBackend`], under the lock's hash tag:
+///
+/// ```text
+/// {<prefix><name>:<key>}:replay:<scope>    the record, with its TTL
+/// ```
+///
+/// A record is written by one script that checks, atomically, that the lock key exists
+/// and that the fence counter still holds this request's fencing token: a request whose
+/// lease was lost — another instance was granted the key since — cannot write. The
+/// request's own lock token is not checked (the layer does not see it); the fence
+/// counter grows with every grant, which covers the same case.
+///
+/// ```no_run
+/// use tower_keyed_lock::backend::redis::RedisBackend;
+/// use tower_keyed_lock::replay::{RedisReplayStore, ReplayLayer};
+/// use tower_keyed_lock::KeyedLockLayer;
+///
+/// # async fn run() -> Result<(), redis::RedisError> {
+/// let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
+/// let store = RedisReplayStore::new(redis::Client::open("redis://127.0.0.1/")?, &backend).await?;
+/// let replay = ReplayLayer::new(store);
+/// let lock = KeyedLockLayer::by_header("webhook-id").name("webhooks").backend(backend);
+/// # let _ = (replay, lock);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RedisReplayStore {
+    connection: ConnectionManager,
+    backend: RedisBackend,
+    put: Script,
+}
+
+impl RedisReplayStore {
+    /// A store on the Redis server at `client`, which must be the server of `backend`
+    /// (the lock and the record share a hash tag and one script).
+    pub async fn new(client: Client, backend: &RedisBackend) -> Result<Self, RedisError> {
+        Ok(Self {
+            connection: ConnectionManager::new(client).await?,
+            backend: backend.clone(),
+            put: Script::new(PUT),
+        })
+    }
+
+    /// The lock, fence and record keys of `key`.
+    fn keys(&self, key: &RecordKey) -> [String; 3] {
+        let lock = self.backend.lock_key(key.layer(), key.key());
+        let tag = lock.strip_suffix(":lock").unwrap_or(&lock);
+        let fence = format!("{tag}:fence");
+        let record = format!("{tag}:replay:{}", key.scope());
+        [lock, fence, record]
+    }
+}
+
+impl ReplayStore for RedisReplayStore {
+    fn get(&self, key: &RecordKey) -> BoxFuture<Result<Option<Record>, StoreError>> {
+        let [_, _, record] = self.keys(key);
+        let mut connection = self.connection.clone();
+        Box::pin(async move {
+            let bytes: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(record)
+                .query_async(&mut connection)
+                .await
+                .map_err(StoreError::new)?;
+            bytes.map(|bytes| Record::from_bytes(&bytes)).transpose()
+        })
+    }
+
+    fn put(
+        &self,
+        key: &RecordKey,
+        record: Record,
+        ttl: Duration,
+        fencing_token: Option<u64>,
+    ) -> BoxFuture<Result<Stored, StoreError>> {
+        let [lock, fence, record_key] = self.keys(key);
+        let mut connection = self.connection.clone();
+        let put = self.put.clone();
+        Box::pin(async move {
+            let token = fencing_token.ok_or_else(|| {
+                StoreError::new(
+                    "the Redis replay store needs the Redis lock backend's fencing token",
+                )
+            })?;
+            let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+            let written: i64 = put
+                .key(lock)
+                .key(fence)
+                .key(record_key)
+                .arg(token.to_string())
+                .arg(record.to_bytes())
+                .arg(ttl_ms)
+                .invoke_async(&mut connection)
+                .await
+                .map_err(StoreError::new)?;
+            Ok(if written == 1 {
+                Stored::Written
+            } else {
+                Stored::Fenced
+            })
+        })
+    }
+}
+
+impl std::fmt::Debug for RedisReplayStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisReplayStore")
+            .field("backend", &self.backend)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,108 @@
+//! Where records live: the [`ReplayStore`] trait.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::backend::BoxFuture;
+
+use super::record::Record;
+
+/// Where a record lives: the lock layer's name, the request key, and the scope (a hex
+/// digest of method, route and principal), so one key never replays another endpoint's
+/// response.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RecordKey {
+    layer: String,
+    key: String,
+    scope: String,
+}
+
+impl RecordKey {
+    pub(crate) fn new(layer: &str, key: &str, scope: String) -> Self {
+        Self {
+            layer: layer.to_owned(),
+            key: key.to_owned(),
+            scope,
+        }
+    }
+
+    /// The [`name`](crate::KeyedLockLayer::name) of the lock layer.
+    pub fn layer(&self) -> &str {
+        &self.layer
+    }
+
+    /// The request key the lock layer extracted.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The scope: 64 lowercase hex digits.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+}
+
+/// What a store did with a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// The record was written.
+    Written,
+    /// The fence refused it: the request no longer holds the key (its lease was lost),
+    /// so a later holder's record must win.
+    Fenced,
+}
+
+/// Keeps the records of completed requests.
+///
+/// The replay layer calls [`get`](Self::get) while the request holds its key, and
+/// [`put`](Self::put) after the inner service answered, still holding the key. Both
+/// return boxed futures, as [`LockBackend`](crate::LockBackend) does.
+pub trait ReplayStore: Send + Sync + 'static {
+    /// The record stored under `key`, unless it is missing or older than its TTL.
+    fn get(&self, key: &RecordKey) -> BoxFuture<Result<Option<Record>, StoreError>>;
+
+    /// Stores `record` under `key` for `ttl`, if the request that made it still holds
+    /// the key: `fencing_token` is its [`LockInfo::fencing_token`](crate::LockInfo::fencing_token).
+    fn put(
+        &self,
+        key: &RecordKey,
+        record: Record,
+        ttl: Duration,
+        fencing_token: Option<u64>,
+    ) -> BoxFuture<Result<Stored, StoreError>>;
+
+    /// Whether each instance has a store of its own (the memory store). The replay
+    /// layer refuses such a store under a distributed lock: a duplicate that reaches
+    /// another instance would run again.
+    fn is_per_instance(&self) -> bool {
+        false
+    }
+}
+
+/// A store failed: unreachable, timed out, or it holds a record it cannot read.
+#[derive(Debug)]
+pub struct StoreError(Box<dyn std::error::Error + Send + Sync>);
+
+impl StoreError {
+    /// An error that wraps `error`.
+    pub fn new(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self(error.into())
+    }
+
+    /// A store call that took longer than `limit`.
+    pub(crate) fn timeout(limit: Duration) -> Self {
+        Self::new(format!("the replay store did not answer within {limit:?}"))
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "replay store: {}", self.0)
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}

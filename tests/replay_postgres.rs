@@ -1,0 +1,267 @@
+//! The replay layer with the PostgreSQL store, under the PostgreSQL lock backend with
+//! fencing, against a real PostgreSQL (one per test) through real hyper servers: every
+//! row of the table, the table DDL, the fenced upsert after a lost session, and a
+//! silent store.
+#![cfg(all(feature = "replay", feature = "postgres"))]
+
+#[path = "support/pg_server.rs"]
+mod pg_server;
+mod replay_support;
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::{Extension, Router};
+use deadpool_postgres::{Manager, Pool};
+use http::StatusCode;
+use pg_server::PgServer;
+use replay_support::{serve, Kit, Probe};
+use support::tcp_proxy::TcpProxy;
+use tokio_postgres::NoTls;
+use tower_keyed_lock::backend::postgres::PostgresBackend;
+use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
+use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+
+const NAME: &str = "replay-postgres";
+
+fn backend(config: &str, instance: &str) -> PostgresBackend {
+    let mut config: tokio_postgres::Config = config.parse().unwrap();
+    config.application_name(instance);
+    PostgresBackend::from_config(config)
+        .liveness_interval(Duration::from_millis(100))
+        .fencing(true)
+}
+
+/// The store's own pool, as the store docs advise.
+fn pool(config: &str) -> Pool {
+    let mut config: tokio_postgres::Config = config.parse().unwrap();
+    config.application_name("replay-store");
+    config.connect_timeout(Duration::from_secs(1));
+    Pool::builder(Manager::new(config, NoTls))
+        .max_size(8)
+        .build()
+        .unwrap()
+}
+
+fn kit(pg: &PgServer) -> Kit {
+    let backend = backend(&pg.conn_str(), "instance");
+    let store = PostgresReplayStore::new(pool(&pg.conn_str()));
+    Kit {
+        lock: Box::new(move || {
+            KeyedLockLayer::by_header("idempotency-key")
+                .name(NAME)
+                .backend(backend.clone())
+        }),
+        replay: Box::new(move || ReplayLayer::new(store.clone())),
+    }
+}
+
+macro_rules! rows {
+    ($($row:ident),* $(,)?) => {$(
+        #[tokio::test]
+        async fn $row() {
+            let pg = PgServer::start();
+            replay_support::$row(&kit(&pg)).await;
+        }
+    )*};
+}
+
+rows!(
+    duplicate_after_completion_is_replayed,
+    duplicate_in_flight_waits_then_replays,
+    duplicate_in_flight_without_waiting_gets_409,
+    different_fingerprint_is_rejected,
+    transient_answers_are_not_stored,
+    panic_stores_nothing,
+    cancelled_request_stores_nothing,
+    body_over_the_limit_passes_through,
+    expired_record_is_a_new_request,
+    key_is_scoped_by_route,
+);
+
+#[tokio::test]
+async fn table_is_created_with_the_documented_columns_and_a_configurable_name() {
+    let pg = PgServer::start();
+    let backend = backend(&pg.conn_str(), "instance");
+    let store = PostgresReplayStore::with_table(pool(&pg.conn_str()), "public.my_replays").unwrap();
+    let app = Router::new()
+        .route("/orders", post(|| async { "made" }))
+        .layer(ReplayLayer::new(store.clone()).ttl(Duration::from_millis(200)))
+        .layer(
+            KeyedLockLayer::by_header("idempotency-key")
+                .name(NAME)
+                .backend(backend),
+        );
+    let app = serve(app, Arc::new(Probe::default())).await;
+    app.post("/orders", "k", "").await;
+    assert!(app.post("/orders", "k", "").await.is_replay());
+
+    let (admin, connection) = tokio_postgres::connect(&pg.conn_str(), NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let columns: Vec<(String, String)> = admin
+        .query(
+            "SELECT column_name::text, data_type::text FROM information_schema.columns \
+             WHERE table_name = 'my_replays' ORDER BY ordinal_position",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let expected = [
+        ("layer", "text"),
+        ("key", "text"),
+        ("scope", "text"),
+        ("fence", "bigint"),
+        ("record", "bytea"),
+        ("expires_at", "timestamp with time zone"),
+    ];
+    let expected: Vec<_> = expected
+        .iter()
+        .map(|(c, t)| (c.to_string(), t.to_string()))
+        .collect();
+    assert_eq!(columns, expected);
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(store.purge_expired().await.unwrap(), 1);
+
+    for bad in ["x; DROP TABLE y", "a.b.c", "", "1abc", "quoted\"name"] {
+        assert!(
+            PostgresReplayStore::with_table(pool(&pg.conn_str()), bad).is_err(),
+            "{bad}"
+        );
+    }
+}
+
+/// Instance A's lock session is killed while its handler runs; instance B takes the
+/// key (a higher fencing token), runs and stores. A's late upsert carries the lower
+/// token and is refused: the record stays B's.
+#[tokio::test]
+async fn write_after_a_lost_session_is_fenced() {
+    let pg = PgServer::start();
+    let store = PostgresReplayStore::new(pool(&pg.conn_str()));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (a_entered, mut entered) = tokio::sync::mpsc::unbounded_channel();
+    let b_entered = Arc::new(tokio::sync::Notify::new());
+    let app = |instance: &str| {
+        let calls = Arc::clone(&calls);
+        let a_entered = a_entered.clone();
+        let b_entered = Arc::clone(&b_entered);
+        let handler = move |Extension(info): Extension<LockInfo>| async move {
+            let call = calls.fetch_add(1, SeqCst) + 1;
+            if call == 1 {
+                a_entered.send(()).unwrap();
+                info.lease().unwrap().lost().await;
+                // Finish only once the successor runs: a late writer, not an early one.
+                b_entered.notified().await;
+            } else {
+                b_entered.notify_one();
+            }
+            format!("call {call}")
+        };
+        Router::new()
+            .route("/orders", post(handler))
+            .layer(ReplayLayer::new(store.clone()))
+            .layer(
+                KeyedLockLayer::by_header("idempotency-key")
+                    .name(NAME)
+                    .backend(backend(&pg.conn_str(), instance)),
+            )
+    };
+    let probe = Arc::new(Probe::default());
+    let a = Arc::new(serve(app("instance-a"), Arc::clone(&probe)).await);
+    let b = serve(app("instance-b"), probe).await;
+
+    let slow = tokio::spawn({
+        let a = Arc::clone(&a);
+        async move { a.post("/orders", "k", "").await }
+    });
+    entered.recv().await.unwrap();
+    let (admin, connection) = tokio_postgres::connect(&pg.conn_str(), NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let killed = admin
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name = 'instance-a'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert!(!killed.is_empty());
+    // B runs while A, told its lease is lost, finishes late (the lost-lease signal
+    // wakes it; nothing aborts it).
+    let taken_over = b.post("/orders", "k", "").await;
+    let late = slow.await.unwrap();
+    assert_eq!(
+        (late.body.as_str(), taken_over.body.as_str()),
+        ("call 1", "call 2")
+    );
+
+    let replayed = a.post("/orders", "k", "").await;
+    assert!(replayed.is_replay(), "{replayed:?}");
+    assert_eq!(
+        replayed.body, "call 2",
+        "the lower fencing token overwrote the record"
+    );
+}
+
+#[tokio::test]
+async fn silent_store_fails_closed_with_503() {
+    let pg = PgServer::start();
+    let proxy = TcpProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await;
+    let store_config = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        proxy.addr.port()
+    );
+    let store = PostgresReplayStore::new(pool(&store_config));
+    let backend = backend(&pg.conn_str(), "instance");
+    let kit = Kit {
+        lock: Box::new(move || {
+            KeyedLockLayer::by_header("idempotency-key")
+                .name(NAME)
+                .backend(backend.clone())
+        }),
+        replay: Box::new(move || {
+            ReplayLayer::new(store.clone()).store_timeout(Duration::from_millis(300))
+        }),
+    };
+    let app = kit.serve().await;
+    app.post("/orders", "before", "").await;
+    proxy.blackhole();
+    let refused = app.post("/orders", "k", "").await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    assert_eq!(refused.headers["retry-after"], "1");
+    assert_eq!(app.probe.completed(), 1);
+}
+
+#[tokio::test]
+async fn without_fencing_tokens_nothing_is_stored() {
+    let pg = PgServer::start();
+    let backend = backend(&pg.conn_str(), "instance").fencing(false);
+    let store = PostgresReplayStore::new(pool(&pg.conn_str()));
+    let kit = Kit {
+        lock: Box::new(move || {
+            KeyedLockLayer::by_header("idempotency-key")
+                .name(NAME)
+                .backend(backend.clone())
+        }),
+        replay: Box::new(move || ReplayLayer::new(store.clone())),
+    };
+    let app = kit.serve().await;
+    app.post("/orders", "k", "").await;
+    let retry = app.post("/orders", "k", "").await;
+    assert!(!retry.is_replay());
+    assert_eq!(app.probe.completed(), 2);
+}
