@@ -7,9 +7,14 @@
 //! cargo bench --bench layer -- --test        # CI: each benchmark once
 //! ```
 //!
-//! Variants: the bare router (`no-layer`), `KeyedLockLayer::by_path("order_id")`
-//! (`keyed-lock`) and tower's `ConcurrencyLimitLayer` (`concurrency-limit`, a layer
-//! every tower user knows, with one semaphore acquire and release per request).
+//! Variants: the bare router (`no-layer`); `KeyedLockLayer` keyed by the path parameter
+//! (`by-path`), by a header (`by-header`) and by a request extension (`by-extension`,
+//! inserted when the request is built, as an auth layer would); tower's
+//! `ConcurrencyLimitLayer` (`concurrency-limit`, a layer every tower user knows, with
+//! one semaphore acquire and release per request); and tower_governor's keyed
+//! `GovernorLayer` (`governor-keyed`, the keyed peer: a rate limiter keyed by the same
+//! header, with a limit no request reaches). Every request carries the path parameter,
+//! the header and the extension, so every variant gets the same input.
 //!
 //! Two groups in one binary: first with no metrics recorder (the `metrics` facade's
 //! no-op handles), then with `metrics-exporter-prometheus` installed and its upkeep
@@ -38,6 +43,9 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use tokio::runtime::Runtime;
 use tower::limit::ConcurrencyLimitLayer;
 use tower::ServiceExt;
+use tower_governor::governor::GovernorConfigBuilder;
+use tower_governor::key_extractor::KeyExtractor as GovernorKey;
+use tower_governor::{GovernorError, GovernorLayer};
 use tower_keyed_lock::KeyedLockLayer;
 
 mod support;
@@ -45,6 +53,9 @@ mod support;
 use support::{criterion_dir, percentiles_f64, process_cpu_ns};
 
 fn main() {
+    if let Ok(spec) = std::env::var("TKL_LAYER_INSTRUCTIONS") {
+        return count_instructions(&spec);
+    }
     let mut c = Criterion::default()
         .sample_size(20)
         .measurement_time(Duration::from_secs(2))
@@ -88,24 +99,113 @@ fn finish(router: Router) -> Router {
 }
 
 fn request(order: u64) -> Request<Body> {
-    Request::post(format!("/orders/{order}/pay"))
+    let mut request = Request::post(format!("/orders/{order}/pay"))
+        .header("x-order", order)
         .body(Body::empty())
-        .expect("a valid request")
+        .expect("a valid request");
+    request.extensions_mut().insert(OrderId(order));
+    request
+}
+
+/// The key an auth-like layer would have put in the extensions.
+#[derive(Clone)]
+struct OrderId(u64);
+
+impl std::fmt::Display for OrderId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// tower_governor keyed by the `x-order` header, like `by-header`.
+#[derive(Clone)]
+struct OrderHeader;
+
+impl GovernorKey for OrderHeader {
+    type Key = String;
+
+    fn extract<T>(&self, request: &Request<T>) -> Result<String, GovernorError> {
+        let value = request.headers().get("x-order");
+        let value = value.and_then(|v| v.to_str().ok());
+        value
+            .map(str::to_owned)
+            .ok_or(GovernorError::UnableToExtractKey)
+    }
+}
+
+/// A keyed rate limit that no request reaches: one token per nanosecond per key, and
+/// a burst as large as it gets.
+fn governor_layer() -> GovernorLayer<OrderHeader, governor::middleware::NoOpMiddleware, Body> {
+    let config = GovernorConfigBuilder::default()
+        .per_nanosecond(1)
+        .burst_size(u32::MAX)
+        .key_extractor(OrderHeader)
+        .finish()
+        .expect("a valid governor configuration");
+    GovernorLayer::new(config)
+}
+
+/// The variants, in the order they are reported.
+const VARIANTS: [&str; 6] = [
+    "no-layer",
+    "concurrency-limit",
+    "governor-keyed",
+    "by-path",
+    "by-header",
+    "by-extension",
+];
+
+/// The router of one variant, built after any recorder was installed.
+fn variant(name: &str) -> Router {
+    let router = match name {
+        "no-layer" => routes(),
+        "concurrency-limit" => routes().layer(ConcurrencyLimitLayer::new(1024)),
+        "governor-keyed" => routes().layer(governor_layer()),
+        "by-path" => routes().layer(KeyedLockLayer::by_path("order_id")),
+        "by-header" => routes().layer(KeyedLockLayer::by_header("x-order")),
+        "by-extension" => routes().layer(KeyedLockLayer::by_extension::<OrderId>()),
+        other => panic!("no variant {other:?}"),
+    };
+    finish(router)
+}
+
+/// `TKL_LAYER_INSTRUCTIONS=<variant>:<requests>[:prometheus]`: runs that many requests
+/// through one variant and exits, for `scripts/bench-instructions`, which counts the
+/// instructions under callgrind: on a shared machine, the one measure no other process
+/// disturbs. Requests are built before the loop, as in the timed runs.
+fn count_instructions(spec: &str) {
+    let mut parts = spec.split(':');
+    let (Some(name), Some(count)) = (parts.next(), parts.next()) else {
+        panic!("TKL_LAYER_INSTRUCTIONS=<variant>:<requests>[:prometheus], not {spec:?}");
+    };
+    let count: u64 = count.parse().expect("a request count");
+    if parts.next() == Some("prometheus") {
+        PrometheusBuilder::new()
+            .install_recorder()
+            .expect("the only recorder of this process");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    // Only this variant is built: tower_governor's clock calibrates itself for a
+    // while, which would add a varying count to every variant.
+    let router = variant(name);
+    // One request first, so one-time setup (metric handles, axum's first call) is not
+    // counted per request.
+    let requests: Vec<_> = (0..=count).map(request).collect();
+    rt.block_on(async {
+        for request in requests {
+            let response = router.clone().oneshot(request).await.expect("infallible");
+            assert_eq!(response.status(), StatusCode::OK);
+        }
+    });
 }
 
 fn layer_group(c: &mut Criterion, rt: &Runtime, name: &str, args: &Args, report: &mut Vec<String>) {
     // Built here, after any recorder was installed; the layer is kept to check that its
     // table is empty afterwards.
-    let keyed = KeyedLockLayer::by_path("order_id");
-    let variants = [
-        ("no-layer", finish(routes())),
-        ("keyed-lock", finish(routes().layer(keyed.clone()))),
-        (
-            "concurrency-limit",
-            finish(routes().layer(ConcurrencyLimitLayer::new(1024))),
-        ),
-    ];
-
+    let variants: Vec<_> = VARIANTS.iter().map(|name| (*name, variant(name))).collect();
     let mut group = c.benchmark_group(name);
     group.throughput(Throughput::Elements(1));
     for (variant, router) in &variants {
@@ -131,7 +231,9 @@ fn layer_group(c: &mut Criterion, rt: &Runtime, name: &str, args: &Args, report:
 
     let section = format!("{name}-paired");
     if args.selected(&section) {
-        let [(base, base_router), rest @ ..] = &variants;
+        let [(base, base_router), rest @ ..] = &variants[..] else {
+            unreachable!("the bare router comes first")
+        };
         let mut table = format!(
             "\n{section}: {} interleaved rounds of {} requests; medians per request\n\
              variant            clock  ns/request  no-layer ns  added ns  [p10 – p90]    ratio\n",
@@ -172,7 +274,6 @@ fn layer_group(c: &mut Criterion, rt: &Runtime, name: &str, args: &Args, report:
         }
         println!("{table}");
     }
-    assert_eq!(keyed.active_keys(), 0, "the layer left keys in its table");
 }
 
 /// Medians of an interleaved comparison, in ns per request.

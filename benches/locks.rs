@@ -1,5 +1,6 @@
 //! Benchmarks of the in-process core, [`KeyedLocks`], against the keyed locks users
-//! would write themselves (workloads 1–5 of BENCHMARKS.md).
+//! would write themselves (workloads 1–5 of BENCHMARKS.md), and the cost of withdrawing
+//! a queued waiter (workload 6, `6-withdraw`).
 //!
 //! ```text
 //! cargo bench --bench locks                  # full run (about 3 minutes)
@@ -97,6 +98,7 @@ fn main() {
     if args.selected("5-memory") {
         memory(&args, &mut report);
     }
+    withdraw(&mut c);
 
     c.final_summary();
     report.write("locks");
@@ -511,6 +513,53 @@ async fn contended_run<L: Locks<u64>>(locks: Arc<L>, ops: u64, key_space: u64) -
         task.await.expect("benchmark task panicked");
     }
     start.elapsed()
+}
+
+// ---------------------------------------------------------------------------------------
+// Workload 6: withdrawing queued waiters of one hot key (issue 11.6).
+
+/// Waiters queued on the one key before each timed round of withdrawals.
+const WITHDRAW_QUEUE: usize = 10_000;
+
+/// Time per withdrawal of a queued waiter (a dropped lock future), oldest-first and
+/// newest-first; each must be constant, whatever the queue length and the order.
+fn withdraw(c: &mut Criterion) {
+    let mut group = c.benchmark_group("6-withdraw");
+    group.throughput(Throughput::Elements(1));
+    type Arrange = fn(&mut Vec<tower_keyed_lock::Acquire<u64>>);
+    let orders: [(&str, Arrange); 2] = [
+        ("oldest-first", |_| {}),
+        ("newest-first", |waiters| waiters.reverse()),
+    ];
+    for (order, arrange) in orders {
+        group.bench_function(BenchmarkId::new(order, WITHDRAW_QUEUE), |b| {
+            b.iter_custom(|withdrawals| {
+                let locks = KeyedLocks::<u64>::new();
+                let _holder = locks.try_lock(0).expect("a fresh table");
+                let mut elapsed = Duration::ZERO;
+                let mut left = withdrawals as usize;
+                while left > 0 {
+                    let round = left.min(WITHDRAW_QUEUE);
+                    let mut waiters: Vec<_> = (0..round)
+                        .map(|_| {
+                            let mut waiter = locks.lock(0);
+                            let polled =
+                                Pin::new(&mut waiter).poll(&mut Context::from_waker(Waker::noop()));
+                            assert!(polled.is_pending(), "the key is held");
+                            waiter
+                        })
+                        .collect();
+                    arrange(&mut waiters);
+                    let start = Instant::now();
+                    drop(waiters); // front to back
+                    elapsed += start.elapsed();
+                    left -= round;
+                }
+                elapsed
+            })
+        });
+    }
+    group.finish();
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 //! The PostgreSQL backend, uncontended: one acquire and release through
-//! `PostgresBackend` (pool checkout, `pg_try_advisory_lock`, the lease's watch task,
-//! `pg_advisory_unlock`, pool return) against the bare minimum on one connection — a
+//! `PostgresBackend` (pool checkout, the granting statement — `pg_try_advisory_lock`
+//! with the session's pid, marker and limits —, the lease's watch task, the unlock that
+//! resets them, pool return) against the bare minimum on one connection — a
 //! prepared `pg_try_advisory_lock` then a prepared `pg_advisory_unlock` — in the same
 //! run, on a PostgreSQL server the bench starts itself (as the tests do: `PG_BIN` or
 //! the newest `/usr/lib/postgresql/*/bin`; `./scripts/test` installs it).
@@ -18,7 +19,8 @@
 //! batches (A B, B A, …: the same load hits both) and the median ratio of the rounds
 //! is printed; criterion times one benchmark after another, which a busy machine
 //! skews. `backend-fencing` adds the sequence's `nextval` to the grant (on a
-//! connection of its own).
+//! connection of its own); `backend-transaction` is `LockScope::Transaction`
+//! (`BEGIN … pg_try_advisory_xact_lock`, then `ROLLBACK`).
 
 #[path = "../tests/support/pg_server.rs"]
 mod pg_server;
@@ -30,7 +32,7 @@ use deadpool_postgres::Object;
 use pg_server::PgServer;
 use tokio::runtime::Runtime;
 use tokio_postgres::Statement;
-use tower_keyed_lock::backend::postgres::PostgresBackend;
+use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
 use tower_keyed_lock::{Key, LockBackend};
 
 const NAME: &str = "bench";
@@ -55,6 +57,10 @@ fn main() {
         .unwrap()
         .max_connections(2)
         .fencing(true);
+    let transaction = PostgresBackend::from_config_str(&pg.conn_str())
+        .unwrap()
+        .max_connections(1)
+        .lock_scope(LockScope::Transaction);
     let key = Key::new("order-1", 64).unwrap();
 
     let mut group = c.benchmark_group("postgres-uncontended");
@@ -67,6 +73,9 @@ fn main() {
     });
     group.bench_function("backend-fencing", |b| {
         b.to_async(&rt).iter(|| lock_unlock(&fencing, &key))
+    });
+    group.bench_function("backend-transaction", |b| {
+        b.to_async(&rt).iter(|| lock_unlock(&transaction, &key))
     });
     group.finish();
 

@@ -48,9 +48,7 @@ fn main() {
         .expect("a tokio runtime");
     let server = RedisServer::start();
     let client = server.client();
-    let backend = rt
-        .block_on(RedisBackend::builder(client.clone()).build())
-        .unwrap();
+    let backend = rt.block_on(guarded_backend(&client));
     let bare = rt.block_on(ConnectionManager::new(client.clone())).unwrap();
     let key = Key::new("order-1", 256).unwrap();
 
@@ -170,9 +168,21 @@ async fn alternating(
     }
 }
 
+/// A backend as deployed (restart guard on), on a server past the guard: a short
+/// lease, and a wait of one lease and a second after the server started.
+async fn guarded_backend(client: &redis::Client) -> RedisBackend {
+    let lease = Duration::from_secs(1);
+    tokio::time::sleep(lease + Duration::from_secs(1)).await;
+    RedisBackend::builder(client.clone())
+        .lease(lease)
+        .build()
+        .await
+        .unwrap()
+}
+
 /// 32 requests for one key at once, `rounds` times, through a layer with the backend.
 async fn commands_per_request(server: &RedisServer, client: &redis::Client, rounds: usize) {
-    let backend = RedisBackend::builder(client.clone()).build().await.unwrap();
+    let backend = guarded_backend(client).await;
     let app = Router::new()
         .route(
             "/orders/{order_id}",
