@@ -280,7 +280,6 @@ impl Drop for WaitTicket {
             // it queued for or was handed is released by now: its lock futures and
             // guards are dropped before the ticket.
             metrics.wait_cancelled.record(self.arrived.elapsed());
-            self.shared.sync_keys_gauge();
         }
     }
 }

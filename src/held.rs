@@ -6,8 +6,8 @@ use std::time::Instant;
 use crate::distributed::DistributedGuard;
 use crate::shared::Shared;
 
-/// Owns a request's guard; on drop releases it, records the hold time and updates the
-/// key gauge. Warns once if the hold outlives the layer's long-hold threshold.
+/// Owns a request's guard; on drop releases it and records the hold time. Warns once
+/// if the hold outlives the layer's long-hold threshold.
 pub(crate) struct HeldKey {
     /// `Some` until dropped.
     guard: Option<DistributedGuard>,
@@ -18,7 +18,6 @@ pub(crate) struct HeldKey {
 
 impl HeldKey {
     pub(crate) fn new(guard: DistributedGuard, shared: Arc<Shared>) -> Self {
-        shared.sync_keys_gauge();
         Self {
             guard: Some(guard),
             since: Instant::now(),
@@ -71,20 +70,6 @@ impl Drop for HeldKey {
         if guard.is_lost() {
             metrics.lease_lost.increment(1);
         }
-        if !guard.is_remote() {
-            drop(guard);
-            self.shared.sync_keys_gauge();
-            return;
-        }
-        // The release is a round trip: the gauge follows once the key is free locally.
-        let shared = self.shared.clone();
-        let release = async move {
-            guard.release().await;
-            shared.sync_keys_gauge();
-        };
-        // Without a runtime (it is shutting down) the lease runs out by itself.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(release);
-        }
+        // Dropping the guard releases the key; a remote release runs as its own task.
     }
 }

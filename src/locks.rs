@@ -60,6 +60,10 @@ struct Inner<K> {
     table: CachePadded<Table<K, Slot>>,
     /// Keys in the table, counted as slots are inserted and removed.
     keys: KeyCount,
+    /// A gauge that follows `keys` step by step, set by the layer that owns the table.
+    /// Moving it by ±1 (rather than setting it) lets layers that share a metric name
+    /// add up.
+    keys_gauge: std::sync::OnceLock<metrics::Gauge>,
     permits: usize,
     max_waiters: usize,
     max_keys: usize,
@@ -91,6 +95,8 @@ pub struct KeyedLocksBuilder<K> {
 pub struct KeyGuard<K: Eq + Hash> {
     inner: Arc<Inner<K>>,
     key: K,
+    /// The key's table hash, kept so the release does not hash the key again.
+    hash: u64,
 }
 
 /// Why a key could not be locked.
@@ -146,8 +152,9 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
 
     /// Takes `key` if a permit is free now, else fails with [`LockError::Busy`].
     pub fn try_lock(&self, key: K) -> Result<KeyGuard<K>, LockError> {
-        match self.inner.attempt(key, None) {
-            (key, Ok(Attempt::Acquired)) => Ok(KeyGuard::new(self.inner.clone(), key)),
+        let hash = self.inner.table.hash(&key);
+        match self.inner.attempt(hash, key, None) {
+            (key, Ok(Attempt::Acquired)) => Ok(KeyGuard::new(self.inner.clone(), key, hash)),
             (_, Ok(_)) => Err(LockError::Busy),
             (_, Err(error)) => Err(error),
         }
@@ -162,42 +169,69 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Makes `gauge` follow the key count from now on. Called once, while the table is
+    /// still empty, so the gauge starts right.
+    pub(crate) fn report_keys_to(&self, gauge: metrics::Gauge) {
+        debug_assert!(self.is_empty(), "the key gauge set on a table in use");
+        let _ = self.inner.keys_gauge.set(gauge);
+    }
 }
 
 impl<K: Eq + Hash> Inner<K> {
-    /// First attempt on `key`: acquire, or queue with `waker`, or say why not.
-    /// Hands the key back (the table keeps a clone of a new key).
-    fn attempt(&self, key: K, waker: Option<&std::task::Waker>) -> (K, Result<Attempt, LockError>)
+    /// First attempt on `key` (of table hash `hash`): acquire, or queue with `waker`,
+    /// or say why not. Hands the key back (the table keeps a clone of a new key).
+    fn attempt(
+        &self,
+        hash: u64,
+        key: K,
+        waker: Option<&std::task::Waker>,
+    ) -> (K, Result<Attempt, LockError>)
     where
         K: Clone,
     {
         let (key, attempt) = self.table.with_slot(
+            hash,
             key,
-            || self.keys.admit(),
+            || {
+                let admitted = self.keys.admit();
+                if let (true, Some(gauge)) = (admitted, self.keys_gauge.get()) {
+                    gauge.increment(1.0);
+                }
+                admitted
+            },
             |slot| slot.acquire_or_enqueue(self.permits, self.max_waiters, waker),
         );
         (key, attempt.ok_or(LockError::TooManyKeys))
     }
 
-    fn release(&self, key: &K) {
-        self.finish(key, Slot::release);
+    fn release(&self, hash: u64, key: &K) {
+        self.finish(hash, key, Slot::release);
     }
 
-    fn withdraw(&self, key: &K, waiter: &Arc<Waiter>) {
-        self.finish(key, |slot| slot.withdraw(waiter));
+    fn withdraw(&self, hash: u64, key: &K, waiter: &Arc<Waiter>) {
+        self.finish(hash, key, |slot| slot.withdraw(waiter));
     }
 
     /// Applies a leaving step to the slot of `key`, removes the slot when it says so, and
     /// wakes the next holder after the shard lock is released.
-    fn finish(&self, key: &K, step: impl FnOnce(&mut Slot) -> (Option<std::task::Waker>, bool)) {
+    fn finish(
+        &self,
+        hash: u64,
+        key: &K,
+        step: impl FnOnce(&mut Slot) -> (Option<std::task::Waker>, bool),
+    ) {
         let mut next = None;
-        let removed = self.table.update_or_remove(key, |slot| {
+        let removed = self.table.update_or_remove(hash, key, |slot| {
             let (waker, remove) = step(slot);
             next = waker;
             remove
         });
         if removed {
             self.keys.removed();
+            if let Some(gauge) = self.keys_gauge.get() {
+                gauge.decrement(1.0);
+            }
         }
         if let Some(waker) = next {
             waker.wake();
@@ -261,6 +295,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
             inner: Arc::new(Inner {
                 table: CachePadded(Table::new()),
                 keys: KeyCount::new(self.max_keys),
+                keys_gauge: std::sync::OnceLock::new(),
                 permits: self.permits,
                 max_waiters: self.max_waiters,
                 max_keys: self.max_keys,
@@ -270,8 +305,8 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
 }
 
 impl<K: Eq + Hash> KeyGuard<K> {
-    fn new(inner: Arc<Inner<K>>, key: K) -> Self {
-        Self { inner, key }
+    fn new(inner: Arc<Inner<K>>, key: K, hash: u64) -> Self {
+        Self { inner, key, hash }
     }
 
     /// The key this guard holds.
@@ -282,7 +317,7 @@ impl<K: Eq + Hash> KeyGuard<K> {
 
 impl<K: Eq + Hash> Drop for KeyGuard<K> {
     fn drop(&mut self) {
-        self.inner.release(&self.key);
+        self.inner.release(self.hash, &self.key);
     }
 }
 

@@ -82,9 +82,11 @@ where
             return self.pass_through(Request::from_parts(parts, body));
         }
 
+        // Registers the metrics (and the key gauge) before the table is first touched.
+        let shared = shared.clone();
+        let metrics = shared.metrics();
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read, timer or service clone.
-        let shared = shared.clone();
         let wait_timeout = shared.config.wait_timeout;
         let error = match shared.locks.local().try_lock(key.clone()) {
             Ok(local) if shared.locks.is_distributed() => {
@@ -96,7 +98,6 @@ where
                 return ResponseFuture::acquiring(acquire, pending);
             }
             Ok(local) => {
-                let metrics = shared.metrics();
                 metrics.acquired_uncontended.increment(1);
                 metrics.wait_acquired.record(0.0);
                 let guard = shared.locks.local_guard(local);
@@ -112,7 +113,7 @@ where
         let busy = matches!(error, LockError::Busy);
         if !busy || shared.config.wait_timeout.is_zero() {
             if busy {
-                shared.metrics().wait_timeout.record(0.0);
+                metrics.wait_timeout.record(0.0);
             }
             return ResponseFuture::rejected(shared.respond(shared.lock_rejection(&error)));
         }

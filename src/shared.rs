@@ -3,7 +3,7 @@
 //! held key and the body read it.
 
 use std::borrow::Cow;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -45,9 +45,6 @@ pub(crate) struct Shared {
     pub(crate) locks: DistributedLocks,
     pub(crate) config: Config,
     metrics: OnceLock<Metrics>,
-    /// The key count this layer last added to the `keyed_lock_keys` gauge. The gauge
-    /// moves by differences, so layers that share a `name` add up.
-    keys_reported: AtomicUsize,
     /// A misconfiguration is logged once per layer, not once per request.
     misconfiguration_logged: AtomicBool,
 }
@@ -70,7 +67,6 @@ impl Shared {
             },
             config,
             metrics: OnceLock::new(),
-            keys_reported: AtomicUsize::new(0),
             misconfiguration_logged: AtomicBool::new(false),
         }
     }
@@ -82,26 +78,14 @@ impl Shared {
     }
 
     /// This layer's metric handles, registered on first use (the configuration, and so
-    /// the `name` label, is final by then).
+    /// the `name` label, is final by then). Every request calls it before it locks, so
+    /// the table is still empty when its key gauge is attached.
     pub(crate) fn metrics(&self) -> &Metrics {
-        self.metrics.get_or_init(|| Metrics::new(&self.config.name))
-    }
-
-    /// Brings the `keyed_lock_keys` gauge to the table's key count. Called after every
-    /// step that can insert or remove a key (a guard taken or dropped, a waiter gone).
-    pub(crate) fn sync_keys_gauge(&self) {
-        // Two threads may read the count in one order and swap in the other; whoever
-        // swaps last re-reads the count, so the gauge is right once the table is quiet.
-        loop {
-            let now = self.locks.len();
-            let before = self.keys_reported.swap(now, Ordering::AcqRel);
-            if now != before {
-                self.metrics().keys.increment(now as f64 - before as f64);
-            }
-            if self.locks.len() == now {
-                return;
-            }
-        }
+        self.metrics.get_or_init(|| {
+            let metrics = Metrics::new(&self.config.name);
+            self.locks.local().report_keys_to(metrics.keys.clone());
+            metrics
+        })
     }
 
     /// The rejection for a key that could not be taken from the request. A key source

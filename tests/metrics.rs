@@ -1,9 +1,12 @@
 //! The metrics and the long-hold warning, recorded through real recorders.
 
+#[cfg(feature = "redis")]
+#[path = "support/redis_server.rs"]
+mod redis_server;
 mod support;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -11,6 +14,7 @@ use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
 use metrics_util::debugging::DebugValue;
+use support::logs::Captured;
 use support::recorder;
 use tokio::sync::Notify;
 use tower::ServiceExt;
@@ -202,29 +206,10 @@ async fn every_outcome_is_recorded_with_its_labels() {
     assert_eq!(layer.active_keys(), 0);
 }
 
-/// A `tracing` writer into a shared buffer.
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Captured {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn a_long_hold_is_warned_about_once() {
     let captured = Captured::default();
-    let writer = captured.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .finish();
-    let _default = tracing::subscriber::set_default(subscriber);
+    let _logs = captured.install();
 
     let app = Router::new()
         .route(
@@ -250,14 +235,14 @@ async fn a_long_hold_is_warned_about_once() {
         .await
         .unwrap();
     assert!(
-        captured.0.lock().unwrap().is_empty(),
+        !captured.text().contains("long-hold threshold"),
         "a fast hold was warned about"
     );
 
     app.oneshot(post_to("/orders/slow-0123456789abcdefghij"))
         .await
         .unwrap();
-    let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let log = captured.text();
     assert_eq!(log.matches("long-hold threshold").count(), 1, "{log}");
     assert!(log.contains("slow-orders"), "{log}");
     assert!(log.contains("slow-0123456789a"), "{log}");
@@ -340,4 +325,55 @@ async fn layers_sharing_a_name_add_up_in_the_key_gauge() {
     finish_2.notify_one();
     holder_2.await.unwrap().unwrap();
     assert_eq!(gauge(&series_of("twins", &[]), "keyed_lock_keys"), 0.0);
+}
+
+/// With a backend, a waiter handed the key locally can still fail at the backend; the
+/// key leaves the table then, and the gauge must follow it down.
+#[cfg(feature = "redis")]
+mod with_a_backend {
+    use super::*;
+    use crate::redis_server::RedisServer;
+    use tower_keyed_lock::backend::redis::RedisBackend;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_wait_that_fails_at_the_backend_leaves_no_phantom_key() {
+        recorder::install();
+        let mut redis = RedisServer::start();
+        let backend = RedisBackend::builder(redis.client())
+            .command_timeout(Duration::from_millis(200))
+            .restart_guard(false)
+            .build()
+            .await
+            .expect("backend connects");
+        let layer = KeyedLockLayer::by_path("order_id")
+            .name("backend-fails")
+            .backend(backend)
+            .wait_timeout(Duration::from_secs(5));
+        let (app, started, finish) = gated_app(layer.clone());
+        let holder = tokio::spawn(app.clone().oneshot(post_to("/orders/1/gate")));
+        started.notified().await;
+        let waiter = tokio::spawn(app.clone().oneshot(post_to("/orders/1")));
+        support::eventually("the second request waits", || {
+            gauge(&series_of("backend-fails", &[]), "keyed_lock_waiting") == 1.0
+        })
+        .await;
+        assert_eq!(
+            gauge(&series_of("backend-fails", &[]), "keyed_lock_keys"),
+            1.0
+        );
+
+        // The backend goes away: the holder's release fails, the waiter is handed the
+        // key locally and then fails at the backend.
+        redis.stop();
+        finish.notify_one();
+        holder.await.unwrap().unwrap();
+        let answer = waiter.await.unwrap().unwrap();
+        assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+        support::eventually("the key leaves the table", || layer.active_keys() == 0).await;
+        assert_eq!(
+            gauge(&series_of("backend-fails", &[]), "keyed_lock_keys"),
+            0.0
+        );
+    }
 }

@@ -121,11 +121,6 @@ impl DistributedGuard {
         }
     }
 
-    /// Whether the key is held at a backend (so releasing it is a round trip).
-    pub(crate) fn is_remote(&self) -> bool {
-        self.lease.is_some()
-    }
-
     /// Releases the key and waits until the backend has it back (or its release gave
     /// up), then releases it locally. Dropping this future midway does not stop the
     /// release: it runs in a task of its own.

@@ -19,6 +19,8 @@ pub struct Acquire<K: Eq + Hash> {
     /// The table and the key, until the future resolves: then both move into the guard
     /// (no second reference count on the table per lock).
     wanted: Option<(Arc<Inner<K>>, K)>,
+    /// The key's table hash, computed once for the attempt, a withdrawal and the guard.
+    hash: u64,
     queued: Option<Arc<Waiter>>,
     timeout: Option<Duration>,
     /// Created only once the future has to wait, so the uncontended path never touches
@@ -29,6 +31,7 @@ pub struct Acquire<K: Eq + Hash> {
 impl<K: Eq + Hash> Acquire<K> {
     pub(super) fn new(inner: Arc<Inner<K>>, key: K, timeout: Option<Duration>) -> Self {
         Self {
+            hash: inner.table.hash(&key),
             wanted: Some((inner, key)),
             queued: None,
             timeout,
@@ -39,7 +42,7 @@ impl<K: Eq + Hash> Acquire<K> {
     fn resolve(&mut self, result: Result<(), LockError>) -> Poll<Result<KeyGuard<K>, LockError>> {
         self.queued = None;
         let (inner, key) = self.wanted.take().expect("Acquire polled after completion");
-        Poll::Ready(result.map(|()| KeyGuard::new(inner, key)))
+        Poll::Ready(result.map(|()| KeyGuard::new(inner, key, self.hash)))
     }
 }
 
@@ -61,7 +64,7 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
                 let (inner, key) = this.wanted.take().expect("Acquire polled after completion");
                 let try_once = this.timeout == Some(Duration::ZERO);
                 let waker = (!try_once).then(|| cx.waker());
-                let (key, attempt) = inner.attempt(key, waker);
+                let (key, attempt) = inner.attempt(this.hash, key, waker);
                 this.wanted = Some((inner, key));
                 match attempt {
                     Ok(Attempt::Acquired) => return this.resolve(Ok(())),
@@ -92,7 +95,7 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
             return this.resolve(Ok(()));
         }
         let (inner, key) = this.wanted.as_ref().expect("checked above");
-        inner.withdraw(key, &waiter);
+        inner.withdraw(this.hash, key, &waiter);
         this.resolve(Err(LockError::Timeout))
     }
 }
@@ -100,7 +103,7 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
 impl<K: Eq + Hash> Drop for Acquire<K> {
     fn drop(&mut self) {
         if let (Some(waiter), Some((inner, key))) = (self.queued.take(), &self.wanted) {
-            inner.withdraw(key, &waiter);
+            inner.withdraw(self.hash, key, &waiter);
         }
     }
 }

@@ -23,9 +23,10 @@ const KEPT_CAPACITY: usize = 256;
 #[cfg(not(loom))]
 type Shard<K, V> = Mutex<hashbrown::HashTable<(K, V)>>;
 
-/// A sharded hash table: a key's hash, computed once per operation, picks its shard
-/// and its bucket. Keys come from clients, so the hasher is std's randomly keyed
-/// SipHash: no one can aim keys at one shard or one probe sequence.
+/// A sharded hash table: a key's hash, computed once per lock and kept until its
+/// release, picks its shard and its bucket. Keys come from clients, so the hasher is
+/// std's randomly keyed SipHash: no one can aim keys at one shard or one probe
+/// sequence.
 #[cfg(not(loom))]
 pub(crate) struct Table<K, V> {
     hasher: std::hash::RandomState,
@@ -49,21 +50,27 @@ impl<K: Eq + Hash, V> Table<K, V> {
         }
     }
 
-    /// The key's hash and its shard. The shard index comes from the bits below the
-    /// top 7 (which the table keeps as a tag in its control bytes), far above the low
-    /// bits that index buckets, so one shard's keys still spread over all its buckets.
-    fn locate(&self, key: &K) -> (u64, &Shard<K, V>) {
-        let hash = self.hasher.hash_one(key);
-        let shard = ((hash << 7) >> self.shard_shift) as usize;
-        (hash, &self.shards[shard])
+    /// The hash every operation on `key` takes. A caller computes it once per key and
+    /// passes it to each operation, so a lock and its release hash the key once.
+    pub(crate) fn hash(&self, key: &K) -> u64 {
+        self.hasher.hash_one(key)
     }
 
-    /// Runs `f` on the slot of `key`, first inserting a default slot if there is none
-    /// and `admit_new()` allows it. Returns the key (the caller's own, or a clone when
-    /// the table kept the original) and `f`'s result, `None` when not admitted.
-    /// One lookup whether the key is there or not, and no clone when it is.
+    /// The shard of a hash: the bits below the top 7 (which the table keeps as a tag
+    /// in its control bytes), far above the low bits that index buckets, so one
+    /// shard's keys still spread over all its buckets.
+    fn shard(&self, hash: u64) -> &Shard<K, V> {
+        &self.shards[((hash << 7) >> self.shard_shift) as usize]
+    }
+
+    /// Runs `f` on the slot of `key` (whose [`hash`](Self::hash) is `hash`), first
+    /// inserting a default slot if there is none and `admit_new()` allows it. Returns
+    /// the key (the caller's own, or a clone when the table kept the original) and
+    /// `f`'s result, `None` when not admitted. One lookup whether the key is there or
+    /// not, and no clone when it is.
     pub(crate) fn with_slot<R>(
         &self,
+        hash: u64,
         key: K,
         admit_new: impl FnOnce() -> bool,
         f: impl FnOnce(&mut V) -> R,
@@ -72,8 +79,7 @@ impl<K: Eq + Hash, V> Table<K, V> {
         K: Clone,
         V: Default,
     {
-        let (hash, shard) = self.locate(&key);
-        let mut shard = lock(shard);
+        let mut shard = lock(self.shard(hash));
         match shard.find_entry(hash, |(present, _)| *present == key) {
             Ok(mut slot) => {
                 let result = f(&mut slot.get_mut().1);
@@ -101,9 +107,13 @@ impl<K: Eq + Hash, V> Table<K, V> {
     /// [`KEPT_CAPACITY`]), so a burst of keys does not pin its peak memory. A shrink
     /// follows three quarters of a shard's keys leaving since it last grew or shrank,
     /// which pays for the rehash.
-    pub(crate) fn update_or_remove(&self, key: &K, f: impl FnOnce(&mut V) -> bool) -> bool {
-        let (hash, shard) = self.locate(key);
-        let mut shard = lock(shard);
+    pub(crate) fn update_or_remove(
+        &self,
+        hash: u64,
+        key: &K,
+        f: impl FnOnce(&mut V) -> bool,
+    ) -> bool {
+        let mut shard = lock(self.shard(hash));
         let Ok(mut slot) = shard.find_entry(hash, |(present, _)| present == key) else {
             return false;
         };
@@ -135,8 +145,13 @@ impl<K: Eq + Hash, V> Table<K, V> {
         Self(loom::sync::Mutex::new(std::collections::HashMap::new()))
     }
 
+    pub(crate) fn hash(&self, _key: &K) -> u64 {
+        0
+    }
+
     pub(crate) fn with_slot<R>(
         &self,
+        _hash: u64,
         key: K,
         admit_new: impl FnOnce() -> bool,
         f: impl FnOnce(&mut V) -> R,
@@ -157,7 +172,12 @@ impl<K: Eq + Hash, V> Table<K, V> {
         (key, Some(result))
     }
 
-    pub(crate) fn update_or_remove(&self, key: &K, f: impl FnOnce(&mut V) -> bool) -> bool {
+    pub(crate) fn update_or_remove(
+        &self,
+        _hash: u64,
+        key: &K,
+        f: impl FnOnce(&mut V) -> bool,
+    ) -> bool {
         let mut map = self.0.lock().unwrap();
         let remove = map.get_mut(key).is_some_and(f);
         if remove {

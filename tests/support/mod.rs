@@ -13,6 +13,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
+pub mod logs;
 pub mod recorder;
 pub mod soak;
 pub mod tcp_proxy;
