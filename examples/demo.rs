@@ -94,7 +94,7 @@ async fn run(
         .route("/orders/{order_id}/pay", post(pay))
         .with_state(store.clone());
     if let Some(lock) = lock {
-        app = app.layer(lock.clone());
+        app = app.route_layer(lock.clone());
     }
     let addr = serve(app).await;
     let client = Client::builder(TokioExecutor::new()).build_http();

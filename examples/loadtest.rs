@@ -71,7 +71,7 @@ async fn pay(Path(order_id): Path<String>) -> &'static str {
 fn app(variant: &str) -> Router {
     let routes = Router::new().route("/orders/{order_id}/pay", post(pay));
     match variant {
-        "keyed" => routes.layer(
+        "keyed" => routes.route_layer(
             KeyedLockLayer::by_path("order_id")
                 .wait_timeout(Duration::from_millis(100))
                 .max_waiters(64),

@@ -93,8 +93,8 @@ async fn main() {
         .max_waiters(MAX_WAITERS);
     let app = Router::new()
         .route("/orders/{order_id}/pay", post(pay))
-        .layer(order_lock.clone())
-        // Added after `.layer`, so scrapes do not go through the lock.
+        .route_layer(order_lock.clone())
+        // Added after `.route_layer`, so scrapes do not go through the lock.
         .route("/metrics", get(metrics))
         .with_state(handle.clone());
 

@@ -83,7 +83,7 @@ async fn main() {
         .route("/orders/{order_id}/pay", post(pay))
         .route("/orders/{order_id}/refund", post(refund))
         .with_state(timeline.clone())
-        .layer(order_lock.clone());
+        .route_layer(order_lock.clone());
     let addr = serve(app).await;
 
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();

@@ -124,7 +124,7 @@ async fn main() {
     let app = Router::new()
         .route("/orders/{id}", post(handle))
         .with_state(handlers.clone())
-        .layer(layer.clone());
+        .route_layer(layer.clone());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });

@@ -254,6 +254,7 @@ pub trait KeyExtractor: Clone + Send + Sync + 'static {
 /// # let _ = (extractor, app);
 /// ```
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 #[derive(Clone, Debug)]
 pub struct PathParam {
     name: Arc<str>,

@@ -148,7 +148,11 @@ pub const DEFAULT_NAME: &str = "default";
 /// | wait timeout | [`timeout_status`](Self::timeout_status) (409) | yes |
 /// | queue full ([`max_waiters`](Self::max_waiters)) | 429 | yes |
 /// | table full ([`max_keys`](Self::max_keys)) | 503 | yes |
-/// | key missing, empty, not UTF-8, control characters, too long | 400 | no |
+/// | key header missing, repeated, empty, not UTF-8, control characters, too long | 400 | no |
+/// | path parameter or extension the server should have put there missing (misconfiguration, logged once at `error`) | 500 | no |
+/// | backend unreachable ([`backend`](Self::backend), unless [`fail_open`](Self::fail_open)) | 503 | yes |
+/// | lease lost while the handler ran, with [`abort_on_lease_lost`](Self::abort_on_lease_lost) | 503 | yes |
+/// | body too large, not read in time or broken, with [`BufferRequestBodyLayer`](crate::BufferRequestBodyLayer) | 413 / 408 / 400 | no |
 ///
 /// Bodies are `application/problem+json` (RFC 9457); [`on_rejection`](Self::on_rejection)
 /// replaces them.
@@ -166,6 +170,7 @@ pub struct KeyedLockLayer<E> {
 }
 
 #[cfg(feature = "axum")]
+#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl KeyedLockLayer<crate::key::PathParam> {
     /// Keys requests by the axum path parameter `name` (as in `/orders/{order_id}`).
     ///

@@ -96,12 +96,14 @@ pub mod locks;
 pub mod metrics;
 pub mod reject;
 #[cfg(feature = "replay")]
+#[cfg_attr(docsrs, doc(cfg(feature = "replay")))]
 pub mod replay;
 mod service;
 mod shared;
 mod sync;
 
 #[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use backend::dynamodb::DynamoDbBackend;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]

@@ -9,7 +9,7 @@
 //! | [`WAIT_SECONDS`] | histogram: arrival → guard, rejection or client gone | `outcome` = `acquired` \| `timeout` \| `queue_full` \| `cancelled` |
 //! | [`HOLD_SECONDS`] | histogram: time the guard was held | |
 //! | [`ACQUIRED_TOTAL`] | counter | `contended` = `true` \| `false` |
-//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `misconfigured` |
+//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `body_too_large` \| `body_unread` \| `misconfigured` |
 //! | [`WAITING`] | gauge: requests waiting now | |
 //! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
 //! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | |
@@ -36,6 +36,20 @@ pub const KEYS: &str = "keyed_lock_keys";
 /// Counter of leases lost while held (distributed backends).
 pub const LEASE_LOST_TOTAL: &str = "keyed_lock_lease_lost_total";
 
+/// The kinds of rejection the lock layer answers with (the replay layer has its own).
+const KINDS: [RejectionKind; 10] = [
+    RejectionKind::Timeout,
+    RejectionKind::QueueFull,
+    RejectionKind::TooManyKeys,
+    RejectionKind::MissingKey,
+    RejectionKind::InvalidKey,
+    RejectionKind::Backend,
+    RejectionKind::LeaseLost,
+    RejectionKind::BodyTooLarge,
+    RejectionKind::BodyUnread,
+    RejectionKind::Misconfigured,
+];
+
 /// The handles of one layer.
 pub(crate) struct Metrics {
     pub(crate) wait_acquired: Histogram,
@@ -46,7 +60,7 @@ pub(crate) struct Metrics {
     pub(crate) hold: Histogram,
     pub(crate) acquired_uncontended: Counter,
     pub(crate) acquired_contended: Counter,
-    rejected: [(RejectionKind, Counter); RejectionKind::ALL.len()],
+    rejected: [(RejectionKind, Counter); KINDS.len()],
     pub(crate) waiting: Gauge,
     pub(crate) keys: Gauge,
     pub(crate) lease_lost: Counter,
@@ -56,7 +70,7 @@ impl Metrics {
     pub(crate) fn new(name: &str) -> Self {
         describe();
         let name = metrics::SharedString::from(name.to_owned());
-        let rejected = RejectionKind::ALL.map(|kind| {
+        let rejected = KINDS.map(|kind| {
             let counter = metrics::counter!(REJECTED_TOTAL, "name" => name.clone(), "reason" => kind.as_str());
             (kind, counter)
         });
@@ -100,4 +114,23 @@ fn describe() {
     metrics::describe_gauge!(WAITING, "Requests waiting for a key now.");
     metrics::describe_gauge!(KEYS, "Keys with a holder or a waiter now.");
     metrics::describe_counter!(LEASE_LOST_TOTAL, "Distributed leases lost while held.");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KINDS;
+
+    /// The table in the module docs names every reason the layer registers.
+    #[test]
+    fn the_docs_list_every_reason() {
+        let docs = include_str!("metrics.rs");
+        let row = docs
+            .lines()
+            .find(|line| line.starts_with("//! | [`REJECTED_TOTAL`]"))
+            .expect("a REJECTED_TOTAL row");
+        for kind in KINDS {
+            assert!(row.contains(&format!("`{}`", kind.as_str())), "{row}");
+        }
+        assert_eq!(row.matches("\\|").count() + 1, KINDS.len(), "{row}");
+    }
 }

@@ -61,6 +61,7 @@ pub enum RejectionKind {
 
 impl RejectionKind {
     /// Every kind, in the order of [`as_str`](Self::as_str)'s list.
+    #[cfg(test)]
     pub(crate) const ALL: [RejectionKind; 11] = [
         RejectionKind::Timeout,
         RejectionKind::QueueFull,

@@ -103,9 +103,11 @@ pub use layer::{
 pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
 pub use metrics::{REPLAYED_TOTAL, STORED_TOTAL};
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::{PostgresReplayStore, DEFAULT_TABLE};
 pub use record::{Fingerprint, Record, DEFAULT_REPLAYED_HEADERS};
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisReplayStore;
 pub use service::Replay;
 pub use store::{RecordKey, ReplayStore, StoreError, Stored};
