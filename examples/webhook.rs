@@ -65,8 +65,13 @@ async fn main() {
     let processed = Processed::default();
     let app = Router::new()
         .route("/webhooks", post(receive_event))
-        .layer(ReplayLayer::new(MemoryStore::default()))
-        .layer(KeyedLockLayer::by_header("webhook-id").wait_timeout(Duration::from_secs(5)))
+        // The lock on the delivery id, and the stored response replayed inside it.
+        .layer(
+            KeyedLockLayer::by_header("webhook-id")
+                .wait_timeout(Duration::from_secs(5))
+                .replay(ReplayLayer::new(MemoryStore::default())),
+        )
+        // Outermost: the body is read before the key is taken.
         .layer(BufferRequestBodyLayer::new())
         .layer(Extension(processed.clone()));
     let sender = Sender::new(serve(app).await);

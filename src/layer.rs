@@ -521,6 +521,12 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.shared.get().map_or(0, |shared| shared.locks.len())
     }
 
+    /// Whether a distributed backend is configured.
+    #[cfg(feature = "replay")]
+    pub(crate) fn is_distributed(&self) -> bool {
+        self.config.backend.is_some()
+    }
+
     fn shared(&self) -> Arc<Shared> {
         self.shared
             .get_or_init(|| Arc::new(Shared::new(self.config.clone())))

@@ -161,6 +161,31 @@ async fn memory_store_under_a_distributed_lock_is_refused() {
     assert_eq!(app.probe.started(), 0);
 }
 
+/// The convenience that stacks the two layers refuses the same mistake when the layers
+/// are built, before any request.
+#[tokio::test]
+async fn memory_store_under_a_distributed_lock_is_refused_at_build_time() {
+    let redis = RedisServer::start();
+    let lock = KeyedLockLayer::by_header("idempotency-key").backend(backend(&redis).await);
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lock.clone()
+            .replay(ReplayLayer::new(MemoryStore::default()))
+    }));
+    let message = refused.expect_err("the memory store was accepted");
+    let message = (message.downcast_ref::<&str>().copied())
+        .or(message.downcast_ref::<String>().map(String::as_str))
+        .expect("a panic message");
+    assert!(message.contains("MemoryStore"), "{message}");
+
+    // A shared store is accepted, and without a backend the memory store is too.
+    let store = RedisReplayStore::new(redis.client(), &backend(&redis).await)
+        .await
+        .expect("store connects");
+    let _ = lock.replay(ReplayLayer::new(store));
+    let _ = KeyedLockLayer::by_header("idempotency-key")
+        .replay(ReplayLayer::new(MemoryStore::default()));
+}
+
 /// Instance A's lease runs out while its handler is slow; instance B takes the key,
 /// runs and stores. A's late write is fenced: the record stays B's.
 #[tokio::test]

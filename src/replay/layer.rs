@@ -12,6 +12,7 @@ use super::metrics::ReplayMetrics;
 use super::record::DEFAULT_REPLAYED_HEADERS;
 use super::service::Replay;
 use super::store::ReplayStore;
+use crate::KeyedLockLayer;
 
 /// The default [`ttl`](ReplayLayer::ttl): 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
@@ -187,6 +188,42 @@ impl ReplayLayer {
     /// Whether the store is per instance, which a distributed lock refuses.
     pub(crate) fn is_per_instance(&self) -> bool {
         self.settings.store.is_per_instance()
+    }
+}
+
+/// A [`KeyedLockLayer`] with a [`ReplayLayer`] inside it: what
+/// [`KeyedLockLayer::replay`] returns.
+pub type LockAndReplay<E> = tower_layer::Stack<ReplayLayer, KeyedLockLayer<E>>;
+
+impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
+    /// Stacks `replay` inside this lock, in the one order that works: the key is taken
+    /// first, then the store is read. The same as `.layer(replay).layer(lock)` on an
+    /// axum `Router`.
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use tower_keyed_lock::replay::{MemoryStore, ReplayLayer};
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// let webhooks = KeyedLockLayer::by_header("webhook-id")
+    ///     .replay(ReplayLayer::new(MemoryStore::default()).fingerprint(false));
+    /// let app: Router = Router::new()
+    ///     .route("/webhooks", post(|| async { "processed" }))
+    ///     .layer(webhooks);
+    /// ```
+    ///
+    /// # Panics
+    /// If this lock has a distributed [`backend`](KeyedLockLayer::backend) and the store
+    /// keeps its records per instance (the [`MemoryStore`](super::MemoryStore)): another
+    /// instance would run a completed request again. Use the Redis or PostgreSQL store.
+    pub fn replay(self, replay: ReplayLayer) -> LockAndReplay<E> {
+        assert!(
+            !(self.is_distributed() && replay.is_per_instance()),
+            "KeyedLockLayer::replay: a per-instance store (MemoryStore) behind a distributed \
+             lock backend would replay only on the instance that stored the response; use a \
+             shared store (RedisReplayStore, PostgresReplayStore)"
+        );
+        tower_layer::Stack::new(replay, self)
     }
 }
 

@@ -54,8 +54,9 @@
 //! # Stores
 //!
 //! - [`MemoryStore`]: this process only, bounded by bytes and TTL. Under a distributed
-//!   lock backend it is refused: 500 problem+json (reason `misconfigured`) and one
-//!   `error` log per layer.
+//!   lock backend it is refused: [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay)
+//!   panics when the layers are built; layers stacked by hand answer 500 problem+json
+//!   (reason `misconfigured`) with one `error` log per layer.
 //! - `RedisReplayStore` (features `replay` + `redis`): records beside the lock's keys,
 //!   written by a script that checks the lock's fence.
 //! - `PostgresReplayStore` (features `replay` + `postgres`): a table, writes ordered by
@@ -97,7 +98,7 @@ mod store;
 pub use body::ReplayBody;
 pub use future::{ReplayFuture, IDEMPOTENT_REPLAYED};
 pub use layer::{
-    ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_STORE_TIMEOUT,
+    LockAndReplay, ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_STORE_TIMEOUT,
     DEFAULT_TTL,
 };
 pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
