@@ -1130,3 +1130,169 @@ async fn an_unreachable_endpoint_fails_setup_promptly() {
         started.elapsed()
     );
 }
+
+// ---------------------------------------------------------------- throttling
+
+/// An HTTP front between an instance and moto that answers the next `throttles`
+/// writes (`UpdateItem`) as DynamoDB answers a table over its capacity (HTTP 400,
+/// `ProvisionedThroughputExceededException`), and forwards everything else.
+struct ThrottlingFront {
+    url: String,
+    throttles: Arc<std::sync::atomic::AtomicUsize>,
+    throttled: Arc<std::sync::atomic::AtomicUsize>,
+    forwarded_writes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ThrottlingFront {
+    async fn start(upstream: String) -> Self {
+        use axum::body::{Body, Bytes};
+        use http_body_util::{BodyExt, Full};
+        use hyper_util::client::legacy::Client as HttpClient;
+        use hyper_util::rt::TokioExecutor;
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+
+        let throttles = Arc::new(AtomicUsize::new(0));
+        let throttled = Arc::new(AtomicUsize::new(0));
+        let forwarded_writes = Arc::new(AtomicUsize::new(0));
+        let client = HttpClient::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let forward = {
+            let (throttles, throttled) = (throttles.clone(), throttled.clone());
+            let forwarded_writes = forwarded_writes.clone();
+            move |request: http::Request<Body>| {
+                let (client, upstream) = (client.clone(), upstream.clone());
+                let (throttles, throttled) = (throttles.clone(), throttled.clone());
+                let forwarded_writes = forwarded_writes.clone();
+                async move {
+                    let target = request.headers().get("x-amz-target").cloned();
+                    let is_write = target.is_some_and(|t| t == "DynamoDB_20120810.UpdateItem");
+                    let throttle = is_write
+                        && throttles
+                            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                            .is_ok();
+                    if throttle {
+                        throttled.fetch_add(1, SeqCst);
+                        let kind = "ProvisionedThroughputExceededException";
+                        let body = format!(
+                            r#"{{"__type":"com.amazonaws.dynamodb.v20120810#{kind}","message":"throttled by the test"}}"#
+                        );
+                        return http::Response::builder()
+                            .status(400)
+                            .header("content-type", "application/x-amz-json-1.0")
+                            .header("x-amzn-errortype", kind)
+                            .body(Body::from(body))
+                            .unwrap();
+                    }
+                    if is_write {
+                        forwarded_writes.fetch_add(1, SeqCst);
+                    }
+                    let (mut parts, body) = request.into_parts();
+                    let body = body.collect().await.unwrap().to_bytes();
+                    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                    parts.uri = format!("{upstream}{path}").parse().unwrap();
+                    let answer = client
+                        .request(http::Request::from_parts(parts, Full::new(body)))
+                        .await
+                        .expect("moto answers");
+                    let (parts, body) = answer.into_parts();
+                    let body = body.collect().await.unwrap().to_bytes();
+                    http::Response::from_parts(parts, Body::from(body))
+                }
+            }
+        };
+        let server = serve(Router::new().fallback(forward)).await;
+        ThrottlingFront {
+            url: format!("http://{}", server.addr),
+            throttles,
+            throttled,
+            forwarded_writes,
+        }
+    }
+
+    /// Throttles the next `writes` writes.
+    fn throttle(&self, writes: usize) {
+        self.throttles
+            .store(writes, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn throttled(&self) -> usize {
+        self.throttled.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn forwarded_writes(&self) -> usize {
+        self.forwarded_writes
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A few throttled writes are retried within the wait: the key is granted. Throttling
+/// that never stops ends the wait with `LockError::Backend` (the layer's 503) at the
+/// deadline, not with `Timeout` (409, "someone holds it"), and never later. A refused
+/// write is known not to be applied, so nothing is given back for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn throttled_writes_are_retried_then_fail_as_backend_errors() {
+    let dynamo = DynamoServer::start();
+    let front = ThrottlingFront::start(dynamo.url()).await;
+    connect(&dynamo, |b| b).await; // creates the table
+    let backend = DynamoDbBackend::builder(dynamo_server::client_for(&front.url), TABLE)
+        .command_timeout(Duration::from_secs(2))
+        .build()
+        .await
+        .expect("backend connects");
+    let key = Key::new("order-1", 256).unwrap();
+
+    front.throttle(3);
+    let lease = within(
+        "a throttled acquire",
+        Duration::from_secs(10),
+        backend.acquire("direct", &key, Duration::from_secs(5)),
+    )
+    .await
+    .expect("granted after the throttling");
+    assert_eq!(front.throttled(), 3);
+    lease.release().await;
+
+    let wait = Duration::from_millis(800);
+    front.throttle(usize::MAX);
+    let started = Instant::now();
+    let result = within(
+        "an acquire throttled to the end",
+        Duration::from_secs(10),
+        backend.acquire("direct", &key, wait),
+    )
+    .await;
+    let took = started.elapsed();
+    front.throttle(0);
+    let throttled = front.throttled() - 3;
+    eprintln!(
+        "throttled to the end: {result:?} after {took:?} ({throttled} attempts), wait {wait:?}"
+    );
+    match result {
+        Err(LockError::Backend(error)) => assert!(
+            format!("{error:?}").contains("ProvisionedThroughputExceeded"),
+            "{error:?}"
+        ),
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+    assert!(throttled > 3, "only {throttled} attempts in {wait:?}");
+    assert!(took >= wait, "gave up after {took:?}, before the wait");
+    assert!(
+        took < wait + Duration::from_millis(300),
+        "returned {took:?} after a {wait:?} wait"
+    );
+
+    // A refused write was not applied: no attempt's token is given back afterwards.
+    let forwarded = front.forwarded_writes();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        front.forwarded_writes(),
+        forwarded,
+        "writes went on after the wait ended (give-backs of refused attempts)"
+    );
+
+    // Nothing was written, so nothing is held: the key is free at once.
+    let lease = backend
+        .acquire("direct", &key, Duration::ZERO)
+        .await
+        .expect("the key is free");
+    lease.release().await;
+}

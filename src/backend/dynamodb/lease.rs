@@ -39,18 +39,48 @@ enum Attempt {
     Held(Option<Holder>),
 }
 
-/// A failed call, and whether another attempt may succeed.
+/// A failed call, whether another attempt may succeed, and whether the write may have
+/// been applied all the same.
 struct CallError {
     error: BoxError,
     transient: bool,
+    maybe_applied: bool,
 }
 
 impl From<SdkError<UpdateItemError>> for CallError {
     fn from(error: SdkError<UpdateItemError>) -> Self {
         Self {
             transient: is_transient(&error),
+            maybe_applied: !is_refused(&error),
             error: Box::new(aws_sdk_dynamodb::Error::from(error)),
         }
+    }
+}
+
+impl CallError {
+    /// An error of ours, before or without a call: nothing was written.
+    fn local(error: BoxError) -> Self {
+        Self {
+            error,
+            transient: false,
+            maybe_applied: false,
+        }
+    }
+}
+
+/// Whether DynamoDB answered with a refusal (a 4xx: throttled, invalid, denied): the
+/// write was not applied. A 5xx, a timeout or a broken connection leaves it unknown.
+fn is_refused(error: &SdkError<UpdateItemError>) -> bool {
+    matches!(error, SdkError::ServiceError(service) if service.raw().status().is_client_error())
+}
+
+/// How a wait that reached its deadline ends: [`LockError::Timeout`] if the key was
+/// held, [`LockError::Backend`] if DynamoDB's last answer was a failure (throttled
+/// until the end, failing on its side): the layer then answers 503, not 409.
+fn out_of_time(last_failure: Option<BoxError>) -> LockError {
+    match last_failure {
+        Some(error) => LockError::Backend(error),
+        None => LockError::Timeout,
     }
 }
 
@@ -93,6 +123,8 @@ impl Inner {
             .unwrap_or_else(|| started + Duration::from_secs(86_400 * 365));
         let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
         let mut watched: Option<Watched> = None;
+        // The error of the last attempt, if it failed rather than found the key held.
+        let mut last_failure: Option<BoxError> = None;
         let mut first = true;
         loop {
             let sent_at = Instant::now();
@@ -125,6 +157,7 @@ impl Inner {
                 }
                 Ok(Ok(Attempt::Held(holder))) => {
                     in_flight.sent_at = None;
+                    last_failure = None;
                     // A version's clock starts when we first see it: its holder wrote it
                     // earlier, so the holder's own deadline (send time + lease − drift)
                     // passes before ours does.
@@ -144,9 +177,18 @@ impl Inner {
                 // Throttled or a failure on DynamoDB's side: try again after a pause.
                 Ok(Err(error)) if error.transient => {
                     tracing::debug!(error = %error.error, "dynamodb acquire attempt failed; retrying");
+                    if !error.maybe_applied {
+                        in_flight.sent_at = None;
+                    }
+                    last_failure = Some(error.error);
                 }
-                Ok(Err(error)) => return Err(LockError::Backend(error.error)),
-                Err(_) if limit == deadline => return Err(LockError::Timeout),
+                Ok(Err(error)) => {
+                    if !error.maybe_applied {
+                        in_flight.sent_at = None;
+                    }
+                    return Err(LockError::Backend(error.error));
+                }
+                Err(_) if limit == deadline => return Err(out_of_time(last_failure)),
                 Err(_) => {
                     let timeout = CommandTimeout(self.config.command_timeout);
                     return Err(LockError::Backend(Box::new(timeout)));
@@ -155,7 +197,7 @@ impl Inner {
             drop(in_flight);
             let now = Instant::now();
             if now >= deadline {
-                return Err(LockError::Timeout);
+                return Err(out_of_time(last_failure));
             }
             let mut pause = backoff.pause().min(deadline - now);
             if let Some(watched) = watched.as_ref().filter(|w| now < w.stale_at()) {
@@ -163,7 +205,7 @@ impl Inner {
             }
             sleep(pause).await;
             if Instant::now() >= deadline {
-                return Err(LockError::Timeout);
+                return Err(out_of_time(last_failure));
             }
         }
     }
@@ -219,9 +261,11 @@ impl Inner {
         match update.send().await {
             Ok(output) => match item::fence(output.attributes()) {
                 Some(fence) => Ok(Attempt::Granted { fence }),
+                // Applied, but unreadable: give the token back.
                 None => Err(CallError {
                     error: "dynamodb returned no fence counter".into(),
                     transient: false,
+                    maybe_applied: true,
                 }),
             },
             Err(error) if is_condition_failed(&error) => {
@@ -373,10 +417,8 @@ impl Inner {
 }
 
 fn fresh_rvn() -> Result<String, CallError> {
-    new_token().map_err(|error| CallError {
-        error: Box::new(std::io::Error::other(error.to_string())),
-        transient: false,
-    })
+    new_token()
+        .map_err(|error| CallError::local(Box::new(std::io::Error::other(error.to_string()))))
 }
 
 /// An acquisition's token, armed while an attempt may have been granted without us

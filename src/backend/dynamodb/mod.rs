@@ -69,7 +69,11 @@
 //!   lease; after that, waiters take the key over.
 //! - **Errors.** Throttling (`ProvisionedThroughputExceeded`, `RequestLimitExceeded`,
 //!   `ThrottlingException`) and DynamoDB's own failures (5xx) are retried with backoff
-//!   within the request's wait. Every call is bounded by
+//!   within the request's wait; if the wait ends while DynamoDB is still refusing or
+//!   failing, the acquisition fails with [`LockError::Backend`] (503), not
+//!   [`LockError::Timeout`] (409, which says the key is held). A refused write (a 4xx)
+//!   is known not to be applied, so only an attempt whose outcome is unknown (a 5xx, a
+//!   timeout, a broken connection) has its token given back. Every call is bounded by
 //!   [`command_timeout`](DynamoDbBackendBuilder::command_timeout): an unreachable or
 //!   silent endpoint fails the acquisition with [`LockError::Backend`] promptly, and the
 //!   layer answers 503 (or runs the request under its local lock with
@@ -103,6 +107,9 @@
 //! lock_fence     N  1732360000000123         the fencing token of the latest grant
 //! ttl            N  epoch seconds            lease + item_ttl after the last write
 //! ```
+//!
+//! The key attributes and the TTL attribute are configurable; the four `lock_*` names
+//! are fixed, so a single-table design must leave them to the lock items.
 //!
 //! The prefix (default `"keyed-lock:"`) gets a trailing `:` if it has none. In the layer
 //! name `%` and `:` are written `%25` and `%3A`, so the first `:` after the prefix ends
