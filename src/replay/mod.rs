@@ -98,8 +98,8 @@ mod store;
 pub use body::ReplayBody;
 pub use future::{ReplayFuture, IDEMPOTENT_REPLAYED};
 pub use layer::{
-    LockAndReplay, ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_STORE_TIMEOUT,
-    DEFAULT_TTL,
+    LockAndReplay, ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
+    DEFAULT_STORE_TIMEOUT, DEFAULT_TTL,
 };
 pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
 pub use metrics::{REPLAYED_TOTAL, STORED_TOTAL};
