@@ -7,25 +7,30 @@
 //! the launcher below runs moto's WSGI app behind one lock (one request at a time).
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
 use aws_sdk_dynamodb::Client;
 
-/// The launcher: moto's server app, one request at a time, on `127.0.0.1:argv[1]`.
+/// The launcher: moto's server app, one request at a time, on `127.0.0.1:argv[1]`
+/// (0: a free port). It binds first and prints the port it got: a port picked by the
+/// test and bound later could meanwhile go to another test's server, which would then
+/// be taken for moto.
 const LAUNCHER: &str = r#"
 import sys, threading
-from werkzeug.serving import run_simple
+from werkzeug.serving import make_server
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 app = DomainDispatcherApplication(create_backend_app)
 lock = threading.Lock()
 def one_at_a_time(environ, start_response):
     with lock:
         return list(app(environ, start_response))
-run_simple("127.0.0.1", int(sys.argv[1]), one_at_a_time, threaded=True)
+server = make_server("127.0.0.1", int(sys.argv[1]), one_at_a_time, threaded=True)
+print(server.server_port, flush=True)
+server.serve_forever()
 "#;
 
 pub struct DynamoServer {
@@ -38,11 +43,11 @@ impl DynamoServer {
     pub fn start() -> Self {
         let mut last_error = String::new();
         for _ in 0..5 {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|listener| listener.local_addr())
-                .expect("no free port")
-                .port();
-            let mut server = Self { port, child: None };
+            // Port 0: moto binds a free port and says which.
+            let mut server = Self {
+                port: 0,
+                child: None,
+            };
             match server.spawn() {
                 Ok(()) => return server,
                 Err(error) => last_error = error,
@@ -107,7 +112,7 @@ impl DynamoServer {
         let mut child = Command::new("python3")
             .args(["-c", LAUNCHER, &self.port.to_string()])
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|error| match error.kind() {
@@ -117,6 +122,15 @@ impl DynamoServer {
                 ),
                 _ => format!("spawning moto: {error}"),
             })?;
+        // The port line comes once moto listens (an empty read: it exited).
+        let mut line = String::new();
+        let mut stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
+        let _ = stdout.read_line(&mut line);
+        if let Ok(port) = line.trim().parse() {
+            self.port = port;
+        }
+        // Anything moto prints later must not find the pipe closed.
+        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(Some(status)) = child.try_wait() {
