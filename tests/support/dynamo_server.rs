@@ -24,21 +24,7 @@ import sys, threading
 from werkzeug.serving import make_server
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
 app = DomainDispatcherApplication(create_backend_app)
-class FairLock:
-    """Served in arrival order: a plain Lock lets a waiting request starve."""
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.next = self.serving = 0
-    def __enter__(self):
-        with self.cond:
-            ticket, self.next = self.next, self.next + 1
-            while ticket != self.serving:
-                self.cond.wait()
-    def __exit__(self, *exc):
-        with self.cond:
-            self.serving += 1
-            self.cond.notify_all()
-lock = FairLock()
+lock = threading.Lock()
 def one_at_a_time(environ, start_response):
     with lock:
         return list(app(environ, start_response))
