@@ -1,6 +1,6 @@
 //! The Redis backend on a real Redis Cluster (three primaries with a replica each, on
-//! free ports): the cross-instance guarantees, release notifications, and a primary
-//! killed in the middle of a run.
+//! free ports): the cross-instance guarantees, release notifications on shard
+//! channels, a slot moved mid-wait, and a primary killed in the middle of a run.
 //!
 //! Figures: `cargo test --all-features --test redis_cluster -- --nocapture`; the
 //! run's length: `CLUSTER_SOAK_SECS` (default 6).
@@ -124,6 +124,14 @@ async fn keys_on_every_shard_are_serialized_and_releases_wake_other_instances() 
             })
         };
         tokio::time::sleep(Duration::from_millis(300)).await;
+        // The waiter listens on the lock's own shard channel, not a broadcast one.
+        let lock = instances[0].lock_key("cluster", name);
+        assert_eq!(
+            cluster.shard_subscribers(&lock),
+            1,
+            "{lock} subscribed once"
+        );
+        assert_eq!(cluster.subscribers("keyed-lock:release"), 0);
         let released = Instant::now();
         held.release().await;
         let lease = within("the waiter wakes", Duration::from_secs(5), waiter)
@@ -137,11 +145,145 @@ async fn keys_on_every_shard_are_serialized_and_releases_wake_other_instances() 
             "woken {woken:?} after: by the poll"
         );
         lease.release().await;
+        // With its last waiter gone, the channel is given up.
+        within(
+            "the shard channel is unsubscribed",
+            Duration::from_secs(5),
+            async {
+                while cluster.shard_subscribers(&lock) != 0 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+        )
+        .await;
+    }
+}
+
+/// A waiter dropped mid-wait takes its shard channel subscription with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_waiter_gives_up_its_shard_channel() {
+    let cluster = RedisCluster::start();
+    let poll = Duration::from_secs(30);
+    let instances = [
+        instance(&cluster, poll).await,
+        instance(&cluster, poll).await,
+    ];
+    let lock = instances[0].lock_key("cluster", "cancelled");
+    let held = instances[0]
+        .acquire("cluster", &key("cancelled"), Duration::ZERO)
+        .await
+        .unwrap();
+    let waiters: Vec<_> = (0..3)
+        .map(|_| {
+            let backend = instances[1].clone();
+            tokio::spawn(async move {
+                backend
+                    .acquire("cluster", &key("cancelled"), Duration::from_secs(20))
+                    .await
+            })
+        })
+        .collect();
+    within("the waiters subscribe", Duration::from_secs(5), async {
+        while cluster.shard_subscribers(&lock) != 1 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    for waiter in &waiters {
+        waiter.abort();
+    }
+    within("the shard channel is given up", Duration::from_secs(5), async {
+        while cluster.shard_subscribers(&lock) != 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    held.release().await;
+    // Nothing was left held by the cancelled waiters.
+    let lease = instances[1]
+        .acquire("cluster", &key("cancelled"), Duration::ZERO)
+        .await
+        .expect("free after the holder released");
+    lease.release().await;
+}
+
+/// The slot of a held key moves to another primary while another instance waits for
+/// it. The server drops the waiter's shard channel with the slot; the subscription
+/// follows the slot to its new primary, and the release there wakes the waiter at
+/// once. The holder keeps its lease throughout (the lock key moved with its TTL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slot_moved_mid_wait_keeps_the_lock_and_the_wake_up() {
+    let cluster = RedisCluster::start();
+    let poll = Duration::from_secs(30);
+    let instances = [
+        instance(&cluster, poll).await,
+        instance(&cluster, poll).await,
+    ];
+    for round in 0..3 {
+        let name = format!("moving-{round}");
+        let lock = instances[0].lock_key("cluster", &name);
+        let held = instances[0]
+            .acquire("cluster", &key(&name), Duration::ZERO)
+            .await
+            .unwrap();
+        let waiter = {
+            let (backend, name) = (instances[1].clone(), name.clone());
+            tokio::spawn(async move {
+                backend
+                    .acquire("cluster", &key(&name), Duration::from_secs(20))
+                    .await
+            })
+        };
+        within("the waiter subscribes", Duration::from_secs(5), async {
+            while cluster.shard_subscribers(&lock) != 1 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+
+        let from = cluster.primary_of(&lock);
+        let to = *cluster.primaries().iter().find(|&&p| p != from).unwrap();
+        cluster.move_slot_of(&lock, to);
+        assert_eq!(cluster.primary_of(&lock), to);
+        let followed = Instant::now();
+        within(
+            "the subscription follows the slot",
+            Duration::from_secs(5),
+            async {
+                while cluster.shard_subscribers(&lock) != 1 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            },
+        )
+        .await;
+        println!(
+            "cluster slot move: shard channel back on the new primary {:?} after the move",
+            followed.elapsed()
+        );
+        assert!(!waiter.is_finished(), "the waiter was granted a held key");
+        assert!(
+            !held.signal().is_lost(),
+            "the move cost the holder its lease"
+        );
+
+        let released = Instant::now();
+        held.release().await;
+        let lease = within("the waiter wakes", Duration::from_secs(5), waiter)
+            .await
+            .unwrap()
+            .expect("granted after the move");
+        let woken = released.elapsed();
+        println!("cluster slot move: waiter woken {woken:?} after the release");
+        assert!(
+            woken < Duration::from_secs(1),
+            "woken {woken:?} after: by the poll"
+        );
+        lease.release().await;
     }
 }
 
 /// A primary is killed (SIGKILL) in the middle of a run of two instances over keys on
-/// every shard. No two unsignalled holders of a key overlap, no acquisition outlasts
+/// every shard, and later a slot is moved to another primary. No two unsignalled holders of a key overlap, no acquisition outlasts
 /// its wait by more than a command timeout, and once the replica has taken over, keys
 /// of the failed shard are granted again without restarting anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -248,7 +390,14 @@ async fn a_primary_killed_mid_run_fails_over_without_overlap_or_hang() {
         },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(seconds) * 2 / 3).await;
+    tokio::time::sleep(Duration::from_secs(seconds) / 3).await;
+    // A slot moved to another primary under load, keys and all.
+    let moving = instances[0].lock_key("soak", &keys[1]);
+    let from = cluster.primary_of(&moving);
+    let to = *cluster.primaries().iter().find(|&&p| p != from).unwrap();
+    let before_move = grants.load(Ordering::SeqCst);
+    cluster.move_slot_of(&moving, to);
+    tokio::time::sleep(Duration::from_secs(seconds) / 3).await;
     stop.store(true, Ordering::SeqCst);
     within("the workers stop", Duration::from_secs(10), async {
         for task in tasks {
@@ -272,7 +421,7 @@ async fn a_primary_killed_mid_run_fails_over_without_overlap_or_hang() {
         "an acquisition took {slowest:?}"
     );
     assert!(
-        grants.load(Ordering::SeqCst) > before_kill,
-        "no grant after the kill"
+        grants.load(Ordering::SeqCst) > before_move && before_move > before_kill,
+        "no grant after the kill or after the slot move"
     );
 }

@@ -99,6 +99,79 @@ impl RedisCluster {
             .expect("a primary for the slot")
     }
 
+    /// How many clients of the whole cluster subscribe to the shard channel `channel`
+    /// (`PUBSUB SHARDNUMSUB` counts one node's own).
+    pub fn shard_subscribers(&self, channel: &str) -> usize {
+        self.running()
+            .map(|node| {
+                let reply = cli(node.port(), &["PUBSUB", "SHARDNUMSUB", channel]);
+                let count = reply.lines().nth(1).unwrap_or("0").trim();
+                count.parse::<usize>().expect("a subscriber count")
+            })
+            .sum()
+    }
+
+    /// How many clients of the whole cluster subscribe to the plain channel `channel`.
+    pub fn subscribers(&self, channel: &str) -> usize {
+        self.running()
+            .map(|node| {
+                let reply = cli(node.port(), &["PUBSUB", "NUMSUB", channel]);
+                let count = reply.lines().nth(1).unwrap_or("0").trim();
+                count.parse::<usize>().expect("a subscriber count")
+            })
+            .sum()
+    }
+
+    /// Moves the slot of `key`, with its keys, from the primary that serves it to the
+    /// primary `to`, as `redis-cli --cluster reshard` does for each slot: mark it
+    /// importing and migrating, `MIGRATE` its keys, then give it to `to` on both nodes
+    /// (the others learn it by gossip).
+    pub fn move_slot_of(&self, key: &str, to: usize) {
+        let from = self.primary_of(key);
+        assert_ne!(from, to, "the slot is on that primary already");
+        let (from_port, to_port) = (self.nodes[from].port(), self.nodes[to].port());
+        let slot = cli(from_port, &["CLUSTER", "KEYSLOT", key])
+            .trim()
+            .to_owned();
+        let from_id = cli(from_port, &["CLUSTER", "MYID"]).trim().to_owned();
+        let to_id = cli(to_port, &["CLUSTER", "MYID"]).trim().to_owned();
+        let ok = |reply: String| assert_eq!(reply.trim(), "OK", "moving slot {slot}");
+        ok(cli(
+            to_port,
+            &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id],
+        ));
+        ok(cli(
+            from_port,
+            &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id],
+        ));
+        loop {
+            let keys = cli(from_port, &["CLUSTER", "GETKEYSINSLOT", &slot, "100"]);
+            let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+            if keys.is_empty() {
+                break;
+            }
+            let port = to_port.to_string();
+            let mut args = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+            args.extend(&keys);
+            ok(cli(from_port, &args));
+        }
+        ok(cli(to_port, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]));
+        ok(cli(
+            from_port,
+            &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id],
+        ));
+    }
+
+    /// The running primaries.
+    pub fn primaries(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| {
+                self.nodes[i].is_running()
+                    && info(self.nodes[i].port(), "replication").contains("role:master")
+            })
+            .collect()
+    }
+
     fn running(&self) -> impl Iterator<Item = &RedisServer> {
         self.nodes.iter().filter(|node| node.is_running())
     }

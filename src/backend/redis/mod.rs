@@ -31,7 +31,8 @@
 //!   it returns the holder's remaining TTL instead. An attempt whose answer never comes
 //!   (error, timeout, or the acquire future dropped) may still have been granted, so its
 //!   token is released in the background: the acquire is cancel-safe by itself.
-//! - **Wait.** Each backend keeps one pub/sub subscription to a release channel. A
+//! - **Wait.** Each backend keeps one pub/sub subscription to a release channel (on a
+//!   cluster, to the shard channel of each lock it waits for). A
 //!   waiter retries when a release of its key is announced there, or else after a
 //!   jittered [`poll_interval`](RedisBackendBuilder::poll_interval) capped by the
 //!   holder's remaining TTL, until the request's wait is over. A lost message only costs
@@ -44,7 +45,7 @@
 //! - **Renewal.** While held, a task renews every lease/3 with a compare-and-`PEXPIRE`
 //!   script, and stops when the lease is released, dropped or lost, or at
 //!   [`max_hold`](RedisBackendBuilder::max_hold).
-//! - **Release.** A compare-and-delete script that also `PUBLISH`es the release when a
+//! - **Release.** A compare-and-delete script that also `PUBLISH`es (on a cluster `SPUBLISH`es) the release when a
 //!   waiter marked the key (a failed acquire leaves the mark; an uncontended release
 //!   publishes nothing). If Redis cannot be reached within the command timeout, the
 //!   release is retried in the background, and at worst the key expires by its lease.
@@ -104,11 +105,16 @@
 //! subscription) and keeps every rule above: the keys of a lock share one hash tag,
 //! so each script runs on the primary that owns the slot, and the restart guard reads
 //! that primary's uptime. A silent cluster connection is replaced like a single one;
-//! TCP settings are the cluster client's own. Releases are announced with `PUBLISH`,
-//! which a cluster broadcasts to every node, so the one subscription (on whichever
-//! node the cluster connection chose, moved by it when that node fails) hears them
-//! all. Sharded pub/sub (`SPUBLISH`) would keep that traffic on the slot's shard but
-//! needs a subscription per waited key; it is not used. When a primary fails, its
+//! TCP settings are the cluster client's own. Releases use sharded pub/sub (Redis 7 or
+//! newer): each lock has a shard channel named like its lock key, so in its slot, and
+//! the release script `SPUBLISH`es there, which reaches only the nodes of that shard,
+//! not the whole cluster. An instance subscribes (`SSUBSCRIBE`) to a lock's channel
+//! from the moment its first waiter arrives to when its last leaves; until the
+//! subscription is confirmed, a release could go unheard, so the confirmation wakes
+//! the waiters to try once more (a contended wait costs one more attempt on a cluster).
+//! When a slot moves to another primary the server drops its channels; the
+//! subscription follows the slot to its new primary and wakes the waiters, and the
+//! keys move with their TTLs, so the holder keeps its lease. When a primary fails, its
 //! keys cannot be granted or renewed until a replica takes over (about the cluster's
 //! node timeout plus an election); requests for them meanwhile get 503 within their
 //! wait plus a command timeout, and a holder on that shard is told its lease is lost
@@ -149,9 +155,11 @@
 //! tag: the keys of a lock live in one slot, as a script needs.
 //! [`RedisBackend::lock_key`] computes the name of the lock key.
 //!
-//! The release channel is `<prefix>release`; its messages carry the lock key.
+//! On one server the release channel is `<prefix>release`; its messages carry the lock
+//! key. On a cluster each lock's shard channel is named like its lock key.
 //!
-//! The subscription uses RESP3 (Redis 6 or newer), whatever protocol the commands use.
+//! The subscription uses RESP3 (Redis 6 or newer; on a cluster, Redis 7 for sharded
+//! pub/sub), whatever protocol the commands use.
 
 // One concern per file: `keys` names the Redis keys, `scripts` holds the Lua run on
 // Redis, `lease` acquires, renews and gives back leases, and `subscriber` turns release
@@ -169,7 +177,7 @@ use std::time::Duration;
 use redis::cluster::ClusterClient;
 use redis::{Client, ErrorKind, RedisError, Script};
 use tokio::sync::{oneshot, watch};
-use tokio::time::{timeout, Instant};
+use tokio::time::Instant;
 
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
@@ -299,6 +307,7 @@ struct Inner {
     acquire: Script,
     renew: Script,
     release: Script,
+    /// The shared release channel; empty on a cluster (a shard channel per lock).
     channel: String,
     releases: Arc<Releases>,
     subscribed: watch::Receiver<bool>,
@@ -588,15 +597,23 @@ impl RedisBackendBuilder {
             connection::Failure::TimedOut => timed_out("connecting to Redis"),
         })?;
 
-        let channel = format!("{}release", config.prefix);
-        let subscriber = Subscriber::new(&target, channel.clone(), limit)?;
-        let first = timeout(limit, subscriber.subscribe())
-            .await
-            .map_err(|_| timed_out("subscribing to the release channel"))??;
-        let releases = Arc::new(Releases::default());
+        let shared_channel = format!("{}release", config.prefix);
+        let (releases, changes, channel) = match &target {
+            Target::Single(_) => {
+                let (releases, changes) = Releases::shared_channel();
+                (releases, changes, shared_channel.clone())
+            }
+            // The release script publishes on the lock's own shard channel.
+            Target::Cluster(_) => {
+                let (releases, changes) = Releases::shard_channels();
+                (releases, changes, String::new())
+            }
+        };
+        let subscriber = Subscriber::new(&target, shared_channel, limit)?;
+        let first = subscriber.subscribe(&releases).await?;
         let (subscribed_tx, subscribed) = watch::channel(true);
         let (stop, stopped) = oneshot::channel();
-        tokio::spawn(subscriber.run(first, releases.clone(), subscribed_tx, stopped));
+        tokio::spawn(subscriber.run(first, releases.clone(), changes, subscribed_tx, stopped));
 
         Ok(RedisBackend {
             inner: Arc::new(Inner {

@@ -56,14 +56,19 @@ end
 return 0
 ";
 
-/// `KEYS[1]` lock, `KEYS[2]` waiting; `ARGV[1]` token, `ARGV[2]` release channel.
+/// `KEYS[1]` lock, `KEYS[2]` waiting; `ARGV[1]` token, `ARGV[2]` release channel, or
+/// empty on a cluster: there the lock's own shard channel, named like the lock key.
 /// Deletes the lock only if it is still ours, and announces it if a waiter marked the
 /// key (an uncontended release publishes nothing). 1 if deleted.
 pub(super) const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   if redis.call('DEL', KEYS[2]) == 1 then
-    redis.call('PUBLISH', ARGV[2], KEYS[1])
+    if ARGV[2] == '' then
+      redis.call('SPUBLISH', KEYS[1], KEYS[1])
+    else
+      redis.call('PUBLISH', ARGV[2], KEYS[1])
+    end
   end
   return 1
 end

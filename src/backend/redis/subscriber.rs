@@ -1,14 +1,19 @@
 //! The release subscription: release messages from Redis wake the waiters of their
 //! lock key in this process.
+//!
+//! On one server every release goes to one shared channel. On a cluster each lock has
+//! its own shard channel, named like its lock key and so in its slot: `SPUBLISH` stays
+//! on the shard that owns the key, and this process subscribes (`SSUBSCRIBE`) only to
+//! the locks it waits for, from the first waiter of a lock to the last.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterConfig;
 use redis::cluster_async::ClusterConnection;
-use redis::{AsyncConnectionConfig, Client, PushInfo, PushKind, RedisError};
+use redis::{AsyncConnectionConfig, Client, PushInfo, PushKind, RedisError, Value};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::time::{sleep, timeout};
 
@@ -20,9 +25,11 @@ use super::{jitter, RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
 const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// Waiters for the release of a lock key, woken by the subscription task.
-#[derive(Default)]
 pub(super) struct Releases {
     waiting: Mutex<HashMap<Arc<str>, Waiters>>,
+    /// Cluster only: a lock whose first waiter came or whose last went, for the
+    /// subscription task to subscribe to its shard channel or unsubscribe.
+    changed: Option<mpsc::UnboundedSender<Arc<str>>>,
 }
 
 /// The waiters of one lock key.
@@ -40,11 +47,36 @@ pub(super) struct Interest {
 }
 
 impl Releases {
+    /// Waiters of a single server, which hears every release on one channel.
+    pub(super) fn shared_channel() -> (Arc<Self>, Option<mpsc::UnboundedReceiver<Arc<str>>>) {
+        let releases = Self {
+            waiting: Mutex::default(),
+            changed: None,
+        };
+        (Arc::new(releases), None)
+    }
+
+    /// Waiters on a cluster, whose subscriptions follow them lock by lock.
+    pub(super) fn shard_channels() -> (Arc<Self>, Option<mpsc::UnboundedReceiver<Arc<str>>>) {
+        let (changed, changes) = mpsc::unbounded_channel();
+        let releases = Self {
+            waiting: Mutex::default(),
+            changed: Some(changed),
+        };
+        (Arc::new(releases), Some(changes))
+    }
+
+    /// Registers a waiter of `lock`. On a cluster its shard channel may not be
+    /// subscribed yet: the waiter is woken when it is, and retries.
     pub(super) fn register(self: &Arc<Self>, lock: &Arc<str>) -> Interest {
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-        let waiters = waiting.entry(lock.clone()).or_insert_with(|| Waiters {
-            notify: Arc::new(Notify::new()),
-            interests: 0,
+        let waiters = waiting.entry(lock.clone()).or_insert_with(|| {
+            // Sent under the lock, so changes reach the task in the order they happen.
+            self.announce_change(lock);
+            Waiters {
+                notify: Arc::new(Notify::new()),
+                interests: 0,
+            }
         });
         waiters.interests += 1;
         Interest {
@@ -52,6 +84,23 @@ impl Releases {
             lock: lock.clone(),
             notify: waiters.notify.clone(),
         }
+    }
+
+    fn announce_change(&self, lock: &Arc<str>) {
+        if let Some(changed) = &self.changed {
+            // Fails only once the task has ended with the backend.
+            let _ = changed.send(lock.clone());
+        }
+    }
+
+    fn is_waited(&self, lock: &str) -> bool {
+        let waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        waiting.contains_key(lock)
+    }
+
+    fn waited(&self) -> Vec<Arc<str>> {
+        let waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        waiting.keys().cloned().collect()
     }
 
     fn wake(&self, lock: &str) {
@@ -80,8 +129,8 @@ impl Releases {
 
 impl Drop for Interest {
     fn drop(&mut self) {
-        let mut waiting = self
-            .releases
+        let releases = &self.releases;
+        let mut waiting = releases
             .waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
@@ -89,6 +138,7 @@ impl Drop for Interest {
             waiters.interests -= 1;
             if waiters.interests == 0 {
                 waiting.remove(&self.lock);
+                releases.announce_change(&self.lock);
             }
         }
     }
@@ -97,21 +147,28 @@ impl Drop for Interest {
 /// The release subscription: one RESP3 connection whose push messages wake waiters.
 pub(super) struct Subscriber {
     target: Target,
+    /// The shared release channel of a single server.
     channel: String,
     timeout: Duration,
 }
 
-/// A subscribed connection and its push messages.
-type Subscription = (Subscribed, mpsc::UnboundedReceiver<PushInfo>);
+/// A subscribed connection, its push messages and, on a cluster, the locks whose
+/// shard channels it is subscribed to.
+pub(super) struct Subscription {
+    connection: Subscribed,
+    messages: mpsc::UnboundedReceiver<PushInfo>,
+    shard_channels: HashSet<Arc<str>>,
+}
 
 /// The connection that holds the subscription.
-pub(super) enum Subscribed {
+enum Subscribed {
     Single(MultiplexedConnection),
     Cluster(ClusterConnection),
 }
 
 impl Subscribed {
     async fn ping(&mut self) -> Result<(), RedisError> {
+        // On a cluster PING goes to every primary: a silent shard is noticed too.
         let ping = redis::cmd("PING");
         match self {
             Self::Single(connection) => ping.query_async(connection).await,
@@ -146,42 +203,75 @@ impl Subscriber {
         })
     }
 
-    pub(super) async fn subscribe(&self) -> Result<Subscription, RedisError> {
-        let (sender, receiver) = mpsc::unbounded_channel();
+    /// Connects within the command timeout and subscribes: to the shared channel of a
+    /// single server, or to the shard channel of every lock waited for now on a
+    /// cluster (each command bounded by the connection's response timeout).
+    pub(super) async fn subscribe(&self, releases: &Releases) -> Result<Subscription, RedisError> {
+        let (sender, messages) = mpsc::unbounded_channel();
+        let mut shard_channels = HashSet::new();
         let connection = match &self.target {
             Target::Single(client) => {
                 let config = AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.timeout))
                     .set_push_sender(sender);
-                let mut connection = client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await?;
-                connection.subscribe(&self.channel).await?;
-                Subscribed::Single(connection)
+                let connect = async {
+                    let mut connection = client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?;
+                    connection.subscribe(&self.channel).await?;
+                    Ok::<_, RedisError>(connection)
+                };
+                Subscribed::Single(self.within_timeout(connect).await?)
             }
-            // Releases are published with PUBLISH, which a cluster broadcasts to every
-            // node: one subscription anywhere hears them all, and the cluster
-            // connection moves it to another node when its node fails.
             Target::Cluster(client) => {
                 let config = ClusterConfig::new()
                     .set_connection_timeout(self.timeout)
                     .set_response_timeout(self.timeout)
                     .set_push_sender(sender);
-                let mut connection = client.get_async_connection_with_config(config).await?;
-                connection.subscribe(&self.channel).await?;
+                let connect = async {
+                    let mut connection = client.get_async_connection_with_config(config).await?;
+                    redis::cmd("PING")
+                        .query_async::<()>(&mut connection)
+                        .await?;
+                    Ok::<_, RedisError>(connection)
+                };
+                let mut connection = self.within_timeout(connect).await?;
+                for lock in releases.waited() {
+                    connection.ssubscribe(&*lock).await?;
+                    shard_channels.insert(lock);
+                }
                 Subscribed::Cluster(connection)
             }
         };
-        Ok((connection, receiver))
+        Ok(Subscription {
+            connection,
+            messages,
+            shard_channels,
+        })
+    }
+
+    async fn within_timeout<T>(
+        &self,
+        step: impl std::future::Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, RedisError> {
+        timeout(self.timeout, step).await.unwrap_or_else(|_| {
+            Err(RedisError::from((
+                redis::ErrorKind::Io,
+                "timed out",
+                "subscribing to releases".to_owned(),
+            )))
+        })
     }
 
     /// Delivers release messages until `stop` resolves (the backend is gone);
-    /// resubscribes with backoff whenever the connection fails.
+    /// resubscribes with backoff whenever the connection fails. `changes` (cluster
+    /// only) names the locks whose waiters came or went.
     pub(super) async fn run(
         self,
         first: Subscription,
         releases: Arc<Releases>,
+        mut changes: Option<mpsc::UnboundedReceiver<Arc<str>>>,
         subscribed: watch::Sender<bool>,
         mut stop: oneshot::Receiver<()>,
     ) {
@@ -191,20 +281,24 @@ impl Subscriber {
             let subscription = match current.take() {
                 Some(subscription) => subscription,
                 None => {
-                    let attempt = timeout(self.timeout, self.subscribe());
+                    // The fresh subscription covers every lock waited for when it is
+                    // made, so what changed before it needs no more attention.
+                    if let Some(changes) = &mut changes {
+                        while changes.try_recv().is_ok() {}
+                    }
                     let result = tokio::select! {
                         biased;
                         _ = &mut stop => return,
-                        result = attempt => result,
+                        result = self.subscribe(&releases) => result,
                     };
                     match result {
-                        Ok(Ok(subscription)) => {
+                        Ok(subscription) => {
                             tracing::debug!("redis release subscription restored");
                             // Releases while unsubscribed went unheard: everyone retries.
                             releases.wake_all();
                             subscription
                         }
-                        Ok(Err(_)) | Err(_) => {
+                        Err(_) => {
                             tokio::select! {
                                 biased;
                                 _ = &mut stop => return,
@@ -218,7 +312,9 @@ impl Subscriber {
             };
             backoff = RESUBSCRIBE_MIN;
             subscribed.send_replace(true);
-            let stopped = self.listen(subscription, &releases, &mut stop).await;
+            let stopped = self
+                .listen(subscription, &releases, &mut changes, &mut stop)
+                .await;
             subscribed.send_replace(false);
             if stopped {
                 return;
@@ -230,38 +326,103 @@ impl Subscriber {
     /// Wakes waiters until the connection fails (`false`) or `stop` resolves (`true`).
     async fn listen(
         &self,
-        (mut connection, mut messages): Subscription,
+        subscription: Subscription,
         releases: &Releases,
+        changes: &mut Option<mpsc::UnboundedReceiver<Arc<str>>>,
         stop: &mut oneshot::Receiver<()>,
     ) -> bool {
+        let Subscription {
+            mut connection,
+            mut messages,
+            mut shard_channels,
+        } = subscription;
         let mut keepalive = tokio::time::interval(KEEPALIVE);
         keepalive.tick().await;
         loop {
-            tokio::select! {
+            // The lock whose shard channel to bring in line with its waiters.
+            let lock = tokio::select! {
                 biased;
                 _ = &mut *stop => return true,
                 message = messages.recv() => match message {
                     None => return false,
                     Some(push) => match push.kind {
                         PushKind::Disconnection => return false,
-                        PushKind::Message => {
-                            if let Some(redis::Value::BulkString(lock)) = push.data.get(1) {
-                                if let Ok(lock) = std::str::from_utf8(lock) {
-                                    releases.wake(lock);
-                                }
+                        PushKind::Message | PushKind::SMessage => {
+                            if let Some(lock) = text(push.data.get(1)) {
+                                releases.wake(lock);
                             }
+                            continue;
                         }
-                        _ => {}
+                        // Not asked for (those leave the set first): the server
+                        // dropped the channel because its slot moved to another node.
+                        PushKind::SUnsubscribe => match text(push.data.first()) {
+                            Some(lock) => match shard_channels.take(lock) {
+                                Some(lock) => lock,
+                                None => continue,
+                            },
+                            None => continue,
+                        },
+                        _ => continue,
                     },
                 },
+                Some(lock) = next_change(changes) => lock,
                 _ = keepalive.tick() => {
                     let answer = timeout(self.timeout, connection.ping()).await;
                     if !matches!(answer, Ok(Ok(()))) {
                         return false;
                     }
+                    continue;
                 }
+            };
+            let Subscribed::Cluster(cluster) = &mut connection else {
+                continue;
+            };
+            if follow(cluster, &mut shard_channels, releases, lock)
+                .await
+                .is_err()
+            {
+                return false;
             }
         }
+    }
+}
+
+/// Subscribes to `lock`'s shard channel if it has waiters and unsubscribes if not.
+/// A new subscription wakes the waiters: a release before it went unheard.
+async fn follow(
+    connection: &mut ClusterConnection,
+    shard_channels: &mut HashSet<Arc<str>>,
+    releases: &Releases,
+    lock: Arc<str>,
+) -> Result<(), RedisError> {
+    let waited = releases.is_waited(&lock);
+    if waited && !shard_channels.contains(&lock) {
+        connection.ssubscribe(&*lock).await?;
+        shard_channels.insert(lock.clone());
+        releases.wake(&lock);
+    } else if !waited && shard_channels.remove(&lock) {
+        // A failure here leaves a subscription no one listens to; the keepalive
+        // finds out whether the connection is gone.
+        if let Err(error) = connection.sunsubscribe(&*lock).await {
+            tracing::debug!(%error, "redis shard channel unsubscribe failed");
+        }
+    }
+    Ok(())
+}
+
+/// The next lock whose waiters changed; never, on a single server.
+async fn next_change(changes: &mut Option<mpsc::UnboundedReceiver<Arc<str>>>) -> Option<Arc<str>> {
+    match changes {
+        Some(changes) => changes.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A push message's text field.
+fn text(value: Option<&Value>) -> Option<&str> {
+    match value {
+        Some(Value::BulkString(bytes)) => std::str::from_utf8(bytes).ok(),
+        _ => None,
     }
 }
 
@@ -271,7 +432,7 @@ mod tests {
 
     #[test]
     fn interests_share_an_entry_and_remove_it_with_the_last() {
-        let releases = Arc::new(Releases::default());
+        let (releases, _) = Releases::shared_channel();
         let lock: Arc<str> = "k".into();
         let a = releases.register(&lock);
         let b = releases.register(&lock);
@@ -280,5 +441,21 @@ mod tests {
         assert_eq!(releases.waiting.lock().unwrap().len(), 1);
         drop(b);
         assert!(releases.waiting.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn shard_channels_hear_of_the_first_waiter_and_the_last() {
+        let (releases, changes) = Releases::shard_channels();
+        let mut changes = changes.unwrap();
+        let lock: Arc<str> = "{t}:lock".into();
+        let a = releases.register(&lock);
+        let b = releases.register(&lock);
+        assert_eq!(changes.try_recv().as_deref().ok(), Some("{t}:lock"));
+        assert!(changes.try_recv().is_err(), "only the first waiter is news");
+        drop(a);
+        assert!(changes.try_recv().is_err());
+        drop(b);
+        assert_eq!(changes.try_recv().as_deref().ok(), Some("{t}:lock"));
+        assert!(!releases.is_waited(&lock));
     }
 }
