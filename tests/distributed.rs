@@ -1,6 +1,6 @@
 //! `DistributedLocks` between "instances" — each a `DistributedLocks` with backend
-//! connections of its own — on a real Redis and a real PostgreSQL that each test
-//! starts, and in process. Every test body is generic and runs on each fixture.
+//! connections of its own — on a real Redis, a real Redis Cluster and a real
+//! PostgreSQL that each test starts, and in process. Every test body is generic and runs on each fixture.
 //! Cancellation is in `distributed_cancel.rs`, lost leases in `distributed_lease.rs`.
 //!
 //! The exclusion test runs 10 rounds per worker; a longer soak:
@@ -9,6 +9,9 @@
 // Without a backend feature, the bodies for remote fixtures have nothing to run on.
 #![cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
 
+#[cfg(feature = "redis")]
+#[path = "support/redis_cluster.rs"]
+mod cluster_server;
 #[cfg(feature = "postgres")]
 #[path = "support/pg_server.rs"]
 mod pg_server;

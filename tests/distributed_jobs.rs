@@ -5,6 +5,9 @@
 
 #![cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
 
+#[cfg(feature = "redis")]
+#[path = "support/redis_cluster.rs"]
+mod cluster_server;
 #[cfg(feature = "postgres")]
 #[path = "support/pg_server.rs"]
 mod pg_server;

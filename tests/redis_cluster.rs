@@ -192,11 +192,15 @@ async fn a_cancelled_waiter_gives_up_its_shard_channel() {
     for waiter in &waiters {
         waiter.abort();
     }
-    within("the shard channel is given up", Duration::from_secs(5), async {
-        while cluster.shard_subscribers(&lock) != 0 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
+    within(
+        "the shard channel is given up",
+        Duration::from_secs(5),
+        async {
+            while cluster.shard_subscribers(&lock) != 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        },
+    )
     .await;
     held.release().await;
     // Nothing was left held by the cancelled waiters.

@@ -1,7 +1,7 @@
 //! The servers the `distributed*` tests run against, behind one trait so every test
-//! body is written once and runs on Redis, on PostgreSQL and (where it makes sense) in
-//! process. Each test file declares `redis_server`, `pg_server` and `support` at its
-//! root and includes this file.
+//! body is written once and runs on Redis, on a Redis Cluster, on PostgreSQL and (where
+//! it makes sense) in process. Each test file declares `redis_server`, `cluster_server`,
+//! `pg_server` and `support` at its root and includes this file.
 #![allow(dead_code)]
 
 use std::future::Future;
@@ -108,6 +108,51 @@ mod redis {
 
         fn kill(&mut self) {
             self.0.stop();
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
+#[cfg(feature = "redis")]
+pub use self::cluster::RedisCluster;
+
+#[cfg(feature = "redis")]
+mod cluster {
+    use super::redis::LEASE;
+    use super::*;
+    use tower_keyed_lock::RedisBackend;
+
+    /// Three primaries, no replicas: the same tests on sharded pub/sub and a cluster
+    /// connection.
+    pub struct RedisCluster(pub crate::cluster_server::RedisCluster);
+
+    impl Fixture for RedisCluster {
+        fn start() -> Self {
+            RedisCluster(crate::cluster_server::RedisCluster::start_primaries())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    impl Remote for RedisCluster {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            let backend = RedisBackend::cluster_builder(self.0.client())
+                .restart_guard(false)
+                .lease(LEASE)
+                .command_timeout(Duration::from_millis(500))
+                .build()
+                .await
+                .expect("the backend connects to the cluster");
+            Arc::new(backend)
+        }
+
+        fn kill(&mut self) {
+            self.0.stop_all();
         }
 
         fn loss_bound(&self) -> Duration {
@@ -223,11 +268,12 @@ pub async fn within<T>(what: &str, limit: Duration, future: impl Future<Output =
 
 /// Generates one `#[tokio::test]` per generic test body and fixture:
 /// `for_each_fixture!(all: [a, b], remote: [c])` makes `in_process::a` calling
-/// `a::<InProcess>()`, `redis::a`, `redis::c`, `postgres::a`, and so on.
+/// `a::<InProcess>()`, `redis::a`, `redis::c`, `redis_cluster::a`, `postgres::a`, and so on.
 macro_rules! for_each_fixture {
     (all: [$($all:ident),* $(,)?], remote: [$($remote:ident),* $(,)?] $(,)?) => {
         for_each_fixture!(@mod in_process, crate::servers::InProcess, []; $($all),*);
         for_each_fixture!(@mod redis, crate::servers::Redis, ["redis"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod redis_cluster, crate::servers::RedisCluster, ["redis"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod postgres, crate::servers::Postgres, ["postgres"]; $($all,)* $($remote),*);
     };
     (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
