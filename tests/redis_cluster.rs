@@ -47,6 +47,16 @@ fn key(text: &str) -> Key {
     Key::new(text, 256).unwrap()
 }
 
+/// Waits (at most 5 s) until the shard channel of `lock` has `count` subscribers.
+async fn subscribers_reach(cluster: &RedisCluster, lock: &str, count: usize, what: &str) {
+    within(what, Duration::from_secs(5), async {
+        while cluster.shard_subscribers(lock) != count {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
 /// Keys spread over the three primaries, one instance contending from each side, and
 /// a release heard on the other instance through the subscription.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -146,16 +156,7 @@ async fn keys_on_every_shard_are_serialized_and_releases_wake_other_instances() 
         );
         lease.release().await;
         // With its last waiter gone, the channel is given up.
-        within(
-            "the shard channel is unsubscribed",
-            Duration::from_secs(5),
-            async {
-                while cluster.shard_subscribers(&lock) != 0 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            },
-        )
-        .await;
+        subscribers_reach(&cluster, &lock, 0, "the shard channel is unsubscribed").await;
     }
 }
 
@@ -183,25 +184,11 @@ async fn a_cancelled_waiter_gives_up_its_shard_channel() {
             })
         })
         .collect();
-    within("the waiters subscribe", Duration::from_secs(5), async {
-        while cluster.shard_subscribers(&lock) != 1 {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
+    subscribers_reach(&cluster, &lock, 1, "the waiters subscribe").await;
     for waiter in &waiters {
         waiter.abort();
     }
-    within(
-        "the shard channel is given up",
-        Duration::from_secs(5),
-        async {
-            while cluster.shard_subscribers(&lock) != 0 {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        },
-    )
-    .await;
+    subscribers_reach(&cluster, &lock, 0, "the shard channel is given up").await;
     held.release().await;
     // Nothing was left held by the cancelled waiters.
     let lease = instances[1]
@@ -238,28 +225,14 @@ async fn a_slot_moved_mid_wait_keeps_the_lock_and_the_wake_up() {
                     .await
             })
         };
-        within("the waiter subscribes", Duration::from_secs(5), async {
-            while cluster.shard_subscribers(&lock) != 1 {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await;
+        subscribers_reach(&cluster, &lock, 1, "the waiter subscribes").await;
 
         let from = cluster.primary_of(&lock);
         let to = *cluster.primaries().iter().find(|&&p| p != from).unwrap();
         cluster.move_slot_of(&lock, to);
         assert_eq!(cluster.primary_of(&lock), to);
         let followed = Instant::now();
-        within(
-            "the subscription follows the slot",
-            Duration::from_secs(5),
-            async {
-                while cluster.shard_subscribers(&lock) != 1 {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            },
-        )
-        .await;
+        subscribers_reach(&cluster, &lock, 1, "the subscription follows the slot").await;
         println!(
             "cluster slot move: shard channel back on the new primary {:?} after the move",
             followed.elapsed()
@@ -287,9 +260,10 @@ async fn a_slot_moved_mid_wait_keeps_the_lock_and_the_wake_up() {
 }
 
 /// A primary is killed (SIGKILL) in the middle of a run of two instances over keys on
-/// every shard, and later a slot is moved to another primary. No two unsignalled holders of a key overlap, no acquisition outlasts
-/// its wait by more than a command timeout, and once the replica has taken over, keys
-/// of the failed shard are granted again without restarting anything.
+/// every shard, and later a slot is moved to another primary. No two unsignalled
+/// holders of a key overlap, no acquisition outlasts its wait by more than a command
+/// timeout, and once the replica has taken over, keys of the failed shard are granted
+/// again without restarting anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_primary_killed_mid_run_fails_over_without_overlap_or_hang() {
     let mut cluster = RedisCluster::start();

@@ -119,20 +119,19 @@ impl RedisCluster {
     /// How many clients of the whole cluster subscribe to the shard channel `channel`
     /// (`PUBSUB SHARDNUMSUB` counts one node's own).
     pub fn shard_subscribers(&self, channel: &str) -> usize {
-        self.running()
-            .map(|node| {
-                let reply = cli(node.port(), &["PUBSUB", "SHARDNUMSUB", channel]);
-                let count = reply.lines().nth(1).unwrap_or("0").trim();
-                count.parse::<usize>().expect("a subscriber count")
-            })
-            .sum()
+        self.count_subscribers("SHARDNUMSUB", channel)
     }
 
     /// How many clients of the whole cluster subscribe to the plain channel `channel`.
     pub fn subscribers(&self, channel: &str) -> usize {
+        self.count_subscribers("NUMSUB", channel)
+    }
+
+    /// `PUBSUB <command> channel` on every running node, summed.
+    fn count_subscribers(&self, command: &str, channel: &str) -> usize {
         self.running()
             .map(|node| {
-                let reply = cli(node.port(), &["PUBSUB", "NUMSUB", channel]);
+                let reply = cli(node.port(), &["PUBSUB", command, channel]);
                 let count = reply.lines().nth(1).unwrap_or("0").trim();
                 count.parse::<usize>().expect("a subscriber count")
             })
