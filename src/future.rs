@@ -37,11 +37,10 @@ pin_project! {
     #[project = StateProj]
     enum State<S, ReqBody, F> {
         // Waiting for the key: in this process, then at the backend if there is one.
-        // `acquire` is declared first so it is dropped (and gives back what it got)
-        // before the ticket in `pending` records a cancellation.
+        // Boxed: only a contended request waits, and the future every request moves
+        // around stays the size of the running state.
         Acquiring {
-            acquire: DistributedAcquire,
-            pending: Option<Pending<S, ReqBody>>,
+            waiting: Box<Waiting<S, ReqBody>>,
         },
         // The inner service runs under `held` (`None` for a request let through
         // without a key). `lost` resolves if the lease is lost and the layer aborts then.
@@ -56,6 +55,14 @@ pin_project! {
             response: Option<Response<Bytes>>,
         },
     }
+}
+
+/// A wait for the key, and the request that runs once it is held.
+struct Waiting<S, ReqBody> {
+    // Declared first so it is dropped (and gives back what it got) before the ticket
+    // in `pending` records a cancellation.
+    acquire: DistributedAcquire,
+    pending: Option<Pending<S, ReqBody>>,
 }
 
 /// A request that has not reached the inner service yet.
@@ -93,8 +100,10 @@ where
     pub(crate) fn acquiring(acquire: DistributedAcquire, pending: Pending<S, ReqBody>) -> Self {
         Self {
             state: State::Acquiring {
-                acquire,
-                pending: Some(pending),
+                waiting: Box::new(Waiting {
+                    acquire,
+                    pending: Some(pending),
+                }),
             },
         }
     }
@@ -150,9 +159,9 @@ where
         let mut state = self.project().state;
         loop {
             let next = match state.as_mut().project() {
-                StateProj::Acquiring { acquire, pending } => {
-                    let result = ready!(Pin::new(acquire).poll(cx));
-                    let mut pending = pending.take().expect("polled after completion");
+                StateProj::Acquiring { waiting } => {
+                    let result = ready!(Pin::new(&mut waiting.acquire).poll(cx));
+                    let mut pending = waiting.pending.take().expect("polled after completion");
                     match result {
                         Ok(guard) => {
                             let (future, held, lost) = start(pending, guard);

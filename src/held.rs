@@ -9,8 +9,8 @@ use crate::shared::Shared;
 /// Owns a request's guard; on drop releases it and records the hold time. Warns once
 /// if the hold outlives the layer's long-hold threshold.
 pub(crate) struct HeldKey {
-    /// `Some` until dropped.
-    guard: Option<DistributedGuard>,
+    /// Released after `drop` below has recorded the hold (fields drop after it).
+    guard: DistributedGuard,
     since: Instant,
     shared: Arc<Shared>,
     warned: bool,
@@ -19,7 +19,7 @@ pub(crate) struct HeldKey {
 impl HeldKey {
     pub(crate) fn new(guard: DistributedGuard, shared: Arc<Shared>) -> Self {
         Self {
-            guard: Some(guard),
+            guard,
             since: Instant::now(),
             shared,
             warned: false,
@@ -44,11 +44,7 @@ impl HeldKey {
         let held = self.since.elapsed();
         if !self.warned && held > threshold {
             self.warned = true;
-            let key = self
-                .guard
-                .as_ref()
-                .map(|g| g.key_ref().short())
-                .unwrap_or_default();
+            let key = self.guard.key_ref().short();
             tracing::warn!(
                 layer = self.shared.name(),
                 held_ms = held.as_millis() as u64,
@@ -64,10 +60,7 @@ impl Drop for HeldKey {
         self.check_long_hold();
         let metrics = self.shared.metrics();
         metrics.hold.record(self.since.elapsed());
-        let Some(guard) = self.guard.take() else {
-            return;
-        };
-        if guard.is_lost() {
+        if self.guard.is_lost() {
             metrics.lease_lost.increment(1);
         }
         // Dropping the guard releases the key; a remote release runs as its own task.

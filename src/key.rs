@@ -19,10 +19,16 @@
 //! assert_eq!(key.as_str(), "order-42");
 //! ```
 
+mod text;
+
 use std::borrow::{Borrow, Cow};
+use std::cmp::Ordering;
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::marker::PhantomData;
 use std::sync::Arc;
+
+use text::Text;
 
 use http::header::HeaderName;
 use http::request::Parts;
@@ -34,12 +40,13 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 256;
 const SHORT_CHARS: usize = 16;
 
 /// A validated lock key: non-empty UTF-8 without control characters, within a
-/// length limit. Cheap to clone (`Arc<str>`).
+/// length limit. Cheap to clone: keys up to 40 bytes (ids, UUIDs) are stored inline,
+/// without an allocation, longer ones in an `Arc<str>`.
 ///
 /// `Display` writes the full key; `Debug` writes only the escaped [`Key::short`]
 /// form, so a key logged with `{:?}` can neither flood nor forge a log line.
-#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Key(Arc<str>);
+#[derive(Clone)]
+pub struct Key(Text);
 
 impl Key {
     /// Validates `s`: it must be non-empty, at most `max_len` bytes long and
@@ -67,12 +74,12 @@ impl Key {
         if s.chars().any(char::is_control) {
             return Err(KeyError::ControlChar);
         }
-        Ok(Key(Arc::from(s)))
+        Ok(Key(Text::new(s)))
     }
 
     /// The key text.
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 
     /// A short prefix of the key that is safe for logs and response bodies:
@@ -90,7 +97,7 @@ impl Key {
     /// ```
     pub fn short(&self) -> String {
         let mut out = String::new();
-        let mut chars = self.0.chars();
+        let mut chars = self.as_str().chars();
         for c in chars.by_ref().take(SHORT_CHARS) {
             out.extend(c.escape_default());
         }
@@ -109,19 +116,46 @@ impl fmt::Debug for Key {
 
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
+    }
+}
+
+// Equality, order and hash are the text's, so `Borrow<str>` lookups agree with them.
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for Key {}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Key) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Key {
+    fn cmp(&self, other: &Key) -> Ordering {
+        self.as_str().cmp(other.as_str())
+    }
+}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
     }
 }
 
 impl Borrow<str> for Key {
     fn borrow(&self) -> &str {
-        &self.0
+        self.as_str()
     }
 }
 
 impl AsRef<str> for Key {
     fn as_ref(&self) -> &str {
-        &self.0
+        self.as_str()
     }
 }
 
@@ -505,7 +539,7 @@ mod tests {
     /// Builds a key without validation, to test `short()` on text that
     /// `Key::new` would refuse.
     fn raw_key(s: &str) -> Key {
-        Key(Arc::from(s))
+        Key(Text::new(s))
     }
 
     #[test]

@@ -68,4 +68,66 @@ fn uncontended_locking_allocates_only_a_new_keys_copy() {
     let (try_new, guard) = allocations(|| locks.try_lock(key).unwrap());
     assert_eq!(try_new, 1);
     drop(guard);
+
+    layer_allocations();
+}
+
+/// Allocations one request through `KeyedLockLayer::by_header` adds to the inner
+/// service's own, uncontended, in process: the `LockInfo` box in the extensions, and a
+/// copy of the key only when it is longer than the 40 bytes a key keeps inline.
+fn layer_allocations() {
+    use http::{Request, Response};
+    use tower::{Layer, Service};
+    use tower_keyed_lock::KeyedLockLayer;
+
+    let inner = tower::service_fn(|_: Request<()>| async {
+        Ok::<_, std::convert::Infallible>(Response::new(()))
+    });
+    let layer = KeyedLockLayer::by_header("idempotency-key");
+    let mut layered = layer.layer(inner);
+    let mut bare = inner;
+    let request = |key: &str| {
+        let mut request = Request::post("/")
+            .header("idempotency-key", key)
+            .body(())
+            .unwrap();
+        // Room for one more extension, as a router's request has: the map's own
+        // growth is not the layer's.
+        request.extensions_mut().insert(0u8);
+        request.extensions_mut().insert(0u16);
+        request
+    };
+    let run = |service: &mut dyn FnMut(Request<()>) -> bool, key: &str| {
+        let request = request(key);
+        allocations(|| assert!(service(request))).0
+    };
+    let mut call_layered = |request| poll_ok(layered.call(request));
+    let mut call_bare = |request| poll_ok(bare.call(request));
+    // Warm up: metric handles are registered on the first request, and every shard
+    // of the table gets its (kept) storage.
+    for key in 0..1_000 {
+        run(&mut call_layered, &key.to_string());
+    }
+
+    let uuid = "67e55044-10b1-426f-9247-bb680e5fe0c8";
+    let added = run(&mut call_layered, uuid) - run(&mut call_bare, uuid);
+    assert_eq!(added, 1, "a request with a UUID key: only the LockInfo box");
+    let long = "k".repeat(64);
+    let added = run(&mut call_layered, &long) - run(&mut call_bare, &long);
+    assert_eq!(
+        added, 2,
+        "a 64-byte key: the LockInfo box and one copy of the key"
+    );
+    assert_eq!(layer.active_keys(), 0);
+}
+
+/// Polls a response future once; true if it completed with `Ok`.
+fn poll_ok<F: Future<Output = Result<T, E>>, T, E>(future: F) -> bool {
+    let mut future = std::pin::pin!(future);
+    matches!(
+        future
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop())),
+        Poll::Ready(Ok(_))
+    )
 }
