@@ -21,9 +21,11 @@ pub struct DistributedGuard {
     locks: Arc<Inner>,
     /// `Some` until released.
     local: Option<KeyGuard<Key>>,
-    lease: Option<Lease>,
+    // Boxed, as they are rare: the guard of every in-process request is moved from
+    // the lock future into the response future, and stays small that way.
+    lease: Option<Box<Lease>>,
     /// The backend error the guard was granted despite, with `fail_open`.
-    failed: Option<LockError>,
+    failed: Option<Box<LockError>>,
 }
 
 /// The error of [`DistributedGuard::run_while_held`] when the lease was lost first:
@@ -41,8 +43,8 @@ impl DistributedGuard {
         Self {
             locks,
             local: Some(local),
-            lease,
-            failed,
+            lease: lease.map(Box::new),
+            failed: failed.map(Box::new),
         }
     }
 
@@ -64,12 +66,12 @@ impl DistributedGuard {
     /// this key, so storage can refuse a write from an older holder. `None` in
     /// process, and from a backend that does not issue them.
     pub fn fencing_token(&self) -> Option<u64> {
-        self.lease.as_ref().and_then(Lease::fencing_token)
+        self.lease.as_deref().and_then(Lease::fencing_token)
     }
 
     /// The lost-lease signal of the remote lease; `None` in process.
     pub fn lease(&self) -> Option<&LeaseSignal> {
-        self.lease.as_ref().map(Lease::signal)
+        self.lease.as_deref().map(Lease::signal)
     }
 
     /// Whether the remote lease was lost: another instance may hold the key now.
@@ -90,7 +92,7 @@ impl DistributedGuard {
     /// [`fail_open`](super::DistributedLocksBuilder::fail_open), a backend failure
     /// leaves the key held in this process only.
     pub fn failed_open(&self) -> Option<&(dyn Error + Send + Sync + 'static)> {
-        match &self.failed {
+        match self.failed.as_deref() {
             Some(LockError::Backend(error)) => Some(&**error),
             _ => None,
         }
@@ -128,7 +130,7 @@ impl DistributedGuard {
         let Some(lease) = self.lease.take() else {
             return; // the local guard drops with `self`
         };
-        if let Some(release) = release_detached(lease, self.local.take()) {
+        if let Some(release) = release_detached(*lease, self.local.take()) {
             let _ = release.await;
         }
     }
@@ -137,7 +139,7 @@ impl DistributedGuard {
 impl Drop for DistributedGuard {
     fn drop(&mut self) {
         if let Some(lease) = self.lease.take() {
-            let _ = release_detached(lease, self.local.take());
+            let _ = release_detached(*lease, self.local.take());
         }
         // Else the local guard drops with the fields.
     }
