@@ -91,8 +91,7 @@ impl<K: Eq + Hash, V> Table<K, V> {
     /// Runs `f` on the slot of `key` (whose [`hash`](Self::hash) is `hash`), first
     /// inserting a default slot if there is none and `admit_new()` allows it. Returns
     /// the key (the caller's own, or a clone when the table kept the original) and
-    /// `f`'s result, `None` when not admitted. One lookup whether the key is there or
-    /// not, and no clone when it is.
+    /// `f`'s result, `None` when not admitted. No clone when the key is there.
     pub(crate) fn with_slot<R>(
         &self,
         hash: u64,
@@ -109,23 +108,23 @@ impl<K: Eq + Hash, V> Table<K, V> {
         if let Some((_, slot)) = inline.iter_mut().flatten().find(|(k, _)| *k == key) {
             return (key, Some(f(slot)));
         }
-        let absent = match table.find_entry(hash, |(present, _)| *present == key) {
-            Ok(mut slot) => return (key, Some(f(&mut slot.get_mut().1))),
-            Err(absent) => absent,
-        };
+        // An empty table (the rule while keys are few) is not probed: its control bytes
+        // would be one more cache line to fetch.
+        if !table.is_empty() {
+            if let Some((_, slot)) = table.find_mut(hash, |(present, _)| *present == key) {
+                return (key, Some(f(slot)));
+            }
+        }
         if !admit_new() {
             return (key, None);
         }
         let entry = (key.clone(), V::default());
         let slot = match inline.iter_mut().find(|place| place.is_none()) {
             Some(place) => &mut place.insert(entry).1,
+            // A second probe, only once the inline places are taken.
             None => {
                 let hasher = |(key, _): &(K, V)| self.hasher.hash_one(key);
-                &mut absent
-                    .into_table()
-                    .insert_unique(hash, entry, hasher)
-                    .into_mut()
-                    .1
+                &mut table.insert_unique(hash, entry, hasher).into_mut().1
             }
         };
         (key, Some(f(slot)))
