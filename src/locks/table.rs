@@ -21,9 +21,11 @@ const KEPT_CAPACITY: usize = 256;
 
 /// Shards at least: enough that keys in use are mostly alone in theirs, in its inline
 /// places (two cores then seldom meet on one shard lock, and a lock or release touches
-/// only the shard's own cache lines). 128 bytes each.
+/// only the shard's own cache lines). 128 bytes each, 32 KiB in all; with 64 keys held
+/// on 2 cores, 64 / 128 / 256 / 512 shards measured 1.33 / 1.21 / 1.16 / 1.13 times
+/// diy-dashmap's time per lock.
 #[cfg(not(loom))]
-const MIN_SHARDS: usize = 128;
+const MIN_SHARDS: usize = 256;
 
 /// Keys a shard keeps inline, beside its lock, before it uses its hash table.
 #[cfg(not(loom))]
