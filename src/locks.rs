@@ -50,7 +50,24 @@ use table::Table;
 ///
 /// See the [module docs](crate::locks) for an example.
 pub struct KeyedLocks<K> {
-    inner: Arc<Inner<K>>,
+    /// One handle per thread stripe, all on the same table. The array never changes,
+    /// so it needs no model under loom: a std `Arc`.
+    handles: std::sync::Arc<[Arc<Handle<K>>]>,
+}
+
+/// A counted reference to the table: every lock future and guard holds one, which keeps
+/// the table alive. Each takes the handle of its thread's stripe, so two cores locking
+/// and releasing do not both write one reference count (a cache line moving between
+/// them twice per lock). The padding keeps that count off the line of the pointer that
+/// every operation reads.
+struct Handle<K>(CachePadded<Arc<Inner<K>>>);
+
+impl<K> std::ops::Deref for Handle<K> {
+    type Target = Inner<K>;
+
+    fn deref(&self) -> &Inner<K> {
+        &self.0
+    }
 }
 
 struct Inner<K> {
@@ -93,7 +110,8 @@ pub struct KeyedLocksBuilder<K> {
 /// waiter). Owned, `Send` and `'static`, so it can move into a spawned task.
 #[must_use = "the key is released as soon as the guard is dropped"]
 pub struct KeyGuard<K: Eq + Hash> {
-    inner: Arc<Inner<K>>,
+    /// The table, through the handle of the thread that locked.
+    inner: Arc<Handle<K>>,
     key: K,
     /// The key's table hash, kept so the release does not hash the key again.
     hash: u64,
@@ -140,21 +158,21 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     /// acquired. It fails at once with [`LockError::QueueFull`] or
     /// [`LockError::TooManyKeys`] when a limit is reached.
     pub fn lock(&self, key: K) -> Acquire<K> {
-        Acquire::new(self.inner.clone(), key, None)
+        Acquire::new(self.handle(), key, None)
     }
 
     /// Waits for `key` at most `timeout`, then fails with [`LockError::Timeout`].
     /// `Duration::ZERO` tries once and never waits. Needs a Tokio runtime with time
     /// enabled when it has to wait.
     pub fn lock_timeout(&self, key: K, timeout: Duration) -> Acquire<K> {
-        Acquire::new(self.inner.clone(), key, Some(timeout))
+        Acquire::new(self.handle(), key, Some(timeout))
     }
 
     /// Takes `key` if a permit is free now, else fails with [`LockError::Busy`].
     pub fn try_lock(&self, key: K) -> Result<KeyGuard<K>, LockError> {
-        let hash = self.inner.table.hash(&key);
-        match self.inner.attempt(hash, key, None) {
-            (key, Ok(Attempt::Acquired)) => Ok(KeyGuard::new(self.inner.clone(), key, hash)),
+        let hash = self.inner().table.hash(&key);
+        match self.inner().attempt(hash, key, None) {
+            (key, Ok(Attempt::Acquired)) => Ok(KeyGuard::new(self.handle(), key, hash)),
             (_, Ok(_)) => Err(LockError::Busy),
             (_, Err(error)) => Err(error),
         }
@@ -162,7 +180,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
 
     /// Keys that have a holder or a waiter now (exact when no call is in flight).
     pub fn len(&self) -> usize {
-        self.inner.keys.get()
+        self.inner().keys.get()
     }
 
     /// True when no key has a holder or a waiter.
@@ -174,7 +192,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     /// still empty, so the gauge starts right.
     pub(crate) fn report_keys_to(&self, gauge: metrics::Gauge) {
         debug_assert!(self.is_empty(), "the key gauge set on a table in use");
-        let _ = self.inner.keys_gauge.set(gauge);
+        let _ = self.inner().keys_gauge.set(gauge);
     }
 }
 
@@ -242,7 +260,7 @@ impl<K: Eq + Hash> Inner<K> {
 impl<K> Clone for KeyedLocks<K> {
     fn clone(&self) -> Self {
         Self {
-            inner: self.inner.clone(),
+            handles: self.handles.clone(),
         }
     }
 }
@@ -253,13 +271,25 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> Default for KeyedLocks<K> {
     }
 }
 
+impl<K> KeyedLocks<K> {
+    fn inner(&self) -> &Inner<K> {
+        &self.handles[0]
+    }
+
+    /// A new reference to the table, on this thread's handle.
+    fn handle(&self) -> Arc<Handle<K>> {
+        // The number of handles is a power of two.
+        self.handles[count::stripe() & (self.handles.len() - 1)].clone()
+    }
+}
+
 impl<K> fmt::Debug for KeyedLocks<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KeyedLocks")
-            .field("keys", &self.inner.keys.get())
-            .field("permits", &self.inner.permits)
-            .field("max_waiters", &self.inner.max_waiters)
-            .field("max_keys", &self.inner.max_keys)
+            .field("keys", &self.inner().keys.get())
+            .field("permits", &self.inner().permits)
+            .field("max_waiters", &self.inner().max_waiters)
+            .field("max_keys", &self.inner().max_keys)
             .finish()
     }
 }
@@ -291,21 +321,27 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
 
     /// Builds the table.
     pub fn build(self) -> KeyedLocks<K> {
+        let inner = Arc::new(Inner {
+            table: CachePadded(Table::new()),
+            keys: KeyCount::new(self.max_keys),
+            keys_gauge: std::sync::OnceLock::new(),
+            permits: self.permits,
+            max_waiters: self.max_waiters,
+            max_keys: self.max_keys,
+        });
+        // One handle under loom, so models see the same reference count as threads.
+        let handles = if cfg!(loom) { 1 } else { count::STRIPES };
+        let handles: Vec<_> = (0..handles)
+            .map(|_| Arc::new(Handle(CachePadded(inner.clone()))))
+            .collect();
         KeyedLocks {
-            inner: Arc::new(Inner {
-                table: CachePadded(Table::new()),
-                keys: KeyCount::new(self.max_keys),
-                keys_gauge: std::sync::OnceLock::new(),
-                permits: self.permits,
-                max_waiters: self.max_waiters,
-                max_keys: self.max_keys,
-            }),
+            handles: handles.into(),
         }
     }
 }
 
 impl<K: Eq + Hash> KeyGuard<K> {
-    fn new(inner: Arc<Inner<K>>, key: K, hash: u64) -> Self {
+    fn new(inner: Arc<Handle<K>>, key: K, hash: u64) -> Self {
         Self { inner, key, hash }
     }
 

@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use super::{Attempt, Inner, KeyGuard, LockError, Waiter};
+use super::{Attempt, Handle, KeyGuard, LockError, Waiter};
 use crate::sync::Arc;
 
 /// Waits for a key; resolves to its [`KeyGuard`].
@@ -18,7 +18,7 @@ use crate::sync::Arc;
 pub struct Acquire<K: Eq + Hash> {
     /// The table and the key, until the future resolves: then both move into the guard
     /// (no second reference count on the table per lock).
-    wanted: Option<(Arc<Inner<K>>, K)>,
+    wanted: Option<(Arc<Handle<K>>, K)>,
     /// The key's table hash, computed once for the attempt, a withdrawal and the guard.
     hash: u64,
     queued: Option<Arc<Waiter>>,
@@ -29,7 +29,7 @@ pub struct Acquire<K: Eq + Hash> {
 }
 
 impl<K: Eq + Hash> Acquire<K> {
-    pub(super) fn new(inner: Arc<Inner<K>>, key: K, timeout: Option<Duration>) -> Self {
+    pub(super) fn new(inner: Arc<Handle<K>>, key: K, timeout: Option<Duration>) -> Self {
         Self {
             hash: inner.table.hash(&key),
             wanted: Some((inner, key)),

@@ -2,9 +2,10 @@
 
 use crate::sync::{AtomicUsize, CachePadded, Ordering};
 
-/// Counters of the unbounded kind. A thread counts on its own stripe, so two cores
-/// inserting and removing keys do not fight over one cache line.
-const STRIPES: usize = 16;
+/// Counters of the unbounded kind, and the table's handles (`locks.rs`): a thread uses
+/// its own stripe, so two cores inserting and removing keys do not fight over one
+/// cache line. A power of two.
+pub(super) const STRIPES: usize = 16;
 
 pub(crate) enum KeyCount {
     /// `max_keys` is set: one counter, raised before a key is inserted, so concurrent
@@ -80,7 +81,7 @@ impl KeyCount {
 }
 
 /// This thread's stripe, handed out round-robin on first use.
-fn stripe() -> usize {
+pub(super) fn stripe() -> usize {
     use std::sync::atomic::AtomicUsize as StdAtomicUsize;
     static NEXT: StdAtomicUsize = StdAtomicUsize::new(0);
     thread_local! {

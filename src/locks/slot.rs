@@ -19,9 +19,18 @@ use crate::sync::{lock, Arc, Mutex};
 #[derive(Default)]
 pub(crate) struct Slot {
     holders: usize,
+    /// Created by the key's first waiter and kept as long as the slot (as a queue's
+    /// buffer is). Boxed, so a slot is 16 bytes and the table can keep a few of them
+    /// on its lock's cache lines.
+    queue: Option<Box<Queue>>,
+}
+
+/// The waiters of a busy key.
+#[derive(Default)]
+struct Queue {
     /// Waiters in arrival order, withdrawn ones included until skipped or compacted.
-    queue: VecDeque<Arc<Waiter>>,
-    /// Entries of `queue` still waiting: what `max_waiters` bounds.
+    entries: VecDeque<Arc<Waiter>>,
+    /// Entries still waiting: what `max_waiters` bounds.
     waiting: usize,
 }
 
@@ -46,19 +55,26 @@ impl Slot {
         waker: Option<&Waker>,
     ) -> Attempt {
         if self.holders < permits {
-            debug_assert!(self.queue.is_empty(), "waiters queued beside a free permit");
+            debug_assert!(
+                self.queue
+                    .as_ref()
+                    .is_none_or(|queue| queue.entries.is_empty()),
+                "waiters queued beside a free permit"
+            );
             self.holders += 1;
             return Attempt::Acquired;
         }
         let Some(waker) = waker else {
             return Attempt::Busy;
         };
-        if self.waiting >= max_waiters {
+        let waiting = self.queue.as_ref().map_or(0, |queue| queue.waiting);
+        if waiting >= max_waiters {
             return Attempt::QueueFull;
         }
+        let queue = self.queue.get_or_insert_default();
         let waiter = Arc::new(Waiter::new(waker.clone()));
-        self.queue.push_back(waiter.clone());
-        self.waiting += 1;
+        queue.entries.push_back(waiter.clone());
+        queue.waiting += 1;
         Attempt::Queued(waiter)
     }
 
@@ -66,10 +82,12 @@ impl Slot {
     /// Returns the waker to call (after the shard lock is released) and whether the
     /// slot is now unused and must be removed.
     pub(crate) fn release(&mut self) -> (Option<Waker>, bool) {
-        while let Some(next) = self.queue.pop_front() {
-            if let Some(waker) = next.grant() {
-                self.waiting -= 1;
-                return (Some(waker), false);
+        if let Some(queue) = &mut self.queue {
+            while let Some(next) = queue.entries.pop_front() {
+                if let Some(waker) = next.grant() {
+                    queue.waiting -= 1;
+                    return (Some(waker), false);
+                }
             }
         }
         self.holders -= 1;
@@ -82,21 +100,27 @@ impl Slot {
         if !waiter.withdraw() {
             return self.release();
         }
-        self.waiting -= 1;
-        if self.queue.len() > 2 * self.waiting {
-            self.compact();
+        let queue = self
+            .queue
+            .as_mut()
+            .expect("a withdrawing waiter is in the queue");
+        queue.waiting -= 1;
+        if queue.entries.len() > 2 * queue.waiting {
+            queue.compact();
         }
         // A queued waiter implies a holder, so the slot stays.
         (None, false)
     }
+}
 
+impl Queue {
     /// Drops the withdrawn entries; they are at least half the queue, which pays for
     /// the pass.
     fn compact(&mut self) {
-        self.queue.retain(|waiter| !waiter.is_withdrawn());
-        let kept = (4 * self.queue.len()).max(QUEUE_CAPACITY_KEPT);
-        if self.queue.capacity() > kept {
-            self.queue.shrink_to(kept);
+        self.entries.retain(|waiter| !waiter.is_withdrawn());
+        let kept = (4 * self.entries.len()).max(QUEUE_CAPACITY_KEPT);
+        if self.entries.capacity() > kept {
+            self.entries.shrink_to(kept);
         }
     }
 }

@@ -19,9 +19,31 @@ use std::hash::BuildHasher;
 #[cfg(not(loom))]
 const KEPT_CAPACITY: usize = 256;
 
+/// Shards at least: enough that keys in use are mostly alone in theirs, in its inline
+/// places (two cores then seldom meet on one shard lock, and a lock or release touches
+/// only the shard's own cache lines). 128 bytes each, 32 KiB in all; with 64 keys held
+/// on 2 cores, 64 / 128 / 256 / 512 shards measured 1.33 / 1.21 / 1.16 / 1.13 times
+/// diy-dashmap's time per lock.
+#[cfg(not(loom))]
+const MIN_SHARDS: usize = 256;
+
+/// Keys a shard keeps inline, beside its lock, before it uses its hash table.
+#[cfg(not(loom))]
+const INLINE: usize = 2;
+
 /// One shard: the keys whose hash picks it, under one lock.
 #[cfg(not(loom))]
-type Shard<K, V> = Mutex<hashbrown::HashTable<(K, V)>>;
+type Shard<K, V> = Mutex<ShardMap<K, V>>;
+
+/// A shard's keys: the first few inline, so that with a lock on the same cache lines a
+/// lock or release moves one pair of lines between cores, not also the hash table's
+/// control bytes and bucket, which every insert and removal writes. A key stays where
+/// it was inserted until removed, and is looked for in both places.
+#[cfg(not(loom))]
+struct ShardMap<K, V> {
+    inline: [Option<(K, V)>; INLINE],
+    table: hashbrown::HashTable<(K, V)>,
+}
 
 /// A sharded hash table: a key's hash, computed once per lock and kept until its
 /// release, picks its shard and its bucket. Keys come from clients, so the hasher is
@@ -38,13 +60,18 @@ pub(crate) struct Table<K, V> {
 #[cfg(not(loom))]
 impl<K: Eq + Hash, V> Table<K, V> {
     pub(crate) fn new() -> Self {
-        // As many shards as DashMap takes: four per core, a power of two.
+        // Four per core, as DashMap takes, but not below `MIN_SHARDS`; a power of two.
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
-        let shards = (cores * 4).next_power_of_two();
+        let shards = (cores * 4).max(MIN_SHARDS).next_power_of_two();
         Self {
             hasher: std::hash::RandomState::new(),
             shards: (0..shards)
-                .map(|_| CachePadded(Mutex::new(hashbrown::HashTable::new())))
+                .map(|_| {
+                    CachePadded(Mutex::new(ShardMap {
+                        inline: [const { None }; INLINE],
+                        table: hashbrown::HashTable::new(),
+                    }))
+                })
                 .collect(),
             shard_shift: 64 - shards.trailing_zeros(),
         }
@@ -66,8 +93,7 @@ impl<K: Eq + Hash, V> Table<K, V> {
     /// Runs `f` on the slot of `key` (whose [`hash`](Self::hash) is `hash`), first
     /// inserting a default slot if there is none and `admit_new()` allows it. Returns
     /// the key (the caller's own, or a clone when the table kept the original) and
-    /// `f`'s result, `None` when not admitted. One lookup whether the key is there or
-    /// not, and no clone when it is.
+    /// `f`'s result, `None` when not admitted. No clone when the key is there.
     pub(crate) fn with_slot<R>(
         &self,
         hash: u64,
@@ -80,33 +106,39 @@ impl<K: Eq + Hash, V> Table<K, V> {
         V: Default,
     {
         let mut shard = lock(self.shard(hash));
-        match shard.find_entry(hash, |(present, _)| *present == key) {
-            Ok(mut slot) => {
-                let result = f(&mut slot.get_mut().1);
-                (key, Some(result))
-            }
-            Err(absent) => {
-                if !admit_new() {
-                    return (key, None);
-                }
-                let hasher = |(key, _): &(K, V)| self.hasher.hash_one(key);
-                let mut slot =
-                    absent
-                        .into_table()
-                        .insert_unique(hash, (key.clone(), V::default()), hasher);
-                let result = f(&mut slot.get_mut().1);
-                (key, Some(result))
+        let ShardMap { inline, table } = &mut *shard;
+        if let Some((_, slot)) = inline.iter_mut().flatten().find(|(k, _)| *k == key) {
+            return (key, Some(f(slot)));
+        }
+        // An empty table (the rule while keys are few) is not probed: its control bytes
+        // would be one more cache line to fetch.
+        if !table.is_empty() {
+            if let Some((_, slot)) = table.find_mut(hash, |(present, _)| *present == key) {
+                return (key, Some(f(slot)));
             }
         }
+        if !admit_new() {
+            return (key, None);
+        }
+        let entry = (key.clone(), V::default());
+        let slot = match inline.iter_mut().find(|place| place.is_none()) {
+            Some(place) => &mut place.insert(entry).1,
+            // A second probe, only once the inline places are taken.
+            None => {
+                let hasher = |(key, _): &(K, V)| self.hasher.hash_one(key);
+                &mut table.insert_unique(hash, entry, hasher).into_mut().1
+            }
+        };
+        (key, Some(f(slot)))
     }
 
     /// Runs `f` on the slot of `key` and removes the slot if `f` returns true.
     /// Returns whether a slot was removed.
     ///
-    /// A shard left less than a quarter full is shrunk to twice its length (not below
-    /// [`KEPT_CAPACITY`]), so a burst of keys does not pin its peak memory. A shrink
-    /// follows three quarters of a shard's keys leaving since it last grew or shrank,
-    /// which pays for the rehash.
+    /// A shard's table left less than a quarter full is shrunk to twice its length (not
+    /// below [`KEPT_CAPACITY`]), so a burst of keys does not pin its peak memory. A
+    /// shrink follows three quarters of a table's keys leaving since it last grew or
+    /// shrank, which pays for the rehash.
     pub(crate) fn update_or_remove(
         &self,
         hash: u64,
@@ -114,23 +146,35 @@ impl<K: Eq + Hash, V> Table<K, V> {
         f: impl FnOnce(&mut V) -> bool,
     ) -> bool {
         let mut shard = lock(self.shard(hash));
-        let Ok(mut slot) = shard.find_entry(hash, |(present, _)| present == key) else {
+        let ShardMap { inline, table } = &mut *shard;
+        if let Some(place) = inline
+            .iter_mut()
+            .find(|place| place.as_ref().is_some_and(|(k, _)| k == key))
+        {
+            let (_, slot) = place.as_mut().expect("found above");
+            let remove = f(slot);
+            if remove {
+                *place = None;
+            }
+            return remove;
+        }
+        let Ok(mut slot) = table.find_entry(hash, |(present, _)| present == key) else {
             return false;
         };
         if !f(&mut slot.get_mut().1) {
             return false;
         }
         slot.remove();
-        let (len, capacity) = (shard.len(), shard.capacity());
+        let (len, capacity) = (table.len(), table.capacity());
         if capacity > KEPT_CAPACITY && len < capacity / 4 {
-            // An emptied shard frees everything: a small table left behind would keep
+            // An emptied table frees everything: a small table left behind would keep
             // the allocator from returning the memory freed below it.
             let target = if len == 0 {
                 0
             } else {
                 (2 * len).max(KEPT_CAPACITY)
             };
-            shard.shrink_to(target, |(key, _)| self.hasher.hash_one(key));
+            table.shrink_to(target, |(key, _)| self.hasher.hash_one(key));
         }
         true
     }
@@ -184,5 +228,16 @@ impl<K: Eq + Hash, V> Table<K, V> {
             map.remove(key);
         }
         remove
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    #[test]
+    fn a_shard_fits_its_cache_lines_for_small_keys() {
+        use super::{CachePadded, Shard};
+        use crate::locks::slot::Slot;
+        assert_eq!(std::mem::size_of::<CachePadded<Shard<u64, Slot>>>(), 128);
+        assert_eq!(std::mem::size_of::<CachePadded<Shard<String, Slot>>>(), 128);
     }
 }
