@@ -61,12 +61,13 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
                 }
             }
             None => {
-                let (inner, key) = this.wanted.take().expect("Acquire polled after completion");
+                let (inner, _) = this
+                    .wanted
+                    .as_ref()
+                    .expect("Acquire polled after completion");
                 let try_once = this.timeout == Some(Duration::ZERO);
                 let waker = (!try_once).then(|| cx.waker());
-                let (key, attempt) = inner.attempt(this.hash, key, waker);
-                this.wanted = Some((inner, key));
-                match attempt {
+                match inner.attempt(this.hash, waker) {
                     Ok(Attempt::Acquired) => return this.resolve(Ok(())),
                     Ok(Attempt::Queued(waiter)) => this.queued = Some(waiter),
                     Ok(Attempt::Busy) => return this.resolve(Err(LockError::Timeout)),
@@ -94,16 +95,16 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
         if waiter.is_granted() {
             return this.resolve(Ok(()));
         }
-        let (inner, key) = this.wanted.as_ref().expect("checked above");
-        inner.withdraw(this.hash, key, &waiter);
+        let (inner, _) = this.wanted.as_ref().expect("checked above");
+        inner.withdraw(this.hash, &waiter);
         this.resolve(Err(LockError::Timeout))
     }
 }
 
 impl<K: Eq + Hash> Drop for Acquire<K> {
     fn drop(&mut self) {
-        if let (Some(waiter), Some((inner, key))) = (self.queued.take(), &self.wanted) {
-            inner.withdraw(self.hash, key, &waiter);
+        if let (Some(waiter), Some((inner, _))) = (self.queued.take(), &self.wanted) {
+            inner.withdraw(self.hash, &waiter);
         }
     }
 }

@@ -1,18 +1,23 @@
 //! The map under the lock table, reduced to the two operations the table needs.
 //!
-//! Each operation runs its closure while holding the lock of the key's shard, so a
+//! A key is known by its 64-bit hash alone, keyed with a random SipHash key per table:
+//! the table stores no key, copies none and compares none. Two keys whose hashes
+//! collide share one slot, so they serialize together: mutual exclusion per key still
+//! holds, and no one can aim a collision at the random key (by chance, among a million
+//! keys in use at once, a collision has odds of about 3 in 100 million).
+//!
+//! Each operation runs its closure while holding the lock of the hash's shard, so a
 //! closure sees and changes a slot atomically with respect to every other operation on
 //! that key. Closures never await: no shard lock is ever held across an `.await`.
 //!
 //! Under `cfg(loom)` a single `loom` mutex over a `HashMap` stands in for the sharded
 //! table, so the model checker sees every lock acquisition.
 
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash};
+use std::marker::PhantomData;
 
 #[cfg(not(loom))]
 use crate::sync::{lock, CachePadded, Mutex};
-#[cfg(not(loom))]
-use std::hash::BuildHasher;
 
 /// A shard keeps this much capacity while it has keys: below it, shrinking would free
 /// and reallocate as a few keys come and go.
@@ -27,38 +32,39 @@ const KEPT_CAPACITY: usize = 256;
 #[cfg(not(loom))]
 const MIN_SHARDS: usize = 256;
 
-/// Keys a shard keeps inline, beside its lock, before it uses its hash table.
+/// Slots a shard keeps inline, beside its lock, before it uses its hash table.
 #[cfg(not(loom))]
 const INLINE: usize = 2;
 
-/// One shard: the keys whose hash picks it, under one lock.
+/// One shard: the slots whose hash picks it, under one lock.
 #[cfg(not(loom))]
-type Shard<K, V> = Mutex<ShardMap<K, V>>;
+type Shard<V> = Mutex<ShardMap<V>>;
 
-/// A shard's keys: the first few inline, so that with a lock on the same cache lines a
-/// lock or release moves one pair of lines between cores, not also the hash table's
-/// control bytes and bucket, which every insert and removal writes. A key stays where
-/// it was inserted until removed, and is looked for in both places.
+/// A shard's slots by hash: the first few inline, so that with a lock on the same cache
+/// lines a lock or release moves one pair of lines between cores, not also the hash
+/// table's control bytes and bucket, which every insert and removal writes. A slot
+/// stays where it was inserted until removed, and is looked for in both places.
 #[cfg(not(loom))]
-struct ShardMap<K, V> {
-    inline: [Option<(K, V)>; INLINE],
-    table: hashbrown::HashTable<(K, V)>,
+struct ShardMap<V> {
+    inline: [Option<(u64, V)>; INLINE],
+    table: hashbrown::HashTable<(u64, V)>,
 }
 
 /// A sharded hash table: a key's hash, computed once per lock and kept until its
-/// release, picks its shard and its bucket. Keys come from clients, so the hasher is
-/// std's randomly keyed SipHash: no one can aim keys at one shard or one probe
-/// sequence.
+/// release, is its identity and picks its shard and its bucket. Keys come from clients,
+/// so the hasher is std's randomly keyed SipHash: no one can aim keys at one slot, one
+/// shard or one probe sequence.
 #[cfg(not(loom))]
 pub(crate) struct Table<K, V> {
     hasher: std::hash::RandomState,
-    shards: Box<[CachePadded<Shard<K, V>>]>,
+    shards: Box<[CachePadded<Shard<V>>]>,
     /// `64 - log2(shards.len())`.
     shard_shift: u32,
+    _key: PhantomData<fn(&K)>,
 }
 
 #[cfg(not(loom))]
-impl<K: Eq + Hash, V> Table<K, V> {
+impl<K: Hash, V> Table<K, V> {
     pub(crate) fn new() -> Self {
         // Four per core, as DashMap takes, but not below `MIN_SHARDS`; a power of two.
         let cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -74,11 +80,12 @@ impl<K: Eq + Hash, V> Table<K, V> {
                 })
                 .collect(),
             shard_shift: 64 - shards.trailing_zeros(),
+            _key: PhantomData,
         }
     }
 
-    /// The hash every operation on `key` takes. A caller computes it once per key and
-    /// passes it to each operation, so a lock and its release hash the key once.
+    /// The hash that stands for `key` in every operation. A caller computes it once per
+    /// key and passes it to each operation, so a lock and its release hash the key once.
     pub(crate) fn hash(&self, key: &K) -> u64 {
         self.hasher.hash_one(key)
     }
@@ -86,70 +93,59 @@ impl<K: Eq + Hash, V> Table<K, V> {
     /// The shard of a hash: the bits below the top 7 (which the table keeps as a tag
     /// in its control bytes), far above the low bits that index buckets, so one
     /// shard's keys still spread over all its buckets.
-    fn shard(&self, hash: u64) -> &Shard<K, V> {
+    fn shard(&self, hash: u64) -> &Shard<V> {
         &self.shards[((hash << 7) >> self.shard_shift) as usize]
     }
 
-    /// Runs `f` on the slot of `key` (whose [`hash`](Self::hash) is `hash`), first
-    /// inserting a default slot if there is none and `admit_new()` allows it. Returns
-    /// the key (the caller's own, or a clone when the table kept the original) and
-    /// `f`'s result, `None` when not admitted. No clone when the key is there.
+    /// Runs `f` on the slot of `hash` (a key's [`hash`](Self::hash)), first inserting a
+    /// default slot if there is none and `admit_new()` allows it. Returns `f`'s result,
+    /// `None` when not admitted.
     pub(crate) fn with_slot<R>(
         &self,
         hash: u64,
-        key: K,
         admit_new: impl FnOnce() -> bool,
         f: impl FnOnce(&mut V) -> R,
-    ) -> (K, Option<R>)
+    ) -> Option<R>
     where
-        K: Clone,
         V: Default,
     {
         let mut shard = lock(self.shard(hash));
         let ShardMap { inline, table } = &mut *shard;
-        if let Some((_, slot)) = inline.iter_mut().flatten().find(|(k, _)| *k == key) {
-            return (key, Some(f(slot)));
+        if let Some((_, slot)) = inline.iter_mut().flatten().find(|(h, _)| *h == hash) {
+            return Some(f(slot));
         }
         // An empty table (the rule while keys are few) is not probed: its control bytes
         // would be one more cache line to fetch.
         if !table.is_empty() {
-            if let Some((_, slot)) = table.find_mut(hash, |(present, _)| *present == key) {
-                return (key, Some(f(slot)));
+            if let Some((_, slot)) = table.find_mut(hash, |(h, _)| *h == hash) {
+                return Some(f(slot));
             }
         }
         if !admit_new() {
-            return (key, None);
+            return None;
         }
-        let entry = (key.clone(), V::default());
+        let entry = (hash, V::default());
         let slot = match inline.iter_mut().find(|place| place.is_none()) {
             Some(place) => &mut place.insert(entry).1,
             // A second probe, only once the inline places are taken.
-            None => {
-                let hasher = |(key, _): &(K, V)| self.hasher.hash_one(key);
-                &mut table.insert_unique(hash, entry, hasher).into_mut().1
-            }
+            None => &mut table.insert_unique(hash, entry, |(h, _)| *h).into_mut().1,
         };
-        (key, Some(f(slot)))
+        Some(f(slot))
     }
 
-    /// Runs `f` on the slot of `key` and removes the slot if `f` returns true.
+    /// Runs `f` on the slot of `hash` and removes the slot if `f` returns true.
     /// Returns whether a slot was removed.
     ///
     /// A shard's table left less than a quarter full is shrunk to twice its length (not
     /// below [`KEPT_CAPACITY`]), so a burst of keys does not pin its peak memory. A
     /// shrink follows three quarters of a table's keys leaving since it last grew or
     /// shrank, which pays for the rehash.
-    pub(crate) fn update_or_remove(
-        &self,
-        hash: u64,
-        key: &K,
-        f: impl FnOnce(&mut V) -> bool,
-    ) -> bool {
+    pub(crate) fn update_or_remove(&self, hash: u64, f: impl FnOnce(&mut V) -> bool) -> bool {
         let mut shard = lock(self.shard(hash));
         let ShardMap { inline, table } = &mut *shard;
         if let Some(place) = inline
             .iter_mut()
-            .find(|place| place.as_ref().is_some_and(|(k, _)| k == key))
+            .find(|place| place.as_ref().is_some_and(|(h, _)| *h == hash))
         {
             let (_, slot) = place.as_mut().expect("found above");
             let remove = f(slot);
@@ -158,7 +154,7 @@ impl<K: Eq + Hash, V> Table<K, V> {
             }
             return remove;
         }
-        let Ok(mut slot) = table.find_entry(hash, |(present, _)| present == key) else {
+        let Ok(mut slot) = table.find_entry(hash, |(h, _)| *h == hash) else {
             return false;
         };
         if !f(&mut slot.get_mut().1) {
@@ -174,58 +170,56 @@ impl<K: Eq + Hash, V> Table<K, V> {
             } else {
                 (2 * len).max(KEPT_CAPACITY)
             };
-            table.shrink_to(target, |(key, _)| self.hasher.hash_one(key));
+            table.shrink_to(target, |(h, _)| *h);
         }
         true
     }
 }
 
 #[cfg(loom)]
-pub(crate) struct Table<K, V>(loom::sync::Mutex<std::collections::HashMap<K, V>>);
+pub(crate) struct Table<K, V>(
+    loom::sync::Mutex<std::collections::HashMap<u64, V>>,
+    PhantomData<fn(&K)>,
+);
 
 #[cfg(loom)]
-impl<K: Eq + Hash, V> Table<K, V> {
+impl<K: Hash, V> Table<K, V> {
     pub(crate) fn new() -> Self {
-        Self(loom::sync::Mutex::new(std::collections::HashMap::new()))
+        Self(
+            loom::sync::Mutex::new(std::collections::HashMap::new()),
+            PhantomData,
+        )
     }
 
-    pub(crate) fn hash(&self, _key: &K) -> u64 {
-        0
+    /// A fixed-key SipHash: models see the same hashes in every run.
+    pub(crate) fn hash(&self, key: &K) -> u64 {
+        std::hash::BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(key)
     }
 
     pub(crate) fn with_slot<R>(
         &self,
-        _hash: u64,
-        key: K,
+        hash: u64,
         admit_new: impl FnOnce() -> bool,
         f: impl FnOnce(&mut V) -> R,
-    ) -> (K, Option<R>)
+    ) -> Option<R>
     where
-        K: Clone,
         V: Default,
     {
         let mut map = self.0.lock().unwrap();
-        if let Some(slot) = map.get_mut(&key) {
-            let result = f(slot);
-            return (key, Some(result));
+        if let Some(slot) = map.get_mut(&hash) {
+            return Some(f(slot));
         }
         if !admit_new() {
-            return (key, None);
+            return None;
         }
-        let result = f(map.entry(key.clone()).or_default());
-        (key, Some(result))
+        Some(f(map.entry(hash).or_default()))
     }
 
-    pub(crate) fn update_or_remove(
-        &self,
-        _hash: u64,
-        key: &K,
-        f: impl FnOnce(&mut V) -> bool,
-    ) -> bool {
+    pub(crate) fn update_or_remove(&self, hash: u64, f: impl FnOnce(&mut V) -> bool) -> bool {
         let mut map = self.0.lock().unwrap();
-        let remove = map.get_mut(key).is_some_and(f);
+        let remove = map.get_mut(&hash).is_some_and(f);
         if remove {
-            map.remove(key);
+            map.remove(&hash);
         }
         remove
     }
@@ -234,10 +228,9 @@ impl<K: Eq + Hash, V> Table<K, V> {
 #[cfg(all(test, not(loom)))]
 mod tests {
     #[test]
-    fn a_shard_fits_its_cache_lines_for_small_keys() {
+    fn a_shard_fits_its_cache_lines_whatever_the_key() {
         use super::{CachePadded, Shard};
         use crate::locks::slot::Slot;
-        assert_eq!(std::mem::size_of::<CachePadded<Shard<u64, Slot>>>(), 128);
-        assert_eq!(std::mem::size_of::<CachePadded<Shard<String, Slot>>>(), 128);
+        assert_eq!(std::mem::size_of::<CachePadded<Shard<Slot>>>(), 128);
     }
 }
