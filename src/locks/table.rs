@@ -227,6 +227,76 @@ impl<K: Hash, V> Table<K, V> {
 
 #[cfg(all(test, not(loom)))]
 mod tests {
+    use std::collections::HashMap;
+
+    use proptest::prelude::*;
+
+    use super::Table;
+
+    /// Counts per hash, through `with_slot` (+1) and `update_or_remove` (−1, removed at 0).
+    fn add(table: &Table<u64, u32>, hash: u64) {
+        table.with_slot(hash, || true, |count| *count += 1);
+    }
+
+    fn sub(table: &Table<u64, u32>, hash: u64) -> bool {
+        table.update_or_remove(hash, |count| {
+            *count -= 1;
+            *count == 0
+        })
+    }
+
+    fn count(table: &Table<u64, u32>, hash: u64) -> Option<u32> {
+        table.with_slot(hash, || false, |count| *count)
+    }
+
+    proptest! {
+        /// Small hashes all pick shard 0, so a few dozen keys fill its inline places
+        /// and spill into its hash table, and removals empty both in any order.
+        #[test]
+        fn one_shard_behaves_as_a_map(ops in prop::collection::vec((any::<bool>(), 0..40u64), 0..300)) {
+            let table = Table::<u64, u32>::new();
+            let mut model: HashMap<u64, u32> = HashMap::new();
+            for (is_add, hash) in ops {
+                if is_add || !model.contains_key(&hash) {
+                    add(&table, hash);
+                    *model.entry(hash).or_default() += 1;
+                } else {
+                    let left = model.get_mut(&hash).expect("checked");
+                    *left -= 1;
+                    let removed = *left == 0;
+                    if removed {
+                        model.remove(&hash);
+                    }
+                    prop_assert_eq!(sub(&table, hash), removed);
+                }
+                for probe in 0..40u64 {
+                    prop_assert_eq!(count(&table, probe), model.get(&probe).copied());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_crowded_shard_spills_shrinks_and_empties() {
+        let table = Table::<u64, u32>::new();
+        for round in 0..2 {
+            for hash in 0..1_000 {
+                add(&table, hash);
+            }
+            assert_eq!(count(&table, 999), Some(1), "round {round}");
+            // Newest first, then oldest first: both inline places and the table empty.
+            let order: Vec<u64> = if round == 0 {
+                (0..1_000).rev().collect()
+            } else {
+                (0..1_000).collect()
+            };
+            for hash in order {
+                assert!(sub(&table, hash), "round {round}, hash {hash}");
+            }
+            assert!((0..1_000).all(|hash| count(&table, hash).is_none()));
+        }
+    }
+
     #[test]
     fn a_shard_fits_its_cache_lines_whatever_the_key() {
         use super::{CachePadded, Shard};
