@@ -369,8 +369,24 @@ impl Inner {
     /// Clears the owner if `token` still holds the key. Returns after one try, bounded
     /// by the command timeout; if that gets no answer, tries again in the background
     /// with backoff until `until` (after which a waiter takes the key over anyway).
-    async fn give_back(self: &Arc<Self>, item: ItemKey, token: String, until: Instant) {
-        if self.try_give_back(&item, &token).await {
+    ///
+    /// Until `settled`, a write made with `token` may still land: the attempt of a
+    /// dropped acquisition can reach the server after its give-back (another
+    /// connection, served first). A give-back that finds the key not ours before then
+    /// looks again, so such a late grant is cleared too, not left for a takeover.
+    async fn give_back(
+        self: &Arc<Self>,
+        item: ItemKey,
+        token: String,
+        until: Instant,
+        settled: Instant,
+    ) {
+        let done = move |outcome: GiveBack| match outcome {
+            GiveBack::Cleared => true,
+            GiveBack::NotOurs => Instant::now() >= settled,
+            GiveBack::NoAnswer => false,
+        };
+        if done(self.try_give_back(&item, &token).await) {
             return;
         }
         let inner = self.clone();
@@ -382,7 +398,7 @@ impl Inner {
                     break;
                 }
                 sleep(pause).await;
-                if inner.try_give_back(&item, &token).await {
+                if done(inner.try_give_back(&item, &token).await) {
                     return;
                 }
             }
@@ -392,8 +408,8 @@ impl Inner {
         });
     }
 
-    /// One release attempt; whether DynamoDB answered (also "not ours": nothing to do).
-    async fn try_give_back(&self, item: &ItemKey, token: &str) -> bool {
+    /// One release attempt.
+    async fn try_give_back(&self, item: &ItemKey, token: &str) -> GiveBack {
         let release = self
             .update(item)
             .update_expression("REMOVE #owner, #rvn, #lease SET #ttl = :ttl")
@@ -401,19 +417,29 @@ impl Inner {
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .send();
         match timeout(self.config.command_timeout, release).await {
-            Ok(Ok(_)) => true,
-            Ok(Err(error)) if is_condition_failed(&error) => true,
+            Ok(Ok(_)) => GiveBack::Cleared,
+            Ok(Err(error)) if is_condition_failed(&error) => GiveBack::NotOurs,
             Ok(Err(error)) => {
                 let error = aws_sdk_dynamodb::Error::from(error);
                 tracing::debug!(%error, "dynamodb lock release failed");
-                false
+                GiveBack::NoAnswer
             }
             Err(_) => {
                 tracing::debug!("dynamodb lock release timed out");
-                false
+                GiveBack::NoAnswer
             }
         }
     }
+}
+
+/// What one give-back attempt found.
+enum GiveBack {
+    /// The token held the key, and no longer does.
+    Cleared,
+    /// The token does not hold the key (it never got it, or lost it).
+    NotOurs,
+    /// DynamoDB did not answer, or failed: the token may still hold the key.
+    NoAnswer,
 }
 
 fn fresh_rvn() -> Result<String, CallError> {
@@ -443,7 +469,10 @@ impl Drop for InFlight {
             let (inner, item) = (self.inner.clone(), self.item.clone());
             let token = std::mem::take(&mut self.token);
             let until = sent_at + inner.config.lease;
-            runtime.spawn(async move { inner.give_back(item, token, until).await });
+            // The attempt was abandoned after a command timeout at most; a server that
+            // read it by then has applied it by another one.
+            let settled = sent_at + 2 * inner.config.command_timeout;
+            runtime.spawn(async move { inner.give_back(item, token, until, settled).await });
         }
     }
 }
@@ -463,7 +492,10 @@ impl ReleaseLease for DynamoDbRelease {
         let until = Instant::now() + self.inner.config.lease;
         Box::pin(async move {
             let (item, token) = (self.item.clone(), self.token.clone());
-            self.inner.give_back(item, token, until).await;
+            // The grant was answered: no write of this token is still on its way.
+            self.inner
+                .give_back(item, token, until, Instant::now())
+                .await;
         })
     }
 }
