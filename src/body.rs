@@ -26,15 +26,17 @@ pin_project! {
         Inner {
             #[pin]
             body: B,
-            // Dropped at the end of the stream, on an error, or with the body.
-            guard: Option<HeldKey>,
+            // Dropped at the end of the stream, on an error, or with the body. Boxed:
+            // only `hold_until_body_end` puts it here, and every response body moves
+            // several times on its way out.
+            guard: Option<Box<HeldKey>>,
         },
         Full { data: Option<Bytes> },
     }
 }
 
 impl<B> KeyedLockBody<B> {
-    pub(crate) fn inner(body: B, guard: Option<HeldKey>) -> Self {
+    pub(crate) fn inner(body: B, guard: Option<Box<HeldKey>>) -> Self {
         Self {
             kind: Kind::Inner { body, guard },
         }

@@ -145,7 +145,7 @@ where
     let key = guard.key_ref().clone();
     LockInfo::new(shared.clone(), key, waited, guard.fencing_token(), signal)
         .insert_into(request.extensions_mut());
-    let held = HeldKey::new(guard, shared);
+    let held = HeldKey::distributed(guard, shared);
     (service.call(request), held, lost)
 }
 
@@ -226,7 +226,7 @@ where
     Poll::Ready(result.map(|response| {
         // Unless the key is held until the body ends, it is released here, as the
         // handler finishes.
-        let held = held.filter(HeldKey::until_body_end);
+        let held = held.filter(HeldKey::until_body_end).map(Box::new);
         response.map(|body| KeyedLockBody::inner(body, held))
     }))
 }

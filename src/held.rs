@@ -4,20 +4,41 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::distributed::DistributedGuard;
+use crate::key::Key;
+use crate::locks::HashHold;
 use crate::shared::Shared;
 
-/// Owns a request's guard; on drop releases it and records the hold time. Warns once
-/// if the hold outlives the layer's long-hold threshold.
+/// What a [`HeldKey`] holds.
+enum Guard {
+    /// Taken at once in a layer without a backend: held in the layer's own table, which
+    /// `HeldKey::shared` keeps alive, so it needs no guard of its own (no reference
+    /// count to move per request). `key` is for the long-hold warning.
+    Local { hold: Option<HashHold>, key: Key },
+    /// Everything else: a wait, or a backend. Boxed, to keep the commonest request's
+    /// future small.
+    Distributed(Box<DistributedGuard>),
+}
+
+/// Owns a request's hold on its key; on drop releases it and records the hold time.
+/// Warns once if the hold outlives the layer's long-hold threshold.
 pub(crate) struct HeldKey {
-    /// Released after `drop` below has recorded the hold (fields drop after it).
-    guard: DistributedGuard,
+    guard: Guard,
     since: Instant,
     shared: Arc<Shared>,
     warned: bool,
 }
 
 impl HeldKey {
-    pub(crate) fn new(guard: DistributedGuard, shared: Arc<Shared>) -> Self {
+    pub(crate) fn local(hold: HashHold, key: Key, shared: Arc<Shared>) -> Self {
+        let hold = Some(hold);
+        Self::new(Guard::Local { hold, key }, shared)
+    }
+
+    pub(crate) fn distributed(guard: DistributedGuard, shared: Arc<Shared>) -> Self {
+        Self::new(Guard::Distributed(Box::new(guard)), shared)
+    }
+
+    fn new(guard: Guard, shared: Arc<Shared>) -> Self {
         Self {
             guard,
             since: Instant::now(),
@@ -44,11 +65,14 @@ impl HeldKey {
         let held = self.since.elapsed();
         if !self.warned && held > threshold {
             self.warned = true;
-            let key = self.guard.key_ref().short();
+            let key = match &self.guard {
+                Guard::Local { key, .. } => key,
+                Guard::Distributed(guard) => guard.key_ref(),
+            };
             tracing::warn!(
                 layer = self.shared.name(),
                 held_ms = held.as_millis() as u64,
-                key = %key,
+                key = %key.short(),
                 "key held longer than the long-hold threshold"
             );
         }
@@ -60,9 +84,18 @@ impl Drop for HeldKey {
         self.check_long_hold();
         let metrics = self.shared.metrics();
         metrics.hold.record(self.since.elapsed());
-        if self.guard.is_lost() {
-            metrics.lease_lost.increment(1);
+        match &mut self.guard {
+            Guard::Local { hold, .. } => {
+                if let Some(hold) = hold.take() {
+                    self.shared.locks.local().release(hold);
+                }
+            }
+            Guard::Distributed(guard) => {
+                if guard.is_lost() {
+                    metrics.lease_lost.increment(1);
+                }
+                // Dropped with the fields; a remote release runs as its own task.
+            }
         }
-        // Dropping the guard releases the key; a remote release runs as its own task.
     }
 }

@@ -35,7 +35,7 @@ use std::time::Duration;
 pub use acquire::Acquire;
 
 use crate::sync::{Arc, CachePadded};
-use count::KeyCount;
+use count::KeyBound;
 use slot::{Attempt, Slot, Waiter};
 use table::Table;
 
@@ -86,8 +86,8 @@ struct Inner<K> {
     /// it, which change on every call, and from `keys`, which changes as keys come and
     /// go.
     table: CachePadded<Table<K, Slot>>,
-    /// Keys in the table, counted as slots are inserted and removed.
-    keys: KeyCount,
+    /// The shared count that enforces `max_keys`, if it is set.
+    bound: Option<KeyBound>,
     /// A gauge that follows `keys` step by step, set by the layer that owns the table.
     /// Moving it by ±1 (rather than setting it) lets layers that share a metric name
     /// add up.
@@ -127,6 +127,11 @@ pub struct KeyGuard<K: Eq + Hash> {
     /// The key's table hash, kept so the release does not hash the key again.
     hash: u64,
 }
+
+/// A key held through [`KeyedLocks::try_hold`], known by its table hash. It does not
+/// release on drop: its owner must pass it to [`KeyedLocks::release`] of the same table.
+#[must_use = "a held key must be given back with `KeyedLocks::release`"]
+pub(crate) struct HashHold(u64);
 
 /// Why a key could not be locked.
 #[derive(Debug)]
@@ -189,9 +194,26 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
         }
     }
 
+    /// Like [`try_lock`](Self::try_lock), for a holder that keeps the table alive by
+    /// other means and gives the key back with [`release`](Self::release): no guard, so
+    /// no reference count on the table and no copy of the key.
+    pub(crate) fn try_hold(&self, key: &K) -> Result<HashHold, LockError> {
+        let hash = self.inner().table.hash(key);
+        match self.inner().attempt(hash, None) {
+            Ok(Attempt::Acquired) => Ok(HashHold(hash)),
+            Ok(_) => Err(LockError::Busy),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Gives back a key taken with [`try_hold`](Self::try_hold).
+    pub(crate) fn release(&self, hold: HashHold) {
+        self.inner().release(hold.0);
+    }
+
     /// Keys that have a holder or a waiter now (exact when no call is in flight).
     pub fn len(&self) -> usize {
-        self.inner().keys.get()
+        self.inner().table.len()
     }
 
     /// True when no key has a holder or a waiter.
@@ -214,7 +236,7 @@ impl<K: Eq + Hash> Inner<K> {
         let attempt = self.table.with_slot(
             hash,
             || {
-                let admitted = self.keys.admit();
+                let admitted = self.bound.as_ref().is_none_or(KeyBound::admit);
                 if let (true, Some(gauge)) = (admitted, self.keys_gauge.get()) {
                     gauge.increment(1.0);
                 }
@@ -243,7 +265,9 @@ impl<K: Eq + Hash> Inner<K> {
             remove
         });
         if removed {
-            self.keys.removed();
+            if let Some(bound) = &self.bound {
+                bound.removed();
+            }
             if let Some(gauge) = self.keys_gauge.get() {
                 gauge.decrement(1.0);
             }
@@ -283,7 +307,7 @@ impl<K> KeyedLocks<K> {
 impl<K> fmt::Debug for KeyedLocks<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KeyedLocks")
-            .field("keys", &self.inner().keys.get())
+            .field("keys", &self.inner().table.len())
             .field("permits", &self.inner().permits)
             .field("max_waiters", &self.inner().max_waiters)
             .field("max_keys", &self.inner().max_keys)
@@ -320,7 +344,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
     pub fn build(self) -> KeyedLocks<K> {
         let inner = Arc::new(Inner {
             table: CachePadded(Table::new()),
-            keys: KeyCount::new(self.max_keys),
+            bound: KeyBound::new(self.max_keys),
             keys_gauge: std::sync::OnceLock::new(),
             permits: self.permits,
             max_waiters: self.max_waiters,
@@ -431,6 +455,23 @@ mod tests {
         let b = locks.try_lock(Colliding("b")).unwrap();
         assert_eq!(b.key().0, "b");
         drop(b);
+        assert!(locks.is_empty());
+    }
+
+    #[test]
+    fn a_hold_by_hash_excludes_like_a_guard_and_is_given_back() {
+        let locks = KeyedLocks::builder().max_keys(1).build();
+        let hold = locks.try_hold(&"a").unwrap();
+        assert!(matches!(locks.try_lock("a"), Err(LockError::Busy)));
+        assert!(matches!(locks.try_hold(&"a"), Err(LockError::Busy)));
+        assert!(matches!(locks.try_hold(&"b"), Err(LockError::TooManyKeys)));
+        assert_eq!(locks.len(), 1);
+        locks.release(hold);
+        assert!(locks.is_empty());
+        let guard = locks.try_lock("b").unwrap();
+        assert!(matches!(locks.try_hold(&"b"), Err(LockError::Busy)));
+        drop(guard);
+        locks.release(locks.try_hold(&"a").unwrap());
         assert!(locks.is_empty());
     }
 

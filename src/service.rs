@@ -9,10 +9,11 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::body::KeyedLockBody;
+use crate::distributed::DistributedAcquire;
 use crate::future::{Pending, ResponseFuture, WaitTicket};
 use crate::held::HeldKey;
 use crate::info::LockInfo;
-use crate::key::KeyExtractor;
+use crate::key::{Key, KeyExtractor};
 use crate::locks::LockError;
 use crate::shared::Shared;
 
@@ -88,41 +89,72 @@ where
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read, timer or service clone.
         let wait_timeout = shared.config.wait_timeout;
-        let error = match shared.locks.local().try_lock(key.clone()) {
-            Ok(local) if shared.locks.is_distributed() => {
+        if shared.locks.is_distributed() {
+            return match shared.locks.local().try_lock(key.clone()) {
                 // Held here; now the backend.
-                let ready = self.take_ready();
-                let acquire = shared.locks.after_local(local, Some(wait_timeout));
-                let request = Request::from_parts(parts, body);
-                let pending = Pending::new(ready, request, WaitTicket::new(shared, false));
-                return ResponseFuture::acquiring(acquire, pending);
+                Ok(local) => {
+                    let acquire = shared.locks.after_local(local, Some(wait_timeout));
+                    self.wait(acquire, Request::from_parts(parts, body), shared, false)
+                }
+                Err(error) => self.contended(error, key, Request::from_parts(parts, body), shared),
+            };
+        }
+        let held = match shared.locks.local().try_hold(&key) {
+            Ok(hold) => HeldKey::local(hold, key.clone(), shared.clone()),
+            Err(error) => {
+                return self.contended(error, key, Request::from_parts(parts, body), shared)
             }
-            Ok(local) => {
-                metrics.acquired_uncontended.increment(1);
-                metrics.wait_acquired.record(0.0);
-                let guard = shared.locks.local_guard(local);
-                let key = guard.key_ref().clone();
-                LockInfo::new(shared.clone(), key, Duration::ZERO, None, None)
-                    .insert_into(&mut parts.extensions);
-                let held = HeldKey::new(guard, shared);
-                let future = self.inner.call(Request::from_parts(parts, body));
-                return ResponseFuture::running(future, Some(held));
-            }
-            Err(error) => error,
         };
+        metrics.acquired_uncontended.increment(1);
+        metrics.wait_acquired.record(0.0);
+        LockInfo::new(shared, key, Duration::ZERO, None, None).insert_into(&mut parts.extensions);
+        ResponseFuture::running(
+            self.inner.call(Request::from_parts(parts, body)),
+            Some(held),
+        )
+    }
+}
+
+impl<S, E> KeyedLock<S, E> {
+    /// The key is busy (or a limit was reached): wait for it, or answer at once.
+    #[cold]
+    #[inline(never)]
+    fn contended<ReqBody, ResBody>(
+        &mut self,
+        error: LockError,
+        key: Key,
+        request: Request<ReqBody>,
+        shared: Arc<Shared>,
+    ) -> ResponseFuture<S, ReqBody>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    {
         let busy = matches!(error, LockError::Busy);
         if !busy || shared.config.wait_timeout.is_zero() {
             if busy {
-                metrics.wait_timeout.record(0.0);
+                shared.metrics().wait_timeout.record(0.0);
             }
             return ResponseFuture::rejected(shared.respond(shared.lock_rejection(&error)));
         }
+        let acquire = shared.locks.acquire(key, Some(shared.config.wait_timeout));
+        self.wait(acquire, request, shared, true)
+    }
 
-        // Contended: wait for the key, then call the readied service.
+    /// Waits for the key (`contended`: behind a holder in this process; else at the
+    /// backend only), then calls the readied service.
+    #[inline(never)]
+    fn wait<ReqBody, ResBody>(
+        &mut self,
+        acquire: DistributedAcquire,
+        request: Request<ReqBody>,
+        shared: Arc<Shared>,
+        contended: bool,
+    ) -> ResponseFuture<S, ReqBody>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    {
         let ready = self.take_ready();
-        let acquire = shared.locks.acquire(key, Some(wait_timeout));
-        let request = Request::from_parts(parts, body);
-        let pending = Pending::new(ready, request, WaitTicket::new(shared, true));
+        let pending = Pending::new(ready, request, WaitTicket::new(shared, contended));
         ResponseFuture::acquiring(acquire, pending)
     }
 }
@@ -130,6 +162,7 @@ where
 impl<S, E> KeyedLock<S, E> {
     /// Calls the inner service without a lock (no key, or an unrouted request, or one
     /// that already holds its key here).
+    #[inline(never)]
     fn pass_through<ReqBody, ResBody>(
         &mut self,
         request: Request<ReqBody>,

@@ -184,11 +184,6 @@ impl DistributedLocks {
     ) -> DistributedAcquire {
         DistributedAcquire::after_local(self.inner.clone(), local, timeout)
     }
-
-    /// A guard for a key held locally when there is no backend.
-    pub(crate) fn local_guard(&self, local: KeyGuard<Key>) -> DistributedGuard {
-        DistributedGuard::new(self.inner.clone(), local, None, None)
-    }
 }
 
 impl DistributedLocksBuilder {

@@ -1,82 +1,42 @@
-//! The number of keys in a table: exact and shared when it is bounded, striped when not.
+//! The bound on a table's keys (`max_keys`), and the stripe of the calling thread.
+//!
+//! The table counts its keys per shard under the shard locks (`table.rs`), which costs
+//! no atomic read-modify-write; only a bounded table also keeps the shared counter here.
 
 use crate::sync::{AtomicUsize, CachePadded, Ordering};
 
-/// Counters of the unbounded kind, and the table's handles (`locks.rs`): a thread uses
-/// its own stripe, so two cores inserting and removing keys do not fight over one
-/// cache line. A power of two.
+/// The table's handles (`locks.rs`): a thread uses its own stripe, so two cores
+/// locking and releasing do not fight over one reference count. A power of two.
 pub(super) const STRIPES: usize = 16;
 
-pub(crate) enum KeyCount {
-    /// `max_keys` is set: one counter, raised before a key is inserted, so concurrent
-    /// inserts on different shards cannot overshoot the bound.
-    Bounded {
-        count: CachePadded<AtomicUsize>,
-        max: usize,
-    },
-    /// No bound: only `len()` reads the count, by summing the stripes.
-    Unbounded(Box<[CachePadded<AtomicUsize>]>),
+/// `max_keys`: one counter, raised before a key is inserted, so concurrent inserts on
+/// different shards cannot overshoot the bound.
+pub(crate) struct KeyBound {
+    count: CachePadded<AtomicUsize>,
+    max: usize,
 }
 
-impl KeyCount {
-    pub(crate) fn new(max_keys: usize) -> Self {
-        if max_keys == usize::MAX {
-            KeyCount::Unbounded(
-                (0..STRIPES)
-                    .map(|_| CachePadded(AtomicUsize::new(0)))
-                    .collect(),
-            )
-        } else {
-            KeyCount::Bounded {
-                count: CachePadded(AtomicUsize::new(0)),
-                max: max_keys,
-            }
-        }
+impl KeyBound {
+    /// `None` for `usize::MAX`: no bound, nothing to count.
+    pub(crate) fn new(max_keys: usize) -> Option<Self> {
+        (max_keys != usize::MAX).then(|| KeyBound {
+            count: CachePadded(AtomicUsize::new(0)),
+            max: max_keys,
+        })
     }
 
     /// Counts a key about to be inserted, or refuses it when the table is full.
     pub(crate) fn admit(&self) -> bool {
-        match self {
-            KeyCount::Bounded { count, max } => {
-                let admitted = count.fetch_add(1, Ordering::AcqRel) < *max;
-                if !admitted {
-                    count.fetch_sub(1, Ordering::AcqRel);
-                }
-                admitted
-            }
-            KeyCount::Unbounded(stripes) => {
-                stripes[stripe()].fetch_add(1, Ordering::AcqRel);
-                true
-            }
+        let admitted = self.count.fetch_add(1, Ordering::AcqRel) < self.max;
+        if !admitted {
+            self.count.fetch_sub(1, Ordering::AcqRel);
         }
+        admitted
     }
 
     /// Uncounts a removed key.
     pub(crate) fn removed(&self) {
-        match self {
-            KeyCount::Bounded { count, .. } => count.fetch_sub(1, Ordering::AcqRel),
-            // A stripe may go "below zero" (wrapping): only the sum has a meaning.
-            KeyCount::Unbounded(stripes) => stripes[stripe()].fetch_sub(1, Ordering::AcqRel),
-        };
-    }
-
-    /// The number of keys; exact whenever no insert or removal is in flight.
-    pub(crate) fn get(&self) -> usize {
-        match self {
-            KeyCount::Bounded { count, .. } => count.load(Ordering::Acquire),
-            KeyCount::Unbounded(stripes) => {
-                let sum = stripes.iter().fold(0usize, |sum, stripe| {
-                    sum.wrapping_add(stripe.load(Ordering::Acquire))
-                });
-                // Read stripe by stripe, a removal can be seen before the insert it
-                // follows: a sum "below zero" is an empty table.
-                if sum > isize::MAX as usize {
-                    0
-                } else {
-                    sum
-                }
-            }
-        }
+        self.count.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -17,7 +17,7 @@ use std::hash::{BuildHasher, Hash};
 use std::marker::PhantomData;
 
 #[cfg(not(loom))]
-use crate::sync::{lock, CachePadded, Mutex};
+use crate::sync::{lock, AtomicUsize, CachePadded, Mutex, Ordering};
 
 /// A shard keeps this much capacity while it has keys: below it, shrinking would free
 /// and reallocate as a few keys come and go.
@@ -38,7 +38,13 @@ const INLINE: usize = 2;
 
 /// One shard: the slots whose hash picks it, under one lock.
 #[cfg(not(loom))]
-type Shard<V> = Mutex<ShardMap<V>>;
+struct Shard<V> {
+    map: Mutex<ShardMap<V>>,
+    /// The number of slots in `map`. Changed only under its lock, so a plain load and
+    /// store do (no read-modify-write); atomic only so [`Table::len`] can read it
+    /// without the lock.
+    len: AtomicUsize,
+}
 
 /// A shard's slots by hash: the first few inline, so that with a lock on the same cache
 /// lines a lock or release moves one pair of lines between cores, not also the hash
@@ -64,6 +70,17 @@ pub(crate) struct Table<K, V> {
 }
 
 #[cfg(not(loom))]
+impl<K, V> Table<K, V> {
+    /// The number of slots: exact whenever no insert or removal is in flight.
+    pub(crate) fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|shard| shard.len.load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
+#[cfg(not(loom))]
 impl<K: Hash, V> Table<K, V> {
     pub(crate) fn new() -> Self {
         // Four per core, as DashMap takes, but not below `MIN_SHARDS`; a power of two.
@@ -73,10 +90,13 @@ impl<K: Hash, V> Table<K, V> {
             hasher: std::hash::RandomState::new(),
             shards: (0..shards)
                 .map(|_| {
-                    CachePadded(Mutex::new(ShardMap {
-                        inline: [const { None }; INLINE],
-                        table: hashbrown::HashTable::new(),
-                    }))
+                    CachePadded(Shard {
+                        map: Mutex::new(ShardMap {
+                            inline: [const { None }; INLINE],
+                            table: hashbrown::HashTable::new(),
+                        }),
+                        len: AtomicUsize::new(0),
+                    })
                 })
                 .collect(),
             shard_shift: 64 - shards.trailing_zeros(),
@@ -109,7 +129,8 @@ impl<K: Hash, V> Table<K, V> {
     where
         V: Default,
     {
-        let mut shard = lock(self.shard(hash));
+        let Shard { map, len } = self.shard(hash);
+        let mut shard = lock(map);
         let ShardMap { inline, table } = &mut *shard;
         if let Some((_, slot)) = inline.iter_mut().flatten().find(|(h, _)| *h == hash) {
             return Some(f(slot));
@@ -124,6 +145,7 @@ impl<K: Hash, V> Table<K, V> {
         if !admit_new() {
             return None;
         }
+        len.store(len.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         let entry = (hash, V::default());
         let slot = match inline.iter_mut().find(|place| place.is_none()) {
             Some(place) => &mut place.insert(entry).1,
@@ -141,7 +163,8 @@ impl<K: Hash, V> Table<K, V> {
     /// shrink follows three quarters of a table's keys leaving since it last grew or
     /// shrank, which pays for the rehash.
     pub(crate) fn update_or_remove(&self, hash: u64, f: impl FnOnce(&mut V) -> bool) -> bool {
-        let mut shard = lock(self.shard(hash));
+        let Shard { map, len } = self.shard(hash);
+        let mut shard = lock(map);
         let ShardMap { inline, table } = &mut *shard;
         if let Some(place) = inline
             .iter_mut()
@@ -151,6 +174,7 @@ impl<K: Hash, V> Table<K, V> {
             let remove = f(slot);
             if remove {
                 *place = None;
+                len.store(len.load(Ordering::Relaxed) - 1, Ordering::Relaxed);
             }
             return remove;
         }
@@ -161,6 +185,7 @@ impl<K: Hash, V> Table<K, V> {
             return false;
         }
         slot.remove();
+        len.store(len.load(Ordering::Relaxed) - 1, Ordering::Relaxed);
         let (len, capacity) = (table.len(), table.capacity());
         if capacity > KEPT_CAPACITY && len < capacity / 4 {
             // An emptied table frees everything: a small table left behind would keep
@@ -181,6 +206,13 @@ pub(crate) struct Table<K, V>(
     loom::sync::Mutex<std::collections::HashMap<u64, V>>,
     PhantomData<fn(&K)>,
 );
+
+#[cfg(loom)]
+impl<K, V> Table<K, V> {
+    pub(crate) fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
 
 #[cfg(loom)]
 impl<K: Hash, V> Table<K, V> {
@@ -272,6 +304,7 @@ mod tests {
                 for probe in 0..40u64 {
                     prop_assert_eq!(count(&table, probe), model.get(&probe).copied());
                 }
+                prop_assert_eq!(table.len(), model.len());
             }
         }
     }
@@ -284,6 +317,7 @@ mod tests {
                 add(&table, hash);
             }
             assert_eq!(count(&table, 999), Some(1), "round {round}");
+            assert_eq!(table.len(), 1_000, "round {round}");
             // Newest first, then oldest first: both inline places and the table empty.
             let order: Vec<u64> = if round == 0 {
                 (0..1_000).rev().collect()
@@ -294,6 +328,7 @@ mod tests {
                 assert!(sub(&table, hash), "round {round}, hash {hash}");
             }
             assert!((0..1_000).all(|hash| count(&table, hash).is_none()));
+            assert_eq!(table.len(), 0, "round {round}");
         }
     }
 
