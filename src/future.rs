@@ -143,7 +143,7 @@ where
         .filter(|_| shared.config.abort_on_lease_lost)
         .map(|signal| Box::pin(async move { signal.lost().await }) as BoxFuture<()>);
     let key = guard.key_ref().clone();
-    LockInfo::new(shared.clone(), key, waited, guard.fencing_token(), signal)
+    LockInfo::new(&shared, key, waited, guard.fencing_token(), signal)
         .insert_into(request.extensions_mut());
     let held = HeldKey::distributed(guard, shared);
     (service.call(request), held, lost)

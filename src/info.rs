@@ -1,6 +1,8 @@
 //! What the handler learns about the lock it runs under.
 
+use std::borrow::Cow;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,29 +29,34 @@ use crate::shared::Shared;
 #[derive(Clone)]
 pub struct LockInfo {
     /// The layer (and so the table) that holds the key.
-    shared: Arc<Shared>,
+    layer: LayerTag,
     key: Key,
     waited: Duration,
-    fencing_token: Option<u64>,
-    lease: Option<LeaseSignal>,
+    /// Boxed, as only a distributed backend sets it: every request moves its
+    /// `LockInfo` into the extensions.
+    remote: Option<Box<Remote>>,
     /// The `LockInfo` of an outer lock layer on the same request, if any.
     outer: Option<Box<LockInfo>>,
 }
 
 impl LockInfo {
     pub(crate) fn new(
-        shared: Arc<Shared>,
+        shared: &Shared,
         key: Key,
         waited: Duration,
         fencing_token: Option<u64>,
         lease: Option<LeaseSignal>,
     ) -> Self {
         Self {
-            shared,
+            layer: shared.tag.clone(),
             key,
             waited,
-            fencing_token,
-            lease,
+            remote: (fencing_token.is_some() || lease.is_some()).then(|| {
+                Box::new(Remote {
+                    fencing_token,
+                    lease,
+                })
+            }),
             outer: None,
         }
     }
@@ -65,10 +72,10 @@ impl LockInfo {
 
     /// Whether this request already holds `key` in `shared`'s table (the same layer
     /// value applied twice on its path): then it must not wait for itself.
-    pub(crate) fn holds(&self, shared: &Arc<Shared>, key: &Key) -> bool {
+    pub(crate) fn holds(&self, shared: &Shared, key: &Key) -> bool {
         let mut info = Some(self);
         while let Some(held) = info {
-            if Arc::ptr_eq(&held.shared, shared) && held.key == *key {
+            if held.layer.id == shared.tag.id && held.key == *key {
                 return true;
             }
             info = held.outer.as_deref();
@@ -79,7 +86,10 @@ impl LockInfo {
     /// The [`name`](crate::KeyedLockLayer::name) of the layer that holds the key (it
     /// namespaces the key at a distributed backend).
     pub fn layer(&self) -> &str {
-        self.shared.name()
+        match &self.layer.name {
+            LayerName::Static(name) => name,
+            LayerName::Shared(name) => name,
+        }
     }
 
     /// The key this request holds.
@@ -95,19 +105,59 @@ impl LockInfo {
     /// A number that grows with every grant of this key, for fencing writes to storage.
     /// `None` in process: only distributed backends issue fencing tokens.
     pub fn fencing_token(&self) -> Option<u64> {
-        self.fencing_token
+        self.remote.as_ref().and_then(|remote| remote.fencing_token)
     }
 
     /// The lost-lease signal of the distributed lease this request holds; `None` in
     /// process (an in-process lock cannot be lost).
     pub fn lease(&self) -> Option<&LeaseSignal> {
-        self.lease.as_ref()
+        self.remote
+            .as_ref()
+            .and_then(|remote| remote.lease.as_ref())
     }
 
     /// Whether the distributed lease was lost: another instance may now hold the key.
     /// Always false in process.
     pub fn is_lease_lost(&self) -> bool {
-        self.lease.as_ref().is_some_and(LeaseSignal::is_lost)
+        self.lease().is_some_and(LeaseSignal::is_lost)
+    }
+}
+
+/// What a distributed backend adds to a `LockInfo`.
+#[derive(Clone)]
+struct Remote {
+    fencing_token: Option<u64>,
+    lease: Option<LeaseSignal>,
+}
+
+/// Which layer value holds a key, as `LockInfo` carries it: no reference to the layer's
+/// state, so a request need not count one (nor a handler that keeps its `LockInfo` keep
+/// the table alive).
+#[derive(Clone)]
+pub(crate) struct LayerTag {
+    /// Unique per layer value for the life of the process (not an address, which a
+    /// later layer could reuse).
+    id: u64,
+    name: LayerName,
+}
+
+/// A layer's name: a `&'static str` is copied, any other shared.
+#[derive(Clone)]
+enum LayerName {
+    Static(&'static str),
+    Shared(Arc<str>),
+}
+
+impl LayerTag {
+    pub(crate) fn new(name: Cow<'static, str>) -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        Self {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            name: match name {
+                Cow::Borrowed(name) => LayerName::Static(name),
+                Cow::Owned(name) => LayerName::Shared(Arc::from(name)),
+            },
+        }
     }
 }
 
@@ -117,8 +167,27 @@ impl fmt::Debug for LockInfo {
             .field("layer", &self.layer())
             .field("key", &self.key)
             .field("waited", &self.waited)
-            .field("fencing_token", &self.fencing_token)
-            .field("lease", &self.lease)
+            .field("fencing_token", &self.fencing_token())
+            .field("lease", &self.lease())
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::borrow::Cow;
+
+    use super::{LayerName, LayerTag};
+
+    #[test]
+    fn a_layer_tag_names_its_layer_and_is_unique_per_layer_value() {
+        let fixed = LayerTag::new(Cow::Borrowed("orders"));
+        let built = LayerTag::new(Cow::Owned(format!("{}-orders", "acme")));
+        let again = LayerTag::new(Cow::Borrowed("orders"));
+        assert!(matches!(fixed.name, LayerName::Static("orders")));
+        assert!(matches!(&built.name, LayerName::Shared(name) if &**name == "acme-orders"));
+        // Two layers with one name are still two tables.
+        assert_ne!(fixed.id, again.id);
+        assert_eq!(fixed.clone().id, fixed.id);
     }
 }

@@ -60,6 +60,7 @@ impl Key {
     /// assert_eq!(Key::new("a\nb", 256), Err(KeyError::ControlChar));
     /// assert_eq!(Key::new("abc", 2), Err(KeyError::TooLong { len: 3, limit: 2 }));
     /// ```
+    #[inline]
     pub fn new(s: &str, max_len: usize) -> Result<Key, KeyError> {
         if s.is_empty() {
             return Err(KeyError::Empty);

@@ -85,7 +85,7 @@ where
 
         // Registers the metrics (and the key gauge) before the table is first touched.
         let shared = shared.clone();
-        let metrics = shared.metrics();
+        shared.metrics();
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read, timer or service clone.
         let wait_timeout = shared.config.wait_timeout;
@@ -100,11 +100,13 @@ where
             };
         }
         let held = match shared.locks.local().try_hold(&key) {
-            Ok(hold) => HeldKey::local(hold, key.clone(), shared.clone()),
+            Ok(hold) => HeldKey::local(hold, key.clone(), shared),
             Err(error) => {
                 return self.contended(error, key, Request::from_parts(parts, body), shared)
             }
         };
+        let shared = held.shared();
+        let metrics = shared.metrics();
         metrics.acquired_uncontended.increment(1);
         metrics.wait_acquired.record(0.0);
         LockInfo::new(shared, key, Duration::ZERO, None, None).insert_into(&mut parts.extensions);

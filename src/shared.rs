@@ -12,6 +12,7 @@ use http::{Response, StatusCode};
 
 use crate::backend::LockBackend;
 use crate::distributed::DistributedLocks;
+use crate::info::LayerTag;
 use crate::key::KeyError;
 use crate::locks::LockError;
 use crate::metrics::Metrics;
@@ -44,6 +45,8 @@ pub(crate) struct Shared {
     /// The two-tier lock: this process's table, then the backend if there is one.
     pub(crate) locks: DistributedLocks,
     pub(crate) config: Config,
+    /// Names this layer value in the `LockInfo` of its requests.
+    pub(crate) tag: LayerTag,
     metrics: OnceLock<Metrics>,
     /// A misconfiguration is logged once per layer, not once per request.
     misconfiguration_logged: AtomicBool,
@@ -65,6 +68,7 @@ impl Shared {
                 }
                 .build()
             },
+            tag: LayerTag::new(config.name.clone()),
             config,
             metrics: OnceLock::new(),
             misconfiguration_logged: AtomicBool::new(false),

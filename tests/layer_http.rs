@@ -303,14 +303,16 @@ async fn allow_missing_key_passes_through_unlocked() {
 #[tokio::test]
 async fn lock_info_reaches_the_handler() {
     let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let layer = KeyedLockLayer::by_path("order_id");
+    let layer = KeyedLockLayer::by_path("order_id").name(format!("{}-orders", "acme"));
     let app = Router::new()
         .route(
             "/orders/{order_id}/info",
             post(
                 |Path(id): Path<String>, Extension(info): Extension<LockInfo>| async move {
                     assert_eq!(info.key(), id);
+                    assert_eq!(info.layer(), "acme-orders");
                     assert_eq!(info.fencing_token(), None);
+                    assert!(info.lease().is_none() && !info.is_lease_lost());
                     info.waited().as_millis().to_string()
                 },
             ),
