@@ -1,0 +1,95 @@
+//! The layer at an earlier revision (`old`) against the current one (`new`), in one
+//! process: the same axum router bare, behind each layer and behind tower's
+//! `ConcurrencyLimitLayer`, in interleaved batches of requests (a new key each), so
+//! that the machine's noise falls on all four alike. Prints the median over batches
+//! of what each adds to the bare router per request, in wall time, and the median
+//! of the per-batch ratios new / old. Built and run by `scripts/bench-layer-against`.
+
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::routing::post;
+use axum::Router;
+use http::Request;
+use tower::ServiceExt;
+
+const BATCH: u64 = 5_000;
+const ROUNDS: usize = 161;
+
+fn routes() -> Router {
+    Router::new().route("/orders/{order_id}/pay", post(|| async { "paid" }))
+}
+
+fn main() {
+    let key = std::env::args().nth(1).unwrap_or_else(|| "path".into());
+    let (old, new) = match key.as_str() {
+        "path" => (
+            routes().layer(old::KeyedLockLayer::by_path("order_id")),
+            routes().layer(new::KeyedLockLayer::by_path("order_id")),
+        ),
+        "header" => (
+            routes().layer(old::KeyedLockLayer::by_header("x-order")),
+            routes().layer(new::KeyedLockLayer::by_header("x-order")),
+        ),
+        other => panic!("path or header, not {other:?}"),
+    };
+    let limit = routes().layer(tower::limit::ConcurrencyLimitLayer::new(1024));
+    let routers = [routes(), old, new, limit].map(|router| router.with_state(()));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let mut next = 0u64;
+    let mut per_request = vec![Vec::new(); routers.len()];
+    for round in 0..ROUNDS {
+        let mut order: Vec<usize> = (0..routers.len()).collect();
+        order.rotate_left(round % routers.len());
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for variant in order {
+            let requests: Vec<_> = (0..BATCH)
+                .map(|_| {
+                    next += 1;
+                    Request::post(format!("/orders/{next}/pay"))
+                        .header("x-order", next)
+                        .body(Body::empty())
+                        .expect("a request")
+                })
+                .collect();
+            let router = routers[variant].clone();
+            let start = Instant::now();
+            runtime.block_on(async {
+                for request in requests {
+                    let response = router.clone().oneshot(request).await.expect("infallible");
+                    assert!(response.status().is_success());
+                }
+            });
+            if round > 0 {
+                // The first round warms up.
+                per_request[variant].push(start.elapsed().as_nanos() as f64 / BATCH as f64);
+            }
+        }
+    }
+    let median = |mut values: Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let added = |variant: usize| -> Vec<f64> {
+        per_request[variant]
+            .iter()
+            .zip(&per_request[0])
+            .map(|(v, bare)| v - bare)
+            .collect()
+    };
+    let (old, new, limit) = (added(1), added(2), added(3));
+    let ratio = median(new.iter().zip(&old).map(|(n, o)| n / o).collect());
+    println!(
+        "by_{key}: bare {:.0} ns/request; added: old {:+.0} ns, new {:+.0} ns, \
+         ConcurrencyLimitLayer {:+.0} ns; new / old {ratio:.3}",
+        median(per_request[0].clone()),
+        median(old),
+        median(new),
+        median(limit),
+    );
+}
