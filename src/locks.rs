@@ -83,14 +83,14 @@ impl<K> std::ops::Deref for Handle<K> {
 
 struct Inner<K> {
     /// Read by every call; padded away from the `Arc`'s reference counts in front of
-    /// it, which change on every call, and from `keys`, which changes as keys come and
+    /// it, which change on every call, and from `bound`, which changes as keys come and
     /// go.
     table: CachePadded<Table<K, Slot>>,
     /// The shared count that enforces `max_keys`, if it is set.
     bound: Option<KeyBound>,
-    /// A gauge that follows `keys` step by step, set by the layer that owns the table.
-    /// Moving it by ±1 (rather than setting it) lets layers that share a metric name
-    /// add up.
+    /// A gauge that follows the key count step by step, set by the layer that owns the
+    /// table. Moving it by ±1 (rather than setting it) lets layers that share a metric
+    /// name add up.
     keys_gauge: std::sync::OnceLock<metrics::Gauge>,
     permits: usize,
     max_waiters: usize,

@@ -86,19 +86,19 @@ where
         // Registers the metrics (and the key gauge) before the table is first touched.
         let shared = shared.clone();
         shared.metrics();
-        // Uncontended: take the key now and call the inner service at once, with no
-        // clock read, timer or service clone.
-        let wait_timeout = shared.config.wait_timeout;
         if shared.locks.is_distributed() {
             return match shared.locks.local().try_lock(key.clone()) {
                 // Held here; now the backend.
                 Ok(local) => {
-                    let acquire = shared.locks.after_local(local, Some(wait_timeout));
+                    let timeout = Some(shared.config.wait_timeout);
+                    let acquire = shared.locks.after_local(local, timeout);
                     self.wait(acquire, Request::from_parts(parts, body), shared, false)
                 }
                 Err(error) => self.contended(error, key, Request::from_parts(parts, body), shared),
             };
         }
+        // Uncontended: take the key now and call the inner service at once, with no
+        // clock read for the wait, no timer and no service clone.
         let held = match shared.locks.local().try_hold(&key) {
             Ok(hold) => HeldKey::local(hold, key.clone(), shared),
             Err(error) => {
@@ -118,7 +118,8 @@ where
 }
 
 impl<S, E> KeyedLock<S, E> {
-    /// The key is busy (or a limit was reached): wait for it, or answer at once.
+    /// The key is busy (or a limit was reached): wait for it, or answer at once. Out of
+    /// line, like `wait`: the uncontended path is the one to keep short.
     #[cold]
     #[inline(never)]
     fn contended<ReqBody, ResBody>(
@@ -164,7 +165,6 @@ impl<S, E> KeyedLock<S, E> {
 impl<S, E> KeyedLock<S, E> {
     /// Calls the inner service without a lock (no key, or an unrouted request, or one
     /// that already holds its key here).
-    #[inline(never)]
     fn pass_through<ReqBody, ResBody>(
         &mut self,
         request: Request<ReqBody>,
