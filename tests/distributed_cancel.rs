@@ -159,11 +159,16 @@ async fn dropped_at_any_moment<F: Fixture>() {
                 true => Some(b.lock("job").await.unwrap()),
                 false => None,
             };
-            // Never at once: dropped after 0 ms, the acquisition is always cut short.
+            // Dropped after 0 ms, the acquisition is cut short: the holder keeps the key
+            // until then, however late the scheduler first polls the acquisition.
+            let (timed, after) = match delay_ms {
+                0 => (None, holder),
+                _ => (holder, None),
+            };
             let release_after = Duration::from_micros(delay_ms * 500).max(Duration::from_millis(1));
             let release = tokio::spawn(async move {
                 tokio::time::sleep(release_after).await;
-                if let Some(holder) = holder {
+                if let Some(holder) = timed {
                     holder.release().await;
                 }
             });
@@ -172,6 +177,9 @@ async fn dropped_at_any_moment<F: Fixture>() {
                 // Done before the deadline: the guard drops here.
                 drop(result.unwrap());
                 finished += 1;
+            }
+            if let Some(holder) = after {
+                holder.release().await;
             }
             release.await.unwrap();
             wait_free(&b, "job", FREED_WITHIN).await;

@@ -3,7 +3,10 @@
 //! `ConcurrencyLimitLayer`, in interleaved batches of requests (a new key each), so
 //! that the machine's noise falls on all four alike. Prints the median over batches
 //! of what each adds to the bare router per request, in wall time, and the median
-//! of the per-batch ratios new / old. Built and run by `scripts/bench-layer-against`.
+//! of the per-batch ratios new / old. With `prometheus` as a second argument, the
+//! Prometheus recorder is installed first (its upkeep on a thread of its own, as a
+//! scrape would drain it), so every layer's metric handles are live. Built and run by
+//! `scripts/bench-layer-against`.
 
 use std::time::Instant;
 
@@ -22,6 +25,16 @@ fn routes() -> Router {
 
 fn main() {
     let key = std::env::args().nth(1).unwrap_or_else(|| "path".into());
+    let recorder = std::env::args().nth(2);
+    if recorder.as_deref() == Some("prometheus") {
+        let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+            .install_recorder()
+            .expect("the only recorder of this process");
+        std::thread::spawn(move || loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            handle.run_upkeep();
+        });
+    }
     let (old, new) = match key.as_str() {
         "path" => (
             routes().layer(old::KeyedLockLayer::by_path("order_id")),
@@ -84,8 +97,9 @@ fn main() {
     };
     let (old, new, limit) = (added(1), added(2), added(3));
     let ratio = median(new.iter().zip(&old).map(|(n, o)| n / o).collect());
+    let recorder = recorder.map_or(String::new(), |name| format!(" ({name})"));
     println!(
-        "by_{key}: bare {:.0} ns/request; added: old {:+.0} ns, new {:+.0} ns, \
+        "by_{key}{recorder}: bare {:.0} ns/request; added: old {:+.0} ns, new {:+.0} ns, \
          ConcurrencyLimitLayer {:+.0} ns; new / old {ratio:.3}",
         median(per_request[0].clone()),
         median(old),
