@@ -486,11 +486,15 @@ async fn an_attempt_delivered_after_its_give_back_grants_nothing() {
     // loopback), then the path heals and delivers the attempt.
     tokio::time::sleep(COMMAND_TIMEOUT).await;
     proxy.release_held();
-    within("the held attempts are delivered", Duration::from_secs(2), async {
-        while proxy.delivered_late() == 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
+    within(
+        "the held attempts are delivered",
+        Duration::from_secs(2),
+        async {
+            while proxy.delivered_late() == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        },
+    )
     .await;
     // Redis has run what was delivered once it answers a command sent after it.
     tokio::time::sleep(Duration::from_millis(100)).await;
