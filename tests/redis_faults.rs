@@ -443,3 +443,75 @@ async fn the_restart_guard_fails_short_waits_at_once_and_grants_long_ones() {
     .expect("granted once the server is up for a lease");
     lease.release().await;
 }
+
+/// An attempt that a slow path delivers late — after its connection was replaced and
+/// its give-back, sent on the fresh connection, found the key free — must not grant the
+/// key to a token nobody holds: the key would stay blocked for a whole lease. (A path
+/// that delays rather than drops: TCP retransmits what the kernel of a client that gave
+/// up still has, once a partition heals.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attempt_delivered_after_its_give_back_grants_nothing() {
+    let redis = RedisServer::start();
+    let proxy = TcpProxy::start(addr(&redis)).await;
+    let lease = Duration::from_secs(30);
+    let a = Arc::new(backend(client_via(&proxy), |b| b.lease(lease)).await);
+    let mut direct = connection(&redis).await;
+    let late = key("late");
+    let lock = a.lock_key("faults", "late");
+    let warm = a.acquire("faults", &key("warm"), Duration::ZERO).await;
+    warm.expect("the connection is up").release().await;
+
+    // From now on the path keeps what this connection sends. Two attempts time out on
+    // it; the third, sent once it has been silent for more than a command timeout,
+    // still travels on it, and by the time its answer is overdue the connection has
+    // been replaced: its give-back goes to Redis on a fresh connection at once.
+    proxy.hold_existing();
+    let others: Vec<_> = ["x1", "x2"]
+        .map(|name| {
+            let a = a.clone();
+            tokio::spawn(async move { a.acquire("faults", &key(name), COMMAND_TIMEOUT).await })
+        })
+        .into_iter()
+        .collect();
+    tokio::time::sleep(COMMAND_TIMEOUT + COMMAND_TIMEOUT / 4).await;
+    let third = a.acquire("faults", &late, COMMAND_TIMEOUT).await;
+    assert!(
+        matches!(third, Err(LockError::Backend(_))),
+        "the third attempt timed out"
+    );
+    for other in others {
+        assert!(other.await.unwrap().is_err(), "the first two timed out");
+    }
+    // Its give-back answered "not ours" on the fresh connection (a round trip on
+    // loopback), then the path heals and delivers the attempt.
+    tokio::time::sleep(COMMAND_TIMEOUT).await;
+    proxy.release_held();
+    within(
+        "the held attempts are delivered",
+        Duration::from_secs(2),
+        async {
+            while proxy.delivered_late() == 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        },
+    )
+    .await;
+    // Redis has run what was delivered once it answers a command sent after it.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&lock)
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    assert_eq!(
+        ttl, -2,
+        "the late attempt granted the key to a token nobody holds, for {ttl} ms more"
+    );
+    let lease = within(
+        "the key is free at once",
+        Duration::from_secs(2),
+        a.acquire("faults", &late, Duration::ZERO),
+    )
+    .await;
+    lease.expect("the key is free").release().await;
+}

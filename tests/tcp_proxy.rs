@@ -83,3 +83,33 @@ async fn forwards_blackholes_heals_delays_and_resets() {
     let mut fresh = TcpStream::connect(proxy.addr).await.unwrap();
     assert_eq!(round_trip(&mut fresh, short).await.unwrap(), b"ping");
 }
+
+#[tokio::test]
+async fn holds_what_old_connections_send_and_delivers_it_late_in_order() {
+    let proxy = TcpProxy::start(echo_server().await).await;
+    let short = Duration::from_millis(300);
+    let mut old = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(round_trip(&mut old, short).await.unwrap(), b"ping");
+
+    proxy.hold_existing();
+    old.write_all(b"late").await.unwrap();
+    let held = round_trip(&mut old, short).await.unwrap_err();
+    assert_eq!(
+        held.kind(),
+        std::io::ErrorKind::TimedOut,
+        "held, not echoed"
+    );
+    assert_eq!(proxy.delivered_late(), 0);
+    // New connections forward meanwhile.
+    let mut fresh = TcpStream::connect(proxy.addr).await.unwrap();
+    assert_eq!(round_trip(&mut fresh, short).await.unwrap(), b"ping");
+
+    proxy.release_held();
+    let mut echoed = [0u8; 8];
+    timeout(Duration::from_secs(2), old.read_exact(&mut echoed))
+        .await
+        .expect("delivered once released")
+        .unwrap();
+    assert_eq!(&echoed, b"lateping", "in the order sent");
+    assert_eq!(proxy.delivered_late(), 8);
+}

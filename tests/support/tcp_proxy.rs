@@ -8,6 +8,9 @@
 //! - `reset()`: every open connection is closed at once with RST (SO_LINGER 0);
 //! - `blackhole_existing()`: the connections open now go silent for good, new ones
 //!   forward — a client stuck on a dead path that a fresh connection would avoid.
+//! - `hold_existing()` … `release_held()`: what the clients of the connections open now
+//!   send is kept, then delivered in order, even if the client has closed meanwhile —
+//!   a path that delays rather than drops (TCP retransmits what the kernel still has).
 //!
 //! New connections are accepted in every mode; in `Blackhole` they stay silent too.
 #![allow(dead_code)]
@@ -37,6 +40,8 @@ struct Settings {
     generation: u64,
     /// Connections numbered below this are silent whatever the mode.
     silent_below: u64,
+    /// Connections numbered below this keep what their client sends, until released.
+    held_below: u64,
 }
 
 /// A running proxy; it stops (and closes every connection) when dropped.
@@ -46,6 +51,7 @@ pub struct TcpProxy {
     connections: Arc<Mutex<usize>>,
     /// Connections accepted so far; the next one gets this number.
     accepted: Arc<AtomicU64>,
+    delivered_late: Arc<AtomicU64>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -59,11 +65,14 @@ impl TcpProxy {
             delay: Duration::ZERO,
             generation: 0,
             silent_below: 0,
+            held_below: 0,
         });
         let connections = Arc::new(Mutex::new(0));
         let accepted = Arc::new(AtomicU64::new(0));
         let open = connections.clone();
         let numbering = accepted.clone();
+        let delivered_late = Arc::new(AtomicU64::new(0));
+        let late = delivered_late.clone();
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -72,12 +81,13 @@ impl TcpProxy {
                 let number = numbering.fetch_add(1, Ordering::SeqCst);
                 let watcher = watcher.clone();
                 let open = open.clone();
+                let late = late.clone();
                 tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
                     };
                     *open.lock().unwrap() += 1;
-                    pipe(client, server, number, watcher).await;
+                    pipe(client, server, number, watcher, late).await;
                     *open.lock().unwrap() -= 1;
                 });
             }
@@ -87,6 +97,7 @@ impl TcpProxy {
             settings,
             connections,
             accepted,
+            delivered_late,
             accept,
         }
     }
@@ -106,6 +117,23 @@ impl TcpProxy {
     pub fn blackhole_existing(&self) {
         let next = self.accepted.load(Ordering::SeqCst);
         self.settings.send_modify(|s| s.silent_below = next);
+    }
+
+    /// Keeps what the clients of the connections open now send, without closing
+    /// anything; later connections forward as usual.
+    pub fn hold_existing(&self) {
+        let next = self.accepted.load(Ordering::SeqCst);
+        self.settings.send_modify(|s| s.held_below = next);
+    }
+
+    /// Delivers what `hold_existing` kept, in order, and forwards again.
+    pub fn release_held(&self) {
+        self.settings.send_modify(|s| s.held_below = 0);
+    }
+
+    /// Bytes kept by `hold_existing` and delivered since (counted as they are written).
+    pub fn delivered_late(&self) -> u64 {
+        self.delivered_late.load(Ordering::SeqCst)
     }
 
     /// Forwards again (after a blackhole), with the current delay.
@@ -142,14 +170,27 @@ async fn pipe(
     server: TcpStream,
     number: u64,
     mut watcher: watch::Receiver<Settings>,
+    delivered_late: Arc<AtomicU64>,
 ) {
     let generation = watcher.borrow().generation;
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let up = copy(&mut client_read, &mut server_write, number, watcher.clone());
-    let down = copy(&mut server_read, &mut client_write, number, watcher.clone());
+    let up = copy(
+        &mut client_read,
+        &mut server_write,
+        number,
+        watcher.clone(),
+        Some(delivered_late),
+    );
+    let down = copy(
+        &mut server_read,
+        &mut client_write,
+        number,
+        watcher.clone(),
+        None,
+    );
     let reset = watcher.wait_for(|s| s.generation != generation);
     let was_reset = tokio::select! {
         _ = async { tokio::join!(up, down) } => false,
@@ -171,22 +212,61 @@ async fn pipe(
     }
 }
 
-/// Copies `from` to `to` per the current settings, until `from` ends or a write fails.
+/// Copies `from` to `to` per the current settings, until `from` ends (and what it
+/// sent while held is delivered) or a write fails. `held` counts the late deliveries
+/// of the direction that can be held (client to server); `None` for the other.
 async fn copy(
     from: &mut OwnedReadHalf,
     to: &mut OwnedWriteHalf,
     number: u64,
-    settings: watch::Receiver<Settings>,
+    mut settings: watch::Receiver<Settings>,
+    held: Option<Arc<AtomicU64>>,
 ) {
     let silent = |s: &Settings| s.mode == Mode::Blackhole || number < s.silent_below;
+    let holding = |s: &Settings| held.is_some() && number < s.held_below;
     let mut buffer = vec![0u8; 16 * 1024];
+    // What the client sent while held, in order.
+    let mut kept: Vec<u8> = Vec::new();
+    let mut open = true;
     loop {
-        let n = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => break,
+        let read = if kept.is_empty() {
+            if !open {
+                break;
+            }
+            from.read(&mut buffer).await
+        } else {
+            let released = async {
+                let _ = settings.wait_for(|s| !holding(s)).await;
+            };
+            let read = tokio::select! {
+                read = from.read(&mut buffer), if open => Some(read),
+                () = released => None,
+            };
+            let Some(read) = read else {
+                if to.write_all(&kept).await.is_err() {
+                    return;
+                }
+                if let Some(held) = &held {
+                    held.fetch_add(kept.len() as u64, Ordering::SeqCst);
+                }
+                kept.clear();
+                continue;
+            };
+            read
+        };
+        let n = match read {
+            Ok(0) | Err(_) => {
+                open = false;
+                continue;
+            }
             Ok(n) => n,
         };
         let now = *settings.borrow();
         if silent(&now) {
+            continue;
+        }
+        if holding(&now) || !kept.is_empty() {
+            kept.extend_from_slice(&buffer[..n]);
             continue;
         }
         let delay = now.delay;

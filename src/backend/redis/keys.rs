@@ -52,6 +52,15 @@ fn push_hex(out: &mut String, bytes: &[u8]) {
 }
 
 /// A fresh random 128-bit token, in hex.
+impl RedisKeys {
+    /// The mark a give-back leaves when it finds the lock not held by `token`: an
+    /// attempt of that token still on its way (on a connection since replaced) then
+    /// grants nothing. Under the lock's hash tag, so a cluster keeps it on its slot.
+    pub(super) fn given_back(&self, token: &str) -> String {
+        format!("{}:given-back:{token}", self.lock)
+    }
+}
+
 pub(super) fn new_token() -> Result<String, getrandom::Error> {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes)?;
@@ -77,6 +86,18 @@ mod tests {
         assert_eq!(keys.fence, "{keyed-lock:orders:order-42}:fence");
         let keys = RedisKeys::new("", "a", "b");
         assert_eq!(&*keys.lock, "{a:b}:lock");
+    }
+
+    #[test]
+    fn a_given_back_mark_shares_the_lock_hash_tag() {
+        let keys = RedisKeys::new("keyed-lock:", "orders", "order-42");
+        let mark = keys.given_back("0123abcd");
+        assert_eq!(
+            mark,
+            "{keyed-lock:orders:order-42}:lock:given-back:0123abcd"
+        );
+        // Redis Cluster hashes only what is inside the first braces.
+        assert_eq!(mark.split('}').next(), keys.lock.split('}').next());
     }
 
     #[test]

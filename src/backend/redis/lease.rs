@@ -19,6 +19,12 @@ use crate::locks::LockError;
 /// How often a waiter polls while the subscription is down (capped by `poll_interval`).
 const UNSUBSCRIBED_POLL: Duration = Duration::from_millis(50);
 
+/// How long a give-back's mark refuses a late attempt of its token (a lease, if
+/// longer). An attempt later still grants the key for one lease, as without the mark:
+/// a partition that heals within a minute is covered, and the marks, one per give-back
+/// that found the key not its own, do not pile up.
+const GIVEN_BACK_MARK: Duration = Duration::from_secs(60);
+
 /// A Redis command that took longer than the command timeout.
 #[derive(Debug)]
 struct CommandTimeout(Duration);
@@ -228,6 +234,7 @@ impl Inner {
         invocation
             .key(&keys.fence)
             .key(&keys.waiting)
+            .key(keys.given_back(token))
             .arg(token)
             .arg(millis(self.config.first_ttl()))
             .arg(fence_ttl)
@@ -393,7 +400,12 @@ impl Inner {
     /// One release attempt; whether Redis answered.
     async fn try_give_back(&self, keys: &RedisKeys, token: &str) -> bool {
         let mut invocation = self.release.key(&*keys.lock);
-        invocation.key(&keys.waiting).arg(token).arg(&self.channel);
+        invocation
+            .key(&keys.waiting)
+            .key(keys.given_back(token))
+            .arg(token)
+            .arg(&self.channel)
+            .arg(millis(GIVEN_BACK_MARK.max(self.config.lease)));
         let limit = Instant::now() + self.config.command_timeout;
         let release = self.commands.run(limit, true, |mut connection| async move {
             invocation.invoke_async::<i64>(&mut connection).await

@@ -30,7 +30,11 @@
 //!   server time in µs)`, stored back in the key's fence counter. When the key is held
 //!   it returns the holder's remaining TTL instead. An attempt whose answer never comes
 //!   (error, timeout, or the acquire future dropped) may still have been granted, so its
-//!   token is released in the background: the acquire is cancel-safe by itself.
+//!   token is released in the background: the acquire is cancel-safe by itself. A
+//!   release that finds the key not held by its token marks the token given back for a
+//!   minute (or a lease, if longer), and the acquire script grants nothing to a marked
+//!   token: an attempt delayed on a connection since replaced, delivered after its
+//!   release, does not block the key for a lease.
 //! - **Wait.** Each backend keeps one pub/sub subscription to a release channel (on a
 //!   cluster, to the shard channel of each lock it waits for). A
 //!   waiter retries when a release of its key is announced there, or else after a
@@ -142,6 +146,8 @@
 //! {<prefix><name>:<key>}:lock     the token of the holder, with the lease as TTL
 //! {<prefix><name>:<key>}:fence    the last fencing token issued (no TTL unless `fence_ttl` is set)
 //! {<prefix><name>:<key>}:waiting  while another instance waits: its release publishes
+//! {<prefix><name>:<key>}:lock:given-back:<token>
+//!                                 a release found the key not held by <token> (a minute)
 //! ```
 //!
 //! `name` and `key` are each written as-is when they are at most 64 bytes of ASCII

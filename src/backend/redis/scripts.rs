@@ -1,9 +1,14 @@
 //! The Lua scripts that acquire, renew and release a lock, each one atomic in Redis.
 
-/// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting; `ARGV[1]` token, `ARGV[2]` lease
-/// ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]` restart
-/// guard ms (0: off). Returns `{1, fencing token}`, `{0, holder's PTTL}`, or `{2, ms
-/// until the restart guard lets grants through}`.
+/// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
+/// mark; `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
+/// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off). Returns `{1, fencing
+/// token}`, `{0, holder's PTTL}` (-2 when the token was given back), or `{2, ms until
+/// the restart guard lets grants through}`.
+///
+/// Given back: an attempt that arrives after its own give-back (it travelled on a
+/// connection since replaced, and the give-back on the fresh one found the key free)
+/// must not grant the key to a token nobody waits for any more.
 ///
 /// Restart guard: a server up for less than a lease may have lost (restarted empty,
 /// or from an older snapshot) a key some instance still believes it holds, for at
@@ -20,6 +25,9 @@
 /// outlasts the caller's pause before the next attempt (which marks again), and is
 /// only ever extended, so a waiter with a longer pause keeps its mark.
 pub(super) const ACQUIRE: &str = r"
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return {0, -2}
+end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[5] ~= '0' then
     local info = redis.call('INFO', 'server')
@@ -56,10 +64,12 @@ end
 return 0
 ";
 
-/// `KEYS[1]` lock, `KEYS[2]` waiting; `ARGV[1]` token, `ARGV[2]` release channel, or
-/// empty on a cluster: there the lock's own shard channel, named like the lock key.
-/// Deletes the lock only if it is still ours, and announces it if a waiter marked the
-/// key (an uncontended release publishes nothing). 1 if deleted.
+/// `KEYS[1]` lock, `KEYS[2]` waiting, `KEYS[3]` the token's given-back mark; `ARGV[1]`
+/// token, `ARGV[2]` release channel, or empty on a cluster: there the lock's own shard
+/// channel, named like the lock key; `ARGV[3]` the mark's TTL ms. Deletes the lock only
+/// if it is still ours, and announces it if a waiter marked the key (an uncontended
+/// release publishes nothing). 1 if deleted; if not ours, marks the token given back
+/// (see `ACQUIRE`) and returns 0.
 pub(super) const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
@@ -72,5 +82,6 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   end
   return 1
 end
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
 return 0
 ";
