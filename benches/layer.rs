@@ -23,12 +23,12 @@
 //! recorder global at that moment, so the second group builds fresh routers after the
 //! recorder is installed.
 //!
-//! After each group, the bare router and the layered one also run in alternating
-//! batches (A B, B A, …: the same load hits both), and the median of the per-round
-//! differences is printed, in wall time and in CPU time (the on-CPU time of the
-//! process's threads, which leaves out time other processes took): the target (≤ 250 ns
-//! added per request) is judged on it, since criterion times one benchmark after
-//! another. A full run writes those figures to
+//! After each group, every variant also runs once per round, in an order that rotates
+//! and reverses from round to round (the same load and the same drift hit all of them),
+//! and the median of the per-round differences to the bare router is printed, in wall
+//! time and in CPU time (the on-CPU time of the process's threads, which leaves out time
+//! other processes took): targets are judged on it, since criterion times one benchmark
+//! after another. A full run writes those figures to
 //! `<target>/criterion/tkl-custom/layer.jsonl` for `scripts/bench-charts`.
 
 use std::fmt::Write as _;
@@ -231,17 +231,19 @@ fn layer_group(c: &mut Criterion, rt: &Runtime, name: &str, args: &Args, report:
 
     let section = format!("{name}-paired");
     if args.selected(&section) {
-        let [(base, base_router), rest @ ..] = &variants[..] else {
+        let [(base, _), rest @ ..] = &variants[..] else {
             unreachable!("the bare router comes first")
         };
         let mut table = format!(
-            "\n{section}: {} interleaved rounds of {} requests; medians per request\n\
+            "\n{section}: {} rounds of {} requests, every variant once per round; medians \
+             per request\n\
              variant            clock  ns/request  no-layer ns  added ns  [p10 – p90]    ratio\n",
             args.rounds(),
             args.batch()
         );
-        for (variant, router) in rest {
-            let [wall, cpu] = paired(rt, args, base_router, router);
+        let routers: Vec<&Router> = variants.iter().map(|(_, router)| router).collect();
+        let against_bare = rotated(rt, args, &routers);
+        for ((variant, _), [wall, cpu]) in rest.iter().zip(against_bare) {
             for (clock, pair) in [("wall", &wall), ("cpu", &cpu)] {
                 let _ = writeln!(
                     table,
@@ -285,9 +287,10 @@ struct Pair {
     ratio: f64,
 }
 
-/// Runs `base` and `subject` in alternating batches and compares them round by round,
-/// by wall time and by CPU time.
-fn paired(rt: &Runtime, args: &Args, base: &Router, subject: &Router) -> [Pair; 2] {
+/// Runs a batch of every router in each round, in an order that rotates and reverses
+/// from round to round, and compares each router after the first (the bare one) with
+/// the first, round by round, by wall time and by CPU time.
+fn rotated(rt: &Runtime, args: &Args, routers: &[&Router]) -> Vec<[Pair; 2]> {
     let mut next = 1_000_000_000;
     let mut batch = |router: &Router| {
         let requests: Vec<_> = (0..args.batch())
@@ -310,23 +313,35 @@ fn paired(rt: &Runtime, args: &Args, base: &Router, subject: &Router) -> [Pair; 
         let n = args.batch() as f64;
         [wall / n, cpu / n]
     };
-    batch(base);
-    batch(subject);
+    for router in routers {
+        batch(router); // warm-up
+    }
     let mut rounds = Vec::new();
     for round in 0..args.rounds() {
-        rounds.push(if round % 2 == 0 {
-            let b = batch(base);
-            (b, batch(subject))
-        } else {
-            let s = batch(subject);
-            (batch(base), s)
-        });
+        let mut order: Vec<usize> = (0..routers.len()).collect();
+        order.rotate_left(round % routers.len());
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        let mut times = vec![[0.0; 2]; routers.len()];
+        for index in order {
+            times[index] = batch(routers[index]);
+        }
+        rounds.push(times);
     }
+    (1..routers.len())
+        .map(|subject| compare(&rounds, subject))
+        .collect()
+}
+
+/// The medians of router `subject` against router 0 over `rounds` (per round, per
+/// router: ns per request by wall time and by CPU time).
+fn compare(rounds: &[Vec<[f64; 2]>], subject: usize) -> [Pair; 2] {
     [0, 1].map(|clock| {
         let (mut bases, mut subjects, mut added, mut ratios) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (b, s) in &rounds {
-            let (b, s) = (b[clock], s[clock]);
+        for times in rounds {
+            let (b, s) = (times[0][clock], times[subject][clock]);
             bases.push(b);
             subjects.push(s);
             added.push(s - b);
