@@ -28,6 +28,13 @@ impl RedisKeys {
             waiting: format!("{tag}:waiting"),
         }
     }
+
+    /// The mark a give-back leaves when it finds the lock not held by `token`: an
+    /// attempt of that token still on its way (on a connection since replaced) then
+    /// grants nothing. Under the lock's hash tag, so a cluster keeps it on its slot.
+    pub(super) fn given_back(&self, token: &str) -> String {
+        format!("{}:given-back:{token}", self.lock)
+    }
 }
 
 /// A layer name or request key as it appears in a Redis key: as-is when short and
@@ -52,15 +59,6 @@ fn push_hex(out: &mut String, bytes: &[u8]) {
 }
 
 /// A fresh random 128-bit token, in hex.
-impl RedisKeys {
-    /// The mark a give-back leaves when it finds the lock not held by `token`: an
-    /// attempt of that token still on its way (on a connection since replaced) then
-    /// grants nothing. Under the lock's hash tag, so a cluster keeps it on its slot.
-    pub(super) fn given_back(&self, token: &str) -> String {
-        format!("{}:given-back:{token}", self.lock)
-    }
-}
-
 pub(super) fn new_token() -> Result<String, getrandom::Error> {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes)?;

@@ -147,7 +147,8 @@
 //! {<prefix><name>:<key>}:fence    the last fencing token issued (no TTL unless `fence_ttl` is set)
 //! {<prefix><name>:<key>}:waiting  while another instance waits: its release publishes
 //! {<prefix><name>:<key>}:lock:given-back:<token>
-//!                                 a release found the key not held by <token> (a minute)
+//!                                 a release found the key not held by <token>
+//!                                 (for a minute, or a lease if longer)
 //! ```
 //!
 //! `name` and `key` are each written as-is when they are at most 64 bytes of ASCII
