@@ -482,9 +482,27 @@ async fn an_attempt_delivered_after_its_give_back_grants_nothing() {
     for other in others {
         assert!(other.await.unwrap().is_err(), "the first two timed out");
     }
-    // Its give-back answered "not ours" on the fresh connection (a round trip on
-    // loopback), then the path heals and delivers the attempt.
-    tokio::time::sleep(COMMAND_TIMEOUT).await;
+    // Its give-back reaches Redis on the fresh connection and finds the key free,
+    // which leaves the mark; then the path heals and delivers the attempt.
+    let marks = format!("{lock}:given-back:*");
+    within(
+        "the give-back marks the token",
+        Duration::from_secs(2),
+        async {
+            loop {
+                let found: Vec<String> = redis::cmd("KEYS")
+                    .arg(&marks)
+                    .query_async(&mut direct)
+                    .await
+                    .unwrap();
+                if !found.is_empty() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        },
+    )
+    .await;
     proxy.release_held();
     within(
         "the held attempts are delivered",
