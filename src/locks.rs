@@ -186,12 +186,8 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
 
     /// Takes `key` if a permit is free now, else fails with [`LockError::Busy`].
     pub fn try_lock(&self, key: K) -> Result<KeyGuard<K>, LockError> {
-        let hash = self.inner().table.hash(&key);
-        match self.inner().attempt(hash, None) {
-            Ok(Attempt::Acquired) => Ok(KeyGuard::new(self.handle(), key, hash)),
-            Ok(_) => Err(LockError::Busy),
-            Err(error) => Err(error),
-        }
+        let HashHold(hash) = self.try_hold(&key)?;
+        Ok(KeyGuard::new(self.handle(), key, hash))
     }
 
     /// Like [`try_lock`](Self::try_lock), for a holder that keeps the table alive by
