@@ -12,8 +12,12 @@ use crate::shared::Shared;
 enum Guard {
     /// Taken at once in a layer without a backend: held in the layer's own table, which
     /// `HeldKey::shared` keeps alive, so it needs no guard of its own (no reference
-    /// count to move per request). `key` is for the long-hold warning.
-    Local { hold: Option<HashHold>, key: Key },
+    /// count to move per request). `key` is for the long-hold warning, kept only when
+    /// the layer warns.
+    Local {
+        hold: Option<HashHold>,
+        key: Option<Key>,
+    },
     /// Everything else: a wait, or a backend. Boxed, to keep the commonest request's
     /// future small.
     Distributed(Box<DistributedGuard>),
@@ -29,8 +33,9 @@ pub(crate) struct HeldKey {
 }
 
 impl HeldKey {
-    pub(crate) fn local(hold: HashHold, key: Key, shared: Arc<Shared>) -> Self {
+    pub(crate) fn local(hold: HashHold, key: &Key, shared: Arc<Shared>) -> Self {
         let hold = Some(hold);
+        let key = shared.config.long_hold.map(|_| key.clone());
         Self::new(Guard::Local { hold, key }, shared)
     }
 
@@ -66,13 +71,13 @@ impl HeldKey {
         if !self.warned && held > threshold {
             self.warned = true;
             let key = match &self.guard {
-                Guard::Local { key, .. } => key,
-                Guard::Distributed(guard) => guard.key_ref(),
+                Guard::Local { key, .. } => key.as_ref(),
+                Guard::Distributed(guard) => Some(guard.key_ref()),
             };
             tracing::warn!(
                 layer = self.shared.name(),
                 held_ms = held.as_millis() as u64,
-                key = %key.short(),
+                key = %key.map(Key::short).unwrap_or_default(),
                 "key held longer than the long-hold threshold"
             );
         }

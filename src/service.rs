@@ -100,7 +100,7 @@ where
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read for the wait, no timer and no service clone.
         let held = match shared.locks.local().try_hold(&key) {
-            Ok(hold) => HeldKey::local(hold, key.clone(), shared),
+            Ok(hold) => HeldKey::local(hold, &key, shared),
             Err(error) => {
                 return self.contended(error, key, Request::from_parts(parts, body), shared)
             }
