@@ -22,7 +22,7 @@ use http::StatusCode;
 use redis::aio::MultiplexedConnection;
 use redis_server::RedisServer;
 use support::tcp_proxy::TcpProxy;
-use support::{serve, Overlap, Server};
+use support::{eventually, serve, Overlap, Server};
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError};
@@ -504,15 +504,9 @@ async fn an_attempt_delivered_after_its_give_back_grants_nothing() {
     )
     .await;
     proxy.release_held();
-    within(
-        "the held attempts are delivered",
-        Duration::from_secs(2),
-        async {
-            while proxy.delivered_late() == 0 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        },
-    )
+    eventually("the held attempts are delivered", || {
+        proxy.delivered_late() > 0
+    })
     .await;
     // Redis has run what was delivered once it answers a command sent after it.
     tokio::time::sleep(Duration::from_millis(100)).await;
