@@ -4,11 +4,17 @@
 //! empty. On a real Redis and PostgreSQL, and in process.
 
 // Without a backend feature, the bodies for remote fixtures have nothing to run on.
-#![cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+#![cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
+    allow(dead_code)
+)]
 
 #[cfg(feature = "redis")]
 #[path = "support/redis_cluster.rs"]
 mod cluster_server;
+#[cfg(feature = "dynamodb")]
+#[path = "support/dynamo_server.rs"]
+mod dynamo_server;
 #[cfg(feature = "postgres")]
 #[path = "support/pg_server.rs"]
 mod pg_server;

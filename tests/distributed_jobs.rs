@@ -3,11 +3,17 @@
 //! each tick of a scheduled job, a stampede of cache misses rebuilds once, and a holder
 //! that crashes mid-job is taken over once its lease is gone.
 
-#![cfg_attr(not(any(feature = "redis", feature = "postgres")), allow(dead_code))]
+#![cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
+    allow(dead_code)
+)]
 
 #[cfg(feature = "redis")]
 #[path = "support/redis_cluster.rs"]
 mod cluster_server;
+#[cfg(feature = "dynamodb")]
+#[path = "support/dynamo_server.rs"]
+mod dynamo_server;
 #[cfg(feature = "postgres")]
 #[path = "support/pg_server.rs"]
 mod pg_server;

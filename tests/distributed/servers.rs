@@ -77,9 +77,7 @@ mod redis {
     use crate::redis_server::RedisServer;
     use tower_keyed_lock::RedisBackend;
 
-    /// Short enough that a crashed holder's key frees soon, long enough to renew
-    /// (every lease/3) on a loaded machine.
-    pub const LEASE: Duration = Duration::from_secs(1);
+    pub use super::ttl_lease::LEASE;
 
     pub struct Redis(pub RedisServer);
 
@@ -114,6 +112,15 @@ mod redis {
             LEASE
         }
     }
+}
+
+/// The lease of the TTL-lease fixtures (Redis, DynamoDB).
+mod ttl_lease {
+    use std::time::Duration;
+
+    /// Short enough that a crashed holder's key frees soon, long enough to renew
+    /// (every lease/3) on a loaded machine.
+    pub const LEASE: Duration = Duration::from_secs(1);
 }
 
 #[cfg(feature = "redis")]
@@ -207,6 +214,55 @@ mod postgres {
     }
 }
 
+#[cfg(feature = "dynamodb")]
+pub use self::dynamodb::DynamoDb;
+
+#[cfg(feature = "dynamodb")]
+mod dynamodb {
+    use super::ttl_lease::LEASE;
+    use super::*;
+    use crate::dynamo_server::DynamoServer;
+    use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
+
+    const TABLE: &str = "locks";
+
+    /// moto, a DynamoDB-compatible server: waiting by polling, taking over a record
+    /// that stopped changing.
+    pub struct DynamoDb(pub DynamoServer);
+
+    impl Fixture for DynamoDb {
+        fn start() -> Self {
+            DynamoDb(DynamoServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    impl Remote for DynamoDb {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            let builder = DynamoDbBackend::builder(self.0.client(), TABLE)
+                .lease(LEASE)
+                .command_timeout(Duration::from_millis(500))
+                .poll_interval(Duration::from_millis(50));
+            // moto answers its first requests slowly (it loads its backends).
+            let patient = builder.clone().command_timeout(Duration::from_secs(10));
+            patient.create_table().await.expect("create the table");
+            let backend = builder.build().await.expect("the backend connects to moto");
+            Arc::new(backend)
+        }
+
+        fn kill(&mut self) {
+            self.0.stop();
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
 /// A real backend that counts the acquisitions this instance sends it: how many in
 /// all, and the most in flight at once.
 pub struct Counting {
@@ -275,6 +331,7 @@ macro_rules! for_each_fixture {
         for_each_fixture!(@mod redis, crate::servers::Redis, ["redis"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod redis_cluster, crate::servers::RedisCluster, ["redis"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod postgres, crate::servers::Postgres, ["postgres"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod dynamodb, crate::servers::DynamoDb, ["dynamodb"]; $($all,)* $($remote),*);
     };
     (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
         $(#[cfg(feature = $feature)])?
