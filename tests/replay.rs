@@ -82,6 +82,34 @@ async fn key_is_scoped_by_route() {
     replay_support::key_is_scoped_by_route(&kit()).await;
 }
 
+/// Issue 25: with the fingerprint off, a key reused on another resource (another path,
+/// or the same path with another query) must not get the first resource's response.
+#[tokio::test]
+async fn key_is_scoped_by_path_and_query_even_without_fingerprint() {
+    let handler = |axum::extract::Path(order): axum::extract::Path<String>,
+                   uri: http::Uri| async move {
+        format!("order {order} paid ({})", uri.query().unwrap_or("no query"))
+    };
+    let app = Router::new()
+        .route("/orders/{order_id}/pay", post(handler))
+        .layer(ReplayLayer::new(MemoryStore::default()).fingerprint(false))
+        .layer(KeyedLockLayer::by_header("idempotency-key").name("replay-path-scope"));
+    let server = serve(app, Arc::new(Probe::default())).await;
+
+    let first = server.post("/orders/1/pay", "k", "").await;
+    assert_eq!(first.body, "order 1 paid (no query)");
+    let other_path = server.post("/orders/2/pay", "k", "").await;
+    assert!(!other_path.is_replay(), "order 2 got order 1's response");
+    assert_eq!(other_path.body, "order 2 paid (no query)");
+    let other_query = server.post("/orders/1/pay?attempt=2", "k", "").await;
+    assert!(!other_query.is_replay(), "another query got the first response");
+    assert_eq!(other_query.body, "order 1 paid (attempt=2)");
+    // The same resource again is a replay, body or not.
+    let again = server.post("/orders/1/pay", "k", "changed").await;
+    assert!(again.is_replay());
+    assert_eq!(again.body, "order 1 paid (no query)");
+}
+
 /// The user an authentication layer identified.
 #[derive(Clone)]
 struct User(&'static str);
