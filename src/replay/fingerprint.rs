@@ -22,11 +22,15 @@ pub(crate) fn fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
 }
 
 /// The scope of a record, in lowercase hex: SHA-256 over the method, the route (axum's
-/// matched route when there is one, else the path) and the principal, if any.
+/// matched route when there is one, else the path), the request's path and query, and
+/// the principal, if any. The path and query are in it whatever the fingerprint
+/// setting, so a key reused on another resource never replays this one's response.
 pub(crate) fn scope(parts: &Parts, principal: Option<&str>) -> String {
     let mut hasher = Sha256::new();
     push_part(&mut hasher, parts.method.as_str().as_bytes());
     push_part(&mut hasher, route(parts).as_bytes());
+    push_part(&mut hasher, parts.uri.path().as_bytes());
+    push_part(&mut hasher, parts.uri.query().unwrap_or("").as_bytes());
     match principal {
         Some(principal) => {
             hasher.update([1]);
@@ -113,10 +117,17 @@ mod tests {
     }
 
     #[test]
-    fn scope_ignores_the_query() {
-        assert_eq!(
+    fn scope_covers_the_path_and_query() {
+        let scopes = [
             scope(&parts("POST", "/a?x=1"), None),
-            scope(&parts("POST", "/a?x=2"), None)
-        );
+            scope(&parts("POST", "/a?x=2"), None),
+            scope(&parts("POST", "/a"), None),
+            scope(&parts("POST", "/a?"), None),
+            scope(&parts("POST", "/ax=1"), None),
+        ];
+        let unique: std::collections::HashSet<_> = scopes.iter().collect();
+        // `/a` and `/a?` differ only by an empty query: the same resource.
+        assert_eq!(unique.len(), scopes.len() - 1);
+        assert_eq!(scopes[2], scopes[3]);
     }
 }

@@ -39,9 +39,11 @@
 //! | no `LockInfo` (the lock layer let the request through without a key) | runs, nothing stored |
 //!
 //! A record is scoped by the lock layer's name, the request key, the method, the matched
-//! route (axum's `MatchedPath`, else the path) and optionally a
-//! [`principal`](ReplayLayer::principal), so one key never replays another endpoint's
-//! (or user's) response. The fingerprint is SHA-256 over method, path, query and body.
+//! route (axum's `MatchedPath`, else the path), the request's path and query, and
+//! optionally a [`principal`](ReplayLayer::principal), so one key never replays another
+//! resource's (or user's) response, with the fingerprint on or off. The fingerprint is
+//! SHA-256 over method, path, query and body: within one scope it tells a retry from
+//! a different request (422).
 //!
 //! Replayed headers are an allow-list ([`DEFAULT_REPLAYED_HEADERS`], extended with
 //! [`replay_header`](ReplayLayer::replay_header)); multi-valued headers keep every
