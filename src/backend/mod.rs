@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::key::Key;
 use crate::locks::LockError;
@@ -122,6 +123,12 @@ impl fmt::Debug for Lease {
 /// Tells a handler that its lease was lost: the lock expired or was taken over, so
 /// another instance may now run for the same key. Cheap to clone.
 ///
+/// "Lost" is a fact of the clock: a lease with a validity deadline counts as lost from
+/// the instant the monotonic clock passes it, whether or not the backend's renewal task
+/// has run since. A holder whose runtime stalled past the deadline (a long pause, CPU
+/// starvation) learns it at its next look, not when a task gets to run. Once lost, a
+/// lease stays lost.
+///
 /// ```
 /// # async fn handler(info: tower_keyed_lock::LockInfo) {
 /// if let Some(lease) = info.lease() {
@@ -134,29 +141,93 @@ impl fmt::Debug for Lease {
 /// # async fn do_the_work() {}
 /// ```
 #[derive(Clone)]
-pub struct LeaseSignal(watch::Receiver<bool>);
+pub struct LeaseSignal(watch::Receiver<Validity>);
 
-/// The backend's side of a [`LeaseSignal`].
+/// The backend's side of a [`LeaseSignal`]: moves its deadline on renewal and raises
+/// it. Dropping it without raising it (the lease was released) freezes the signal as
+/// not lost, unless the deadline had already passed.
 #[derive(Debug)]
-pub struct LeaseLostSender(watch::Sender<bool>);
+pub struct LeaseLostSender(watch::Sender<Validity>);
+
+/// What a signal knows: raised, or valid until a deadline (`None`: no deadline, only
+/// the backend can tell).
+#[derive(Debug, Clone, Copy)]
+struct Validity {
+    lost: bool,
+    valid_until: Option<Instant>,
+}
+
+impl Validity {
+    fn is_lost_at(&self, now: Instant) -> bool {
+        self.lost || self.valid_until.is_some_and(|deadline| now >= deadline)
+    }
+}
 
 impl LeaseSignal {
-    /// A signal and the sender that raises it.
+    /// A signal without a deadline, and the sender that raises it: for a backend whose
+    /// lease is lost only by an event it observes (a connection that ends).
     pub fn new() -> (LeaseLostSender, LeaseSignal) {
-        let (sender, receiver) = watch::channel(false);
+        Self::with_validity(None)
+    }
+
+    /// A signal that counts as lost from `valid_until` on (the grant's send time plus
+    /// the lease, minus the drift margin), unless [`LeaseLostSender::extend`] moves it.
+    pub fn with_deadline(valid_until: Instant) -> (LeaseLostSender, LeaseSignal) {
+        Self::with_validity(Some(valid_until))
+    }
+
+    fn with_validity(valid_until: Option<Instant>) -> (LeaseLostSender, LeaseSignal) {
+        let (sender, receiver) = watch::channel(Validity {
+            lost: false,
+            valid_until,
+        });
         (LeaseLostSender(sender), LeaseSignal(receiver))
     }
 
-    /// Whether the lease has been lost.
+    /// Whether the lease has been lost: raised by the backend, or its deadline passed.
     pub fn is_lost(&self) -> bool {
-        *self.0.borrow()
+        // The clock is read before the state, so a reader that saw the deadline pass
+        // read it before any `extend` that could move it; that `extend` then finds the
+        // deadline passed too and refuses (see `LeaseLostSender::extend`).
+        let now = Instant::now();
+        self.0.borrow().is_lost_at(now)
     }
 
-    /// Resolves when the lease is lost; never resolves if it is released first.
+    /// The instant the lease counts as lost unless renewed first; `None` if the
+    /// backend sets no deadline, or the lease is lost or released.
+    pub fn valid_until(&self) -> Option<Instant> {
+        let validity = *self.0.borrow();
+        validity.valid_until.filter(|_| !validity.lost)
+    }
+
+    /// Resolves when the lease is lost (raised, or its deadline passed); never resolves
+    /// if it is released first.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: it only reads the signal.
     pub async fn lost(&self) {
         let mut receiver = self.0.clone();
-        if receiver.wait_for(|lost| *lost).await.is_err() {
-            std::future::pending::<()>().await;
+        loop {
+            let now = Instant::now();
+            let validity = *receiver.borrow_and_update();
+            if validity.is_lost_at(now) {
+                return;
+            }
+            let changed = match validity.valid_until {
+                Some(deadline) => tokio::select! {
+                    changed = receiver.changed() => changed,
+                    () = tokio::time::sleep_until(deadline) => Ok(()),
+                },
+                None => receiver.changed().await,
+            };
+            if changed.is_err() {
+                // Released: the sender froze the signal when it dropped.
+                if receiver.borrow().is_lost_at(Instant::now()) {
+                    return;
+                }
+                std::future::pending::<()>().await;
+            }
         }
     }
 }
@@ -165,8 +236,48 @@ impl LeaseLostSender {
     /// Raises the signal (once; later calls do nothing). Returns whether this call
     /// raised it.
     pub fn lose(&self) -> bool {
-        self.0
-            .send_if_modified(|lost| !std::mem::replace(lost, true))
+        self.0.send_if_modified(|validity| {
+            let was_lost = std::mem::replace(&mut validity.lost, true);
+            !was_lost
+        })
+    }
+
+    /// Moves the deadline to `valid_until` after a renewal; returns `false` and raises
+    /// the signal instead if the current deadline has already passed: a reader may
+    /// have seen the lease lost, and a lost lease stays lost.
+    pub fn extend(&self, valid_until: Instant) -> bool {
+        let mut extended = false;
+        self.0.send_if_modified(|validity| {
+            if validity.is_lost_at(Instant::now()) {
+                let was_lost = std::mem::replace(&mut validity.lost, true);
+                return !was_lost;
+            }
+            validity.valid_until = Some(valid_until);
+            extended = true;
+            true
+        });
+        extended
+    }
+
+    /// Whether the signal is raised or its deadline has passed.
+    pub fn is_lost(&self) -> bool {
+        let now = Instant::now();
+        self.0.borrow().is_lost_at(now)
+    }
+}
+
+impl Drop for LeaseLostSender {
+    fn drop(&mut self) {
+        // The lease ends here (released, or its renewal task done): freeze the signal,
+        // lost if its deadline has passed, else never lost.
+        self.0.send_if_modified(|validity| {
+            if validity.lost {
+                return false;
+            }
+            validity.lost = validity.is_lost_at(Instant::now());
+            validity.valid_until = None;
+            true
+        });
     }
 }
 

@@ -280,7 +280,8 @@ impl Inner {
         fence: u64,
         sent_at: Instant,
     ) -> Lease {
-        let (lost, signal) = LeaseSignal::new();
+        let valid_until = sent_at + self.config.first_ttl().saturating_sub(self.drift);
+        let (lost, signal) = LeaseSignal::with_deadline(valid_until);
         let renewal =
             tokio::spawn(
                 self.clone()
@@ -335,6 +336,9 @@ impl Inner {
             match self.renew(&lock, &token, ttl, limit, limit == full).await {
                 Ok(true) => {
                     valid_until = sent + ttl.saturating_sub(self.drift);
+                    if !lost.extend(valid_until) {
+                        break; // the old deadline passed while the answer was on its way
+                    }
                     next = sent + period;
                 }
                 // Definitely not ours any more: deleted, expired or taken over.
