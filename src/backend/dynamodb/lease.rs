@@ -84,20 +84,6 @@ fn out_of_time(last_failure: Option<BoxError>) -> LockError {
     }
 }
 
-/// A record version seen on another owner's item, and since when (on our monotonic
-/// clock). If it is still the same a whole lease later, its holder stopped renewing.
-struct Watched {
-    rvn: String,
-    since: Instant,
-    lease: Duration,
-}
-
-impl Watched {
-    fn stale_at(&self) -> Instant {
-        self.since + self.lease
-    }
-}
-
 /// A random token for one acquisition or record version.
 fn fresh_token() -> Result<String, LockError> {
     new_token()
@@ -122,16 +108,19 @@ impl Inner {
             .checked_add(wait)
             .unwrap_or_else(|| started + Duration::from_secs(86_400 * 365));
         let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
-        let mut watched: Option<Watched> = None;
+        // What was seen of the holder is kept in the backend, across acquisitions.
+        let id = match item.get(&self.layout.partition_key) {
+            Some(AttributeValue::S(value)) => value.clone(),
+            _ => String::new(),
+        };
+        // When the version seen on the key goes stale, if it is held.
+        let mut stale_at: Option<Instant> = None;
         // The error of the last attempt, if it failed rather than found the key held.
         let mut last_failure: Option<BoxError> = None;
         let mut first = true;
         loop {
             let sent_at = Instant::now();
-            let stale = watched
-                .as_ref()
-                .filter(|watched| sent_at >= watched.stale_at())
-                .map(|watched| watched.rvn.clone());
+            let stale = self.watched.stale_version(&id, sent_at);
             // The first attempt gets a whole command timeout (a zero wait still tries
             // once); later ones end with the wait.
             let limit = match first {
@@ -152,27 +141,14 @@ impl Inner {
             match timeout_at(limit, attempt).await {
                 Ok(Ok(Attempt::Granted { fence })) => {
                     in_flight.sent_at = None;
+                    self.watched.forget(&id);
                     let token = std::mem::take(&mut in_flight.token);
                     return Ok(self.grant(item, token, fence, sent_at));
                 }
                 Ok(Ok(Attempt::Held(holder))) => {
                     in_flight.sent_at = None;
                     last_failure = None;
-                    // A version's clock starts when we first see it: its holder wrote it
-                    // earlier, so the holder's own deadline (send time + lease − drift)
-                    // passes before ours does.
-                    let seen = watched.as_ref().map(|watched| &watched.rvn);
-                    match holder {
-                        Some(holder) if seen != Some(&holder.rvn) => {
-                            watched = Some(Watched {
-                                rvn: holder.rvn,
-                                since: Instant::now(),
-                                lease: holder.lease,
-                            });
-                        }
-                        Some(_) => {}
-                        None => watched = None,
-                    }
+                    stale_at = self.watched.saw(&id, holder, Instant::now());
                 }
                 // Throttled or a failure on DynamoDB's side: try again after a pause.
                 Ok(Err(error)) if error.transient => {
@@ -200,8 +176,8 @@ impl Inner {
                 return Err(out_of_time(last_failure));
             }
             let mut pause = backoff.pause().min(deadline - now);
-            if let Some(watched) = watched.as_ref().filter(|w| now < w.stale_at()) {
-                pause = pause.min(watched.stale_at() - now);
+            if let Some(stale_at) = stale_at.filter(|stale_at| now < *stale_at) {
+                pause = pause.min(stale_at - now);
             }
             sleep(pause).await;
             if Instant::now() >= deadline {
@@ -290,7 +266,8 @@ impl Inner {
         fence: u64,
         sent_at: Instant,
     ) -> Lease {
-        let (lost, signal) = LeaseSignal::new();
+        let valid_until = sent_at + self.config.lease.saturating_sub(self.drift);
+        let (lost, signal) = LeaseSignal::with_deadline(valid_until);
         let renewal = tokio::spawn(
             self.clone()
                 .keep(item.clone(), token.clone(), sent_at, lost),
@@ -337,6 +314,9 @@ impl Inner {
             match timeout_at(limit, self.renew(&item, &token)).await {
                 Ok(Ok(true)) => {
                     valid_until = sent + lease.saturating_sub(self.drift);
+                    if !lost.extend(valid_until) {
+                        break; // the old deadline passed while the answer was on its way
+                    }
                     next = sent + period;
                 }
                 // Definitely not ours any more: released or taken over.

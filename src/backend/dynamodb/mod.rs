@@ -47,10 +47,13 @@
 //!   own monotonic clock when the answer arrives. If the version is unchanged a whole
 //!   lease (the one the holder wrote) later, the holder stopped renewing, and the next
 //!   attempt takes the key over on the condition that the version is still that one.
+//!   The backend keeps what it saw per key (up to 16 384 keys) across acquisitions, so
+//!   waits shorter than a lease that follow one another take a crashed holder's key
+//!   over too.
 //!   The holder wrote that version before the waiter saw it, and declares its lease lost
 //!   at its send time + lease − drift margin: before the takeover (see
 //!   [Validity](#how-a-key-is-held)). The cost: a key whose holder crashed is free one
-//!   lease after a waiter starts watching it, however long ago the crash was.
+//!   lease after this instance first sees it held, however long ago the crash was.
 //! - **Wait.** DynamoDB has no notification: a waiter polls, with jittered exponential
 //!   backoff from 5 ms up to [`poll_interval`](DynamoDbBackendBuilder::poll_interval),
 //!   cut to the moment the watched version goes stale and to the end of the request's
@@ -134,6 +137,7 @@ mod item;
 mod lease;
 mod retry;
 mod table;
+mod watched;
 
 use std::fmt;
 use std::sync::Arc;
@@ -227,6 +231,7 @@ struct Inner {
     layout: Layout,
     config: Config,
     drift: Duration,
+    watched: watched::Watched,
 }
 
 impl DynamoDbBackend {
@@ -433,6 +438,7 @@ impl DynamoDbBackendBuilder {
                 layout,
                 config,
                 drift,
+                watched: Default::default(),
             }),
         })
     }
