@@ -32,6 +32,8 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+#[cfg(any(feature = "redis", feature = "dynamodb"))]
+mod ttl;
 
 /// A boxed, sendable future: backends do network round trips, where one allocation is
 /// noise.

@@ -8,6 +8,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use aws_sdk_dynamodb::types::AttributeValue;
 use sha2::{Digest, Sha256};
 
+use crate::backend::ttl::push_hex;
+
 /// The random token of the acquisition that holds the key; absent while free.
 pub(super) const OWNER: &str = "lock_owner";
 /// The record version number: random, rewritten at every grant and renewal. A waiter
@@ -66,23 +68,6 @@ pub(super) fn partition_value(prefix: &str, name: &str, key: &str) -> String {
     let mut value = format!("{prefix}{name}:#");
     push_hex(&mut value, &Sha256::digest(key.as_bytes()));
     value
-}
-
-fn push_hex(out: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for &b in bytes {
-        out.push(char::from(HEX[usize::from(b >> 4)]));
-        out.push(char::from(HEX[usize::from(b & 0xf)]));
-    }
-}
-
-/// A fresh random 128-bit token, in hex: an owner token or a record version number.
-pub(super) fn new_token() -> Result<String, getrandom::Error> {
-    let mut bytes = [0u8; 16];
-    getrandom::fill(&mut bytes)?;
-    let mut token = String::with_capacity(32);
-    push_hex(&mut token, &bytes);
-    Ok(token)
 }
 
 /// Another owner's hold on a key, as read from its item.
@@ -224,13 +209,5 @@ mod tests {
                 lease: Duration::from_millis(1500)
             })
         );
-    }
-
-    #[test]
-    fn tokens_are_fresh_128_bit_hex() {
-        let (a, b) = (new_token().unwrap(), new_token().unwrap());
-        assert_eq!(a.len(), 32);
-        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert_ne!(a, b);
     }
 }

@@ -1,6 +1,6 @@
-//! A lease's life in DynamoDB: acquire attempts and the waits between them (taking over
-//! a record that stopped changing), the renewal task, and giving the key back (also when
-//! an attempt's answer never came).
+//! DynamoDB's steps of the TTL-lease engine: acquire attempts and the waits between
+//! them (taking over a record that stopped changing), renewal and give-back as
+//! conditional writes. The life cycle around them is the engine's (`backend::ttl`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,23 +10,22 @@ use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
-use tokio::task::AbortHandle;
-use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
+use tokio::time::{sleep, timeout, timeout_at, Instant};
 
-use super::item::{self, epoch_micros, epoch_seconds, millis, new_token, Holder};
-use super::retry::{is_transient, Backoff, CommandTimeout};
+use super::item::{self, epoch_micros, epoch_seconds, millis, Holder};
+use super::retry::{is_transient, CommandTimeout};
 use super::Inner;
-use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
-use crate::locks::LockError;
+use crate::backend::ttl::{
+    self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+};
+use crate::backend::Lease;
+use crate::LockError;
 
 /// The primary key of one lock item.
 pub(super) type ItemKey = Arc<HashMap<String, AttributeValue>>;
 
 /// The first pause of a waiter; pauses double from here up to `poll_interval`.
 const FIRST_POLL: Duration = Duration::from_millis(5);
-/// Backoff of a release retried in the background.
-const RELEASE_RETRY_MIN: Duration = Duration::from_millis(50);
-const RELEASE_RETRY_MAX: Duration = Duration::from_secs(1);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -84,12 +83,6 @@ fn out_of_time(last_failure: Option<BoxError>) -> LockError {
     }
 }
 
-/// A random token for one acquisition or record version.
-fn fresh_token() -> Result<String, LockError> {
-    new_token()
-        .map_err(|error| LockError::Backend(Box::new(std::io::Error::other(error.to_string()))))
-}
-
 fn is_condition_failed(error: &SdkError<UpdateItemError>) -> bool {
     matches!(
         error.as_service_error(),
@@ -131,22 +124,17 @@ impl Inner {
             // Armed until the answer is known: if it never comes (error, timeout, or
             // this future dropped) the write may still have happened, and dropping
             // `in_flight` gives the token's hold back.
-            let mut in_flight = InFlight {
-                inner: self.clone(),
-                item: item.clone(),
-                token: fresh_token()?,
-                sent_at: Some(sent_at),
-            };
-            let attempt = self.attempt(&item, &in_flight.token, stale.as_deref());
+            let mut in_flight = InFlight::new(self.clone(), item.clone(), fresh_token()?);
+            in_flight.sent(sent_at);
+            let attempt = self.attempt(&item, in_flight.token(), stale.as_deref());
             match timeout_at(limit, attempt).await {
                 Ok(Ok(Attempt::Granted { fence })) => {
-                    in_flight.sent_at = None;
                     self.watched.forget(&id);
-                    let token = std::mem::take(&mut in_flight.token);
-                    return Ok(self.grant(item, token, fence, sent_at));
+                    let token = in_flight.granted();
+                    return Ok(ttl::grant(&self, item, token, Some(fence), sent_at));
                 }
                 Ok(Ok(Attempt::Held(holder))) => {
-                    in_flight.sent_at = None;
+                    in_flight.answered();
                     last_failure = None;
                     stale_at = self.watched.saw(&id, holder, Instant::now());
                 }
@@ -154,13 +142,13 @@ impl Inner {
                 Ok(Err(error)) if error.transient => {
                     tracing::debug!(error = %error.error, "dynamodb acquire attempt failed; retrying");
                     if !error.maybe_applied {
-                        in_flight.sent_at = None;
+                        in_flight.answered();
                     }
                     last_failure = Some(error.error);
                 }
                 Ok(Err(error)) => {
                     if !error.maybe_applied {
-                        in_flight.sent_at = None;
+                        in_flight.answered();
                     }
                     return Err(LockError::Backend(error.error));
                 }
@@ -258,78 +246,8 @@ impl Inner {
         }
     }
 
-    /// A lease for a grant sent at `sent_at`, with its renewal task.
-    fn grant(
-        self: &Arc<Self>,
-        item: ItemKey,
-        token: String,
-        fence: u64,
-        sent_at: Instant,
-    ) -> Lease {
-        let valid_until = sent_at + self.config.lease.saturating_sub(self.drift);
-        let (lost, signal) = LeaseSignal::with_deadline(valid_until);
-        let renewal = tokio::spawn(
-            self.clone()
-                .keep(item.clone(), token.clone(), sent_at, lost),
-        );
-        let release = DynamoDbRelease {
-            inner: self.clone(),
-            item,
-            token,
-            renewal: renewal.abort_handle(),
-        };
-        Lease::new(Some(fence), signal, release)
-    }
-
-    /// Keeps a lease acquired at `acquired_at` alive, and raises `lost` at its local
-    /// deadline or at the first answer saying it is not ours. Aborted when the lease is
-    /// released or dropped.
-    async fn keep(
-        self: Arc<Self>,
-        item: ItemKey,
-        token: String,
-        acquired_at: Instant,
-        lost: LeaseLostSender,
-    ) {
-        let lease = self.config.lease;
-        let period = lease / 3;
-        // Invariant: the key is ours (modulo drift) until `valid_until`: a waiter takes
-        // it over only a whole lease after it saw the version written at send time.
-        let mut valid_until = acquired_at + lease.saturating_sub(self.drift);
-        let mut next = acquired_at + period;
-        loop {
-            if !self.config.renewal {
-                sleep_until(valid_until).await;
-                break;
-            }
-            // The deadline first: once it has passed, the lease is lost even if it is
-            // also time to renew.
-            tokio::select! {
-                biased;
-                () = sleep_until(valid_until) => break,
-                () = sleep_until(next) => {}
-            }
-            let sent = Instant::now();
-            let limit = (sent + self.config.command_timeout).min(valid_until);
-            match timeout_at(limit, self.renew(&item, &token)).await {
-                Ok(Ok(true)) => {
-                    valid_until = sent + lease.saturating_sub(self.drift);
-                    if !lost.extend(valid_until) {
-                        break; // the old deadline passed while the answer was on its way
-                    }
-                    next = sent + period;
-                }
-                // Definitely not ours any more: released or taken over.
-                Ok(Ok(false)) => break,
-                // Unknown: try again soon; the deadline stands.
-                Ok(Err(_)) | Err(_) => next = Instant::now() + period / 4,
-            }
-        }
-        lost.lose();
-    }
-
     /// Writes a new record version if `token` still holds the key; whether it does.
-    async fn renew(&self, item: &ItemKey, token: &str) -> Result<bool, CallError> {
+    async fn write_new_version(&self, item: &ItemKey, token: &str) -> Result<bool, CallError> {
         let renewed = self
             .update(item)
             .update_expression("SET #rvn = :rvn, #lease = :lease, #ttl = :ttl")
@@ -346,50 +264,8 @@ impl Inner {
         }
     }
 
-    /// Clears the owner if `token` still holds the key. Returns after one try, bounded
-    /// by the command timeout; if that gets no answer, tries again in the background
-    /// with backoff until `until` (after which a waiter takes the key over anyway).
-    ///
-    /// Until `settled`, a write made with `token` may still land: the attempt of a
-    /// dropped acquisition can reach the server after its give-back (another
-    /// connection, served first). A give-back that finds the key not ours before then
-    /// looks again, so such a late grant is cleared too, not left for a takeover.
-    async fn give_back(
-        self: &Arc<Self>,
-        item: ItemKey,
-        token: String,
-        until: Instant,
-        settled: Instant,
-    ) {
-        let done = move |outcome: GiveBack| match outcome {
-            GiveBack::Cleared => true,
-            GiveBack::NotOurs => Instant::now() >= settled,
-            GiveBack::NoAnswer => false,
-        };
-        if done(self.try_give_back(&item, &token).await) {
-            return;
-        }
-        let inner = self.clone();
-        tokio::spawn(async move {
-            let mut backoff = Backoff::new(RELEASE_RETRY_MIN, RELEASE_RETRY_MAX);
-            loop {
-                let pause = backoff.pause();
-                if Instant::now() + pause >= until {
-                    break;
-                }
-                sleep(pause).await;
-                if done(inner.try_give_back(&item, &token).await) {
-                    return;
-                }
-            }
-            tracing::debug!(
-                "dynamodb lock release failed; a waiter takes the key over after a lease"
-            );
-        });
-    }
-
-    /// One release attempt.
-    async fn try_give_back(&self, item: &ItemKey, token: &str) -> GiveBack {
+    /// One release attempt: clears the owner if `token` still holds the key.
+    async fn clear_owner(&self, item: &ItemKey, token: &str) -> GiveBack {
         let release = self
             .update(item)
             .update_expression("REMOVE #owner, #rvn, #lease SET #ttl = :ttl")
@@ -412,77 +288,46 @@ impl Inner {
     }
 }
 
-/// What one give-back attempt found.
-enum GiveBack {
-    /// The token held the key, and no longer does.
-    Cleared,
-    /// The token does not hold the key (it never got it, or lost it).
-    NotOurs,
-    /// DynamoDB did not answer, or failed: the token may still hold the key.
-    NoAnswer,
-}
-
 fn fresh_rvn() -> Result<String, CallError> {
-    new_token()
-        .map_err(|error| CallError::local(Box::new(std::io::Error::other(error.to_string()))))
+    fresh_token().map_err(|error| match error {
+        LockError::Backend(error) => CallError::local(error),
+        other => CallError::local(Box::new(other)),
+    })
 }
 
-/// An acquisition's token, armed while an attempt may have been granted without us
-/// knowing: an error, a timeout, or the acquire future dropped mid-attempt. The write
-/// may then have happened (or may still happen: a silent server can wake up), so
-/// dropping it gives back what the token may hold rather than leave the key blocked.
-struct InFlight {
-    inner: Arc<Inner>,
-    item: ItemKey,
-    token: String,
-    /// When the attempt in flight was sent; `None` when none is.
-    sent_at: Option<Instant>,
-}
+impl TtlBackend for Inner {
+    type Target = ItemKey;
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let Some(sent_at) = self.sent_at else {
-            return;
-        };
-        // Without a runtime (it is shutting down) a waiter takes the key over.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (inner, item) = (self.inner.clone(), self.item.clone());
-            let token = std::mem::take(&mut self.token);
-            let until = sent_at + inner.config.lease;
-            // The attempt was abandoned after a command timeout at most; a server that
-            // read it by then has applied it by another one.
-            let settled = sent_at + 2 * inner.config.command_timeout;
-            runtime.spawn(async move { inner.give_back(item, token, until, settled).await });
+    fn timing(&self) -> Timing {
+        Timing {
+            lease: self.config.lease,
+            drift: self.drift,
+            command_timeout: self.config.command_timeout,
+            renewal: self.config.renewal,
+            max_hold: None,
         }
     }
-}
 
-/// Gives a DynamoDB lease back: stops its renewal, then clears the owner if still ours.
-struct DynamoDbRelease {
-    inner: Arc<Inner>,
-    item: ItemKey,
-    token: String,
-    renewal: AbortHandle,
-}
-
-impl ReleaseLease for DynamoDbRelease {
-    fn release(self: Box<Self>) -> BoxFuture<()> {
-        self.renewal.abort();
-        // No renewal follows, so within a lease any waiter may take the key over.
-        let until = Instant::now() + self.inner.config.lease;
-        Box::pin(async move {
-            let (item, token) = (self.item.clone(), self.token.clone());
-            // The grant was answered: no write of this token is still on its way.
-            self.inner
-                .give_back(item, token, until, Instant::now())
-                .await;
-        })
+    async fn renew(
+        &self,
+        item: &ItemKey,
+        token: &str,
+        _ttl: Duration,
+        _sent: Instant,
+        limit: Instant,
+    ) -> Renewal {
+        match timeout_at(limit, self.write_new_version(item, token)).await {
+            Ok(Ok(true)) => Renewal::Renewed,
+            Ok(Ok(false)) => Renewal::NotOurs,
+            Ok(Err(_)) | Err(_) => Renewal::Unknown,
+        }
     }
-}
 
-impl Drop for DynamoDbRelease {
-    fn drop(&mut self) {
-        // Also when dropped without `release` (no runtime left): renewal stops.
-        self.renewal.abort();
+    async fn try_give_back(&self, item: &ItemKey, token: &str) -> GiveBack {
+        self.clear_owner(item, token).await
+    }
+
+    fn engine(&self) -> &'static str {
+        "dynamodb"
     }
 }

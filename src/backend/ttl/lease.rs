@@ -1,0 +1,122 @@
+//! A granted lease: its validity deadline, the renewal task that moves it, and the
+//! release that stops renewal before giving the record back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::AbortHandle;
+use tokio::time::{sleep_until, Instant};
+
+use super::give_back::give_back;
+use super::{Renewal, TtlBackend};
+use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
+
+/// The lease for a grant of `target` to `token`, sent at `sent_at`, with its renewal
+/// task.
+pub(crate) fn grant<B: TtlBackend>(
+    backend: &Arc<B>,
+    target: B::Target,
+    token: String,
+    fence: Option<u64>,
+    sent_at: Instant,
+) -> Lease {
+    let timing = backend.timing();
+    let (lost, signal) =
+        LeaseSignal::with_deadline(timing.valid_until(sent_at, timing.first_ttl()));
+    let renewal = tokio::spawn(keep(
+        backend.clone(),
+        target.clone(),
+        token.clone(),
+        sent_at,
+        lost,
+    ));
+    let release = TtlRelease {
+        backend: backend.clone(),
+        target,
+        token,
+        renewal: renewal.abort_handle(),
+    };
+    Lease::new(fence, signal, release)
+}
+
+/// Keeps a lease acquired at `acquired_at` alive, and raises `lost` at its local
+/// deadline or at the first answer saying it is not ours. Aborted when the lease is
+/// released or dropped.
+async fn keep<B: TtlBackend>(
+    backend: Arc<B>,
+    target: B::Target,
+    token: String,
+    acquired_at: Instant,
+    lost: LeaseLostSender,
+) {
+    let timing = backend.timing();
+    let period = timing.lease / 3;
+    let hold_end = timing.max_hold.map(|max| acquired_at + max);
+    // Invariant: the lease is valid (ours at the engine, modulo drift) until
+    // `valid_until`; the signal holds the same deadline.
+    let mut valid_until = timing.valid_until(acquired_at, timing.first_ttl());
+    let mut next = acquired_at + period;
+    loop {
+        let renew = timing.renewal && hold_end.is_none_or(|end| next < end);
+        if !renew {
+            sleep_until(valid_until).await;
+            break;
+        }
+        // The deadline first: once it has passed, the lease is lost even if it is also
+        // time to renew.
+        tokio::select! {
+            biased;
+            () = sleep_until(valid_until) => break,
+            () = sleep_until(next) => {}
+        }
+        let sent = Instant::now();
+        let ttl = hold_end
+            .map_or(timing.lease, |end| {
+                timing.lease.min(end.saturating_duration_since(sent))
+            })
+            .max(Duration::from_millis(1));
+        // An answer after the deadline comes too late to count.
+        let limit = (sent + timing.command_timeout).min(valid_until);
+        match backend.renew(&target, &token, ttl, sent, limit).await {
+            Renewal::Renewed => {
+                valid_until = timing.valid_until(sent, ttl);
+                if !lost.extend(valid_until) {
+                    break; // the old deadline passed while the answer was on its way
+                }
+                next = sent + period;
+            }
+            Renewal::NotOurs => break,
+            Renewal::Unknown => next = Instant::now() + period / 4,
+        }
+    }
+    lost.lose();
+}
+
+/// Gives a lease back: stops its renewal, then clears the record if still ours.
+struct TtlRelease<B: TtlBackend> {
+    backend: Arc<B>,
+    target: B::Target,
+    token: String,
+    renewal: AbortHandle,
+}
+
+impl<B: TtlBackend> ReleaseLease for TtlRelease<B> {
+    fn release(self: Box<Self>) -> BoxFuture<()> {
+        self.renewal.abort();
+        // No renewal follows, so the record expires within one lease by itself.
+        let now = Instant::now();
+        let until = now + self.backend.timing().lease;
+        Box::pin(async move {
+            let (target, token) = (self.target.clone(), self.token.clone());
+            // The grant was answered: no write of this token is still on its way.
+            give_back(&self.backend, target, token, until, now).await;
+        })
+    }
+}
+
+impl<B: TtlBackend> Drop for TtlRelease<B> {
+    fn drop(&mut self) {
+        // Also when dropped without `release` (no runtime left): renewal stops.
+        self.renewal.abort();
+    }
+}

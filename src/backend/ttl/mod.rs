@@ -1,0 +1,111 @@
+//! The TTL-lease engine: the life cycle every backend whose lock is a record with an
+//! expiry shares (Redis, DynamoDB), written once.
+//!
+//! A backend brings its own atomic steps — an attempt that grants with a fencing token,
+//! a renewal that extends the record if its token still holds it, a give-back that
+//! clears it if so — and its own wait between attempts (pub/sub, polling). The engine
+//! does the rest, the same way for every backend:
+//!
+//! - `lease`: the granted [`Lease`](crate::backend::Lease): its validity deadline
+//!   (send time + TTL − drift margin, on the monotonic clock, in the
+//!   [`LeaseSignal`](crate::backend::LeaseSignal) itself), the renewal task (every
+//!   lease/3, stopping at the first definite "not the owner"), and the release that
+//!   stops renewal before giving back;
+//! - `give_back`: giving a token's hold back, retried in the background until the
+//!   record would expire anyway, and the in-flight guard that gives back what an
+//!   attempt whose answer never came may have been granted;
+//! - `backoff`: jittered pauses; `token`: fresh random tokens.
+
+mod backoff;
+mod give_back;
+mod lease;
+mod token;
+
+use std::future::Future;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+pub(crate) use self::backoff::Backoff;
+pub(crate) use self::give_back::InFlight;
+pub(crate) use self::lease::grant;
+pub(crate) use self::token::{fresh_token, push_hex};
+
+/// The timing every lease of one backend follows.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    /// The TTL written with every grant and renewal.
+    pub(crate) lease: Duration,
+    /// Taken off every validity period for clock drift between this process and the
+    /// engine.
+    pub(crate) drift: Duration,
+    /// The longest one command may take before its answer counts as lost.
+    pub(crate) command_timeout: Duration,
+    /// Whether held leases are renewed at all.
+    pub(crate) renewal: bool,
+    /// The longest a lease is kept, renewals included (`None`: as long as held).
+    pub(crate) max_hold: Option<Duration>,
+}
+
+impl Timing {
+    /// The TTL an acquisition asks for: the lease, shortened to `max_hold`.
+    pub(crate) fn first_ttl(&self) -> Duration {
+        self.max_hold.map_or(self.lease, |max| max.min(self.lease))
+    }
+
+    /// Until when a hold written at `sent` with `ttl` is ours, modulo drift.
+    fn valid_until(&self, sent: Instant, ttl: Duration) -> Instant {
+        sent + ttl.saturating_sub(self.drift)
+    }
+}
+
+/// What one renewal found.
+pub(crate) enum Renewal {
+    /// Extended: the token holds the record for the TTL asked.
+    Renewed,
+    /// Definitely not ours any more: deleted, expired or taken over.
+    NotOurs,
+    /// No answer, or an answer that proves nothing: try again; the deadline stands.
+    Unknown,
+}
+
+/// What one give-back attempt found.
+pub(crate) enum GiveBack {
+    /// The token held the record, and no longer does.
+    Cleared,
+    /// The token does not hold the record (it never got it, or lost it).
+    NotOurs,
+    /// No answer, or a failure: the token may still hold the record.
+    NoAnswer,
+}
+
+/// A backend's atomic steps on its records; the engine runs the life cycle around
+/// them.
+pub(crate) trait TtlBackend: Send + Sync + 'static {
+    /// What names one lock at the engine (its keys, its item).
+    type Target: Clone + Send + Sync + 'static;
+
+    /// The timing of this backend's leases.
+    fn timing(&self) -> Timing;
+
+    /// Extends `token`'s hold on `target` to `ttl`. Sent at `sent`; must answer by
+    /// `limit` (then [`Renewal::Unknown`]).
+    fn renew(
+        &self,
+        target: &Self::Target,
+        token: &str,
+        ttl: Duration,
+        sent: Instant,
+        limit: Instant,
+    ) -> impl Future<Output = Renewal> + Send;
+
+    /// Clears `target` if `token` holds it; one try, bounded by the command timeout.
+    fn try_give_back(
+        &self,
+        target: &Self::Target,
+        token: &str,
+    ) -> impl Future<Output = GiveBack> + Send;
+
+    /// The engine's name in logs ("redis", "dynamodb").
+    fn engine(&self) -> &'static str;
+}

@@ -1,0 +1,38 @@
+//! Fresh random tokens: one per acquisition (the owner of a record) or record version.
+
+use crate::LockError;
+
+/// Appends `bytes` to `out` in lowercase hex.
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for &b in bytes {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+}
+
+/// A fresh random 128-bit token, in hex; [`LockError::Backend`] if the system has no
+/// randomness to give.
+pub(crate) fn fresh_token() -> Result<String, LockError> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes)
+        .map_err(|error| LockError::Backend(Box::new(std::io::Error::other(error.to_string()))))?;
+    let mut token = String::with_capacity(32);
+    push_hex(&mut token, &bytes);
+    Ok(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_128_random_bits_in_hex() {
+        let (a, b) = (fresh_token().unwrap(), fresh_token().unwrap());
+        assert_eq!(a.len(), 32);
+        assert!(a
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        assert_ne!(a, b);
+    }
+}
