@@ -101,6 +101,9 @@ pub mod replay;
 mod service;
 mod shared;
 mod sync;
+#[cfg(all(feature = "testkit", not(loom)))]
+#[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
+pub mod testkit;
 
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]

@@ -1,6 +1,7 @@
 //! `DistributedGuard::run_while_held`: the work runs to its end while the lease holds
 //! (renewed past its length), and is dropped, with `Err(LeaseLost)`, when the lease
-//! runs out unrenewed or the server dies. On a real Redis and PostgreSQL.
+//! runs out unrenewed or the server dies. On a real Redis, PostgreSQL and DynamoDB.
+//! A holder that stalls or crashes is the conformance suite's (`tests/conformance.rs`).
 
 // Without a backend feature, the bodies for remote fixtures have nothing to run on.
 #![cfg_attr(
@@ -38,11 +39,7 @@ for_each_fixture!(
         work_under_a_held_lease_runs_to_the_end,
         dropped_run_while_held_keeps_the_key,
     ],
-    remote: [
-        work_stops_when_the_server_dies,
-        a_stalled_holder_sees_its_lease_lost_by_the_clock,
-        a_crashed_holder_is_taken_over_by_short_waits,
-    ],
+    remote: [work_stops_when_the_server_dies],
 );
 
 /// Set when the work future is dropped.
@@ -145,151 +142,6 @@ async fn work_stops_when_the_server_dies<F: Remote>() {
         "the lease was declared lost {took:?} after the server was killed (bound {:?})",
         fixture.loss_bound()
     );
-}
-
-/// An instance whose runtime is a thread of its own: it can stall (a long pause, CPU
-/// starvation: none of its tasks runs) or die, while the test's runtime goes on.
-struct Isolated {
-    commands: std::sync::mpsc::Sender<Box<dyn FnOnce(&tokio::runtime::Runtime) + Send>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Isolated {
-    fn start() -> Self {
-        let (commands, received) =
-            std::sync::mpsc::channel::<Box<dyn FnOnce(&tokio::runtime::Runtime) + Send>>();
-        let thread = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            for command in received {
-                command(&runtime);
-            }
-            // The runtime dies here: its tasks (renewal, connections) are dropped.
-            runtime.shutdown_background();
-        });
-        Isolated {
-            commands,
-            thread: Some(thread),
-        }
-    }
-
-    /// Runs `work` on the isolated runtime's thread and waits for its result.
-    async fn run<T: Send + 'static>(
-        &self,
-        work: impl FnOnce(&tokio::runtime::Runtime) -> T + Send + 'static,
-    ) -> T {
-        let (done, result) = tokio::sync::oneshot::channel();
-        self.commands
-            .send(Box::new(move |runtime| {
-                let _ = done.send(work(runtime));
-            }))
-            .unwrap();
-        result.await.expect("the isolated runtime ran the work")
-    }
-
-    /// Ends the thread and its runtime without running anything more.
-    fn kill(mut self) {
-        let (commands, _) = std::sync::mpsc::channel();
-        drop(std::mem::replace(&mut self.commands, commands));
-        self.thread.take().unwrap().join().unwrap();
-    }
-}
-
-/// Issue 27: the holder's runtime stalls for three leases (no task of it runs, so no
-/// renewal and no loss signal from one). Meanwhile the other instance takes the key.
-/// When the holder looks again, `is_lost()` must say so by the clock alone, and
-/// `run_while_held` must refuse to start work.
-async fn a_stalled_holder_sees_its_lease_lost_by_the_clock<F: Remote>() {
-    let fixture = F::start();
-    let b = fixture.instance("b").await;
-    let a = servers::locks_on(fixture.backend("a").await);
-    let isolated = Isolated::start();
-
-    let guard = isolated
-        .run(move |runtime| runtime.block_on(a.lock("report")).unwrap())
-        .await;
-    let guard = Arc::new(std::sync::Mutex::new(Some(guard)));
-    let (b_holds, b_held) = std::sync::mpsc::channel();
-    let stalled = isolated.run({
-        let guard = guard.clone();
-        move |runtime| {
-            // The thread blocks: its runtime, with the lease's renewal task, stalls
-            // until the other instance has taken the key.
-            let b_granted = b_held.recv_timeout(PATIENCE).is_ok();
-            let _context = runtime.enter();
-            let guard = guard.lock().unwrap();
-            let guard = guard.as_ref().unwrap();
-            let ran = AtomicBool::new(false);
-            let refused = poll_to_end(guard.run_while_held(async { ran.store(true, SeqCst) }));
-            (b_granted, guard.is_lost(), refused, ran.load(SeqCst))
-        }
-    });
-    let taken = within("b takes the key", PATIENCE, b.lock("report"))
-        .await
-        .unwrap();
-    b_holds.send(()).unwrap();
-    let (b_granted, lost, refused, ran) = stalled.await;
-    assert!(b_granted, "b's grant was not seen by the stalled holder");
-    assert!(
-        lost,
-        "another instance holds the key, and the stalled holder's is_lost() says false"
-    );
-    assert_eq!(refused, Err(LeaseLost));
-    assert!(!ran, "run_while_held started work on a lost lease");
-    let guard = guard.lock().unwrap().take().unwrap();
-    isolated
-        .run(move |runtime| runtime.block_on(guard.release()))
-        .await;
-    taken.release().await;
-    isolated.kill();
-}
-
-/// Issue 27: the holder's process dies (its runtime is dropped, the guard never
-/// released). Another instance that only ever waits 300 ms at a time still gets the
-/// key once the lease has run out: what was seen of the dead holder is not forgotten
-/// between its acquisitions.
-async fn a_crashed_holder_is_taken_over_by_short_waits<F: Remote>() {
-    let fixture = F::start();
-    let b = fixture.instance("b").await;
-    let a = servers::locks_on(fixture.backend("a").await);
-    let isolated = Isolated::start();
-    isolated
-        .run(move |runtime| std::mem::forget(runtime.block_on(a.lock("report")).unwrap()))
-        .await;
-    isolated.kill();
-    let crashed = Instant::now();
-
-    let taken = loop {
-        match b.lock_timeout("report", Duration::from_millis(300)).await {
-            Ok(guard) => break guard,
-            Err(tower_keyed_lock::LockError::Timeout) => {}
-            Err(error) => panic!("lock_timeout failed: {error}"),
-        }
-        assert!(
-            crashed.elapsed() < PATIENCE,
-            "a crashed holder's key was not taken over in {PATIENCE:?} of 300 ms waits"
-        );
-    };
-    eprintln!(
-        "a crashed holder's key was taken over {:?} after the crash (lease bound {:?})",
-        crashed.elapsed(),
-        fixture.loss_bound()
-    );
-    taken.release().await;
-}
-
-/// Polls `future` to its end on this thread, without driving the runtime.
-fn poll_to_end<F: std::future::Future>(future: F) -> F::Output {
-    let mut future = std::pin::pin!(future);
-    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-    loop {
-        if let std::task::Poll::Ready(output) = future.as_mut().poll(&mut context) {
-            return output;
-        }
-        std::thread::yield_now();
-    }
 }
 
 /// Redis with renewal off and a 300 ms lease: the work is stopped at the lease's local

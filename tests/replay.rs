@@ -86,8 +86,7 @@ async fn key_is_scoped_by_route() {
 /// or the same path with another query) must not get the first resource's response.
 #[tokio::test]
 async fn key_is_scoped_by_path_and_query_even_without_fingerprint() {
-    let handler = |axum::extract::Path(order): axum::extract::Path<String>,
-                   uri: http::Uri| async move {
+    let handler = |axum::extract::Path(order): axum::extract::Path<String>, uri: http::Uri| async move {
         format!("order {order} paid ({})", uri.query().unwrap_or("no query"))
     };
     let app = Router::new()
@@ -102,7 +101,10 @@ async fn key_is_scoped_by_path_and_query_even_without_fingerprint() {
     assert!(!other_path.is_replay(), "order 2 got order 1's response");
     assert_eq!(other_path.body, "order 2 paid (no query)");
     let other_query = server.post("/orders/1/pay?attempt=2", "k", "").await;
-    assert!(!other_query.is_replay(), "another query got the first response");
+    assert!(
+        !other_query.is_replay(),
+        "another query got the first response"
+    );
     assert_eq!(other_query.body, "order 1 paid (attempt=2)");
     // The same resource again is a replay, body or not.
     let again = server.post("/orders/1/pay", "k", "changed").await;

@@ -37,7 +37,7 @@ pub trait Fixture: Sized {
 /// A fixture with a real server that instances reach over the network.
 pub trait Remote: Fixture {
     /// A fresh backend, as the instance `name` would build it.
-    fn backend(&self, name: &str) -> impl Future<Output = Arc<dyn LockBackend>>;
+    fn backend(&self, name: &str) -> impl Future<Output = Arc<dyn LockBackend>> + Send;
 
     /// Kills the server (SIGKILL for Redis, a fast shutdown for PostgreSQL): every
     /// session and every lock on it is gone.
@@ -325,6 +325,7 @@ pub async fn within<T>(what: &str, limit: Duration, future: impl Future<Output =
 /// Generates one `#[tokio::test]` per generic test body and fixture:
 /// `for_each_fixture!(all: [a, b], remote: [c])` makes `in_process::a` calling
 /// `a::<InProcess>()`, `redis::a`, `redis::c`, `redis_cluster::a`, `postgres::a`, and so on.
+#[allow(unused_macros)] // not every binary that includes this file uses it
 macro_rules! for_each_fixture {
     (all: [$($all:ident),* $(,)?], remote: [$($remote:ident),* $(,)?] $(,)?) => {
         for_each_fixture!(@mod in_process, crate::servers::InProcess, []; $($all),*);

@@ -1,0 +1,111 @@
+//! Checks of what a holder that stops is owed: a stalled holder learns by the clock
+//! that its lease is gone, and a crashed holder's key comes back.
+
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::{mpsc, Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::isolated::Isolated;
+use super::{instance, within, Deployment, PATIENCE};
+use crate::{DistributedGuard, LeaseLost, LockError};
+
+/// The holder's runtime stalls (none of its tasks runs: no renewal, no signal raised by
+/// a task) until another instance has taken the key. When the holder looks again,
+/// `is_lost()` must say so by the clock alone, and `run_while_held` must refuse to
+/// start work.
+pub async fn a_stalled_holder_sees_its_lease_lost<D: Deployment>(deployment: &D) {
+    let a = instance(deployment, "conformance-stall").await;
+    let b = instance(deployment, "conformance-stall").await;
+    let isolated = Isolated::start();
+    let guard = isolated
+        .run(move |runtime| runtime.block_on(a.lock("k")))
+        .await
+        .expect("the first instance takes a free key");
+    let guard: Arc<Mutex<Option<DistributedGuard>>> = Arc::new(Mutex::new(Some(guard)));
+    let (b_holds, b_held) = mpsc::channel::<()>();
+    let looked = isolated.run({
+        let guard = guard.clone();
+        move |runtime| {
+            // The thread blocks, so its runtime stalls until the other instance holds.
+            let b_granted = b_held.recv_timeout(2 * PATIENCE).is_ok();
+            let _context = runtime.enter();
+            let guard = guard.lock().unwrap_or_else(|e| e.into_inner());
+            let guard = guard.as_ref().expect("held");
+            let ran = AtomicBool::new(false);
+            let refused = poll_to_end(guard.run_while_held(async { ran.store(true, SeqCst) }));
+            (b_granted, guard.is_lost(), refused, ran.load(SeqCst))
+        }
+    });
+    let taken = within(
+        "the takeover of a stalled holder's key",
+        b.lock_timeout("k", PATIENCE),
+    )
+    .await
+    .expect("conformance: another instance could not take a stalled holder's key");
+    let _ = b_holds.send(());
+    let (b_granted, lost, refused, ran) = looked.await;
+    assert!(b_granted, "the stalled holder did not hear of the takeover");
+    assert!(
+        lost,
+        "conformance: another instance holds the key, and the stalled holder's is_lost() says false"
+    );
+    assert_eq!(
+        refused,
+        Err(LeaseLost),
+        "conformance: run_while_held ran on a lost lease"
+    );
+    assert!(
+        !ran,
+        "conformance: run_while_held started work on a lost lease"
+    );
+    let guard = guard.lock().unwrap_or_else(|e| e.into_inner()).take();
+    isolated
+        .run(move |runtime| runtime.block_on(async move { drop(guard) }))
+        .await;
+    taken.release().await;
+    isolated.kill();
+}
+
+/// The holder's process dies (its runtime is dropped, its guard never released).
+/// Another instance that only ever waits 300 ms at a time still gets the key once the
+/// loss bound has passed: what was seen of the dead holder is not forgotten between
+/// acquisitions.
+pub async fn a_crashed_holder_is_taken_over<D: Deployment>(deployment: &D) {
+    let a = instance(deployment, "conformance-crash").await;
+    let b = instance(deployment, "conformance-crash").await;
+    let isolated = Isolated::start();
+    isolated
+        .run(move |runtime| std::mem::forget(runtime.block_on(a.lock("k")).unwrap()))
+        .await;
+    isolated.kill();
+    let crashed = Instant::now();
+    let limit = deployment.loss_bound() + PATIENCE;
+    let taken = loop {
+        match b.lock_timeout("k", Duration::from_millis(300)).await {
+            Ok(guard) => break guard,
+            Err(LockError::Timeout) => {}
+            Err(error) => panic!("conformance: lock_timeout failed: {error}"),
+        }
+        assert!(
+            crashed.elapsed() < limit,
+            "conformance: a crashed holder's key was not taken over in {limit:?} of 300 ms waits"
+        );
+    };
+    tracing::info!(took = ?crashed.elapsed(), "conformance: a crashed holder's key taken over");
+    taken.release().await;
+}
+
+/// Polls `future` to its end on this thread, without driving any runtime.
+fn poll_to_end<F: std::future::Future>(future: F) -> F::Output {
+    let mut future = std::pin::pin!(future);
+    let mut context = Context::from_waker(Waker::noop());
+    loop {
+        if let Poll::Ready(output) = future.as_mut().poll(&mut context) {
+            return output;
+        }
+        std::thread::yield_now();
+    }
+}

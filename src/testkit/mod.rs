@@ -1,0 +1,107 @@
+//! The backend conformance suite, for the crate's own backends and for yours (feature
+//! `testkit`).
+//!
+//! Every [`LockBackend`] of this crate passes these checks against a real server; a
+//! backend you write yourself can run the same ones, as tower-sessions lets a session
+//! store run its shared suite. Each check starts instances of an application (one
+//! [`DistributedLocks`] per backend that [`Deployment::backend`] makes) and panics with
+//! a message saying which guarantee broke.
+//!
+//! ```no_run
+//! # #[cfg(feature = "redis")]
+//! # mod example {
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use tower_keyed_lock::testkit::{self, Deployment};
+//! use tower_keyed_lock::{LockBackend, RedisBackend};
+//!
+//! struct LocalRedis;
+//!
+//! impl Deployment for LocalRedis {
+//!     async fn backend(&self) -> Arc<dyn LockBackend> {
+//!         let client = redis::Client::open("redis://127.0.0.1/").unwrap();
+//!         let backend = RedisBackend::builder(client)
+//!             .lease(Duration::from_secs(1))
+//!             .build()
+//!             .await
+//!             .unwrap();
+//!         Arc::new(backend)
+//!     }
+//!
+//!     fn loss_bound(&self) -> Duration {
+//!         Duration::from_secs(1)
+//!     }
+//! }
+//!
+//! #[tokio::test(flavor = "multi_thread")]
+//! async fn my_redis_setup_conforms() {
+//!     testkit::run_all(&LocalRedis).await;
+//! }
+//! # }
+//! ```
+//!
+//! | check | the guarantee |
+//! |---|---|
+//! | [`one_holder_at_a_time`] | mutual exclusion across instances, nothing lost |
+//! | [`busy_and_timeout`] | `try_lock` is `Busy` and `lock_timeout` ends in `Timeout`, never early, while another instance holds |
+//! | [`release_hands_over`] | a release wakes the next instance's waiter |
+//! | [`fencing_tokens_increase`] | tokens strictly increase from holder to holder (if the backend issues them) |
+//! | [`dropped_acquisitions_leave_nothing_held`] | a cancelled acquisition, at any point, leaves the key free |
+//! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone |
+//! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
+
+mod isolated;
+mod lease;
+mod mutual;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_lease_lost};
+pub use self::mutual::{
+    busy_and_timeout, dropped_acquisitions_leave_nothing_held, fencing_tokens_increase,
+    one_holder_at_a_time, release_hands_over,
+};
+use crate::{DistributedLocks, LockBackend};
+
+/// Long enough for anything that should happen on a loaded machine: a check fails
+/// instead of hanging.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+/// What the suite needs of a backend set-up: instances that share one engine.
+pub trait Deployment: Send + Sync {
+    /// A backend for one more instance of the application (its own connections to the
+    /// shared engine).
+    fn backend(&self) -> impl Future<Output = Arc<dyn LockBackend>> + Send;
+
+    /// The longest a holder that stopped (crashed, stalled, cut off) keeps its key: the
+    /// lease for a TTL-lease backend, the liveness bound for a session lock.
+    fn loss_bound(&self) -> Duration;
+}
+
+/// Runs every check, each on keys of its own.
+pub async fn run_all<D: Deployment>(deployment: &D) {
+    one_holder_at_a_time(deployment).await;
+    busy_and_timeout(deployment).await;
+    release_hands_over(deployment).await;
+    fencing_tokens_increase(deployment).await;
+    dropped_acquisitions_leave_nothing_held(deployment).await;
+    a_stalled_holder_sees_its_lease_lost(deployment).await;
+    a_crashed_holder_is_taken_over(deployment).await;
+}
+
+/// One instance of the application: locks named like the check, on a fresh backend.
+async fn instance<D: Deployment>(deployment: &D, check: &'static str) -> DistributedLocks {
+    DistributedLocks::builder(check)
+        .shared_backend(deployment.backend().await)
+        .build()
+}
+
+/// `future`, or a panic naming `what` after [`PATIENCE`].
+async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(PATIENCE, future).await {
+        Ok(output) => output,
+        Err(_) => panic!("conformance: {what} did not happen within {PATIENCE:?}"),
+    }
+}

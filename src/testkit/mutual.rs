@@ -1,0 +1,163 @@
+//! Checks of exclusion across instances: one holder, waits that end as promised, the
+//! hand-over on release, fencing order, and cancelled acquisitions.
+
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{instance, within, Deployment, PATIENCE};
+use crate::{DistributedLocks, LockError};
+
+/// Three instances, four tasks each, five turns per task on one key: never two
+/// holders at once, and every turn is taken.
+pub async fn one_holder_at_a_time<D: Deployment>(deployment: &D) {
+    const TASKS: usize = 4;
+    const TURNS: usize = 5;
+    let holders = Arc::new(AtomicUsize::new(0));
+    let turns = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let locks = instance(deployment, "conformance-exclusion").await;
+        for _ in 0..TASKS {
+            let (locks, holders, turns) = (locks.clone(), holders.clone(), turns.clone());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..TURNS {
+                    let guard = locks.lock_timeout("k", PATIENCE).await.unwrap();
+                    let others = holders.fetch_add(1, SeqCst);
+                    assert_eq!(others, 0, "conformance: two instances held the key at once");
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    holders.fetch_sub(1, SeqCst);
+                    turns.fetch_add(1, SeqCst);
+                    guard.release().await;
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        within("every turn of exclusion", task)
+            .await
+            .expect("a turn panicked");
+    }
+    assert_eq!(
+        turns.load(SeqCst),
+        3 * TASKS * TURNS,
+        "conformance: a turn was lost"
+    );
+}
+
+/// While one instance holds a key, another's `try_lock` is `Busy` and its
+/// `lock_timeout` ends in `Timeout`, not before its wait is over; after the release the
+/// key can be taken.
+pub async fn busy_and_timeout<D: Deployment>(deployment: &D) {
+    let a = instance(deployment, "conformance-busy").await;
+    let b = instance(deployment, "conformance-busy").await;
+    let guard = a.lock("k").await.unwrap();
+    assert!(
+        matches!(b.try_lock("k").await, Err(LockError::Busy)),
+        "conformance: try_lock was not Busy while another instance held the key"
+    );
+    let wait = Duration::from_millis(200);
+    let started = Instant::now();
+    let timed_out = b.lock_timeout("k", wait).await;
+    assert!(
+        matches!(timed_out, Err(LockError::Timeout)),
+        "conformance: lock_timeout on a held key ended in {timed_out:?}, not Timeout"
+    );
+    assert!(
+        started.elapsed() >= wait,
+        "conformance: lock_timeout gave up after {:?}, before its wait of {wait:?}",
+        started.elapsed()
+    );
+    guard.release().await;
+    eventually_free(&b, "k", PATIENCE).await;
+}
+
+/// A waiter of another instance gets the key once it is released: woken by the
+/// release (or its backend's poll), long before its wait runs out.
+pub async fn release_hands_over<D: Deployment>(deployment: &D) {
+    let a = instance(deployment, "conformance-handover").await;
+    let b = instance(deployment, "conformance-handover").await;
+    let guard = a.lock("k").await.unwrap();
+    let waiter = tokio::spawn(async move {
+        let guard = b.lock_timeout("k", 3 * PATIENCE).await;
+        (guard, Instant::now())
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let released = Instant::now();
+    guard.release().await;
+    let (granted, at) = within("the hand-over to a waiting instance", waiter)
+        .await
+        .unwrap();
+    let granted = granted.expect("conformance: the waiter was not granted the released key");
+    tracing::info!(
+        hand_over = ?at.saturating_duration_since(released),
+        "conformance: release to next grant"
+    );
+    granted.release().await;
+}
+
+/// Two instances take a key in turns: the fencing tokens strictly increase, or the
+/// backend issues none at all.
+pub async fn fencing_tokens_increase<D: Deployment>(deployment: &D) {
+    let a = instance(deployment, "conformance-fencing").await;
+    let b = instance(deployment, "conformance-fencing").await;
+    let mut tokens = Vec::new();
+    for turn in 0..6 {
+        let locks = if turn % 2 == 0 { &a } else { &b };
+        let guard = locks.lock_timeout("k", PATIENCE).await.unwrap();
+        tokens.push(guard.fencing_token());
+        guard.release().await;
+    }
+    if tokens.iter().all(Option::is_none) {
+        return;
+    }
+    let tokens: Vec<u64> = tokens
+        .into_iter()
+        .map(|token| token.expect("conformance: a backend issued a fencing token only sometimes"))
+        .collect();
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "conformance: fencing tokens did not strictly increase: {tokens:?}"
+    );
+}
+
+/// Acquisitions dropped at many points — queued while another instance holds, racing
+/// the grant of a free key — leave the key free: another instance takes it at once,
+/// not after a lease.
+pub async fn dropped_acquisitions_leave_nothing_held<D: Deployment>(deployment: &D) {
+    let a = instance(deployment, "conformance-cancel").await;
+    let b = instance(deployment, "conformance-cancel").await;
+    // Longer than a release's round trip on a loaded machine, shorter than a lease: a
+    // key left to expire instead of released is caught.
+    let freed_within = (deployment.loss_bound() / 2).max(Duration::from_millis(100));
+    for micros in [0, 100, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000] {
+        let cut = Duration::from_micros(micros);
+        // Held elsewhere: the acquisition is cut while it waits.
+        let guard = a.lock("held").await.unwrap();
+        let _ = tokio::time::timeout(cut, b.lock_timeout("held", PATIENCE)).await;
+        guard.release().await;
+        eventually_free(&a, "held", freed_within).await;
+        // Free: the acquisition is cut before, during or after its grant.
+        let _ = tokio::time::timeout(cut, b.lock_timeout("free", PATIENCE)).await;
+        eventually_free(&a, "free", freed_within).await;
+    }
+}
+
+/// Takes `key` with `try_lock` until it is free, failing after `limit`.
+async fn eventually_free(locks: &DistributedLocks, key: &str, limit: Duration) {
+    let started = Instant::now();
+    loop {
+        match locks.try_lock(key).await {
+            Ok(guard) => return guard.release().await,
+            Err(LockError::Busy) => {}
+            Err(error) => panic!("conformance: try_lock({key:?}) failed: {error}"),
+        }
+        assert!(
+            started.elapsed() < limit,
+            "conformance: {key:?} still held {limit:?} after it should be free"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
