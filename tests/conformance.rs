@@ -27,10 +27,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use servers::{Fixture, Remote};
+use servers::{Fixture, Proxied, Remote};
+use support::tcp_proxy::TcpProxy;
 use tokio::time::{sleep, sleep_until, Instant};
 use tower_keyed_lock::backend::{BoxFuture, LeaseLostSender, ReleaseLease};
 use tower_keyed_lock::testkit::Deployment;
+use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
 
 /// A fixture's server, as the suite sees it.
@@ -77,6 +79,191 @@ conformance!(redis, crate::servers::Redis, "redis");
 conformance!(redis_cluster, crate::servers::RedisCluster, "redis");
 conformance!(postgres, crate::servers::Postgres, "postgres");
 conformance!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+
+// ------------------------------------------------------------ faults through the proxy
+
+/// `faults!(fixture_module, Fixture, "feature")`: the fault checks of a fixture whose
+/// instances can reach the server through the TCP proxy.
+macro_rules! faults {
+    ($module:ident, $fixture:ty, $feature:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            faults!(@checks $fixture;
+                a_cut_off_holder_is_told_before_another_instance_is_granted,
+                no_acquisition_outlives_its_wait_on_a_silent_path,
+                a_slow_path_keeps_the_lease,
+                a_reset_connection_is_a_lost_lease_and_recovers,
+            );
+        }
+    };
+    (@checks $fixture:ty; $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $check() {
+                crate::$check(&<$fixture as crate::servers::Fixture>::start()).await;
+            }
+        )*
+    };
+}
+
+mod faults {
+    faults!(redis, crate::servers::Redis, "redis");
+    faults!(postgres, crate::servers::Postgres, "postgres");
+    faults!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+}
+
+/// Slack for a loaded machine on bounds the backends document (a wait plus one network
+/// timeout): far below what a hang on a silent TCP path costs (minutes).
+const SLACK: Duration = Duration::from_secs(1);
+
+/// The holder's path goes silent (no reset: a partition, a dead NAT entry). Another
+/// instance waits for the key. The holder must be told its lease is lost before that
+/// instance is granted.
+async fn a_cut_off_holder_is_told_before_another_instance_is_granted<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = servers::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let b = fixture.instance("b").await;
+    let guard = a.lock("cut").await.unwrap();
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    proxy.blackhole();
+    let cut = Instant::now();
+    let taken = within(
+        "b takes the cut-off holder's key",
+        3 * PATIENCE,
+        b.lock_timeout("cut", 3 * PATIENCE),
+    )
+    .await
+    .expect("b is granted the key once the holder's lease is gone");
+    let granted = Instant::now();
+    let told = within("the holder is told", PATIENCE, told).await.unwrap();
+    assert!(
+        told <= granted,
+        "unsignalled overlap: b was granted {:?} before the cut-off holder was told",
+        told - granted
+    );
+    assert!(guard.is_lost());
+    eprintln!(
+        "cut off: holder told after {:?}, other instance granted after {:?} (margin {:?})",
+        told - cut,
+        granted - cut,
+        granted - told
+    );
+    taken.release().await;
+}
+
+/// Through a silent path, an acquisition ends (with an error or a timeout) within its
+/// wait plus about one network timeout, never hanging; once the path heals, the backend
+/// serves again without a restart.
+async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = servers::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    // A connection in use before the fault.
+    a.lock("warm").await.unwrap().release().await;
+    proxy.blackhole();
+    let wait = Duration::from_millis(300);
+    let bound = wait + 2 * fixture.network_timeout() + SLACK;
+    for key in ["silent-1", "silent-2", "silent-3"] {
+        let started = Instant::now();
+        let outcome = within(
+            "an acquisition on a silent path",
+            PATIENCE,
+            a.lock_timeout(key, wait),
+        )
+        .await;
+        let took = started.elapsed();
+        assert!(
+            outcome.is_err(),
+            "granted through a silent path: {outcome:?}"
+        );
+        assert!(
+            took < bound,
+            "an acquisition took {took:?} on a silent path (bound {bound:?})"
+        );
+    }
+    proxy.heal();
+    let healed = within("the backend serves again", 3 * PATIENCE, async {
+        loop {
+            match a.lock_timeout("after", PATIENCE).await {
+                Ok(guard) => break guard,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    healed.release().await;
+}
+
+/// A path slower than usual but within the network timeout (a quarter of it each way)
+/// keeps the lease: renewals or liveness checks get through, for twice the loss bound.
+async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = servers::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let b = fixture.instance("b").await;
+    let guard = a.lock("slow").await.unwrap();
+    proxy.delay(fixture.network_timeout() / 4);
+    tokio::time::sleep(2 * fixture.loss_bound()).await;
+    assert!(
+        !guard.is_lost(),
+        "a slow path within the network timeout lost the lease"
+    );
+    assert!(
+        matches!(b.try_lock("slow").await, Err(LockError::Busy)),
+        "another instance took the key of a holder on a slow path"
+    );
+    proxy.delay(Duration::ZERO);
+    guard.release().await;
+}
+
+/// Every connection of the holder is reset: the holder is told (before, or as, any
+/// other instance is granted), and the backend reconnects for the next acquisition.
+async fn a_reset_connection_is_a_lost_lease_and_recovers<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = servers::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let b = fixture.instance("b").await;
+    let guard = a.lock("reset").await.unwrap();
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    proxy.reset();
+    // A session lock dies with its connection; a TTL lease survives a reset if the
+    // renewal reconnects in time. Either way, no overlap without the signal.
+    match b.lock_timeout("reset", 2 * fixture.loss_bound()).await {
+        Ok(taken) => {
+            let granted = Instant::now();
+            let told = within("the holder is told", PATIENCE, told).await.unwrap();
+            assert!(told <= granted, "unsignalled overlap after a reset");
+            taken.release().await;
+        }
+        Err(LockError::Timeout) => {
+            assert!(!guard.is_lost(), "lost, yet nobody else could take the key")
+        }
+        Err(error) => panic!("b failed: {error}"),
+    }
+    drop(guard);
+    let again = within("a reconnects", 3 * PATIENCE, async {
+        loop {
+            match a.lock_timeout("reset-after", PATIENCE).await {
+                Ok(guard) => break guard,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    again.release().await;
+}
+
+/// `future`, or a panic naming `what` after `limit`.
+async fn within<T>(what: &str, limit: Duration, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not happen within {limit:?}"))
+}
 
 // ------------------------------------------------- a backend written outside the crate
 

@@ -48,6 +48,18 @@ pub trait Remote: Fixture {
     fn loss_bound(&self) -> Duration;
 }
 
+/// A remote fixture whose instances can reach the server through the fault proxy.
+pub trait Proxied: Remote {
+    /// Where the server listens.
+    fn upstream(&self) -> std::net::SocketAddr;
+
+    /// A backend whose connections go to `host_port` (the proxy) instead.
+    fn backend_via(&self, host_port: &str) -> impl Future<Output = Arc<dyn LockBackend>> + Send;
+
+    /// The longest one round trip may take before the backend counts it as lost.
+    fn network_timeout(&self) -> Duration;
+}
+
 /// The locks of an instance on `backend`.
 pub fn locks_on(backend: Arc<dyn LockBackend>) -> DistributedLocks {
     DistributedLocks::builder(NAME)
@@ -91,17 +103,37 @@ mod redis {
         }
     }
 
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+
+    impl Proxied for Redis {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            let client = ::redis::Client::open(format!("redis://{host_port}/")).unwrap();
+            Arc::new(backend_on(client).await)
+        }
+
+        fn network_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
+    async fn backend_on(client: ::redis::Client) -> RedisBackend {
+        RedisBackend::builder(client)
+            // A server started for this run: no instance can hold a key it lost.
+            .restart_guard(false)
+            .lease(LEASE)
+            .command_timeout(COMMAND_TIMEOUT)
+            .build()
+            .await
+            .expect("the backend connects to Redis")
+    }
+
     impl Remote for Redis {
         async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
-            let backend = RedisBackend::builder(self.0.client())
-                // A server started for this run: no instance can hold a key it lost.
-                .restart_guard(false)
-                .lease(LEASE)
-                .command_timeout(Duration::from_millis(500))
-                .build()
-                .await
-                .expect("the backend connects to Redis");
-            Arc::new(backend)
+            Arc::new(backend_on(self.0.client()).await)
         }
 
         fn kill(&mut self) {
@@ -192,16 +224,41 @@ mod postgres {
         }
     }
 
+    fn backend_on(mut config: tokio_postgres::Config, name: &str) -> Arc<dyn LockBackend> {
+        // Tells the instances apart in `pg_stat_activity` and the server log.
+        config.application_name(name);
+        let backend = PostgresBackend::from_config(config)
+            .liveness_interval(LIVENESS)
+            .network_timeout(NETWORK_TIMEOUT)
+            .fencing(true);
+        Arc::new(backend)
+    }
+
+    impl Proxied for Postgres {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            let (host, port) = host_port.split_once(':').unwrap();
+            // A fresh config: `host` and `port` add to a parsed one's lists.
+            let mut config = tokio_postgres::Config::new();
+            config
+                .host(host)
+                .port(port.parse().unwrap())
+                .user("postgres")
+                .dbname("postgres");
+            backend_on(config, "proxied")
+        }
+
+        fn network_timeout(&self) -> Duration {
+            NETWORK_TIMEOUT
+        }
+    }
+
     impl Remote for Postgres {
         async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
-            let mut config: tokio_postgres::Config = self.0.conn_str().parse().unwrap();
-            // Tells the instances apart in `pg_stat_activity` and the server log.
-            config.application_name(name);
-            let backend = PostgresBackend::from_config(config)
-                .liveness_interval(LIVENESS)
-                .network_timeout(NETWORK_TIMEOUT)
-                .fencing(true);
-            Arc::new(backend)
+            backend_on(self.0.conn_str().parse().unwrap(), name)
         }
 
         fn kill(&mut self) {
@@ -221,7 +278,7 @@ pub use self::dynamodb::DynamoDb;
 mod dynamodb {
     use super::ttl_lease::LEASE;
     use super::*;
-    use crate::dynamo_server::DynamoServer;
+    use crate::dynamo_server::{client_for, DynamoServer};
     use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
 
     const TABLE: &str = "locks";
@@ -240,17 +297,37 @@ mod dynamodb {
         }
     }
 
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+
+    async fn backend_on(url: &str) -> Arc<dyn LockBackend> {
+        let builder = DynamoDbBackend::builder(client_for(url), TABLE)
+            .lease(LEASE)
+            .command_timeout(COMMAND_TIMEOUT)
+            .poll_interval(Duration::from_millis(50));
+        // moto answers its first requests slowly (it loads its backends).
+        let patient = builder.clone().command_timeout(Duration::from_secs(10));
+        patient.create_table().await.expect("create the table");
+        let backend = builder.build().await.expect("the backend connects to moto");
+        Arc::new(backend)
+    }
+
+    impl Proxied for DynamoDb {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            backend_on(&format!("http://{host_port}")).await
+        }
+
+        fn network_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
     impl Remote for DynamoDb {
         async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
-            let builder = DynamoDbBackend::builder(self.0.client(), TABLE)
-                .lease(LEASE)
-                .command_timeout(Duration::from_millis(500))
-                .poll_interval(Duration::from_millis(50));
-            // moto answers its first requests slowly (it loads its backends).
-            let patient = builder.clone().command_timeout(Duration::from_secs(10));
-            patient.create_table().await.expect("create the table");
-            let backend = builder.build().await.expect("the backend connects to moto");
-            Arc::new(backend)
+            backend_on(&self.0.url()).await
         }
 
         fn kill(&mut self) {
