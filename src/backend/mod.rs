@@ -53,6 +53,18 @@ pub trait LockBackend: Send + Sync + 'static {
         -> BoxFuture<Result<Lease, LockError>>;
 }
 
+/// A shared backend is a backend: one client can serve several layers and job locks.
+impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
+    fn acquire(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+    ) -> BoxFuture<Result<Lease, LockError>> {
+        (**self).acquire(name, key, wait)
+    }
+}
+
 /// A remote lock held: its fencing token and lost-lease signal. Dropping it releases
 /// the lock (in a task of its own, since release is a round trip).
 pub struct Lease {
