@@ -19,17 +19,21 @@ const CLOSED_CHECK_PERIOD: Duration = Duration::from_millis(5);
 
 impl Inner {
     /// Hands the locked session (server process `pid`) to a task that watches it until
-    /// the lease is released.
+    /// the lease is released. `since` is when the last round trip known to have reset
+    /// the server's idle limit was sent (it answered within the network timeout): the
+    /// liveness checks count from there, so the holder is told a network timeout
+    /// before that limit can run out.
     pub(super) fn hold(
         self: Arc<Self>,
         session: Session,
         id: i64,
         pid: i32,
         token: Option<u64>,
+        since: Instant,
     ) -> Lease {
         let (lost, signal) = LeaseSignal::new();
         let (stop, stopped) = oneshot::channel();
-        let task = tokio::spawn(self.watch(session, id, pid, lost, stopped));
+        let task = tokio::spawn(self.watch(session, id, pid, since, lost, stopped));
         Lease::new(token, signal, PgRelease { stop, task })
     }
 
@@ -41,11 +45,12 @@ impl Inner {
         session: Session,
         id: i64,
         pid: i32,
+        since: Instant,
         lost: LeaseLostSender,
         mut stop: oneshot::Receiver<()>,
     ) {
         if self
-            .stays_alive(&session, id, pid, &mut stop)
+            .stays_alive(&session, id, pid, since, &mut stop)
             .await
             .is_err()
         {
@@ -80,10 +85,11 @@ impl Inner {
         session: &Session,
         id: i64,
         pid: i32,
+        since: Instant,
         stop: &mut oneshot::Receiver<()>,
     ) -> Result<(), ()> {
         let interval = self.liveness_interval;
-        let mut checks = tokio::time::interval_at(Instant::now() + interval, interval);
+        let mut checks = tokio::time::interval_at(since + interval, interval);
         checks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut looks = tokio::time::interval(CLOSED_CHECK_PERIOD);
         looks.set_missed_tick_behavior(MissedTickBehavior::Delay);
