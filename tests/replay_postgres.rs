@@ -337,7 +337,10 @@ async fn first_use_by_many_instances_at_once_sets_up_the_schema_safely_and_quiet
                 tasks.push(tokio::spawn(async move {
                     barrier_.wait().await;
                     match backend.acquire(NAME, &key, Duration::from_secs(2)).await {
-                        Ok(lease) => Ok(lease.release().await),
+                        Ok(lease) => {
+                            lease.release().await;
+                            Ok(())
+                        }
                         Err(error) => Err(format!("backend: {error}")),
                     }
                 }));

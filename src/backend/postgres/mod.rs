@@ -197,10 +197,14 @@
 //! # Fencing tokens
 //!
 //! With [`fencing(true)`](PostgresBackend::fencing) every grant also takes `nextval` of
-//! a sequence (default [`DEFAULT_FENCING_SEQUENCE`], created by the backend with
-//! `CREATE SEQUENCE IF NOT EXISTS` on first use) in the statement that grants the lock,
-//! so the tokens of one key strictly increase from holder to holder; the handler reads
-//! it with [`LockInfo::fencing_token`](crate::LockInfo::fencing_token). That holds only
+//! a sequence (default [`DEFAULT_FENCING_SEQUENCE`]) in the statement that grants the
+//! lock, so the tokens of one key strictly increase from holder to holder; the handler
+//! reads it with [`LockInfo::fencing_token`](crate::LockInfo::fencing_token). The
+//! backend creates the sequence on first use if it is missing: it looks first (nothing
+//! runs, and no NOTICE is sent, when it exists), and creates it under a
+//! transaction-scoped advisory lock, so instances that start together take turns
+//! instead of colliding (`CREATE SEQUENCE IF NOT EXISTS` is not safe under
+//! concurrency). The tokens increase only
 //! for a sequence with `CACHE 1` (each session caches its own range otherwise, and two
 //! instances' tokens interleave: 1, 21, 2, …), `NO CYCLE`, a positive increment and a
 //! minimum of at least 0: the backend checks the sequence on first use and refuses
@@ -220,13 +224,15 @@
 // One concern per file: `lock_id` is the stable hash of a key and its SQL form,
 // `session` takes pooled connections and closes those in an unknown state, `acquire`
 // runs the session lock's try and wait statements, `xact` the transaction lock's,
-// `fencing` checks the sequence, `lease` watches a held lock and releases it, and
-// `error` is the backend's error. This file has the public type and its configuration.
+// `fencing` checks the sequence, `schema` creates it (and the replay store's table)
+// safely under concurrency, `lease` watches a held lock and releases it, and `error` is
+// the backend's error. This file has the public type and its configuration.
 mod acquire;
 mod error;
 mod fencing;
 mod lease;
 mod lock_id;
+pub(crate) mod schema;
 mod session;
 mod xact;
 
