@@ -48,6 +48,13 @@ pub trait LockBackend: Send + Sync + 'static {
     /// implementations need not be cancel-safe themselves.
     fn acquire(&self, name: &str, key: &Key, wait: Duration)
         -> BoxFuture<Result<Lease, LockError>>;
+
+    /// Whether every lease carries a [fencing token](Lease::fencing_token) (the
+    /// default). A replay store that orders its writes by token is refused under a
+    /// backend that says no.
+    fn issues_fencing_tokens(&self) -> bool {
+        true
+    }
 }
 
 /// A remote lock held: its fencing token and lost-lease signal. Dropping it releases

@@ -36,10 +36,13 @@ const MAX_TTL_MS: i64 = 100 * 365 * 24 * 60 * 60 * 1000;
 /// A write is one conditional upsert: it inserts, or replaces a row whose `fence` is
 /// lower than the writer's token, so a holder whose lock was lost never overwrites its
 /// successor's record. It needs the fencing tokens of the PostgreSQL backend
-/// ([`fencing(true)`](crate::backend::postgres::PostgresBackend::fencing)); without a
-/// token the write fails (logged, nothing stored). A stale holder can still insert a
-/// record where none exists yet; the successor's write replaces it. Rows past
-/// `expires_at` are never returned; [`purge_expired`](Self::purge_expired) deletes them.
+/// ([`fencing(true)`](crate::backend::postgres::PostgresBackend::fencing)): under a
+/// backend without them it could never store, so
+/// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay) refuses it (a panic naming
+/// the fix), and layers stacked by hand answer 500 (misconfigured) before the handler
+/// runs. A stale holder can still insert a record where none exists yet; the
+/// successor's write replaces it. Rows past `expires_at` are never returned;
+/// [`purge_expired`](Self::purge_expired) deletes them.
 ///
 /// Give the store its own pool: the lock backend's connections sit idle holding locks.
 #[derive(Clone)]
@@ -191,6 +194,10 @@ impl ReplayStore for PostgresReplayStore {
                 Stored::Fenced
             })
         })
+    }
+
+    fn needs_fencing_tokens(&self) -> bool {
+        true
     }
 }
 

@@ -560,6 +560,11 @@ impl fmt::Debug for PostgresBackend {
 }
 
 impl LockBackend for PostgresBackend {
+    /// Only with [`fencing(true)`](PostgresBackend::fencing).
+    fn issues_fencing_tokens(&self) -> bool {
+        self.inner.fencing.is_some()
+    }
+
     fn acquire(
         &self,
         name: &str,
