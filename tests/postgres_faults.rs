@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use pg_server::PgServer;
 use support::tcp_proxy::TcpProxy;
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
+use tower_keyed_lock::backend::postgres::{
+    LockScope, PostgresBackend, DEFAULT_LIVENESS_INTERVAL, DEFAULT_NETWORK_TIMEOUT,
+};
 use tower_keyed_lock::{Key, Lease, LockBackend, LockError};
 
 /// Long enough for anything that should happen; a test fails instead of hanging.
@@ -406,32 +408,44 @@ async fn delayed_path_keeps_the_lease_until_it_exceeds_the_network_timeout() {
 }
 
 /// A statement waiting in PostgreSQL is granted while its answer is slow (400 ms each
-/// way against a 250 ms network timeout). PostgreSQL's idle limit starts when it grants,
-/// but the holder learns of the grant only when the answer arrives: counted from the
-/// answer, the holder's first check came after the server had ended the session and
-/// granted the next waiter (before the fix: A told 150 ms after C was granted, 3 of 3).
-/// A grant counts only from a round trip that answered within the network timeout:
-/// so A is either refused (its confirmation was too slow) or told before C is granted.
+/// way against a 250 ms network timeout, liveness 200 ms; then the default timings with
+/// 2.3 s each way). PostgreSQL's idle limit starts when it grants, but the holder
+/// learns of the grant only when the answer arrives: counted from the answer, the
+/// holder's first check came after the server had ended the session and granted the
+/// next waiter (before the fix: A told 150 ms after C was granted, 3 of 3). A grant
+/// counts only from a round trip that answered within the network timeout: so A is
+/// either refused (its confirmation was too slow) or told before C is granted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_grant_answered_late_never_overlaps_the_next_holder() {
-    const LIVENESS: Duration = Duration::from_millis(200);
-    const NETWORK: Duration = Duration::from_millis(250);
+    let millis = Duration::from_millis;
+    let timings = [
+        (millis(200), millis(250), millis(400), trials()),
+        (
+            DEFAULT_LIVENESS_INTERVAL,
+            DEFAULT_NETWORK_TIMEOUT,
+            millis(2_300),
+            1,
+        ),
+    ];
     let pg = PgServer::start();
     let admin = admin(&pg).await;
-    for scope in [LockScope::Session, LockScope::Transaction] {
+    for (scope, (liveness, network, delay, trials)) in [LockScope::Session, LockScope::Transaction]
+        .into_iter()
+        .flat_map(|scope| timings.map(|timing| (scope, timing)))
+    {
         let mut margins = Vec::new();
-        for trial in 0..trials() {
+        for trial in 0..trials {
             let proxy = TcpProxy::start(pg_addr(&pg)).await;
             let timed = |backend: PostgresBackend| {
                 backend
-                    .liveness_interval(LIVENESS)
-                    .network_timeout(NETWORK)
+                    .liveness_interval(liveness)
+                    .network_timeout(network)
                     .lock_scope(scope)
             };
             let a = timed(backend(&proxy.host_port(), "late-a"));
             let b = timed(direct(&pg, "late-b"));
             let c = timed(direct(&pg, "late-c"));
-            let name = format!("late-{scope:?}-{trial}");
+            let name = format!("late-{scope:?}-{network:?}-{trial}");
 
             let held = b
                 .acquire("orders", &key(&name), Duration::ZERO)
@@ -453,7 +467,7 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
                 waits_in_postgres(&admin, "late-a")
             })
             .await;
-            proxy.delay(Duration::from_millis(400));
+            proxy.delay(delay);
             let acquiring = c.acquire("orders", &key(&name), Duration::from_secs(9));
             let c_task = tokio::spawn(async move {
                 let lease = acquiring.await.expect("C is granted");
@@ -499,7 +513,8 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
             c_lease.release().await;
         }
         println!(
-            "late grant answer, {scope:?}: A refused or told before C entered by {}",
+            "late grant answer, {scope:?}, {delay:?} each way, network timeout {network:?}: \
+             A refused or told before C entered by {}",
             spread(margins)
         );
     }
