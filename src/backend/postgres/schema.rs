@@ -7,9 +7,10 @@
 //! skipping") on every start.
 
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{Client, SimpleQueryMessage};
+use tokio_postgres::Client;
 
 use super::lock_id::lock_id;
+use super::session::last_row;
 
 /// Creates the relation `name` (a checked plain or schema-qualified name) with
 /// `create`, its `CREATE` statement without `IF NOT EXISTS`, unless it exists. Looks
@@ -25,7 +26,8 @@ pub(crate) async fn create_if_missing(
     create: &str,
 ) -> Result<(), tokio_postgres::Error> {
     let exists = format!("SELECT to_regclass('{name}') IS NOT NULL");
-    if first_value(&client.simple_query(&exists).await?) == Some("t") {
+    let answer = client.simple_query(&exists).await?;
+    if last_row(&answer).and_then(|row| row.get(0)) == Some("t") {
         return Ok(());
     }
     let lock = lock_id(super::DEFAULT_NAMESPACE, "schema", name);
@@ -44,11 +46,4 @@ pub(crate) async fn create_if_missing(
         }
         Err(error) => Err(error),
     }
-}
-
-fn first_value(messages: &[SimpleQueryMessage]) -> Option<&str> {
-    messages.iter().find_map(|message| match message {
-        SimpleQueryMessage::Row(row) => row.get(0),
-        _ => None,
-    })
 }
