@@ -1137,3 +1137,43 @@ async fn the_first_requests_after_a_redis_restart_are_served() {
         }
     }
 }
+
+/// Issue 25.3: a server that may evict keys under memory pressure (any `volatile-*` or
+/// `allkeys-*` `maxmemory-policy`) can drop a held lock key, and another instance is
+/// then granted it before the holder is told. The backend refuses to be built on one,
+/// with an error that names the setting and the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicting_maxmemory_policy_is_refused_when_the_backend_is_built() {
+    for policy in ["volatile-ttl", "allkeys-lru"] {
+        let redis = RedisServer::start_with_args(&["--maxmemory-policy", policy]);
+        let built = RedisBackend::builder(redis.client()).build().await;
+        let message = built
+            .expect_err("built on a server that may evict lock keys")
+            .to_string();
+        for needed in ["maxmemory-policy", policy, "noeviction"] {
+            assert!(message.contains(needed), "{needed:?} not in: {message}");
+        }
+    }
+}
+
+/// Where `CONFIG` is renamed or disabled (managed Redis services do that), the policy
+/// is read from `INFO memory`: an evicting one is still refused, `noeviction` builds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_config_the_policy_is_read_from_info() {
+    let no_config = ["--rename-command", "CONFIG", ""];
+    let evicting = [&no_config[..], &["--maxmemory-policy", "allkeys-lfu"]].concat();
+    let redis = RedisServer::start_with_args(&evicting);
+    let message = RedisBackend::builder(redis.client())
+        .build()
+        .await
+        .expect_err("built on a server that may evict lock keys")
+        .to_string();
+    assert!(message.contains("allkeys-lfu"), "{message}");
+
+    let redis = RedisServer::start_with_args(&no_config);
+    RedisBackend::builder(redis.client())
+        .restart_guard(false)
+        .build()
+        .await
+        .expect("noeviction, read from INFO, builds");
+}
