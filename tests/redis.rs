@@ -1150,9 +1150,20 @@ async fn an_evicting_maxmemory_policy_is_refused_when_the_backend_is_built() {
         let message = built
             .expect_err("built on a server that may evict lock keys")
             .to_string();
-        for needed in ["maxmemory-policy", policy, "noeviction"] {
+        for needed in [
+            "maxmemory-policy",
+            policy,
+            "noeviction",
+            "allow_unsafe_eviction_policy(true)",
+        ] {
             assert!(message.contains(needed), "{needed:?} not in: {message}");
         }
+        // Whoever accepts the risk says so.
+        RedisBackend::builder(redis.client())
+            .allow_unsafe_eviction_policy(true)
+            .build()
+            .await
+            .expect("the opt-in builds");
     }
 }
 

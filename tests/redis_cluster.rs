@@ -426,4 +426,10 @@ async fn one_evicting_primary_refuses_the_backend() {
     for needed in ["maxmemory-policy", "volatile-lru", "noeviction", &node] {
         assert!(message.contains(needed), "{needed:?} not in: {message}");
     }
+    RedisBackend::cluster_builder(cluster.client())
+        .command_timeout(COMMAND_TIMEOUT)
+        .allow_unsafe_eviction_policy(true)
+        .build()
+        .await
+        .expect("the opt-in builds");
 }

@@ -151,6 +151,21 @@
 //!                                 (for a minute, or a lease if longer)
 //! ```
 //!
+//! These keys must live until their TTL. Under any `maxmemory-policy` but
+//! `noeviction` (`volatile-*` ones pick keys with a TTL, as every lock key has;
+//! `allkeys-*` ones pick any), Redis evicts keys when memory runs short, and a held
+//! lock key evicted is granted to another instance while its holder still counts its
+//! lease as valid: the holder learns it at its next renewal, up to lease/3 later. So
+//! [`build`](RedisBackendBuilder::build) reads `maxmemory-policy` (`CONFIG GET`, or
+//! `INFO memory` where `CONFIG` is renamed or not allowed; on a cluster, of every
+//! primary) and refuses anything but `noeviction`, unless
+//! [`allow_unsafe_eviction_policy`](RedisBackendBuilder::allow_unsafe_eviction_policy)
+//! accepts the risk. A Redis used as a cache with eviction should not hold locks; give
+//! the locks a Redis of their own. What no setting can refuse: `FLUSHALL`, `FLUSHDB`,
+//! or a `DEL` of a lock key by an operator or another application acts the same (the
+//! holder is told at its next renewal, after the key may already have been granted
+//! again); keep them from the lock server (`rename-command`, or ACLs).
+//!
 //! `name` and `key` are each written as-is when they are at most 64 bytes of ASCII
 //! letters, digits and `- _ . @ + = / ~ ,`; anything else (`:`, `{`, `}`, `*`,
 //! whitespace, other bytes, empty or longer text) is written as `#` followed by the
@@ -172,6 +187,7 @@
 // Redis, `lease` acquires, renews and gives back leases, and `subscriber` turns release
 // messages into wake-ups. This file has the public types and their configuration.
 mod connection;
+mod eviction;
 mod keys;
 mod lease;
 mod scripts;
@@ -269,6 +285,7 @@ struct Config {
     fence_ttl: Option<Duration>,
     restart_guard: bool,
     replicas: Option<Replicas>,
+    allow_eviction: bool,
 }
 
 /// How many replicas must acknowledge a grant or renewal, and for how long to wait.
@@ -363,6 +380,7 @@ impl RedisBackend {
                 fence_ttl: None,
                 restart_guard: true,
                 replicas: None,
+                allow_eviction: false,
             },
         }
     }
@@ -568,11 +586,27 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// Connects: checks that Redis answers and subscribes to the release channel, each
-    /// within the command timeout, then starts the subscription task (on the current
-    /// tokio runtime; it ends with the last clone of the backend and its leases). Fails
-    /// if Redis cannot be reached or the subscription fails (it needs RESP3: Redis 6 or
-    /// newer).
+    /// Whether to build on a Redis that may evict keys — **unsafe** (default off:
+    /// refused). Under any `maxmemory-policy` but `noeviction` (every `volatile-*` and
+    /// `allkeys-*` policy), Redis drops keys under memory pressure, a held lock key
+    /// among them; another instance is then granted the key while its holder still
+    /// counts its lease as valid, and learns otherwise only at its next renewal (up to
+    /// lease/3 later). [`build`](Self::build) reads the policy (of every primary of a
+    /// cluster) and refuses anything but `noeviction`; with this on, it only logs a
+    /// warning. Turn it on only if the lock keys' overlap is acceptable, or if memory
+    /// can never run short. See [Redis keys](self#redis-keys).
+    pub fn allow_unsafe_eviction_policy(mut self, allow: bool) -> Self {
+        self.config.allow_eviction = allow;
+        self
+    }
+
+    /// Connects: checks that Redis answers and that it cannot evict lock keys (see
+    /// [`allow_unsafe_eviction_policy`](Self::allow_unsafe_eviction_policy)) and
+    /// subscribes to the release channel, each within the command timeout, then
+    /// starts the subscription task (on the current tokio runtime; it ends with the
+    /// last clone of the backend and its leases). Fails if Redis cannot be reached,
+    /// its `maxmemory-policy` is not `noeviction` (or cannot be read), or the
+    /// subscription fails (it needs RESP3: Redis 6 or newer).
     ///
     /// # Panics
     /// If the drift margin is not shorter than half the lease.
@@ -603,6 +637,15 @@ impl RedisBackendBuilder {
             connection::Failure::Redis(error) => error,
             connection::Failure::TimedOut => timed_out("connecting to Redis"),
         })?;
+        // CONFIG GET, or INFO where CONFIG is not allowed: two command timeouts at most.
+        let policies = commands
+            .run(Instant::now() + limit * 2, false, eviction::policies)
+            .await
+            .map_err(|failure| match failure {
+                connection::Failure::Redis(error) => error,
+                connection::Failure::TimedOut => timed_out("reading maxmemory-policy"),
+            });
+        eviction::check(policies, config.allow_eviction)?;
 
         let shared_channel = format!("{}release", config.prefix);
         let (releases, changes, channel) = match &target {
