@@ -576,6 +576,7 @@ async fn an_attempt_run_after_redis_was_frozen_past_its_lease_is_given_back() {
         failures += 1;
     }
     redis.resume();
+    let resumed = Instant::now();
 
     // Watch the key until it is gone, and note whether the attempt was applied.
     let mut applied = false;
@@ -598,10 +599,12 @@ async fn an_attempt_run_after_redis_was_frozen_past_its_lease_is_given_back() {
         },
     )
     .await;
+    let free = resumed.elapsed();
     let expired = expired_keys(&mut direct).await - expired_before;
     println!(
         "frozen past the lease: {failures} acquisitions failed; an attempt {} after \
-         the resume; keys expired meanwhile: {expired}",
+         the resume; key free {free:?} after it (lease {lease:?}); keys expired \
+         meanwhile: {expired}",
         if applied { "applied" } else { "not applied" }
     );
     assert_eq!(

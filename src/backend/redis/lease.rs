@@ -20,9 +20,10 @@ use crate::locks::LockError;
 const UNSUBSCRIBED_POLL: Duration = Duration::from_millis(50);
 
 /// How long a give-back's mark refuses a late attempt of its token (a lease, if
-/// longer). An attempt later still grants the key for one lease, as without the mark:
-/// a partition that heals within a minute is covered, and the marks, one per give-back
-/// that found the key not its own, do not pile up.
+/// longer), and how long after an unanswered attempt was sent its give-back keeps
+/// trying. An attempt run later still grants the key for one lease, as without the
+/// mark: a partition that heals, or a server that wakes, within a minute is covered,
+/// and the marks, one per give-back that found the key not its own, do not pile up.
 const GIVEN_BACK_MARK: Duration = Duration::from_secs(60);
 
 /// A Redis command that took longer than the command timeout.
@@ -377,23 +378,30 @@ impl Inner {
 
     /// Deletes the lock if `token` still holds it and announces the release. Returns
     /// after one try, bounded by the command timeout; if that gets no answer, tries
-    /// again in the background with backoff until `expires`, when Redis drops the key
-    /// by itself.
-    async fn give_back(self: &Arc<Self>, keys: Arc<RedisKeys>, token: String, expires: Instant) {
+    /// again in the background until Redis answers or `until` (past it, the key is
+    /// gone by itself, or cannot be helped any more). A pause between tries lasts at
+    /// most a quarter of the lease: a key granted to this token while nobody holds it
+    /// is freed soon after Redis answers again, not a lease later.
+    async fn give_back(self: &Arc<Self>, keys: Arc<RedisKeys>, token: String, until: Instant) {
         if self.try_give_back(&keys, &token).await {
             return;
         }
         let inner = self.clone();
         tokio::spawn(async move {
+            let longest = (inner.config.lease / 4).clamp(RESUBSCRIBE_MIN, RESUBSCRIBE_MAX);
             let mut backoff = RESUBSCRIBE_MIN;
-            while Instant::now() + backoff < expires {
-                sleep(jitter(backoff)).await;
+            loop {
+                let pause = jitter(backoff);
+                if Instant::now() + pause >= until {
+                    break;
+                }
+                sleep(pause).await;
                 if inner.try_give_back(&keys, &token).await {
                     return;
                 }
-                backoff = (backoff * 2).min(RESUBSCRIBE_MAX);
+                backoff = (backoff * 2).min(longest);
             }
-            tracing::debug!("redis lock release failed; the key expires by its lease");
+            tracing::debug!("redis lock release unanswered; giving up on it");
         });
     }
 
@@ -445,8 +453,12 @@ impl Drop for InFlight {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let (inner, keys) = (self.inner.clone(), self.keys.clone());
             let token = std::mem::take(&mut self.token);
-            let expires = sent_at + inner.config.first_ttl();
-            runtime.spawn(async move { inner.give_back(keys, token, expires).await });
+            // Not `sent_at` + lease: the grant's TTL counts from when Redis runs the
+            // attempt, which a frozen server or a slow path can put off for longer
+            // than a lease. Until the give-back is answered, it may still come; once it
+            // is, the attempt was run before it, or the mark it leaves refuses it.
+            let until = sent_at + GIVEN_BACK_MARK.max(inner.config.lease);
+            runtime.spawn(async move { inner.give_back(keys, token, until).await });
         }
     }
 }

@@ -29,12 +29,14 @@
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): `max(counter + 1,
 //!   server time in µs)`, stored back in the key's fence counter. When the key is held
 //!   it returns the holder's remaining TTL instead. An attempt whose answer never comes
-//!   (error, timeout, or the acquire future dropped) may still have been granted, so its
-//!   token is released in the background: the acquire is cancel-safe by itself. A
-//!   release that finds the key not held by its token marks the token given back for a
-//!   minute (or a lease, if longer), and the acquire script grants nothing to a marked
-//!   token: an attempt delayed on a connection since replaced, delivered after its
-//!   release, does not block the key for a lease.
+//!   (error, timeout, or the acquire future dropped) may still have been granted, or be
+//!   run later (a frozen server runs what waits in its sockets when it wakes), so its
+//!   token is released in the background, retried until Redis answers (every quarter
+//!   lease at most, for up to a minute or a lease if longer): the acquire is
+//!   cancel-safe by itself. A release that finds the key not held by its token marks
+//!   the token given back for a minute (or a lease, if longer), and the acquire script
+//!   grants nothing to a marked token: an attempt delayed on a connection since
+//!   replaced, delivered after its release, does not block the key for a lease.
 //! - **Wait.** Each backend keeps one pub/sub subscription to a release channel (on a
 //!   cluster, to the shard channel of each lock it waits for). A
 //!   waiter retries when a release of its key is announced there, or else after a
