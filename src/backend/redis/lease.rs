@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use redis::RedisError;
@@ -13,7 +13,7 @@ use tokio::time::{sleep, sleep_until, Instant};
 use super::connection::Failure;
 use super::keys::{new_token, RedisKeys};
 use super::{jitter, Inner, RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
-use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
+use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease, RetryLater};
 use crate::locks::LockError;
 
 /// How often a waiter polls while the subscription is down (capped by `poll_interval`).
@@ -38,21 +38,16 @@ impl fmt::Display for CommandTimeout {
 
 impl std::error::Error for CommandTimeout {}
 
-/// The restart guard refused a grant for longer than the request may wait.
-#[derive(Debug)]
-struct RestartGuard(Duration);
-
-impl fmt::Display for RestartGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "redis started less than a lease ago; grants resume in {:?}",
-            self.0
-        )
-    }
+/// The restart guard refuses grants for `wait` more, longer than the request may wait:
+/// a [`RetryLater`], so the client is told why and for how long.
+fn restart_guard(lease: Duration, wait: Duration) -> RetryLater {
+    let detail = format!(
+        "restart guard: the lock server started less than a lease ({lease:?}) and a \
+         second ago, and a lock it lost may still be held elsewhere, so it grants none \
+         until then; grants resume in {wait:?}"
+    );
+    RetryLater::new(detail, wait)
 }
-
-impl std::error::Error for RestartGuard {}
 
 /// A grant that fewer replicas than asked acknowledged within the wait.
 #[derive(Debug)]
@@ -149,8 +144,10 @@ impl Inner {
                 Ok(Attempt::Restarted { wait_ms }) => {
                     in_flight.sent_at = None;
                     let wait = Duration::from_millis(wait_ms);
+                    self.warn_of_restart_guard(wait);
                     if Instant::now() + wait >= deadline {
-                        return Err(LockError::Backend(Box::new(RestartGuard(wait))));
+                        let guard = restart_guard(self.config.lease, wait);
+                        return Err(LockError::Backend(Box::new(guard)));
                     }
                     sleep(wait).await;
                     continue;
@@ -198,6 +195,29 @@ impl Inner {
                 return Err(LockError::Timeout);
             }
         }
+    }
+
+    /// Logs once per guard period (not per request) that the restart guard refuses
+    /// grants, why, for how long, and how tests get around it.
+    fn warn_of_restart_guard(&self, wait: Duration) {
+        let now = Instant::now();
+        let mut until = self
+            .guard_warned_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if until.is_some_and(|until| now < until) {
+            return;
+        }
+        *until = Some(now + wait);
+        tracing::warn!(
+            lease = ?self.config.lease,
+            grants_resume_in = ?wait,
+            "redis restart guard: the server started less than a lease and a second ago \
+             and may have lost locks still held elsewhere, so it grants none until then; \
+             requests that cannot wait get 503 with Retry-After. In tests and local \
+             development, use a short lease, or RedisBackendBuilder::restart_guard(false) \
+             (never in production)"
+        );
     }
 
     /// How long to wait for a release message before trying again.

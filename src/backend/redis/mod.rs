@@ -99,7 +99,11 @@
 //!   by default): the holder's lease reaches its local deadline (or its renewal finds
 //!   the key gone) and the lost-lease signal is raised before any other instance gets
 //!   the key. Acquisitions wait out the guard when their wait allows, or fail with
-//!   [`LockError::Backend`] (503). Every instance must use the same lease (the guard
+//!   [`LockError::Backend`] whose cause is a [`RetryLater`](crate::backend::RetryLater):
+//!   the layer's 503 names the restart guard in its problem detail and sets
+//!   `Retry-After` to the time left, and the backend logs one warning per guard
+//!   period. In tests and local development, a short lease keeps the guard short; or
+//!   turn it off (never in production). Every instance must use the same lease (the guard
 //!   counts its own). The guard reads the uptime from `INFO server`, on the wall clock
 //!   of the server; it does not cover a failover to a replica that has been up for
 //!   long: lost writes there are only caught by the holder's renewal (at most lease/3
@@ -196,7 +200,7 @@ mod scripts;
 mod subscriber;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::cluster::ClusterClient;
@@ -337,6 +341,8 @@ struct Inner {
     channel: String,
     releases: Arc<Releases>,
     subscribed: watch::Receiver<bool>,
+    /// Until when the restart guard's warning covers: it is logged once per period.
+    guard_warned_until: Mutex<Option<Instant>>,
     /// Dropped with the last user of the backend; that ends the subscription task.
     _stop: oneshot::Sender<()>,
 }
@@ -544,9 +550,16 @@ impl RedisBackendBuilder {
     /// other instance is granted such a key before its holder's lease has run out
     /// (and the holder has been told). The cost: for a lease and a second after Redis
     /// starts, acquisitions wait, or fail with [`LockError::Backend`] when their wait
-    /// is shorter (503, or [`fail_open`](crate::KeyedLockLayer::fail_open)). Every
-    /// instance sharing Redis should use the same lease. See
+    /// is shorter (503 with the reason and `Retry-After`, or
+    /// [`fail_open`](crate::KeyedLockLayer::fail_open)). Every instance sharing Redis
+    /// should use the same lease. See
     /// [Restarts and lost writes](self#restarts-and-lost-writes).
+    ///
+    /// Off is for tests and local development against a Redis that just started
+    /// (`docker compose up`, CI), where a lock lost in a restart costs nothing; a short
+    /// [`lease`](Self::lease) is the other way to keep the wait short there. **Never
+    /// turn it off in production**: a restarted Redis could then grant a lock that an
+    /// instance still holds.
     pub fn restart_guard(mut self, on: bool) -> Self {
         self.config.restart_guard = on;
         self
@@ -678,6 +691,7 @@ impl RedisBackendBuilder {
                 channel,
                 releases,
                 subscribed,
+                guard_warned_until: Mutex::new(None),
                 _stop: stop,
             }),
         })
