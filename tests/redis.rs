@@ -1188,3 +1188,77 @@ async fn without_config_the_policy_is_read_from_info() {
         .await
         .expect("noeviction, read from INFO, builds");
 }
+
+/// What `allow_unsafe_eviction_policy(true)` accepts (issue 25.3): under memory
+/// pressure `volatile-ttl` evicts the held lock key (the shortest TTL), and another
+/// instance is granted the key while its holder has not been told; the holder learns
+/// it only at its next renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_the_unsafe_opt_in_an_evicted_lock_is_granted_before_its_holder_is_told() {
+    let redis = RedisServer::start_with_args(&["--maxmemory-policy", "volatile-ttl"]);
+    // Long enough that filling memory ends well before the holder's first renewal.
+    let lease = Duration::from_secs(6);
+    let opt_in = |b: RedisBackendBuilder| b.allow_unsafe_eviction_policy(true).lease(lease);
+    let a = connect(&redis, opt_in).await;
+    let b = connect(&redis, opt_in).await;
+    let mut direct = connection(&redis).await;
+    let key = Key::new("evicted", 256).unwrap();
+    let lock = a.lock_key("orders", "evicted");
+    let held = a.acquire("orders", &key, Duration::ZERO).await.unwrap();
+    let signal = held.signal().clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+
+    // Memory runs short: a limit a little above what is used now, then keys that
+    // live longer than the lock.
+    let memory: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    let used: u64 = memory
+        .lines()
+        .find_map(|line| line.strip_prefix("used_memory:"))
+        .and_then(|bytes| bytes.trim().parse().ok())
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used + (1 << 20))
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    let filler = "x".repeat(10_000);
+    let mut written = 0;
+    while exists(&mut direct, &lock).await {
+        let _: () = redis::cmd("SET")
+            .arg(format!("filler:{written}"))
+            .arg(&filler)
+            .arg("EX")
+            .arg(3600)
+            .query_async(&mut direct)
+            .await
+            .unwrap();
+        written += 1;
+        assert!(written < 10_000, "the lock key was never evicted");
+    }
+    let granted = b
+        .acquire("orders", &key, Duration::ZERO)
+        .await
+        .expect("the evicted key is granted to another instance");
+    let granted_at = Instant::now();
+    assert!(
+        !held.signal().is_lost(),
+        "the holder was told before the other instance's grant"
+    );
+    let told = within("the holder is told", lease, told).await.unwrap();
+    println!(
+        "evicted lock ({written} filler keys): another instance granted {:?} before \
+         the holder was told (lease {lease:?}, renewal every {:?})",
+        told - granted_at,
+        lease / 3
+    );
+    granted.release().await;
+}
