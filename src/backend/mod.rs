@@ -31,6 +31,9 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+mod retry_later;
+
+pub use retry_later::RetryLater;
 
 /// A boxed, sendable future: backends do network round trips, where one allocation is
 /// noise.
