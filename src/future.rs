@@ -13,7 +13,7 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::backend::BoxFuture;
+use crate::backend::{BoxFuture, RetryLater};
 use crate::body::KeyedLockBody;
 use crate::distributed::{DistributedAcquire, DistributedGuard};
 use crate::held::HeldKey;
@@ -172,9 +172,13 @@ where
                             }
                         }
                         Err(error) => {
-                            if let LockError::Backend(cause) = &error {
-                                let layer = pending.ticket.shared.name();
-                                tracing::warn!(layer, error = %cause, "lock backend failed; answering 503");
+                            // A `RetryLater` is logged by its backend, not per request.
+                            match &error {
+                                LockError::Backend(cause) if !cause.is::<RetryLater>() => {
+                                    let layer = pending.ticket.shared.name();
+                                    tracing::warn!(layer, error = %cause, "lock backend failed; answering 503");
+                                }
+                                _ => {}
                             }
                             State::Rejected {
                                 response: Some(pending.ticket.reject(&error)),

@@ -527,6 +527,12 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.config.backend.is_some()
     }
 
+    /// Whether a distributed backend is configured that issues no fencing tokens.
+    #[cfg(feature = "replay")]
+    pub(crate) fn lacks_fencing_tokens(&self) -> bool {
+        (self.config.backend.as_ref()).is_some_and(|backend| !backend.issues_fencing_tokens())
+    }
+
     fn shared(&self) -> Arc<Shared> {
         self.shared
             .get_or_init(|| Arc::new(Shared::new(self.config.clone())))

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Response, StatusCode};
 
-use crate::backend::LockBackend;
+use crate::backend::{LockBackend, RetryLater};
 use crate::distributed::DistributedLocks;
 use crate::info::LayerTag;
 use crate::key::KeyError;
@@ -121,6 +121,17 @@ impl Shared {
 
     /// The rejection for a lock that could not be acquired.
     pub(crate) fn lock_rejection(&self, error: &LockError) -> Rejection {
+        // A backend that says why and for how long (the Redis restart guard).
+        if let LockError::Backend(cause) = error {
+            if let Some(later) = cause.downcast_ref::<RetryLater>() {
+                return Rejection::new(
+                    RejectionKind::Backend,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Some(later.retry_after()),
+                    later.detail().to_owned(),
+                );
+            }
+        }
         let retry = Some(self.config.retry_after);
         let (kind, status, detail) = match error {
             LockError::Timeout | LockError::Busy => (

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use pg_server::PgServer;
 use support::tcp_proxy::TcpProxy;
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::PostgresBackend;
+use tower_keyed_lock::backend::postgres::{
+    LockScope, PostgresBackend, DEFAULT_LIVENESS_INTERVAL, DEFAULT_NETWORK_TIMEOUT,
+};
 use tower_keyed_lock::{Key, Lease, LockBackend, LockError};
 
 /// Long enough for anything that should happen; a test fails instead of hanging.
@@ -403,6 +405,119 @@ async fn delayed_path_keeps_the_lease_until_it_exceeds_the_network_timeout() {
         ms(granted_at.duration_since(lost_at))
     );
     granted.release().await;
+}
+
+/// A statement waiting in PostgreSQL is granted while its answer is slow (400 ms each
+/// way against a 250 ms network timeout, liveness 200 ms; then the default timings with
+/// 2.3 s each way). PostgreSQL's idle limit starts when it grants, but the holder
+/// learns of the grant only when the answer arrives: counted from the answer, the
+/// holder's first check came after the server had ended the session and granted the
+/// next waiter (before the fix: A told 150 ms after C was granted, 3 of 3). A grant
+/// counts only from a round trip that answered within the network timeout: so A is
+/// either refused (its confirmation was too slow) or told before C is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_grant_answered_late_never_overlaps_the_next_holder() {
+    let millis = Duration::from_millis;
+    let timings = [
+        (millis(200), millis(250), millis(400), trials()),
+        (
+            DEFAULT_LIVENESS_INTERVAL,
+            DEFAULT_NETWORK_TIMEOUT,
+            millis(2_300),
+            1,
+        ),
+    ];
+    let pg = PgServer::start();
+    let admin = admin(&pg).await;
+    for (scope, (liveness, network, delay, trials)) in [LockScope::Session, LockScope::Transaction]
+        .into_iter()
+        .flat_map(|scope| timings.map(|timing| (scope, timing)))
+    {
+        let mut margins = Vec::new();
+        for trial in 0..trials {
+            let proxy = TcpProxy::start(pg_addr(&pg)).await;
+            let timed = |backend: PostgresBackend| {
+                backend
+                    .liveness_interval(liveness)
+                    .network_timeout(network)
+                    .lock_scope(scope)
+            };
+            let a = timed(backend(&proxy.host_port(), "late-a"));
+            let b = timed(direct(&pg, "late-b"));
+            let c = timed(direct(&pg, "late-c"));
+            let name = format!("late-{scope:?}-{network:?}-{trial}");
+
+            let held = b
+                .acquire("orders", &key(&name), Duration::ZERO)
+                .await
+                .unwrap();
+            // A waits behind the proxy; when granted it watches its lease at once.
+            let acquiring = a.acquire("orders", &key(&name), Duration::from_secs(4));
+            let a_task = tokio::spawn(async move {
+                match acquiring.await {
+                    Ok(lease) => {
+                        let granted_at = Instant::now();
+                        let lost = tokio::time::timeout(PATIENCE, lease.signal().lost()).await;
+                        Ok((granted_at, lost.map(|()| Instant::now()).ok(), lease))
+                    }
+                    Err(error) => Err((error, Instant::now())),
+                }
+            });
+            eventually("A waits in PostgreSQL", || {
+                waits_in_postgres(&admin, "late-a")
+            })
+            .await;
+            proxy.delay(delay);
+            let acquiring = c.acquire("orders", &key(&name), Duration::from_secs(9));
+            let c_task = tokio::spawn(async move {
+                let lease = acquiring.await.expect("C is granted");
+                (lease, Instant::now())
+            });
+            eventually("C waits in PostgreSQL", || {
+                waits_in_postgres(&admin, "late-c")
+            })
+            .await;
+            let released = Instant::now();
+            held.release().await;
+
+            let (c_lease, c_at) = tokio::time::timeout(PATIENCE, c_task)
+                .await
+                .expect("C was never granted")
+                .unwrap();
+            let since = |at: Instant| ms(at.duration_since(released));
+            match a_task.await.unwrap() {
+                Ok((a_at, lost_at, _lease)) => {
+                    let lost_at = lost_at.unwrap_or_else(|| {
+                        panic!("A (granted at +{}) was never told", since(a_at))
+                    });
+                    assert!(
+                        lost_at < c_at,
+                        "{scope:?}: C entered at +{}, A entered at +{} and was told at +{}",
+                        since(c_at),
+                        since(a_at),
+                        since(lost_at)
+                    );
+                    margins.push(c_at.duration_since(lost_at));
+                }
+                // Never told it holds the key: no overlap, whenever C entered.
+                Err((LockError::Backend(error), refused_at)) => {
+                    println!(
+                        "{scope:?}: A refused at +{} ({error}), C entered at +{}",
+                        since(refused_at),
+                        since(c_at)
+                    );
+                    margins.push(c_at.saturating_duration_since(refused_at));
+                }
+                Err((other, _)) => panic!("{scope:?}: A failed oddly: {other:?}"),
+            }
+            c_lease.release().await;
+        }
+        println!(
+            "late grant answer, {scope:?}, {delay:?} each way, network timeout {network:?}: \
+             A refused or told before C entered by {}",
+            spread(margins)
+        );
+    }
 }
 
 /// Connections reset under the holder: it is told at once, and the same instance

@@ -213,6 +213,136 @@ async fn session_locks_through_session_pooling_serialize() {
     .await;
 }
 
+/// PgBouncer's settings that reset a server session after every transaction, in
+/// transaction pooling: `DISCARD ALL` drops the advisory locks and the session marker.
+const RESET_ALWAYS: &[(&str, &str)] = &[
+    ("server_reset_query", "DISCARD ALL"),
+    ("server_reset_query_always", "1"),
+];
+
+/// What the workload of [`hammer`] saw.
+#[derive(Debug, Default)]
+struct Tally {
+    grants: u64,
+    /// Backend errors that name the transaction pooler and the fix.
+    refused: u64,
+    timeouts: u64,
+    /// A grant while another holder of the key had not been told it lost its lease.
+    unsignalled_overlaps: u64,
+    /// A fencing token not above the key's last one.
+    token_regressions: u64,
+}
+
+/// Two instances, 16 tasks, 4 keys, for `run`: every acquisition's outcome, and every
+/// grant checked against the key's other holders.
+async fn hammer(a: PostgresBackend, b: PostgresBackend, run: Duration) -> Tally {
+    type Holders = Vec<(u64, tower_keyed_lock::LeaseSignal)>;
+    let keys: Arc<Vec<Mutex<(Holders, u64)>>> =
+        Arc::new((0..4).map(|_| Mutex::default()).collect());
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let until = Instant::now() + run;
+    let mut tasks = Vec::new();
+    for task in 0..16u64 {
+        let backend = if task % 2 == 0 { a.clone() } else { b.clone() };
+        let (keys, tally) = (keys.clone(), tally.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut round = task;
+            while Instant::now() < until {
+                round += 1;
+                let index = (round % 4) as usize;
+                let name = format!("reset-{index}");
+                let acquired = backend
+                    .acquire("orders", &key(&name), Duration::from_millis(300))
+                    .await;
+                let lease = match acquired {
+                    Ok(lease) => lease,
+                    Err(LockError::Backend(error)) => {
+                        let message = error.to_string();
+                        assert!(
+                            message.contains("pool_mode=transaction")
+                                && message.contains("LockScope::Transaction"),
+                            "unclear error: {message}"
+                        );
+                        tally.lock().unwrap().refused += 1;
+                        // Refused at once: do not spin.
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        continue;
+                    }
+                    Err(_) => {
+                        tally.lock().unwrap().timeouts += 1;
+                        continue;
+                    }
+                };
+                let token = lease.fencing_token().unwrap();
+                {
+                    let (holders, last) = &mut *keys[index].lock().unwrap();
+                    let mut tally = tally.lock().unwrap();
+                    tally.grants += 1;
+                    if holders.iter().any(|(_, signal)| !signal.is_lost()) {
+                        tally.unsignalled_overlaps += 1;
+                    }
+                    if token <= *last {
+                        tally.token_regressions += 1;
+                    }
+                    *last = token;
+                    holders.push((token, lease.signal().clone()));
+                }
+                tokio::time::sleep(Duration::from_millis(round % 5 * 10)).await;
+                keys[index]
+                    .lock()
+                    .unwrap()
+                    .0
+                    .retain(|(held, _)| *held != token);
+                lease.release().await;
+            }
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(PATIENCE * 3, task)
+            .await
+            .expect("the workload hung")
+            .unwrap();
+    }
+    let tally = std::mem::take(&mut *tally.lock().unwrap());
+    tally
+}
+
+/// PgBouncer in transaction pooling with `server_reset_query_always = 1` and
+/// `DISCARD ALL`: the reset after each transaction drops both the lock and the marker
+/// that shows a shared session, so before the fix session locks were *granted* and
+/// overlapped silently (most grants of this workload), tokens going backwards. Session
+/// scope must be refused whatever the pooler's reset settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_locks_through_a_resetting_transaction_pooler_are_refused() {
+    let pg = PgServer::start();
+    for pool_size in [1, 4] {
+        let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, pool_size, RESET_ALWAYS);
+        let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Session).fencing(true);
+        let tally = hammer(instance("a"), instance("b"), Duration::from_secs(2)).await;
+        println!("reset always, pool of {pool_size}, session scope: {tally:?}");
+        assert_eq!(tally.unsignalled_overlaps, 0, "{tally:?}");
+        assert_eq!(tally.token_regressions, 0, "{tally:?}");
+        assert_eq!(tally.grants, 0, "a session lock was granted: {tally:?}");
+        assert!(tally.refused > 0, "{tally:?}");
+    }
+}
+
+/// The same pooler and workload with `LockScope::Transaction`: every lock is granted in
+/// turn, never two holders, tokens in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transaction_locks_through_a_resetting_transaction_pooler_serialize() {
+    let pg = PgServer::start();
+    let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, 20, RESET_ALWAYS);
+    let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Transaction).fencing(true);
+    let tally = hammer(instance("a"), instance("b"), Duration::from_secs(2)).await;
+    println!("reset always, transaction scope: {tally:?}");
+    assert_eq!(tally.unsignalled_overlaps, 0, "{tally:?}");
+    assert_eq!(tally.token_regressions, 0, "{tally:?}");
+    assert_eq!(tally.refused, 0, "{tally:?}");
+    assert!(tally.grants > 0, "{tally:?}");
+    assert_serialized(instance("c"), instance("d")).await;
+}
+
 // ---------------------------------------------------------------- transaction locks
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

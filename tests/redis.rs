@@ -1137,3 +1137,128 @@ async fn the_first_requests_after_a_redis_restart_are_served() {
         }
     }
 }
+
+/// Issue 25.3: a server that may evict keys under memory pressure (any `volatile-*` or
+/// `allkeys-*` `maxmemory-policy`) can drop a held lock key, and another instance is
+/// then granted it before the holder is told. The backend refuses to be built on one,
+/// with an error that names the setting and the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicting_maxmemory_policy_is_refused_when_the_backend_is_built() {
+    for policy in ["volatile-ttl", "allkeys-lru"] {
+        let redis = RedisServer::start_with_args(&["--maxmemory-policy", policy]);
+        let built = RedisBackend::builder(redis.client()).build().await;
+        let message = built
+            .expect_err("built on a server that may evict lock keys")
+            .to_string();
+        for needed in [
+            "maxmemory-policy",
+            policy,
+            "noeviction",
+            "allow_unsafe_eviction_policy(true)",
+        ] {
+            assert!(message.contains(needed), "{needed:?} not in: {message}");
+        }
+        // Whoever accepts the risk says so.
+        RedisBackend::builder(redis.client())
+            .allow_unsafe_eviction_policy(true)
+            .build()
+            .await
+            .expect("the opt-in builds");
+    }
+}
+
+/// Where `CONFIG` is renamed or disabled (managed Redis services do that), the policy
+/// is read from `INFO memory`: an evicting one is still refused, `noeviction` builds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_config_the_policy_is_read_from_info() {
+    let no_config = ["--rename-command", "CONFIG", ""];
+    let evicting = [&no_config[..], &["--maxmemory-policy", "allkeys-lfu"]].concat();
+    let redis = RedisServer::start_with_args(&evicting);
+    let message = RedisBackend::builder(redis.client())
+        .build()
+        .await
+        .expect_err("built on a server that may evict lock keys")
+        .to_string();
+    assert!(message.contains("allkeys-lfu"), "{message}");
+
+    let redis = RedisServer::start_with_args(&no_config);
+    RedisBackend::builder(redis.client())
+        .restart_guard(false)
+        .build()
+        .await
+        .expect("noeviction, read from INFO, builds");
+}
+
+/// What `allow_unsafe_eviction_policy(true)` accepts (issue 25.3): under memory
+/// pressure `volatile-ttl` evicts the held lock key (the shortest TTL), and another
+/// instance is granted the key while its holder has not been told; the holder learns
+/// it only at its next renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_the_unsafe_opt_in_an_evicted_lock_is_granted_before_its_holder_is_told() {
+    let redis = RedisServer::start_with_args(&["--maxmemory-policy", "volatile-ttl"]);
+    // Long enough that filling memory ends well before the holder's first renewal.
+    let lease = Duration::from_secs(6);
+    let opt_in = |b: RedisBackendBuilder| b.allow_unsafe_eviction_policy(true).lease(lease);
+    let a = connect(&redis, opt_in).await;
+    let b = connect(&redis, opt_in).await;
+    let mut direct = connection(&redis).await;
+    let key = Key::new("evicted", 256).unwrap();
+    let lock = a.lock_key("orders", "evicted");
+    let held = a.acquire("orders", &key, Duration::ZERO).await.unwrap();
+    let signal = held.signal().clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+
+    // Memory runs short: a limit a little above what is used now, then keys that
+    // live longer than the lock.
+    let memory: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    let used: u64 = memory
+        .lines()
+        .find_map(|line| line.strip_prefix("used_memory:"))
+        .and_then(|bytes| bytes.trim().parse().ok())
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used + (1 << 20))
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    let filler = "x".repeat(10_000);
+    let mut written = 0;
+    while exists(&mut direct, &lock).await {
+        let _: () = redis::cmd("SET")
+            .arg(format!("filler:{written}"))
+            .arg(&filler)
+            .arg("EX")
+            .arg(3600)
+            .query_async(&mut direct)
+            .await
+            .unwrap();
+        written += 1;
+        assert!(written < 10_000, "the lock key was never evicted");
+    }
+    let granted = b
+        .acquire("orders", &key, Duration::ZERO)
+        .await
+        .expect("the evicted key is granted to another instance");
+    let granted_at = Instant::now();
+    assert!(
+        !held.signal().is_lost(),
+        "the holder was told before the other instance's grant"
+    );
+    let told = within("the holder is told", lease, told).await.unwrap();
+    println!(
+        "evicted lock ({written} filler keys): another instance granted {:?} before \
+         the holder was told (lease {lease:?}, renewal every {:?})",
+        told - granted_at,
+        lease / 3
+    );
+    granted.release().await;
+}

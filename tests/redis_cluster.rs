@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis_cluster::RedisCluster;
+use redis_server::cli;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{Key, LockBackend, LockError};
@@ -402,4 +403,33 @@ async fn a_primary_killed_mid_run_fails_over_without_overlap_or_hang() {
         grants.load(Ordering::SeqCst) > before_move && before_move > before_kill,
         "no grant after the kill or after the slot move"
     );
+}
+
+/// Issue 25.3: one primary that may evict keys is enough to lose the locks of its
+/// slots, so the policy of every primary is checked when the backend is built.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_evicting_primary_refuses_the_backend() {
+    let cluster = RedisCluster::start_primaries();
+    let evicting = &cluster.nodes[2];
+    let set = cli(
+        evicting.port(),
+        &["CONFIG", "SET", "maxmemory-policy", "volatile-lru"],
+    );
+    assert!(set.contains("OK"), "{set}");
+    let message = RedisBackend::cluster_builder(cluster.client())
+        .command_timeout(COMMAND_TIMEOUT)
+        .build()
+        .await
+        .expect_err("built on a cluster with an evicting primary")
+        .to_string();
+    let node = format!("127.0.0.1:{}", evicting.port());
+    for needed in ["maxmemory-policy", "volatile-lru", "noeviction", &node] {
+        assert!(message.contains(needed), "{needed:?} not in: {message}");
+    }
+    RedisBackend::cluster_builder(cluster.client())
+        .command_timeout(COMMAND_TIMEOUT)
+        .allow_unsafe_eviction_policy(true)
+        .build()
+        .await
+        .expect("the opt-in builds");
 }

@@ -527,3 +527,95 @@ async fn an_attempt_delivered_after_its_give_back_grants_nothing() {
     .await;
     lease.expect("the key is free").release().await;
 }
+
+/// How many keys Redis has expired so far (`INFO stats`).
+async fn expired_keys(connection: &mut MultiplexedConnection) -> u64 {
+    let stats: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(connection)
+        .await
+        .unwrap();
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix("expired_keys:"))
+        .and_then(|count| count.trim().parse().ok())
+        .expect("INFO stats has expired_keys")
+}
+
+/// Issue 25.4: Redis frozen (SIGSTOP) for longer than a lease while an acquisition's
+/// attempt waits in its socket. The acquisition has long failed (503) when Redis wakes
+/// up and runs the attempt, granting the key to a token nobody holds; its give-back
+/// must still reach the key then, so the key is freed, not left to expire a lease
+/// later with every request for it refused meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attempt_run_after_redis_was_frozen_past_its_lease_is_given_back() {
+    let redis = RedisServer::start();
+    let lease = Duration::from_secs(1);
+    let a = backend(redis.client(), |b| b.lease(lease)).await;
+    let mut direct = connection(&redis).await;
+    let frozen = key("frozen");
+    let lock = a.lock_key("faults", "frozen");
+    let warm = a.acquire("faults", &key("warm"), Duration::ZERO).await;
+    warm.expect("the connection is up").release().await;
+    let expired_before = expired_keys(&mut direct).await;
+
+    // Frozen for well past the lease, while requests for the key keep coming and
+    // failing: their give-backs' own deadlines, counted from their attempts, pass
+    // before Redis runs anything, and the silent connection is replaced meanwhile.
+    redis.pause();
+    let frozen_at = Instant::now();
+    let mut failures = 0;
+    while frozen_at.elapsed() < lease * 5 / 2 {
+        let failed = a
+            .acquire("faults", &frozen, Duration::from_millis(50))
+            .await;
+        assert!(
+            matches!(failed, Err(LockError::Backend(_))),
+            "the attempt timed out: {failed:?}"
+        );
+        failures += 1;
+    }
+    redis.resume();
+    let resumed = Instant::now();
+
+    // Watch the key until it is gone, and note whether the attempt was applied.
+    let mut applied = false;
+    within(
+        "the key is free again",
+        lease * 3 + COMMAND_TIMEOUT * 10,
+        async {
+            loop {
+                let ttl: i64 = redis::cmd("PTTL")
+                    .arg(&lock)
+                    .query_async(&mut direct)
+                    .await
+                    .unwrap();
+                if ttl == -2 {
+                    break;
+                }
+                applied = true;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        },
+    )
+    .await;
+    let free = resumed.elapsed();
+    let expired = expired_keys(&mut direct).await - expired_before;
+    println!(
+        "frozen past the lease: {failures} acquisitions failed; an attempt {} after \
+         the resume; key free {free:?} after it (lease {lease:?}); keys expired \
+         meanwhile: {expired}",
+        if applied { "applied" } else { "not applied" }
+    );
+    assert_eq!(
+        expired, 0,
+        "the late attempt's key was left to expire: held by nobody for its whole lease"
+    );
+    let lease = within(
+        "the key is free",
+        Duration::from_secs(2),
+        a.acquire("faults", &frozen, Duration::ZERO),
+    )
+    .await;
+    lease.expect("the key is free").release().await;
+}

@@ -23,7 +23,7 @@ use support::tcp_proxy::TcpProxy;
 use tokio_postgres::NoTls;
 use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
-use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockInfo};
 
 const NAME: &str = "replay-postgres";
 
@@ -246,8 +246,11 @@ async fn silent_store_fails_closed_with_503() {
     assert_eq!(app.probe.completed(), 1);
 }
 
+/// A store that needs fencing tokens under a backend that issues none would never
+/// store (before: every retry ran the handler again, and one log line said why). The
+/// request is refused as misconfigured instead, before the handler runs.
 #[tokio::test]
-async fn without_fencing_tokens_nothing_is_stored() {
+async fn store_without_fencing_tokens_is_refused() {
     let pg = PgServer::start();
     let backend = backend(&pg.conn_str(), "instance").fencing(false);
     let store = PostgresReplayStore::new(pool(&pg.conn_str()));
@@ -260,8 +263,115 @@ async fn without_fencing_tokens_nothing_is_stored() {
         replay: Box::new(move || ReplayLayer::new(store.clone())),
     };
     let app = kit.serve().await;
-    app.post("/orders", "k", "").await;
-    let retry = app.post("/orders", "k", "").await;
-    assert!(!retry.is_replay());
-    assert_eq!(app.probe.completed(), 2);
+    for _ in 0..2 {
+        let refused = app.post("/orders", "k", "").await;
+        assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(refused.reason(), "misconfigured");
+    }
+    assert_eq!(app.probe.started(), 0);
+}
+
+/// The convenience that stacks the two layers refuses it when the layers are built,
+/// with an error that names the fix; with fencing on, the same stack is accepted.
+#[tokio::test]
+async fn store_without_fencing_tokens_is_refused_at_build_time() {
+    let pg = PgServer::start();
+    let unfenced = backend(&pg.conn_str(), "instance").fencing(false);
+    let store = PostgresReplayStore::new(pool(&pg.conn_str()));
+    let lock = || KeyedLockLayer::by_header("idempotency-key").name(NAME);
+    let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lock()
+            .backend(unfenced.clone())
+            .replay(ReplayLayer::new(store.clone()))
+    }));
+    let message = refused.expect_err("a store that can never write was accepted");
+    let message = (message.downcast_ref::<&str>().copied())
+        .or(message.downcast_ref::<String>().map(String::as_str))
+        .expect("a panic message");
+    assert!(message.contains("fencing(true)"), "{message}");
+
+    let _ = lock()
+        .backend(unfenced.fencing(true))
+        .replay(ReplayLayer::new(store));
+}
+
+/// Instances that start together on a database where neither the fencing sequence
+/// nor the replay table exists yet: 6 backends (fencing on) and 6 stores set up at
+/// once, each by its first use (an acquisition, a store call). Before, concurrent
+/// `CREATE TABLE IF NOT EXISTS` / `CREATE SEQUENCE IF NOT EXISTS` collided
+/// (`duplicate key value violates unique constraint "pg_type_typname_nsp_index"`), so
+/// some first requests got 503; every start also logged a NOTICE ("already exists,
+/// skipping"). Each round uses a fresh schema, and starts twice: the second start finds
+/// everything there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn first_use_by_many_instances_at_once_sets_up_the_schema_safely_and_quietly() {
+    const ROUNDS: usize = 8;
+    const INSTANCES: usize = 6;
+    let pg = PgServer::start();
+    let (admin, connection) = tokio_postgres::connect(&pg.conn_str(), NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    // NOTICEs reach the server log too, so the test can count them.
+    for statement in [
+        "ALTER SYSTEM SET log_min_messages = 'notice'",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(statement).await.unwrap();
+    }
+    let mut failed = Vec::new();
+    for round in 0..ROUNDS {
+        let schema = format!("fresh_{round}");
+        admin
+            .batch_execute(&format!("CREATE SCHEMA {schema}"))
+            .await
+            .unwrap();
+        for start in ["first", "second"] {
+            let barrier = Arc::new(tokio::sync::Barrier::new(2 * INSTANCES));
+            let mut tasks = Vec::new();
+            for instance in 0..INSTANCES {
+                let backend = backend(&pg.conn_str(), &format!("instance-{instance}"))
+                    .fencing_sequence(&format!("{schema}.tokens"));
+                let key = Key::new(&format!("{start}-{instance}"), 64).unwrap();
+                let barrier_ = barrier.clone();
+                tasks.push(tokio::spawn(async move {
+                    barrier_.wait().await;
+                    match backend.acquire(NAME, &key, Duration::from_secs(2)).await {
+                        Ok(lease) => {
+                            lease.release().await;
+                            Ok(())
+                        }
+                        Err(error) => Err(format!("backend: {error}")),
+                    }
+                }));
+                let table = format!("{schema}.replays");
+                let store = PostgresReplayStore::with_table(pool(&pg.conn_str()), &table).unwrap();
+                let barrier = barrier.clone();
+                tasks.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    store
+                        .purge_expired()
+                        .await
+                        .map(drop)
+                        .map_err(|error| format!("store: {error}"))
+                }));
+            }
+            for task in tasks {
+                if let Err(error) = task.await.unwrap() {
+                    failed.push(format!("round {round}, {start} start: {error}"));
+                }
+            }
+        }
+    }
+    let log = pg.log();
+    let noisy: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("already exists") || line.contains("duplicate key"))
+        .collect();
+    assert!(
+        failed.is_empty() && noisy.is_empty(),
+        "{} of {} first uses failed: {failed:#?}\nserver log: {noisy:#?}",
+        failed.len(),
+        ROUNDS * 2 * 2 * INSTANCES
+    );
 }

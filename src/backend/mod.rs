@@ -32,8 +32,11 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+mod retry_later;
 #[cfg(any(feature = "redis", feature = "dynamodb"))]
 mod ttl;
+
+pub use retry_later::RetryLater;
 
 /// A boxed, sendable future: backends do network round trips, where one allocation is
 /// noise.
@@ -51,6 +54,13 @@ pub trait LockBackend: Send + Sync + 'static {
     /// implementations need not be cancel-safe themselves.
     fn acquire(&self, name: &str, key: &Key, wait: Duration)
         -> BoxFuture<Result<Lease, LockError>>;
+
+    /// Whether every lease carries a [fencing token](Lease::fencing_token) (the
+    /// default). A replay store that orders its writes by token is refused under a
+    /// backend that says no.
+    fn issues_fencing_tokens(&self) -> bool {
+        true
+    }
 }
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
@@ -62,6 +72,10 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
         wait: Duration,
     ) -> BoxFuture<Result<Lease, LockError>> {
         (**self).acquire(name, key, wait)
+    }
+
+    fn issues_fencing_tokens(&self) -> bool {
+        (**self).issues_fencing_tokens()
     }
 }
 

@@ -114,6 +114,12 @@ where
              use a shared store (Redis, PostgreSQL)",
         );
     }
+    if info.lease().is_some()
+        && info.fencing_token().is_none()
+        && settings.store.needs_fencing_tokens()
+    {
+        return misconfigured(super::layer::NO_FENCING_TOKENS);
+    }
     let principal = match &settings.principal {
         Some(principal) => match principal(request.extensions()) {
             Some(principal) => Some(principal),

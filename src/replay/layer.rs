@@ -12,7 +12,14 @@ use super::metrics::ReplayMetrics;
 use super::record::DEFAULT_REPLAYED_HEADERS;
 use super::service::Replay;
 use super::store::ReplayStore;
+
 use crate::KeyedLockLayer;
+
+/// Why a store that orders its writes by fencing token is refused under a backend that
+/// issues none.
+pub(crate) const NO_FENCING_TOKENS: &str = "the replay store needs fencing tokens (it \
+    writes only with a token above the stored one) and the lock backend issues none, so \
+    nothing would ever be stored: use PostgresBackend::fencing(true)";
 
 /// The default [`ttl`](ReplayLayer::ttl): 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
@@ -189,6 +196,11 @@ impl ReplayLayer {
     pub(crate) fn is_per_instance(&self) -> bool {
         self.settings.store.is_per_instance()
     }
+
+    /// Whether the store needs fencing tokens, which a backend without them refuses.
+    pub(crate) fn needs_fencing_tokens(&self) -> bool {
+        self.settings.store.needs_fencing_tokens()
+    }
 }
 
 /// A [`KeyedLockLayer`] with a [`ReplayLayer`] inside it: what
@@ -216,12 +228,19 @@ impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
     /// If this lock has a distributed [`backend`](KeyedLockLayer::backend) and the store
     /// keeps its records per instance (the [`MemoryStore`](super::MemoryStore)): another
     /// instance would run a completed request again. Use the Redis or PostgreSQL store.
+    /// Also if the store needs fencing tokens (the PostgreSQL store) and the backend
+    /// issues none (a `PostgresBackend` without `fencing(true)`): nothing would ever be
+    /// stored.
     pub fn replay(self, replay: ReplayLayer) -> LockAndReplay<E> {
         assert!(
             !(self.is_distributed() && replay.is_per_instance()),
             "KeyedLockLayer::replay: a per-instance store (MemoryStore) behind a distributed \
              lock backend would replay only on the instance that stored the response; use a \
              shared store (RedisReplayStore, PostgresReplayStore)"
+        );
+        assert!(
+            !(self.lacks_fencing_tokens() && replay.needs_fencing_tokens()),
+            "KeyedLockLayer::replay: {NO_FENCING_TOKENS}"
         );
         tower_layer::Stack::new(replay, self)
     }

@@ -6,6 +6,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
 
+use crate::backend::postgres::schema::create_if_missing;
 use crate::backend::BoxFuture;
 
 use super::record::Record;
@@ -16,10 +17,12 @@ pub const DEFAULT_TABLE: &str = "keyed_lock_replay";
 
 const MAX_TTL_MS: i64 = 100 * 365 * 24 * 60 * 60 * 1000;
 
-/// Records in a PostgreSQL table, created on first use if missing:
+/// Records in a PostgreSQL table, created on first use if missing (under an advisory
+/// lock, so instances that start together do not collide, and without a NOTICE when it
+/// exists):
 ///
 /// ```sql
-/// CREATE TABLE IF NOT EXISTS keyed_lock_replay (
+/// CREATE TABLE keyed_lock_replay (
 ///     layer      text        NOT NULL,  -- the lock layer's name
 ///     key        text        NOT NULL,  -- the request key
 ///     scope      text        NOT NULL,  -- hex SHA-256 of method, route, principal
@@ -33,10 +36,13 @@ const MAX_TTL_MS: i64 = 100 * 365 * 24 * 60 * 60 * 1000;
 /// A write is one conditional upsert: it inserts, or replaces a row whose `fence` is
 /// lower than the writer's token, so a holder whose lock was lost never overwrites its
 /// successor's record. It needs the fencing tokens of the PostgreSQL backend
-/// ([`fencing(true)`](crate::backend::postgres::PostgresBackend::fencing)); without a
-/// token the write fails (logged, nothing stored). A stale holder can still insert a
-/// record where none exists yet; the successor's write replaces it. Rows past
-/// `expires_at` are never returned; [`purge_expired`](Self::purge_expired) deletes them.
+/// ([`fencing(true)`](crate::backend::postgres::PostgresBackend::fencing)): under a
+/// backend without them it could never store, so
+/// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay) refuses it (a panic naming
+/// the fix), and layers stacked by hand answer 500 (misconfigured) before the handler
+/// runs. A stale holder can still insert a record where none exists yet; the
+/// successor's write replaces it. Rows past `expires_at` are never returned;
+/// [`purge_expired`](Self::purge_expired) deletes them.
 ///
 /// Give the store its own pool: the lock backend's connections sit idle holding locks.
 #[derive(Clone)]
@@ -47,6 +53,7 @@ pub struct PostgresReplayStore {
 }
 
 struct Statements {
+    table: String,
     create: String,
     get: String,
     put: String,
@@ -95,8 +102,8 @@ impl PostgresReplayStore {
         let client = self.pool.get().await.map_err(StoreError::new)?;
         self.created
             .get_or_try_init(|| async {
-                client
-                    .batch_execute(&self.statements.create)
+                let statements = &self.statements;
+                create_if_missing(&client, &statements.table, &statements.create)
                     .await
                     .map_err(StoreError::new)
             })
@@ -108,8 +115,9 @@ impl PostgresReplayStore {
 impl Statements {
     fn for_table(table: &str) -> Self {
         Self {
+            table: table.to_owned(),
             create: format!(
-                "CREATE TABLE IF NOT EXISTS {table} (\
+                "CREATE TABLE {table} (\
                    layer text NOT NULL, key text NOT NULL, scope text NOT NULL, \
                    fence bigint NOT NULL, record bytea NOT NULL, \
                    expires_at timestamptz NOT NULL, PRIMARY KEY (layer, key, scope))"
@@ -186,6 +194,10 @@ impl ReplayStore for PostgresReplayStore {
                 Stored::Fenced
             })
         })
+    }
+
+    fn needs_fencing_tokens(&self) -> bool {
+        true
     }
 }
 

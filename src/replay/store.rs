@@ -77,6 +77,13 @@ pub trait ReplayStore: Send + Sync + 'static {
     fn is_per_instance(&self) -> bool {
         false
     }
+
+    /// Whether a write needs the request's fencing token (the PostgreSQL store): the
+    /// replay layer refuses such a store under a backend that issues none, where it
+    /// could never store.
+    fn needs_fencing_tokens(&self) -> bool {
+        false
+    }
 }
 
 /// A store failed: unreachable, timed out, or it holds a record it cannot read.

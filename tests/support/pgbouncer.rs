@@ -31,6 +31,17 @@ impl PgBouncer {
     /// Starts PgBouncer in `mode`, with at most `pool_size` server connections, in
     /// front of `pg`; returns once it accepts connections.
     pub fn start(pg: &PgServer, mode: PoolMode, pool_size: usize) -> PgBouncer {
+        Self::start_with(pg, mode, pool_size, &[])
+    }
+
+    /// [`start`](Self::start) with more `[pgbouncer]` settings (`server_reset_query`,
+    /// `server_reset_query_always`, ...).
+    pub fn start_with(
+        pg: &PgServer,
+        mode: PoolMode,
+        pool_size: usize,
+        settings: &[(&str, &str)],
+    ) -> PgBouncer {
         let bin = pgbouncer_bin();
         let root = temp_dir();
         let run_as = is_root().then_some("postgres");
@@ -40,6 +51,10 @@ impl PgBouncer {
             PoolMode::Transaction => "transaction",
         };
         fs::write(root.join("users.txt"), "\"postgres\" \"\"\n").unwrap();
+        let extra: String = settings
+            .iter()
+            .map(|(name, value)| format!("{name} = {value}\n"))
+            .collect();
         let ini = format!(
             "[databases]\n\
              postgres = host=127.0.0.1 port={pg_port} dbname=postgres\n\
@@ -53,7 +68,8 @@ impl PgBouncer {
              default_pool_size = {pool_size}\n\
              max_client_conn = 200\n\
              logfile = {root}/pgbouncer.log\n\
-             pidfile = {root}/pgbouncer.pid\n",
+             pidfile = {root}/pgbouncer.pid\n\
+             {extra}",
             pg_port = pg.port(),
             root = root.display(),
         );

@@ -15,6 +15,8 @@ pub struct RedisServer {
     /// Holds `dump.rdb` when the test saved a snapshot; removed on drop.
     dir: PathBuf,
     role: Role,
+    /// More `redis-server` arguments, such as `["--maxmemory-policy", "allkeys-lru"]`.
+    extra: Vec<String>,
 }
 
 /// What a server is started as.
@@ -36,12 +38,18 @@ pub const SENTINEL_MASTER: &str = "mymaster";
 impl RedisServer {
     /// Starts a server on a free port; panics if `redis-server` is not installed.
     pub fn start() -> Self {
-        Self::start_as(Role::Primary)
+        Self::start_as(Role::Primary, &[])
+    }
+
+    /// Starts a server with more `redis-server` arguments, such as
+    /// `&["--maxmemory-policy", "volatile-ttl"]`; they are kept for a restart.
+    pub fn start_with_args(args: &[&str]) -> Self {
+        Self::start_as(Role::Primary, args)
     }
 
     /// Starts a replica of `primary` and waits until it is in sync.
     pub fn start_replica_of(primary: &RedisServer) -> Self {
-        let replica = Self::start_as(Role::Replica(primary.port));
+        let replica = Self::start_as(Role::Replica(primary.port), &[]);
         let deadline = Instant::now() + Duration::from_secs(10);
         while !info(replica.port, "replication").contains("master_link_status:up") {
             assert!(
@@ -55,15 +63,15 @@ impl RedisServer {
 
     /// Starts a node for a Redis Cluster; see `redis_cluster.rs`.
     pub fn start_cluster_node() -> Self {
-        Self::start_as(Role::ClusterNode)
+        Self::start_as(Role::ClusterNode, &[])
     }
 
     /// Starts a Sentinel that monitors `primary` as [`SENTINEL_MASTER`].
     pub fn start_sentinel_of(primary: &RedisServer) -> Self {
-        Self::start_as(Role::Sentinel(primary.port))
+        Self::start_as(Role::Sentinel(primary.port), &[])
     }
 
-    fn start_as(role: Role) -> Self {
+    fn start_as(role: Role, extra: &[&str]) -> Self {
         // The port is free when we look; another process may take it before Redis
         // binds, so try a few.
         let mut last_error = String::new();
@@ -82,6 +90,7 @@ impl RedisServer {
                 child: None,
                 dir,
                 role,
+                extra: extra.iter().map(|arg| (*arg).to_owned()).collect(),
             };
             match server.spawn() {
                 Ok(()) => return server,
@@ -201,6 +210,7 @@ impl RedisServer {
                     }
                     _ => {}
                 }
+                command.args(&self.extra);
             }
         }
         let mut child = command

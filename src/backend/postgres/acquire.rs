@@ -1,11 +1,13 @@
 //! Taking a session lock: `pg_try_advisory_lock`, then the wait in PostgreSQL's own
 //! queue, with the fencing token, the server process id and the session's limits set in
-//! the statement that grants it.
+//! the statement that grants it; then, where needed, a round trip that confirms it.
 //!
 //! Every statement is a simple query (numbers and a checked sequence name formatted in):
 //! a pooler in front of PostgreSQL then sees nothing it could mishandle, and the checks
 //! below are what tells a transaction pooler apart.
 
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,10 +21,17 @@ use super::Inner;
 use crate::backend::Lease;
 use crate::locks::LockError;
 
-/// A session-level setting that names the lock a session holds for this crate. Set in
-/// the granting statement and cleared by the unlock, so a session found with it set
-/// before a try is shared with another client: a transaction pooler.
+/// A session-level setting that names the lock a session holds for this crate, and the
+/// acquisition (`<lock id>/<random>`). Set in the granting statement and cleared by the
+/// unlock, so a session found with it set before a try is shared with another client:
+/// a transaction pooler.
 const LEASE_MARKER: &str = "tower_keyed_lock.lease";
+
+/// A session-level setting, `on` once a confirming round trip found the session still
+/// holding a lock and its marker after the granting transaction had ended: nothing
+/// resets this session between transactions (a pooler's `server_reset_query`, with
+/// `server_reset_query_always`, would clear both, and this setting with them).
+const CHECKED_MARKER: &str = "tower_keyed_lock.checked";
 
 /// The server-side limits set on every session that tries a lock, for the rest of its
 /// life (see `Inner::server_idle_limit`): a session cut off from its client, holding a
@@ -36,6 +45,15 @@ pub(super) struct Grant {
     /// `None`: the session was found holding another client's lock.
     pub(super) locked: Option<bool>,
     pub(super) token: Option<u64>,
+}
+
+/// A lock granted, and the round trip that counts for it.
+struct Granted {
+    token: Option<u64>,
+    /// When the granting statement was sent.
+    sent: Instant,
+    /// Whether its answer came within the network timeout of `sent`.
+    prompt: bool,
 }
 
 impl Grant {
@@ -61,60 +79,112 @@ impl Inner {
     ) -> Result<Lease, LockError> {
         let deadline = Instant::now() + wait;
         self.prepare_fencing(deadline).await?;
+        let marker = format!("{id}/{:016x}", nonce());
         let try_sql = format!(
-            "SELECT pid, locked, CASE WHEN locked THEN {granted} END, {limits} \
+            "SELECT pid, locked, CASE WHEN locked THEN {granted} END, \
+                    current_setting('{CHECKED_MARKER}', true) IS NOT DISTINCT FROM 'on', {limits} \
              FROM (SELECT pg_backend_pid() AS pid, \
                    CASE WHEN coalesce(current_setting('{LEASE_MARKER}', true), '') <> '' \
                         THEN NULL ELSE pg_try_advisory_lock({id}) END AS locked) AS try",
-            granted = self.granted(id),
+            granted = self.granted(&marker),
             limits = limits_sql(&format!("'{}ms'", self.server_idle_limit().as_millis())),
         );
-        let (session, tried) = self
+        let (session, sent, tried) = self
             .first_query(deadline, || try_sql.clone(), self.network_timeout)
             .await?;
         // On every early return below, `session` is dropped: closed, not pooled.
         let tried = tried.and_then(|answer| {
             let row = last_row(&answer).ok_or_else(PgError::shared_session)?;
-            Grant::parse(row)
+            Ok((Grant::parse(row)?, row.get(3) == Some("t")))
         });
-        let grant = tried.map_err(PgError::into_lock_error)?;
-        let token = match grant.locked {
+        let (grant, checked) = tried.map_err(PgError::into_lock_error)?;
+        let granted = match grant.locked {
             None => {
                 tracing::error!(lock_id = id, "{}", super::error::SHARED_SESSION);
                 return Err(PgError::shared_session().into_lock_error());
             }
-            Some(true) => grant.token,
-            Some(false) => match self.wait_lock(&session, id, grant.pid, deadline).await? {
-                Some(token) => token,
-                None => {
-                    session.give_back();
-                    return Err(LockError::Timeout);
-                }
+            // The try answered within the network timeout (its limit).
+            Some(true) => Granted {
+                token: grant.token,
+                sent,
+                prompt: true,
             },
+            Some(false) => {
+                match self
+                    .wait_lock(&session, id, grant.pid, &marker, deadline)
+                    .await?
+                {
+                    Some(granted) => granted,
+                    None => {
+                        session.give_back();
+                        return Err(LockError::Timeout);
+                    }
+                }
+            }
         };
-        Ok(self.hold(session, id, grant.pid, token))
+        // PostgreSQL's idle limit runs from the grant, which the answer does not date:
+        // a late answer counts only once a round trip confirms the grant in time. A
+        // session not yet seen to keep its lock past a transaction's end is confirmed
+        // too: a pooler may reset it after every transaction.
+        let since = match granted.prompt && checked {
+            true => granted.sent,
+            false => self.confirm(&session, id, grant.pid, &marker).await?,
+        };
+        Ok(self.hold(session, id, grant.pid, granted.token, since))
     }
 
     /// The expression, evaluated once the lock is granted, that takes the fencing token
-    /// and marks the session; its value is the token (NULL without fencing).
-    fn granted(&self, id: i64) -> String {
+    /// and marks the session with `marker`; its value is the token (NULL without
+    /// fencing).
+    fn granted(&self, marker: &str) -> String {
         format!(
             "(SELECT token FROM (SELECT {token} AS token, \
-              set_config('{LEASE_MARKER}', '{id}', false)) AS granted)",
+              set_config('{LEASE_MARKER}', '{marker}', false)) AS granted)",
             token = self.token_sql(),
         )
     }
 
-    /// Waits in PostgreSQL's own queue until granted (`Some(token)`) or `deadline`
-    /// (`None`). Returns `None` with the session unlocked and clean. `pid` is the server
-    /// process of the try: the wait must run on it too.
+    /// Confirms in a round trip of its own, within the network timeout, that the
+    /// session (server process `pid`) still holds `id` with this acquisition's
+    /// `marker` after the granting transaction ended; returns when it was sent, which
+    /// the server's idle limit runs from at the earliest. Not confirmed, the grant is
+    /// given back (the caller drops the session: closed). Marks the session checked.
+    async fn confirm(
+        &self,
+        session: &Session,
+        id: i64,
+        pid: i32,
+        marker: &str,
+    ) -> Result<Instant, LockError> {
+        let sql = format!(
+            "SELECT held, CASE WHEN held THEN set_config('{CHECKED_MARKER}', 'on', false) END \
+             FROM (SELECT {holds} AND current_setting('{LEASE_MARKER}', true) = '{marker}' \
+                   AS held WHERE pg_backend_pid() = {pid}) AS confirmed",
+            holds = holds_sql(id, pid),
+        );
+        let sent = Instant::now();
+        let answer = self.round_trip(session.simple_query(&sql)).await;
+        let answer = answer.map_err(|error| PgError::unconfirmed(id, error))?;
+        match last_row(&answer) {
+            Some(row) if row.get(0) == Some("t") => Ok(sent),
+            _ => {
+                tracing::error!(lock_id = id, "{}", super::error::SHARED_SESSION);
+                Err(PgError::shared_session().into_lock_error())
+            }
+        }
+    }
+
+    /// Waits in PostgreSQL's own queue until granted (`Some`) or `deadline` (`None`).
+    /// Returns `None` with the session unlocked and clean. `pid` is the server process
+    /// of the try: the wait must run on it too.
     async fn wait_lock(
         &self,
         session: &Session,
         id: i64,
         pid: i32,
+        marker: &str,
         deadline: Instant,
-    ) -> Result<Option<Option<u64>>, LockError> {
+    ) -> Result<Option<Granted>, LockError> {
         let remaining = deadline.saturating_duration_since(Instant::now());
         // `lock_timeout = 0` would mean "wait forever".
         let millis = whole_millis(remaining);
@@ -130,22 +200,32 @@ impl Inner {
             "SELECT set_config('lock_timeout', '{millis}ms', true); \
              SELECT pg_advisory_lock({id}) WHERE pg_backend_pid() = {pid}; \
              {granted}",
-            granted = self.granted_sql(id, pid),
+            granted = self.granted_sql(marker, pid),
         );
+        let sent = Instant::now();
         let answer = timeout(remaining + self.network_timeout, session.simple_query(&sql)).await;
         match answer {
-            Ok(Ok(messages)) => self.granted_token(&messages).map(Some),
+            Ok(Ok(messages)) => Ok(Some(Granted {
+                token: self.granted_token(&messages)?,
+                sent,
+                prompt: sent.elapsed() <= self.network_timeout,
+            })),
             Ok(Err(error)) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
                 // The lock may have been granted as the timeout fired: PostgreSQL then
                 // keeps the session lock although the statement failed.
                 match self.holds(session, id, pid).await {
                     Ok(false) => Ok(None),
                     Ok(true) => {
+                        let sent = Instant::now();
                         let granted = self
-                            .round_trip(session.simple_query(&self.granted_sql(id, pid)))
+                            .round_trip(session.simple_query(&self.granted_sql(marker, pid)))
                             .await
                             .map_err(PgError::into_lock_error)?;
-                        self.granted_token(&granted).map(Some)
+                        Ok(Some(Granted {
+                            token: self.granted_token(&granted)?,
+                            sent,
+                            prompt: true,
+                        }))
                     }
                     // Unknown: the caller's drop closes the session, which frees the
                     // lock if it was granted. The wait is over either way.
@@ -160,12 +240,12 @@ impl Inner {
         }
     }
 
-    /// A statement for a session that was just granted `id`: the `Grant` row with the
-    /// token, the session marked; no row on another server process.
-    fn granted_sql(&self, id: i64, pid: i32) -> String {
+    /// A statement for a session that was just granted a lock: the `Grant` row with the
+    /// token, the session marked with `marker`; no row on another server process.
+    fn granted_sql(&self, marker: &str, pid: i32) -> String {
         format!(
             "SELECT pg_backend_pid(), true, {granted} WHERE pg_backend_pid() = {pid}",
-            granted = self.granted(id)
+            granted = self.granted(marker)
         )
     }
 
@@ -174,7 +254,10 @@ impl Inner {
         &self,
         messages: &[tokio_postgres::SimpleQueryMessage],
     ) -> Result<Option<u64>, LockError> {
-        let row = last_row(messages).ok_or_else(|| {
+        // The wait's `set_config` answers a row too, on any server process: only the
+        // granting statement's row has three columns.
+        let row = last_row(messages).filter(|row| row.len() == 3);
+        let row = row.ok_or_else(|| {
             tracing::error!("{}", super::error::SHARED_SESSION);
             PgError::shared_session().into_lock_error()
         })?;
@@ -183,13 +266,9 @@ impl Inner {
 
     /// Whether this session (server process `pid`) holds the advisory lock `id`.
     async fn holds(&self, session: &Session, id: i64, pid: i32) -> Result<bool, PgError> {
-        let bits = id as u64;
-        let (high, low) = (bits >> 32, bits & 0xffff_ffff);
         let sql = format!(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks \
-             WHERE locktype = 'advisory' AND pid = {pid} AND granted AND objsubid = 1 \
-             AND classid::bigint = {high} AND objid::bigint = {low}) \
-             WHERE pg_backend_pid() = {pid}"
+            "SELECT {holds} WHERE pg_backend_pid() = {pid}",
+            holds = holds_sql(id, pid)
         );
         let answer = self.round_trip(session.simple_query(&sql)).await?;
         let row = last_row(&answer).ok_or_else(PgError::shared_session)?;
@@ -205,6 +284,26 @@ impl Inner {
              WHERE pg_backend_pid() = {pid}"
         )
     }
+}
+
+/// Whether server process `pid` holds the session-level advisory lock `id`, in SQL.
+fn holds_sql(id: i64, pid: i32) -> String {
+    let bits = id as u64;
+    let (high, low) = (bits >> 32, bits & 0xffff_ffff);
+    format!(
+        "EXISTS (SELECT 1 FROM pg_locks \
+         WHERE locktype = 'advisory' AND pid = {pid} AND granted AND objsubid = 1 \
+         AND classid::bigint = {high} AND objid::bigint = {low})"
+    )
+}
+
+/// A number no other acquisition, of this process or another, is likely to draw: the
+/// std hasher's random keys (fresh per call) over a counter.
+fn nonce() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    hasher.finish()
 }
 
 /// `duration` in milliseconds, rounded up: a lock wait never ends before the deadline.

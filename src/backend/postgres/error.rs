@@ -9,10 +9,11 @@ use crate::locks::LockError;
 
 /// Why a session lock cannot work through a transaction pooler, for errors and logs.
 pub(super) const SHARED_SESSION: &str = "the PostgreSQL session is shared with other clients \
-    (its statements ran on different server processes, or it already held a lock of \
-    another client): a transaction pooler such as PgBouncer in pool_mode=transaction \
-    is in between. Session locks need a direct connection or session pooling; behind a \
-    transaction pooler use LockScope::Transaction";
+    or reset between transactions (its statements ran on different server processes, it \
+    already held a lock of another client, or its lock was gone once the granting \
+    transaction ended, as with server_reset_query_always): a transaction pooler such as \
+    PgBouncer in pool_mode=transaction is in between. Session locks need a direct \
+    connection or session pooling; behind a transaction pooler use LockScope::Transaction";
 
 /// A backend failure: what failed, and the PostgreSQL or pool error behind it.
 #[derive(Debug)]
@@ -52,6 +53,18 @@ impl PgError {
     /// holding another client's lock: a transaction pooler shares server sessions.
     pub(super) fn shared_session() -> Self {
         Self::message(SHARED_SESSION)
+    }
+
+    /// A grant whose confirming round trip to lock `id` failed or did not answer within
+    /// the network timeout: the server may end the session before the holder's first
+    /// liveness check, so the grant is given back.
+    pub(super) fn unconfirmed(id: i64, error: PgError) -> LockError {
+        tracing::warn!(lock_id = id, %error, "PostgreSQL lock grant not confirmed in time; given back");
+        Self::message(
+            "PostgreSQL did not confirm the lock grant within the network timeout (the \
+             server could free it before the holder would hear of it): given back",
+        )
+        .into_lock_error()
     }
 
     pub(super) fn into_lock_error(self) -> LockError {

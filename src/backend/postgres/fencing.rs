@@ -1,10 +1,12 @@
-//! The fencing sequence: created on first use, and refused when its values could go
-//! backwards between two sessions (a cache, a cycle, a negative step or start).
+//! The fencing sequence: created on first use (safely when instances start together),
+//! and refused when its values could go backwards between two sessions (a cache, a
+//! cycle, a negative step or start).
 
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 
 use super::error::PgError;
+use super::schema::create_if_missing;
 use super::session::last_row;
 use super::Inner;
 use crate::locks::LockError;
@@ -29,16 +31,18 @@ impl Inner {
         let prepare = async {
             let session = self.session(deadline).await?;
             let sequence = &fencing.sequence;
-            let create = format!("CREATE SEQUENCE IF NOT EXISTS {sequence}");
-            match self.round_trip(session.simple_query(&create)).await {
-                Ok(_) => {}
-                // Another instance created it at the same moment, or we may not create
-                // it but it may exist (the check below will tell).
+            let create = format!("CREATE SEQUENCE {sequence}");
+            // Two round trips when it is missing: the look, then the creation.
+            let created = self.round_trip_within(
+                2 * self.network_timeout,
+                create_if_missing(&session, sequence, &create),
+            );
+            match created.await {
+                Ok(()) => {}
+                // We may not create it but it may exist (the check below will tell).
                 Err(PgError {
                     code: Some(code), ..
-                }) if code == SqlState::UNIQUE_VIOLATION
-                    || code == SqlState::DUPLICATE_TABLE
-                    || code == SqlState::INSUFFICIENT_PRIVILEGE => {}
+                }) if code == SqlState::INSUFFICIENT_PRIVILEGE => {}
                 Err(error) => return Err(error.into_lock_error()),
             }
             // A session takes `CACHE` values at a time: with two sessions, tokens

@@ -19,17 +19,23 @@ const CLOSED_CHECK_PERIOD: Duration = Duration::from_millis(5);
 
 impl Inner {
     /// Hands the locked session (server process `pid`) to a task that watches it until
-    /// the lease is released.
+    /// the lease is released. `since` is when the last round trip known to have reset
+    /// the server's idle limit was sent (it answered within the network timeout): the
+    /// liveness checks count from there, so the holder is told a network timeout
+    /// before that limit can run out.
     pub(super) fn hold(
         self: Arc<Self>,
         session: Session,
         id: i64,
         pid: i32,
         token: Option<u64>,
+        since: Instant,
     ) -> Lease {
-        let (lost, signal) = LeaseSignal::new();
+        // Told at the next check's timeout at the latest, unless it answers in time:
+        // the same instant on the clock, so a holder whose runtime stalls knows it too.
+        let (lost, signal) = LeaseSignal::with_deadline(self.valid_until(since));
         let (stop, stopped) = oneshot::channel();
-        let task = tokio::spawn(self.watch(session, id, pid, lost, stopped));
+        let task = tokio::spawn(self.watch(session, id, pid, since, lost, stopped));
         Lease::new(token, signal, PgRelease { stop, task })
     }
 
@@ -41,11 +47,12 @@ impl Inner {
         session: Session,
         id: i64,
         pid: i32,
+        since: Instant,
         lost: LeaseLostSender,
         mut stop: oneshot::Receiver<()>,
     ) {
         if self
-            .stays_alive(&session, id, pid, &mut stop)
+            .stays_alive(&session, id, pid, since, &lost, &mut stop)
             .await
             .is_err()
         {
@@ -80,10 +87,12 @@ impl Inner {
         session: &Session,
         id: i64,
         pid: i32,
+        since: Instant,
+        lost: &LeaseLostSender,
         stop: &mut oneshot::Receiver<()>,
     ) -> Result<(), ()> {
         let interval = self.liveness_interval;
-        let mut checks = tokio::time::interval_at(Instant::now() + interval, interval);
+        let mut checks = tokio::time::interval_at(since + interval, interval);
         checks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut looks = tokio::time::interval(CLOSED_CHECK_PERIOD);
         looks.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -99,6 +108,7 @@ impl Inner {
                     }
                 }
                 _ = checks.tick() => {
+                    let sent = Instant::now();
                     let check = self.round_trip(session.simple_query("SELECT pg_backend_pid()"));
                     let answer = tokio::select! {
                         biased;
@@ -109,7 +119,12 @@ impl Inner {
                         last_row(&answer).and_then(|row| row.get(0)?.parse::<i32>().ok())
                     });
                     match answered_by {
-                        Ok(Some(now)) if now == pid => {}
+                        Ok(Some(now)) if now == pid => {
+                            if !lost.extend(self.valid_until(sent)) {
+                                tracing::warn!(lock_id = id, "PostgreSQL lock lost: its holder stalled past its deadline");
+                                return Err(());
+                            }
+                        }
                         Ok(_) => {
                             tracing::error!(lock_id = id, "PostgreSQL lock lost: {SHARED_SESSION}");
                             return Err(());
@@ -122,6 +137,13 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Until when a session whose idle limit was reset by a round trip sent at `sent`
+    /// counts as held: the next liveness check's timeout, one network timeout before
+    /// the server's idle limit can end the session.
+    fn valid_until(&self, sent: Instant) -> Instant {
+        sent + self.liveness_interval + self.network_timeout
     }
 
     /// Unlocks a session lock; `Ok` when the session is known to hold nothing now.

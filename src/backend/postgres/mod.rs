@@ -43,8 +43,18 @@
 //! The statement that tries the lock also records the server process
 //! (`pg_backend_pid()`), sets the [server-side limits](self#lost-locks)
 //! `idle_session_timeout` and `tcp_user_timeout` for the session, and, when granted,
-//! takes the fencing token and sets the marker `tower_keyed_lock.lease` (the lock id)
-//! until the unlock.
+//! takes the fencing token and sets the marker `tower_keyed_lock.lease` (the lock id
+//! and a random number of this acquisition) until the unlock.
+//!
+//! A grant counts only from a round trip that answered within the
+//! [`network_timeout`](PostgresBackend::network_timeout): PostgreSQL's idle limit runs
+//! from the moment it grants, which a late answer does not date. A statement that
+//! waited in PostgreSQL's queue usually answers later than that, so one more round trip
+//! confirms the grant; if the confirmation does not answer in time, the grant is given
+//! back (the connection is closed) and the acquisition fails with
+//! [`LockError::Backend`] (503) — the server may already have freed the lock. The first
+//! grant on each server session is confirmed too, from a later transaction: see
+//! [poolers](self#lock-scopes-and-poolers).
 //! Every statement is a simple query (the id, the pid and the limits are numbers the
 //! backend made; the sequence name is checked), so a pooler in between sees nothing it
 //! could mishandle.
@@ -71,6 +81,15 @@
 //! the acquisition with a [`LockError::Backend`] that names the cause, or raises the
 //! lost-lease signal of a holder. A lock left behind on a pooler's server session that
 //! way stays until that session has been idle for the server-side limit.
+//!
+//! A pooler may also reset every server session after each transaction (PgBouncer's
+//! `server_reset_query = DISCARD ALL` with `server_reset_query_always = 1`): the reset
+//! drops the lock and the marker as soon as the granting statement ends, so nothing is
+//! left to find. So the first grant on each server session is confirmed by a round trip
+//! of its own, after the granting transaction ended: the session must still hold the
+//! lock with this acquisition's marker, or the acquisition fails with the same error.
+//! A confirmed session is marked (`tower_keyed_lock.checked`, which such a reset
+//! clears too), so later grants on it need no extra round trip.
 //!
 //! Behind a transaction pooler use [`LockScope::Transaction`]
 //! ([`lock_scope`](PostgresBackend::lock_scope)): the lock is
@@ -163,7 +182,9 @@
 //! or not; its cost is that a pooled connection idle for that long is closed by the
 //! server and opened again when next needed. A holder cut off is told at most
 //! one interval plus one network timeout after its last answered check, one network
-//! timeout *before* the server frees the lock (measured: 300 ms ahead with a 300 ms
+//! timeout *before* the server frees the lock; the checks count from the sending of
+//! the round trip that [counted the grant](self#how-a-key-is-locked), so that holds
+//! from the first check on (measured: 300 ms ahead with a 300 ms
 //! network timeout; see `RELIABILITY.md`).
 //!
 //! The signal is not a guard everywhere: when the session ends on the server's side
@@ -176,10 +197,14 @@
 //! # Fencing tokens
 //!
 //! With [`fencing(true)`](PostgresBackend::fencing) every grant also takes `nextval` of
-//! a sequence (default [`DEFAULT_FENCING_SEQUENCE`], created by the backend with
-//! `CREATE SEQUENCE IF NOT EXISTS` on first use) in the statement that grants the lock,
-//! so the tokens of one key strictly increase from holder to holder; the handler reads
-//! it with [`LockInfo::fencing_token`](crate::LockInfo::fencing_token). That holds only
+//! a sequence (default [`DEFAULT_FENCING_SEQUENCE`]) in the statement that grants the
+//! lock, so the tokens of one key strictly increase from holder to holder; the handler
+//! reads it with [`LockInfo::fencing_token`](crate::LockInfo::fencing_token). The
+//! backend creates the sequence on first use if it is missing: it looks first (nothing
+//! runs, and no NOTICE is sent, when it exists), and creates it under a
+//! transaction-scoped advisory lock, so instances that start together take turns
+//! instead of colliding (`CREATE SEQUENCE IF NOT EXISTS` is not safe under
+//! concurrency). The tokens increase only
 //! for a sequence with `CACHE 1` (each session caches its own range otherwise, and two
 //! instances' tokens interleave: 1, 21, 2, …), `NO CYCLE`, a positive increment and a
 //! minimum of at least 0: the backend checks the sequence on first use and refuses
@@ -199,13 +224,15 @@
 // One concern per file: `lock_id` is the stable hash of a key and its SQL form,
 // `session` takes pooled connections and closes those in an unknown state, `acquire`
 // runs the session lock's try and wait statements, `xact` the transaction lock's,
-// `fencing` checks the sequence, `lease` watches a held lock and releases it, and
-// `error` is the backend's error. This file has the public type and its configuration.
+// `fencing` checks the sequence, `schema` creates it (and the replay store's table)
+// safely under concurrency, `lease` watches a held lock and releases it, and `error` is
+// the backend's error. This file has the public type and its configuration.
 mod acquire;
 mod error;
 mod fencing;
 mod lease;
 mod lock_id;
+pub(crate) mod schema;
 mod session;
 mod xact;
 
@@ -533,6 +560,11 @@ impl fmt::Debug for PostgresBackend {
 }
 
 impl LockBackend for PostgresBackend {
+    /// Only with [`fencing(true)`](PostgresBackend::fencing).
+    fn issues_fencing_tokens(&self) -> bool {
+        self.inner.fencing.is_some()
+    }
+
     fn acquire(
         &self,
         name: &str,

@@ -94,7 +94,8 @@ impl Inner {
     }
 
     /// Takes a pooled session and runs its first statement, `sql()` (made once the
-    /// session is there, so it can use the time left), within `limit`. A
+    /// session is there, so it can use the time left), within `limit`; also returns
+    /// when the answered statement was sent. A
     /// reused connection that died while idle (a server restart) and was not noticed
     /// yet fails at once as closed: its session, and any lock of it, is gone, so the
     /// statement runs once more on a fresh connection.
@@ -103,8 +104,9 @@ impl Inner {
         deadline: Instant,
         sql: impl Fn() -> String,
         limit: Duration,
-    ) -> Result<(Session, Result<Vec<SimpleQueryMessage>, PgError>), LockError> {
+    ) -> Result<(Session, Instant, Result<Vec<SimpleQueryMessage>, PgError>), LockError> {
         let session = self.session(deadline).await?;
+        let sent = Instant::now();
         match self
             .round_trip_within(limit, session.simple_query(&sql()))
             .await
@@ -112,12 +114,13 @@ impl Inner {
             Err(error) if error.closed && session.reused() => {
                 drop(session);
                 let session = self.session(deadline).await?;
+                let sent = Instant::now();
                 let answer = self
                     .round_trip_within(limit, session.simple_query(&sql()))
                     .await;
-                Ok((session, answer))
+                Ok((session, sent, answer))
             }
-            answer => Ok((session, answer)),
+            answer => Ok((session, sent, answer)),
         }
     }
 

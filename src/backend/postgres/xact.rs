@@ -46,9 +46,10 @@ impl Inner {
                 )
             }
         };
-        let (session, answer) = self
+        let (session, sent, answer) = self
             .first_query(deadline, sql, wait + self.network_timeout)
             .await?;
+        let prompt = sent.elapsed() <= self.network_timeout;
         // On every early return below, `session` is dropped: closed, not pooled, so
         // its transaction and lock end.
         let grant = match answer {
@@ -67,7 +68,36 @@ impl Inner {
         if grant.locked != Some(true) {
             return Err(self.roll_back(session).await);
         }
-        Ok(self.hold(session, id, grant.pid, grant.token))
+        // PostgreSQL's idle-in-transaction limit runs from the grant, which a late
+        // answer does not date: it counts only once a round trip confirms it in time.
+        let since = match prompt {
+            true => sent,
+            false => self.confirm_in_transaction(&session, id, grant.pid).await?,
+        };
+        Ok(self.hold(session, id, grant.pid, grant.token, since))
+    }
+
+    /// Confirms within the network timeout that the transaction holding `id` is still
+    /// there on server process `pid`; returns when the round trip was sent. Not
+    /// confirmed, the grant is given back (the caller drops the session: closed).
+    async fn confirm_in_transaction(
+        &self,
+        session: &Session,
+        id: i64,
+        pid: i32,
+    ) -> Result<Instant, LockError> {
+        let sent = Instant::now();
+        let answer = self
+            .round_trip(session.simple_query("SELECT pg_backend_pid()"))
+            .await
+            .map_err(|error| PgError::unconfirmed(id, error))?;
+        match last_row(&answer).and_then(|row| row.get(0)?.parse::<i32>().ok()) {
+            Some(answered_by) if answered_by == pid => Ok(sent),
+            _ => Err(
+                PgError::message("PostgreSQL answered the lock confirmation oddly")
+                    .into_lock_error(),
+            ),
+        }
     }
 
     /// Ends the transaction of a lock not granted and pools the session again.

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use redis::RedisError;
@@ -13,16 +13,17 @@ use tokio::time::{sleep, sleep_until, Instant};
 use super::connection::Failure;
 use super::keys::{new_token, RedisKeys};
 use super::{jitter, Inner, RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
-use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
+use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease, RetryLater};
 use crate::locks::LockError;
 
 /// How often a waiter polls while the subscription is down (capped by `poll_interval`).
 const UNSUBSCRIBED_POLL: Duration = Duration::from_millis(50);
 
 /// How long a give-back's mark refuses a late attempt of its token (a lease, if
-/// longer). An attempt later still grants the key for one lease, as without the mark:
-/// a partition that heals within a minute is covered, and the marks, one per give-back
-/// that found the key not its own, do not pile up.
+/// longer), and how long after an unanswered attempt was sent its give-back keeps
+/// trying. An attempt run later still grants the key for one lease, as without the
+/// mark: a partition that heals, or a server that wakes, within a minute is covered,
+/// and the marks, one per give-back that found the key not its own, do not pile up.
 const GIVEN_BACK_MARK: Duration = Duration::from_secs(60);
 
 /// A Redis command that took longer than the command timeout.
@@ -37,21 +38,16 @@ impl fmt::Display for CommandTimeout {
 
 impl std::error::Error for CommandTimeout {}
 
-/// The restart guard refused a grant for longer than the request may wait.
-#[derive(Debug)]
-struct RestartGuard(Duration);
-
-impl fmt::Display for RestartGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "redis started less than a lease ago; grants resume in {:?}",
-            self.0
-        )
-    }
+/// The restart guard refuses grants for `wait` more, longer than the request may wait:
+/// a [`RetryLater`], so the client is told why and for how long.
+fn restart_guard(lease: Duration, wait: Duration) -> RetryLater {
+    let detail = format!(
+        "restart guard: the lock server started less than a lease ({lease:?}) and a \
+         second ago, and a lock it lost may still be held elsewhere, so it grants none \
+         until then; grants resume in {wait:?}"
+    );
+    RetryLater::new(detail, wait)
 }
-
-impl std::error::Error for RestartGuard {}
 
 /// A grant that fewer replicas than asked acknowledged within the wait.
 #[derive(Debug)]
@@ -148,8 +144,10 @@ impl Inner {
                 Ok(Attempt::Restarted { wait_ms }) => {
                     in_flight.sent_at = None;
                     let wait = Duration::from_millis(wait_ms);
+                    self.warn_of_restart_guard(wait);
                     if Instant::now() + wait >= deadline {
-                        return Err(LockError::Backend(Box::new(RestartGuard(wait))));
+                        let guard = restart_guard(self.config.lease, wait);
+                        return Err(LockError::Backend(Box::new(guard)));
                     }
                     sleep(wait).await;
                     continue;
@@ -197,6 +195,29 @@ impl Inner {
                 return Err(LockError::Timeout);
             }
         }
+    }
+
+    /// Logs once per guard period (not per request) that the restart guard refuses
+    /// grants, why, for how long, and how tests get around it.
+    fn warn_of_restart_guard(&self, wait: Duration) {
+        let now = Instant::now();
+        let mut until = self
+            .guard_warned_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if until.is_some_and(|until| now < until) {
+            return;
+        }
+        *until = Some(now + wait);
+        tracing::warn!(
+            lease = ?self.config.lease,
+            grants_resume_in = ?wait,
+            "redis restart guard: the server started less than a lease and a second ago \
+             and may have lost locks still held elsewhere, so it grants none until then; \
+             requests that cannot wait get 503 with Retry-After. In tests and local \
+             development, use a short lease, or RedisBackendBuilder::restart_guard(false) \
+             (never in production)"
+        );
     }
 
     /// How long to wait for a release message before trying again.
@@ -381,23 +402,30 @@ impl Inner {
 
     /// Deletes the lock if `token` still holds it and announces the release. Returns
     /// after one try, bounded by the command timeout; if that gets no answer, tries
-    /// again in the background with backoff until `expires`, when Redis drops the key
-    /// by itself.
-    async fn give_back(self: &Arc<Self>, keys: Arc<RedisKeys>, token: String, expires: Instant) {
+    /// again in the background until Redis answers or `until` (past it, the key is
+    /// gone by itself, or cannot be helped any more). A pause between tries lasts at
+    /// most a quarter of the lease: a key granted to this token while nobody holds it
+    /// is freed soon after Redis answers again, not a lease later.
+    async fn give_back(self: &Arc<Self>, keys: Arc<RedisKeys>, token: String, until: Instant) {
         if self.try_give_back(&keys, &token).await {
             return;
         }
         let inner = self.clone();
         tokio::spawn(async move {
+            let longest = (inner.config.lease / 4).clamp(RESUBSCRIBE_MIN, RESUBSCRIBE_MAX);
             let mut backoff = RESUBSCRIBE_MIN;
-            while Instant::now() + backoff < expires {
-                sleep(jitter(backoff)).await;
+            loop {
+                let pause = jitter(backoff);
+                if Instant::now() + pause >= until {
+                    break;
+                }
+                sleep(pause).await;
                 if inner.try_give_back(&keys, &token).await {
                     return;
                 }
-                backoff = (backoff * 2).min(RESUBSCRIBE_MAX);
+                backoff = (backoff * 2).min(longest);
             }
-            tracing::debug!("redis lock release failed; the key expires by its lease");
+            tracing::debug!("redis lock release unanswered; giving up on it");
         });
     }
 
@@ -449,8 +477,12 @@ impl Drop for InFlight {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let (inner, keys) = (self.inner.clone(), self.keys.clone());
             let token = std::mem::take(&mut self.token);
-            let expires = sent_at + inner.config.first_ttl();
-            runtime.spawn(async move { inner.give_back(keys, token, expires).await });
+            // Not `sent_at` + lease: the grant's TTL counts from when Redis runs the
+            // attempt, which a frozen server or a slow path can put off for longer
+            // than a lease. Until the give-back is answered, it may still come; once it
+            // is, the attempt was run before it, or the mark it leaves refuses it.
+            let until = sent_at + GIVEN_BACK_MARK.max(inner.config.lease);
+            runtime.spawn(async move { inner.give_back(keys, token, until).await });
         }
     }
 }

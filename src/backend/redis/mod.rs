@@ -29,12 +29,14 @@
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): `max(counter + 1,
 //!   server time in µs)`, stored back in the key's fence counter. When the key is held
 //!   it returns the holder's remaining TTL instead. An attempt whose answer never comes
-//!   (error, timeout, or the acquire future dropped) may still have been granted, so its
-//!   token is released in the background: the acquire is cancel-safe by itself. A
-//!   release that finds the key not held by its token marks the token given back for a
-//!   minute (or a lease, if longer), and the acquire script grants nothing to a marked
-//!   token: an attempt delayed on a connection since replaced, delivered after its
-//!   release, does not block the key for a lease.
+//!   (error, timeout, or the acquire future dropped) may still have been granted, or be
+//!   run later (a frozen server runs what waits in its sockets when it wakes), so its
+//!   token is released in the background, retried until Redis answers (every quarter
+//!   lease at most, for up to a minute or a lease if longer): the acquire is
+//!   cancel-safe by itself. A release that finds the key not held by its token marks
+//!   the token given back for a minute (or a lease, if longer), and the acquire script
+//!   grants nothing to a marked token: an attempt delayed on a connection since
+//!   replaced, delivered after its release, does not block the key for a lease.
 //! - **Wait.** Each backend keeps one pub/sub subscription to a release channel (on a
 //!   cluster, to the shard channel of each lock it waits for). A
 //!   waiter retries when a release of its key is announced there, or else after a
@@ -97,7 +99,11 @@
 //!   by default): the holder's lease reaches its local deadline (or its renewal finds
 //!   the key gone) and the lost-lease signal is raised before any other instance gets
 //!   the key. Acquisitions wait out the guard when their wait allows, or fail with
-//!   [`LockError::Backend`] (503). Every instance must use the same lease (the guard
+//!   [`LockError::Backend`] whose cause is a [`RetryLater`](crate::backend::RetryLater):
+//!   the layer's 503 names the restart guard in its problem detail and sets
+//!   `Retry-After` to the time left, and the backend logs one warning per guard
+//!   period. In tests and local development, a short lease keeps the guard short; or
+//!   turn it off (never in production). Every instance must use the same lease (the guard
 //!   counts its own). The guard reads the uptime from `INFO server`, on the wall clock
 //!   of the server; it does not cover a failover to a replica that has been up for
 //!   long: lost writes there are only caught by the holder's renewal (at most lease/3
@@ -151,6 +157,21 @@
 //!                                 (for a minute, or a lease if longer)
 //! ```
 //!
+//! These keys must live until their TTL. Under any `maxmemory-policy` but
+//! `noeviction` (`volatile-*` ones pick keys with a TTL, as every lock key has;
+//! `allkeys-*` ones pick any), Redis evicts keys when memory runs short, and a held
+//! lock key evicted is granted to another instance while its holder still counts its
+//! lease as valid: the holder learns it at its next renewal, up to lease/3 later. So
+//! [`build`](RedisBackendBuilder::build) reads `maxmemory-policy` (`CONFIG GET`, or
+//! `INFO memory` where `CONFIG` is renamed or not allowed; on a cluster, of every
+//! primary) and refuses anything but `noeviction`, unless
+//! [`allow_unsafe_eviction_policy`](RedisBackendBuilder::allow_unsafe_eviction_policy)
+//! accepts the risk. A Redis used as a cache with eviction should not hold locks; give
+//! the locks a Redis of their own. What no setting can refuse: `FLUSHALL`, `FLUSHDB`,
+//! or a `DEL` of a lock key by an operator or another application acts the same (the
+//! holder is told at its next renewal, after the key may already have been granted
+//! again); keep them from the lock server (`rename-command`, or ACLs).
+//!
 //! `name` and `key` are each written as-is when they are at most 64 bytes of ASCII
 //! letters, digits and `- _ . @ + = / ~ ,`; anything else (`:`, `{`, `}`, `*`,
 //! whitespace, other bytes, empty or longer text) is written as `#` followed by the
@@ -172,13 +193,14 @@
 // Redis, `lease` acquires, renews and gives back leases, and `subscriber` turns release
 // messages into wake-ups. This file has the public types and their configuration.
 mod connection;
+mod eviction;
 mod keys;
 mod lease;
 mod scripts;
 mod subscriber;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::cluster::ClusterClient;
@@ -269,6 +291,7 @@ struct Config {
     fence_ttl: Option<Duration>,
     restart_guard: bool,
     replicas: Option<Replicas>,
+    allow_eviction: bool,
 }
 
 /// How many replicas must acknowledge a grant or renewal, and for how long to wait.
@@ -318,6 +341,8 @@ struct Inner {
     channel: String,
     releases: Arc<Releases>,
     subscribed: watch::Receiver<bool>,
+    /// Until when the restart guard's warning covers: it is logged once per period.
+    guard_warned_until: Mutex<Option<Instant>>,
     /// Dropped with the last user of the backend; that ends the subscription task.
     _stop: oneshot::Sender<()>,
 }
@@ -363,6 +388,7 @@ impl RedisBackend {
                 fence_ttl: None,
                 restart_guard: true,
                 replicas: None,
+                allow_eviction: false,
             },
         }
     }
@@ -524,9 +550,16 @@ impl RedisBackendBuilder {
     /// other instance is granted such a key before its holder's lease has run out
     /// (and the holder has been told). The cost: for a lease and a second after Redis
     /// starts, acquisitions wait, or fail with [`LockError::Backend`] when their wait
-    /// is shorter (503, or [`fail_open`](crate::KeyedLockLayer::fail_open)). Every
-    /// instance sharing Redis should use the same lease. See
+    /// is shorter (503 with the reason and `Retry-After`, or
+    /// [`fail_open`](crate::KeyedLockLayer::fail_open)). Every instance sharing Redis
+    /// should use the same lease. See
     /// [Restarts and lost writes](self#restarts-and-lost-writes).
+    ///
+    /// Off is for tests and local development against a Redis that just started
+    /// (`docker compose up`, CI), where a lock lost in a restart costs nothing; a short
+    /// [`lease`](Self::lease) is the other way to keep the wait short there. **Never
+    /// turn it off in production**: a restarted Redis could then grant a lock that an
+    /// instance still holds.
     pub fn restart_guard(mut self, on: bool) -> Self {
         self.config.restart_guard = on;
         self
@@ -568,11 +601,27 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// Connects: checks that Redis answers and subscribes to the release channel, each
-    /// within the command timeout, then starts the subscription task (on the current
-    /// tokio runtime; it ends with the last clone of the backend and its leases). Fails
-    /// if Redis cannot be reached or the subscription fails (it needs RESP3: Redis 6 or
-    /// newer).
+    /// Whether to build on a Redis that may evict keys — **unsafe** (default off:
+    /// refused). Under any `maxmemory-policy` but `noeviction` (every `volatile-*` and
+    /// `allkeys-*` policy), Redis drops keys under memory pressure, a held lock key
+    /// among them; another instance is then granted the key while its holder still
+    /// counts its lease as valid, and learns otherwise only at its next renewal (up to
+    /// lease/3 later). [`build`](Self::build) reads the policy (of every primary of a
+    /// cluster) and refuses anything but `noeviction`; with this on, it only logs a
+    /// warning. Turn it on only if the lock keys' overlap is acceptable, or if memory
+    /// can never run short. See [Redis keys](self#redis-keys).
+    pub fn allow_unsafe_eviction_policy(mut self, allow: bool) -> Self {
+        self.config.allow_eviction = allow;
+        self
+    }
+
+    /// Connects: checks that Redis answers and that it cannot evict lock keys (see
+    /// [`allow_unsafe_eviction_policy`](Self::allow_unsafe_eviction_policy)) and
+    /// subscribes to the release channel, each within the command timeout, then
+    /// starts the subscription task (on the current tokio runtime; it ends with the
+    /// last clone of the backend and its leases). Fails if Redis cannot be reached,
+    /// its `maxmemory-policy` is not `noeviction` (or cannot be read), or the
+    /// subscription fails (it needs RESP3: Redis 6 or newer).
     ///
     /// # Panics
     /// If the drift margin is not shorter than half the lease.
@@ -603,6 +652,15 @@ impl RedisBackendBuilder {
             connection::Failure::Redis(error) => error,
             connection::Failure::TimedOut => timed_out("connecting to Redis"),
         })?;
+        // CONFIG GET, or INFO where CONFIG is not allowed: two command timeouts at most.
+        let policies = commands
+            .run(Instant::now() + limit * 2, false, eviction::policies)
+            .await
+            .map_err(|failure| match failure {
+                connection::Failure::Redis(error) => error,
+                connection::Failure::TimedOut => timed_out("reading maxmemory-policy"),
+            });
+        eviction::check(policies, config.allow_eviction)?;
 
         let shared_channel = format!("{}release", config.prefix);
         let (releases, changes, channel) = match &target {
@@ -633,6 +691,7 @@ impl RedisBackendBuilder {
                 channel,
                 releases,
                 subscribed,
+                guard_warned_until: Mutex::new(None),
                 _stop: stop,
             }),
         })

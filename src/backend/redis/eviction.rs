@@ -1,0 +1,164 @@
+//! The eviction check, run when a backend is built: under any `maxmemory-policy` but
+//! `noeviction`, Redis may drop a held lock key under memory pressure and grant it to
+//! another instance before its holder is told.
+
+use std::collections::HashMap;
+
+use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+use redis::{Cmd, ErrorKind, RedisError, Value};
+
+use super::connection::Connection;
+
+/// The only policy under which Redis never drops a key before its TTL.
+const NOEVICTION: &str = "noeviction";
+
+/// The `maxmemory-policy` of each server that grants locks: one, or every primary of a
+/// cluster (by address). Read with `CONFIG GET`, or from `INFO memory` where `CONFIG`
+/// is renamed or not allowed (managed services often do that).
+pub(super) async fn policies(
+    connection: Connection,
+) -> Result<Vec<(Option<String>, String)>, RedisError> {
+    match connection {
+        Connection::Single(mut connection) => {
+            let config = config_get().query_async::<Value>(&mut connection).await;
+            let policy = match config.and_then(from_config) {
+                Ok(policy) => policy,
+                Err(_) => from_info(info_memory().query_async(&mut connection).await?)?,
+            };
+            Ok(vec![(None, policy)])
+        }
+        Connection::Cluster(mut connection) => {
+            let primaries = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+            let answers = connection
+                .route_command(config_get(), primaries.clone())
+                .await?;
+            let config: Result<Vec<_>, RedisError> = by_node(answers)?
+                .into_iter()
+                .map(|(node, answer)| Ok((Some(node), from_config(answer)?)))
+                .collect();
+            if let Ok(policies) = config {
+                return Ok(policies);
+            }
+            let answers = connection.route_command(info_memory(), primaries).await?;
+            by_node(answers)?
+                .into_iter()
+                .map(|(node, answer)| Ok((Some(node), from_info(answer)?)))
+                .collect()
+        }
+    }
+}
+
+/// Refuses unless every policy is `noeviction` or the risk was accepted (then warns).
+/// A policy that could not be read at all is refused the same way: it may evict.
+pub(super) fn check(
+    read: Result<Vec<(Option<String>, String)>, RedisError>,
+    allowed: bool,
+) -> Result<(), RedisError> {
+    let problem = match read {
+        Ok(policies) => {
+            let evicting: Vec<String> = policies
+                .into_iter()
+                .filter(|(_, policy)| policy != NOEVICTION)
+                .map(|(node, policy)| match node {
+                    Some(node) => format!("maxmemory-policy {policy} on primary {node}"),
+                    None => format!("maxmemory-policy {policy}"),
+                })
+                .collect();
+            if evicting.is_empty() {
+                return Ok(());
+            }
+            format!("Redis runs with {}", evicting.join(", "))
+        }
+        Err(error) => format!("the maxmemory-policy of Redis could not be read ({error})"),
+    };
+    if allowed {
+        tracing::warn!(
+            "{problem}: a held lock key may be evicted under memory pressure and \
+             granted to another instance before its holder is told \
+             (allow_unsafe_eviction_policy is on)"
+        );
+        return Ok(());
+    }
+    Err(RedisError::from((
+        ErrorKind::InvalidClientConfig,
+        "Redis may evict lock keys",
+        format!(
+            "{problem}: under memory pressure a held lock key can be evicted and \
+             granted to another instance before its holder is told. Set \
+             `maxmemory-policy noeviction` on every server that holds locks (a Redis \
+             of its own for locks, if a cache needs eviction), or accept the risk \
+             with RedisBackendBuilder::allow_unsafe_eviction_policy(true)"
+        ),
+    )))
+}
+
+fn config_get() -> Cmd {
+    let mut command = redis::cmd("CONFIG");
+    command.arg("GET").arg("maxmemory-policy");
+    command
+}
+
+fn info_memory() -> Cmd {
+    let mut command = redis::cmd("INFO");
+    command.arg("memory");
+    command
+}
+
+/// `CONFIG GET`'s answer: a map (RESP3) or a flat list of pairs (RESP2).
+fn from_config(answer: Value) -> Result<String, RedisError> {
+    let mut pairs: HashMap<String, String> = redis::from_redis_value(answer.extract_error()?)?;
+    pairs
+        .remove("maxmemory-policy")
+        .ok_or_else(|| unreadable("CONFIG GET returned no maxmemory-policy"))
+}
+
+/// The `maxmemory_policy:` line of `INFO memory`.
+fn from_info(answer: Value) -> Result<String, RedisError> {
+    let text: String = redis::from_redis_value(answer.extract_error()?)?;
+    text.lines()
+        .find_map(|line| line.strip_prefix("maxmemory_policy:"))
+        .map(|policy| policy.trim().to_owned())
+        .ok_or_else(|| unreadable("INFO memory has no maxmemory_policy"))
+}
+
+/// A multi-node answer of a cluster: address → that node's answer.
+fn by_node(answers: Value) -> Result<Vec<(String, Value)>, RedisError> {
+    let Value::Map(pairs) = answers else {
+        return Err(unreadable("a cluster answered without a map of nodes"));
+    };
+    pairs
+        .into_iter()
+        .map(|(node, answer)| Ok((redis::from_redis_value(node)?, answer)))
+        .collect()
+}
+
+fn unreadable(what: &'static str) -> RedisError {
+    RedisError::from((ErrorKind::Parse, what))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_memory_gives_the_policy() {
+        let info = "# Memory\r\nused_memory:1\r\nmaxmemory_policy:allkeys-lru\r\n";
+        let answer = Value::BulkString(info.as_bytes().to_vec());
+        assert_eq!(from_info(answer).unwrap(), "allkeys-lru");
+    }
+
+    #[test]
+    fn only_noeviction_passes_unless_allowed() {
+        let policies = |policy: &str| Ok(vec![(Some("n:1".to_owned()), policy.to_owned())]);
+        assert!(check(policies("noeviction"), false).is_ok());
+        let refused = check(policies("volatile-ttl"), false).unwrap_err();
+        let message = refused.to_string();
+        assert!(message.contains("volatile-ttl on primary n:1"), "{message}");
+        assert!(
+            message.contains("allow_unsafe_eviction_policy(true)"),
+            "{message}"
+        );
+        assert!(check(policies("volatile-ttl"), true).is_ok());
+        assert!(check(Err(unreadable("no answer")), false).is_err());
+    }
+}
