@@ -662,13 +662,15 @@ async fn silent_holding_connection_raises_lease_lost() {
     assert_eq!(answer.body, "lost");
     assert!(started.elapsed() < Duration::from_secs(2), "noticed late");
 
-    // Our end was closed: once the process runs again it sees that and ends, freeing
-    // the lock.
+    // The handler is told at the lease's deadline, by the clock. The release that
+    // follows either closed our end (the unlock got no answer in time; once the process
+    // runs again it sees that and ends) or, if the process was resumed in time,
+    // unlocked: either way the lock is freed, and a connection goes back to the pool
+    // only if its unlock answered.
     eventually("the stopped session's lock is freed", || async {
         advisory_locks(&admin).await == 0
     })
     .await;
-    assert_eq!(a.pool().status().size, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -58,6 +58,14 @@ pub trait Proxied: Remote {
 
     /// The longest one round trip may take before the backend counts it as lost.
     fn network_timeout(&self) -> Duration;
+
+    /// How long after another instance is granted a key the holder may hear that its
+    /// lease is lost when its connection is reset: zero for a TTL lease (the record
+    /// outlives the connection); for a session lock, which the server frees the moment
+    /// the connection dies, the bound the backend documents.
+    fn reset_notice(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// The locks of an instance on `backend`.
@@ -253,6 +261,12 @@ mod postgres {
 
         fn network_timeout(&self) -> Duration {
             NETWORK_TIMEOUT
+        }
+
+        fn reset_notice(&self) -> Duration {
+            // The holder looks at its connection every 5 ms (`backend::postgres`
+            // docs: "a few milliseconds later"); the rest is a loaded machine's slack.
+            Duration::from_millis(100)
         }
     }
 
