@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
+use crate::backend::ttl::push_hex;
+
 /// Names and keys longer than this are hashed.
 const MAX_PLAIN_LEN: usize = 64;
 
@@ -48,23 +50,6 @@ fn component(text: &str) -> Cow<'_, str> {
     hashed.push('#');
     push_hex(&mut hashed, &Sha256::digest(text.as_bytes()));
     Cow::Owned(hashed)
-}
-
-fn push_hex(out: &mut String, bytes: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    for &b in bytes {
-        out.push(char::from(HEX[usize::from(b >> 4)]));
-        out.push(char::from(HEX[usize::from(b & 0xf)]));
-    }
-}
-
-/// A fresh random 128-bit token, in hex.
-pub(super) fn new_token() -> Result<String, getrandom::Error> {
-    let mut bytes = [0u8; 16];
-    getrandom::fill(&mut bytes)?;
-    let mut token = String::with_capacity(32);
-    push_hex(&mut token, &bytes);
-    Ok(token)
 }
 
 #[cfg(test)]
@@ -134,13 +119,5 @@ mod tests {
             assert_eq!(tag.matches('{').count(), 1);
             assert_eq!(tag.matches('}').count(), 1);
         }
-    }
-
-    #[test]
-    fn tokens_are_fresh_128_bit_hex() {
-        let (a, b) = (new_token().unwrap(), new_token().unwrap());
-        assert_eq!(a.len(), 32);
-        assert!(a.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert_ne!(a, b);
     }
 }

@@ -1,5 +1,6 @@
-//! A lease's life in Redis: acquire attempts and the waits between them, the renewal
-//! task, and giving the lock back (also when an attempt's answer never came).
+//! Redis's steps of the TTL-lease engine: acquire attempts and the waits between them
+//! (release messages, the restart guard, `WAIT` for replicas), renewal and give-back as
+//! Lua scripts. The life cycle around them is the engine's (`backend::ttl`).
 
 use std::fmt;
 use std::pin::pin;
@@ -7,14 +8,17 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use redis::RedisError;
-use tokio::task::AbortHandle;
-use tokio::time::{sleep, sleep_until, Instant};
+use tokio::time::{sleep, Instant};
 
 use super::connection::Failure;
-use super::keys::{new_token, RedisKeys};
-use super::{jitter, Inner, RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
-use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease, RetryLater};
-use crate::locks::LockError;
+use super::keys::RedisKeys;
+use super::scripts::{RELEASE, RENEW};
+use super::Inner;
+use crate::backend::ttl::{
+    self, fresh_token, jitter, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+};
+use crate::backend::{Lease, RetryLater};
+use crate::LockError;
 
 /// How often a waiter polls while the subscription is down (capped by `poll_interval`).
 const UNSUBSCRIBED_POLL: Duration = Duration::from_millis(50);
@@ -84,13 +88,6 @@ enum Attempt {
     /// Granted, but acknowledged by too few replicas: to be given back.
     NotReplicated(NotReplicated),
 }
-
-/// A random token for one acquisition.
-fn fresh_token() -> Result<String, LockError> {
-    new_token()
-        .map_err(|error| LockError::Backend(Box::new(std::io::Error::other(error.to_string()))))
-}
-
 impl Inner {
     pub(super) async fn acquire(
         self: Arc<Self>,
@@ -101,15 +98,10 @@ impl Inner {
         let deadline = started
             .checked_add(wait)
             .unwrap_or_else(|| started + Duration::from_secs(86_400 * 365));
-        let token = fresh_token()?;
         // Registered before the first attempt, so no release after it goes unnoticed.
         let interest = self.releases.register(&keys.lock);
-        let mut in_flight = InFlight {
-            inner: self.clone(),
-            keys,
-            token,
-            sent_at: None,
-        };
+        // One token for every attempt of this acquisition (a reconnection aside).
+        let mut in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
         let mut first = true;
         let mut reconnected = false;
         loop {
@@ -124,17 +116,16 @@ impl Inner {
                 false => (sent_at + self.config.command_timeout).min(deadline),
             };
             first = false;
-            in_flight.sent_at = Some(sent_at);
+            in_flight.sent(sent_at);
             // Only a whole command timeout says the connection may be silent.
             let counts = limit == sent_at + self.config.command_timeout;
-            let attempt = self.attempt(&in_flight.keys, &in_flight.token, limit, counts);
+            let attempt = self.attempt(&keys, in_flight.token(), limit, counts);
             // On an error or timeout `in_flight` stays armed: its drop gives back what
             // the attempt may have been granted.
             let ttl_ms = match attempt.await {
                 Ok(Attempt::Granted { fence }) => {
-                    in_flight.sent_at = None;
-                    let (keys, token) = (in_flight.keys.clone(), in_flight.token.clone());
-                    return Ok(self.grant(keys, token, fence, sent_at));
+                    let token = in_flight.granted();
+                    return Ok(ttl::grant(&self, keys, token, Some(fence), sent_at));
                 }
                 Ok(Attempt::Held { ttl_ms }) => ttl_ms,
                 // `in_flight` stays armed: its drop gives the grant back.
@@ -142,7 +133,7 @@ impl Inner {
                     return Err(LockError::Backend(Box::new(error)))
                 }
                 Ok(Attempt::Restarted { wait_ms }) => {
-                    in_flight.sent_at = None;
+                    in_flight.answered();
                     let wait = Duration::from_millis(wait_ms);
                     self.warn_of_restart_guard(wait);
                     if Instant::now() + wait >= deadline {
@@ -163,13 +154,7 @@ impl Inner {
                     // attempt may still have been granted: dropping its `InFlight`
                     // gives that token back, and the retry uses a fresh one.
                     reconnected = true;
-                    let keys = in_flight.keys.clone();
-                    in_flight = InFlight {
-                        inner: self.clone(),
-                        keys,
-                        token: fresh_token()?,
-                        sent_at: None,
-                    };
+                    in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
                     continue;
                 }
                 Err(Failure::Redis(error)) => return Err(LockError::Backend(Box::new(error))),
@@ -179,7 +164,7 @@ impl Inner {
                     return Err(LockError::Backend(Box::new(timeout)));
                 }
             };
-            in_flight.sent_at = None;
+            in_flight.answered();
             let now = Instant::now();
             if now >= deadline {
                 return Err(LockError::Timeout);
@@ -293,86 +278,10 @@ impl Inner {
         })
     }
 
-    /// A lease for a grant sent at `sent_at`, with its renewal task.
-    fn grant(
-        self: &Arc<Self>,
-        keys: Arc<RedisKeys>,
-        token: String,
-        fence: u64,
-        sent_at: Instant,
-    ) -> Lease {
-        let valid_until = sent_at + self.config.first_ttl().saturating_sub(self.drift);
-        let (lost, signal) = LeaseSignal::with_deadline(valid_until);
-        let renewal =
-            tokio::spawn(
-                self.clone()
-                    .keep(keys.lock.clone(), token.clone(), sent_at, lost),
-            );
-        let release = RedisRelease {
-            inner: self.clone(),
-            keys,
-            token,
-            renewal: renewal.abort_handle(),
-        };
-        Lease::new(Some(fence), signal, release)
-    }
-
-    /// Keeps a lease acquired at `acquired_at` alive, and raises `lost` at its local
-    /// deadline or at the first reply saying it is not ours. Aborted when the lease is
-    /// released or dropped.
-    async fn keep(
-        self: Arc<Self>,
-        lock: Arc<str>,
-        token: String,
-        acquired_at: Instant,
-        lost: LeaseLostSender,
-    ) {
-        let config = &self.config;
-        let period = config.lease / 3;
-        let hold_end = config.max_hold.map(|max| acquired_at + max);
-        // Invariant: the lease is valid (ours in Redis, modulo drift) until `valid_until`.
-        let mut valid_until = acquired_at + config.first_ttl().saturating_sub(self.drift);
-        let mut next = acquired_at + period;
-        loop {
-            let renew = config.renewal && hold_end.is_none_or(|end| next < end);
-            if !renew {
-                sleep_until(valid_until).await;
-                break;
-            }
-            // The deadline first: once it has passed, the lease is lost even if it is
-            // also time to renew.
-            tokio::select! {
-                biased;
-                () = sleep_until(valid_until) => break,
-                () = sleep_until(next) => {}
-            }
-            let sent = Instant::now();
-            let ttl = hold_end
-                .map_or(config.lease, |end| {
-                    config.lease.min(end.saturating_duration_since(sent))
-                })
-                .max(Duration::from_millis(1));
-            let full = sent + config.command_timeout;
-            let limit = full.min(valid_until);
-            match self.renew(&lock, &token, ttl, limit, limit == full).await {
-                Ok(true) => {
-                    valid_until = sent + ttl.saturating_sub(self.drift);
-                    if !lost.extend(valid_until) {
-                        break; // the old deadline passed while the answer was on its way
-                    }
-                    next = sent + period;
-                }
-                // Definitely not ours any more: deleted, expired or taken over.
-                Ok(false) => break,
-                // Renewed, but acknowledged by too few replicas, or unknown: try again
-                // soon; the deadline stands.
-                Err(_) => next = Instant::now() + period / 4,
-            }
-        }
-        lost.lose();
-    }
-
-    async fn renew(
+    /// Extends `token`'s hold on `lock` to `ttl`; whether it still held it. Sent as
+    /// `EVAL`, not `EVALSHA`: a server that lost its script cache (a restart, a
+    /// failover) would cost a second round trip, and a renewal has none to spare.
+    async fn renew_once(
         &self,
         lock: &str,
         token: &str,
@@ -380,12 +289,17 @@ impl Inner {
         limit: Instant,
         counts: bool,
     ) -> Result<bool, Failure> {
-        let mut invocation = self.renew.key(lock);
-        invocation.arg(token).arg(millis(ttl));
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(RENEW)
+            .arg(1)
+            .arg(lock)
+            .arg(token)
+            .arg(millis(ttl));
         let replicas = self.config.replicas;
         self.commands
             .run(limit, counts, |mut connection| async move {
-                let renewed: i64 = invocation.invoke_async(&mut connection).await?;
+                let renewed: i64 = command.query_async(&mut connection).await?;
                 if let (1, Some(replicas)) = (renewed, replicas) {
                     let acknowledged = replicas.wait(&mut connection).await?;
                     if acknowledged < replicas.count {
@@ -400,117 +314,91 @@ impl Inner {
             .await
     }
 
-    /// Deletes the lock if `token` still holds it and announces the release. Returns
-    /// after one try, bounded by the command timeout; if that gets no answer, tries
-    /// again in the background until Redis answers or `until` (past it, the key is
-    /// gone by itself, or cannot be helped any more). A pause between tries lasts at
-    /// most a quarter of the lease: a key granted to this token while nobody holds it
-    /// is freed soon after Redis answers again, not a lease later.
-    async fn give_back(self: &Arc<Self>, keys: Arc<RedisKeys>, token: String, until: Instant) {
-        if self.try_give_back(&keys, &token).await {
-            return;
-        }
-        let inner = self.clone();
-        tokio::spawn(async move {
-            let longest = (inner.config.lease / 4).clamp(RESUBSCRIBE_MIN, RESUBSCRIBE_MAX);
-            let mut backoff = RESUBSCRIBE_MIN;
-            loop {
-                let pause = jitter(backoff);
-                if Instant::now() + pause >= until {
-                    break;
-                }
-                sleep(pause).await;
-                if inner.try_give_back(&keys, &token).await {
-                    return;
-                }
-                backoff = (backoff * 2).min(longest);
-            }
-            tracing::debug!("redis lock release unanswered; giving up on it");
-        });
-    }
-
-    /// One release attempt; whether Redis answered.
-    async fn try_give_back(&self, keys: &RedisKeys, token: &str) -> bool {
-        let mut invocation = self.release.key(&*keys.lock);
-        invocation
-            .key(&keys.waiting)
-            .key(keys.given_back(token))
+    /// One release attempt: deletes the lock if `token` still holds it and announces
+    /// the release; if not, marks the token given back, so a late attempt of it grants
+    /// nothing. `EVAL`, like the renewal: one round trip even on a server that lost its
+    /// script cache.
+    async fn delete_if_ours(&self, keys: &RedisKeys, token: &str) -> GiveBack {
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(RELEASE)
+            .arg(3)
+            .arg(&*keys.lock)
+            .arg(&keys.waiting)
+            .arg(keys.given_back(token))
             .arg(token)
             .arg(&self.channel)
             .arg(millis(GIVEN_BACK_MARK.max(self.config.lease)));
         let limit = Instant::now() + self.config.command_timeout;
         let release = self.commands.run(limit, true, |mut connection| async move {
-            invocation.invoke_async::<i64>(&mut connection).await
+            command.query_async::<i64>(&mut connection).await
         });
         match release.await {
-            Ok(_) => true,
+            Ok(1) => GiveBack::Cleared,
+            Ok(_) => GiveBack::NotOurs,
             Err(Failure::Redis(error)) => {
                 tracing::debug!(%error, "redis lock release failed");
-                false
+                GiveBack::NoAnswer
             }
             Err(Failure::TimedOut) => {
                 tracing::debug!("redis lock release timed out");
-                false
+                GiveBack::NoAnswer
             }
         }
     }
 }
 
-/// An acquisition's token, armed while an attempt may have been granted without us
-/// knowing: an error, a timeout, or the acquire future dropped mid-attempt. Then the
-/// script may have run (or may still run: a silent server can wake up), so dropping
-/// it gives back what the token may hold rather than leave the key blocked for a lease.
-struct InFlight {
-    inner: Arc<Inner>,
-    keys: Arc<RedisKeys>,
-    token: String,
-    /// When the attempt in flight was sent; `None` when none is.
-    sent_at: Option<Instant>,
-}
+impl TtlBackend for Inner {
+    type Target = Arc<RedisKeys>;
 
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let Some(sent_at) = self.sent_at else {
-            return;
-        };
-        // Without a runtime (it is shutting down) the key expires by its lease.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (inner, keys) = (self.inner.clone(), self.keys.clone());
-            let token = std::mem::take(&mut self.token);
-            // Not `sent_at` + lease: the grant's TTL counts from when Redis runs the
-            // attempt, which a frozen server or a slow path can put off for longer
-            // than a lease. Until the give-back is answered, it may still come; once it
-            // is, the attempt was run before it, or the mark it leaves refuses it.
-            let until = sent_at + GIVEN_BACK_MARK.max(inner.config.lease);
-            runtime.spawn(async move { inner.give_back(keys, token, until).await });
+    fn timing(&self) -> Timing {
+        Timing {
+            lease: self.config.lease,
+            drift: self.drift,
+            command_timeout: self.config.command_timeout,
+            renewal: self.config.renewal,
+            max_hold: self.config.max_hold,
         }
     }
-}
 
-/// Gives a Redis lease back: stops its renewal, then deletes the key if still ours.
-struct RedisRelease {
-    inner: Arc<Inner>,
-    keys: Arc<RedisKeys>,
-    token: String,
-    renewal: AbortHandle,
-}
-
-impl ReleaseLease for RedisRelease {
-    fn release(self: Box<Self>) -> BoxFuture<()> {
-        self.renewal.abort();
-        // No renewal can follow, so the key is gone from Redis within one lease.
-        let expires = Instant::now() + self.inner.config.lease;
-        Box::pin(async move {
-            let (keys, token) = (self.keys.clone(), self.token.clone());
-            self.inner.give_back(keys, token, expires).await;
-        })
+    async fn renew(
+        &self,
+        keys: &Arc<RedisKeys>,
+        token: &str,
+        ttl: Duration,
+        sent: Instant,
+        limit: Instant,
+    ) -> Renewal {
+        // Only a whole command timeout says the connection may be silent.
+        let counts = limit == sent + self.config.command_timeout;
+        match self.renew_once(&keys.lock, token, ttl, limit, counts).await {
+            Ok(true) => Renewal::Renewed,
+            Ok(false) => Renewal::NotOurs,
+            // Renewed but acknowledged by too few replicas, or no answer.
+            Err(_) => Renewal::Unknown,
+        }
     }
-}
 
-impl Drop for RedisRelease {
-    fn drop(&mut self) {
-        // Also when dropped without `release` (no runtime left): renewal stops.
-        self.renewal.abort();
+    async fn try_give_back(&self, keys: &Arc<RedisKeys>, token: &str) -> GiveBack {
+        self.delete_if_ours(keys, token).await
+    }
+
+    fn engine(&self) -> &'static str {
+        "redis"
+    }
+
+    /// Not the grant's expiry: its TTL counts from when Redis runs the attempt, which
+    /// a frozen server or a slow path can put off for longer than a lease. Until the
+    /// give-back is answered, the attempt may still come; once it is, the attempt was
+    /// run before it, or the mark it leaves refuses it.
+    fn give_back_until(&self, sent_at: Instant) -> Instant {
+        sent_at + GIVEN_BACK_MARK.max(self.config.lease)
+    }
+
+    /// At once: a give-back that finds the key not ours marks the token, and the
+    /// acquire script grants nothing to a marked token.
+    fn settles_at(&self, sent_at: Instant) -> Instant {
+        sent_at
     }
 }
 

@@ -210,7 +210,7 @@ use tokio::time::Instant;
 
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
-use self::scripts::{ACQUIRE, RELEASE, RENEW};
+use self::scripts::ACQUIRE;
 use self::subscriber::{Releases, Subscriber};
 use super::{BoxFuture, Lease, LockBackend};
 use crate::key::Key;
@@ -227,7 +227,7 @@ pub const DEFAULT_PREFIX: &str = "keyed-lock:";
 /// The shortest lease accepted: renewal runs every lease/3.
 pub const MIN_LEASE: Duration = Duration::from_millis(10);
 
-/// Backoff of resubscription, and of a release retried in the background.
+/// Backoff of resubscription.
 const RESUBSCRIBE_MIN: Duration = Duration::from_millis(50);
 const RESUBSCRIBE_MAX: Duration = Duration::from_secs(1);
 
@@ -335,8 +335,6 @@ struct Inner {
     config: Config,
     drift: Duration,
     acquire: Script,
-    renew: Script,
-    release: Script,
     /// The shared release channel; empty on a cluster (a shard channel per lock).
     channel: String,
     releases: Arc<Releases>,
@@ -686,8 +684,6 @@ impl RedisBackendBuilder {
                 config,
                 drift,
                 acquire: Script::new(ACQUIRE),
-                renew: Script::new(RENEW),
-                release: Script::new(RELEASE),
                 channel,
                 releases,
                 subscribed,
@@ -714,15 +710,6 @@ impl LockBackend for RedisBackend {
     }
 }
 
-/// A random duration between half of `max` and `max`, so that instances woken by
-/// the same event do not retry in lockstep.
-fn jitter(max: Duration) -> Duration {
-    let half = max / 2;
-    let spread = u64::try_from((max - half).as_micros()).unwrap_or(u64::MAX);
-    let random = getrandom::u64().unwrap_or(0);
-    half + Duration::from_micros(random % spread.saturating_add(1))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -745,14 +732,5 @@ mod tests {
         assert_eq!(builder.config.drift(), Duration::from_millis(102));
         let builder = builder.drift_margin(Duration::from_millis(7));
         assert_eq!(builder.config.drift(), Duration::from_millis(7));
-    }
-
-    #[test]
-    fn jitter_stays_between_half_and_all() {
-        for _ in 0..100 {
-            let d = jitter(Duration::from_millis(100));
-            assert!(d >= Duration::from_millis(50) && d <= Duration::from_millis(100));
-        }
-        assert_eq!(jitter(Duration::ZERO), Duration::ZERO);
     }
 }

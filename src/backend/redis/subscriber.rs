@@ -18,7 +18,8 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::time::{sleep, timeout};
 
 use super::connection::Target;
-use super::{jitter, RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
+use super::{RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
+use crate::backend::ttl::jitter;
 
 /// How often the subscription connection is pinged: a ping unanswered within the
 /// command timeout means a silent connection, replaced by a fresh subscription.

@@ -28,7 +28,7 @@ impl Backoff {
 }
 
 /// A random duration between half of `max` and `max`.
-fn jitter(max: Duration) -> Duration {
+pub(crate) fn jitter(max: Duration) -> Duration {
     let half = max / 2;
     let spread = u64::try_from((max - half).as_micros()).unwrap_or(u64::MAX);
     let random = getrandom::u64().unwrap_or(0);

@@ -8,7 +8,9 @@ use tokio::time::{sleep, Instant};
 
 use super::{Backoff, GiveBack, TtlBackend};
 
-/// Backoff of a give-back retried in the background.
+/// Backoff of a give-back retried in the background: from this, doubling up to a
+/// quarter lease (at most `RETRY_MAX`), so a record granted to a token nobody holds is
+/// freed soon after the engine answers again, not a lease later.
 const RETRY_MIN: Duration = Duration::from_millis(50);
 const RETRY_MAX: Duration = Duration::from_secs(1);
 
@@ -37,7 +39,8 @@ pub(crate) async fn give_back<B: TtlBackend>(
     }
     let backend = backend.clone();
     tokio::spawn(async move {
-        let mut backoff = Backoff::new(RETRY_MIN, RETRY_MAX);
+        let longest = (backend.timing().lease / 4).clamp(RETRY_MIN, RETRY_MAX);
+        let mut backoff = Backoff::new(RETRY_MIN, longest);
         loop {
             let pause = backoff.pause();
             if Instant::now() + pause >= until {
@@ -109,11 +112,8 @@ impl<B: TtlBackend> Drop for InFlight<B> {
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let (backend, target) = (self.backend.clone(), self.target.clone());
             let token = std::mem::take(&mut self.token);
-            let timing = backend.timing();
-            let until = sent_at + timing.first_ttl();
-            // The attempt was abandoned after a command timeout at most; an engine that
-            // read it by then has applied it by another one.
-            let settled = sent_at + 2 * timing.command_timeout;
+            let until = backend.give_back_until(sent_at);
+            let settled = backend.settles_at(sent_at);
             runtime.spawn(async move { give_back(&backend, target, token, until, settled).await });
         }
     }

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub(crate) use self::backoff::Backoff;
+pub(crate) use self::backoff::{jitter, Backoff};
 pub(crate) use self::give_back::InFlight;
 pub(crate) use self::lease::grant;
 pub(crate) use self::token::{fresh_token, push_hex};
@@ -108,4 +108,18 @@ pub(crate) trait TtlBackend: Send + Sync + 'static {
 
     /// The engine's name in logs ("redis", "dynamodb").
     fn engine(&self) -> &'static str;
+
+    /// Until when the give-back of an attempt sent at `sent_at`, whose answer never
+    /// came, keeps trying: by default until the grant it may have made expires.
+    fn give_back_until(&self, sent_at: Instant) -> Instant {
+        sent_at + self.timing().first_ttl()
+    }
+
+    /// From when a give-back of such an attempt that finds the record not ours can
+    /// stop: no write of the attempt can land after that. By default two command
+    /// timeouts after it was sent (it was abandoned after one, and an engine that read
+    /// it by then has applied it by another).
+    fn settles_at(&self, sent_at: Instant) -> Instant {
+        sent_at + 2 * self.timing().command_timeout
+    }
 }
