@@ -96,10 +96,7 @@ impl Inner {
         item: ItemKey,
         wait: Duration,
     ) -> Result<Lease, LockError> {
-        let started = Instant::now();
-        let deadline = started
-            .checked_add(wait)
-            .unwrap_or_else(|| started + Duration::from_secs(86_400 * 365));
+        let deadline = ttl::deadline_after(wait);
         let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
         // What was seen of the holder is kept in the backend, across acquisitions.
         let id = match item.get(&self.layout.partition_key) {

@@ -149,7 +149,7 @@ use aws_sdk_dynamodb::Client;
 
 use self::item::{partition_value, Layout};
 pub use self::table::SetupError;
-use super::{BoxFuture, Lease, LockBackend};
+use super::{ttl, BoxFuture, Lease, LockBackend};
 use crate::key::Key;
 use crate::locks::LockError;
 
@@ -221,8 +221,7 @@ struct Config {
 
 impl Config {
     fn drift(&self) -> Duration {
-        self.drift
-            .unwrap_or(self.lease / 100 + Duration::from_millis(2))
+        self.drift.unwrap_or(ttl::default_drift(self.lease))
     }
 }
 
@@ -326,11 +325,7 @@ impl DynamoDbBackendBuilder {
             !prefix.is_empty(),
             "DynamoDbBackend prefix must not be empty"
         );
-        let mut prefix = prefix.to_owned();
-        if !prefix.ends_with(':') {
-            prefix.push(':');
-        }
-        self.config.prefix = prefix;
+        self.config.prefix = ttl::with_colon(prefix);
         self
     }
 

@@ -94,10 +94,7 @@ impl Inner {
         keys: Arc<RedisKeys>,
         wait: Duration,
     ) -> Result<Lease, LockError> {
-        let started = Instant::now();
-        let deadline = started
-            .checked_add(wait)
-            .unwrap_or_else(|| started + Duration::from_secs(86_400 * 365));
+        let deadline = ttl::deadline_after(wait);
         // Registered before the first attempt, so no release after it goes unnoticed.
         let interest = self.releases.register(&keys.lock);
         // One token for every attempt of this acquisition (a reconnection aside).

@@ -212,7 +212,7 @@ use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
 use self::scripts::ACQUIRE;
 use self::subscriber::{Releases, Subscriber};
-use super::{BoxFuture, Lease, LockBackend};
+use super::{ttl, BoxFuture, Lease, LockBackend};
 use crate::key::Key;
 use crate::locks::LockError;
 
@@ -320,8 +320,7 @@ impl Replicas {
 
 impl Config {
     fn drift(&self) -> Duration {
-        self.drift
-            .unwrap_or(self.lease / 100 + Duration::from_millis(2))
+        self.drift.unwrap_or(ttl::default_drift(self.lease))
     }
 
     /// The TTL an acquisition asks for: the lease, shortened to `max_hold`.
@@ -492,11 +491,7 @@ impl RedisBackendBuilder {
             !prefix.contains(['{', '}']),
             "RedisBackend prefix must not contain braces: {prefix:?}"
         );
-        let mut prefix = prefix.to_owned();
-        if !prefix.is_empty() && !prefix.ends_with(':') {
-            prefix.push(':');
-        }
-        self.config.prefix = prefix;
+        self.config.prefix = ttl::with_colon(prefix);
         self
     }
 
