@@ -16,6 +16,9 @@ mod dynamo_server;
 #[cfg(feature = "postgres")]
 #[path = "support/pg_server.rs"]
 mod pg_server;
+#[cfg(feature = "postgres")]
+#[path = "support/pgbouncer.rs"]
+mod pgbouncer;
 #[cfg(feature = "redis")]
 #[path = "support/redis_server.rs"]
 mod redis_server;
@@ -89,6 +92,7 @@ macro_rules! conformance {
 conformance!(redis, crate::servers::Redis, "redis");
 conformance!(redis_cluster, crate::servers::RedisCluster, "redis");
 conformance!(postgres, crate::servers::Postgres, "postgres");
+conformance!(pgbouncer_transaction, crate::servers::PgBouncerTransaction, "postgres");
 conformance!(dynamodb, crate::servers::DynamoDb, "dynamodb");
 
 // ------------------------------------------------------------ faults through the proxy
@@ -143,6 +147,7 @@ mod through_the_layer {
     through_the_layer!(redis, crate::servers::Redis, "redis");
     through_the_layer!(redis_cluster, crate::servers::RedisCluster, "redis");
     through_the_layer!(postgres, crate::servers::Postgres, "postgres");
+    through_the_layer!(pgbouncer_transaction, crate::servers::PgBouncerTransaction, "postgres");
     through_the_layer!(dynamodb, crate::servers::DynamoDb, "dynamodb");
 }
 

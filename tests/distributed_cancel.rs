@@ -18,6 +18,9 @@ mod dynamo_server;
 #[cfg(feature = "postgres")]
 #[path = "support/pg_server.rs"]
 mod pg_server;
+#[cfg(feature = "postgres")]
+#[path = "support/pgbouncer.rs"]
+mod pgbouncer;
 #[cfg(feature = "redis")]
 #[path = "support/redis_server.rs"]
 mod redis_server;

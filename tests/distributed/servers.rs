@@ -285,6 +285,66 @@ mod postgres {
     }
 }
 
+#[cfg(feature = "postgres")]
+#[allow(unused_imports)] // the conformance suite's fixture only
+pub use self::pgbouncer::PgBouncerTransaction;
+
+#[cfg(feature = "postgres")]
+mod pgbouncer {
+    use super::*;
+    use crate::pg_server::PgServer;
+    use crate::pgbouncer::{PgBouncer, PoolMode};
+    use tower_keyed_lock::backend::postgres::LockScope;
+    use tower_keyed_lock::PostgresBackend;
+
+    const LIVENESS: Duration = Duration::from_millis(100);
+    const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+
+    /// PostgreSQL behind PgBouncer in transaction pooling, locks in transaction scope:
+    /// the set-up the backend accepts behind a transaction pooler.
+    pub struct PgBouncerTransaction {
+        // Dropped first: the pooler before its server.
+        bouncer: PgBouncer,
+        _server: PgServer,
+    }
+
+    impl Fixture for PgBouncerTransaction {
+        fn start() -> Self {
+            let server = PgServer::start();
+            let bouncer = PgBouncer::start(&server, PoolMode::Transaction, 8);
+            PgBouncerTransaction {
+                bouncer,
+                _server: server,
+            }
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    impl Remote for PgBouncerTransaction {
+        async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
+            let mut config: tokio_postgres::Config = self.bouncer.conn_str().parse().unwrap();
+            config.application_name(name);
+            let backend = PostgresBackend::from_config(config)
+                .lock_scope(LockScope::Transaction)
+                .liveness_interval(LIVENESS)
+                .network_timeout(NETWORK_TIMEOUT)
+                .fencing(true);
+            Arc::new(backend)
+        }
+
+        fn kill(&mut self) {
+            tokio::task::block_in_place(|| self._server.stop());
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LIVENESS + NETWORK_TIMEOUT
+        }
+    }
+}
+
 #[cfg(feature = "dynamodb")]
 pub use self::dynamodb::DynamoDb;
 
