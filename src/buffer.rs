@@ -34,7 +34,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::body::KeyedLockBody;
+use crate::layer::KeyedLockBody;
 use crate::reject::{Rejection, RejectionKind};
 
 /// The default [`limit`](BufferRequestBodyLayer::limit): 1 MiB.

@@ -84,12 +84,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
-mod body;
 pub mod buffer;
 pub mod distributed;
-mod future;
-mod held;
-mod info;
 pub mod key;
 pub mod layer;
 pub mod locks;
@@ -98,8 +94,6 @@ pub mod reject;
 #[cfg(feature = "replay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "replay")))]
 pub mod replay;
-mod service;
-mod shared;
 mod sync;
 
 #[cfg(feature = "dynamodb")]
@@ -112,18 +106,14 @@ pub use backend::postgres::PostgresBackend;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
-pub use body::KeyedLockBody;
 pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
 pub use distributed::{
     DistributedAcquire, DistributedGuard, DistributedLocks, DistributedLocksBuilder, LeaseLost,
 };
-pub use future::ResponseFuture;
-pub use info::LockInfo;
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use key::PathParam;
 pub use key::{ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN};
-pub use layer::KeyedLockLayer;
+pub use layer::{KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture};
 pub use locks::{Acquire, KeyGuard, KeyedLocks, KeyedLocksBuilder, LockError};
 pub use reject::{Rejection, RejectionKind};
-pub use service::KeyedLock;

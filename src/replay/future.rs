@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use tower_service::Service;
 
 use crate::buffer::{content_length, read_body};
-use crate::info::LockInfo;
+use crate::layer::LockInfo;
 use crate::reject::{Rejection, RejectionKind};
 
 use super::body::ReplayBody;

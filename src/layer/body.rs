@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::held::HeldKey;
+use super::held::HeldKey;
 
 pin_project! {
     /// The body of every response that passes through the layer.

@@ -8,14 +8,14 @@ use std::time::Duration;
 use http::{Request, Response};
 use tower_service::Service;
 
-use crate::body::KeyedLockBody;
+use super::body::KeyedLockBody;
+use super::future::{Pending, ResponseFuture, WaitTicket};
+use super::held::HeldKey;
+use super::info::LockInfo;
+use super::shared::Shared;
 use crate::distributed::DistributedAcquire;
-use crate::future::{Pending, ResponseFuture, WaitTicket};
-use crate::held::HeldKey;
-use crate::info::LockInfo;
 use crate::key::{Key, KeyExtractor};
 use crate::locks::LockError;
-use crate::shared::Shared;
 
 /// Serializes requests per key around the inner service `S`; made by
 /// [`KeyedLockLayer`](crate::KeyedLockLayer).
@@ -77,7 +77,7 @@ where
             }
         };
         let reentered = parts.extensions.get::<LockInfo>();
-        if reentered.is_some_and(|info| info.holds(shared, &key)) {
+        if reentered.is_some_and(|info| info.holds(&shared.tag, &key)) {
             // The same layer value, applied again on this request's path, already holds
             // the key for it: waiting would be waiting for itself.
             return self.pass_through(Request::from_parts(parts, body));
@@ -109,7 +109,8 @@ where
         let metrics = shared.metrics();
         metrics.acquired_uncontended.increment(1);
         metrics.wait_acquired.record(0.0);
-        LockInfo::new(shared, key, Duration::ZERO, None, None).insert_into(&mut parts.extensions);
+        LockInfo::new(&shared.tag, key, Duration::ZERO, None, None)
+            .insert_into(&mut parts.extensions);
         ResponseFuture::running(
             self.inner.call(Request::from_parts(parts, body)),
             Some(held),

@@ -13,14 +13,14 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
+use super::body::KeyedLockBody;
+use super::held::HeldKey;
+use super::info::LockInfo;
+use super::shared::Shared;
 use crate::backend::BoxFuture;
-use crate::body::KeyedLockBody;
 use crate::distributed::{DistributedAcquire, DistributedGuard};
-use crate::held::HeldKey;
-use crate::info::LockInfo;
 use crate::locks::LockError;
 use crate::reject::RejectionKind;
-use crate::shared::Shared;
 
 pin_project! {
     /// The response future of [`KeyedLock`](crate::KeyedLock).
@@ -143,7 +143,7 @@ where
         .filter(|_| shared.config.abort_on_lease_lost)
         .map(|signal| Box::pin(async move { signal.lost().await }) as BoxFuture<()>);
     let key = guard.key_ref().clone();
-    LockInfo::new(&shared, key, waited, guard.fencing_token(), signal)
+    LockInfo::new(&shared.tag, key, waited, guard.fencing_token(), signal)
         .insert_into(request.extensions_mut());
     let held = HeldKey::distributed(guard, shared);
     (service.call(request), held, lost)

@@ -10,9 +10,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Response, StatusCode};
 
+use super::info::LayerTag;
 use crate::backend::LockBackend;
 use crate::distributed::DistributedLocks;
-use crate::info::LayerTag;
 use crate::key::KeyError;
 use crate::locks::LockError;
 use crate::metrics::Metrics;
