@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -36,9 +36,10 @@ impl<S, E> KeyedLock<S, E> {
 }
 
 impl<S: Clone, E> KeyedLock<S, E> {
-    /// Takes the service `poll_ready` readied, for a request that calls it later,
-    /// leaving a fresh clone for the next request.
-    fn take_ready(&mut self) -> S {
+    /// Takes the inner service, with whatever readiness it reserved so far, for a
+    /// future that readies and calls it later, leaving a fresh clone for the next
+    /// request.
+    fn take_inner(&mut self) -> S {
         let fresh = self.inner.clone();
         std::mem::replace(&mut self.inner, fresh)
     }
@@ -53,8 +54,11 @@ where
     type Error = S::Error;
     type Future = ResponseFuture<S, ReqBody>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    /// Always ready: the inner service is readied only once the request holds its key,
+    /// so a request waiting for a key never holds the inner service's capacity (a
+    /// `ConcurrencyLimit` permit, a `Buffer` slot) that requests for other keys need.
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
@@ -111,10 +115,7 @@ where
         metrics.wait_acquired.record(0.0);
         LockInfo::new(&shared.tag, key, Duration::ZERO, None, None)
             .insert_into(&mut parts.extensions);
-        ResponseFuture::running(
-            self.inner.call(Request::from_parts(parts, body)),
-            Some(held),
-        )
+        self.ready_and_call(Request::from_parts(parts, body), Some(held))
     }
 }
 
@@ -145,7 +146,7 @@ impl<S, E> KeyedLock<S, E> {
     }
 
     /// Waits for the key (`contended`: behind a holder in this process; else at the
-    /// backend only), then calls the readied service.
+    /// backend only), then readies a clone of the inner service and calls it.
     #[inline(never)]
     fn wait<ReqBody, ResBody>(
         &mut self,
@@ -157,8 +158,8 @@ impl<S, E> KeyedLock<S, E> {
     where
         S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     {
-        let ready = self.take_ready();
-        let pending = Pending::new(ready, request, WaitTicket::new(shared, contended));
+        let service = self.inner.clone();
+        let pending = Pending::new(service, request, WaitTicket::new(shared, contended));
         ResponseFuture::acquiring(acquire, pending)
     }
 }
@@ -171,9 +172,32 @@ impl<S, E> KeyedLock<S, E> {
         request: Request<ReqBody>,
     ) -> ResponseFuture<S, ReqBody>
     where
-        S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     {
-        ResponseFuture::running(self.inner.call(request), None)
+        self.ready_and_call(request, None)
+    }
+
+    /// Readies the inner service for a request that may run now (under `held`, or
+    /// without a lock), then calls it. One try without a waker first: a service that is
+    /// ready at once (axum's `Router` always is) is called here, with no clone; any
+    /// other goes to the future with what it reserved so far, and the future readies it
+    /// with the task's waker.
+    fn ready_and_call<ReqBody, ResBody>(
+        &mut self,
+        request: Request<ReqBody>,
+        held: Option<HeldKey>,
+    ) -> ResponseFuture<S, ReqBody>
+    where
+        S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    {
+        match self
+            .inner
+            .poll_ready(&mut Context::from_waker(Waker::noop()))
+        {
+            Poll::Ready(Ok(())) => ResponseFuture::running(self.inner.call(request), held),
+            Poll::Ready(Err(error)) => ResponseFuture::failed(error),
+            Poll::Pending => ResponseFuture::readying(self.take_inner(), request, held, None),
+        }
     }
 }
 
@@ -194,5 +218,149 @@ impl<S: fmt::Debug, E: fmt::Debug> fmt::Debug for KeyedLock<S, E> {
             .field("extractor", &self.extractor)
             .field("active_keys", &self.shared.locks.len())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The rules of DESIGN.md's "Semantics" that concern the inner service, driven with
+    //! `ServiceExt::oneshot` on a plain tower stack.
+
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use http::{Request, Response};
+    use tokio::sync::Notify;
+    use tower::limit::ConcurrencyLimitLayer;
+    use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
+
+    use crate::KeyedLockLayer;
+
+    fn request(key: &str) -> Request<()> {
+        Request::builder().header("x-key", key).body(()).unwrap()
+    }
+
+    /// A handler that runs until `release` is notified when its key is "a-slow".
+    fn handler(
+        calls: Arc<AtomicUsize>,
+        release: Arc<Notify>,
+    ) -> impl tower::Service<
+        Request<()>,
+        Response = Response<http_body_util::Empty<bytes::Bytes>>,
+        Error = Infallible,
+        Future = impl Send,
+    > + Clone {
+        service_fn(move |request: Request<()>| {
+            let (calls, release) = (calls.clone(), release.clone());
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                if request.headers()["x-key"] == "a" {
+                    release.notified().await;
+                }
+                Ok::<_, Infallible>(Response::new(http_body_util::Empty::new()))
+            }
+        })
+    }
+
+    #[tokio::test]
+    async fn a_waiter_holds_no_capacity_of_the_inner_service() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let release = Arc::new(Notify::new());
+        // Two requests at a time inside the lock: one holder of "a" and one waiter for
+        // "a" must leave the second place to a request for "b".
+        let service = ServiceBuilder::new()
+            .layer(KeyedLockLayer::by_header("x-key"))
+            .layer(ConcurrencyLimitLayer::new(2))
+            .service(handler(calls.clone(), release.clone()));
+
+        let holder = tokio::spawn(service.clone().oneshot(request("a")));
+        let waiter = tokio::spawn(service.clone().oneshot(request("a")));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "only the holder of a runs");
+
+        let other = tokio::time::timeout(Duration::from_secs(1), service.oneshot(request("b")))
+            .await
+            .expect("b must not wait for a's waiter");
+        assert_eq!(other.unwrap().status(), 200);
+
+        release.notify_one();
+        holder.await.unwrap().unwrap();
+        release.notify_one();
+        waiter.await.unwrap().unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn the_inner_service_is_readied_and_called_only_after_the_key_is_held() {
+        let readied = Arc::new(AtomicUsize::new(0));
+        let calls = Arc::new(AtomicUsize::new(0));
+        let release = Arc::new(Notify::new());
+        let counted = {
+            let readied = readied.clone();
+            tower::layer::layer_fn(move |inner| Readied {
+                inner,
+                readied: readied.clone(),
+            })
+        };
+        let mut service = KeyedLockLayer::by_header("x-key")
+            .layer(counted.layer(handler(calls.clone(), release.clone())));
+
+        // The layer's own readiness reserves nothing inside.
+        service.ready().await.unwrap();
+        assert_eq!(readied.load(Ordering::SeqCst), 0);
+
+        let holder = tokio::spawn(service.clone().oneshot(request("a")));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            (readied.load(Ordering::SeqCst), calls.load(Ordering::SeqCst)),
+            (1, 1)
+        );
+
+        let waiter = tokio::spawn(service.clone().oneshot(request("a")));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Waiting for the key: the inner service is neither readied nor called.
+        assert_eq!(
+            (readied.load(Ordering::SeqCst), calls.load(Ordering::SeqCst)),
+            (1, 1)
+        );
+
+        release.notify_one();
+        holder.await.unwrap().unwrap();
+        release.notify_one();
+        waiter.await.unwrap().unwrap();
+        assert_eq!(
+            (readied.load(Ordering::SeqCst), calls.load(Ordering::SeqCst)),
+            (2, 2)
+        );
+    }
+
+    /// Counts the times its inner service is readied.
+    #[derive(Clone)]
+    struct Readied<S> {
+        inner: S,
+        readied: Arc<AtomicUsize>,
+    }
+
+    impl<S: tower::Service<R>, R> tower::Service<R> for Readied<S> {
+        type Response = S::Response;
+        type Error = S::Error;
+        type Future = S::Future;
+
+        fn poll_ready(
+            &mut self,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), S::Error>> {
+            let ready = self.inner.poll_ready(cx);
+            if ready.is_ready() {
+                self.readied.fetch_add(1, Ordering::SeqCst);
+            }
+            ready
+        }
+
+        fn call(&mut self, request: R) -> S::Future {
+            self.inner.call(request)
+        }
     }
 }
