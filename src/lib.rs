@@ -86,6 +86,7 @@
 pub mod backend;
 pub mod buffer;
 pub mod distributed;
+mod error;
 pub mod key;
 pub mod layer;
 pub mod locks;
@@ -110,10 +111,11 @@ pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
 pub use distributed::{
     DistributedAcquire, DistributedGuard, DistributedLocks, DistributedLocksBuilder, LeaseLost,
 };
+pub use error::LockError;
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use key::PathParam;
 pub use key::{ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN};
 pub use layer::{KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture};
-pub use locks::{Acquire, KeyGuard, KeyedLocks, KeyedLocksBuilder, LockError};
+pub use locks::{Acquire, KeyGuard, KeyedLocks, KeyedLocksBuilder};
 pub use reject::{Rejection, RejectionKind};

@@ -19,7 +19,7 @@ use super::info::LockInfo;
 use super::shared::Shared;
 use crate::backend::BoxFuture;
 use crate::distributed::{DistributedAcquire, DistributedGuard};
-use crate::locks::LockError;
+use crate::error::LockError;
 use crate::reject::RejectionKind;
 
 pin_project! {

@@ -14,8 +14,8 @@ use super::held::HeldKey;
 use super::info::LockInfo;
 use super::shared::Shared;
 use crate::distributed::DistributedAcquire;
+use crate::error::LockError;
 use crate::key::{Key, KeyExtractor};
-use crate::locks::LockError;
 
 /// Serializes requests per key around the inner service `S`; made by
 /// [`KeyedLockLayer`](crate::KeyedLockLayer).

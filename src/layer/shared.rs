@@ -13,8 +13,8 @@ use http::{Response, StatusCode};
 use super::info::LayerTag;
 use crate::backend::LockBackend;
 use crate::distributed::DistributedLocks;
+use crate::error::LockError;
 use crate::key::KeyError;
-use crate::locks::LockError;
 use crate::metrics::Metrics;
 use crate::reject::{Rejection, RejectionKind};
 
