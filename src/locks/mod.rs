@@ -1,4 +1,4 @@
-//! The in-process keyed lock: [`KeyedLocks`], its guard and its errors.
+//! The in-process keyed lock: [`KeyedLocks`] and its guard.
 //!
 //! ```
 //! use std::time::Duration;
@@ -21,6 +21,15 @@
 //! assert!(locks.is_empty()); // entries leave with their last holder
 //! # }
 //! ```
+//!
+//! # Files
+//!
+//! - `mod.rs`: [`KeyedLocks`], its builder and [`KeyGuard`]; [`LockError`] is
+//!   `crate::error`'s, re-exported here.
+//! - `table.rs`: the sharded map of keys, known by their hash.
+//! - `slot.rs`: one key's holders and waiters, and the hand-off to the next waiter.
+//! - `acquire.rs`: [`Acquire`], the cancel-safe wait for a key.
+//! - `count.rs`: the bound on the number of keys (`max_keys`).
 
 mod acquire;
 mod count;
