@@ -28,14 +28,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header::CONTENT_LENGTH, Request, Response, StatusCode};
+use http::{header::CONTENT_LENGTH, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::layer::KeyedLockBody;
-use crate::reject::{Rejection, RejectionKind};
+use crate::reject::Rejection;
 
 /// The default [`limit`](BufferRequestBodyLayer::limit): 1 MiB.
 pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
@@ -110,24 +110,9 @@ pub(crate) enum BodyReadError {
 impl BodyReadError {
     pub(crate) fn rejection(&self, limit: usize) -> Rejection {
         match self {
-            BodyReadError::TooLarge => Rejection::new(
-                RejectionKind::BodyTooLarge,
-                StatusCode::PAYLOAD_TOO_LARGE,
-                None,
-                format!("the request body is longer than {limit} bytes"),
-            ),
-            BodyReadError::Timeout => Rejection::new(
-                RejectionKind::BodyUnread,
-                StatusCode::REQUEST_TIMEOUT,
-                None,
-                "the request body did not arrive in time",
-            ),
-            BodyReadError::Broken => Rejection::new(
-                RejectionKind::BodyUnread,
-                StatusCode::BAD_REQUEST,
-                None,
-                "the request body could not be read",
-            ),
+            BodyReadError::TooLarge => Rejection::body_too_large(limit),
+            BodyReadError::Timeout => Rejection::body_late(),
+            BodyReadError::Broken => Rejection::body_broken(),
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::distributed::DistributedLocks;
 use crate::error::LockError;
 use crate::key::KeyError;
 use crate::metrics::Metrics;
-use crate::reject::{Rejection, RejectionKind};
+use crate::reject::Rejection;
 
 pub(crate) type RejectionHandler = Arc<dyn Fn(Rejection) -> Response<Bytes> + Send + Sync>;
 
@@ -93,7 +93,7 @@ impl Shared {
     }
 
     /// The rejection for a key that could not be taken from the request. A key source
-    /// the server controls that is absent is the server's fault: 500, logged once.
+    /// the server controls that is absent is the server's fault: logged once.
     pub(crate) fn key_rejection(&self, error: &KeyError) -> Rejection {
         if let KeyError::Misconfigured { source } = error {
             if !self.misconfiguration_logged.swap(true, Ordering::Relaxed) {
@@ -104,63 +104,18 @@ impl Shared {
                      the lock key from; answering 500 (logged once per layer)"
                 );
             }
-            return Rejection::new(
-                RejectionKind::Misconfigured,
-                StatusCode::INTERNAL_SERVER_ERROR,
-                None,
-                "the server is not configured to take a lock key from this request",
-            );
         }
-        Rejection::new(
-            RejectionKind::from(error),
-            StatusCode::BAD_REQUEST,
-            None,
-            format!("no usable lock key: {error}"),
-        )
+        Rejection::for_key(error)
     }
 
     /// The rejection for a lock that could not be acquired.
     pub(crate) fn lock_rejection(&self, error: &LockError) -> Rejection {
-        let retry = Some(self.config.retry_after);
-        let (kind, status, detail) = match error {
-            LockError::Timeout | LockError::Busy => (
-                RejectionKind::Timeout,
-                self.config.timeout_status,
-                "a request for this key is already in progress",
-            ),
-            LockError::QueueFull => (
-                RejectionKind::QueueFull,
-                StatusCode::TOO_MANY_REQUESTS,
-                "too many requests are waiting for this key",
-            ),
-            LockError::TooManyKeys => (
-                RejectionKind::TooManyKeys,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "too many keys are in use",
-            ),
-            LockError::Backend(_) => (
-                RejectionKind::Backend,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the lock backend is unavailable",
-            ),
-            // The layer validates keys before it locks; kept for completeness.
-            LockError::InvalidKey(_) => (
-                RejectionKind::InvalidKey,
-                StatusCode::BAD_REQUEST,
-                "the lock key cannot be used",
-            ),
-        };
-        Rejection::new(kind, status, retry, detail)
+        Rejection::for_lock(error, self.config.timeout_status, self.config.retry_after)
     }
 
     /// The rejection for a request aborted because its distributed lease was lost.
     pub(crate) fn lease_lost_rejection(&self) -> Rejection {
-        Rejection::new(
-            RejectionKind::LeaseLost,
-            StatusCode::SERVICE_UNAVAILABLE,
-            Some(self.config.retry_after),
-            "the lock lease was lost while the request ran",
-        )
+        Rejection::lease_lost(self.config.retry_after)
     }
 
     /// The response for `rejection`: the user's handler's, or the default.

@@ -15,7 +15,7 @@ use tower_service::Service;
 
 use crate::buffer::{content_length, read_body};
 use crate::layer::LockInfo;
-use crate::reject::{Rejection, RejectionKind};
+use crate::reject::Rejection;
 
 use super::body::ReplayBody;
 use super::fingerprint::{fingerprint, scope};
@@ -26,9 +26,6 @@ use super::store::{RecordKey, StoreError, Stored};
 
 /// The header a replayed response carries.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-/// How long a client should wait before retrying when the store is unreachable.
-const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// The response future of [`Replay`](super::Replay).
 ///
@@ -100,12 +97,7 @@ where
         if shared.first_misconfiguration() {
             tracing::error!(layer = info.layer(), "replay layer misconfigured: {detail}");
         }
-        reject(Rejection::new(
-            RejectionKind::Misconfigured,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            None,
-            detail,
-        ))
+        reject(Rejection::misconfigured(detail))
     };
 
     if info.lease().is_some() && settings.store.is_per_instance() {
@@ -152,22 +144,12 @@ where
         }
         Err(error) => {
             tracing::warn!(layer = info.layer(), %error, "replay store unreachable");
-            return reject(Rejection::new(
-                RejectionKind::Backend,
-                StatusCode::SERVICE_UNAVAILABLE,
-                Some(STORE_RETRY_AFTER),
-                "the replay store is unreachable",
-            ));
+            return reject(Rejection::store_unreachable());
         }
     };
     if let Some(record) = stored {
         if settings.fingerprint && record.fingerprint() != fingerprint.as_ref() {
-            return reject(Rejection::new(
-                RejectionKind::FingerprintMismatch,
-                settings.mismatch_status,
-                None,
-                "this key was already used for a different request",
-            ));
+            return reject(Rejection::fingerprint_mismatch(settings.mismatch_status));
         }
         metrics.replayed.increment(1);
         return Ok(replay(record));
