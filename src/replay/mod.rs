@@ -85,13 +85,8 @@ mod body;
 mod fingerprint;
 mod future;
 mod layer;
-mod memory;
 mod metrics;
-#[cfg(feature = "postgres")]
-mod postgres;
 mod record;
-#[cfg(feature = "redis")]
-mod redis;
 mod service;
 mod store;
 
@@ -101,14 +96,13 @@ pub use layer::{
     LockAndReplay, ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_STORE_TIMEOUT, DEFAULT_TTL,
 };
-pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
 pub use metrics::{REPLAYED_TOTAL, STORED_TOTAL};
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use postgres::{PostgresReplayStore, DEFAULT_TABLE};
 pub use record::{Fingerprint, Record, DEFAULT_REPLAYED_HEADERS};
+pub use service::Replay;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use redis::RedisReplayStore;
-pub use service::Replay;
-pub use store::{RecordKey, ReplayStore, StoreError, Stored};
+pub use store::RedisReplayStore;
+pub use store::{MemoryStore, RecordKey, ReplayStore, StoreError, Stored, DEFAULT_MEMORY_CAPACITY};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use store::{PostgresReplayStore, DEFAULT_TABLE};

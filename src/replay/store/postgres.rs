@@ -8,8 +8,8 @@ use tokio::sync::OnceCell;
 
 use crate::backend::BoxFuture;
 
-use super::record::Record;
-use super::store::{RecordKey, ReplayStore, StoreError, Stored};
+use super::{RecordKey, ReplayStore, StoreError, Stored};
+use crate::replay::record::Record;
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "keyed_lock_replay";
