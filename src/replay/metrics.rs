@@ -16,7 +16,7 @@ pub const REPLAYED_TOTAL: &str = "keyed_lock_replayed_total";
 /// Counter of responses written to the store.
 pub const STORED_TOTAL: &str = "keyed_lock_stored_total";
 
-/// The handles of one replay layer.
+/// The handles of one replay layer under one lock layer name.
 pub(crate) struct ReplayMetrics {
     pub(crate) replayed: Counter,
     pub(crate) stored: Counter,

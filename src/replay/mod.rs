@@ -87,17 +87,20 @@ mod future;
 mod layer;
 mod metrics;
 mod record;
+mod respond;
 mod service;
+mod shared;
 mod store;
 
 pub use body::ReplayBody;
-pub use future::{ReplayFuture, IDEMPOTENT_REPLAYED};
+pub use future::ReplayFuture;
 pub use layer::{
     LockAndReplay, ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_STORE_TIMEOUT, DEFAULT_TTL,
 };
 pub use metrics::{REPLAYED_TOTAL, STORED_TOTAL};
 pub use record::{Fingerprint, Record, DEFAULT_REPLAYED_HEADERS};
+pub use respond::IDEMPOTENT_REPLAYED;
 pub use service::Replay;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
