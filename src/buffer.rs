@@ -25,6 +25,8 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+
+use pin_project_lite::pin_project;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -34,7 +36,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::layer::KeyedLockBody;
+use crate::body::InnerOrFull;
 use crate::reject::Rejection;
 
 /// The default [`limit`](BufferRequestBodyLayer::limit): 1 MiB.
@@ -157,7 +159,7 @@ where
     ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    type Response = Response<KeyedLockBody<ResBody>>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = BufferFuture<Result<Self::Response, S::Error>>;
 
@@ -178,14 +180,55 @@ where
                     let response = inner
                         .call(Request::from_parts(parts, ReqBody::from(bytes)))
                         .await?;
-                    Ok(response.map(|body| KeyedLockBody::inner(body, None)))
+                    Ok(response.map(|body| ResponseBody::new(InnerOrFull::inner(body))))
                 }
                 Err(error) => Ok(error
                     .rejection(settings.limit)
                     .into_response()
-                    .map(KeyedLockBody::full)),
+                    .map(|body| ResponseBody::new(InnerOrFull::full(body)))),
             }
         }))
+    }
+}
+
+pin_project! {
+    /// The response body of [`BufferRequestBody`]: the inner service's body, or the
+    /// layer's own rejection.
+    pub struct ResponseBody<B> {
+        #[pin]
+        body: InnerOrFull<B>,
+    }
+}
+
+impl<B> ResponseBody<B> {
+    fn new(body: InnerOrFull<B>) -> Self {
+        Self { body }
+    }
+}
+
+impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, B::Error>>> {
+        self.project().body.poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl<B> std::fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ResponseBody").field(&self.body).finish()
     }
 }
 

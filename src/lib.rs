@@ -84,6 +84,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
+mod body;
 pub mod buffer;
 pub mod distributed;
 mod error;
