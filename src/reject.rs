@@ -305,6 +305,7 @@ impl Rejection {
     }
 
     /// The replay store could not be reached (fail closed).
+    #[cfg(feature = "replay")]
     pub(crate) fn store_unreachable() -> Self {
         Self::new(
             RejectionKind::Backend,
@@ -315,6 +316,7 @@ impl Rejection {
     }
 
     /// A replay key used before for a different request.
+    #[cfg(feature = "replay")]
     pub(crate) fn fingerprint_mismatch(status: StatusCode) -> Self {
         Self::new(
             RejectionKind::FingerprintMismatch,
@@ -336,6 +338,7 @@ impl Rejection {
 }
 
 /// How long a client should wait before retrying when the replay store is unreachable.
+#[cfg(feature = "replay")]
 const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Whole seconds, rounded up so a client never retries too early, and at least
