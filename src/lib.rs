@@ -98,6 +98,10 @@ pub mod reject;
 pub mod replay;
 mod sync;
 
+/// A boxed, sendable future, as [`LockBackend`] and the replay stores return: their
+/// calls are network round trips, where one allocation is noise.
+pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
+
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use backend::dynamodb::DynamoDbBackend;

@@ -17,10 +17,10 @@ use super::body::KeyedLockBody;
 use super::held::HeldKey;
 use super::info::LockInfo;
 use super::shared::Shared;
-use crate::backend::BoxFuture;
 use crate::distributed::{DistributedAcquire, DistributedGuard};
 use crate::error::LockError;
 use crate::reject::RejectionKind;
+use crate::BoxFuture;
 
 pin_project! {
     /// The response future of [`KeyedLock`](crate::KeyedLock).

@@ -7,7 +7,7 @@ use quick_cache::sync::Cache;
 use quick_cache::Weighter;
 use tokio::time::Instant;
 
-use crate::backend::BoxFuture;
+use crate::BoxFuture;
 
 use super::{RecordKey, ReplayStore, StoreError, Stored};
 use crate::replay::record::Record;

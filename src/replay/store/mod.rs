@@ -18,7 +18,7 @@ mod redis;
 
 use std::time::Duration;
 
-use crate::backend::BoxFuture;
+use crate::BoxFuture;
 
 use super::record::Record;
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
 
-use crate::backend::BoxFuture;
+use crate::BoxFuture;
 
 use super::{RecordKey, ReplayStore, StoreError, Stored};
 use crate::replay::record::Record;

@@ -6,7 +6,7 @@ use redis::aio::ConnectionManager;
 use redis::{Client, RedisError, Script};
 
 use crate::backend::redis::RedisBackend;
-use crate::backend::BoxFuture;
+use crate::BoxFuture;
 
 use super::{RecordKey, ReplayStore, StoreError, Stored};
 use crate::replay::record::Record;
