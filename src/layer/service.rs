@@ -68,10 +68,7 @@ where
         if crate::key::is_unrouted(&mut parts) {
             return self.pass_through(Request::from_parts(parts, body));
         }
-        let key = match self
-            .extractor
-            .extract_key(&mut parts, shared.config.max_key_len)
-        {
+        let key = match self.extractor.extract_key(&mut parts, shared.max_key_len) {
             Ok(key) => key,
             Err(error) if error.is_absent() && shared.config.allow_missing_key => {
                 return self.pass_through(Request::from_parts(parts, body));

@@ -2,7 +2,6 @@
 //! its metric handles. The layer creates it; the service, the response future, the
 //! held key and the body read it.
 
-use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -11,8 +10,7 @@ use bytes::Bytes;
 use http::{Response, StatusCode};
 
 use super::info::LayerTag;
-use crate::backend::LockBackend;
-use crate::distributed::DistributedLocks;
+use crate::distributed::{DistributedLocks, DistributedLocksBuilder};
 use crate::error::LockError;
 use crate::key::KeyError;
 use crate::metrics::Metrics;
@@ -20,23 +18,17 @@ use crate::reject::Rejection;
 
 pub(crate) type RejectionHandler = Arc<dyn Fn(Rejection) -> Response<Bytes> + Send + Sync>;
 
-/// A layer's settings, fixed before the layer is applied.
+/// A layer's own settings, fixed before the layer is applied; the lock's (name,
+/// permits, limits, backend) are in the layer's `DistributedLocksBuilder`.
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) wait_timeout: Duration,
     pub(crate) timeout_status: StatusCode,
     pub(crate) retry_after: Duration,
-    pub(crate) max_waiters: usize,
-    pub(crate) max_keys: usize,
-    pub(crate) permits: usize,
-    pub(crate) max_key_len: usize,
-    pub(crate) name: Cow<'static, str>,
     pub(crate) allow_missing_key: bool,
     pub(crate) hold_until_body_end: bool,
     pub(crate) long_hold: Option<Duration>,
     pub(crate) on_rejection: Option<RejectionHandler>,
-    pub(crate) backend: Option<Arc<dyn LockBackend>>,
-    pub(crate) fail_open: bool,
     pub(crate) abort_on_lease_lost: bool,
 }
 
@@ -45,6 +37,8 @@ pub(crate) struct Shared {
     /// The two-tier lock: this process's table, then the backend if there is one.
     pub(crate) locks: DistributedLocks,
     pub(crate) config: Config,
+    /// The longest key accepted, as the locks check it.
+    pub(crate) max_key_len: usize,
     /// Names this layer value in the `LockInfo` of its requests.
     pub(crate) tag: LayerTag,
     metrics: OnceLock<Metrics>,
@@ -53,22 +47,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    pub(crate) fn new(config: Config) -> Self {
+    pub(crate) fn new(locks: DistributedLocksBuilder, config: Config) -> Self {
         Self {
-            locks: {
-                let builder = DistributedLocks::builder(config.name.clone())
-                    .permits(config.permits)
-                    .max_waiters(config.max_waiters)
-                    .max_keys(config.max_keys)
-                    .max_key_len(config.max_key_len)
-                    .fail_open(config.fail_open);
-                match &config.backend {
-                    Some(backend) => builder.shared_backend(backend.clone()),
-                    None => builder,
-                }
-                .build()
-            },
-            tag: LayerTag::new(config.name.clone()),
+            tag: LayerTag::new(locks.name().clone()),
+            max_key_len: locks.key_len_limit(),
+            locks: locks.build(),
             config,
             metrics: OnceLock::new(),
             misconfiguration_logged: AtomicBool::new(false),
@@ -78,7 +61,7 @@ impl Shared {
     /// The layer's `name`, the label of its metrics and the namespace of its keys at a
     /// distributed backend.
     pub(crate) fn name(&self) -> &str {
-        &self.config.name
+        self.locks.name()
     }
 
     /// This layer's metric handles, registered on first use (the configuration, and so
@@ -86,7 +69,7 @@ impl Shared {
     /// the table is still empty when its key gauge is attached.
     pub(crate) fn metrics(&self) -> &Metrics {
         self.metrics.get_or_init(|| {
-            let metrics = Metrics::new(&self.config.name);
+            let metrics = Metrics::new(self.name());
             self.locks.local().report_keys_to(metrics.keys.clone());
             metrics
         })

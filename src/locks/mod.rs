@@ -309,7 +309,11 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
     /// # Panics
     /// If `permits` is 0: no request could ever run.
     pub fn permits(mut self, permits: usize) -> Self {
-        assert!(permits > 0, "KeyedLocks permits must be at least 1");
+        // The one check of `permits`: the distributed builder and the layer pass theirs here.
+        assert!(
+            permits > 0,
+            "permits must be at least 1: no request could ever run"
+        );
         self.permits = permits;
         self
     }
