@@ -36,6 +36,12 @@
 //! Every acquisition is cancel-safe: dropping a [`DistributedAcquire`] at any point —
 //! queued locally, or waiting at the backend — releases whatever it acquired, and the
 //! remote attempt runs detached so a dropped request never leaves a remote lock held.
+//!
+//! # Files
+//!
+//! - `mod.rs`: [`DistributedLocks`] and its builder.
+//! - `acquire.rs`: [`DistributedAcquire`], the wait in this process, then at the backend.
+//! - `guard.rs`: [`DistributedGuard`], the key held in both tiers, and [`LeaseLost`].
 
 mod acquire;
 mod guard;

@@ -80,6 +80,20 @@
 //! between, the record is missing and a retry runs the handler again. Only a side
 //! effect written in the same transaction as the record (or an idempotent side effect)
 //! closes that gap.
+//!
+//! # Files
+//!
+//! - `layer.rs`: [`ReplayLayer`], its settings and defaults, and
+//!   [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay).
+//! - `shared.rs`: what every service of one replay layer value shares (settings,
+//!   metric handles per lock layer name).
+//! - `service.rs`: [`Replay`]; `future.rs`: [`ReplayFuture`].
+//! - `respond.rs`: one request, step by step: admit, read, look up, replay or run
+//!   and store.
+//! - `record.rs`: [`Record`] and its bytes; `fingerprint.rs`: the request fingerprint
+//!   and the record's scope.
+//! - `body.rs`: [`ReplayBody`]; `metrics.rs`: the replay metrics.
+//! - `store/`: [`ReplayStore`] and the memory, Redis and PostgreSQL stores.
 
 mod body;
 mod fingerprint;
