@@ -1,7 +1,8 @@
 //! The crate's one "inner or full" response body: the inner service's body, or a short
-//! body of the crate's own (a rejection, a replayed or buffered response). The lock
-//! layer, the body-reading layer and the replay layer each wrap it in their public body
-//! type, adding only what is theirs (the held key, a partly read body).
+//! body of the crate's own (a rejection, a replayed or buffered response). The
+//! body-reading layer answers with it as it is (`buffer::ResponseBody`); the lock layer
+//! and the replay layer wrap it, adding only what is theirs (the held key, a partly
+//! read body).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -11,8 +12,17 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 pin_project! {
-    #[project = InnerOrFullProj]
-    pub(crate) enum InnerOrFull<B> {
+    /// A response body: the inner service's body, or a short body of the layer's own
+    /// (a rejection).
+    pub struct InnerOrFull<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
         Inner {
             #[pin]
             body: B,
@@ -24,12 +34,16 @@ pin_project! {
 
 impl<B> InnerOrFull<B> {
     pub(crate) fn inner(body: B) -> Self {
-        Self::Inner { body }
+        Self {
+            kind: Kind::Inner { body },
+        }
     }
 
     pub(crate) fn full(data: Bytes) -> Self {
-        Self::Full {
-            data: (!data.is_empty()).then_some(data),
+        Self {
+            kind: Kind::Full {
+                data: (!data.is_empty()).then_some(data),
+            },
         }
     }
 }
@@ -42,25 +56,23 @@ impl<B: Body<Data = Bytes>> Body for InnerOrFull<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        match self.project() {
-            InnerOrFullProj::Inner { body } => body.poll_frame(cx),
-            InnerOrFullProj::Full { data } => {
-                Poll::Ready(data.take().map(|data| Ok(Frame::data(data))))
-            }
+        match self.project().kind.project() {
+            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Full { data } => Poll::Ready(data.take().map(|data| Ok(Frame::data(data)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        match self {
-            Self::Inner { body } => body.is_end_stream(),
-            Self::Full { data } => data.is_none(),
+        match &self.kind {
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Full { data } => data.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
-        match self {
-            Self::Inner { body } => body.size_hint(),
-            Self::Full { data } => {
+        match &self.kind {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
         }
@@ -69,9 +81,9 @@ impl<B: Body<Data = Bytes>> Body for InnerOrFull<B> {
 
 impl<B> std::fmt::Debug for InnerOrFull<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Inner { .. } => f.write_str("Inner"),
-            Self::Full { data } => f.debug_tuple("Full").field(data).finish(),
+        match &self.kind {
+            Kind::Inner { .. } => f.write_str("Inner"),
+            Kind::Full { data } => f.debug_tuple("Full").field(data).finish(),
         }
     }
 }

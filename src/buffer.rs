@@ -26,7 +26,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use pin_project_lite::pin_project;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -37,6 +36,10 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use crate::body::InnerOrFull;
+
+/// The response body of [`BufferRequestBody`]: the inner service's body, or the
+/// layer's own rejection. The lock and replay layers' bodies wrap the same type.
+pub use crate::body::InnerOrFull as ResponseBody;
 use crate::reject::Rejection;
 
 /// The default [`limit`](BufferRequestBodyLayer::limit): 1 MiB.
@@ -180,55 +183,14 @@ where
                     let response = inner
                         .call(Request::from_parts(parts, ReqBody::from(bytes)))
                         .await?;
-                    Ok(response.map(|body| ResponseBody::new(InnerOrFull::inner(body))))
+                    Ok(response.map(InnerOrFull::inner))
                 }
                 Err(error) => Ok(error
                     .rejection(settings.limit)
                     .into_response()
-                    .map(|body| ResponseBody::new(InnerOrFull::full(body)))),
+                    .map(InnerOrFull::full)),
             }
         }))
-    }
-}
-
-pin_project! {
-    /// The response body of [`BufferRequestBody`]: the inner service's body, or the
-    /// layer's own rejection.
-    pub struct ResponseBody<B> {
-        #[pin]
-        body: InnerOrFull<B>,
-    }
-}
-
-impl<B> ResponseBody<B> {
-    fn new(body: InnerOrFull<B>) -> Self {
-        Self { body }
-    }
-}
-
-impl<B: Body<Data = Bytes>> Body for ResponseBody<B> {
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, B::Error>>> {
-        self.project().body.poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
-impl<B> std::fmt::Debug for ResponseBody<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("ResponseBody").field(&self.body).finish()
     }
 }
 
