@@ -333,6 +333,88 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn rejections_are_ok_responses_with_problem_json() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let release = Arc::new(Notify::new());
+        let layer = KeyedLockLayer::by_header("x-key").wait_timeout(Duration::ZERO);
+        let service = layer.layer(handler(calls.clone(), release.clone()));
+
+        let holder = tokio::spawn(service.clone().oneshot(request("a")));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Busy key, no wait: the timeout status, with Retry-After, not an `Err`.
+        let busy = service.clone().oneshot(request("a")).await.unwrap();
+        assert_eq!(busy.status(), 409);
+        assert_eq!(busy.headers()["content-type"], "application/problem+json");
+        assert!(busy.headers().contains_key("retry-after"));
+        // No key: 400, nothing to retry after.
+        let missing = service.oneshot(Request::new(())).await.unwrap();
+        assert_eq!(missing.status(), 400);
+        assert!(!missing.headers().contains_key("retry-after"));
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "only the holder ran");
+
+        release.notify_one();
+        holder.await.unwrap().unwrap();
+        assert_eq!(layer.active_keys(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_answers_429_and_a_dropped_waiter_leaves_nothing_behind() {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let release = Arc::new(Notify::new());
+        let layer = KeyedLockLayer::by_header("x-key").max_waiters(1);
+        let service = layer.layer(handler(calls.clone(), release.clone()));
+
+        let holder = tokio::spawn(service.clone().oneshot(request("a")));
+        let waiter = tokio::spawn(service.clone().oneshot(request("a")));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let over = service.clone().oneshot(request("a")).await.unwrap();
+        assert_eq!(over.status(), 429);
+        assert!(over.headers().contains_key("retry-after"));
+
+        // The waiter's client goes away: its place and the key's entry go with it.
+        waiter.abort();
+        assert!(waiter.await.unwrap_err().is_cancelled());
+        release.notify_one();
+        holder.await.unwrap().unwrap();
+        assert_eq!(layer.active_keys(), 0);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn waiters_for_a_key_run_in_arrival_order() {
+        let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let release = Arc::new(Notify::new());
+        let inner = {
+            let (order, release) = (order.clone(), release.clone());
+            service_fn(move |request: Request<()>| {
+                let (order, release) = (order.clone(), release.clone());
+                async move {
+                    let id = request.headers()["x-id"].to_str().unwrap().to_owned();
+                    order.lock().unwrap().push(id);
+                    release.notified().await;
+                    Ok::<_, Infallible>(Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
+                }
+            })
+        };
+        let service = KeyedLockLayer::by_header("x-key").layer(inner);
+        let mut requests = Vec::new();
+        for id in 0..4 {
+            let request = Request::builder()
+                .header("x-key", "a")
+                .header("x-id", id.to_string())
+                .body(())
+                .unwrap();
+            requests.push(tokio::spawn(service.clone().oneshot(request)));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        for request in requests {
+            release.notify_one();
+            request.await.unwrap().unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), ["0", "1", "2", "3"]);
+    }
+
     /// Counts the times its inner service is readied.
     #[derive(Clone)]
     struct Readied<S> {
