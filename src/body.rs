@@ -1,20 +1,20 @@
-//! The response body of the layer: the inner body, or the layer's own rejection body.
+//! The crate's one "inner or full" response body: the inner service's body, or a short
+//! body of the crate's own (a rejection, a replayed or buffered response). The
+//! body-reading layer answers with it as it is (`buffer::ResponseBody`); the lock layer
+//! and the replay layer wrap it, adding only what is theirs (the held key, a partly
+//! read body).
 
 use std::pin::Pin;
-use std::task::{ready, Context, Poll};
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::held::HeldKey;
-
 pin_project! {
-    /// The body of every response that passes through the layer.
-    ///
-    /// Either the inner service's body — carrying the key's guard when the layer holds
-    /// the key until the body ends — or a short body of the layer's own (a rejection).
-    pub struct KeyedLockBody<B> {
+    /// A response body: the inner service's body, or a short body of the layer's own
+    /// (a rejection).
+    pub struct InnerOrFull<B> {
         #[pin]
         kind: Kind<B>,
     }
@@ -26,19 +26,16 @@ pin_project! {
         Inner {
             #[pin]
             body: B,
-            // Dropped at the end of the stream, on an error, or with the body. Boxed:
-            // only `hold_until_body_end` puts it here, and every response body moves
-            // several times on its way out.
-            guard: Option<Box<HeldKey>>,
         },
+        // `None` once sent, or from the start for an empty body.
         Full { data: Option<Bytes> },
     }
 }
 
-impl<B> KeyedLockBody<B> {
-    pub(crate) fn inner(body: B, guard: Option<Box<HeldKey>>) -> Self {
+impl<B> InnerOrFull<B> {
+    pub(crate) fn inner(body: B) -> Self {
         Self {
-            kind: Kind::Inner { body, guard },
+            kind: Kind::Inner { body },
         }
     }
 
@@ -51,7 +48,7 @@ impl<B> KeyedLockBody<B> {
     }
 }
 
-impl<B: Body<Data = Bytes>> Body for KeyedLockBody<B> {
+impl<B: Body<Data = Bytes>> Body for InnerOrFull<B> {
     type Data = Bytes;
     type Error = B::Error;
 
@@ -60,30 +57,21 @@ impl<B: Body<Data = Bytes>> Body for KeyedLockBody<B> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         match self.project().kind.project() {
-            KindProj::Inner { body, guard } => {
-                if let Some(held) = guard {
-                    held.check_long_hold();
-                }
-                let frame = ready!(body.poll_frame(cx));
-                if !matches!(frame, Some(Ok(_))) {
-                    guard.take();
-                }
-                Poll::Ready(frame)
-            }
+            KindProj::Inner { body } => body.poll_frame(cx),
             KindProj::Full { data } => Poll::Ready(data.take().map(|data| Ok(Frame::data(data)))),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
-            Kind::Inner { body, .. } => body.is_end_stream(),
+            Kind::Inner { body } => body.is_end_stream(),
             Kind::Full { data } => data.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Inner { body, .. } => body.size_hint(),
+            Kind::Inner { body } => body.size_hint(),
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
@@ -91,17 +79,11 @@ impl<B: Body<Data = Bytes>> Body for KeyedLockBody<B> {
     }
 }
 
-impl<B> std::fmt::Debug for KeyedLockBody<B> {
+impl<B> std::fmt::Debug for InnerOrFull<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.kind {
-            Kind::Inner { guard, .. } => f
-                .debug_struct("KeyedLockBody::Inner")
-                .field("holds_key", &guard.is_some())
-                .finish(),
-            Kind::Full { data } => f
-                .debug_struct("KeyedLockBody::Full")
-                .field("data", data)
-                .finish(),
+            Kind::Inner { .. } => f.write_str("Inner"),
+            Kind::Full { data } => f.debug_tuple("Full").field(data).finish(),
         }
     }
 }

@@ -25,17 +25,22 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{header::CONTENT_LENGTH, Request, Response, StatusCode};
+use http::{header::CONTENT_LENGTH, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::body::KeyedLockBody;
-use crate::reject::{Rejection, RejectionKind};
+use crate::body::InnerOrFull;
+
+/// The response body of [`BufferRequestBody`]: the inner service's body, or the
+/// layer's own rejection. The lock and replay layers' bodies wrap the same type.
+pub use crate::body::InnerOrFull as ResponseBody;
+use crate::reject::Rejection;
 
 /// The default [`limit`](BufferRequestBodyLayer::limit): 1 MiB.
 pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
@@ -110,24 +115,9 @@ pub(crate) enum BodyReadError {
 impl BodyReadError {
     pub(crate) fn rejection(&self, limit: usize) -> Rejection {
         match self {
-            BodyReadError::TooLarge => Rejection::new(
-                RejectionKind::BodyTooLarge,
-                StatusCode::PAYLOAD_TOO_LARGE,
-                None,
-                format!("the request body is longer than {limit} bytes"),
-            ),
-            BodyReadError::Timeout => Rejection::new(
-                RejectionKind::BodyUnread,
-                StatusCode::REQUEST_TIMEOUT,
-                None,
-                "the request body did not arrive in time",
-            ),
-            BodyReadError::Broken => Rejection::new(
-                RejectionKind::BodyUnread,
-                StatusCode::BAD_REQUEST,
-                None,
-                "the request body could not be read",
-            ),
+            BodyReadError::TooLarge => Rejection::body_too_large(limit),
+            BodyReadError::Timeout => Rejection::body_late(),
+            BodyReadError::Broken => Rejection::body_broken(),
         }
     }
 }
@@ -172,7 +162,7 @@ where
     ReqBody: Body<Data = Bytes> + From<Bytes> + Send + 'static,
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    type Response = Response<KeyedLockBody<ResBody>>;
+    type Response = Response<ResponseBody<ResBody>>;
     type Error = S::Error;
     type Future = BufferFuture<Result<Self::Response, S::Error>>;
 
@@ -193,12 +183,12 @@ where
                     let response = inner
                         .call(Request::from_parts(parts, ReqBody::from(bytes)))
                         .await?;
-                    Ok(response.map(|body| KeyedLockBody::inner(body, None)))
+                    Ok(response.map(InnerOrFull::inner))
                 }
                 Err(error) => Ok(error
                     .rejection(settings.limit)
                     .into_response()
-                    .map(KeyedLockBody::full)),
+                    .map(InnerOrFull::full)),
             }
         }))
     }

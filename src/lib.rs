@@ -87,9 +87,7 @@ pub mod backend;
 mod body;
 pub mod buffer;
 pub mod distributed;
-mod future;
-mod held;
-mod info;
+mod error;
 pub mod key;
 pub mod layer;
 pub mod locks;
@@ -98,12 +96,14 @@ pub mod reject;
 #[cfg(feature = "replay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "replay")))]
 pub mod replay;
-mod service;
-mod shared;
 mod sync;
 #[cfg(all(feature = "testkit", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
+
+/// A boxed, sendable future, as [`LockBackend`] and the replay stores return: their
+/// calls are network round trips, where one allocation is noise.
+pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
 
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
@@ -115,18 +115,15 @@ pub use backend::postgres::PostgresBackend;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
-pub use body::KeyedLockBody;
 pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
 pub use distributed::{
     DistributedAcquire, DistributedGuard, DistributedLocks, DistributedLocksBuilder, LeaseLost,
 };
-pub use future::ResponseFuture;
-pub use info::LockInfo;
+pub use error::LockError;
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use key::PathParam;
 pub use key::{ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN};
-pub use layer::KeyedLockLayer;
-pub use locks::{Acquire, KeyGuard, KeyedLocks, KeyedLocksBuilder, LockError};
+pub use layer::{KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture};
+pub use locks::{Acquire, KeyGuard, KeyedLocks, KeyedLocksBuilder};
 pub use reject::{Rejection, RejectionKind};
-pub use service::KeyedLock;

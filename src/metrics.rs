@@ -9,7 +9,7 @@
 //! | [`WAIT_SECONDS`] | histogram: arrival → guard, rejection or client gone | `outcome` = `acquired` \| `timeout` \| `queue_full` \| `cancelled` |
 //! | [`HOLD_SECONDS`] | histogram: time the guard was held | |
 //! | [`ACQUIRED_TOTAL`] | counter | `contended` = `true` \| `false` |
-//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `body_too_large` \| `body_unread` \| `misconfigured` |
+//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `fingerprint_mismatch` \| `body_too_large` \| `body_unread` \| `misconfigured` |
 //! | [`WAITING`] | gauge: requests waiting now | |
 //! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
 //! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | |
@@ -36,19 +36,21 @@ pub const KEYS: &str = "keyed_lock_keys";
 /// Counter of leases lost while held (distributed backends).
 pub const LEASE_LOST_TOTAL: &str = "keyed_lock_lease_lost_total";
 
-/// The kinds of rejection the lock layer answers with (the replay layer has its own).
-const KINDS: [RejectionKind; 10] = [
-    RejectionKind::Timeout,
-    RejectionKind::QueueFull,
-    RejectionKind::TooManyKeys,
-    RejectionKind::MissingKey,
-    RejectionKind::InvalidKey,
-    RejectionKind::Backend,
-    RejectionKind::LeaseLost,
-    RejectionKind::BodyTooLarge,
-    RejectionKind::BodyUnread,
-    RejectionKind::Misconfigured,
-];
+/// The [`REJECTED_TOTAL`] counters of one `name`, one per [`RejectionKind`]: the lock
+/// layer and the replay layer under it count into the same series.
+pub(crate) struct Rejected([Counter; RejectionKind::ALL.len()]);
+
+impl Rejected {
+    pub(crate) fn new(name: &metrics::SharedString) -> Self {
+        Self(RejectionKind::ALL.map(|kind| {
+            metrics::counter!(REJECTED_TOTAL, "name" => name.clone(), "reason" => kind.as_str())
+        }))
+    }
+
+    pub(crate) fn increment(&self, kind: RejectionKind) {
+        self.0[kind as usize].increment(1);
+    }
+}
 
 /// The handles of one layer.
 pub(crate) struct Metrics {
@@ -60,7 +62,7 @@ pub(crate) struct Metrics {
     pub(crate) hold: Histogram,
     pub(crate) acquired_uncontended: Counter,
     pub(crate) acquired_contended: Counter,
-    rejected: [(RejectionKind, Counter); KINDS.len()],
+    rejected: Rejected,
     pub(crate) waiting: Gauge,
     pub(crate) keys: Gauge,
     pub(crate) lease_lost: Counter,
@@ -70,10 +72,7 @@ impl Metrics {
     pub(crate) fn new(name: &str) -> Self {
         describe();
         let name = metrics::SharedString::from(name.to_owned());
-        let rejected = KINDS.map(|kind| {
-            let counter = metrics::counter!(REJECTED_TOTAL, "name" => name.clone(), "reason" => kind.as_str());
-            (kind, counter)
-        });
+        let rejected = Rejected::new(&name);
         Self {
             wait_acquired: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "acquired"),
             wait_timeout: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "timeout"),
@@ -90,9 +89,7 @@ impl Metrics {
     }
 
     pub(crate) fn rejected(&self, kind: RejectionKind) {
-        if let Some((_, counter)) = self.rejected.iter().find(|(k, _)| *k == kind) {
-            counter.increment(1);
-        }
+        self.rejected.increment(kind);
     }
 }
 
@@ -118,7 +115,7 @@ fn describe() {
 
 #[cfg(test)]
 mod tests {
-    use super::KINDS;
+    use crate::reject::RejectionKind;
 
     /// The table in the module docs names every reason the layer registers.
     #[test]
@@ -128,9 +125,13 @@ mod tests {
             .lines()
             .find(|line| line.starts_with("//! | [`REJECTED_TOTAL`]"))
             .expect("a REJECTED_TOTAL row");
-        for kind in KINDS {
+        for kind in RejectionKind::ALL {
             assert!(row.contains(&format!("`{}`", kind.as_str())), "{row}");
         }
-        assert_eq!(row.matches("\\|").count() + 1, KINDS.len(), "{row}");
+        assert_eq!(
+            row.matches("\\|").count() + 1,
+            RejectionKind::ALL.len(),
+            "{row}"
+        );
     }
 }

@@ -1,6 +1,10 @@
 //! Rejections: why the layer answered instead of calling the inner service,
 //! and the default `application/problem+json` (RFC 9457) response for each.
 //!
+//! This file decides, for every case, the status, the detail and whether a
+//! `Retry-After` goes with it (the crate-private constructors of [`Rejection`]); the
+//! lock layer, the body-reading layer and the replay layer only pick the case.
+//!
 //! ```
 //! use std::time::Duration;
 //! use http::StatusCode;
@@ -25,6 +29,8 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Response, StatusCode};
 
+use crate::backend::RetryLater;
+use crate::error::LockError;
 use crate::key::KeyError;
 
 /// The `Content-Type` of every default rejection response.
@@ -60,8 +66,8 @@ pub enum RejectionKind {
 }
 
 impl RejectionKind {
-    /// Every kind, in the order of [`as_str`](Self::as_str)'s list.
-    #[cfg(test)]
+    /// Every kind, in the order of [`as_str`](Self::as_str)'s list: the one list that
+    /// the responses and the `reason` metric labels share.
     pub(crate) const ALL: [RejectionKind; 11] = [
         RejectionKind::Timeout,
         RejectionKind::QueueFull,
@@ -96,6 +102,15 @@ impl RejectionKind {
         }
     }
 }
+
+/// Every kind has its place in [`RejectionKind::ALL`]; `kind as usize` indexes it.
+const _: () = {
+    let mut i = 0;
+    while i < RejectionKind::ALL.len() {
+        assert!(RejectionKind::ALL[i] as usize == i);
+        i += 1;
+    }
+};
 
 impl From<&KeyError> for RejectionKind {
     /// [`KeyError::Missing`] is [`RejectionKind::MissingKey`],
@@ -192,6 +207,151 @@ impl Rejection {
         response
     }
 }
+
+/// The case → status, detail and `Retry-After` policy, one constructor per case.
+impl Rejection {
+    /// No usable key in the request: 400, or 500 when the key source is one the server
+    /// controls (a misconfiguration).
+    pub(crate) fn for_key(error: &KeyError) -> Self {
+        match error {
+            KeyError::Misconfigured { .. } => Self::misconfigured(
+                "the server is not configured to take a lock key from this request",
+            ),
+            _ => Self::new(
+                RejectionKind::from(error),
+                StatusCode::BAD_REQUEST,
+                None,
+                format!("no usable lock key: {error}"),
+            ),
+        }
+    }
+
+    /// The lock could not be acquired: the layer's `timeout_status` for a busy key,
+    /// 429 for a full queue, 503 for a full table or a failed backend; each with
+    /// `Retry-After`. A backend that says why and for how long (a [`RetryLater`], such
+    /// as the Redis restart guard) gets its own detail and `Retry-After`.
+    pub(crate) fn for_lock(
+        error: &LockError,
+        timeout_status: StatusCode,
+        retry_after: Duration,
+    ) -> Self {
+        if let LockError::Backend(cause) = error {
+            if let Some(later) = cause.downcast_ref::<RetryLater>() {
+                return Self::new(
+                    RejectionKind::Backend,
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    Some(later.retry_after()),
+                    later.detail().to_owned(),
+                );
+            }
+        }
+        let (kind, status, detail) = match error {
+            LockError::Timeout | LockError::Busy => (
+                RejectionKind::Timeout,
+                timeout_status,
+                "a request for this key is already in progress",
+            ),
+            LockError::QueueFull => (
+                RejectionKind::QueueFull,
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many requests are waiting for this key",
+            ),
+            LockError::TooManyKeys => (
+                RejectionKind::TooManyKeys,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many keys are in use",
+            ),
+            LockError::Backend(_) => (
+                RejectionKind::Backend,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the lock backend is unavailable",
+            ),
+            // The layer validates keys before it locks; kept for completeness.
+            LockError::InvalidKey(_) => (
+                RejectionKind::InvalidKey,
+                StatusCode::BAD_REQUEST,
+                "the lock key cannot be used",
+            ),
+        };
+        Self::new(kind, status, Some(retry_after), detail)
+    }
+
+    /// The distributed lease was lost while the request ran (and the layer aborts then).
+    pub(crate) fn lease_lost(retry_after: Duration) -> Self {
+        Self::new(
+            RejectionKind::LeaseLost,
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(retry_after),
+            "the lock lease was lost while the request ran",
+        )
+    }
+
+    /// The request body is longer than `limit` bytes.
+    pub(crate) fn body_too_large(limit: usize) -> Self {
+        Self::new(
+            RejectionKind::BodyTooLarge,
+            StatusCode::PAYLOAD_TOO_LARGE,
+            None,
+            format!("the request body is longer than {limit} bytes"),
+        )
+    }
+
+    /// The request body did not arrive within the read timeout.
+    pub(crate) fn body_late() -> Self {
+        Self::new(
+            RejectionKind::BodyUnread,
+            StatusCode::REQUEST_TIMEOUT,
+            None,
+            "the request body did not arrive in time",
+        )
+    }
+
+    /// The request body broke off or was malformed.
+    pub(crate) fn body_broken() -> Self {
+        Self::new(
+            RejectionKind::BodyUnread,
+            StatusCode::BAD_REQUEST,
+            None,
+            "the request body could not be read",
+        )
+    }
+
+    /// The replay store could not be reached (fail closed).
+    #[cfg(feature = "replay")]
+    pub(crate) fn store_unreachable() -> Self {
+        Self::new(
+            RejectionKind::Backend,
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(STORE_RETRY_AFTER),
+            "the replay store is unreachable",
+        )
+    }
+
+    /// A replay key used before for a different request.
+    #[cfg(feature = "replay")]
+    pub(crate) fn fingerprint_mismatch(status: StatusCode) -> Self {
+        Self::new(
+            RejectionKind::FingerprintMismatch,
+            status,
+            None,
+            "this key was already used for a different request",
+        )
+    }
+
+    /// The layers are set up in a way that cannot work: 500, explained by `detail`.
+    pub(crate) fn misconfigured(detail: impl Into<Cow<'static, str>>) -> Self {
+        Self::new(
+            RejectionKind::Misconfigured,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            None,
+            detail,
+        )
+    }
+}
+
+/// How long a client should wait before retrying when the replay store is unreachable.
+#[cfg(feature = "replay")]
+const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Whole seconds, rounded up so a client never retries too early, and at least
 /// 1 because `Retry-After: 0` invites an immediate retry storm.

@@ -12,8 +12,6 @@
 //! cancelling it mid-round-trip, and an unwanted lease is released when the task ends.
 
 use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,9 +36,9 @@ mod ttl;
 
 pub use retry_later::RetryLater;
 
-/// A boxed, sendable future: backends do network round trips, where one allocation is
-/// noise.
-pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+// Defined at the crate root, which the replay stores and the layer share; re-exported
+// here, where implementers of `LockBackend` look for it.
+pub use crate::BoxFuture;
 
 /// A lock service shared by every instance of an application.
 pub trait LockBackend: Send + Sync + 'static {

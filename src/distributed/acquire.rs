@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 
 use super::guard::DistributedGuard;
 use super::Inner;
-use crate::backend::{acquire_detached, BoxFuture, Lease};
+use crate::backend::{acquire_detached, Lease};
+use crate::error::LockError;
 use crate::key::{Key, KeyError};
-use crate::locks::{Acquire, KeyGuard, LockError};
+use crate::locks::{Acquire, KeyGuard};
+use crate::BoxFuture;
 
 /// The remote wait of an acquisition without a time limit. Backends add the wait to
 /// `Instant::now()`, which must not overflow; a year is "until it is free".

@@ -36,6 +36,12 @@
 //! Every acquisition is cancel-safe: dropping a [`DistributedAcquire`] at any point —
 //! queued locally, or waiting at the backend — releases whatever it acquired, and the
 //! remote attempt runs detached so a dropped request never leaves a remote lock held.
+//!
+//! # Files
+//!
+//! - `mod.rs`: [`DistributedLocks`] and its builder.
+//! - `acquire.rs`: [`DistributedAcquire`], the wait in this process, then at the backend.
+//! - `guard.rs`: [`DistributedGuard`], the key held in both tiers, and [`LeaseLost`].
 
 mod acquire;
 mod guard;
@@ -50,7 +56,7 @@ pub use guard::{DistributedGuard, LeaseLost};
 
 use crate::backend::LockBackend;
 use crate::key::{Key, DEFAULT_MAX_KEY_LEN};
-use crate::locks::{KeyGuard, KeyedLocks};
+use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder};
 
 /// A keyed lock shared by every instance that shares its backend. Clones share one
 /// local table. See the [module docs](self).
@@ -77,15 +83,15 @@ pub(crate) struct Inner {
 ///     .max_keys(100_000)  // keys in the local table, then `TooManyKeys`
 ///     .build();           // no backend: in process only
 /// ```
+#[derive(Clone)]
 #[must_use]
 pub struct DistributedLocksBuilder {
     name: Cow<'static, str>,
     backend: Option<Arc<dyn LockBackend>>,
     fail_open: bool,
     max_key_len: usize,
-    permits: usize,
-    max_waiters: usize,
-    max_keys: usize,
+    /// The local table's permits and limits, checked where that table checks them.
+    local: KeyedLocksBuilder<Key>,
 }
 
 impl DistributedLocks {
@@ -116,9 +122,7 @@ impl DistributedLocks {
             backend: None,
             fail_open: false,
             max_key_len: DEFAULT_MAX_KEY_LEN,
-            permits: 1,
-            max_waiters: usize::MAX,
-            max_keys: usize::MAX,
+            local: KeyedLocks::builder(),
         }
     }
 
@@ -219,36 +223,58 @@ impl DistributedLocksBuilder {
     /// # Panics
     /// If `permits` is 0.
     pub fn permits(mut self, permits: usize) -> Self {
-        assert!(permits > 0, "DistributedLocks permits must be at least 1");
-        self.permits = permits;
+        self.local = self.local.permits(permits);
         self
     }
 
     /// Waiters per key in this process (default unbounded); one more fails at once with
     /// `QueueFull`.
     pub fn max_waiters(mut self, max_waiters: usize) -> Self {
-        self.max_waiters = max_waiters;
+        self.local = self.local.max_waiters(max_waiters);
         self
     }
 
     /// Keys in this process's table (default unbounded); a new key beyond it fails at
     /// once with `TooManyKeys`.
     pub fn max_keys(mut self, max_keys: usize) -> Self {
-        self.max_keys = max_keys;
+        self.local = self.local.max_keys(max_keys);
         self
+    }
+
+    /// Renames the locks (a layer's [`name`](crate::KeyedLockLayer::name) setting).
+    pub(crate) fn rename(mut self, name: Cow<'static, str>) -> Self {
+        self.name = name;
+        self
+    }
+
+    /// The name the locks will have.
+    pub(crate) fn name(&self) -> &Cow<'static, str> {
+        &self.name
+    }
+
+    /// The longest key the locks will accept.
+    pub(crate) fn key_len_limit(&self) -> usize {
+        self.max_key_len
+    }
+
+    /// Whether the locks will have a backend.
+    #[cfg(feature = "replay")]
+    pub(crate) fn has_backend(&self) -> bool {
+        self.backend.is_some()
+    }
+
+    /// Whether the locks will have a backend that issues no fencing tokens.
+    #[cfg(feature = "replay")]
+    pub(crate) fn lacks_fencing_tokens(&self) -> bool {
+        (self.backend.as_ref()).is_some_and(|backend| !backend.issues_fencing_tokens())
     }
 
     /// Builds the locks.
     pub fn build(self) -> DistributedLocks {
-        let local = KeyedLocks::builder()
-            .permits(self.permits)
-            .max_waiters(self.max_waiters)
-            .max_keys(self.max_keys)
-            .build();
         DistributedLocks {
             inner: Arc::new(Inner {
                 name: self.name,
-                local,
+                local: self.local.build(),
                 backend: self.backend,
                 fail_open: self.fail_open,
                 max_key_len: self.max_key_len,
@@ -274,6 +300,8 @@ impl fmt::Debug for DistributedLocksBuilder {
             .field("name", &self.name)
             .field("distributed", &self.backend.is_some())
             .field("fail_open", &self.fail_open)
-            .finish_non_exhaustive()
+            .field("max_key_len", &self.max_key_len)
+            .field("local", &self.local)
+            .finish()
     }
 }

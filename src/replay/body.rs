@@ -7,32 +7,59 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use crate::body::InnerOrFull;
+
 pin_project! {
     /// The body of every response that passes through the
-    /// [`ReplayLayer`](super::ReplayLayer): bytes the layer holds (a replayed or a
-    /// buffered response, a rejection), then the rest of the inner body if the layer
-    /// stopped reading it (a body over the store limit).
+    /// [`ReplayLayer`](super::ReplayLayer): the inner body, bytes the layer holds (a
+    /// replayed or a buffered response, a rejection), or the bytes it read of a body
+    /// it stopped reading (a body over the store limit) and then the rest of it.
     pub struct ReplayBody<B>
     where
         B: Body,
     {
-        head: Option<Bytes>,
-        // A frame read past the head that is not data (trailers), or the inner error.
-        pending: Option<Result<Frame<Bytes>, B::Error>>,
-        // Boxed so the layer can read part of it and hand on the rest.
-        rest: Option<Pin<Box<B>>>,
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B>
+    where
+        B: Body,
+    {
+        Whole {
+            #[pin]
+            body: InnerOrFull<B>,
+        },
+        Partial {
+            head: Option<Bytes>,
+            // A frame read past the head that is not data (trailers), or the inner error.
+            pending: Option<Result<Frame<Bytes>, B::Error>>,
+            // Boxed so the layer can read part of it and hand on the rest.
+            rest: Option<Pin<Box<B>>>,
+        },
     }
 }
 
 impl<B: Body> ReplayBody<B> {
     /// Bytes held by the layer, and nothing after them.
     pub(crate) fn full(bytes: Bytes) -> Self {
-        Self::partial(bytes, None, None)
+        Self {
+            kind: Kind::Whole {
+                body: InnerOrFull::full(bytes),
+            },
+        }
     }
 
     /// The inner body untouched.
     pub(crate) fn inner(body: B) -> Self {
-        Self::partial(Bytes::new(), None, Some(Box::pin(body)))
+        Self {
+            kind: Kind::Whole {
+                body: InnerOrFull::inner(body),
+            },
+        }
     }
 
     /// The data already read, one frame read past it, then the rest of the body.
@@ -42,9 +69,11 @@ impl<B: Body> ReplayBody<B> {
         rest: Option<Pin<Box<B>>>,
     ) -> Self {
         Self {
-            head: (!head.is_empty()).then_some(head),
-            pending,
-            rest,
+            kind: Kind::Partial {
+                head: (!head.is_empty()).then_some(head),
+                pending,
+                rest,
+            },
         }
     }
 }
@@ -57,28 +86,52 @@ impl<B: Body<Data = Bytes>> Body for ReplayBody<B> {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = self.project();
-        if let Some(head) = this.head.take() {
+        let (head, pending, rest) = match self.project().kind.project() {
+            KindProj::Whole { body } => return body.poll_frame(cx),
+            KindProj::Partial {
+                head,
+                pending,
+                rest,
+            } => (head, pending, rest),
+        };
+        if let Some(head) = head.take() {
             return Poll::Ready(Some(Ok(Frame::data(head))));
         }
-        if let Some(pending) = this.pending.take() {
+        if let Some(pending) = pending.take() {
             return Poll::Ready(Some(pending));
         }
-        match this.rest {
+        match rest {
             Some(rest) => rest.as_mut().poll_frame(cx),
             None => Poll::Ready(None),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.head.is_none()
-            && self.pending.is_none()
-            && self.rest.as_ref().is_none_or(Body::is_end_stream)
+        match &self.kind {
+            Kind::Whole { body } => body.is_end_stream(),
+            Kind::Partial {
+                head,
+                pending,
+                rest,
+            } => {
+                head.is_none()
+                    && pending.is_none()
+                    && rest.as_ref().is_none_or(|rest| rest.is_end_stream())
+            }
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        let held = self.head.as_ref().map_or(0, |head| head.len() as u64);
-        match (&self.rest, &self.pending) {
+        let (head, pending, rest) = match &self.kind {
+            Kind::Whole { body } => return body.size_hint(),
+            Kind::Partial {
+                head,
+                pending,
+                rest,
+            } => (head, pending, rest),
+        };
+        let held = head.as_ref().map_or(0, |head| head.len() as u64);
+        match (rest, pending) {
             (None, None) => SizeHint::with_exact(held),
             (Some(rest), None) => {
                 let inner = rest.size_hint();
@@ -101,10 +154,18 @@ impl<B: Body<Data = Bytes>> Body for ReplayBody<B> {
 
 impl<B: Body> std::fmt::Debug for ReplayBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReplayBody")
-            .field("head", &self.head)
-            .field("more", &(self.pending.is_some() || self.rest.is_some()))
-            .finish()
+        match &self.kind {
+            Kind::Whole { body } => f.debug_tuple("ReplayBody").field(body).finish(),
+            Kind::Partial {
+                head,
+                pending,
+                rest,
+            } => f
+                .debug_struct("ReplayBody")
+                .field("head", head)
+                .field("more", &(pending.is_some() || rest.is_some()))
+                .finish(),
+        }
     }
 }
 

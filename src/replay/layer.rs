@@ -1,16 +1,15 @@
 //! [`ReplayLayer`] and its settings.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::HeaderName;
 use http::{Extensions, StatusCode};
 use tower_layer::Layer;
 
-use super::metrics::ReplayMetrics;
 use super::record::DEFAULT_REPLAYED_HEADERS;
 use super::service::Replay;
+use super::shared::{Settings, Shared};
 use super::store::ReplayStore;
 
 use crate::KeyedLockLayer;
@@ -30,8 +29,6 @@ pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
 /// The default [`store_timeout`](ReplayLayer::store_timeout): 2 s.
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
 
-type PrincipalFn = dyn Fn(&Extensions) -> Option<String> + Send + Sync;
-
 /// Replays the stored response of a completed request to later requests with the same
 /// key; goes *inside* a [`KeyedLockLayer`](crate::KeyedLockLayer). See the
 /// [module docs](super).
@@ -40,43 +37,6 @@ type PrincipalFn = dyn Fn(&Extensions) -> Option<String> + Send + Sync;
 pub struct ReplayLayer {
     settings: Settings,
     shared: Arc<Shared>,
-}
-
-/// The configuration, fixed when the layer is applied.
-#[derive(Clone)]
-pub(crate) struct Settings {
-    pub(crate) store: Arc<dyn ReplayStore>,
-    pub(crate) ttl: Duration,
-    pub(crate) max_request_bytes: usize,
-    pub(crate) read_timeout: Duration,
-    pub(crate) max_response_bytes: usize,
-    pub(crate) fingerprint: bool,
-    pub(crate) mismatch_status: StatusCode,
-    pub(crate) store_server_errors: bool,
-    pub(crate) fail_open: bool,
-    pub(crate) store_timeout: Duration,
-    pub(crate) replayed_headers: Vec<HeaderName>,
-    pub(crate) principal: Option<Arc<PrincipalFn>>,
-}
-
-/// State every clone of one layer shares.
-#[derive(Default)]
-pub(crate) struct Shared {
-    metrics: OnceLock<ReplayMetrics>,
-    misconfiguration_logged: AtomicBool,
-}
-
-impl Shared {
-    /// The handles for the lock layer `name`, registered on first use (the name comes
-    /// with the first request's `LockInfo`).
-    pub(crate) fn metrics(&self, name: &str) -> &ReplayMetrics {
-        self.metrics.get_or_init(|| ReplayMetrics::new(name))
-    }
-
-    /// Whether this is the first misconfiguration seen: log it once per layer.
-    pub(crate) fn first_misconfiguration(&self) -> bool {
-        !self.misconfiguration_logged.swap(true, Ordering::Relaxed)
-    }
 }
 
 impl ReplayLayer {

@@ -8,7 +8,7 @@
 
 use metrics::Counter;
 
-use crate::metrics::REJECTED_TOTAL;
+use crate::metrics::Rejected;
 use crate::reject::RejectionKind;
 
 /// Counter of responses replayed from the store.
@@ -16,20 +16,11 @@ pub const REPLAYED_TOTAL: &str = "keyed_lock_replayed_total";
 /// Counter of responses written to the store.
 pub const STORED_TOTAL: &str = "keyed_lock_stored_total";
 
-/// The kinds of rejection the replay layer answers with.
-const KINDS: [RejectionKind; 5] = [
-    RejectionKind::FingerprintMismatch,
-    RejectionKind::Backend,
-    RejectionKind::Misconfigured,
-    RejectionKind::BodyTooLarge,
-    RejectionKind::BodyUnread,
-];
-
-/// The handles of one replay layer.
+/// The handles of one replay layer under one lock layer name.
 pub(crate) struct ReplayMetrics {
     pub(crate) replayed: Counter,
     pub(crate) stored: Counter,
-    rejected: [(RejectionKind, Counter); KINDS.len()],
+    rejected: Rejected,
 }
 
 impl ReplayMetrics {
@@ -40,17 +31,11 @@ impl ReplayMetrics {
         Self {
             replayed: metrics::counter!(REPLAYED_TOTAL, "name" => name.clone()),
             stored: metrics::counter!(STORED_TOTAL, "name" => name.clone()),
-            rejected: KINDS.map(|kind| {
-                let counter =
-                    metrics::counter!(REJECTED_TOTAL, "name" => name.clone(), "reason" => kind.as_str());
-                (kind, counter)
-            }),
+            rejected: Rejected::new(&name),
         }
     }
 
     pub(crate) fn rejected(&self, kind: RejectionKind) {
-        if let Some((_, counter)) = self.rejected.iter().find(|(k, _)| *k == kind) {
-            counter.increment(1);
-        }
+        self.rejected.increment(kind);
     }
 }

@@ -83,35 +83,46 @@
 //! between, the record is missing and a retry runs the handler again. Only a side
 //! effect written in the same transaction as the record (or an idempotent side effect)
 //! closes that gap.
+//!
+//! # Files
+//!
+//! - `layer.rs`: [`ReplayLayer`], its settings and defaults, and
+//!   [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay).
+//! - `shared.rs`: what every service of one replay layer value shares (settings,
+//!   metric handles per lock layer name).
+//! - `service.rs`: [`Replay`]; `future.rs`: [`ReplayFuture`].
+//! - `respond.rs`: one request, step by step: admit, read, look up, replay or run
+//!   and store.
+//! - `record.rs`: [`Record`] and its bytes; `fingerprint.rs`: the request fingerprint
+//!   and the record's scope.
+//! - `body.rs`: [`ReplayBody`]; `metrics.rs`: the replay metrics.
+//! - `store/`: [`ReplayStore`] and the memory, Redis and PostgreSQL stores.
 
 mod body;
 mod fingerprint;
 mod future;
 mod layer;
-mod memory;
 mod metrics;
-#[cfg(feature = "postgres")]
-mod postgres;
 mod record;
-#[cfg(feature = "redis")]
-mod redis;
+mod respond;
 mod service;
+mod shared;
 mod store;
 
 pub use body::ReplayBody;
-pub use future::{ReplayFuture, IDEMPOTENT_REPLAYED};
+pub use future::ReplayFuture;
 pub use layer::{
     LockAndReplay, ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_STORE_TIMEOUT, DEFAULT_TTL,
 };
-pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
 pub use metrics::{REPLAYED_TOTAL, STORED_TOTAL};
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use postgres::{PostgresReplayStore, DEFAULT_TABLE};
 pub use record::{Fingerprint, Record, DEFAULT_REPLAYED_HEADERS};
+pub use respond::IDEMPOTENT_REPLAYED;
+pub use service::Replay;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
-pub use redis::RedisReplayStore;
-pub use service::Replay;
-pub use store::{RecordKey, ReplayStore, StoreError, Stored};
+pub use store::RedisReplayStore;
+pub use store::{MemoryStore, RecordKey, ReplayStore, StoreError, Stored, DEFAULT_MEMORY_CAPACITY};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use store::{PostgresReplayStore, DEFAULT_TABLE};

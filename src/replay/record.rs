@@ -4,7 +4,8 @@ use bytes::Bytes;
 use http::header::{self, HeaderName};
 use http::{HeaderMap, HeaderValue, StatusCode};
 
-use super::store::StoreError;
+// From the error file itself: the store module imports this one for `Record`.
+use super::store::error::StoreError;
 
 /// Headers replayed by default; [`ReplayLayer::replay_header`](super::ReplayLayer::replay_header)
 /// adds more. `Content-Length` is not stored: the replay computes it again.

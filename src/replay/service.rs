@@ -9,8 +9,9 @@ use http_body::Body;
 use tower_service::Service;
 
 use super::body::ReplayBody;
-use super::future::{respond, ReplayFuture};
-use super::layer::{Settings, Shared};
+use super::future::ReplayFuture;
+use super::respond::respond;
+use super::shared::{Settings, Shared};
 
 /// The service [`ReplayLayer`](super::ReplayLayer) makes.
 pub struct Replay<S> {
@@ -75,5 +76,61 @@ impl<S: std::fmt::Debug> std::fmt::Debug for Replay<S> {
         f.debug_struct("Replay")
             .field("inner", &self.inner)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use bytes::Bytes;
+    use http::{Request, Response};
+    use http_body_util::Full;
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use tower::{service_fn, Layer, ServiceExt};
+
+    use crate::replay::{MemoryStore, ReplayLayer, REPLAYED_TOTAL};
+    use crate::KeyedLockLayer;
+
+    /// One `ReplayLayer` value under two named lock layers counts each layer's replays
+    /// under that layer's name (it used to count both under the first name it saw).
+    #[tokio::test]
+    async fn one_replay_layer_under_two_lock_layers_counts_under_each_name() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let _local = metrics::set_default_local_recorder(&recorder);
+
+        let replay = ReplayLayer::new(MemoryStore::default());
+        let handler = service_fn(|_: Request<Full<Bytes>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
+        });
+        for name in ["orders", "refunds"] {
+            let service = KeyedLockLayer::by_header("idempotency-key")
+                .name(name)
+                .replay(replay.clone())
+                .layer(handler);
+            for _ in 0..2 {
+                let request = Request::builder()
+                    .uri("/x")
+                    .header("idempotency-key", "k")
+                    .body(Full::new(Bytes::new()))
+                    .unwrap();
+                service.clone().oneshot(request).await.unwrap();
+            }
+        }
+
+        let mut replayed = Vec::new();
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let key = key.key();
+            if let (REPLAYED_TOTAL, DebugValue::Counter(n)) = (key.name(), value) {
+                let name = key.labels().find(|label| label.key() == "name").unwrap();
+                replayed.push((name.value().to_owned(), n));
+            }
+        }
+        replayed.sort();
+        assert_eq!(
+            replayed,
+            [("orders".to_owned(), 1), ("refunds".to_owned(), 1)]
+        );
     }
 }

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use crate::backend::LeaseSignal;
 use crate::key::Key;
-use crate::shared::Shared;
 
 /// Put in the request extensions by the layer before the inner service is called.
 ///
@@ -41,14 +40,14 @@ pub struct LockInfo {
 
 impl LockInfo {
     pub(crate) fn new(
-        shared: &Shared,
+        layer: &LayerTag,
         key: Key,
         waited: Duration,
         fencing_token: Option<u64>,
         lease: Option<LeaseSignal>,
     ) -> Self {
         Self {
-            layer: shared.tag.clone(),
+            layer: layer.clone(),
             key,
             waited,
             remote: (fencing_token.is_some() || lease.is_some()).then(|| {
@@ -70,12 +69,13 @@ impl LockInfo {
         }
     }
 
-    /// Whether this request already holds `key` in `shared`'s table (the same layer
-    /// value applied twice on its path): then it must not wait for itself.
-    pub(crate) fn holds(&self, shared: &Shared, key: &Key) -> bool {
+    /// Whether this request already holds `key` in the table of the layer `layer`
+    /// names (the same layer value applied twice on its path): then it must not wait
+    /// for itself.
+    pub(crate) fn holds(&self, layer: &LayerTag, key: &Key) -> bool {
         let mut info = Some(self);
         while let Some(held) = info {
-            if held.layer.id == shared.tag.id && held.key == *key {
+            if held.layer.id == layer.id && held.key == *key {
                 return true;
             }
             info = held.outer.as_deref();

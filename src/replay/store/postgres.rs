@@ -7,10 +7,10 @@ use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
 
 use crate::backend::postgres::schema::create_if_missing;
-use crate::backend::BoxFuture;
+use crate::BoxFuture;
 
-use super::record::Record;
-use super::store::{RecordKey, ReplayStore, StoreError, Stored};
+use super::{RecordKey, ReplayStore, StoreError, Stored};
+use crate::replay::record::Record;
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "keyed_lock_replay";

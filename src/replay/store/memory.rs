@@ -7,10 +7,10 @@ use quick_cache::sync::Cache;
 use quick_cache::Weighter;
 use tokio::time::Instant;
 
-use crate::backend::BoxFuture;
+use crate::BoxFuture;
 
-use super::record::Record;
-use super::store::{RecordKey, ReplayStore, StoreError, Stored};
+use super::{RecordKey, ReplayStore, StoreError, Stored};
+use crate::replay::record::Record;
 
 /// The default [`MemoryStore::new`] capacity: 64 MiB of records.
 pub const DEFAULT_MEMORY_CAPACITY: u64 = 64 * 1024 * 1024;

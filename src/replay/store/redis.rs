@@ -6,10 +6,10 @@ use redis::aio::ConnectionManager;
 use redis::{Client, RedisError, Script};
 
 use crate::backend::redis::RedisBackend;
-use crate::backend::BoxFuture;
+use crate::BoxFuture;
 
-use super::record::Record;
-use super::store::{RecordKey, ReplayStore, StoreError, Stored};
+use super::{RecordKey, ReplayStore, StoreError, Stored};
+use crate::replay::record::Record;
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` record; `ARGV[1]` the request's fencing
 /// token, `ARGV[2]` the record, `ARGV[3]` its TTL in ms. Writes only while the lock is

@@ -1,11 +1,35 @@
-//! Where records live: the [`ReplayStore`] trait.
+//! Where records live: the [`ReplayStore`] trait, and the stores that implement it.
+//!
+//! # Files
+//!
+//! - `mod.rs`: [`ReplayStore`], [`RecordKey`] and [`Stored`].
+//! - `error.rs`: [`StoreError`], which a store returns (and a record that cannot be
+//!   read from its bytes).
+//! - `memory.rs`: [`MemoryStore`], this process only.
+//! - `redis.rs`: `RedisReplayStore`, beside the lock's keys, fenced in one script.
+//! - `postgres.rs`: `PostgresReplayStore`, a table with writes ordered by fencing token.
 
-use std::fmt;
+pub(super) mod error;
+mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "redis")]
+mod redis;
+
 use std::time::Duration;
 
-use crate::backend::BoxFuture;
+use crate::BoxFuture;
 
 use super::record::Record;
+
+pub use error::StoreError;
+pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use postgres::{PostgresReplayStore, DEFAULT_TABLE};
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub use redis::RedisReplayStore;
 
 /// Where a record lives: the lock layer's name, the request key, and the scope (a hex
 /// digest of method, route and principal), so one key never replays another endpoint's
@@ -83,33 +107,5 @@ pub trait ReplayStore: Send + Sync + 'static {
     /// could never store.
     fn needs_fencing_tokens(&self) -> bool {
         false
-    }
-}
-
-/// A store failed: unreachable, timed out, or it holds a record it cannot read.
-#[derive(Debug)]
-pub struct StoreError(Box<dyn std::error::Error + Send + Sync>);
-
-impl StoreError {
-    /// An error that wraps `error`.
-    pub fn new(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
-        Self(error.into())
-    }
-
-    /// A store call that took longer than `limit`.
-    pub(crate) fn timeout(limit: Duration) -> Self {
-        Self::new(format!("the replay store did not answer within {limit:?}"))
-    }
-}
-
-impl fmt::Display for StoreError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "replay store: {}", self.0)
-    }
-}
-
-impl std::error::Error for StoreError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.0)
     }
 }

@@ -1,113 +1,4 @@
-//! [`KeyedLockLayer`]: per-key request serialization as a tower layer.
-//!
-//! ```
-//! use std::time::Duration;
-//! use axum::{routing::post, Router};
-//! use http::StatusCode;
-//! use tower_keyed_lock::KeyedLockLayer;
-//!
-//! async fn pay() -> &'static str { "paid" }
-//! async fn refund() -> &'static str { "refunded" }
-//!
-//! let app: Router = Router::new()
-//!     .route("/orders/{order_id}/pay", post(pay))
-//!     .route("/orders/{order_id}/refund", post(refund))
-//!     // `route_layer`: path parameters exist on routes, not on the fallback.
-//!     .route_layer(
-//!         KeyedLockLayer::by_path("order_id")
-//!             .wait_timeout(Duration::from_secs(2)) // then 409 Conflict…
-//!             .timeout_status(StatusCode::CONFLICT) // …or 429
-//!             .max_waiters(32),                     // queue bound per key, then 429
-//!     );
-//! ```
-//!
-//! # With authentication: which layer goes first
-//!
-//! A lock keyed by the user needs the user id that an authentication layer puts in the
-//! request extensions, so the authentication layer must run *before* (outside) the lock.
-//! With `Router::layer`, the layer added *last* runs *first*; with tower's
-//! `ServiceBuilder`, the layer added *first* runs first.
-//!
-//! ```
-//! use std::time::Duration;
-//! use axum::extract::Request;
-//! use axum::middleware::{self, Next};
-//! use axum::response::{IntoResponse, Response};
-//! use axum::{routing::post, Extension, Router};
-//! use http::StatusCode;
-//! use tower::ServiceBuilder;
-//! use tower_keyed_lock::{KeyedLockLayer, LockInfo};
-//!
-//! #[derive(Clone)]
-//! struct UserId(u64);
-//!
-//! impl std::fmt::Display for UserId {
-//!     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-//!         write!(f, "user-{}", self.0)
-//!     }
-//! }
-//!
-//! /// Authentication: a bearer token becomes a `UserId` in the extensions.
-//! async fn authenticate(mut request: Request, next: Next) -> Response {
-//!     let token = request.headers().get("authorization").and_then(|v| v.to_str().ok());
-//!     let Some(id) = token.and_then(|t| t.strip_prefix("Bearer user-")?.parse().ok()) else {
-//!         return StatusCode::UNAUTHORIZED.into_response();
-//!     };
-//!     request.extensions_mut().insert(UserId(id));
-//!     next.run(request).await
-//! }
-//!
-//! async fn transfer(Extension(lock): Extension<LockInfo>) -> String {
-//!     format!("transfer for {} ran alone", lock.key())
-//! }
-//!
-//! let per_user = KeyedLockLayer::by_extension::<UserId>()
-//!     .name("transfers")
-//!     .wait_timeout(Duration::from_secs(1))
-//!     .timeout_status(StatusCode::TOO_MANY_REQUESTS);
-//!
-//! // `Router::layer`: the last layer added runs first, so authentication goes last.
-//! let app: Router = Router::new()
-//!     .route("/transfers", post(transfer))
-//!     .layer(per_user.clone())
-//!     .layer(middleware::from_fn(authenticate));
-//!
-//! // `ServiceBuilder`: top to bottom is outside to inside, so authentication goes first.
-//! let same_app: Router = Router::new().route("/transfers", post(transfer)).layer(
-//!     ServiceBuilder::new()
-//!         .layer(middleware::from_fn(authenticate))
-//!         .layer(per_user),
-//! );
-//! # let _ = (app, same_app);
-//! ```
-//!
-//! If the lock runs first by mistake, no `UserId` is there yet: every request gets a
-//! 500 and the layer logs the missing extension once, naming its type.
-//!
-//! # On a single route
-//!
-//! `post(handler).layer(lock)` works. Chaining a second `.layer` on a `MethodRouter`
-//! fails with E0283 ("cannot infer type of the type parameter `NewError`"): the error
-//! type between the two layers is left open. Name it on the first call, or use
-//! `Router::route_layer` instead:
-//!
-//! ```
-//! use std::convert::Infallible;
-//! use axum::{routing::post, Router};
-//! use tower_keyed_lock::KeyedLockLayer;
-//!
-//! let route = post(|| async { "paid" })
-//!     .layer::<_, Infallible>(KeyedLockLayer::by_path("order_id"))
-//!     .layer(KeyedLockLayer::by_header("x-user"));
-//! let app: Router = Router::new().route("/orders/{order_id}/pay", route);
-//! ```
-//!
-//! # Use outside axum
-//!
-//! The layer works for any tower service over `http::Request`/`http::Response` whose
-//! response body yields [`Bytes`]: hyper services, tonic servers
-//! (`tonic::transport::Server::builder().layer(KeyedLockLayer::by_header(..))`, keyed by
-//! a metadata header, since gRPC has no path parameters) or a bare `service_fn`.
+//! [`KeyedLockLayer`]: the builder, its settings and their defaults.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -118,11 +9,12 @@ use bytes::Bytes;
 use http::{HeaderName, Response, StatusCode};
 use tower_layer::Layer;
 
+use super::service::KeyedLock;
+use super::shared::{Config, Shared};
 use crate::backend::LockBackend;
-use crate::key::{ExtensionKey, FnKey, HeaderKey, KeyExtractor, DEFAULT_MAX_KEY_LEN};
+use crate::distributed::{DistributedLocks, DistributedLocksBuilder};
+use crate::key::{ExtensionKey, FnKey, HeaderKey, KeyExtractor};
 use crate::reject::Rejection;
-use crate::service::KeyedLock;
-use crate::shared::{Config, Shared};
 
 /// The default [`KeyedLockLayer::wait_timeout`].
 pub const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -164,6 +56,9 @@ pub const DEFAULT_NAME: &str = "default";
 #[must_use]
 pub struct KeyedLockLayer<E> {
     extractor: E,
+    /// The lock's settings: name, permits, limits, backend.
+    locks: DistributedLocksBuilder,
+    /// The layer's own settings.
     config: Config,
     /// The table and settings, made once when the layer is first applied.
     shared: Arc<OnceLock<Arc<Shared>>>,
@@ -289,30 +184,37 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     pub fn new(extractor: E) -> Self {
         Self {
             extractor,
+            // The lock's defaults (one permit, no key bound, keys up to
+            // `DEFAULT_MAX_KEY_LEN`, no backend, fail closed) but a bounded queue.
+            locks: DistributedLocks::builder(DEFAULT_NAME).max_waiters(DEFAULT_MAX_WAITERS),
             config: Config {
                 wait_timeout: DEFAULT_WAIT_TIMEOUT,
                 timeout_status: StatusCode::CONFLICT,
                 retry_after: DEFAULT_RETRY_AFTER,
-                max_waiters: DEFAULT_MAX_WAITERS,
-                max_keys: usize::MAX,
-                permits: 1,
-                max_key_len: DEFAULT_MAX_KEY_LEN,
-                name: Cow::Borrowed(DEFAULT_NAME),
                 allow_missing_key: false,
                 hold_until_body_end: false,
                 long_hold: None,
                 on_rejection: None,
-                backend: None,
-                fail_open: false,
                 abort_on_lease_lost: false,
             },
             shared: Arc::default(),
         }
     }
 
-    /// Changes the configuration; the result is a new layer value with its own table.
+    /// Changes the layer's own settings; the result is a new layer value with its own
+    /// table.
     fn configure(mut self, change: impl FnOnce(&mut Config)) -> Self {
         change(&mut self.config);
+        self.shared = Arc::default();
+        self
+    }
+
+    /// Changes the lock's settings; the result is a new layer value with its own table.
+    fn configure_locks(
+        mut self,
+        change: impl FnOnce(DistributedLocksBuilder) -> DistributedLocksBuilder,
+    ) -> Self {
+        self.locks = change(self.locks);
         self.shared = Arc::default();
         self
     }
@@ -355,7 +257,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// Requests allowed to wait per key (default [`DEFAULT_MAX_WAITERS`], 1024); one
     /// beyond it gets 429 at once. `usize::MAX` lets the queue grow without bound.
     pub fn max_waiters(self, max_waiters: usize) -> Self {
-        self.configure(|c| c.max_waiters = max_waiters)
+        self.configure_locks(|locks| locks.max_waiters(max_waiters))
     }
 
     /// Keys with a holder or waiter allowed at once (default unbounded); a request for
@@ -370,7 +272,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     ///     .max_keys(100_000);
     /// ```
     pub fn max_keys(self, max_keys: usize) -> Self {
-        self.configure(|c| c.max_keys = max_keys)
+        self.configure_locks(|locks| locks.max_keys(max_keys))
     }
 
     /// Requests allowed to hold one key at once (default 1).
@@ -378,14 +280,13 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// # Panics
     /// If `permits` is 0.
     pub fn permits(self, permits: usize) -> Self {
-        assert!(permits > 0, "KeyedLockLayer permits must be at least 1");
-        self.configure(|c| c.permits = permits)
+        self.configure_locks(|locks| locks.permits(permits))
     }
 
-    /// The longest key accepted, in bytes (default [`DEFAULT_MAX_KEY_LEN`], 256);
+    /// The longest key accepted, in bytes (default [`DEFAULT_MAX_KEY_LEN`](crate::DEFAULT_MAX_KEY_LEN), 256);
     /// longer keys get 400.
     pub fn max_key_len(self, max_len: usize) -> Self {
-        self.configure(|c| c.max_key_len = max_len)
+        self.configure_locks(|locks| locks.max_key_len(max_len))
     }
 
     /// The `name` label of this layer's metrics (default `"default"`), and the
@@ -398,8 +299,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// let layer = KeyedLockLayer::by_path("order_id").name(format!("{tenant}-orders"));
     /// ```
     pub fn name(self, name: impl Into<Cow<'static, str>>) -> Self {
-        let name = name.into();
-        self.configure(|c| c.name = name)
+        self.configure_locks(|locks| locks.rename(name.into()))
     }
 
     /// Lets requests whose key is *absent* run without a lock instead of being
@@ -489,14 +389,14 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// cannot be reached the request gets 503 with `Retry-After` (fail closed) unless
     /// [`fail_open`](Self::fail_open) is set.
     pub fn backend(self, backend: impl LockBackend) -> Self {
-        self.configure(|c| c.backend = Some(Arc::new(backend)))
+        self.configure_locks(|locks| locks.backend(backend))
     }
 
     /// When the backend fails, run the request under the in-process lock only (counted
     /// as `keyed_lock_rejected_total{reason="backend"}` and logged) instead of
     /// answering 503.
     pub fn fail_open(self) -> Self {
-        self.configure(|c| c.fail_open = true)
+        self.configure_locks(|locks| locks.fail_open(true))
     }
 
     /// When a request's distributed lease is lost while it runs, drop the inner future
@@ -524,18 +424,18 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// Whether a distributed backend is configured.
     #[cfg(feature = "replay")]
     pub(crate) fn is_distributed(&self) -> bool {
-        self.config.backend.is_some()
+        self.locks.has_backend()
     }
 
     /// Whether a distributed backend is configured that issues no fencing tokens.
     #[cfg(feature = "replay")]
     pub(crate) fn lacks_fencing_tokens(&self) -> bool {
-        (self.config.backend.as_ref()).is_some_and(|backend| !backend.issues_fencing_tokens())
+        self.locks.lacks_fencing_tokens()
     }
 
     fn shared(&self) -> Arc<Shared> {
         self.shared
-            .get_or_init(|| Arc::new(Shared::new(self.config.clone())))
+            .get_or_init(|| Arc::new(Shared::new(self.locks.clone(), self.config.clone())))
             .clone()
     }
 }
@@ -553,18 +453,12 @@ impl<E: fmt::Debug> fmt::Debug for KeyedLockLayer<E> {
         let c = &self.config;
         f.debug_struct("KeyedLockLayer")
             .field("extractor", &self.extractor)
-            .field("name", &c.name)
+            .field("locks", &self.locks)
             .field("wait_timeout", &c.wait_timeout)
             .field("timeout_status", &c.timeout_status)
-            .field("max_waiters", &c.max_waiters)
-            .field("max_keys", &c.max_keys)
-            .field("permits", &c.permits)
-            .field("max_key_len", &c.max_key_len)
             .field("allow_missing_key", &c.allow_missing_key)
             .field("hold_until_body_end", &c.hold_until_body_end)
             .field("long_hold", &c.long_hold)
-            .field("distributed", &c.backend.is_some())
-            .field("fail_open", &c.fail_open)
             .field("abort_on_lease_lost", &c.abort_on_lease_lost)
             .finish_non_exhaustive()
     }
@@ -573,6 +467,12 @@ impl<E: fmt::Debug> fmt::Debug for KeyedLockLayer<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[should_panic(expected = "permits must be at least 1")]
+    fn zero_permits_are_refused() {
+        let _ = KeyedLockLayer::by_header("x-key").permits(0);
+    }
 
     #[test]
     #[should_panic(expected = "must be a 4xx or 5xx status")]
@@ -586,7 +486,8 @@ mod tests {
             .timeout_status(StatusCode::SERVICE_UNAVAILABLE)
             .name(String::from("tenant-a"));
         assert_eq!(layer.config.timeout_status, StatusCode::SERVICE_UNAVAILABLE);
-        assert_eq!(layer.config.name, "tenant-a");
-        assert_eq!(layer.config.max_waiters, DEFAULT_MAX_WAITERS);
+        assert_eq!(layer.locks.name(), "tenant-a");
+        let debug = format!("{layer:?}");
+        assert!(debug.contains("max_waiters: 1024"), "{debug}");
     }
 }

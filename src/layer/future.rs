@@ -1,5 +1,5 @@
-//! [`ResponseFuture`]: waits for the key (through the layer's two-tier lock), then runs
-//! the inner service under it.
+//! [`ResponseFuture`]: waits for the key (through the layer's two-tier lock), then
+//! readies the inner service and runs it under the key.
 
 use std::fmt;
 use std::future::Future;
@@ -13,14 +13,15 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::backend::{BoxFuture, RetryLater};
-use crate::body::KeyedLockBody;
+use super::body::KeyedLockBody;
+use super::held::HeldKey;
+use super::info::LockInfo;
+use super::shared::Shared;
 use crate::distributed::{DistributedAcquire, DistributedGuard};
-use crate::held::HeldKey;
-use crate::info::LockInfo;
-use crate::locks::LockError;
+use crate::error::LockError;
 use crate::reject::RejectionKind;
-use crate::shared::Shared;
+use crate::backend::RetryLater;
+use crate::BoxFuture;
 
 pin_project! {
     /// The response future of [`KeyedLock`](crate::KeyedLock).
@@ -29,18 +30,23 @@ pin_project! {
         S: Service<Request<ReqBody>>,
     {
         #[pin]
-        state: State<S, ReqBody, S::Future>,
+        state: State<S, ReqBody, S::Future, S::Error>,
     }
 }
 
 pin_project! {
     #[project = StateProj]
-    enum State<S, ReqBody, F> {
+    enum State<S, ReqBody, F, E> {
         // Waiting for the key: in this process, then at the backend if there is one.
         // Boxed: only a contended request waits, and the future every request moves
         // around stays the size of the running state.
         Acquiring {
             waiting: Box<Waiting<S, ReqBody>>,
+        },
+        // The key is held (or not needed): the inner service is readied, then called.
+        // Boxed: a service that is ready at once is called without this state.
+        Readying {
+            readying: Box<Readying<S, ReqBody>>,
         },
         // The inner service runs under `held` (`None` for a request let through
         // without a key). `lost` resolves if the lease is lost and the layer aborts then.
@@ -54,7 +60,19 @@ pin_project! {
         Rejected {
             response: Option<Response<Bytes>>,
         },
+        // The inner service failed to get ready.
+        Failed {
+            error: Option<E>,
+        },
     }
+}
+
+/// A request that may run: its service is made ready, then called.
+struct Readying<S, ReqBody> {
+    service: S,
+    request: Option<Request<ReqBody>>,
+    held: Option<HeldKey>,
+    lost: Option<BoxFuture<()>>,
 }
 
 /// A wait for the key, and the request that runs once it is held.
@@ -67,7 +85,7 @@ struct Waiting<S, ReqBody> {
 
 /// A request that has not reached the inner service yet.
 pub(crate) struct Pending<S, ReqBody> {
-    /// The service `poll_ready` readied for this request.
+    /// A clone of the inner service, readied once the key is held.
     service: S,
     request: Request<ReqBody>,
     ticket: WaitTicket,
@@ -108,6 +126,30 @@ where
         }
     }
 
+    pub(crate) fn readying(
+        service: S,
+        request: Request<ReqBody>,
+        held: Option<HeldKey>,
+        lost: Option<BoxFuture<()>>,
+    ) -> Self {
+        Self {
+            state: State::Readying {
+                readying: Box::new(Readying {
+                    service,
+                    request: Some(request),
+                    held,
+                    lost,
+                }),
+            },
+        }
+    }
+
+    pub(crate) fn failed(error: S::Error) -> Self {
+        Self {
+            state: State::Failed { error: Some(error) },
+        }
+    }
+
     pub(crate) fn rejected(response: Response<Bytes>) -> Self {
         Self {
             state: State::Rejected {
@@ -117,16 +159,14 @@ where
     }
 }
 
-/// Calls the inner service under the key: the end of every successful wait.
-fn start<S, ReqBody>(
-    pending: Pending<S, ReqBody>,
-    guard: DistributedGuard,
-) -> (S::Future, HeldKey, Option<BoxFuture<()>>)
+/// The request under its key, ready to ready the inner service: the end of every
+/// successful wait.
+fn start<S, ReqBody>(pending: Pending<S, ReqBody>, guard: DistributedGuard) -> Readying<S, ReqBody>
 where
     S: Service<Request<ReqBody>>,
 {
     let Pending {
-        mut service,
+        service,
         mut request,
         mut ticket,
     } = pending;
@@ -143,10 +183,15 @@ where
         .filter(|_| shared.config.abort_on_lease_lost)
         .map(|signal| Box::pin(async move { signal.lost().await }) as BoxFuture<()>);
     let key = guard.key_ref().clone();
-    LockInfo::new(&shared, key, waited, guard.fencing_token(), signal)
+    LockInfo::new(&shared.tag, key, waited, guard.fencing_token(), signal)
         .insert_into(request.extensions_mut());
     let held = HeldKey::distributed(guard, shared);
-    (service.call(request), held, lost)
+    Readying {
+        service,
+        request: Some(request),
+        held: Some(held),
+        lost,
+    }
 }
 
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody>
@@ -163,14 +208,9 @@ where
                     let result = ready!(Pin::new(&mut waiting.acquire).poll(cx));
                     let mut pending = waiting.pending.take().expect("polled after completion");
                     match result {
-                        Ok(guard) => {
-                            let (future, held, lost) = start(pending, guard);
-                            State::Running {
-                                future,
-                                held: Some(held),
-                                lost,
-                            }
-                        }
+                        Ok(guard) => State::Readying {
+                            readying: Box::new(start(pending, guard)),
+                        },
                         Err(error) => {
                             // A `RetryLater` is logged by its backend, not per request.
                             match &error {
@@ -186,22 +226,38 @@ where
                         }
                     }
                 }
+                StateProj::Readying { readying } => {
+                    let Readying {
+                        service,
+                        request,
+                        held,
+                        lost,
+                    } = &mut **readying;
+                    if let Some(rejection) = poll_lease_lost(lost, held, cx) {
+                        rejection
+                    } else {
+                        match ready!(service.poll_ready(cx)) {
+                            Ok(()) => {
+                                let request = request.take().expect("polled after completion");
+                                State::Running {
+                                    future: service.call(request),
+                                    held: held.take(),
+                                    lost: lost.take(),
+                                }
+                            }
+                            Err(error) => State::Failed { error: Some(error) },
+                        }
+                    }
+                }
                 StateProj::Running { future, held, lost } => {
-                    let lease_lost = lost
-                        .as_mut()
-                        .is_some_and(|lost| lost.as_mut().poll(cx).is_ready());
-                    if !lease_lost {
-                        return poll_running(future, held, cx);
+                    match poll_lease_lost(lost, held, cx) {
+                        // Abort: the inner future is dropped with this state.
+                        Some(rejection) => rejection,
+                        None => return poll_running(future, held, cx),
                     }
-                    // Abort: the inner future is dropped with this state.
-                    let shared = held
-                        .as_ref()
-                        .expect("a lease implies a hold")
-                        .shared()
-                        .clone();
-                    State::Rejected {
-                        response: Some(shared.respond(shared.lease_lost_rejection())),
-                    }
+                }
+                StateProj::Failed { error } => {
+                    return Poll::Ready(Err(error.take().expect("polled after completion")));
                 }
                 StateProj::Rejected { response } => {
                     let response = response.take().expect("polled after completion");
@@ -211,6 +267,21 @@ where
             state.set(next);
         }
     }
+}
+
+/// The rejection to answer with if the lease was lost and the layer aborts then.
+fn poll_lease_lost<S, ReqBody, F, E>(
+    lost: &mut Option<BoxFuture<()>>,
+    held: &Option<HeldKey>,
+    cx: &mut Context<'_>,
+) -> Option<State<S, ReqBody, F, E>> {
+    let lost = lost.as_mut()?.as_mut().poll(cx).is_ready();
+    lost.then(|| {
+        let shared = held.as_ref().expect("a lease implies a hold").shared();
+        State::Rejected {
+            response: Some(shared.respond(shared.lease_lost_rejection())),
+        }
+    })
 }
 
 fn poll_running<F, ResBody, E>(
@@ -304,6 +375,8 @@ where
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
             State::Acquiring { .. } => "acquiring",
+            State::Readying { .. } => "readying",
+            State::Failed { .. } => "failed",
             State::Running { .. } => "running",
             State::Rejected { .. } => "rejected",
         };

@@ -3,10 +3,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::shared::Shared;
 use crate::distributed::DistributedGuard;
 use crate::key::Key;
 use crate::locks::HashHold;
-use crate::shared::Shared;
 
 /// What a [`HeldKey`] holds.
 enum Guard {

@@ -1,4 +1,4 @@
-//! The in-process keyed lock: [`KeyedLocks`], its guard and its errors.
+//! The in-process keyed lock: [`KeyedLocks`] and its guard.
 //!
 //! ```
 //! use std::time::Duration;
@@ -21,19 +21,30 @@
 //! assert!(locks.is_empty()); // entries leave with their last holder
 //! # }
 //! ```
+//!
+//! # Files
+//!
+//! - `mod.rs`: [`KeyedLocks`], its builder and [`KeyGuard`]; [`LockError`] is
+//!   `crate::error`'s, re-exported here.
+//! - `table.rs`: the sharded map of keys, known by their hash.
+//! - `slot.rs`: one key's holders and waiters, and the hand-off to the next waiter.
+//! - `acquire.rs`: [`Acquire`], the cancel-safe wait for a key.
+//! - `count.rs`: the bound on the number of keys (`max_keys`).
 
 mod acquire;
 mod count;
 mod slot;
 mod table;
 
-use std::error::Error;
 use std::fmt;
 use std::hash::Hash;
 use std::time::Duration;
 
 pub use acquire::Acquire;
 
+// Re-exported: the lock's error was first defined here, and the backends name it by
+// this path.
+pub use crate::error::LockError;
 use crate::sync::{Arc, CachePadded};
 use count::KeyBound;
 use slot::{Attempt, Slot, Waiter};
@@ -132,25 +143,6 @@ pub struct KeyGuard<K: Eq + Hash> {
 /// release on drop: its owner must pass it to [`KeyedLocks::release`] of the same table.
 #[must_use = "a held key must be given back with `KeyedLocks::release`"]
 pub(crate) struct HashHold(u64);
-
-/// Why a key could not be locked.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum LockError {
-    /// The wait for the key exceeded its timeout.
-    Timeout,
-    /// [`KeyedLocks::try_lock`] found the key held.
-    Busy,
-    /// The key already has `max_waiters` waiters.
-    QueueFull,
-    /// The key is new and the table already holds `max_keys` keys.
-    TooManyKeys,
-    /// A distributed backend failed (unreachable, protocol error, …).
-    Backend(Box<dyn Error + Send + Sync>),
-    /// The key cannot be used (empty, too long, control characters): from
-    /// [`DistributedLocks`](crate::DistributedLocks), which takes keys as text.
-    InvalidKey(crate::key::KeyError),
-}
 
 impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     /// A table with one holder per key and no limits.
@@ -317,7 +309,11 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
     /// # Panics
     /// If `permits` is 0: no request could ever run.
     pub fn permits(mut self, permits: usize) -> Self {
-        assert!(permits > 0, "KeyedLocks permits must be at least 1");
+        // The one check of `permits`: the distributed builder and the layer pass theirs here.
+        assert!(
+            permits > 0,
+            "permits must be at least 1: no request could ever run"
+        );
         self.permits = permits;
         self
     }
@@ -377,29 +373,6 @@ impl<K: Eq + Hash> Drop for KeyGuard<K> {
 impl<K: Eq + Hash + fmt::Debug> fmt::Debug for KeyGuard<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KeyGuard").field("key", &self.key).finish()
-    }
-}
-
-impl fmt::Display for LockError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LockError::Timeout => f.write_str("timed out waiting for the key"),
-            LockError::Busy => f.write_str("the key is held"),
-            LockError::QueueFull => f.write_str("too many waiters for the key"),
-            LockError::TooManyKeys => f.write_str("too many keys in the lock table"),
-            LockError::Backend(error) => write!(f, "lock backend failed: {error}"),
-            LockError::InvalidKey(error) => write!(f, "invalid lock key: {error}"),
-        }
-    }
-}
-
-impl Error for LockError {
-    fn source(&self) -> Option<&(dyn Error + 'static)> {
-        match self {
-            LockError::Backend(error) => Some(&**error),
-            LockError::InvalidKey(error) => Some(error),
-            _ => None,
-        }
     }
 }
 
@@ -608,12 +581,5 @@ mod tests {
         let guard = locks.try_lock("k".to_owned()).unwrap();
         assert_send_static(&guard);
         assert_send_static(&locks.lock("k".to_owned()));
-    }
-
-    #[test]
-    fn backend_error_keeps_its_source() {
-        let error = LockError::Backend("connection refused".into());
-        assert_eq!(error.to_string(), "lock backend failed: connection refused");
-        assert!(error.source().is_some());
     }
 }
