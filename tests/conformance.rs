@@ -92,7 +92,11 @@ macro_rules! conformance {
 conformance!(redis, crate::servers::Redis, "redis");
 conformance!(redis_cluster, crate::servers::RedisCluster, "redis");
 conformance!(postgres, crate::servers::Postgres, "postgres");
-conformance!(pgbouncer_transaction, crate::servers::PgBouncerTransaction, "postgres");
+conformance!(
+    pgbouncer_transaction,
+    crate::servers::PgBouncerTransaction,
+    "postgres"
+);
 conformance!(dynamodb, crate::servers::DynamoDb, "dynamodb");
 
 // ------------------------------------------------------------ faults through the proxy
@@ -147,7 +151,11 @@ mod through_the_layer {
     through_the_layer!(redis, crate::servers::Redis, "redis");
     through_the_layer!(redis_cluster, crate::servers::RedisCluster, "redis");
     through_the_layer!(postgres, crate::servers::Postgres, "postgres");
-    through_the_layer!(pgbouncer_transaction, crate::servers::PgBouncerTransaction, "postgres");
+    through_the_layer!(
+        pgbouncer_transaction,
+        crate::servers::PgBouncerTransaction,
+        "postgres"
+    );
     through_the_layer!(dynamodb, crate::servers::DynamoDb, "dynamodb");
 }
 

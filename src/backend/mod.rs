@@ -19,7 +19,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::key::Key;
-use crate::locks::LockError;
+use crate::error::LockError;
 
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]

@@ -17,10 +17,10 @@ use super::body::KeyedLockBody;
 use super::held::HeldKey;
 use super::info::LockInfo;
 use super::shared::Shared;
+use crate::backend::RetryLater;
 use crate::distributed::{DistributedAcquire, DistributedGuard};
 use crate::error::LockError;
 use crate::reject::RejectionKind;
-use crate::backend::RetryLater;
 use crate::BoxFuture;
 
 pin_project! {

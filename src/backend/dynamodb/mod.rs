@@ -151,7 +151,7 @@ use self::item::{partition_value, Layout};
 pub use self::table::SetupError;
 use super::{ttl, BoxFuture, Lease, LockBackend};
 use crate::key::Key;
-use crate::locks::LockError;
+use crate::error::LockError;
 
 /// The default [`DynamoDbBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);

@@ -19,7 +19,7 @@ use super::error::PgError;
 use super::session::{last_row, Session};
 use super::Inner;
 use crate::backend::Lease;
-use crate::locks::LockError;
+use crate::error::LockError;
 
 /// A session-level setting that names the lock a session holds for this crate, and the
 /// acquisition (`<lock id>/<random>`). Set in the granting statement and cleared by the

@@ -5,7 +5,7 @@ use std::fmt;
 
 use tokio_postgres::error::SqlState;
 
-use crate::locks::LockError;
+use crate::error::LockError;
 
 /// Why a session lock cannot work through a transaction pooler, for errors and logs.
 pub(super) const SHARED_SESSION: &str = "the PostgreSQL session is shared with other clients \

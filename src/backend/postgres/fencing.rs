@@ -9,7 +9,7 @@ use super::error::PgError;
 use super::schema::create_if_missing;
 use super::session::last_row;
 use super::Inner;
-use crate::locks::LockError;
+use crate::error::LockError;
 
 impl Inner {
     /// The SQL of the next fencing token: `nextval` of the sequence, or NULL without

@@ -11,7 +11,7 @@ use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
 use super::error::PgError;
 use super::Inner;
-use crate::locks::LockError;
+use crate::error::LockError;
 
 /// A pooled connection whose session may hold a lock. Dropped, it is taken out of the
 /// pool and closed — PostgreSQL then ends the session and frees its locks; only

@@ -13,7 +13,7 @@ use super::error::PgError;
 use super::session::{last_row, Session};
 use super::Inner;
 use crate::backend::Lease;
-use crate::locks::LockError;
+use crate::error::LockError;
 
 impl Inner {
     pub(super) async fn acquire_in_transaction(

@@ -214,7 +214,7 @@ use self::scripts::ACQUIRE;
 use self::subscriber::{Releases, Subscriber};
 use super::{ttl, BoxFuture, Lease, LockBackend};
 use crate::key::Key;
-use crate::locks::LockError;
+use crate::error::LockError;
 
 /// The default [`RedisBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -226,10 +226,6 @@ pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
 pub const DEFAULT_PREFIX: &str = "keyed-lock:";
 /// The shortest lease accepted: renewal runs every lease/3.
 pub const MIN_LEASE: Duration = Duration::from_millis(10);
-
-/// Backoff of resubscription.
-const RESUBSCRIBE_MIN: Duration = Duration::from_millis(50);
-const RESUBSCRIBE_MAX: Duration = Duration::from_secs(1);
 
 /// A [`LockBackend`] on Redis: one connection for commands, one subscription for
 /// release messages, shared by every clone. See the [module docs](self).

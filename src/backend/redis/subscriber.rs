@@ -18,8 +18,11 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tokio::time::{sleep, timeout};
 
 use super::connection::Target;
-use super::{RESUBSCRIBE_MAX, RESUBSCRIBE_MIN};
 use crate::backend::ttl::jitter;
+
+/// Backoff of resubscription.
+const RESUBSCRIBE_MIN: Duration = Duration::from_millis(50);
+const RESUBSCRIBE_MAX: Duration = Duration::from_secs(1);
 
 /// How often the subscription connection is pinged: a ping unanswered within the
 /// command timeout means a silent connection, replaced by a fresh subscription.
