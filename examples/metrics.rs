@@ -53,10 +53,6 @@ const WORK: Duration = Duration::from_millis(4);
 const WAIT_TIMEOUT: Duration = Duration::from_millis(10);
 /// Payments allowed to wait per order; one more gets 429 at once.
 const MAX_WAITERS: usize = 5;
-/// Histogram buckets (seconds) for lock waits and holds: 0.5 ms to 10 s.
-const BUCKETS: &[f64] = &[
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
 
 type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
@@ -82,7 +78,10 @@ async fn main() {
 
     // First the recorder, then the router.
     let handle = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), BUCKETS)
+        .set_buckets_for_metric(
+            Matcher::Prefix("keyed_lock_".into()),
+            tower_keyed_lock::metrics::HISTOGRAM_BUCKETS,
+        )
         .expect("buckets are not empty")
         .install_recorder()
         .expect("no other recorder is installed");

@@ -32,10 +32,11 @@
 //! others wait.
 //!
 //! ```no_run
-//! use tower_keyed_lock::{DistributedLocks, LockError, PostgresBackend};
-//!
-//! # async fn send_invoices() {}
+//! # #[cfg(feature = "postgres")]
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_keyed_lock::{DistributedLocks, LockError, PostgresBackend};
+//! # async fn send_invoices() {}
+//!
 //! let backend = PostgresBackend::from_config_str("host=db user=app dbname=app")?.fencing(true);
 //! let jobs = DistributedLocks::new("jobs", backend);
 //! match jobs.try_lock("send-invoices").await {
@@ -127,3 +128,37 @@ pub use key::{ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAU
 pub use layer::{KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture};
 pub use locks::{Acquire, KeyGuard, KeyedLocks, KeyedLocksBuilder};
 pub use reject::{Rejection, RejectionKind};
+
+// The crates whose types configure this one, re-exported so that the versions always
+// match this crate's: `tower_keyed_lock::http::StatusCode` for `timeout_status`, the
+// clients the backends are built from.
+#[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
+#[doc(no_inline)]
+pub use aws_sdk_dynamodb;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[doc(no_inline)]
+pub use deadpool_postgres;
+#[doc(no_inline)]
+pub use http;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[doc(no_inline)]
+pub use redis;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[doc(no_inline)]
+pub use tokio_postgres;
+
+/// The README's examples, compiled as doctests with every backend feature (they use
+/// Redis, PostgreSQL and the replay layer together).
+#[cfg(all(
+    doctest,
+    feature = "redis",
+    feature = "postgres",
+    feature = "dynamodb",
+    feature = "replay"
+))]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

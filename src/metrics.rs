@@ -21,6 +21,29 @@ use metrics::{Counter, Gauge, Histogram, Unit};
 
 use crate::reject::RejectionKind;
 
+/// Histogram buckets, in seconds, for [`WAIT_SECONDS`] and [`HOLD_SECONDS`]: 0.5 ms to
+/// 10 s. Exporters that need buckets to export a histogram (not a summary) take these;
+/// the Grafana dashboard in the repository's `dashboards/` queries `_bucket` series.
+///
+/// ```
+/// use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let prometheus = PrometheusBuilder::new()
+///     .set_buckets_for_metric(
+///         Matcher::Prefix("keyed_lock_".into()),
+///         tower_keyed_lock::metrics::HISTOGRAM_BUCKETS,
+///     )?
+///     .install_recorder()?;
+/// // Serve `prometheus.render()` on your /metrics route.
+/// # let _ = prometheus.render();
+/// # Ok(())
+/// # }
+/// ```
+pub const HISTOGRAM_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
 /// Histogram of the time from a request's arrival to its guard (or its rejection).
 pub const WAIT_SECONDS: &str = "keyed_lock_wait_seconds";
 /// Histogram of the time a guard was held.

@@ -9,11 +9,11 @@
 //! lock alone.
 //!
 //! ```no_run
-//! use std::time::Duration;
-//! use tower_keyed_lock::{DistributedLocks, LockError, RedisBackend};
-//!
-//! # async fn nightly_report() {}
+//! # #[cfg(feature = "redis")]
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_keyed_lock::{DistributedLocks, LockError, RedisBackend};
+//! # async fn nightly_report() {}
+//!
 //! let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
 //! let jobs = DistributedLocks::new("jobs", backend);
 //!

@@ -150,8 +150,8 @@ use aws_sdk_dynamodb::Client;
 use self::item::{partition_value, Layout};
 pub use self::table::SetupError;
 use super::{ttl, BoxFuture, Lease, LockBackend};
-use crate::key::Key;
 use crate::error::LockError;
+use crate::key::Key;
 
 /// The default [`DynamoDbBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);

@@ -250,8 +250,8 @@ pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 
 use self::error::PgError;
 use super::{BoxFuture, Lease, LockBackend};
-use crate::key::Key;
 use crate::error::LockError;
+use crate::key::Key;
 
 /// The default [`PostgresBackend::namespace`].
 pub const DEFAULT_NAMESPACE: &str = "tower-keyed-lock";

@@ -213,8 +213,8 @@ use self::keys::RedisKeys;
 use self::scripts::ACQUIRE;
 use self::subscriber::{Releases, Subscriber};
 use super::{ttl, BoxFuture, Lease, LockBackend};
-use crate::key::Key;
 use crate::error::LockError;
+use crate::key::Key;
 
 /// The default [`RedisBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
