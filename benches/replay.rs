@@ -63,9 +63,7 @@ fn main() {
             .build()
             .await
             .unwrap();
-        let store = RedisReplayStore::new(server.client(), &backend)
-            .await
-            .unwrap();
+        let store = RedisReplayStore::new(&backend);
         (
             KeyedLockLayer::by_header("idempotency-key").backend(backend),
             store,

@@ -103,6 +103,23 @@ pub struct BufferRequestBody<S> {
     settings: BufferRequestBodyLayer,
 }
 
+impl<S> BufferRequestBody<S> {
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, consuming this one.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
 /// Why a body could not be read.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum BodyReadError {

@@ -10,10 +10,10 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use axum::{routing::post, Extension, Router};
+//! use axum::{routing::post, Router};
 //! use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 //!
-//! async fn pay(Extension(lock): Extension<LockInfo>) -> String {
+//! async fn pay(lock: LockInfo) -> String {
 //!     format!("order {} paid", lock.key())
 //! }
 //!

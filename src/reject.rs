@@ -208,6 +208,14 @@ impl Rejection {
     }
 }
 
+/// A rejection is an axum response too: the same `problem+json` body.
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for Rejection {
+    fn into_response(self) -> axum::response::Response {
+        Rejection::into_response(self).map(axum::body::Body::from)
+    }
+}
+
 /// The case → status, detail and `Retry-After` policy, one constructor per case.
 impl Rejection {
     /// No usable key in the request: 400, or 500 when the key source is one the server

@@ -620,7 +620,7 @@ async fn abort_on_lease_lost_answers_503() {
     let (gate, mut entered) = gate();
     let backend = connect(&dynamo, |b| b.lease(Duration::from_millis(600))).await;
     let pk = backend.partition_key_value("orders", "5");
-    let layer = layer(backend).abort_on_lease_lost();
+    let layer = layer(backend).abort_on_lease_lost(true);
     let server = Arc::new(serve(gated_router(gate.clone()).layer(layer.clone())).await);
 
     // The gate never opens: only the abort can end this request.
@@ -750,7 +750,7 @@ async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() 
     let open = KeyedLockLayer::by_path("order_id")
         .name("fail-open")
         .backend(connect(&dynamo, configure).await)
-        .fail_open();
+        .fail_open(true);
     let server_open = Arc::new(serve(gated_router(gate).layer(open)).await);
     assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
 

@@ -542,7 +542,7 @@ async fn streaming_status_of_second_request(
 #[tokio::test]
 async fn hold_until_body_end_holds_across_a_streaming_body() {
     let held = streaming_status_of_second_request(
-        KeyedLockLayer::by_path("order_id").hold_until_body_end(),
+        KeyedLockLayer::by_path("order_id").hold_until_body_end(true),
     )
     .await;
     assert_eq!(held, StatusCode::CONFLICT);

@@ -678,7 +678,7 @@ async fn lost_lease_aborts_with_503() {
     let pg = PgServer::start();
     let admin = admin(&pg).await;
     let (probe, mut entered) = Probe::gated();
-    let layer = layer(backend(&pg, "abort-a"), PATIENCE).abort_on_lease_lost();
+    let layer = layer(backend(&pg, "abort-a"), PATIENCE).abort_on_lease_lost(true);
     let server = Arc::new(serve(app(layer, probe.clone())).await);
 
     // The handler would wait at the gate forever.
@@ -701,7 +701,11 @@ async fn outage_fails_closed_then_recovers() {
     let wait = Duration::from_secs(2);
     let closed = Arc::new(serve(app(layer(backend(&pg, "closed"), wait), probe.clone())).await);
     let open_backend = backend(&pg, "open");
-    let open = serve(app(layer(open_backend, wait).fail_open(), probe.clone())).await;
+    let open = serve(app(
+        layer(open_backend, wait).fail_open(true),
+        probe.clone(),
+    ))
+    .await;
 
     assert_eq!(send(&closed, "/orders/1").await.status, StatusCode::OK);
     assert_eq!(send(&open, "/orders/1").await.status, StatusCode::OK);
@@ -737,7 +741,7 @@ async fn unreachable_database_answers_503_promptly() {
     let backend = || PostgresBackend::from_config_str(&conn).unwrap();
     let wait = Duration::from_secs(5);
     let closed = serve(app(layer(backend(), wait), probe.clone())).await;
-    let open = serve(app(layer(backend(), wait).fail_open(), probe.clone())).await;
+    let open = serve(app(layer(backend(), wait).fail_open(true), probe.clone())).await;
 
     let started = Instant::now();
     let answer = send(&closed, "/orders/1").await;

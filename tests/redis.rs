@@ -510,7 +510,7 @@ async fn abort_on_lease_lost_answers_503() {
     let (gate, mut entered) = gate();
     let backend = connect(&redis, |b| b.lease(Duration::from_millis(600))).await;
     let lock_key = backend.lock_key("orders", "5");
-    let layer = layer(backend).abort_on_lease_lost();
+    let layer = layer(backend).abort_on_lease_lost(true);
     let server = Arc::new(serve(gated_router(gate.clone()).layer(layer.clone())).await);
 
     // The gate never opens: only the abort can end this request.
@@ -622,7 +622,7 @@ async fn redis_outage_fails_closed_or_open_and_the_layer_recovers() {
     let open = KeyedLockLayer::by_path("order_id")
         .name("fail-open")
         .backend(connect(&redis, configure).await)
-        .fail_open();
+        .fail_open(true);
     let server_open = Arc::new(serve(gated_router(gate.clone()).layer(open)).await);
     let rejected_before = counter(
         "keyed_lock_rejected_total",

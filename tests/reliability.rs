@@ -46,7 +46,7 @@ async fn a_handler_that_never_finishes_is_released_by_an_outer_timeout() {
 #[tokio::test]
 async fn a_response_body_dropped_half_way_releases_the_key() {
     let layer = KeyedLockLayer::by_path("id")
-        .hold_until_body_end()
+        .hold_until_body_end(true)
         .wait_timeout(Duration::ZERO);
     // A body that sends one chunk and then never ends.
     let app = Router::new()

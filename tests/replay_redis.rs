@@ -37,9 +37,7 @@ async fn backend(redis: &RedisServer) -> RedisBackend {
 /// lock layer of its own on the shared backend, and the one store.
 async fn kit(redis: &RedisServer) -> Kit {
     let backend = backend(redis).await;
-    let store = RedisReplayStore::new(redis.client(), &backend)
-        .await
-        .expect("store connects");
+    let store = RedisReplayStore::new(&backend);
     Kit {
         lock: Box::new(move || {
             KeyedLockLayer::by_header("idempotency-key")
@@ -77,10 +75,17 @@ rows!(
 async fn silent_store_fails_closed_with_503_or_open_if_configured() {
     let redis = RedisServer::start();
     let backend = backend(&redis).await;
-    // The store talks to Redis through a proxy that can go silent; the lock does not.
+    // The store talks to Redis through a proxy that can go silent (its own backend,
+    // the same keys); the lock does not.
     let proxy = TcpProxy::start(format!("127.0.0.1:{}", redis.port()).parse().unwrap()).await;
     let client = redis::Client::open(format!("redis://{}/", proxy.host_port())).unwrap();
-    let store = RedisReplayStore::new(client, &backend).await.unwrap();
+    let store_backend = RedisBackend::builder(client)
+        .restart_guard(false)
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .expect("backend connects through the proxy");
+    let store = RedisReplayStore::new(&store_backend);
     let kit = Kit {
         lock: Box::new(move || {
             KeyedLockLayer::by_header("idempotency-key")
@@ -178,9 +183,7 @@ async fn memory_store_under_a_distributed_lock_is_refused_at_build_time() {
     assert!(message.contains("MemoryStore"), "{message}");
 
     // A shared store is accepted, and without a backend the memory store is too.
-    let store = RedisReplayStore::new(redis.client(), &backend(&redis).await)
-        .await
-        .expect("store connects");
+    let store = RedisReplayStore::new(&backend(&redis).await);
     let _ = lock.replay(ReplayLayer::new(store));
     let _ = KeyedLockLayer::by_header("idempotency-key")
         .replay(ReplayLayer::new(MemoryStore::default()));
@@ -202,9 +205,7 @@ async fn write_after_a_lost_lease_is_fenced() {
             .unwrap()
     };
     let (backend_a, backend_b) = (short_lease().await, short_lease().await);
-    let store = RedisReplayStore::new(redis.client(), &backend_a)
-        .await
-        .unwrap();
+    let store = RedisReplayStore::new(&backend_a);
     let calls = Arc::new(AtomicUsize::new(0));
     let app = |backend: RedisBackend| {
         let calls = Arc::clone(&calls);

@@ -222,9 +222,7 @@ async fn two_instances_sharing_redis() {
             .build()
             .await
             .unwrap();
-        let store = RedisReplayStore::new(redis.client(), &backend)
-            .await
-            .unwrap();
+        let store = RedisReplayStore::new(&backend);
         let lock = KeyedLockLayer::by_header("webhook-id")
             .name("soak")
             .wait_timeout(Duration::from_secs(10))

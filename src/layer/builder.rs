@@ -93,20 +93,32 @@ impl KeyedLockLayer<HeaderKey> {
     /// The client controls it: a request without it, with an unusable value, or with
     /// the header more than once (which value would the application read?) gets 400.
     ///
+    /// `name` is a [`HeaderName`] or anything that converts into one (a `&str`,
+    /// a `String`).
+    ///
     /// # Panics
-    /// If `name` is not a valid header name (a configuration mistake).
+    /// If `name` is not a valid header name (a configuration mistake, found when the
+    /// layer is built, like `HeaderName::from_static`).
     ///
     /// ```
     /// use std::time::Duration;
+    /// use tower_keyed_lock::http::HeaderName;
     /// use tower_keyed_lock::KeyedLockLayer;
     ///
     /// // A duplicate webhook delivery in flight gets 409 at once.
     /// let layer = KeyedLockLayer::by_header("idempotency-key").wait_timeout(Duration::ZERO);
+    /// // GitHub names each delivery in a header of its own.
+    /// let github = KeyedLockLayer::by_header(HeaderName::from_static("x-github-delivery"));
     /// ```
-    pub fn by_header(name: &str) -> Self {
-        let name = HeaderName::try_from(name)
+    pub fn by_header<N>(name: N) -> Self
+    where
+        N: TryInto<HeaderName> + fmt::Debug + Clone,
+    {
+        let header = name
+            .clone()
+            .try_into()
             .unwrap_or_else(|_| panic!("by_header: {name:?} is not a valid header name"));
-        Self::new(HeaderKey::new(name))
+        Self::new(HeaderKey::new(header))
     }
 }
 
@@ -340,10 +352,10 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// use tower_keyed_lock::KeyedLockLayer;
     ///
     /// // An export streamed to the client is part of the critical section.
-    /// let layer = KeyedLockLayer::by_path("report_id").hold_until_body_end();
+    /// let layer = KeyedLockLayer::by_path("report_id").hold_until_body_end(true);
     /// ```
-    pub fn hold_until_body_end(self) -> Self {
-        self.configure(|c| c.hold_until_body_end = true)
+    pub fn hold_until_body_end(self, enabled: bool) -> Self {
+        self.configure(|c| c.hold_until_body_end = enabled)
     }
 
     /// Logs one `tracing` warning (layer name, hold time so far, a short escaped key
@@ -394,15 +406,16 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
 
     /// When the backend fails, run the request under the in-process lock only (counted
     /// as `keyed_lock_rejected_total{reason="backend"}` and logged) instead of
-    /// answering 503.
-    pub fn fail_open(self) -> Self {
-        self.configure_locks(|locks| locks.fail_open(true))
+    /// answering 503 (`false`, the default).
+    pub fn fail_open(self, fail_open: bool) -> Self {
+        self.configure_locks(|locks| locks.fail_open(fail_open))
     }
 
     /// When a request's distributed lease is lost while it runs, drop the inner future
-    /// and answer 503, instead of only raising [`LockInfo::is_lease_lost`](crate::LockInfo::is_lease_lost).
-    pub fn abort_on_lease_lost(self) -> Self {
-        self.configure(|c| c.abort_on_lease_lost = true)
+    /// and answer 503, instead of only raising [`LockInfo::is_lease_lost`](crate::LockInfo::is_lease_lost)
+    /// (`false`, the default).
+    pub fn abort_on_lease_lost(self, abort: bool) -> Self {
+        self.configure(|c| c.abort_on_lease_lost = abort)
     }
 
     /// Keys with a holder or a waiter now, in this layer's table.

@@ -11,11 +11,13 @@ use crate::key::Key;
 
 /// Put in the request extensions by the layer before the inner service is called.
 ///
+/// With the `axum` feature it is an extractor (`Extension<LockInfo>` works too):
+///
 /// ```
-/// use axum::{routing::post, Extension, Router};
+/// use axum::{routing::post, Router};
 /// use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 ///
-/// async fn pay(Extension(lock): Extension<LockInfo>) -> String {
+/// async fn pay(lock: LockInfo) -> String {
 ///     format!("paid {} after waiting {:?}", lock.key(), lock.waited())
 /// }
 ///
@@ -123,6 +125,47 @@ impl LockInfo {
     }
 }
 
+/// A handler behind the layer can take `LockInfo` as an argument. On a route that is
+/// not behind a lock layer that is a server misconfiguration: 500, with a
+/// `problem+json` body. Where a request may pass unlocked (with
+/// [`allow_missing_key`](crate::KeyedLockLayer::allow_missing_key)), take
+/// `Option<LockInfo>`.
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for LockInfo {
+    type Rejection = crate::reject::Rejection;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        let info = parts.extensions.get::<LockInfo>().cloned();
+        info.ok_or_else(|| {
+            if !LOGGED.swap(true, Ordering::Relaxed) {
+                tracing::error!(
+                    "a handler takes LockInfo, but its route is not behind a KeyedLockLayer"
+                );
+            }
+            crate::reject::Rejection::misconfigured(
+                "the handler expects a held key, but its route is not behind a lock layer",
+            )
+        })
+    }
+}
+
+/// `Option<LockInfo>`: `None` for a request the layer let through without a key.
+#[cfg(feature = "axum")]
+impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for LockInfo {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<LockInfo>().cloned())
+    }
+}
+
 /// What a distributed backend adds to a `LockInfo`.
 #[derive(Clone)]
 struct Remote {
@@ -189,5 +232,63 @@ mod tests {
         // Two layers with one name are still two tables.
         assert_ne!(fixed.id, again.id);
         assert_eq!(fixed.clone().id, fixed.id);
+    }
+}
+
+#[cfg(all(test, feature = "axum"))]
+mod extractor_tests {
+    use axum::body::Body;
+    use axum::routing::post;
+    use axum::Router;
+    use http::{Request, StatusCode};
+    use tower::ServiceExt;
+
+    use super::LockInfo;
+    use crate::KeyedLockLayer;
+
+    async fn post_to(app: Router, uri: &str) -> (StatusCode, String) {
+        let request = Request::post(uri).body(Body::empty()).unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 4096)
+            .await
+            .unwrap();
+        (status, String::from_utf8(body.to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_handler_behind_the_layer_takes_lock_info() {
+        let app = Router::new()
+            .route(
+                "/orders/{id}",
+                post(|lock: LockInfo| async move { lock.key().to_owned() }),
+            )
+            .layer(KeyedLockLayer::by_path("id"));
+        assert_eq!(
+            post_to(app, "/orders/7").await,
+            (StatusCode::OK, "7".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_route_not_behind_the_layer_is_a_500_problem() {
+        let app = Router::new().route("/orders", post(|_: LockInfo| async {}));
+        let (status, body) = post_to(app, "/orders").await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(body.contains(r#""reason":"misconfigured""#), "{body}");
+    }
+
+    #[tokio::test]
+    async fn optional_lock_info_is_none_for_a_request_let_through() {
+        let app = Router::new()
+            .route(
+                "/deliveries",
+                post(|lock: Option<LockInfo>| async move { format!("{}", lock.is_some()) }),
+            )
+            .layer(KeyedLockLayer::by_header("idempotency-key").allow_missing_key());
+        assert_eq!(
+            post_to(app, "/deliveries").await,
+            (StatusCode::OK, "false".into())
+        );
     }
 }

@@ -28,6 +28,21 @@ impl<S> Replay<S> {
             shared,
         }
     }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// The inner service, consuming this one.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Replay<S>

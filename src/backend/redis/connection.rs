@@ -37,7 +37,7 @@ pub(super) enum Target {
 
 /// A connection to a [`Target`]; both kinds reconnect lazily and are cheap to clone.
 #[derive(Clone)]
-pub(super) enum Connection {
+pub(crate) enum Connection {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
 }

@@ -208,6 +208,7 @@ use redis::{Client, ErrorKind, RedisError, Script};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
+pub(crate) use self::connection::Connection;
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
 use self::scripts::ACQUIRE;
@@ -682,6 +683,26 @@ impl RedisBackendBuilder {
                 _stop: stop,
             }),
         })
+    }
+}
+
+impl RedisBackend {
+    /// Runs `command` on the backend's own connection (a single server or a cluster),
+    /// within the command timeout: how the Redis replay store reaches the server its
+    /// records share with the locks.
+    pub(crate) async fn run<T, F>(
+        &self,
+        command: impl FnOnce(Connection) -> F,
+    ) -> Result<T, RedisError>
+    where
+        F: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        let limit = Instant::now() + self.inner.config.command_timeout;
+        match self.inner.commands.run(limit, true, command).await {
+            Ok(value) => Ok(value),
+            Err(connection::Failure::Redis(error)) => Err(error),
+            Err(connection::Failure::TimedOut) => Err(timed_out("a replay store command")),
+        }
     }
 }
 

@@ -2,10 +2,9 @@
 
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
-use redis::{Client, RedisError, Script};
+use redis::Script;
 
-use crate::backend::redis::RedisBackend;
+use crate::backend::redis::{Connection, RedisBackend};
 use crate::BoxFuture;
 
 use super::{RecordKey, ReplayStore, StoreError, Stored};
@@ -41,7 +40,7 @@ return 0
 ///
 /// # async fn run() -> Result<(), redis::RedisError> {
 /// let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
-/// let store = RedisReplayStore::new(redis::Client::open("redis://127.0.0.1/")?, &backend).await?;
+/// let store = RedisReplayStore::new(&backend);
 /// let replay = ReplayLayer::new(store);
 /// let lock = KeyedLockLayer::by_header("webhook-id").name("webhooks").backend(backend);
 /// # let _ = (replay, lock);
@@ -50,20 +49,18 @@ return 0
 /// ```
 #[derive(Clone)]
 pub struct RedisReplayStore {
-    connection: ConnectionManager,
     backend: RedisBackend,
     put: Script,
 }
 
 impl RedisReplayStore {
-    /// A store on the Redis server at `client`, which must be the server of `backend`
-    /// (the lock and the record share a hash tag and one script).
-    pub async fn new(client: Client, backend: &RedisBackend) -> Result<Self, RedisError> {
-        Ok(Self {
-            connection: ConnectionManager::new(client).await?,
+    /// A store on the server (or cluster) of `backend`, through its connection and
+    /// command timeout: the lock and the record share a hash tag and one script.
+    pub fn new(backend: &RedisBackend) -> Self {
+        Self {
             backend: backend.clone(),
             put: Script::new(PUT),
-        })
+        }
     }
 
     /// The lock, fence and record keys of `key`.
@@ -79,13 +76,15 @@ impl RedisReplayStore {
 impl ReplayStore for RedisReplayStore {
     fn get(&self, key: &RecordKey) -> BoxFuture<Result<Option<Record>, StoreError>> {
         let [_, _, record] = self.keys(key);
-        let mut connection = self.connection.clone();
+        let backend = self.backend.clone();
         Box::pin(async move {
-            let bytes: Option<Vec<u8>> = redis::cmd("GET")
-                .arg(record)
-                .query_async(&mut connection)
-                .await
-                .map_err(StoreError::new)?;
+            let get = |mut connection: Connection| async move {
+                redis::cmd("GET")
+                    .arg(record)
+                    .query_async(&mut connection)
+                    .await
+            };
+            let bytes: Option<Vec<u8>> = backend.run(get).await.map_err(StoreError::new)?;
             bytes.map(|bytes| Record::from_bytes(&bytes)).transpose()
         })
     }
@@ -98,7 +97,7 @@ impl ReplayStore for RedisReplayStore {
         fencing_token: Option<u64>,
     ) -> BoxFuture<Result<Stored, StoreError>> {
         let [lock, fence, record_key] = self.keys(key);
-        let mut connection = self.connection.clone();
+        let backend = self.backend.clone();
         let put = self.put.clone();
         Box::pin(async move {
             let token = fencing_token.ok_or_else(|| {
@@ -107,16 +106,17 @@ impl ReplayStore for RedisReplayStore {
                 )
             })?;
             let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-            let written: i64 = put
-                .key(lock)
+            let mut invocation = put.key(lock);
+            invocation
                 .key(fence)
                 .key(record_key)
                 .arg(token.to_string())
                 .arg(record.to_bytes())
-                .arg(ttl_ms)
-                .invoke_async(&mut connection)
-                .await
-                .map_err(StoreError::new)?;
+                .arg(ttl_ms);
+            let write = |mut connection: Connection| async move {
+                invocation.invoke_async(&mut connection).await
+            };
+            let written: i64 = backend.run(write).await.map_err(StoreError::new)?;
             Ok(if written == 1 {
                 Stored::Written
             } else {
