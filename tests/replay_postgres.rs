@@ -375,3 +375,45 @@ async fn first_use_by_many_instances_at_once_sets_up_the_schema_safely_and_quiet
         ROUNDS * 2 * 2 * INSTANCES
     );
 }
+
+/// Expired records are deleted as the store is used (issue 28): no task to schedule.
+/// 600 records that expire at once: after the 256th and 512th writes, batches of
+/// expired rows are gone without a call to `purge_expired`.
+#[tokio::test]
+async fn expired_records_are_purged_as_the_store_is_used() {
+    let pg = PgServer::start();
+    let backend = backend(&pg.conn_str(), "instance");
+    let store = PostgresReplayStore::new(pool(&pg.conn_str()));
+    let app = Router::new()
+        .route("/orders", post(|| async { "made" }))
+        .layer(ReplayLayer::new(store).ttl(Duration::from_millis(1)))
+        .layer(
+            KeyedLockLayer::by_header("idempotency-key")
+                .name(NAME)
+                .backend(backend),
+        );
+    let app = serve(app, Arc::new(Probe::default())).await;
+    for n in 0..600 {
+        app.post("/orders", &format!("order-{n}"), "").await;
+    }
+    let (admin, connection) = tokio_postgres::connect(&pg.conn_str(), NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let rows = || async {
+        let row = admin
+            .query_one("SELECT count(*) FROM keyed_lock_replay", &[])
+            .await
+            .unwrap();
+        row.get::<_, i64>(0)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while rows().await > 600 - 2 * 200 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} rows left of 600 expired writes: nothing was purged",
+            rows().await
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

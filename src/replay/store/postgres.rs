@@ -1,5 +1,6 @@
 //! The PostgreSQL store: a table of records, writes ordered by fencing token.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +18,10 @@ pub const DEFAULT_TABLE: &str = "keyed_lock_replay";
 
 const MAX_TTL_MS: i64 = 100 * 365 * 24 * 60 * 60 * 1000;
 
+/// Every this many writes, one write also deletes up to this many expired rows: the
+/// table stays as large as the records alive, with no task to schedule.
+const PURGE_EVERY: u64 = 256;
+
 /// Records in a PostgreSQL table, created on first use if missing (under an advisory
 /// lock, so instances that start together do not collide, and without a NOTICE when it
 /// exists):
@@ -25,7 +30,7 @@ const MAX_TTL_MS: i64 = 100 * 365 * 24 * 60 * 60 * 1000;
 /// CREATE TABLE keyed_lock_replay (
 ///     layer      text        NOT NULL,  -- the lock layer's name
 ///     key        text        NOT NULL,  -- the request key
-///     scope      text        NOT NULL,  -- hex SHA-256 of method, route, principal
+///     scope      text        NOT NULL,  -- hex SHA-256 of method, route, path, query, principal
 ///     fence      bigint      NOT NULL,  -- the fencing token of the writer
 ///     record     bytea       NOT NULL,  -- Record::to_bytes
 ///     expires_at timestamptz NOT NULL,
@@ -41,8 +46,9 @@ const MAX_TTL_MS: i64 = 100 * 365 * 24 * 60 * 60 * 1000;
 /// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay) refuses it (a panic naming
 /// the fix), and layers stacked by hand answer 500 (misconfigured) before the handler
 /// runs. A stale holder can still insert a record where none exists yet; the
-/// successor's write replaces it. Rows past `expires_at` are never returned;
-/// [`purge_expired`](Self::purge_expired) deletes them.
+/// successor's write replaces it. Rows past `expires_at` are never returned, and
+/// deleted as the store is used: every 256th write also deletes up to 256 expired rows
+/// (in the background). [`purge_expired`](Self::purge_expired) deletes them all at once.
 ///
 /// Give the store its own pool: the lock backend's connections sit idle holding locks.
 #[derive(Clone)]
@@ -50,6 +56,8 @@ pub struct PostgresReplayStore {
     pool: Pool,
     statements: Arc<Statements>,
     created: Arc<OnceCell<()>>,
+    /// Writes so far, by every clone: when to purge a batch.
+    writes: Arc<AtomicU64>,
 }
 
 struct Statements {
@@ -58,6 +66,7 @@ struct Statements {
     get: String,
     put: String,
     purge: String,
+    purge_batch: String,
 }
 
 impl PostgresReplayStore {
@@ -84,6 +93,7 @@ impl PostgresReplayStore {
             pool,
             statements: Arc::new(Statements::for_table(table)),
             created: Arc::new(OnceCell::new()),
+            writes: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -95,6 +105,16 @@ impl PostgresReplayStore {
             .execute(&self.statements.purge, &[])
             .await
             .map_err(StoreError::new)
+    }
+
+    /// Deletes up to [`PURGE_EVERY`] expired rows on `client`, off the request's path.
+    fn purge_batch_in_background(&self, client: deadpool_postgres::Object) {
+        let statements = self.statements.clone();
+        tokio::spawn(async move {
+            if let Err(error) = client.execute(&statements.purge_batch, &[]).await {
+                tracing::debug!(%error, "purging expired replay records failed");
+            }
+        });
     }
 
     /// A pooled connection, after the table exists.
@@ -135,6 +155,10 @@ impl Statements {
                  WHERE t.fence < EXCLUDED.fence"
             ),
             purge: format!("DELETE FROM {table} WHERE expires_at <= now()"),
+            purge_batch: format!(
+                "DELETE FROM {table} WHERE ctid = ANY(ARRAY(\
+                   SELECT ctid FROM {table} WHERE expires_at <= now() LIMIT {PURGE_EVERY}))"
+            ),
         }
     }
 }
@@ -188,6 +212,9 @@ impl ReplayStore for PostgresReplayStore {
                 )
                 .await
                 .map_err(StoreError::new)?;
+            if store.writes.fetch_add(1, Ordering::Relaxed) % PURGE_EVERY == PURGE_EVERY - 1 {
+                store.purge_batch_in_background(client);
+            }
             Ok(if written == 1 {
                 Stored::Written
             } else {
