@@ -515,3 +515,88 @@ impl Deployment for TableDeployment {
 async fn a_backend_written_outside_the_crate_conforms() {
     tower_keyed_lock::testkit::run_all(&TableDeployment(TableService::default())).await;
 }
+
+// ------------------------------------------------------ RELIABILITY.md, checked
+
+/// The columns of RELIABILITY.md's conformance table, as the fixture modules here.
+const COLUMNS: [(&str, &str); 6] = [
+    ("Redis", "redis"),
+    ("Redis Cluster", "redis_cluster"),
+    ("PostgreSQL", "postgres"),
+    (
+        "PostgreSQL, transaction scope via PgBouncer",
+        "pgbouncer_transaction",
+    ),
+    ("DynamoDB", "dynamodb"),
+    ("a backend outside the crate", "outside"),
+];
+
+/// RELIABILITY.md's conformance table says ✓ exactly where this binary runs a check
+/// for a fixture: its list of tests (`--list`) is the suite.
+#[cfg(all(feature = "redis", feature = "postgres", feature = "dynamodb"))]
+#[test]
+fn reliability_table_matches_the_suite() {
+    use std::collections::BTreeSet;
+
+    let listed = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--list", "--format", "terse"])
+        .output()
+        .expect("the test binary lists its tests");
+    let listed = String::from_utf8(listed.stdout).unwrap();
+    let mut run: BTreeSet<(String, String)> = BTreeSet::new();
+    for name in listed
+        .lines()
+        .filter_map(|line| line.strip_suffix(": test"))
+    {
+        let parts: Vec<&str> = name.split("::").collect();
+        match parts.as_slice() {
+            ["faults" | "through_the_layer", fixture, check] | [fixture, check] => {
+                run.insert((fixture.to_string(), check.to_string()));
+            }
+            ["a_backend_written_outside_the_crate_conforms"] => {
+                for check in tower_keyed_lock::testkit::CHECKS {
+                    run.insert(("outside".into(), check.into()));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    let document =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/RELIABILITY.md")).unwrap();
+    let table = document
+        .split("<!-- conformance-table: begin -->")
+        .nth(1)
+        .and_then(|rest| rest.split("<!-- conformance-table: end -->").next())
+        .expect("RELIABILITY.md has the conformance table between its markers");
+    let mut rows = table.lines().filter(|line| line.starts_with('|'));
+    let header: Vec<&str> = rows.next().unwrap().split('|').map(str::trim).collect();
+    let columns: Vec<&str> = header[2..header.len() - 1]
+        .iter()
+        .map(|title| {
+            COLUMNS
+                .iter()
+                .find(|(heading, _)| heading == title)
+                .unwrap_or_else(|| panic!("unknown column {title:?} in RELIABILITY.md"))
+                .1
+        })
+        .collect();
+    let mut documented: BTreeSet<(String, String)> = BTreeSet::new();
+    for row in rows.skip(1) {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        let check = cells[1].trim_matches('`');
+        for (fixture, cell) in columns.iter().zip(&cells[2..]) {
+            if *cell == "✓" {
+                documented.insert((fixture.to_string(), check.to_owned()));
+            }
+        }
+    }
+    let undocumented: Vec<_> = run.difference(&documented).collect();
+    let unrun: Vec<_> = documented.difference(&run).collect();
+    assert!(
+        undocumented.is_empty() && unrun.is_empty(),
+        "RELIABILITY.md's conformance table and the suite disagree:\n\
+         run but not marked ✓: {undocumented:?}\n\
+         marked ✓ but not run: {unrun:?}"
+    );
+}

@@ -80,7 +80,18 @@ pub trait Deployment: Send + Sync {
     fn loss_bound(&self) -> Duration;
 }
 
-/// Runs every check, each on keys of its own.
+/// The names of the checks [`run_all`] runs, in its order.
+pub const CHECKS: [&str; 7] = [
+    "one_holder_at_a_time",
+    "busy_and_timeout",
+    "release_hands_over",
+    "fencing_tokens_increase",
+    "dropped_acquisitions_leave_nothing_held",
+    "a_stalled_holder_sees_its_lease_lost",
+    "a_crashed_holder_is_taken_over",
+];
+
+/// Runs every check of [`CHECKS`], each on keys of its own.
 pub async fn run_all<D: Deployment>(deployment: &D) {
     one_holder_at_a_time(deployment).await;
     busy_and_timeout(deployment).await;
