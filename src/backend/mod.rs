@@ -333,3 +333,112 @@ pub(crate) fn acquire_detached(
         }
     })
 }
+
+#[cfg(all(test, not(loom)))]
+mod lease_signal_tests {
+    use std::time::Duration;
+
+    use proptest::prelude::*;
+    use tokio::time::Instant;
+
+    use super::LeaseSignal;
+
+    /// What can happen to a lease while a holder looks at its signal.
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// Time passes (ms).
+        Wait(u64),
+        /// A renewal answered: valid for this many ms from now.
+        Extend(u64),
+        /// The backend says the lease is gone.
+        Lose,
+        /// The lease is released (its sender dropped).
+        Release,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => (0u64..40).prop_map(Step::Wait),
+            3 => (0u64..40).prop_map(Step::Extend),
+            1 => Just(Step::Lose),
+            1 => Just(Step::Release),
+        ]
+    }
+
+    proptest! {
+        /// Against a model: lost once raised or once the clock passed the deadline,
+        /// and never un-lost — a renewal answered after the deadline does not revive
+        /// it, and a release freezes what was true then.
+        #[test]
+        fn the_signal_follows_the_clock_and_stays_lost(steps in prop::collection::vec(step(), 1..40)) {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let (sender, signal) = LeaseSignal::with_deadline(Instant::now() + Duration::from_millis(20));
+                let mut sender = Some(sender);
+                // The model.
+                let mut deadline = Some(Instant::now() + Duration::from_millis(20));
+                let mut lost = false;
+                let mut seen_lost = false;
+                for step in steps {
+                    match step {
+                        Step::Wait(ms) => tokio::time::advance(Duration::from_millis(ms)).await,
+                        Step::Extend(ms) => {
+                            if let Some(sender) = &sender {
+                                let now = Instant::now();
+                                let expired = lost || deadline.is_some_and(|d| now >= d);
+                                let extended = sender.extend(now + Duration::from_millis(ms));
+                                prop_assert_eq!(extended, !expired);
+                                if expired { lost = true } else { deadline = Some(now + Duration::from_millis(ms)) }
+                            }
+                        }
+                        Step::Lose => {
+                            if let Some(sender) = &sender {
+                                sender.lose();
+                                lost = true;
+                            }
+                        }
+                        Step::Release => {
+                            if sender.take().is_some() {
+                                lost = lost || deadline.is_some_and(|d| Instant::now() >= d);
+                                deadline = None;
+                            }
+                        }
+                    }
+                    let expected = lost || deadline.is_some_and(|d| Instant::now() >= d);
+                    prop_assert_eq!(signal.is_lost(), expected);
+                    prop_assert!(!seen_lost || signal.is_lost(), "a lost lease came back");
+                    seen_lost |= signal.is_lost();
+                }
+                Ok(())
+            })?;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lost_resolves_at_the_deadline_without_the_sender() {
+        let (sender, signal) =
+            LeaseSignal::with_deadline(Instant::now() + Duration::from_millis(50));
+        let started = Instant::now();
+        signal.lost().await;
+        assert_eq!(started.elapsed(), Duration::from_millis(50));
+        drop(sender);
+        // Released after the deadline: it stays lost.
+        assert!(signal.is_lost());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_released_lease_is_never_lost() {
+        let (sender, signal) =
+            LeaseSignal::with_deadline(Instant::now() + Duration::from_millis(50));
+        drop(sender);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(!signal.is_lost());
+        assert!(tokio::time::timeout(Duration::from_secs(1), signal.lost())
+            .await
+            .is_err());
+    }
+}
