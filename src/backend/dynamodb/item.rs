@@ -5,10 +5,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::backend::ttl::sha256_hex;
 use aws_sdk_dynamodb::types::AttributeValue;
-use sha2::{Digest, Sha256};
-
-use crate::backend::ttl::push_hex;
 
 /// The random token of the acquisition that holds the key; absent while free.
 pub(super) const OWNER: &str = "lock_owner";
@@ -65,9 +63,7 @@ pub(super) fn partition_value(prefix: &str, name: &str, key: &str) -> String {
     if !key.starts_with('#') && plain_len <= MAX_PARTITION_KEY {
         return format!("{prefix}{name}:{key}");
     }
-    let mut value = format!("{prefix}{name}:#");
-    push_hex(&mut value, &Sha256::digest(key.as_bytes()));
-    value
+    format!("{prefix}{name}:#{}", sha256_hex(key))
 }
 
 /// Another owner's hold on a key, as read from its item.
@@ -134,12 +130,6 @@ pub(super) fn millis(duration: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sha256_hex(text: &str) -> String {
-        let mut out = String::new();
-        push_hex(&mut out, &Sha256::digest(text.as_bytes()));
-        out
-    }
 
     #[test]
     fn plain_keys_are_kept_after_the_prefix_and_name() {

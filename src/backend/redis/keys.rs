@@ -4,9 +4,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use sha2::{Digest, Sha256};
-
-use crate::backend::ttl::push_hex;
+use crate::backend::ttl::sha256_hex;
 
 /// Names and keys longer than this are hashed.
 const MAX_PLAIN_LEN: usize = 64;
@@ -46,21 +44,12 @@ fn component(text: &str) -> Cow<'_, str> {
     if !text.is_empty() && text.len() <= MAX_PLAIN_LEN && text.bytes().all(plain) {
         return Cow::Borrowed(text);
     }
-    let mut hashed = String::with_capacity(65);
-    hashed.push('#');
-    push_hex(&mut hashed, &Sha256::digest(text.as_bytes()));
-    Cow::Owned(hashed)
+    Cow::Owned(format!("#{}", sha256_hex(text)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sha256_hex(text: &str) -> String {
-        let mut out = String::new();
-        push_hex(&mut out, &Sha256::digest(text.as_bytes()));
-        out
-    }
 
     #[test]
     fn plain_names_and_keys_are_kept() {

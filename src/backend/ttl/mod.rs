@@ -26,10 +26,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub(crate) use self::backoff::{jitter, Backoff};
+#[cfg(feature = "redis")]
+pub(crate) use self::backoff::jitter;
+pub(crate) use self::backoff::Backoff;
 pub(crate) use self::give_back::InFlight;
 pub(crate) use self::lease::grant;
-pub(crate) use self::token::{fresh_token, push_hex};
+pub(crate) use self::token::{fresh_token, sha256_hex};
 
 /// The timing every lease of one backend follows.
 #[derive(Debug, Clone, Copy)]

@@ -3,12 +3,21 @@
 use crate::LockError;
 
 /// Appends `bytes` to `out` in lowercase hex.
-pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+fn push_hex(out: &mut String, bytes: &[u8]) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     for &b in bytes {
         out.push(char::from(HEX[usize::from(b >> 4)]));
         out.push(char::from(HEX[usize::from(b & 0xf)]));
     }
+}
+
+/// The lowercase hex SHA-256 of `text`: how keys too long or too odd for an engine's
+/// names are written, stable across builds and machines.
+pub(crate) fn sha256_hex(text: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let mut out = String::with_capacity(64);
+    push_hex(&mut out, &Sha256::digest(text.as_bytes()));
+    out
 }
 
 /// A fresh random 128-bit token, in hex; [`LockError::Backend`] if the system has no
@@ -25,6 +34,15 @@ pub(crate) fn fresh_token() -> Result<String, LockError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sha256_is_the_standard_one() {
+        // The FIPS 180-2 test vector: SHA-256, not a per-process hasher.
+        assert_eq!(
+            sha256_hex("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
 
     #[test]
     fn tokens_are_128_random_bits_in_hex() {
