@@ -7,30 +7,13 @@
     allow(dead_code)
 )]
 
-#[cfg(feature = "redis")]
-#[path = "support/redis_cluster.rs"]
-mod cluster_server;
-#[cfg(feature = "dynamodb")]
-#[path = "support/dynamo_server.rs"]
-mod dynamo_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pg_server.rs"]
-mod pg_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pgbouncer.rs"]
-mod pgbouncer;
-#[cfg(feature = "redis")]
-#[path = "support/redis_server.rs"]
-mod redis_server;
-#[path = "distributed/servers.rs"]
-mod servers;
 mod support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use servers::{Fixture, Proxied, Remote};
+use support::fixtures::{Fixture, Proxied, Remote};
 use support::tcp_proxy::TcpProxy;
 use tokio::time::{sleep, sleep_until, Instant};
 use tower_keyed_lock::backend::{BoxFuture, LeaseLostSender, ReleaseLease};
@@ -82,22 +65,26 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $check() {
                 crate::show_figures();
-                let deployment = crate::Conformance(<$fixture as crate::servers::Fixture>::start());
+                let deployment = crate::Conformance(<$fixture as crate::support::fixtures::Fixture>::start());
                 tower_keyed_lock::testkit::$check(&deployment).await;
             }
         )*
     };
 }
 
-conformance!(redis, crate::servers::Redis, "redis");
-conformance!(redis_cluster, crate::servers::RedisCluster, "redis");
-conformance!(postgres, crate::servers::Postgres, "postgres");
+conformance!(redis, crate::support::fixtures::Redis, "redis");
+conformance!(
+    redis_cluster,
+    crate::support::fixtures::RedisCluster,
+    "redis"
+);
+conformance!(postgres, crate::support::fixtures::Postgres, "postgres");
 conformance!(
     pgbouncer_transaction,
-    crate::servers::PgBouncerTransaction,
+    crate::support::fixtures::PgBouncerTransaction,
     "postgres"
 );
-conformance!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+conformance!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -119,16 +106,16 @@ macro_rules! faults {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $check() {
-                crate::$check(&<$fixture as crate::servers::Fixture>::start()).await;
+                crate::$check(&<$fixture as crate::support::fixtures::Fixture>::start()).await;
             }
         )*
     };
 }
 
 mod faults {
-    faults!(redis, crate::servers::Redis, "redis");
-    faults!(postgres, crate::servers::Postgres, "postgres");
-    faults!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+    faults!(redis, crate::support::fixtures::Redis, "redis");
+    faults!(postgres, crate::support::fixtures::Postgres, "postgres");
+    faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
 }
 
 // ------------------------------------------------------------- through the layer
@@ -140,7 +127,7 @@ macro_rules! through_the_layer {
         mod $module {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn one_handler_at_a_time_across_instances_over_http() {
-                let fixture = <$fixture as crate::servers::Fixture>::start();
+                let fixture = <$fixture as crate::support::fixtures::Fixture>::start();
                 crate::one_handler_at_a_time_across_instances_over_http(&fixture).await;
             }
         }
@@ -148,15 +135,19 @@ macro_rules! through_the_layer {
 }
 
 mod through_the_layer {
-    through_the_layer!(redis, crate::servers::Redis, "redis");
-    through_the_layer!(redis_cluster, crate::servers::RedisCluster, "redis");
-    through_the_layer!(postgres, crate::servers::Postgres, "postgres");
+    through_the_layer!(redis, crate::support::fixtures::Redis, "redis");
+    through_the_layer!(
+        redis_cluster,
+        crate::support::fixtures::RedisCluster,
+        "redis"
+    );
+    through_the_layer!(postgres, crate::support::fixtures::Postgres, "postgres");
     through_the_layer!(
         pgbouncer_transaction,
-        crate::servers::PgBouncerTransaction,
+        crate::support::fixtures::PgBouncerTransaction,
         "postgres"
     );
-    through_the_layer!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+    through_the_layer!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
 }
 
 /// Two instances of an axum app, each with its own backend, take 40 requests for one
@@ -221,7 +212,7 @@ const SLACK: Duration = Duration::from_secs(1);
 /// instance is granted.
 async fn a_cut_off_holder_is_told_before_another_instance_is_granted<F: Proxied>(fixture: &F) {
     let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = servers::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let a = support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     let b = fixture.instance("b").await;
     let guard = a.lock("cut").await.unwrap();
     let signal = guard.lease().expect("a remote lease").clone();
@@ -260,7 +251,7 @@ async fn a_cut_off_holder_is_told_before_another_instance_is_granted<F: Proxied>
 /// serves again without a restart.
 async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: &F) {
     let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = servers::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let a = support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     // A connection in use before the fault.
     a.lock("warm").await.unwrap().release().await;
     proxy.blackhole();
@@ -301,7 +292,7 @@ async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: 
 /// keeps the lease: renewals or liveness checks get through, for twice the loss bound.
 async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
     let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = servers::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let a = support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     let b = fixture.instance("b").await;
     let guard = a.lock("slow").await.unwrap();
     proxy.delay(fixture.network_timeout() / 4);
@@ -322,7 +313,7 @@ async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
 /// other instance is granted), and the backend reconnects for the next acquisition.
 async fn a_reset_connection_is_a_lost_lease_and_recovers<F: Proxied>(fixture: &F) {
     let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = servers::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let a = support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     let b = fixture.instance("b").await;
     let guard = a.lock("reset").await.unwrap();
     let signal = guard.lease().expect("a remote lease").clone();

@@ -12,30 +12,13 @@
     allow(dead_code)
 )]
 
-#[cfg(feature = "redis")]
-#[path = "support/redis_cluster.rs"]
-mod cluster_server;
-#[cfg(feature = "dynamodb")]
-#[path = "support/dynamo_server.rs"]
-mod dynamo_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pg_server.rs"]
-mod pg_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pgbouncer.rs"]
-mod pgbouncer;
-#[cfg(feature = "redis")]
-#[path = "support/redis_server.rs"]
-mod redis_server;
 #[macro_use]
-#[path = "distributed/servers.rs"]
-mod servers;
 mod support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use servers::{
+use support::fixtures::{
     eventually, locks_on, wait_free, within, Counting, Fixture, Remote, FREED_WITHIN, PATIENCE,
 };
 use support::Overlap;
@@ -309,7 +292,7 @@ async fn local_waiters_share_one_remote_contender<F: Remote>() {
 async fn server_down_fails_closed_or_open<F: Remote>() {
     let mut fixture = F::start();
     let closed = fixture.instance("closed").await;
-    let open = DistributedLocks::builder(servers::NAME)
+    let open = DistributedLocks::builder(support::fixtures::NAME)
         .shared_backend(fixture.backend("open").await)
         .fail_open(true)
         .build();
@@ -350,7 +333,7 @@ async fn server_down_fails_closed_or_open<F: Remote>() {
 /// Bad keys are refused before any lock is touched: no panic, nothing held.
 #[tokio::test]
 async fn invalid_keys_are_refused() {
-    let locks = DistributedLocks::builder(servers::NAME)
+    let locks = DistributedLocks::builder(support::fixtures::NAME)
         .max_key_len(8)
         .build();
     for key in ["", "line\nbreak", "longer than eight"] {
@@ -371,7 +354,7 @@ async fn invalid_keys_are_refused() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_silent_server_ends_waits_in_time() {
-    let fixture = <servers::Redis as Fixture>::start();
+    let fixture = <support::fixtures::Redis as Fixture>::start();
     let a = fixture.instance("a").await;
     a.lock("report").await.unwrap().release().await;
     let command_timeout = Duration::from_millis(500);

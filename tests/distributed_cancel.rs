@@ -9,30 +9,13 @@
     allow(dead_code)
 )]
 
-#[cfg(feature = "redis")]
-#[path = "support/redis_cluster.rs"]
-mod cluster_server;
-#[cfg(feature = "dynamodb")]
-#[path = "support/dynamo_server.rs"]
-mod dynamo_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pg_server.rs"]
-mod pg_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pgbouncer.rs"]
-mod pgbouncer;
-#[cfg(feature = "redis")]
-#[path = "support/redis_server.rs"]
-mod redis_server;
 #[macro_use]
-#[path = "distributed/servers.rs"]
-mod servers;
 mod support;
 
 use std::task::Poll;
 use std::time::Duration;
 
-use servers::{
+use support::fixtures::{
     eventually, locks_on, poll_once, state, wait_free, Counting, Fixture, Remote, FREED_WITHIN,
 };
 use tower_keyed_lock::LockError;
@@ -228,7 +211,7 @@ async fn release_dropped_midway<F: Fixture>() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_release_dropped_during_a_script_reload() {
-    let fixture = <servers::Redis as Fixture>::start();
+    let fixture = <support::fixtures::Redis as Fixture>::start();
     let (a, b) = (fixture.instance("a").await, fixture.instance("b").await);
     let mut admin = fixture
         .0

@@ -8,24 +8,7 @@
     allow(dead_code)
 )]
 
-#[cfg(feature = "redis")]
-#[path = "support/redis_cluster.rs"]
-mod cluster_server;
-#[cfg(feature = "dynamodb")]
-#[path = "support/dynamo_server.rs"]
-mod dynamo_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pg_server.rs"]
-mod pg_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pgbouncer.rs"]
-mod pgbouncer;
-#[cfg(feature = "redis")]
-#[path = "support/redis_server.rs"]
-mod redis_server;
 #[macro_use]
-#[path = "distributed/servers.rs"]
-mod servers;
 mod support;
 
 use std::collections::HashMap;
@@ -33,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use servers::{locks_on, within, Fixture, Remote, PATIENCE};
+use support::fixtures::{locks_on, within, Fixture, Remote, PATIENCE};
 use tokio::sync::Barrier;
 use tower_keyed_lock::{DistributedLocks, LockError};
 

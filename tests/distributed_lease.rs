@@ -9,31 +9,14 @@
     allow(dead_code)
 )]
 
-#[cfg(feature = "redis")]
-#[path = "support/redis_cluster.rs"]
-mod cluster_server;
-#[cfg(feature = "dynamodb")]
-#[path = "support/dynamo_server.rs"]
-mod dynamo_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pg_server.rs"]
-mod pg_server;
-#[cfg(feature = "postgres")]
-#[path = "support/pgbouncer.rs"]
-mod pgbouncer;
-#[cfg(feature = "redis")]
-#[path = "support/redis_server.rs"]
-mod redis_server;
 #[macro_use]
-#[path = "distributed/servers.rs"]
-mod servers;
 mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use servers::{wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE};
+use support::fixtures::{wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE};
 use tokio::sync::Notify;
 use tower_keyed_lock::LeaseLost;
 
@@ -155,7 +138,7 @@ async fn work_stops_when_the_server_dies<F: Remote>() {
 async fn redis_work_stops_when_an_unrenewed_lease_runs_out() {
     use tower_keyed_lock::{LockError, RedisBackend};
 
-    let fixture = <servers::Redis as Fixture>::start();
+    let fixture = <support::fixtures::Redis as Fixture>::start();
     let lease = Duration::from_millis(300);
     let unrenewed = RedisBackend::builder(fixture.0.client())
         // A server started for this run: no instance can hold a key it lost.
@@ -165,7 +148,7 @@ async fn redis_work_stops_when_an_unrenewed_lease_runs_out() {
         .build()
         .await
         .unwrap();
-    let a = servers::locks_on(Arc::new(unrenewed));
+    let a = support::fixtures::locks_on(Arc::new(unrenewed));
     let b = fixture.instance("b").await;
     let (dropped, started) = (Dropped::default(), Arc::new(Notify::new()));
 

@@ -3,8 +3,6 @@
 //! clients are two instances of one service.
 #![cfg(feature = "dynamodb")]
 
-#[path = "support/dynamo_server.rs"]
-mod dynamo_server;
 mod support;
 
 use std::collections::HashMap;
@@ -17,8 +15,8 @@ use aws_sdk_dynamodb::Client;
 use axum::extract::Extension;
 use axum::routing::post;
 use axum::Router;
-use dynamo_server::DynamoServer;
 use http::StatusCode;
+use support::dynamo_server::DynamoServer;
 use support::recorder::counter;
 use support::{serve, Answer, Overlap, Server};
 use tokio::sync::{mpsc, Barrier, Semaphore};
@@ -1117,7 +1115,7 @@ async fn an_unreachable_endpoint_fails_setup_promptly() {
         .local_addr()
         .unwrap()
         .port();
-    let client = dynamo_server::client_for(&format!("http://127.0.0.1:{port}"));
+    let client = support::dynamo_server::client_for(&format!("http://127.0.0.1:{port}"));
     let started = Instant::now();
     let result = DynamoDbBackend::builder(client, TABLE)
         .command_timeout(Duration::from_millis(300))
@@ -1233,7 +1231,7 @@ async fn throttled_writes_are_retried_then_fail_as_backend_errors() {
     let dynamo = DynamoServer::start();
     let front = ThrottlingFront::start(dynamo.url()).await;
     connect(&dynamo, |b| b).await; // creates the table
-    let backend = DynamoDbBackend::builder(dynamo_server::client_for(&front.url), TABLE)
+    let backend = DynamoDbBackend::builder(support::dynamo_server::client_for(&front.url), TABLE)
         .command_timeout(Duration::from_secs(2))
         .build()
         .await

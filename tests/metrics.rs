@@ -1,8 +1,5 @@
 //! The metrics and the long-hold warning, recorded through real recorders.
 
-#[cfg(feature = "redis")]
-#[path = "support/redis_server.rs"]
-mod redis_server;
 mod support;
 
 use std::collections::BTreeMap;
@@ -332,7 +329,7 @@ async fn layers_sharing_a_name_add_up_in_the_key_gauge() {
 #[cfg(feature = "redis")]
 mod with_a_backend {
     use super::*;
-    use crate::redis_server::RedisServer;
+    use crate::support::redis_server::RedisServer;
     use tower_keyed_lock::backend::redis::RedisBackend;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,8 +3,6 @@
 //! layers with their own backends and pools on one database.
 #![cfg(feature = "postgres")]
 
-#[path = "support/pg_server.rs"]
-mod pg_server;
 mod support;
 
 use std::future::Future;
@@ -15,7 +13,7 @@ use axum::extract::Extension;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use pg_server::PgServer;
+use support::pg_server::PgServer;
 use support::recorder::counter;
 use support::{serve, Overlap, Server};
 use tokio::sync::{mpsc, Semaphore};
@@ -731,7 +729,7 @@ async fn outage_fails_closed_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unreachable_database_answers_503_promptly() {
-    let port = pg_server::free_port();
+    let port = support::pg_server::free_port();
     let conn = format!("host=127.0.0.1 port={port} user=postgres");
     let (probe, _entered) = Probe::open(Duration::ZERO);
     let backend = || PostgresBackend::from_config_str(&conn).unwrap();

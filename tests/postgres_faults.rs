@@ -5,8 +5,6 @@
 //! timing tests run (default 3).
 #![cfg(feature = "postgres")]
 
-#[path = "support/pg_server.rs"]
-mod pg_server;
 mod support;
 
 use std::future::Future;
@@ -14,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pg_server::PgServer;
+use support::pg_server::PgServer;
 use support::tcp_proxy::TcpProxy;
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{

@@ -4,18 +4,14 @@
 //! transaction-scoped locks work through both.
 #![cfg(feature = "postgres")]
 
-#[path = "support/pg_server.rs"]
-mod pg_server;
-#[path = "support/pgbouncer.rs"]
-mod pgbouncer;
 mod support;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pg_server::PgServer;
-use pgbouncer::{PgBouncer, PoolMode};
+use support::pg_server::PgServer;
+use support::pgbouncer::{PgBouncer, PoolMode};
 use support::Overlap;
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};

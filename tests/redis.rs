@@ -3,8 +3,6 @@
 //! instances of one service.
 #![cfg(feature = "redis")]
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
 mod support;
 
 use std::collections::HashMap;
@@ -17,9 +15,9 @@ use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
 use redis::aio::MultiplexedConnection;
-use redis_server::RedisServer;
 use sha2::{Digest, Sha256};
 use support::recorder::counter;
+use support::redis_server::RedisServer;
 use support::{serve, Answer, Overlap, Server};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 use tokio::task::JoinHandle;

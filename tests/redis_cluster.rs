@@ -6,10 +6,7 @@
 //! run's length: `CLUSTER_SOAK_SECS` (default 6).
 #![cfg(feature = "redis")]
 
-#[path = "support/redis_cluster.rs"]
-mod redis_cluster;
-#[path = "support/redis_server.rs"]
-mod redis_server;
+mod support;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -17,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis_cluster::RedisCluster;
-use redis_server::cli;
+use support::redis_cluster::RedisCluster;
+use support::redis_server::cli;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{Key, LockBackend, LockError};

@@ -7,8 +7,6 @@
 //! `cargo test --all-features --test redis_faults -- --nocapture`.
 #![cfg(feature = "redis")]
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
 mod support;
 
 use std::future::Future;
@@ -20,7 +18,7 @@ use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
 use redis::aio::MultiplexedConnection;
-use redis_server::RedisServer;
+use support::redis_server::RedisServer;
 use support::tcp_proxy::TcpProxy;
 use support::{eventually, serve, Overlap, Server};
 use tokio::time::Instant;

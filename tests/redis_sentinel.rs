@@ -3,13 +3,12 @@
 //! and `redis-server --sentinel` processes on free ports.
 #![cfg(feature = "redis")]
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
+mod support;
 
 use std::future::Future;
 use std::time::Duration;
 
-use redis_server::{cli, RedisServer, SENTINEL_MASTER};
+use support::redis_server::{cli, RedisServer, SENTINEL_MASTER};
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, LockBackend, LockError};

@@ -3,7 +3,6 @@
 //! every await.
 #![cfg(feature = "replay")]
 
-mod replay_support;
 mod support;
 
 use std::future::Future;
@@ -17,7 +16,7 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use metrics_util::debugging::DebugValue;
-use replay_support::{serve, Kit, Probe, PATIENCE};
+use support::replay::{serve, Kit, Probe, PATIENCE};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -34,52 +33,52 @@ fn kit() -> Kit {
 
 #[tokio::test]
 async fn duplicate_after_completion_is_replayed() {
-    replay_support::duplicate_after_completion_is_replayed(&kit()).await;
+    support::replay::duplicate_after_completion_is_replayed(&kit()).await;
 }
 
 #[tokio::test]
 async fn duplicate_in_flight_waits_then_replays() {
-    replay_support::duplicate_in_flight_waits_then_replays(&kit()).await;
+    support::replay::duplicate_in_flight_waits_then_replays(&kit()).await;
 }
 
 #[tokio::test]
 async fn duplicate_in_flight_without_waiting_gets_409() {
-    replay_support::duplicate_in_flight_without_waiting_gets_409(&kit()).await;
+    support::replay::duplicate_in_flight_without_waiting_gets_409(&kit()).await;
 }
 
 #[tokio::test]
 async fn different_fingerprint_is_rejected() {
-    replay_support::different_fingerprint_is_rejected(&kit()).await;
+    support::replay::different_fingerprint_is_rejected(&kit()).await;
 }
 
 #[tokio::test]
 async fn transient_answers_are_not_stored() {
-    replay_support::transient_answers_are_not_stored(&kit()).await;
+    support::replay::transient_answers_are_not_stored(&kit()).await;
 }
 
 #[tokio::test]
 async fn panic_stores_nothing() {
-    replay_support::panic_stores_nothing(&kit()).await;
+    support::replay::panic_stores_nothing(&kit()).await;
 }
 
 #[tokio::test]
 async fn cancelled_request_stores_nothing() {
-    replay_support::cancelled_request_stores_nothing(&kit()).await;
+    support::replay::cancelled_request_stores_nothing(&kit()).await;
 }
 
 #[tokio::test]
 async fn body_over_the_limit_passes_through() {
-    replay_support::body_over_the_limit_passes_through(&kit()).await;
+    support::replay::body_over_the_limit_passes_through(&kit()).await;
 }
 
 #[tokio::test]
 async fn expired_record_is_a_new_request() {
-    replay_support::expired_record_is_a_new_request(&kit()).await;
+    support::replay::expired_record_is_a_new_request(&kit()).await;
 }
 
 #[tokio::test]
 async fn key_is_scoped_by_route() {
-    replay_support::key_is_scoped_by_route(&kit()).await;
+    support::replay::key_is_scoped_by_route(&kit()).await;
 }
 
 /// Issue 25: with the fingerprint off, a key reused on another resource (another path,
@@ -162,7 +161,7 @@ async fn key_is_scoped_by_principal() {
 async fn replays_and_rejections_are_counted_without_keys() {
     support::recorder::install(); // installed before the layer registers handles
     let layer = "replay-metrics";
-    let app = replay_support::app(
+    let app = support::replay::app(
         KeyedLockLayer::by_header("idempotency-key").name(layer),
         ReplayLayer::new(MemoryStore::default()),
         Arc::new(Probe::default()),

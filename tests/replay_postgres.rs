@@ -4,9 +4,6 @@
 //! silent store.
 #![cfg(all(feature = "replay", feature = "postgres"))]
 
-#[path = "support/pg_server.rs"]
-mod pg_server;
-mod replay_support;
 mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -17,8 +14,8 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use deadpool_postgres::{Manager, Pool};
 use http::StatusCode;
-use pg_server::PgServer;
-use replay_support::{serve, Kit, Probe};
+use support::pg_server::PgServer;
+use support::replay::{serve, Kit, Probe};
 use support::tcp_proxy::TcpProxy;
 use tokio_postgres::NoTls;
 use tower_keyed_lock::backend::postgres::PostgresBackend;
@@ -64,7 +61,7 @@ macro_rules! rows {
         #[tokio::test]
         async fn $row() {
             let pg = PgServer::start();
-            replay_support::$row(&kit(&pg)).await;
+            support::replay::$row(&kit(&pg)).await;
         }
     )*};
 }

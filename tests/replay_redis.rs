@@ -3,9 +3,6 @@
 //! a silent store, the fenced write after a lost lease, and the refused memory store.
 #![cfg(all(feature = "replay", feature = "redis"))]
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
-mod replay_support;
 mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -15,8 +12,8 @@ use std::time::Duration;
 use axum::routing::post;
 use axum::{Extension, Router};
 use http::StatusCode;
-use redis_server::RedisServer;
-use replay_support::{serve, Kit, Probe};
+use support::redis_server::RedisServer;
+use support::replay::{serve, Kit, Probe};
 use support::tcp_proxy::TcpProxy;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::replay::{MemoryStore, RedisReplayStore, ReplayLayer};
@@ -55,7 +52,7 @@ macro_rules! rows {
         #[tokio::test]
         async fn $row() {
             let redis = RedisServer::start();
-            replay_support::$row(&kit(&redis).await).await;
+            support::replay::$row(&kit(&redis).await).await;
         }
     )*};
 }

@@ -12,10 +12,7 @@
 //! ```
 #![cfg(all(feature = "replay", feature = "redis", feature = "postgres"))]
 
-#[path = "support/pg_server.rs"]
-mod pg_server;
-#[path = "support/redis_server.rs"]
-mod redis_server;
+mod support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -31,8 +28,8 @@ use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use pg_server::PgServer;
-use redis_server::RedisServer;
+use support::pg_server::PgServer;
+use support::redis_server::RedisServer;
 use tokio::sync::Semaphore;
 use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::backend::redis::RedisBackend;

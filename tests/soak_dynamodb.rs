@@ -6,13 +6,11 @@
 //! (moto, not the crate, is the bottleneck: a debug build does).
 #![cfg(feature = "dynamodb")]
 
-#[path = "support/dynamo_server.rs"]
-mod dynamo_server;
 mod support;
 
 use std::time::Duration;
 
-use dynamo_server::DynamoServer;
+use support::dynamo_server::DynamoServer;
 use support::soak::Soak;
 use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
 use tower_keyed_lock::{KeyedLockLayer, PathParam};

@@ -3,13 +3,11 @@
 //! (default 4 000).
 #![cfg(feature = "postgres")]
 
-#[path = "support/pg_server.rs"]
-mod pg_server;
 mod support;
 
 use std::time::Duration;
 
-use pg_server::PgServer;
+use support::pg_server::PgServer;
 use support::soak::Soak;
 use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::{KeyedLockLayer, PathParam};

@@ -2,13 +2,11 @@
 //! killed and restarted meanwhile. `SOAK_REQUESTS` scales them (default 4 000).
 #![cfg(feature = "redis")]
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
 mod support;
 
 use std::time::Duration;
 
-use redis_server::RedisServer;
+use support::redis_server::RedisServer;
 use support::soak::Soak;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{KeyedLockLayer, PathParam};

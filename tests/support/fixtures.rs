@@ -1,8 +1,9 @@
-//! The servers the `distributed*` tests run against, behind one trait so every test
-//! body is written once and runs on Redis, on a Redis Cluster, on PostgreSQL and (where
-//! it makes sense) in process. Each test file declares `redis_server`, `cluster_server`,
-//! `pg_server` and `support` at its root and includes this file.
-#![allow(dead_code)]
+//! The servers the `distributed` tests and the conformance suite run against, behind one
+//! trait so every test body is written once and runs on Redis, on a Redis Cluster, on
+//! PostgreSQL and (where it makes sense) in process. The servers themselves are the
+//! sibling modules (`redis_server`, `redis_cluster`, `pg_server`, …).
+// A binary uses part of it: the fixtures it re-exports too.
+#![allow(dead_code, unused_imports)]
 
 use std::future::Future;
 use std::pin::Pin;
@@ -94,7 +95,7 @@ pub use self::redis::Redis;
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
-    use crate::redis_server::RedisServer;
+    use crate::support::redis_server::RedisServer;
     use tower_keyed_lock::RedisBackend;
 
     pub use super::ttl_lease::LEASE;
@@ -174,11 +175,11 @@ mod cluster {
 
     /// Three primaries, no replicas: the same tests on sharded pub/sub and a cluster
     /// connection.
-    pub struct RedisCluster(pub crate::cluster_server::RedisCluster);
+    pub struct RedisCluster(pub crate::support::redis_cluster::RedisCluster);
 
     impl Fixture for RedisCluster {
         fn start() -> Self {
-            RedisCluster(crate::cluster_server::RedisCluster::start_primaries())
+            RedisCluster(crate::support::redis_cluster::RedisCluster::start_primaries())
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
@@ -214,7 +215,7 @@ pub use self::postgres::Postgres;
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;
-    use crate::pg_server::PgServer;
+    use crate::support::pg_server::PgServer;
     use tower_keyed_lock::PostgresBackend;
 
     const LIVENESS: Duration = Duration::from_millis(100);
@@ -292,8 +293,8 @@ pub use self::pgbouncer::PgBouncerTransaction;
 #[cfg(feature = "postgres")]
 mod pgbouncer {
     use super::*;
-    use crate::pg_server::PgServer;
-    use crate::pgbouncer::{PgBouncer, PoolMode};
+    use crate::support::pg_server::PgServer;
+    use crate::support::pgbouncer::{PgBouncer, PoolMode};
     use tower_keyed_lock::backend::postgres::LockScope;
     use tower_keyed_lock::PostgresBackend;
 
@@ -352,7 +353,7 @@ pub use self::dynamodb::DynamoDb;
 mod dynamodb {
     use super::ttl_lease::LEASE;
     use super::*;
-    use crate::dynamo_server::{client_for, DynamoServer};
+    use crate::support::dynamo_server::{client_for, DynamoServer};
     use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
 
     const TABLE: &str = "locks";
@@ -479,11 +480,11 @@ pub async fn within<T>(what: &str, limit: Duration, future: impl Future<Output =
 #[allow(unused_macros)] // not every binary that includes this file uses it
 macro_rules! for_each_fixture {
     (all: [$($all:ident),* $(,)?], remote: [$($remote:ident),* $(,)?] $(,)?) => {
-        for_each_fixture!(@mod in_process, crate::servers::InProcess, []; $($all),*);
-        for_each_fixture!(@mod redis, crate::servers::Redis, ["redis"]; $($all,)* $($remote),*);
-        for_each_fixture!(@mod redis_cluster, crate::servers::RedisCluster, ["redis"]; $($all,)* $($remote),*);
-        for_each_fixture!(@mod postgres, crate::servers::Postgres, ["postgres"]; $($all,)* $($remote),*);
-        for_each_fixture!(@mod dynamodb, crate::servers::DynamoDb, ["dynamodb"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod in_process, $crate::support::fixtures::InProcess, []; $($all),*);
+        for_each_fixture!(@mod redis, $crate::support::fixtures::Redis, ["redis"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod redis_cluster, $crate::support::fixtures::RedisCluster, ["redis"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod postgres, $crate::support::fixtures::Postgres, ["postgres"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod dynamodb, $crate::support::fixtures::DynamoDb, ["dynamodb"]; $($all,)* $($remote),*);
     };
     (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
         $(#[cfg(feature = $feature)])?

@@ -1,5 +1,5 @@
 //! The replay tests' app, client, and the rows of the semantics table, run against each
-//! store by `tests/replay.rs`, `tests/replay_redis.rs` and `tests/replay_postgres.rs`.
+//! store by `tests/replay/` (`memory.rs`, `redis.rs` and `postgres.rs`).
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
