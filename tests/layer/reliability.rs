@@ -1,7 +1,6 @@
 //! Faults and bad input through the layer: handlers that never finish, bodies dropped
 //! half-way, fuzzed keys, key flooding and hot-key floods.
 
-mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,7 +13,7 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use proptest::prelude::*;
-use support::{eventually, serve};
+use crate::support::{eventually, serve};
 use tower::ServiceExt;
 use tower_keyed_lock::KeyedLockLayer;
 

@@ -1,6 +1,5 @@
 //! The metrics and the long-hold warning, recorded through real recorders.
 
-mod support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -11,8 +10,8 @@ use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
 use metrics_util::debugging::DebugValue;
-use support::logs::Captured;
-use support::recorder;
+use crate::support::logs::Captured;
+use crate::support::recorder;
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_keyed_lock::KeyedLockLayer;
@@ -350,7 +349,7 @@ mod with_a_backend {
         let holder = tokio::spawn(app.clone().oneshot(post_to("/orders/1/gate")));
         started.notified().await;
         let waiter = tokio::spawn(app.clone().oneshot(post_to("/orders/1")));
-        support::eventually("the second request waits", || {
+        crate::support::eventually("the second request waits", || {
             gauge(&series_of("backend-fails", &[]), "keyed_lock_waiting") == 1.0
         })
         .await;
@@ -367,7 +366,7 @@ mod with_a_backend {
         let answer = waiter.await.unwrap().unwrap();
         assert_eq!(answer.status(), StatusCode::SERVICE_UNAVAILABLE);
 
-        support::eventually("the key leaves the table", || layer.active_keys() == 0).await;
+        crate::support::eventually("the key leaves the table", || layer.active_keys() == 0).await;
         assert_eq!(
             gauge(&series_of("backend-fails", &[]), "keyed_lock_keys"),
             0.0

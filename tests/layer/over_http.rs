@@ -1,6 +1,5 @@
 //! The layer through a real hyper server on 127.0.0.1.
 
-mod support;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -11,7 +10,7 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http::{Request, StatusCode};
-use support::{eventually, serve, Overlap};
+use crate::support::{eventually, serve, Overlap};
 use tokio::sync::Notify;
 use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 
@@ -29,10 +28,10 @@ fn overlap_router(overlap: Arc<Overlap>, hold: Duration) -> Router {
     )
 }
 
-async fn fire(server: &support::Server, paths: Vec<String>) -> Vec<StatusCode> {
+async fn fire(server: &crate::support::Server, paths: Vec<String>) -> Vec<StatusCode> {
     let server = Arc::new(server);
     let requests = paths.iter().map(|path| server.post(path));
-    support::join_all(requests)
+    crate::support::join_all(requests)
         .await
         .into_iter()
         .map(|a| a.status)
@@ -100,10 +99,10 @@ fn gated_router(started: Arc<Notify>, finish: Arc<Notify>) -> Router {
 
 /// Starts a request that holds `path` until `finish` is notified.
 async fn hold_key(
-    server: &Arc<support::Server>,
+    server: &Arc<crate::support::Server>,
     started: &Notify,
     path: &'static str,
-) -> tokio::task::JoinHandle<support::Answer> {
+) -> tokio::task::JoinHandle<crate::support::Answer> {
     let holder = tokio::spawn({
         let server = server.clone();
         async move { server.post(path).await }

@@ -1,0 +1,12 @@
+//! The lock middleware through real servers, recorders and captured logs: HTTP behaviour
+//! (`over_http`), routing and key extraction (`routing`), metrics and the long-hold
+//! warning (`metrics`), hostile input and overload (`reliability`). Counting allocations
+//! is `tests/allocations.rs`, a process of its own.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod metrics;
+mod over_http;
+mod reliability;
+mod routing;
