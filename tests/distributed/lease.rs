@@ -9,14 +9,12 @@
     allow(dead_code)
 )]
 
-#[macro_use]
-mod support;
 
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use support::fixtures::{wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE};
+use crate::support::fixtures::{wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE};
 use tokio::sync::Notify;
 use tower_keyed_lock::LeaseLost;
 
@@ -138,7 +136,7 @@ async fn work_stops_when_the_server_dies<F: Remote>() {
 async fn redis_work_stops_when_an_unrenewed_lease_runs_out() {
     use tower_keyed_lock::{LockError, RedisBackend};
 
-    let fixture = <support::fixtures::Redis as Fixture>::start();
+    let fixture = <crate::support::fixtures::Redis as Fixture>::start();
     let lease = Duration::from_millis(300);
     let unrenewed = RedisBackend::builder(fixture.0.client())
         // A server started for this run: no instance can hold a key it lost.
@@ -148,7 +146,7 @@ async fn redis_work_stops_when_an_unrenewed_lease_runs_out() {
         .build()
         .await
         .unwrap();
-    let a = support::fixtures::locks_on(Arc::new(unrenewed));
+    let a = crate::support::fixtures::locks_on(Arc::new(unrenewed));
     let b = fixture.instance("b").await;
     let (dropped, started) = (Dropped::default(), Arc::new(Notify::new()));
 

@@ -9,13 +9,11 @@
     allow(dead_code)
 )]
 
-#[macro_use]
-mod support;
 
 use std::task::Poll;
 use std::time::Duration;
 
-use support::fixtures::{
+use crate::support::fixtures::{
     eventually, locks_on, poll_once, state, wait_free, Counting, Fixture, Remote, FREED_WITHIN,
 };
 use tower_keyed_lock::LockError;
@@ -211,7 +209,7 @@ async fn release_dropped_midway<F: Fixture>() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_release_dropped_during_a_script_reload() {
-    let fixture = <support::fixtures::Redis as Fixture>::start();
+    let fixture = <crate::support::fixtures::Redis as Fixture>::start();
     let (a, b) = (fixture.instance("a").await, fixture.instance("b").await);
     let mut admin = fixture
         .0

@@ -12,16 +12,14 @@
     allow(dead_code)
 )]
 
-#[macro_use]
-mod support;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::fixtures::{
+use crate::support::fixtures::{
     eventually, locks_on, wait_free, within, Counting, Fixture, Remote, FREED_WITHIN, PATIENCE,
 };
-use support::Overlap;
+use crate::support::Overlap;
 use tower_keyed_lock::{DistributedLocks, LockError};
 
 for_each_fixture!(
@@ -292,7 +290,7 @@ async fn local_waiters_share_one_remote_contender<F: Remote>() {
 async fn server_down_fails_closed_or_open<F: Remote>() {
     let mut fixture = F::start();
     let closed = fixture.instance("closed").await;
-    let open = DistributedLocks::builder(support::fixtures::NAME)
+    let open = DistributedLocks::builder(crate::support::fixtures::NAME)
         .shared_backend(fixture.backend("open").await)
         .fail_open(true)
         .build();
@@ -333,7 +331,7 @@ async fn server_down_fails_closed_or_open<F: Remote>() {
 /// Bad keys are refused before any lock is touched: no panic, nothing held.
 #[tokio::test]
 async fn invalid_keys_are_refused() {
-    let locks = DistributedLocks::builder(support::fixtures::NAME)
+    let locks = DistributedLocks::builder(crate::support::fixtures::NAME)
         .max_key_len(8)
         .build();
     for key in ["", "line\nbreak", "longer than eight"] {
@@ -354,7 +352,7 @@ async fn invalid_keys_are_refused() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_silent_server_ends_waits_in_time() {
-    let fixture = <support::fixtures::Redis as Fixture>::start();
+    let fixture = <crate::support::fixtures::Redis as Fixture>::start();
     let a = fixture.instance("a").await;
     a.lock("report").await.unwrap().release().await;
     let command_timeout = Duration::from_millis(500);

@@ -8,15 +8,13 @@
     allow(dead_code)
 )]
 
-#[macro_use]
-mod support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::fixtures::{locks_on, within, Fixture, Remote, PATIENCE};
+use crate::support::fixtures::{locks_on, within, Fixture, Remote, PATIENCE};
 use tokio::sync::Barrier;
 use tower_keyed_lock::{DistributedLocks, LockError};
 
