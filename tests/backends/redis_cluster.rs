@@ -6,7 +6,6 @@
 //! run's length: `CLUSTER_SOAK_SECS` (default 6).
 #![cfg(feature = "redis")]
 
-mod support;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -14,8 +13,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::redis_cluster::RedisCluster;
-use support::redis_server::cli;
+use crate::support::redis_cluster::RedisCluster;
+use crate::support::redis_server::cli;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{Key, LockBackend, LockError};

@@ -7,14 +7,13 @@
     allow(dead_code)
 )]
 
-mod support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use support::fixtures::{Fixture, Proxied, Remote};
-use support::tcp_proxy::TcpProxy;
+use crate::support::fixtures::{Fixture, Proxied, Remote};
+use crate::support::tcp_proxy::TcpProxy;
 use tokio::time::{sleep, sleep_until, Instant};
 use tower_keyed_lock::backend::{BoxFuture, LeaseLostSender, ReleaseLease};
 use tower_keyed_lock::testkit::Deployment;
@@ -64,8 +63,8 @@ macro_rules! conformance {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $check() {
-                crate::show_figures();
-                let deployment = crate::Conformance(<$fixture as crate::support::fixtures::Fixture>::start());
+                crate::conformance::show_figures();
+                let deployment = crate::conformance::Conformance(<$fixture as crate::support::fixtures::Fixture>::start());
                 tower_keyed_lock::testkit::$check(&deployment).await;
             }
         )*
@@ -106,7 +105,7 @@ macro_rules! faults {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $check() {
-                crate::$check(&<$fixture as crate::support::fixtures::Fixture>::start()).await;
+                crate::conformance::$check(&<$fixture as crate::support::fixtures::Fixture>::start()).await;
             }
         )*
     };
@@ -128,7 +127,7 @@ macro_rules! through_the_layer {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn one_handler_at_a_time_across_instances_over_http() {
                 let fixture = <$fixture as crate::support::fixtures::Fixture>::start();
-                crate::one_handler_at_a_time_across_instances_over_http(&fixture).await;
+                crate::conformance::one_handler_at_a_time_across_instances_over_http(&fixture).await;
             }
         }
     };
@@ -156,7 +155,7 @@ mod through_the_layer {
 async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F) {
     use axum::extract::Extension;
     use axum::routing::post;
-    use support::Overlap;
+    use crate::support::Overlap;
     use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 
     let overlap = Arc::new(Overlap::default());
@@ -178,13 +177,13 @@ async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F
                     .wait_timeout(PATIENCE)
                     .backend(fixture.backend(name).await),
             );
-        servers.push(Arc::new(support::serve(app).await));
+        servers.push(Arc::new(crate::support::serve(app).await));
     }
     let requests = (0..40).map(|n| {
         let server = servers[n % 2].clone();
         async move { server.post("/orders/7/pay").await.status }
     });
-    let statuses = support::join_all(requests).await;
+    let statuses = crate::support::join_all(requests).await;
     assert!(
         statuses
             .iter()
@@ -212,7 +211,7 @@ const SLACK: Duration = Duration::from_secs(1);
 /// instance is granted.
 async fn a_cut_off_holder_is_told_before_another_instance_is_granted<F: Proxied>(fixture: &F) {
     let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     let b = fixture.instance("b").await;
     let guard = a.lock("cut").await.unwrap();
     let signal = guard.lease().expect("a remote lease").clone();
@@ -251,7 +250,7 @@ async fn a_cut_off_holder_is_told_before_another_instance_is_granted<F: Proxied>
 /// serves again without a restart.
 async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: &F) {
     let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     // A connection in use before the fault.
     a.lock("warm").await.unwrap().release().await;
     proxy.blackhole();
@@ -292,7 +291,7 @@ async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: 
 /// keeps the lease: renewals or liveness checks get through, for twice the loss bound.
 async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
     let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     let b = fixture.instance("b").await;
     let guard = a.lock("slow").await.unwrap();
     proxy.delay(fixture.network_timeout() / 4);
@@ -313,7 +312,7 @@ async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
 /// other instance is granted), and the backend reconnects for the next acquisition.
 async fn a_reset_connection_is_a_lost_lease_and_recovers<F: Proxied>(fixture: &F) {
     let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     let b = fixture.instance("b").await;
     let guard = a.lock("reset").await.unwrap();
     let signal = guard.lease().expect("a remote lease").clone();

@@ -7,7 +7,6 @@
 //! `cargo test --all-features --test redis_faults -- --nocapture`.
 #![cfg(feature = "redis")]
 
-mod support;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -18,9 +17,9 @@ use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
 use redis::aio::MultiplexedConnection;
-use support::redis_server::RedisServer;
-use support::tcp_proxy::TcpProxy;
-use support::{eventually, serve, Overlap, Server};
+use crate::support::redis_server::RedisServer;
+use crate::support::tcp_proxy::TcpProxy;
+use crate::support::{eventually, serve, Overlap, Server};
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError};

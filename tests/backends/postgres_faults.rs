@@ -5,15 +5,14 @@
 //! timing tests run (default 3).
 #![cfg(feature = "postgres")]
 
-mod support;
 
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::pg_server::PgServer;
-use support::tcp_proxy::TcpProxy;
+use crate::support::pg_server::PgServer;
+use crate::support::tcp_proxy::TcpProxy;
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{
     LockScope, PostgresBackend, DEFAULT_LIVENESS_INTERVAL, DEFAULT_NETWORK_TIMEOUT,

@@ -4,15 +4,14 @@
 //! transaction-scoped locks work through both.
 #![cfg(feature = "postgres")]
 
-mod support;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use support::pg_server::PgServer;
-use support::pgbouncer::{PgBouncer, PoolMode};
-use support::Overlap;
+use crate::support::pg_server::PgServer;
+use crate::support::pgbouncer::{PgBouncer, PoolMode};
+use crate::support::Overlap;
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
 use tower_keyed_lock::{Key, LockBackend, LockError};

@@ -3,12 +3,11 @@
 //! and `redis-server --sentinel` processes on free ports.
 #![cfg(feature = "redis")]
 
-mod support;
 
 use std::future::Future;
 use std::time::Duration;
 
-use support::redis_server::{cli, RedisServer, SENTINEL_MASTER};
+use crate::support::redis_server::{cli, RedisServer, SENTINEL_MASTER};
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, LockBackend, LockError};

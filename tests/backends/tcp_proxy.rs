@@ -1,6 +1,5 @@
 //! The fault-injection proxy of the test support does what the backend tests rely on.
 
-mod support;
 
 use std::time::Duration;
 
@@ -8,7 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::timeout;
 
-use support::tcp_proxy::TcpProxy;
+use crate::support::tcp_proxy::TcpProxy;
 
 /// An echo server on a free port.
 async fn echo_server() -> std::net::SocketAddr {

@@ -3,7 +3,6 @@
 //! layers with their own backends and pools on one database.
 #![cfg(feature = "postgres")]
 
-mod support;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -13,9 +12,9 @@ use axum::extract::Extension;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use support::pg_server::PgServer;
-use support::recorder::counter;
-use support::{serve, Overlap, Server};
+use crate::support::pg_server::PgServer;
+use crate::support::recorder::counter;
+use crate::support::{serve, Overlap, Server};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{lock_id, PostgresBackend, LOCK_ID_SQL};
@@ -210,20 +209,20 @@ async fn next_entered(entered: &mut mpsc::UnboundedReceiver<LockInfo>) -> LockIn
 }
 
 /// Sends `path` to `server`; fails the test instead of hanging if nothing answers.
-async fn send(server: &Server, path: &str) -> support::Answer {
+async fn send(server: &Server, path: &str) -> crate::support::Answer {
     tokio::time::timeout(PATIENCE, server.post(path))
         .await
         .expect("request did not finish")
 }
 
 /// Sends `path` to `server` in a task of its own.
-fn spawn_post(server: &Arc<Server>, path: &str) -> tokio::task::JoinHandle<support::Answer> {
+fn spawn_post(server: &Arc<Server>, path: &str) -> tokio::task::JoinHandle<crate::support::Answer> {
     let server = server.clone();
     let path = path.to_owned();
     tokio::spawn(async move { send(&server, &path).await })
 }
 
-async fn answer(task: tokio::task::JoinHandle<support::Answer>) -> support::Answer {
+async fn answer(task: tokio::task::JoinHandle<crate::support::Answer>) -> crate::support::Answer {
     tokio::time::timeout(PATIENCE, task)
         .await
         .expect("request did not finish")
@@ -320,7 +319,7 @@ async fn same_key_is_serialized_across_instances() {
         requests.push(send(&server_a, "/orders/1"));
         requests.push(send(&server_b, "/orders/1"));
     }
-    let answers = support::join_all(requests).await;
+    let answers = crate::support::join_all(requests).await;
     for answer in &answers {
         assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
     }
@@ -729,7 +728,7 @@ async fn outage_fails_closed_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unreachable_database_answers_503_promptly() {
-    let port = support::pg_server::free_port();
+    let port = crate::support::pg_server::free_port();
     let conn = format!("host=127.0.0.1 port={port} user=postgres");
     let (probe, _entered) = Probe::open(Duration::ZERO);
     let backend = || PostgresBackend::from_config_str(&conn).unwrap();
@@ -879,7 +878,7 @@ async fn fencing_tokens_strictly_increase() {
         ))
         .await,
     );
-    let token = |answer: support::Answer| -> u64 {
+    let token = |answer: crate::support::Answer| -> u64 {
         assert_eq!(answer.status, StatusCode::OK, "{answer:?}");
         answer.body.parse().unwrap()
     };

@@ -3,7 +3,6 @@
 //! instances of one service.
 #![cfg(feature = "redis")]
 
-mod support;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -16,9 +15,9 @@ use axum::Router;
 use http::StatusCode;
 use redis::aio::MultiplexedConnection;
 use sha2::{Digest, Sha256};
-use support::recorder::counter;
-use support::redis_server::RedisServer;
-use support::{serve, Answer, Overlap, Server};
+use crate::support::recorder::counter;
+use crate::support::redis_server::RedisServer;
+use crate::support::{serve, Answer, Overlap, Server};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -236,7 +235,7 @@ async fn same_key_is_serialized_across_instances() {
         "{statuses:?}"
     );
     assert_eq!(overlap.max(), 1, "two handlers of one key ran at once");
-    support::eventually("both tables empty", || {
+    crate::support::eventually("both tables empty", || {
         a.active_keys() == 0 && b.active_keys() == 0
     })
     .await;
@@ -476,7 +475,7 @@ async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
         (answer.status, &*answer.body),
         (StatusCode::OK, "lost=true")
     );
-    support::eventually("the lost lease is counted", || {
+    crate::support::eventually("the lost lease is counted", || {
         counter("keyed_lock_lease_lost_total", layer_name, &[]) == lost_before + 1
     })
     .await;
@@ -533,7 +532,7 @@ async fn abort_on_lease_lost_answers_503() {
         "{}",
         answer.body
     );
-    support::eventually("the table empties", || layer.active_keys() == 0).await;
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -697,7 +696,7 @@ async fn redis_outage_fails_closed_or_open_and_the_layer_recovers() {
         }
     })
     .await;
-    support::eventually("the subscription is back", || backend_a.is_subscribed()).await;
+    crate::support::eventually("the subscription is back", || backend_a.is_subscribed()).await;
 
     gate.open_one();
     let answer = within("the holder", Duration::from_secs(5), holder)
@@ -774,7 +773,7 @@ async fn a_client_that_disconnects_while_holding_leaves_no_key() {
         async move { !exists(&mut connection, &lock_key).await }
     })
     .await;
-    support::eventually("the table empties", || layer.active_keys() == 0).await;
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -799,7 +798,7 @@ async fn clients_that_disconnect_while_waiting_leave_no_key() {
     })
     .await;
     let local_waiter = server_b.send_raw("/orders/5").await;
-    support::eventually("B queues both", || b.active_keys() == 1).await;
+    crate::support::eventually("B queues both", || b.active_keys() == 1).await;
     drop(remote_waiter);
     drop(local_waiter);
 
@@ -813,7 +812,7 @@ async fn clients_that_disconnect_while_waiting_leave_no_key() {
         async move { !exists(&mut connection, &lock_key).await }
     })
     .await;
-    support::eventually("both tables empty", || {
+    crate::support::eventually("both tables empty", || {
         a.active_keys() == 0 && b.active_keys() == 0
     })
     .await;
@@ -880,14 +879,14 @@ async fn local_waiters_cost_one_remote_contender() {
     );
     // Warm up: the first call of each script loads it (NOSCRIPT, SCRIPT LOAD, EVALSHA).
     assert_eq!(server.post("/orders/1").await.status, StatusCode::OK);
-    support::eventually("the table empties", || layer.active_keys() == 0).await;
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
     let before = script_calls(&mut connection).await;
     let statuses = alternate([&server, &server], "/orders/1", 16).await;
     assert!(
         statuses.iter().all(|s| *s == StatusCode::OK),
         "{statuses:?}"
     );
-    support::eventually("the table empties", || layer.active_keys() == 0).await;
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
     // One acquire and one release script per request: no waiter polls Redis.
     assert_eq!(script_calls(&mut connection).await - before, 2 * 16);
     assert_eq!(overlap.max(), 1);
