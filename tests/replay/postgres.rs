@@ -4,7 +4,6 @@
 //! silent store.
 #![cfg(all(feature = "replay", feature = "postgres"))]
 
-mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
@@ -14,9 +13,9 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use deadpool_postgres::{Manager, Pool};
 use http::StatusCode;
-use support::pg_server::PgServer;
-use support::replay::{serve, Kit, Probe};
-use support::tcp_proxy::TcpProxy;
+use crate::support::pg_server::PgServer;
+use crate::support::replay::{serve, Kit, Probe};
+use crate::support::tcp_proxy::TcpProxy;
 use tokio_postgres::NoTls;
 use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
@@ -61,7 +60,7 @@ macro_rules! rows {
         #[tokio::test]
         async fn $row() {
             let pg = PgServer::start();
-            support::replay::$row(&kit(&pg)).await;
+            crate::support::replay::$row(&kit(&pg)).await;
         }
     )*};
 }

@@ -3,7 +3,6 @@
 //! a silent store, the fenced write after a lost lease, and the refused memory store.
 #![cfg(all(feature = "replay", feature = "redis"))]
 
-mod support;
 
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
@@ -12,9 +11,9 @@ use std::time::Duration;
 use axum::routing::post;
 use axum::{Extension, Router};
 use http::StatusCode;
-use support::redis_server::RedisServer;
-use support::replay::{serve, Kit, Probe};
-use support::tcp_proxy::TcpProxy;
+use crate::support::redis_server::RedisServer;
+use crate::support::replay::{serve, Kit, Probe};
+use crate::support::tcp_proxy::TcpProxy;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::replay::{MemoryStore, RedisReplayStore, ReplayLayer};
 use tower_keyed_lock::{KeyedLockLayer, LockInfo};
@@ -52,7 +51,7 @@ macro_rules! rows {
         #[tokio::test]
         async fn $row() {
             let redis = RedisServer::start();
-            support::replay::$row(&kit(&redis).await).await;
+            crate::support::replay::$row(&kit(&redis).await).await;
         }
     )*};
 }

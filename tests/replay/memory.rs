@@ -3,7 +3,6 @@
 //! every await.
 #![cfg(feature = "replay")]
 
-mod support;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
@@ -16,7 +15,7 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use metrics_util::debugging::DebugValue;
-use support::replay::{serve, Kit, Probe, PATIENCE};
+use crate::support::replay::{serve, Kit, Probe, PATIENCE};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -33,52 +32,52 @@ fn kit() -> Kit {
 
 #[tokio::test]
 async fn duplicate_after_completion_is_replayed() {
-    support::replay::duplicate_after_completion_is_replayed(&kit()).await;
+    crate::support::replay::duplicate_after_completion_is_replayed(&kit()).await;
 }
 
 #[tokio::test]
 async fn duplicate_in_flight_waits_then_replays() {
-    support::replay::duplicate_in_flight_waits_then_replays(&kit()).await;
+    crate::support::replay::duplicate_in_flight_waits_then_replays(&kit()).await;
 }
 
 #[tokio::test]
 async fn duplicate_in_flight_without_waiting_gets_409() {
-    support::replay::duplicate_in_flight_without_waiting_gets_409(&kit()).await;
+    crate::support::replay::duplicate_in_flight_without_waiting_gets_409(&kit()).await;
 }
 
 #[tokio::test]
 async fn different_fingerprint_is_rejected() {
-    support::replay::different_fingerprint_is_rejected(&kit()).await;
+    crate::support::replay::different_fingerprint_is_rejected(&kit()).await;
 }
 
 #[tokio::test]
 async fn transient_answers_are_not_stored() {
-    support::replay::transient_answers_are_not_stored(&kit()).await;
+    crate::support::replay::transient_answers_are_not_stored(&kit()).await;
 }
 
 #[tokio::test]
 async fn panic_stores_nothing() {
-    support::replay::panic_stores_nothing(&kit()).await;
+    crate::support::replay::panic_stores_nothing(&kit()).await;
 }
 
 #[tokio::test]
 async fn cancelled_request_stores_nothing() {
-    support::replay::cancelled_request_stores_nothing(&kit()).await;
+    crate::support::replay::cancelled_request_stores_nothing(&kit()).await;
 }
 
 #[tokio::test]
 async fn body_over_the_limit_passes_through() {
-    support::replay::body_over_the_limit_passes_through(&kit()).await;
+    crate::support::replay::body_over_the_limit_passes_through(&kit()).await;
 }
 
 #[tokio::test]
 async fn expired_record_is_a_new_request() {
-    support::replay::expired_record_is_a_new_request(&kit()).await;
+    crate::support::replay::expired_record_is_a_new_request(&kit()).await;
 }
 
 #[tokio::test]
 async fn key_is_scoped_by_route() {
-    support::replay::key_is_scoped_by_route(&kit()).await;
+    crate::support::replay::key_is_scoped_by_route(&kit()).await;
 }
 
 /// Issue 25: with the fingerprint off, a key reused on another resource (another path,
@@ -159,9 +158,9 @@ async fn key_is_scoped_by_principal() {
 
 #[tokio::test]
 async fn replays_and_rejections_are_counted_without_keys() {
-    support::recorder::install(); // installed before the layer registers handles
+    crate::support::recorder::install(); // installed before the layer registers handles
     let layer = "replay-metrics";
-    let app = support::replay::app(
+    let app = crate::support::replay::app(
         KeyedLockLayer::by_header("idempotency-key").name(layer),
         ReplayLayer::new(MemoryStore::default()),
         Arc::new(Probe::default()),
@@ -173,7 +172,7 @@ async fn replays_and_rejections_are_counted_without_keys() {
     app.post("/orders", "k", "b").await;
     // One snapshot: the debugging recorder's snapshots drain counters.
     let mut counters = std::collections::HashMap::new();
-    for (key, value) in support::recorder::snapshot() {
+    for (key, value) in crate::support::recorder::snapshot() {
         let key = key.key();
         let labels: Vec<_> = key.labels().map(|l| (l.key(), l.value())).collect();
         if let (true, DebugValue::Counter(n)) = (labels.contains(&("name", layer)), value) {
