@@ -143,6 +143,14 @@ impl Drop for OverlapGuard<'_> {
     }
 }
 
+/// Soaks of one test binary run one at a time: two of them side by side on two cores
+/// starve each other's backend commands past their timeout (503s that say nothing about
+/// the layer; seen 2 runs in 3 with the Redis soaks). Every soak holds this turn.
+pub async fn soak_turn() -> tokio::sync::MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    ONE_AT_A_TIME.lock().await
+}
+
 /// Polls all futures in one task (`join_all` without the futures crate); the outputs
 /// in order.
 pub async fn join_all<F: std::future::Future>(

@@ -12,7 +12,6 @@
 //! ```
 #![cfg(all(feature = "replay", feature = "redis", feature = "postgres"))]
 
-mod support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -28,8 +27,8 @@ use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use support::pg_server::PgServer;
-use support::redis_server::RedisServer;
+use crate::support::pg_server::PgServer;
+use crate::support::redis_server::RedisServer;
 use tokio::sync::Semaphore;
 use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::backend::redis::RedisBackend;
@@ -128,6 +127,8 @@ struct Tally {
 /// Sends the deliveries to the two instances, at most 64 in flight, and checks the
 /// outcome.
 async fn soak(instances: [SocketAddr; 2], effects: Arc<Effects>) {
+    // Not beside another soak of this binary (the Redis, PostgreSQL and DynamoDB ones).
+    let _turn = crate::support::soak_turn().await;
     // Store and backend warnings explain a failure.
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let deliveries = size("REPLAY_SOAK_DELIVERIES", 1_000);

@@ -6,12 +6,11 @@
 //! (moto, not the crate, is the bottleneck: a debug build does).
 #![cfg(feature = "dynamodb")]
 
-mod support;
 
 use std::time::Duration;
 
-use support::dynamo_server::DynamoServer;
-use support::soak::Soak;
+use crate::support::dynamo_server::DynamoServer;
+use crate::support::soak::Soak;
 use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
 use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
@@ -125,5 +124,5 @@ async fn dynamodb_frozen_during_a_soak() {
         "the freezes were not seen: {report:?}"
     );
 
-    support::soak::wait_until_served(&layers).await;
+    crate::support::soak::wait_until_served(&layers).await;
 }
