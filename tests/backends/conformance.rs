@@ -7,18 +7,18 @@
     allow(dead_code)
 )]
 
-
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::support::fixtures::{Fixture, Proxied, Remote};
-use crate::support::tcp_proxy::TcpProxy;
 use tokio::time::{sleep, sleep_until, Instant};
 use tower_keyed_lock::backend::{BoxFuture, LeaseLostSender, ReleaseLease};
 use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
+
+use crate::support::fixtures::{Fixture, Proxied, Remote};
+use crate::support::tcp_proxy::TcpProxy;
 
 /// A fixture's server, as the suite sees it.
 struct Conformance<F>(F);
@@ -127,7 +127,8 @@ macro_rules! through_the_layer {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn one_handler_at_a_time_across_instances_over_http() {
                 let fixture = <$fixture as crate::support::fixtures::Fixture>::start();
-                crate::conformance::one_handler_at_a_time_across_instances_over_http(&fixture).await;
+                crate::conformance::one_handler_at_a_time_across_instances_over_http(&fixture)
+                    .await;
             }
         }
     };
@@ -153,9 +154,9 @@ mod through_the_layer {
 /// order at once: their handlers never overlap, every request is answered 200, and the
 /// fencing tokens the handlers see grow in the order they ran.
 async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F) {
+    use crate::support::Overlap;
     use axum::extract::Extension;
     use axum::routing::post;
-    use crate::support::Overlap;
     use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 
     let overlap = Arc::new(Overlap::default());

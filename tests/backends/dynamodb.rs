@@ -3,7 +3,6 @@
 //! clients are two instances of one service.
 #![cfg(feature = "dynamodb")]
 
-
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -15,14 +14,15 @@ use axum::extract::Extension;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use crate::support::dynamo_server::DynamoServer;
-use crate::support::recorder::counter;
-use crate::support::{serve, Answer, Overlap, Server};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, DynamoDbBackendBuilder, SetupError};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo, PathParam};
+
+use crate::support::dynamo_server::DynamoServer;
+use crate::support::recorder::counter;
+use crate::support::{serve, Answer, Overlap, Server};
 
 type Layer = KeyedLockLayer<PathParam>;
 type Item = HashMap<String, AttributeValue>;
@@ -1232,11 +1232,12 @@ async fn throttled_writes_are_retried_then_fail_as_backend_errors() {
     let dynamo = DynamoServer::start();
     let front = ThrottlingFront::start(dynamo.url()).await;
     connect(&dynamo, |b| b).await; // creates the table
-    let backend = DynamoDbBackend::builder(crate::support::dynamo_server::client_for(&front.url), TABLE)
-        .command_timeout(Duration::from_secs(2))
-        .build()
-        .await
-        .expect("backend connects");
+    let backend =
+        DynamoDbBackend::builder(crate::support::dynamo_server::client_for(&front.url), TABLE)
+            .command_timeout(Duration::from_secs(2))
+            .build()
+            .await
+            .expect("backend connects");
     let key = Key::new("order-1", 256).unwrap();
 
     front.throttle(3);

@@ -3,7 +3,6 @@
 //! layers with their own backends and pools on one database.
 #![cfg(feature = "postgres")]
 
-
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,13 +11,14 @@ use axum::extract::Extension;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use crate::support::pg_server::PgServer;
-use crate::support::recorder::counter;
-use crate::support::{serve, Overlap, Server};
 use tokio::sync::{mpsc, Semaphore};
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{lock_id, PostgresBackend, LOCK_ID_SQL};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo};
+
+use crate::support::pg_server::PgServer;
+use crate::support::recorder::counter;
+use crate::support::{serve, Overlap, Server};
 
 /// Long enough for anything that should happen; a test fails instead of hanging.
 const PATIENCE: Duration = Duration::from_secs(10);

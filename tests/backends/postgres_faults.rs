@@ -5,19 +5,19 @@
 //! timing tests run (default 3).
 #![cfg(feature = "postgres")]
 
-
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::support::pg_server::PgServer;
-use crate::support::tcp_proxy::TcpProxy;
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{
     LockScope, PostgresBackend, DEFAULT_LIVENESS_INTERVAL, DEFAULT_NETWORK_TIMEOUT,
 };
 use tower_keyed_lock::{Key, Lease, LockBackend, LockError};
+
+use crate::support::pg_server::PgServer;
+use crate::support::tcp_proxy::TcpProxy;
 
 /// Long enough for anything that should happen; a test fails instead of hanging.
 const PATIENCE: Duration = Duration::from_secs(10);

@@ -4,17 +4,17 @@
 //! transaction-scoped locks work through both.
 #![cfg(feature = "postgres")]
 
-
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::support::pg_server::PgServer;
-use crate::support::pgbouncer::{PgBouncer, PoolMode};
-use crate::support::Overlap;
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
 use tower_keyed_lock::{Key, LockBackend, LockError};
+
+use crate::support::pg_server::PgServer;
+use crate::support::pgbouncer::{PgBouncer, PoolMode};
+use crate::support::Overlap;
 
 /// Long enough for anything that should happen; a test fails instead of hanging.
 const PATIENCE: Duration = Duration::from_secs(10);

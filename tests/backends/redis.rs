@@ -3,7 +3,6 @@
 //! instances of one service.
 #![cfg(feature = "redis")]
 
-
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -15,19 +14,20 @@ use axum::Router;
 use http::StatusCode;
 use redis::aio::MultiplexedConnection;
 use sha2::{Digest, Sha256};
-use crate::support::recorder::counter;
-use crate::support::redis_server::RedisServer;
-use crate::support::{serve, Answer, Overlap, Server};
 use tokio::sync::{mpsc, Barrier, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo, PathParam};
 
+use crate::support::recorder::counter;
+use crate::support::redis_server::RedisServer;
+use crate::support::{serve, Answer, Overlap, Server};
+
 type Layer = KeyedLockLayer<PathParam>;
 
 /// A backend on `redis`; the restart guard is off, since every test's server is fresh
-/// (`tests/redis_faults.rs` tests the guard).
+/// (`redis_faults.rs` tests the guard).
 async fn connect(
     redis: &RedisServer,
     configure: impl FnOnce(RedisBackendBuilder) -> RedisBackendBuilder,

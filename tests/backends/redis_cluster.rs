@@ -2,10 +2,9 @@
 //! free ports): the cross-instance guarantees, release notifications on shard
 //! channels, a slot moved mid-wait, and a primary killed in the middle of a run.
 //!
-//! Figures: `cargo test --all-features --test redis_cluster -- --nocapture`; the
+//! Figures: `cargo test --all-features --test backends redis_cluster:: -- --nocapture`; the
 //! run's length: `CLUSTER_SOAK_SECS` (default 6).
 #![cfg(feature = "redis")]
-
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -13,11 +12,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::support::redis_cluster::RedisCluster;
-use crate::support::redis_server::cli;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{Key, LockBackend, LockError};
+
+use crate::support::redis_cluster::RedisCluster;
+use crate::support::redis_server::cli;
 
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
 

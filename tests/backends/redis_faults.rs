@@ -4,9 +4,8 @@
 //! fault proxy of the test support between the instance and Redis.
 //!
 //! Each test prints the figure it measures; see them with
-//! `cargo test --all-features --test redis_faults -- --nocapture`.
+//! `cargo test --all-features --test backends redis_faults:: -- --nocapture`.
 #![cfg(feature = "redis")]
-
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -17,12 +16,13 @@ use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
 use redis::aio::MultiplexedConnection;
-use crate::support::redis_server::RedisServer;
-use crate::support::tcp_proxy::TcpProxy;
-use crate::support::{eventually, serve, Overlap, Server};
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError};
+
+use crate::support::redis_server::RedisServer;
+use crate::support::tcp_proxy::TcpProxy;
+use crate::support::{eventually, serve, Overlap, Server};
 
 const COMMAND_TIMEOUT: Duration = Duration::from_millis(200);
 

@@ -3,21 +3,21 @@
 //! and `redis-server --sentinel` processes on free ports.
 #![cfg(feature = "redis")]
 
-
 use std::future::Future;
 use std::time::Duration;
 
-use crate::support::redis_server::{cli, RedisServer, SENTINEL_MASTER};
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, LockBackend, LockError};
+
+use crate::support::redis_server::{cli, RedisServer, SENTINEL_MASTER};
 
 fn key(text: &str) -> Key {
     Key::new(text, 256).unwrap()
 }
 
 /// A backend on `server` that waits for one replica's acknowledgement. The restart
-/// guard is off: the servers are fresh (`tests/redis_faults.rs` tests the guard).
+/// guard is off: the servers are fresh (`redis_faults.rs` tests the guard).
 async fn backend(
     server: &RedisServer,
     configure: impl FnOnce(RedisBackendBuilder) -> RedisBackendBuilder,

@@ -1,6 +1,5 @@
 //! The fault-injection proxy of the test support does what the backend tests rely on.
 
-
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -9,14 +9,14 @@
     allow(dead_code)
 )]
 
-
 use std::task::Poll;
 use std::time::Duration;
+
+use tower_keyed_lock::LockError;
 
 use crate::support::fixtures::{
     eventually, locks_on, poll_once, state, wait_free, Counting, Fixture, Remote, FREED_WITHIN,
 };
-use tower_keyed_lock::LockError;
 
 for_each_fixture!(
     all: [

@@ -1,7 +1,7 @@
 //! `DistributedLocks` between "instances" — each a `DistributedLocks` with backend
 //! connections of its own — on a real Redis, a real Redis Cluster and a real
 //! PostgreSQL that each test starts, and in process. Every test body is generic and runs on each fixture.
-//! Cancellation is in `distributed_cancel.rs`, lost leases in `distributed_lease.rs`.
+//! Cancellation is in `cancel.rs`, lost leases in `lease.rs`.
 //!
 //! The exclusion test runs 10 rounds per worker; a longer soak:
 //! `DISTRIBUTED_ROUNDS=250 cargo test --all-features --test distributed one_holder`.
@@ -12,15 +12,15 @@
     allow(dead_code)
 )]
 
-
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use tower_keyed_lock::{DistributedLocks, LockError};
 
 use crate::support::fixtures::{
     eventually, locks_on, wait_free, within, Counting, Fixture, Remote, FREED_WITHIN, PATIENCE,
 };
 use crate::support::Overlap;
-use tower_keyed_lock::{DistributedLocks, LockError};
 
 for_each_fixture!(
     all: [

@@ -8,15 +8,15 @@
     allow(dead_code)
 )]
 
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::support::fixtures::{locks_on, within, Fixture, Remote, PATIENCE};
 use tokio::sync::Barrier;
 use tower_keyed_lock::{DistributedLocks, LockError};
+
+use crate::support::fixtures::{locks_on, within, Fixture, Remote, PATIENCE};
 
 for_each_fixture!(
     all: [

@@ -1,7 +1,8 @@
 //! `DistributedGuard::run_while_held`: the work runs to its end while the lease holds
 //! (renewed past its length), and is dropped, with `Err(LeaseLost)`, when the lease
 //! runs out unrenewed or the server dies. On a real Redis, PostgreSQL and DynamoDB.
-//! A holder that stalls or crashes is the conformance suite's (`tests/conformance.rs`).
+//! A holder that stalls or crashes is the conformance suite's
+//! (`tests/backends/conformance.rs`).
 
 // Without a backend feature, the bodies for remote fixtures have nothing to run on.
 #![cfg_attr(
@@ -9,14 +10,14 @@
     allow(dead_code)
 )]
 
-
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::support::fixtures::{wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE};
 use tokio::sync::Notify;
 use tower_keyed_lock::LeaseLost;
+
+use crate::support::fixtures::{wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE};
 
 for_each_fixture!(
     all: [

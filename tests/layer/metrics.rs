@@ -1,6 +1,5 @@
 //! The metrics and the long-hold warning, recorded through real recorders.
 
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,11 +9,12 @@ use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
 use metrics_util::debugging::DebugValue;
-use crate::support::logs::Captured;
-use crate::support::recorder;
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_keyed_lock::KeyedLockLayer;
+
+use crate::support::logs::Captured;
+use crate::support::recorder;
 
 /// One series: metric name and its labels other than `name`.
 type Series = (String, BTreeMap<String, String>);

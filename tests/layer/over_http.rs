@@ -1,6 +1,5 @@
 //! The layer through a real hyper server on 127.0.0.1.
 
-
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,9 +9,10 @@ use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http::{Request, StatusCode};
-use crate::support::{eventually, serve, Overlap};
 use tokio::sync::Notify;
 use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+
+use crate::support::{eventually, serve, Overlap};
 
 /// A handler that checks how many handlers of its key run at once.
 fn overlap_router(overlap: Arc<Overlap>, hold: Duration) -> Router {

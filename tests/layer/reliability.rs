@@ -1,7 +1,6 @@
 //! Faults and bad input through the layer: handlers that never finish, bodies dropped
 //! half-way, fuzzed keys, key flooding and hot-key floods.
 
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,9 +12,10 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
 use proptest::prelude::*;
-use crate::support::{eventually, serve};
 use tower::ServiceExt;
 use tower_keyed_lock::KeyedLockLayer;
+
+use crate::support::{eventually, serve};
 
 #[tokio::test]
 async fn a_handler_that_never_finishes_is_released_by_an_outer_timeout() {

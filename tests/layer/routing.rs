@@ -1,7 +1,6 @@
 //! Where the layer meets axum's router and the application's own setup: unrouted
 //! requests, server misconfiguration, repeated key headers and a layer applied twice.
 
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,10 +8,11 @@ use axum::extract::Extension;
 use axum::routing::{get, post};
 use axum::Router;
 use http::{Request, StatusCode};
+use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+
 use crate::support::logs::Captured;
 use crate::support::recorder::{self, counter};
 use crate::support::serve;
-use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 
 #[tokio::test]
 async fn an_unrouted_request_reaches_the_fallback_untouched() {

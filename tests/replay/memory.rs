@@ -3,7 +3,6 @@
 //! every await.
 #![cfg(feature = "replay")]
 
-
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
@@ -15,13 +14,14 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use metrics_util::debugging::DebugValue;
-use crate::support::replay::{serve, Kit, Probe, PATIENCE};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tower::{service_fn, ServiceBuilder, ServiceExt};
 use tower_keyed_lock::replay::{MemoryStore, ReplayLayer, REPLAYED_TOTAL, STORED_TOTAL};
 use tower_keyed_lock::{BufferRequestBodyLayer, KeyedLockLayer};
+
+use crate::support::replay::{serve, Kit, Probe, PATIENCE};
 
 fn kit() -> Kit {
     Kit {

@@ -4,7 +4,6 @@
 //! silent store.
 #![cfg(all(feature = "replay", feature = "postgres"))]
 
-
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,13 +12,14 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use deadpool_postgres::{Manager, Pool};
 use http::StatusCode;
-use crate::support::pg_server::PgServer;
-use crate::support::replay::{serve, Kit, Probe};
-use crate::support::tcp_proxy::TcpProxy;
 use tokio_postgres::NoTls;
 use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockInfo};
+
+use crate::support::pg_server::PgServer;
+use crate::support::replay::{serve, Kit, Probe};
+use crate::support::tcp_proxy::TcpProxy;
 
 const NAME: &str = "replay-postgres";
 

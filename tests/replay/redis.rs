@@ -3,7 +3,6 @@
 //! a silent store, the fenced write after a lost lease, and the refused memory store.
 #![cfg(all(feature = "replay", feature = "redis"))]
 
-
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,12 +10,13 @@ use std::time::Duration;
 use axum::routing::post;
 use axum::{Extension, Router};
 use http::StatusCode;
-use crate::support::redis_server::RedisServer;
-use crate::support::replay::{serve, Kit, Probe};
-use crate::support::tcp_proxy::TcpProxy;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::replay::{MemoryStore, RedisReplayStore, ReplayLayer};
 use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+
+use crate::support::redis_server::RedisServer;
+use crate::support::replay::{serve, Kit, Probe};
+use crate::support::tcp_proxy::TcpProxy;
 
 const NAME: &str = "replay-redis";
 

@@ -2,17 +2,17 @@
 //! the server frozen (SIGSTOP) for longer than a lease meanwhile. `SOAK_REQUESTS`
 //! scales them (default 1 500: moto serves about 150 calls a second, one at a time);
 //! the full size is
-//! `SOAK_REQUESTS=100000 cargo test --all-features --test soak_dynamodb -- --nocapture --test-threads 1`
+//! `SOAK_REQUESTS=100000 cargo test --all-features --test soak dynamodb:: -- --nocapture --test-threads 1`
 //! (moto, not the crate, is the bottleneck: a debug build does).
 #![cfg(feature = "dynamodb")]
 
-
 use std::time::Duration;
+
+use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
+use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
 use crate::support::dynamo_server::DynamoServer;
 use crate::support::soak::Soak;
-use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
-use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
 fn requests() -> u64 {
     std::env::var("SOAK_REQUESTS")

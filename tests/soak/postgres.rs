@@ -3,13 +3,13 @@
 //! (default 4 000).
 #![cfg(feature = "postgres")]
 
-
 use std::time::Duration;
+
+use tower_keyed_lock::backend::postgres::PostgresBackend;
+use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
 use crate::support::pg_server::PgServer;
 use crate::support::soak::Soak;
-use tower_keyed_lock::backend::postgres::PostgresBackend;
-use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
 fn requests() -> u64 {
     std::env::var("SOAK_REQUESTS")

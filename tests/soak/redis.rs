@@ -2,13 +2,13 @@
 //! killed and restarted meanwhile. `SOAK_REQUESTS` scales them (default 4 000).
 #![cfg(feature = "redis")]
 
-
 use std::time::Duration;
+
+use tower_keyed_lock::backend::redis::RedisBackend;
+use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
 use crate::support::redis_server::RedisServer;
 use crate::support::soak::Soak;
-use tower_keyed_lock::backend::redis::RedisBackend;
-use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
 fn requests() -> u64 {
     std::env::var("SOAK_REQUESTS")
@@ -20,7 +20,7 @@ fn requests() -> u64 {
 /// One instance of the service: its own backend connection and its own layer.
 async fn instance(redis: &RedisServer, lease: Duration) -> KeyedLockLayer<PathParam> {
     // The guard would refuse grants for a lease after each (re)start of the server;
-    // the soak measures serialization, and `tests/redis_faults.rs` tests the guard.
+    // the soak measures serialization, and `tests/backends/redis_faults.rs` tests the guard.
     let backend = RedisBackend::builder(redis.client())
         .restart_guard(false)
         .lease(lease)

@@ -8,10 +8,9 @@
 //!
 //! ```text
 //! REPLAY_SOAK_DELIVERIES=10000 REPLAY_SOAK_IDS=1000 \
-//!     cargo test --release --all-features --test replay_soak -- --nocapture
+//!     cargo test --release --all-features --test soak replay:: -- --nocapture
 //! ```
 #![cfg(all(feature = "replay", feature = "redis", feature = "postgres"))]
-
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -27,13 +26,14 @@ use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
-use crate::support::pg_server::PgServer;
-use crate::support::redis_server::RedisServer;
 use tokio::sync::Semaphore;
 use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::replay::{PostgresReplayStore, RedisReplayStore, ReplayLayer};
 use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+
+use crate::support::pg_server::PgServer;
+use crate::support::redis_server::RedisServer;
 
 fn size(var: &str, default: usize) -> usize {
     std::env::var(var).map_or(default, |v| v.parse().expect("a number"))
