@@ -2,7 +2,7 @@
 //! warning. A process of its own: `tracing` caches whether a log call is wanted from
 //! the first thread that reaches it, so another test of the same process reaching the
 //! guard's warning first, with no subscriber, would hide it from this one.
-#![cfg(feature = "redis")]
+#![cfg(all(feature = "redis", feature = "axum"))]
 
 mod support;
 

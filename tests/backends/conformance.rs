@@ -120,6 +120,7 @@ mod faults {
 // ------------------------------------------------------------- through the layer
 
 /// `through_the_layer!(fixture_module, Fixture, "feature")`.
+#[cfg(feature = "axum")]
 macro_rules! through_the_layer {
     ($module:ident, $fixture:ty, $feature:literal) => {
         #[cfg(feature = $feature)]
@@ -134,6 +135,7 @@ macro_rules! through_the_layer {
     };
 }
 
+#[cfg(feature = "axum")]
 mod through_the_layer {
     through_the_layer!(redis, crate::support::fixtures::Redis, "redis");
     through_the_layer!(
@@ -153,6 +155,7 @@ mod through_the_layer {
 /// Two instances of an axum app, each with its own backend, take 40 requests for one
 /// order at once: their handlers never overlap, every request is answered 200, and the
 /// fencing tokens the handlers see grow in the order they ran.
+#[cfg(feature = "axum")]
 async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F) {
     use crate::support::Overlap;
     use axum::extract::Extension;

@@ -11,12 +11,17 @@ mod support;
 
 mod conformance;
 
+// These go through the HTTP layer (`by_path`): the `axum` feature too.
+#[cfg(feature = "axum")]
 mod dynamodb;
+#[cfg(feature = "axum")]
 mod postgres;
 mod postgres_faults;
 mod postgres_pgbouncer;
+#[cfg(feature = "axum")]
 mod redis;
 mod redis_cluster;
+#[cfg(feature = "axum")]
 mod redis_faults;
 mod redis_sentinel;
 mod tcp_proxy;

@@ -2,6 +2,8 @@
 //! (`over_http`), routing and key extraction (`routing`), metrics and the long-hold
 //! warning (`metrics`), hostile input and overload (`reliability`). Counting allocations
 //! is `tests/allocations.rs`, a process of its own.
+// Every test here builds its layer with `by_path` or `PathParam`: the `axum` feature.
+#![cfg(feature = "axum")]
 
 #[path = "../support/mod.rs"]
 mod support;

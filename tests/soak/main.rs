@@ -7,7 +7,11 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+// `Soak` drives layers keyed by `PathParam`: the `axum` feature too.
+#[cfg(feature = "axum")]
 mod dynamodb;
+#[cfg(feature = "axum")]
 mod postgres;
+#[cfg(feature = "axum")]
 mod redis;
 mod replay;
