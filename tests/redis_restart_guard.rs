@@ -2,10 +2,8 @@
 //! warning. A process of its own: `tracing` caches whether a log call is wanted from
 //! the first thread that reaches it, so another test of the same process reaching the
 //! guard's warning first, with no subscriber, would hide it from this one.
-#![cfg(feature = "redis")]
+#![cfg(all(feature = "redis", feature = "axum"))]
 
-#[path = "support/redis_server.rs"]
-mod redis_server;
 mod support;
 
 use std::time::Duration;
@@ -13,8 +11,8 @@ use std::time::Duration;
 use axum::routing::post;
 use axum::Router;
 use http::StatusCode;
-use redis_server::RedisServer;
 use support::logs::Captured;
+use support::redis_server::RedisServer;
 use support::{serve, Server};
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::KeyedLockLayer;
@@ -42,7 +40,7 @@ async fn instance(redis: &RedisServer, lease: Duration, wait: Duration) -> Serve
 
 /// The server's `uptime_in_seconds`.
 fn uptime(redis: &RedisServer) -> u64 {
-    redis_server::info(redis.port(), "server")
+    support::redis_server::info(redis.port(), "server")
         .lines()
         .find_map(|line| line.strip_prefix("uptime_in_seconds:"))
         .and_then(|seconds| seconds.trim().parse().ok())

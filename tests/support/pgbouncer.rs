@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::pg_server::{chown_to, free_port, is_root, temp_dir, PgServer};
+use super::pg_server::{chown_to, free_port, is_root, temp_dir, PgServer};
 
 /// PgBouncer's `pool_mode`.
 #[derive(Clone, Copy, Debug)]

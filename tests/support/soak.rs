@@ -93,11 +93,7 @@ impl Soak {
         layers: &[KeyedLockLayer<PathParam>],
         faults: impl Future<Output = ()>,
     ) -> Report {
-        // Soaks of one test binary run one at a time: two of them side by side on two
-        // cores starve each other's backend commands past their timeout (503s that
-        // say nothing about the layer; seen 2 runs in 3 with the Redis soaks).
-        static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-        let _turn = ONE_AT_A_TIME.lock().await;
+        let _turn = super::soak_turn().await;
         let keys = Arc::new(Keys {
             inside: (0..self.keys).map(|_| AtomicUsize::new(0)).collect(),
             overlaps: AtomicU64::new(0),

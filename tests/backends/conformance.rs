@@ -1,0 +1,603 @@
+//! The backend conformance suite (`tower_keyed_lock::testkit`), run for every backend
+//! against a real server — Redis, a Redis Cluster, PostgreSQL, DynamoDB (moto) — and for
+//! a backend written outside the crate, as a user would write one.
+#![cfg(feature = "testkit")]
+#![cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
+    allow(dead_code)
+)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::{sleep, sleep_until, Instant};
+use tower_keyed_lock::backend::{BoxFuture, LeaseLostSender, ReleaseLease};
+use tower_keyed_lock::testkit::Deployment;
+use tower_keyed_lock::testkit::PATIENCE;
+use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
+
+use crate::support::fixtures::{Fixture, Proxied, Remote};
+use crate::support::tcp_proxy::TcpProxy;
+
+/// A fixture's server, as the suite sees it.
+struct Conformance<F>(F);
+
+impl<F: Fixture + Remote + Send + Sync> Deployment for Conformance<F> {
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        self.0.backend("instance").await
+    }
+
+    fn loss_bound(&self) -> Duration {
+        self.0.loss_bound()
+    }
+}
+
+/// Shows the figures the checks log (hand-over and takeover times) with
+/// `--nocapture`.
+fn show_figures() {
+    let subscriber = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _ = tracing::subscriber::set_global_default(subscriber);
+}
+
+/// `conformance!(fixture_module, Fixture, "feature")`: one test per check.
+macro_rules! conformance {
+    ($module:ident, $fixture:ty, $feature:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            conformance!(@checks $fixture;
+                one_holder_at_a_time,
+                busy_and_timeout,
+                release_hands_over,
+                fencing_tokens_increase,
+                dropped_acquisitions_leave_nothing_held,
+                a_stalled_holder_sees_its_lease_lost,
+                a_crashed_holder_is_taken_over,
+            );
+        }
+    };
+    (@checks $fixture:ty; $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $check() {
+                crate::conformance::show_figures();
+                let deployment = crate::conformance::Conformance(<$fixture as crate::support::fixtures::Fixture>::start());
+                tower_keyed_lock::testkit::$check(&deployment).await;
+            }
+        )*
+    };
+}
+
+conformance!(redis, crate::support::fixtures::Redis, "redis");
+conformance!(
+    redis_cluster,
+    crate::support::fixtures::RedisCluster,
+    "redis"
+);
+conformance!(postgres, crate::support::fixtures::Postgres, "postgres");
+conformance!(
+    pgbouncer_transaction,
+    crate::support::fixtures::PgBouncerTransaction,
+    "postgres"
+);
+conformance!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+
+// ------------------------------------------------------------ faults through the proxy
+
+/// `faults!(fixture_module, Fixture, "feature")`: the fault checks of a fixture whose
+/// instances can reach the server through the TCP proxy.
+macro_rules! faults {
+    ($module:ident, $fixture:ty, $feature:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            faults!(@checks $fixture;
+                a_cut_off_holder_is_told_before_another_instance_is_granted,
+                no_acquisition_outlives_its_wait_on_a_silent_path,
+                a_slow_path_keeps_the_lease,
+                a_reset_connection_is_a_lost_lease_and_recovers,
+            );
+        }
+    };
+    (@checks $fixture:ty; $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $check() {
+                crate::conformance::$check(&<$fixture as crate::support::fixtures::Fixture>::start()).await;
+            }
+        )*
+    };
+}
+
+mod faults {
+    faults!(redis, crate::support::fixtures::Redis, "redis");
+    faults!(postgres, crate::support::fixtures::Postgres, "postgres");
+    faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+}
+
+// ------------------------------------------------------------- through the layer
+
+/// `through_the_layer!(fixture_module, Fixture, "feature")`.
+#[cfg(feature = "axum")]
+macro_rules! through_the_layer {
+    ($module:ident, $fixture:ty, $feature:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn one_handler_at_a_time_across_instances_over_http() {
+                let fixture = <$fixture as crate::support::fixtures::Fixture>::start();
+                crate::conformance::one_handler_at_a_time_across_instances_over_http(&fixture)
+                    .await;
+            }
+        }
+    };
+}
+
+#[cfg(feature = "axum")]
+mod through_the_layer {
+    through_the_layer!(redis, crate::support::fixtures::Redis, "redis");
+    through_the_layer!(
+        redis_cluster,
+        crate::support::fixtures::RedisCluster,
+        "redis"
+    );
+    through_the_layer!(postgres, crate::support::fixtures::Postgres, "postgres");
+    through_the_layer!(
+        pgbouncer_transaction,
+        crate::support::fixtures::PgBouncerTransaction,
+        "postgres"
+    );
+    through_the_layer!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+}
+
+/// Two instances of an axum app, each with its own backend, take 40 requests for one
+/// order at once: their handlers never overlap, every request is answered 200, and the
+/// fencing tokens the handlers see grow in the order they ran.
+#[cfg(feature = "axum")]
+async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F) {
+    use crate::support::Overlap;
+    use axum::extract::Extension;
+    use axum::routing::post;
+    use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+
+    let overlap = Arc::new(Overlap::default());
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let mut servers = Vec::new();
+    for name in ["a", "b"] {
+        let (overlap, tokens) = (overlap.clone(), tokens.clone());
+        let handler = move |Extension(lock): Extension<LockInfo>| async move {
+            let _inside = overlap.enter();
+            tokens.lock().unwrap().push(lock.fencing_token());
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            "paid"
+        };
+        let app = axum::Router::new()
+            .route("/orders/{id}/pay", post(handler))
+            .layer(
+                KeyedLockLayer::by_path("id")
+                    .name("conformance-http")
+                    .wait_timeout(PATIENCE)
+                    .backend(fixture.backend(name).await),
+            );
+        servers.push(Arc::new(crate::support::serve(app).await));
+    }
+    let requests = (0..40).map(|n| {
+        let server = servers[n % 2].clone();
+        async move { server.post("/orders/7/pay").await.status }
+    });
+    let statuses = crate::support::join_all(requests).await;
+    // Every request is answered: run (200), or refused because a backend command
+    // outlived its timeout on a loaded machine (503) — never a wrong answer.
+    let ran = statuses
+        .iter()
+        .filter(|status| **status == http::StatusCode::OK)
+        .count();
+    let answers = [http::StatusCode::OK, http::StatusCode::SERVICE_UNAVAILABLE];
+    assert!(
+        statuses.iter().all(|status| answers.contains(status)),
+        "{statuses:?}"
+    );
+    assert!(ran > 0, "{statuses:?}");
+    assert_eq!(overlap.max(), 1, "two handlers of one key ran at once");
+    let tokens = tokens.lock().unwrap().clone();
+    assert_eq!(tokens.len(), ran);
+    if tokens.iter().any(Option::is_some) {
+        let tokens: Vec<u64> = tokens.into_iter().map(Option::unwrap).collect();
+        assert!(
+            tokens.windows(2).all(|pair| pair[0] < pair[1]),
+            "fencing tokens out of order: {tokens:?}"
+        );
+    }
+}
+
+/// Slack for a loaded machine on bounds the backends document (a wait plus one network
+/// timeout): far below what a hang on a silent TCP path costs (minutes).
+const SLACK: Duration = Duration::from_secs(1);
+
+/// The holder's path goes silent (no reset: a partition, a dead NAT entry). Another
+/// instance waits for the key. The holder must be told its lease is lost before that
+/// instance is granted.
+async fn a_cut_off_holder_is_told_before_another_instance_is_granted<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let b = fixture.instance("b").await;
+    let guard = a.lock("cut").await.unwrap();
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    proxy.blackhole();
+    let cut = Instant::now();
+    let taken = within(
+        "b takes the cut-off holder's key",
+        3 * PATIENCE,
+        b.lock_timeout("cut", 3 * PATIENCE),
+    )
+    .await
+    .expect("b is granted the key once the holder's lease is gone");
+    let granted = Instant::now();
+    let told = within("the holder is told", PATIENCE, told).await.unwrap();
+    assert!(
+        told <= granted,
+        "unsignalled overlap: b was granted {:?} before the cut-off holder was told",
+        told - granted
+    );
+    assert!(guard.is_lost());
+    eprintln!(
+        "cut off: holder told after {:?}, other instance granted after {:?} (margin {:?})",
+        told - cut,
+        granted - cut,
+        granted - told
+    );
+    taken.release().await;
+}
+
+/// Through a silent path, an acquisition ends (with an error or a timeout) within its
+/// wait plus about one network timeout, never hanging; once the path heals, the backend
+/// serves again without a restart.
+async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    // A connection in use before the fault.
+    a.lock("warm").await.unwrap().release().await;
+    proxy.blackhole();
+    let wait = Duration::from_millis(300);
+    let bound = wait + 2 * fixture.network_timeout() + SLACK;
+    for key in ["silent-1", "silent-2", "silent-3"] {
+        let started = Instant::now();
+        let outcome = within(
+            "an acquisition on a silent path",
+            PATIENCE,
+            a.lock_timeout(key, wait),
+        )
+        .await;
+        let took = started.elapsed();
+        assert!(
+            outcome.is_err(),
+            "granted through a silent path: {outcome:?}"
+        );
+        assert!(
+            took < bound,
+            "an acquisition took {took:?} on a silent path (bound {bound:?})"
+        );
+    }
+    proxy.heal();
+    let healed = within("the backend serves again", 3 * PATIENCE, async {
+        loop {
+            match a.lock_timeout("after", PATIENCE).await {
+                Ok(guard) => break guard,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    healed.release().await;
+}
+
+/// A path slower than usual but within the network timeout (a quarter of it each way)
+/// keeps the lease: renewals or liveness checks get through, for twice the loss bound.
+async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let b = fixture.instance("b").await;
+    let guard = a.lock("slow").await.unwrap();
+    proxy.delay(fixture.network_timeout() / 4);
+    tokio::time::sleep(2 * fixture.loss_bound()).await;
+    assert!(
+        !guard.is_lost(),
+        "a slow path within the network timeout lost the lease"
+    );
+    assert!(
+        matches!(b.try_lock("slow").await, Err(LockError::Busy)),
+        "another instance took the key of a holder on a slow path"
+    );
+    proxy.delay(Duration::ZERO);
+    guard.release().await;
+}
+
+/// Every connection of the holder is reset: the holder is told (before, or as, any
+/// other instance is granted), and the backend reconnects for the next acquisition.
+async fn a_reset_connection_is_a_lost_lease_and_recovers<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    let b = fixture.instance("b").await;
+    let guard = a.lock("reset").await.unwrap();
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    proxy.reset();
+    // A session lock dies with its connection; a TTL lease survives a reset if the
+    // renewal reconnects in time. Either way, no overlap without the signal.
+    match b.lock_timeout("reset", 2 * fixture.loss_bound()).await {
+        Ok(taken) => {
+            let granted = Instant::now();
+            let told = within("the holder is told", PATIENCE, told).await.unwrap();
+            let late = told.saturating_duration_since(granted);
+            assert!(
+                late <= fixture.reset_notice(),
+                "after a reset the holder was told {late:?} after another instance was granted \
+                 (bound {:?})",
+                fixture.reset_notice()
+            );
+            eprintln!("reset: the holder was told {late:?} after the other grant");
+            taken.release().await;
+        }
+        Err(LockError::Timeout) => {
+            assert!(!guard.is_lost(), "lost, yet nobody else could take the key")
+        }
+        Err(error) => panic!("b failed: {error}"),
+    }
+    drop(guard);
+    let again = within("a reconnects", 3 * PATIENCE, async {
+        loop {
+            match a.lock_timeout("reset-after", PATIENCE).await {
+                Ok(guard) => break guard,
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    again.release().await;
+}
+
+/// `future`, or a panic naming `what` after `limit`.
+async fn within<T>(what: &str, limit: Duration, future: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not happen within {limit:?}"))
+}
+
+// ------------------------------------------------- a backend written outside the crate
+
+/// A lock service of its own, as a user might write one over their engine: a shared
+/// table of holders with expiries, fencing counters, and leases renewed at a third.
+#[derive(Clone, Default)]
+struct TableService(Arc<Mutex<Table>>);
+
+#[derive(Default)]
+struct Table {
+    holders: HashMap<String, (u64, Instant)>,
+    fences: HashMap<String, u64>,
+    next_owner: u64,
+}
+
+const LEASE: Duration = Duration::from_millis(600);
+
+/// One instance's client of the [`TableService`].
+struct TableBackend(TableService);
+
+impl TableService {
+    /// Grants `key` to a new owner if free or expired: `(owner, fence)`.
+    fn try_grant(&self, key: &str, now: Instant) -> Option<(u64, u64)> {
+        let mut table = self.0.lock().unwrap();
+        if table
+            .holders
+            .get(key)
+            .is_some_and(|(_, expires)| now < *expires)
+        {
+            return None;
+        }
+        table.next_owner += 1;
+        let owner = table.next_owner;
+        table.holders.insert(key.to_owned(), (owner, now + LEASE));
+        let fence = table.fences.entry(key.to_owned()).or_default();
+        *fence += 1;
+        Some((owner, *fence))
+    }
+
+    fn renew(&self, key: &str, owner: u64, now: Instant) -> bool {
+        let mut table = self.0.lock().unwrap();
+        match table.holders.get_mut(key) {
+            Some((holder, expires)) if *holder == owner && now < *expires => {
+                *expires = now + LEASE;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn release(&self, key: &str, owner: u64) {
+        let mut table = self.0.lock().unwrap();
+        if table
+            .holders
+            .get(key)
+            .is_some_and(|(holder, _)| *holder == owner)
+        {
+            table.holders.remove(key);
+        }
+    }
+}
+
+impl LockBackend for TableBackend {
+    fn acquire(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+    ) -> BoxFuture<Result<Lease, LockError>> {
+        let service = self.0.clone();
+        let key = format!("{name}:{}", key.as_str());
+        Box::pin(async move {
+            let deadline = Instant::now() + wait;
+            loop {
+                let sent = Instant::now();
+                if let Some((owner, fence)) = service.try_grant(&key, sent) {
+                    let (lost, signal) = LeaseSignal::with_deadline(sent + LEASE);
+                    let renewal = tokio::spawn(keep(service.clone(), key.clone(), owner, lost));
+                    let release = TableRelease {
+                        service,
+                        key,
+                        owner,
+                        renewal,
+                    };
+                    return Ok(Lease::new(Some(fence), signal, release));
+                }
+                if Instant::now() >= deadline {
+                    return Err(LockError::Timeout);
+                }
+                sleep(Duration::from_millis(5).min(deadline - Instant::now())).await;
+            }
+        })
+    }
+}
+
+async fn keep(service: TableService, key: String, owner: u64, lost: LeaseLostSender) {
+    let mut sent = Instant::now();
+    loop {
+        sleep_until(sent + LEASE / 3).await;
+        sent = Instant::now();
+        if !service.renew(&key, owner, sent) || !lost.extend(sent + LEASE) {
+            lost.lose();
+            return;
+        }
+    }
+}
+
+struct TableRelease {
+    service: TableService,
+    key: String,
+    owner: u64,
+    renewal: tokio::task::JoinHandle<()>,
+}
+
+impl ReleaseLease for TableRelease {
+    fn release(self: Box<Self>) -> BoxFuture<()> {
+        self.renewal.abort();
+        self.service.release(&self.key, self.owner);
+        Box::pin(async {})
+    }
+}
+
+impl Drop for TableRelease {
+    fn drop(&mut self) {
+        self.renewal.abort();
+    }
+}
+
+struct TableDeployment(TableService);
+
+impl Deployment for TableDeployment {
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        Arc::new(TableBackend(self.0.clone()))
+    }
+
+    fn loss_bound(&self) -> Duration {
+        LEASE
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backend_written_outside_the_crate_conforms() {
+    tower_keyed_lock::testkit::run_all(&TableDeployment(TableService::default())).await;
+}
+
+// ------------------------------------------------------ RELIABILITY.md, checked
+
+/// The columns of RELIABILITY.md's conformance table, as the fixture modules here.
+const COLUMNS: [(&str, &str); 6] = [
+    ("Redis", "redis"),
+    ("Redis Cluster", "redis_cluster"),
+    ("PostgreSQL", "postgres"),
+    (
+        "PostgreSQL, transaction scope via PgBouncer",
+        "pgbouncer_transaction",
+    ),
+    ("DynamoDB", "dynamodb"),
+    ("a backend outside the crate", "outside"),
+];
+
+/// RELIABILITY.md's conformance table says ✓ exactly where this binary runs a check
+/// for a fixture: its list of tests (`--list`) is the suite.
+#[cfg(all(feature = "redis", feature = "postgres", feature = "dynamodb"))]
+#[test]
+fn reliability_table_matches_the_suite() {
+    use std::collections::BTreeSet;
+
+    let listed = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--list", "--format", "terse"])
+        .output()
+        .expect("the test binary lists its tests");
+    let listed = String::from_utf8(listed.stdout).unwrap();
+    let mut run: BTreeSet<(String, String)> = BTreeSet::new();
+    // This module's tests, in the `backends` binary.
+    let names = listed
+        .lines()
+        .filter_map(|line| line.strip_suffix(": test"));
+    for name in names.filter_map(|name| name.strip_prefix("conformance::")) {
+        let parts: Vec<&str> = name.split("::").collect();
+        match parts.as_slice() {
+            ["faults" | "through_the_layer", fixture, check] | [fixture, check] => {
+                run.insert((fixture.to_string(), check.to_string()));
+            }
+            ["a_backend_written_outside_the_crate_conforms"] => {
+                for check in tower_keyed_lock::testkit::CHECKS {
+                    run.insert(("outside".into(), check.into()));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    let document =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/RELIABILITY.md")).unwrap();
+    let table = document
+        .split("<!-- conformance-table: begin -->")
+        .nth(1)
+        .and_then(|rest| rest.split("<!-- conformance-table: end -->").next())
+        .expect("RELIABILITY.md has the conformance table between its markers");
+    let mut rows = table.lines().filter(|line| line.starts_with('|'));
+    let header: Vec<&str> = rows.next().unwrap().split('|').map(str::trim).collect();
+    let columns: Vec<&str> = header[2..header.len() - 1]
+        .iter()
+        .map(|title| {
+            COLUMNS
+                .iter()
+                .find(|(heading, _)| heading == title)
+                .unwrap_or_else(|| panic!("unknown column {title:?} in RELIABILITY.md"))
+                .1
+        })
+        .collect();
+    let mut documented: BTreeSet<(String, String)> = BTreeSet::new();
+    for row in rows.skip(1) {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        let check = cells[1].trim_matches('`');
+        for (fixture, cell) in columns.iter().zip(&cells[2..]) {
+            if *cell == "✓" {
+                documented.insert((fixture.to_string(), check.to_owned()));
+            }
+        }
+    }
+    let undocumented: Vec<_> = run.difference(&documented).collect();
+    let unrun: Vec<_> = documented.difference(&run).collect();
+    assert!(
+        undocumented.is_empty() && unrun.is_empty(),
+        "RELIABILITY.md's conformance table and the suite disagree:\n\
+         run but not marked ✓: {undocumented:?}\n\
+         marked ✓ but not run: {unrun:?}"
+    );
+}

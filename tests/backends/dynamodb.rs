@@ -1,0 +1,1298 @@
+//! The DynamoDB backend against a real DynamoDB-compatible server (moto, one per test
+//! on a free port), through real hyper servers: two layers with separate backends and
+//! clients are two instances of one service.
+#![cfg(feature = "dynamodb")]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use aws_sdk_dynamodb::types::AttributeValue;
+use aws_sdk_dynamodb::Client;
+use axum::extract::Extension;
+use axum::routing::post;
+use axum::Router;
+use http::StatusCode;
+use tokio::sync::{mpsc, Barrier, Semaphore};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, DynamoDbBackendBuilder, SetupError};
+use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo, PathParam};
+
+use crate::support::dynamo_server::DynamoServer;
+use crate::support::recorder::counter;
+use crate::support::{serve, Answer, Overlap, Server};
+
+type Layer = KeyedLockLayer<PathParam>;
+type Item = HashMap<String, AttributeValue>;
+
+const TABLE: &str = "locks";
+
+// ---------------------------------------------------------------- helpers
+
+/// One instance's backend (its own client), on a table it creates if missing.
+async fn connect(
+    server: &DynamoServer,
+    configure: impl FnOnce(DynamoDbBackendBuilder) -> DynamoDbBackendBuilder,
+) -> DynamoDbBackend {
+    let builder = configure(DynamoDbBackend::builder(server.client(), TABLE));
+    // moto answers its first requests slowly (it loads its backends).
+    let patient = builder.clone().command_timeout(Duration::from_secs(10));
+    patient.create_table().await.expect("create the table");
+    builder.build().await.expect("backend connects")
+}
+
+/// One instance's layer: the same name everywhere, so instances share items.
+fn layer(backend: DynamoDbBackend) -> Layer {
+    KeyedLockLayer::by_path("order_id")
+        .name("orders")
+        .backend(backend)
+}
+
+/// The lock item with partition key `pk`, read consistently.
+async fn item(client: &Client, pk: &str) -> Option<Item> {
+    client
+        .get_item()
+        .table_name(TABLE)
+        .key("pk", AttributeValue::S(pk.to_owned()))
+        .consistent_read(true)
+        .send()
+        .await
+        .expect("get_item")
+        .item
+}
+
+fn text(item: &Item, attribute: &str) -> Option<String> {
+    item.get(attribute)
+        .and_then(|value| value.as_s().ok())
+        .cloned()
+}
+
+async fn owner(client: &Client, pk: &str) -> Option<String> {
+    item(client, pk)
+        .await
+        .and_then(|item| text(&item, "lock_owner"))
+}
+
+/// Writes the item as a holder would that then stops renewing (a crashed instance).
+async fn put_holder(client: &Client, pk: &str, rvn: &str, lease: Duration) {
+    client
+        .put_item()
+        .table_name(TABLE)
+        .item("pk", AttributeValue::S(pk.to_owned()))
+        .item("lock_owner", AttributeValue::S("crashed-instance".into()))
+        .item("lock_rvn", AttributeValue::S(rvn.to_owned()))
+        .item(
+            "lock_lease_ms",
+            AttributeValue::N(lease.as_millis().to_string()),
+        )
+        .item("lock_fence", AttributeValue::N("7".into()))
+        .send()
+        .await
+        .expect("put_item");
+}
+
+/// Fails the test instead of hanging it.
+async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
+}
+
+/// Waits until the async `condition` holds, failing the test after 10 s.
+async fn until<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Handlers that report when they hold their key and finish when told to.
+struct Gate {
+    entered: mpsc::UnboundedSender<(LockInfo, Instant)>,
+    finish: Semaphore,
+}
+
+type Entered = mpsc::UnboundedReceiver<(LockInfo, Instant)>;
+
+fn gate() -> (Arc<Gate>, Entered) {
+    let (entered, receiver) = mpsc::unbounded_channel();
+    let gate = Gate {
+        entered,
+        finish: Semaphore::new(0),
+    };
+    (Arc::new(gate), receiver)
+}
+
+/// `/orders/{id}` holds the key until the gate lets it finish and answers whether the
+/// lease was lost; `/quick/{id}` answers at once, under the same layer.
+fn gated_router(gate: Arc<Gate>) -> Router {
+    Router::new()
+        .route(
+            "/orders/{order_id}",
+            post(move |Extension(info): Extension<LockInfo>| {
+                let gate = gate.clone();
+                async move {
+                    let _ = gate.entered.send((info.clone(), Instant::now()));
+                    gate.finish.acquire().await.unwrap().forget();
+                    format!("lost={}", info.is_lease_lost())
+                }
+            }),
+        )
+        .route("/quick/{order_id}", post(|| async { "ok" }))
+}
+
+/// Starts a request on the gated route and waits until its handler holds the key.
+async fn hold(
+    server: &Arc<Server>,
+    path: &str,
+    entered: &mut Entered,
+) -> (JoinHandle<Answer>, LockInfo, Instant) {
+    let request = tokio::spawn({
+        let (server, path) = (server.clone(), path.to_owned());
+        async move { server.post(&path).await }
+    });
+    let (info, at) = within("the holder enters", Duration::from_secs(10), entered.recv())
+        .await
+        .unwrap();
+    (request, info, at)
+}
+
+/// A handler that checks how many handlers run at once, across instances.
+fn overlap_router(overlap: Arc<Overlap>, hold: Duration) -> Router {
+    Router::new().route(
+        "/orders/{order_id}",
+        post(move || {
+            let overlap = overlap.clone();
+            async move {
+                let _inside = overlap.enter();
+                tokio::time::sleep(hold).await;
+            }
+        }),
+    )
+}
+
+/// Sends `count` requests for `path`, alternating between the servers, all at once.
+async fn alternate(servers: [&Arc<Server>; 2], path: &str, count: usize) -> Vec<StatusCode> {
+    let requests: Vec<_> = (0..count)
+        .map(|i| {
+            let (server, path) = (servers[i % 2].clone(), path.to_owned());
+            tokio::spawn(async move { server.post(&path).await.status })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for request in requests {
+        statuses.push(
+            within("a request", Duration::from_secs(20), request)
+                .await
+                .unwrap(),
+        );
+    }
+    statuses
+}
+
+/// Whether `backend` gets `key` at once (and gives it back).
+async fn free(backend: &DynamoDbBackend, name: &'static str, key: &Key) -> bool {
+    match backend.acquire(name, key, Duration::ZERO).await {
+        Ok(lease) => {
+            lease.release().await;
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// Percent-encodes every byte that is not an ASCII letter or digit.
+fn path_escape(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b.is_ascii_alphanumeric() {
+            true => char::from(b).to_string(),
+            false => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------- exclusion
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn same_key_is_serialized_across_instances() {
+    let dynamo = DynamoServer::start();
+    let overlap = Arc::new(Overlap::default());
+    let (a, b) = (
+        layer(connect(&dynamo, |b| b).await),
+        layer(connect(&dynamo, |b| b).await),
+    );
+    let hold = Duration::from_millis(20);
+    let server_a = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(a.clone())).await);
+    let server_b = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(b.clone())).await);
+
+    let statuses = alternate([&server_a, &server_b], "/orders/7", 12).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    assert_eq!(overlap.max(), 1, "two handlers of one key ran at once");
+    crate::support::eventually("both tables empty", || {
+        a.active_keys() == 0 && b.active_keys() == 0
+    })
+    .await;
+    let client = dynamo.client();
+    assert_eq!(owner(&client, "keyed-lock:orders:7").await, None);
+
+    // Control: the same two instances without the backend do overlap, so the check
+    // above can fail.
+    let overlap = Arc::new(Overlap::default());
+    let local = || KeyedLockLayer::by_path("order_id");
+    let server_a = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(local())).await);
+    let server_b = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(local())).await);
+    alternate([&server_a, &server_b], "/orders/7", 12).await;
+    assert!(overlap.max() > 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn different_keys_run_in_parallel_across_instances() {
+    let dynamo = DynamoServer::start();
+    // Every handler waits until all four are inside: only parallel runs get there.
+    let barrier = Arc::new(Barrier::new(4));
+    let router = || {
+        let barrier = barrier.clone();
+        Router::new().route(
+            "/orders/{order_id}",
+            post(move || {
+                let barrier = barrier.clone();
+                async move {
+                    match tokio::time::timeout(Duration::from_secs(5), barrier.wait()).await {
+                        Ok(_) => StatusCode::OK,
+                        Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                    }
+                }
+            }),
+        )
+    };
+    let server_a = Arc::new(serve(router().layer(layer(connect(&dynamo, |b| b).await))).await);
+    let server_b = Arc::new(serve(router().layer(layer(connect(&dynamo, |b| b).await))).await);
+    let requests: Vec<_> = [
+        (&server_a, 1),
+        (&server_a, 2),
+        (&server_b, 3),
+        (&server_b, 4),
+    ]
+    .into_iter()
+    .map(|(server, key)| {
+        let server = server.clone();
+        tokio::spawn(async move { server.post(&format!("/orders/{key}")).await.status })
+    })
+    .collect();
+    for request in requests {
+        let status = within("a request", Duration::from_secs(10), request).await;
+        assert_eq!(status.unwrap(), StatusCode::OK);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_held_on_another_instance_times_out_with_409() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let (gate, mut entered) = gate();
+    let backend_a = connect(&dynamo, |b| b).await;
+    let pk = backend_a.partition_key_value("orders", "7");
+    let server_a = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend_a))).await);
+    let b = layer(connect(&dynamo, |b| b).await).wait_timeout(Duration::from_millis(300));
+    let server_b = Arc::new(serve(gated_router(gate.clone()).layer(b.clone())).await);
+
+    let (holder, info, _) = hold(&server_a, "/orders/7", &mut entered).await;
+    let held = item(&client, &pk).await.expect("the lock item");
+    assert!(text(&held, "lock_owner").is_some());
+    let fence = held["lock_fence"].as_n().unwrap().parse::<u64>().unwrap();
+    assert_eq!(info.fencing_token(), Some(fence));
+
+    let started = Instant::now();
+    let answer = within(
+        "the waiter",
+        Duration::from_secs(5),
+        server_b.post("/orders/7"),
+    )
+    .await;
+    let waited = started.elapsed();
+    assert_eq!(answer.status, StatusCode::CONFLICT);
+    assert!(
+        answer.body.contains(r#""reason":"timeout""#),
+        "{}",
+        answer.body
+    );
+    // The wait bounds the polling: no later than one call past it.
+    assert!(
+        waited >= Duration::from_millis(300) && waited < Duration::from_millis(1300),
+        "{waited:?}"
+    );
+    assert_eq!(b.active_keys(), 0);
+
+    gate.finish.add_permits(1);
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        (answer.status, &*answer.body),
+        (StatusCode::OK, "lost=false")
+    );
+    until("the owner is cleared", || {
+        let (client, pk) = (client.clone(), pk.clone());
+        async move { owner(&client, &pk).await.is_none() }
+    })
+    .await;
+    // Cleared, not deleted: the fence counter stays.
+    let released = item(&client, &pk).await.expect("the item stays");
+    assert_eq!(released["lock_fence"].as_n().unwrap(), &fence.to_string());
+    assert!(released.contains_key("ttl"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fencing_tokens_strictly_increase_per_key_across_instances() {
+    let dynamo = DynamoServer::start();
+    let tokens: Arc<Mutex<Vec<Option<u64>>>> = Arc::default();
+    let router = || {
+        let tokens = tokens.clone();
+        Router::new().route(
+            "/orders/{order_id}",
+            post(move |Extension(info): Extension<LockInfo>| {
+                let tokens = tokens.clone();
+                async move {
+                    // Recorded while holding the key: the order of grants.
+                    tokens.lock().unwrap().push(info.fencing_token());
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }),
+        )
+    };
+    let server_a = Arc::new(serve(router().layer(layer(connect(&dynamo, |b| b).await))).await);
+    let server_b = Arc::new(serve(router().layer(layer(connect(&dynamo, |b| b).await))).await);
+
+    let statuses = alternate([&server_a, &server_b], "/orders/9", 20).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    // A third instance that joins later continues the sequence.
+    let server_c = Arc::new(serve(router().layer(layer(connect(&dynamo, |b| b).await))).await);
+    assert_eq!(server_c.post("/orders/9").await.status, StatusCode::OK);
+
+    let tokens: Vec<u64> = tokens
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|t| t.expect("a fencing token"))
+        .collect();
+    assert_eq!(tokens.len(), 21);
+    assert!(
+        tokens.windows(2).all(|w| w[1] == w[0] + 1),
+        "not increasing by one per grant: {tokens:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fence_tokens_keep_growing_after_the_item_is_deleted() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let backend = connect(&dynamo, |b| b).await;
+    let key = Key::new("order-1", 256).unwrap();
+    let pk = backend.partition_key_value("direct", "order-1");
+
+    let lease = backend
+        .acquire("direct", &key, Duration::ZERO)
+        .await
+        .unwrap();
+    let first = lease.fencing_token().unwrap();
+    lease.release().await;
+    let lease = backend
+        .acquire("direct", &key, Duration::ZERO)
+        .await
+        .unwrap();
+    assert_eq!(lease.fencing_token(), Some(first + 1));
+    lease.release().await;
+
+    // What the table's TTL does to an item unused for a day: the counter goes with it.
+    client
+        .delete_item()
+        .table_name(TABLE)
+        .key("pk", AttributeValue::S(pk))
+        .send()
+        .await
+        .unwrap();
+    let lease = backend
+        .acquire("direct", &key, Duration::ZERO)
+        .await
+        .unwrap();
+    let after = lease.fencing_token().unwrap();
+    assert!(after > first + 1, "{after} after {first}");
+    lease.release().await;
+}
+
+// ---------------------------------------------------------------- leases
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn renewal_keeps_a_key_held_past_several_leases() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let lease = Duration::from_millis(300);
+    let (gate, mut entered) = gate();
+    let backend_a = connect(&dynamo, |b| b.lease(lease)).await;
+    let pk = backend_a.partition_key_value("orders", "3");
+    let server_a = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend_a))).await);
+    // The other instance waits two leases each time: time enough to take over a
+    // holder that stopped renewing.
+    let b = layer(connect(&dynamo, |b| b.lease(lease)).await).wait_timeout(2 * lease);
+    let server_b = Arc::new(serve(gated_router(gate.clone()).layer(b)).await);
+
+    let (holder, info, _) = hold(&server_a, "/orders/3", &mut entered).await;
+    let first = item(&client, &pk).await.unwrap();
+    let token = text(&first, "lock_owner").unwrap();
+    let mut versions = vec![text(&first, "lock_rvn").unwrap()];
+    for _ in 0..3 {
+        let answer = within(
+            "B's request",
+            Duration::from_secs(5),
+            server_b.post("/orders/3"),
+        )
+        .await;
+        assert_eq!(
+            answer.status,
+            StatusCode::CONFLICT,
+            "the key was taken over"
+        );
+        let now = item(&client, &pk).await.unwrap();
+        assert_eq!(text(&now, "lock_owner").as_deref(), Some(&*token));
+        versions.push(text(&now, "lock_rvn").unwrap());
+        assert!(!info.is_lease_lost());
+    }
+    versions.dedup();
+    assert_eq!(
+        versions.len(),
+        4,
+        "the record version did not change: {versions:?}"
+    );
+    gate.finish.add_permits(1);
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        (answer.status, &*answer.body),
+        (StatusCode::OK, "lost=false")
+    );
+}
+
+/// A holder that stopped renewing (its instance crashed) is taken over one lease
+/// after the waiter first saw its record version, timed on the waiter's clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_record_that_stops_changing_is_taken_over_after_one_lease() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let backend = connect(&dynamo, |b| b).await;
+    let key = Key::new("crashed", 256).unwrap();
+    let pk = backend.partition_key_value("direct", "crashed");
+    let stale = Duration::from_millis(400);
+    put_holder(&client, &pk, "v1", stale).await;
+
+    let started = Instant::now();
+    let lease = within(
+        "the takeover",
+        Duration::from_secs(5),
+        backend.acquire("direct", &key, Duration::from_secs(3)),
+    )
+    .await
+    .expect("taken over");
+    let took = started.elapsed();
+    println!("takeover of a stale record with a 400 ms lease after {took:?}");
+    assert!(took >= stale, "taken over before a lease: {took:?}");
+    assert!(took < stale + Duration::from_millis(300), "{took:?}");
+    assert!(lease.fencing_token().unwrap() > 7);
+    lease.release().await;
+
+    // A holder that renews (a new version every 100 ms) is never taken over.
+    put_holder(&client, &pk, "v0", stale).await;
+    let renewing = tokio::spawn({
+        let (client, pk) = (client.clone(), pk.clone());
+        async move {
+            for version in 1.. {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                put_holder(&client, &pk, &format!("v{version}"), stale).await;
+            }
+        }
+    });
+    let started = Instant::now();
+    let busy = backend
+        .acquire("direct", &key, Duration::from_millis(1500))
+        .await;
+    assert!(matches!(busy, Err(LockError::Timeout)), "{busy:?}");
+    assert!(started.elapsed() >= Duration::from_millis(1500));
+    renewing.abort();
+    assert_eq!(
+        owner(&client, &pk).await.as_deref(),
+        Some("crashed-instance")
+    );
+}
+
+/// Clears or overwrites the holder's item; the holder must see the lease lost within
+/// one renewal period.
+async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    // Renewal every 200 ms; the local deadline alone would take 594 ms or more.
+    let lease = Duration::from_millis(600);
+    let period = lease / 3;
+    let (gate, mut entered) = gate();
+    let backend = connect(&dynamo, |b| b.lease(lease)).await;
+    let pk = backend.partition_key_value(layer_name, "4");
+    let layer = KeyedLockLayer::by_path("order_id")
+        .name(layer_name)
+        .backend(backend);
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer)).await);
+    let lost_before = counter("keyed_lock_lease_lost_total", layer_name, &[]);
+
+    let (holder, info, _) = hold(&server, "/orders/4", &mut entered).await;
+    let lease_signal = info.lease().expect("a distributed lease").clone();
+    assert!(!lease_signal.is_lost());
+    let changed = Instant::now();
+    if overwrite {
+        put_holder(&client, &pk, "someone-elses", Duration::from_secs(10)).await;
+    } else {
+        client
+            .update_item()
+            .table_name(TABLE)
+            .key("pk", AttributeValue::S(pk.clone()))
+            .update_expression("REMOVE lock_owner")
+            .send()
+            .await
+            .unwrap();
+    }
+    within(
+        "the lease-lost signal",
+        Duration::from_secs(2),
+        lease_signal.lost(),
+    )
+    .await;
+    let noticed = changed.elapsed();
+    assert!(
+        noticed <= period + Duration::from_millis(150),
+        "noticed after {noticed:?}"
+    );
+    assert!(info.is_lease_lost());
+
+    gate.finish.add_permits(1);
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        (answer.status, &*answer.body),
+        (StatusCode::OK, "lost=true")
+    );
+    crate::support::eventually("the lost lease is counted", || {
+        counter("keyed_lock_lease_lost_total", layer_name, &[]) == lost_before + 1
+    })
+    .await;
+    if overwrite {
+        // The release compares tokens: the new owner stays.
+        assert_eq!(
+            owner(&client, &pk).await.as_deref(),
+            Some("crashed-instance")
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cleared_owner_is_a_lost_lease_within_one_renewal_period() {
+    lease_lost_when(false, "lost-cleared").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_overwritten_owner_is_a_lost_lease_within_one_renewal_period() {
+    // Not `lost-overwritten`: the Redis tests of this binary count that layer's losses.
+    lease_lost_when(true, "dynamo-lost-overwritten").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn abort_on_lease_lost_answers_503() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let (gate, mut entered) = gate();
+    let backend = connect(&dynamo, |b| b.lease(Duration::from_millis(600))).await;
+    let pk = backend.partition_key_value("orders", "5");
+    let layer = layer(backend).abort_on_lease_lost(true);
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer.clone())).await);
+
+    // The gate never opens: only the abort can end this request.
+    let (holder, _, _) = hold(&server, "/orders/5", &mut entered).await;
+    let changed = Instant::now();
+    put_holder(&client, &pk, "other", Duration::from_secs(10)).await;
+    let answer = within("the abort", Duration::from_secs(2), holder)
+        .await
+        .unwrap();
+    assert!(
+        changed.elapsed() < Duration::from_millis(450),
+        "{:?}",
+        changed.elapsed()
+    );
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        answer.body.contains(r#""reason":"lease_lost""#),
+        "{}",
+        answer.body
+    );
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_renewal_a_lease_is_lost_at_its_local_deadline() {
+    let dynamo = DynamoServer::start();
+    let (gate, mut entered) = gate();
+    let backend = connect(&dynamo, |b| {
+        b.lease(Duration::from_millis(300)).renewal(false)
+    })
+    .await;
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend))).await);
+
+    let (holder, info, at) = hold(&server, "/orders/6", &mut entered).await;
+    within(
+        "the deadline",
+        Duration::from_secs(2),
+        info.lease().unwrap().lost(),
+    )
+    .await;
+    let held = at.elapsed();
+    // Sent before `at`, so lost a little before lease − drift (300 − 5 ms) after it.
+    assert!(
+        held > Duration::from_millis(200) && held < Duration::from_millis(400),
+        "{held:?}"
+    );
+    gate.finish.add_permits(1);
+    assert_eq!(holder.await.unwrap().body, "lost=true");
+}
+
+/// The server freezes (SIGSTOP) while a key is held, for three leases. The holder
+/// cannot renew and must declare the lease lost at its local deadline; the other
+/// instance may only run once the server is back and the holder's record has gone a
+/// whole lease unchanged on its clock, which is after the holder's signal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_paused_server_loses_the_lease_before_another_instance_gets_the_key() {
+    let dynamo = DynamoServer::start();
+    let lease = Duration::from_millis(600);
+    let configure =
+        |b: DynamoDbBackendBuilder| b.lease(lease).command_timeout(Duration::from_millis(200));
+    let (gate, mut entered) = gate();
+    let a = layer(connect(&dynamo, configure).await);
+    let b = layer(connect(&dynamo, configure).await).wait_timeout(Duration::from_secs(5));
+    let server_a = Arc::new(serve(gated_router(gate.clone()).layer(a)).await);
+    let server_b = Arc::new(serve(gated_router(gate.clone()).layer(b)).await);
+
+    let (holder, info, entered_a) = hold(&server_a, "/orders/1", &mut entered).await;
+    dynamo.pause();
+    let paused = Instant::now();
+    // B asks while the server is frozen: it gets 503s (the call times out) and retries.
+    let waiter = tokio::spawn({
+        let server_b = server_b.clone();
+        async move {
+            loop {
+                let answer = server_b.post("/orders/1").await;
+                if answer.status != StatusCode::SERVICE_UNAVAILABLE {
+                    return answer;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+    within(
+        "the lease-lost signal",
+        Duration::from_secs(3),
+        info.lease().unwrap().lost(),
+    )
+    .await;
+    let lost_at = Instant::now();
+    let lost_after = lost_at - entered_a;
+    assert!(lost_after <= lease, "lost after {lost_after:?}");
+    tokio::time::sleep((3 * lease).saturating_sub(paused.elapsed())).await;
+    dynamo.resume();
+    let resumed = Instant::now();
+
+    let (_, b_entered_at) = within("B gets the key", Duration::from_secs(10), entered.recv())
+        .await
+        .unwrap();
+    let margin = b_entered_at - lost_at;
+    println!(
+        "paused for {:?}: A lost its lease {lost_after:?} after it entered; B entered \
+         {margin:?} after that",
+        3 * lease
+    );
+    assert!(
+        b_entered_at > lost_at,
+        "B ran before A's lease was declared lost"
+    );
+    // B watched the record a whole lease after it could see it again.
+    let watched = b_entered_at - resumed;
+    assert!(watched >= lease, "B took over {watched:?} after the resume");
+    gate.finish.add_permits(2);
+    assert_eq!(holder.await.unwrap().body, "lost=true");
+    assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+}
+
+// ---------------------------------------------------------------- outages
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() {
+    let dynamo = DynamoServer::start();
+    let configure = |b: DynamoDbBackendBuilder| b.command_timeout(Duration::from_millis(200));
+    let (gate, _entered) = gate();
+    let server = Arc::new(
+        serve(gated_router(gate.clone()).layer(layer(connect(&dynamo, configure).await))).await,
+    );
+    let open = KeyedLockLayer::by_path("order_id")
+        // Not `fail-open`: the Redis tests of this binary count that layer's rejections.
+        .name("dynamo-fail-open")
+        .backend(connect(&dynamo, configure).await)
+        .fail_open(true);
+    let server_open = Arc::new(serve(gated_router(gate).layer(open)).await);
+    assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
+
+    dynamo.pause();
+    let started = Instant::now();
+    let answer = within(
+        "the request to a paused server",
+        Duration::from_secs(3),
+        server.post("/quick/1"),
+    )
+    .await;
+    let took = started.elapsed();
+    let answer_open = within(
+        "the fail-open request",
+        Duration::from_secs(3),
+        server_open.post("/quick/1"),
+    )
+    .await;
+    dynamo.resume();
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        answer.body.contains(r#""reason":"backend""#),
+        "{}",
+        answer.body
+    );
+    assert!(took < Duration::from_millis(600), "{took:?}");
+    assert_eq!(
+        (answer_open.status, &*answer_open.body),
+        (StatusCode::OK, "ok")
+    );
+
+    until("requests succeed again", || {
+        let server = server.clone();
+        async move { server.post("/quick/1").await.status == StatusCode::OK }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_and_restarted_server_fails_closed_then_recovers() {
+    let mut dynamo = DynamoServer::start();
+    let configure = |b: DynamoDbBackendBuilder| b.command_timeout(Duration::from_millis(300));
+    let (gate, _entered) = gate();
+    let server =
+        Arc::new(serve(gated_router(gate).layer(layer(connect(&dynamo, configure).await))).await);
+    assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
+
+    dynamo.stop();
+    let started = Instant::now();
+    let answer = server.post("/quick/1").await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // The emulator comes back empty: the table is created again (as infrastructure
+    // would), and the same app serves requests without a restart.
+    dynamo.restart();
+    DynamoDbBackend::builder(dynamo.client(), TABLE)
+        .create_table()
+        .await
+        .unwrap();
+    until("requests succeed again", || {
+        let server = server.clone();
+        async move { server.post("/quick/1").await.status == StatusCode::OK }
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------- cancellation
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_disconnects_while_holding_leaves_no_key() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let (gate, mut entered) = gate();
+    let backend = connect(&dynamo, |b| b).await;
+    let pk = backend.partition_key_value("orders", "5");
+    let layer = layer(backend);
+    let server = Arc::new(serve(gated_router(gate).layer(layer.clone())).await);
+
+    // The gate never opens: the request ends only by the disconnect.
+    let raw = server.send_raw("/orders/5").await;
+    within("the holder enters", Duration::from_secs(5), entered.recv()).await;
+    assert!(owner(&client, &pk).await.is_some());
+    drop(raw);
+
+    until("the owner is cleared", || {
+        let (client, pk) = (client.clone(), pk.clone());
+        async move { owner(&client, &pk).await.is_none() }
+    })
+    .await;
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clients_that_disconnect_while_waiting_leave_no_key() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let (gate, mut entered) = gate();
+    let backend_a = connect(&dynamo, |b| b).await;
+    let pk = backend_a.partition_key_value("orders", "5");
+    let a = layer(backend_a);
+    let b = layer(connect(&dynamo, |b| b).await);
+    let server_a = Arc::new(serve(gated_router(gate.clone()).layer(a.clone())).await);
+    let server_b = Arc::new(serve(gated_router(gate.clone()).layer(b.clone())).await);
+    let (holder, _, _) = hold(&server_a, "/orders/5", &mut entered).await;
+
+    // One waiter on B polls DynamoDB, a second one waits behind it in B's local queue.
+    let remote_waiter = server_b.send_raw("/orders/5").await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let local_waiter = server_b.send_raw("/orders/5").await;
+    crate::support::eventually("B queues both", || b.active_keys() == 1).await;
+    drop(remote_waiter);
+    drop(local_waiter);
+
+    gate.finish.add_permits(1);
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(answer.status, StatusCode::OK);
+    until("no owner is left", || {
+        let (client, pk) = (client.clone(), pk.clone());
+        async move { owner(&client, &pk).await.is_none() }
+    })
+    .await;
+    crate::support::eventually("both tables empty", || {
+        a.active_keys() == 0 && b.active_keys() == 0
+    })
+    .await;
+    assert!(
+        entered.try_recv().is_err(),
+        "a dropped waiter ran its handler"
+    );
+    assert_eq!(server_b.post("/quick/5").await.status, StatusCode::OK);
+}
+
+/// The acquire future dropped at every point of its life: before the call is sent,
+/// while it is in flight, after the grant, and in the pauses of a wait. Whatever it
+/// got is given back at once: with a 30 s lease, anything left held would block the
+/// key far longer than the check allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_acquire_dropped_at_any_point_leaves_nothing_held() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let (a, b) = (connect(&dynamo, |b| b).await, connect(&dynamo, |b| b).await);
+    let key = Key::new("order-3", 256).unwrap();
+    let pk = a.partition_key_value("direct", "order-3");
+    assert!(free(&b, "direct", &key).await);
+
+    // A free key: the attempt is cut at 0, 0.5, 1, … 15 ms, across its round trip.
+    let mut granted_before_drop = 0;
+    for step in 0..=30u64 {
+        let cut = Duration::from_micros(500 * step);
+        let dropped =
+            tokio::time::timeout(cut, a.acquire("direct", &key, Duration::from_secs(5))).await;
+        if let Ok(lease) = dropped {
+            granted_before_drop += 1;
+            drop(lease);
+        }
+        until("the key is free again", || {
+            let (b, key) = (b.clone(), key.clone());
+            async move { free(&b, "direct", &key).await }
+        })
+        .await;
+        assert_eq!(owner(&client, &pk).await, None, "cut at {cut:?}");
+    }
+    println!("{granted_before_drop} of 31 cuts came after the grant");
+
+    // A held key: the waiter is cut while it polls (in a call or in a pause).
+    let holder = b.acquire("direct", &key, Duration::ZERO).await.unwrap();
+    let holder_token = owner(&client, &pk).await.unwrap();
+    for step in 0..10u64 {
+        let cut = Duration::from_millis(3 * step);
+        let dropped =
+            tokio::time::timeout(cut, a.acquire("direct", &key, Duration::from_secs(5))).await;
+        assert!(dropped.is_err(), "got a held key");
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(owner(&client, &pk).await.as_deref(), Some(&*holder_token));
+    holder.release().await;
+    assert!(free(&a, "direct", &key).await);
+}
+
+/// The call is sent to a frozen server and the future dropped before any answer; the
+/// server applies the write when it wakes up, granting a lease nobody holds. The
+/// give-back must clear it rather than leave it for a takeover (30 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_acquire_dropped_mid_call_gives_back_what_it_may_hold() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let (a, b) = (connect(&dynamo, |b| b).await, connect(&dynamo, |b| b).await);
+    let key = Key::new("order-3", 256).unwrap();
+    let pk = a.partition_key_value("direct", "order-3");
+    assert!(free(&a, "direct", &key).await);
+
+    dynamo.pause();
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        a.acquire("direct", &key, Duration::from_secs(5)),
+    )
+    .await;
+    assert!(dropped.is_err());
+    dynamo.resume();
+
+    until("the key is free again", || {
+        let (b, key) = (b.clone(), key.clone());
+        async move { free(&b, "direct", &key).await }
+    })
+    .await;
+    assert_eq!(owner(&client, &pk).await, None);
+}
+
+// ---------------------------------------------------------------- the item and table
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn odd_keys_get_their_own_items() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let (gate, mut entered) = gate();
+    let long = "k".repeat(100);
+    let odd = [
+        "plain-key_1.2",
+        "a:b",
+        "#hash",
+        "a b",
+        "caf\u{e9}",
+        "x}:lock",
+        &long,
+    ];
+    let backend = connect(&dynamo, |b| b).await;
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend.clone()))).await);
+    let mut holders = Vec::new();
+    for key in odd {
+        let (holder, info, _) = hold(
+            &server,
+            &format!("/orders/{}", path_escape(key)),
+            &mut entered,
+        )
+        .await;
+        assert_eq!(info.key(), key);
+        let pk = backend.partition_key_value("orders", key);
+        match key {
+            "#hash" => assert!(
+                pk.starts_with("keyed-lock:orders:#") && pk.len() > 80,
+                "{pk}"
+            ),
+            _ => assert_eq!(pk, format!("keyed-lock:orders:{key}")),
+        }
+        assert!(owner(&client, &pk).await.is_some(), "{key}");
+        holders.push(holder);
+    }
+    let scan = client.scan().table_name(TABLE).send().await.unwrap();
+    assert_eq!(scan.count(), odd.len() as i32);
+    gate.finish.add_permits(holders.len());
+    for holder in holders {
+        assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+    }
+
+    // Layer "orders" key "x:y" and layer "orders:x" key "y" must not share an item.
+    let other = KeyedLockLayer::by_path("order_id")
+        .name("orders:x")
+        .wait_timeout(Duration::ZERO)
+        .backend(backend.clone());
+    let server_other = Arc::new(serve(gated_router(gate.clone()).layer(other)).await);
+    let first = hold(
+        &server,
+        &format!("/orders/{}", path_escape("x:y")),
+        &mut entered,
+    )
+    .await;
+    let second = hold(&server_other, "/orders/y", &mut entered).await;
+    assert_ne!(first.1.fencing_token(), None);
+    assert_eq!(
+        backend.partition_key_value("orders:x", "y"),
+        "keyed-lock:orders%3Ax:y"
+    );
+    gate.finish.add_permits(2);
+    assert_eq!(first.0.await.unwrap().status, StatusCode::OK);
+    assert_eq!(second.0.await.unwrap().status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_single_table_design_with_a_sort_key_and_its_own_names() {
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let configure = |b: DynamoDbBackendBuilder| {
+        b.partition_key("PK")
+            .sort_key("SK", "LOCK")
+            .ttl_attribute("expires_at")
+            .prefix("shop")
+    };
+    let builder = configure(DynamoDbBackend::builder(dynamo.client(), "app"));
+    builder.create_table().await.unwrap();
+    builder
+        .create_table()
+        .await
+        .expect("creating it again is fine");
+    let backend = builder.build().await.unwrap();
+    let key = Key::new("order-1", 256).unwrap();
+    let lease = backend
+        .acquire("orders", &key, Duration::ZERO)
+        .await
+        .unwrap();
+
+    let stored = client
+        .get_item()
+        .table_name("app")
+        .key("PK", AttributeValue::S("shop:orders:order-1".into()))
+        .key("SK", AttributeValue::S("LOCK".into()))
+        .consistent_read(true)
+        .send()
+        .await
+        .unwrap()
+        .item
+        .expect("the lock item");
+    assert!(stored.contains_key("lock_owner"));
+    let expires: u64 = stored["expires_at"].as_n().unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    // Lease + one day by default.
+    assert!(
+        expires >= now + 86_400 && expires <= now + 86_400 + 60,
+        "{expires}"
+    );
+    let ttl = client
+        .describe_time_to_live()
+        .table_name("app")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        ttl.time_to_live_description()
+            .and_then(|d| d.attribute_name()),
+        Some("expires_at")
+    );
+    lease.release().await;
+
+    // A backend whose keys do not match the table's is refused at build time.
+    let mismatched = DynamoDbBackend::builder(dynamo.client(), "app")
+        .build()
+        .await;
+    assert!(
+        matches!(mismatched, Err(SetupError::Table(_))),
+        "{mismatched:?}"
+    );
+    let missing = DynamoDbBackend::builder(dynamo.client(), "no-such-table")
+        .build()
+        .await;
+    assert!(
+        matches!(missing, Err(SetupError::DynamoDb(_))),
+        "{missing:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unreachable_endpoint_fails_setup_promptly() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let client = crate::support::dynamo_server::client_for(&format!("http://127.0.0.1:{port}"));
+    let started = Instant::now();
+    let result = DynamoDbBackend::builder(client, TABLE)
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await;
+    assert!(result.is_err());
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+// ---------------------------------------------------------------- throttling
+
+/// An HTTP front between an instance and moto that answers the next `throttles`
+/// writes (`UpdateItem`) as DynamoDB answers a table over its capacity (HTTP 400,
+/// `ProvisionedThroughputExceededException`), and forwards everything else.
+struct ThrottlingFront {
+    url: String,
+    throttles: Arc<std::sync::atomic::AtomicUsize>,
+    throttled: Arc<std::sync::atomic::AtomicUsize>,
+    forwarded_writes: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl ThrottlingFront {
+    async fn start(upstream: String) -> Self {
+        use axum::body::{Body, Bytes};
+        use http_body_util::{BodyExt, Full};
+        use hyper_util::client::legacy::Client as HttpClient;
+        use hyper_util::rt::TokioExecutor;
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+
+        let throttles = Arc::new(AtomicUsize::new(0));
+        let throttled = Arc::new(AtomicUsize::new(0));
+        let forwarded_writes = Arc::new(AtomicUsize::new(0));
+        let client = HttpClient::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let forward = {
+            let (throttles, throttled) = (throttles.clone(), throttled.clone());
+            let forwarded_writes = forwarded_writes.clone();
+            move |request: http::Request<Body>| {
+                let (client, upstream) = (client.clone(), upstream.clone());
+                let (throttles, throttled) = (throttles.clone(), throttled.clone());
+                let forwarded_writes = forwarded_writes.clone();
+                async move {
+                    let target = request.headers().get("x-amz-target").cloned();
+                    let is_write = target.is_some_and(|t| t == "DynamoDB_20120810.UpdateItem");
+                    let throttle = is_write
+                        && throttles
+                            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                            .is_ok();
+                    if throttle {
+                        throttled.fetch_add(1, SeqCst);
+                        let kind = "ProvisionedThroughputExceededException";
+                        let body = format!(
+                            r#"{{"__type":"com.amazonaws.dynamodb.v20120810#{kind}","message":"throttled by the test"}}"#
+                        );
+                        return http::Response::builder()
+                            .status(400)
+                            .header("content-type", "application/x-amz-json-1.0")
+                            .header("x-amzn-errortype", kind)
+                            .body(Body::from(body))
+                            .unwrap();
+                    }
+                    if is_write {
+                        forwarded_writes.fetch_add(1, SeqCst);
+                    }
+                    let (mut parts, body) = request.into_parts();
+                    let body = body.collect().await.unwrap().to_bytes();
+                    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                    parts.uri = format!("{upstream}{path}").parse().unwrap();
+                    let answer = client
+                        .request(http::Request::from_parts(parts, Full::new(body)))
+                        .await
+                        .expect("moto answers");
+                    let (parts, body) = answer.into_parts();
+                    let body = body.collect().await.unwrap().to_bytes();
+                    http::Response::from_parts(parts, Body::from(body))
+                }
+            }
+        };
+        let server = serve(Router::new().fallback(forward)).await;
+        ThrottlingFront {
+            url: format!("http://{}", server.addr),
+            throttles,
+            throttled,
+            forwarded_writes,
+        }
+    }
+
+    /// Throttles the next `writes` writes.
+    fn throttle(&self, writes: usize) {
+        self.throttles
+            .store(writes, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn throttled(&self) -> usize {
+        self.throttled.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn forwarded_writes(&self) -> usize {
+        self.forwarded_writes
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A few throttled writes are retried within the wait: the key is granted. Throttling
+/// that never stops ends the wait with `LockError::Backend` (the layer's 503) at the
+/// deadline, not with `Timeout` (409, "someone holds it"), and never later. A refused
+/// write is known not to be applied, so nothing is given back for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn throttled_writes_are_retried_then_fail_as_backend_errors() {
+    let dynamo = DynamoServer::start();
+    let front = ThrottlingFront::start(dynamo.url()).await;
+    connect(&dynamo, |b| b).await; // creates the table
+    let backend =
+        DynamoDbBackend::builder(crate::support::dynamo_server::client_for(&front.url), TABLE)
+            .command_timeout(Duration::from_secs(2))
+            .build()
+            .await
+            .expect("backend connects");
+    let key = Key::new("order-1", 256).unwrap();
+
+    front.throttle(3);
+    let lease = within(
+        "a throttled acquire",
+        Duration::from_secs(10),
+        backend.acquire("direct", &key, Duration::from_secs(5)),
+    )
+    .await
+    .expect("granted after the throttling");
+    assert_eq!(front.throttled(), 3);
+    lease.release().await;
+
+    let wait = Duration::from_millis(800);
+    front.throttle(usize::MAX);
+    let started = Instant::now();
+    let result = within(
+        "an acquire throttled to the end",
+        Duration::from_secs(10),
+        backend.acquire("direct", &key, wait),
+    )
+    .await;
+    let took = started.elapsed();
+    front.throttle(0);
+    let throttled = front.throttled() - 3;
+    eprintln!(
+        "throttled to the end: {result:?} after {took:?} ({throttled} attempts), wait {wait:?}"
+    );
+    match result {
+        Err(LockError::Backend(error)) => assert!(
+            format!("{error:?}").contains("ProvisionedThroughputExceeded"),
+            "{error:?}"
+        ),
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+    assert!(throttled > 3, "only {throttled} attempts in {wait:?}");
+    assert!(took >= wait, "gave up after {took:?}, before the wait");
+    assert!(
+        took < wait + Duration::from_millis(300),
+        "returned {took:?} after a {wait:?} wait"
+    );
+
+    // A refused write was not applied: no attempt's token is given back afterwards.
+    let forwarded = front.forwarded_writes();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        front.forwarded_writes(),
+        forwarded,
+        "writes went on after the wait ended (give-backs of refused attempts)"
+    );
+
+    // Nothing was written, so nothing is held: the key is free at once.
+    let lease = backend
+        .acquire("direct", &key, Duration::ZERO)
+        .await
+        .expect("the key is free");
+    lease.release().await;
+}

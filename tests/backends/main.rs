@@ -1,0 +1,27 @@
+//! The distributed backends against real servers each test starts. First the
+//! conformance suite (`conformance`: `tower_keyed_lock::testkit` run for every backend,
+//! plus the fault and HTTP checks every backend passes); then each engine's specifics:
+//! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_sentinel`), PostgreSQL
+//! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`); and
+//! the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
+//! `tests/redis_restart_guard.rs`, a process of its own.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod conformance;
+
+// These go through the HTTP layer (`by_path`): the `axum` feature too.
+#[cfg(feature = "axum")]
+mod dynamodb;
+#[cfg(feature = "axum")]
+mod postgres;
+mod postgres_faults;
+mod postgres_pgbouncer;
+#[cfg(feature = "axum")]
+mod redis;
+mod redis_cluster;
+#[cfg(feature = "axum")]
+mod redis_faults;
+mod redis_sentinel;
+mod tcp_proxy;

@@ -1,0 +1,461 @@
+//! The PostgreSQL backend behind a real PgBouncer each test starts (a generated ini, a
+//! free port) in front of a real PostgreSQL: session locks work through session
+//! pooling and are refused through transaction pooling, never granted twice;
+//! transaction-scoped locks work through both.
+#![cfg(feature = "postgres")]
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio_postgres::{Client, NoTls};
+use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
+use tower_keyed_lock::{Key, LockBackend, LockError};
+
+use crate::support::pg_server::PgServer;
+use crate::support::pgbouncer::{PgBouncer, PoolMode};
+use crate::support::Overlap;
+
+/// Long enough for anything that should happen; a test fails instead of hanging.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// A backend as an instance would build it, connecting to `conn` (PgBouncer or the
+/// server itself), with fast liveness checks.
+fn backend(conn: &str, instance: &str, scope: LockScope) -> PostgresBackend {
+    let mut config: tokio_postgres::Config = conn.parse().unwrap();
+    config.application_name(instance);
+    PostgresBackend::from_config(config)
+        .liveness_interval(Duration::from_millis(100))
+        .network_timeout(Duration::from_millis(500))
+        .lock_scope(scope)
+}
+
+fn key(key: &str) -> Key {
+    Key::new(key, 64).unwrap()
+}
+
+/// A connection of the test's own (to the server, or through PgBouncer).
+async fn connect(conn: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(conn, NoTls).await.unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+async fn advisory_locks(admin: &Client) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn eventually<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
+    let deadline = Instant::now() + PATIENCE;
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Two instances, 8 tasks each, take one key 10 times each: never two holders at once,
+/// and fencing tokens strictly increase in the order the holders came in.
+async fn assert_serialized(a: PostgresBackend, b: PostgresBackend) {
+    let overlap = Arc::new(Overlap::default());
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for task in 0..16 {
+        let backend = if task % 2 == 0 { a.clone() } else { b.clone() };
+        let (overlap, tokens) = (overlap.clone(), tokens.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..10 {
+                let lease = backend
+                    .acquire("orders", &key("1"), PATIENCE)
+                    .await
+                    .expect("granted within the wait");
+                {
+                    let _inside = overlap.enter();
+                    tokens.lock().unwrap().push(lease.fencing_token().unwrap());
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                assert!(!lease.signal().is_lost(), "a lease was lost");
+                lease.release().await;
+            }
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(PATIENCE * 3, task)
+            .await
+            .expect("the workload hung")
+            .unwrap();
+    }
+    assert_eq!(overlap.max(), 1, "two holders of one key at once");
+    let tokens = tokens.lock().unwrap();
+    assert_eq!(tokens.len(), 160);
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "fencing tokens out of order: {tokens:?}"
+    );
+}
+
+// ---------------------------------------------------------------- session locks
+
+/// PgBouncer in transaction pooling hands one server session to every client in turn:
+/// a session lock taken by one instance then looks held by the next client that lands
+/// on that session, and `pg_try_advisory_lock` (re-entrant) grants it again. Before the
+/// backend checked for this, instance B was granted the key A held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_locks_through_transaction_pooling_are_refused() {
+    let pg = PgServer::start();
+    let bouncer = PgBouncer::start(&pg, PoolMode::Transaction, 1);
+    let a = backend(&bouncer.conn_str(), "a", LockScope::Session);
+    let b = backend(&bouncer.conn_str(), "b", LockScope::Session);
+
+    let held = a
+        .acquire("orders", &key("1"), Duration::ZERO)
+        .await
+        .expect("the first grant");
+    for other_key in ["1", "2"] {
+        match b.acquire("orders", &key(other_key), Duration::ZERO).await {
+            Ok(lease) => panic!(
+                "key {other_key} granted to B on A's server session (A holds key 1): {lease:?}"
+            ),
+            Err(LockError::Backend(error)) => {
+                let message = error.to_string();
+                assert!(
+                    message.contains("pool_mode=transaction")
+                        && message.contains("LockScope::Transaction"),
+                    "unclear error: {message}"
+                );
+            }
+            Err(other) => panic!("expected a clear backend error, got {other:?}"),
+        }
+    }
+    held.release().await;
+}
+
+/// A holder whose liveness check lands on another server process (the transaction
+/// pooler gave its server session to someone else) is told its lease is lost; the lock
+/// it left on the old session is freed when that session sits idle past its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn holder_moved_to_another_server_process_is_told_lost() {
+    let pg = PgServer::start();
+    let admin = connect(&pg.conn_str()).await;
+    let bouncer = PgBouncer::start(&pg, PoolMode::Transaction, 2);
+    let a = backend(&bouncer.conn_str(), "a", LockScope::Session);
+    let lease = a
+        .acquire("orders", &key("1"), Duration::ZERO)
+        .await
+        .unwrap();
+    let holder: i32 = admin
+        .query_one(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+
+    // Another client pins the holder's server session in a transaction, so the
+    // holder's next check runs on the other one.
+    let other = connect(&bouncer.conn_str()).await;
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let pinned: i32 = other
+            .simple_query("BEGIN; SELECT pg_backend_pid()")
+            .await
+            .unwrap()
+            .iter()
+            .find_map(|message| match message {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0)?.parse().ok(),
+                _ => None,
+            })
+            .unwrap();
+        if pinned == holder {
+            break;
+        }
+        other.batch_execute("COMMIT").await.unwrap();
+        assert!(
+            Instant::now() < deadline,
+            "never landed on the holder's session"
+        );
+    }
+    tokio::time::timeout(Duration::from_secs(2), lease.signal().lost())
+        .await
+        .expect("the holder was not told its lease is lost");
+    other.batch_execute("COMMIT").await.unwrap();
+    lease.release().await;
+    // The lock stayed on the pooler's server session; PostgreSQL ends that session
+    // once it is idle past the limit (100 ms + 2 × 500 ms) set at the grant.
+    eventually("the stranded lock is freed", || async {
+        advisory_locks(&admin).await == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_locks_through_session_pooling_serialize() {
+    let pg = PgServer::start();
+    let bouncer = PgBouncer::start(&pg, PoolMode::Session, 20);
+    let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Session).fencing(true);
+    assert_serialized(instance("a"), instance("b")).await;
+    let admin = connect(&pg.conn_str()).await;
+    eventually("every lock is released", || async {
+        advisory_locks(&admin).await == 0
+    })
+    .await;
+}
+
+/// PgBouncer's settings that reset a server session after every transaction, in
+/// transaction pooling: `DISCARD ALL` drops the advisory locks and the session marker.
+const RESET_ALWAYS: &[(&str, &str)] = &[
+    ("server_reset_query", "DISCARD ALL"),
+    ("server_reset_query_always", "1"),
+];
+
+/// What the workload of [`hammer`] saw.
+#[derive(Debug, Default)]
+struct Tally {
+    grants: u64,
+    /// Backend errors that name the transaction pooler and the fix.
+    refused: u64,
+    timeouts: u64,
+    /// A grant while another holder of the key had not been told it lost its lease.
+    unsignalled_overlaps: u64,
+    /// A fencing token not above the key's last one.
+    token_regressions: u64,
+}
+
+/// Two instances, 16 tasks, 4 keys, for `run`: every acquisition's outcome, and every
+/// grant checked against the key's other holders.
+async fn hammer(a: PostgresBackend, b: PostgresBackend, run: Duration) -> Tally {
+    type Holders = Vec<(u64, tower_keyed_lock::LeaseSignal)>;
+    let keys: Arc<Vec<Mutex<(Holders, u64)>>> =
+        Arc::new((0..4).map(|_| Mutex::default()).collect());
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let until = Instant::now() + run;
+    let mut tasks = Vec::new();
+    for task in 0..16u64 {
+        let backend = if task % 2 == 0 { a.clone() } else { b.clone() };
+        let (keys, tally) = (keys.clone(), tally.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut round = task;
+            while Instant::now() < until {
+                round += 1;
+                let index = (round % 4) as usize;
+                let name = format!("reset-{index}");
+                let acquired = backend
+                    .acquire("orders", &key(&name), Duration::from_millis(300))
+                    .await;
+                let lease = match acquired {
+                    Ok(lease) => lease,
+                    Err(LockError::Backend(error)) => {
+                        let message = error.to_string();
+                        assert!(
+                            message.contains("pool_mode=transaction")
+                                && message.contains("LockScope::Transaction"),
+                            "unclear error: {message}"
+                        );
+                        tally.lock().unwrap().refused += 1;
+                        // Refused at once: do not spin.
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        continue;
+                    }
+                    Err(_) => {
+                        tally.lock().unwrap().timeouts += 1;
+                        continue;
+                    }
+                };
+                let token = lease.fencing_token().unwrap();
+                {
+                    let (holders, last) = &mut *keys[index].lock().unwrap();
+                    let mut tally = tally.lock().unwrap();
+                    tally.grants += 1;
+                    if holders.iter().any(|(_, signal)| !signal.is_lost()) {
+                        tally.unsignalled_overlaps += 1;
+                    }
+                    if token <= *last {
+                        tally.token_regressions += 1;
+                    }
+                    *last = token;
+                    holders.push((token, lease.signal().clone()));
+                }
+                tokio::time::sleep(Duration::from_millis(round % 5 * 10)).await;
+                keys[index]
+                    .lock()
+                    .unwrap()
+                    .0
+                    .retain(|(held, _)| *held != token);
+                lease.release().await;
+            }
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(PATIENCE * 3, task)
+            .await
+            .expect("the workload hung")
+            .unwrap();
+    }
+    let tally = std::mem::take(&mut *tally.lock().unwrap());
+    tally
+}
+
+/// PgBouncer in transaction pooling with `server_reset_query_always = 1` and
+/// `DISCARD ALL`: the reset after each transaction drops both the lock and the marker
+/// that shows a shared session, so before the fix session locks were *granted* and
+/// overlapped silently (most grants of this workload), tokens going backwards. Session
+/// scope must be refused whatever the pooler's reset settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_locks_through_a_resetting_transaction_pooler_are_refused() {
+    let pg = PgServer::start();
+    for pool_size in [1, 4] {
+        let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, pool_size, RESET_ALWAYS);
+        let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Session).fencing(true);
+        let tally = hammer(instance("a"), instance("b"), Duration::from_secs(2)).await;
+        println!("reset always, pool of {pool_size}, session scope: {tally:?}");
+        assert_eq!(tally.unsignalled_overlaps, 0, "{tally:?}");
+        assert_eq!(tally.token_regressions, 0, "{tally:?}");
+        assert_eq!(tally.grants, 0, "a session lock was granted: {tally:?}");
+        assert!(tally.refused > 0, "{tally:?}");
+    }
+}
+
+/// The same pooler and workload with `LockScope::Transaction`: every lock is granted in
+/// turn, never two holders, tokens in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transaction_locks_through_a_resetting_transaction_pooler_serialize() {
+    let pg = PgServer::start();
+    let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, 20, RESET_ALWAYS);
+    let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Transaction).fencing(true);
+    let tally = hammer(instance("a"), instance("b"), Duration::from_secs(2)).await;
+    println!("reset always, transaction scope: {tally:?}");
+    assert_eq!(tally.unsignalled_overlaps, 0, "{tally:?}");
+    assert_eq!(tally.token_regressions, 0, "{tally:?}");
+    assert_eq!(tally.refused, 0, "{tally:?}");
+    assert!(tally.grants > 0, "{tally:?}");
+    assert_serialized(instance("c"), instance("d")).await;
+}
+
+// ---------------------------------------------------------------- transaction locks
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transaction_locks_through_transaction_pooling_serialize() {
+    let pg = PgServer::start();
+    let bouncer = PgBouncer::start(&pg, PoolMode::Transaction, 20);
+    let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Transaction).fencing(true);
+    assert_serialized(instance("a"), instance("b")).await;
+    let admin = connect(&pg.conn_str()).await;
+    eventually("every lock is released", || async {
+        advisory_locks(&admin).await == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transaction_locks_serialize_on_direct_connections() {
+    let pg = PgServer::start();
+    let instance = |name| backend(&pg.conn_str(), name, LockScope::Transaction).fencing(true);
+    assert_serialized(instance("a"), instance("b")).await;
+}
+
+/// A busy key times out within the wait, and the connection goes back to the pool
+/// outside any transaction; a released key is free at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn transaction_lock_times_out_and_pools_a_clean_connection() {
+    let pg = PgServer::start();
+    let bouncer = PgBouncer::start(&pg, PoolMode::Transaction, 4);
+    let a = backend(&bouncer.conn_str(), "a", LockScope::Transaction);
+    let b = backend(&bouncer.conn_str(), "b", LockScope::Transaction);
+    let lease = a
+        .acquire("orders", &key("1"), Duration::ZERO)
+        .await
+        .unwrap();
+    for wait in [Duration::ZERO, Duration::from_millis(300)] {
+        let started = Instant::now();
+        let busy = b.acquire("orders", &key("1"), wait).await;
+        let took = started.elapsed();
+        assert!(matches!(busy, Err(LockError::Timeout)), "{busy:?}");
+        assert!(took >= wait, "gave up early, after {took:?}");
+        assert!(
+            took < wait + Duration::from_secs(1),
+            "gave up late, after {took:?}"
+        );
+        let status = b.pool().status();
+        assert_eq!((status.size, status.available), (1, 1), "not pooled again");
+    }
+    // The pooled connection is outside a transaction: each statement is its own.
+    let pooled = b.pool().get().await.unwrap();
+    let answer = pooled
+        .simple_query("SELECT now() = statement_timestamp()")
+        .await
+        .unwrap();
+    let outside = answer.iter().any(|message| {
+        matches!(message, tokio_postgres::SimpleQueryMessage::Row(row) if row.get(0) == Some("t"))
+    });
+    assert!(outside, "the connection was left in a transaction");
+    drop(pooled);
+
+    lease.release().await;
+    let next = b
+        .acquire("orders", &key("1"), Duration::ZERO)
+        .await
+        .expect("free once released");
+    next.release().await;
+}
+
+/// An acquisition dropped at any point — before the pool answered, while creating and
+/// checking the fencing sequence, while waiting in PostgreSQL, right after the grant —
+/// leaves no lock: the key is free for others.
+async fn assert_dropped_acquisitions_leave_no_lock(pg: &PgServer, conn: &str, scope: LockScope) {
+    let admin = connect(&pg.conn_str()).await;
+    let holder = backend(conn, "holder", scope);
+    for delay_ms in [0, 1, 2, 3, 5, 10, 30, 100] {
+        // A fresh instance each time: its first acquisition also prepares the sequence.
+        let waiter = backend(conn, "waiter", scope).fencing(true);
+        // Not `ZERO`: the last round's dropped attempt may have been read by the server
+        // after its client closed the connection, and hold the key until the server
+        // notices (a moment, never for good: a leaked lock would fail this wait too).
+        let lease = holder
+            .acquire("orders", &key("1"), Duration::from_secs(2))
+            .await
+            .expect("the key is free within 2 s of the last round");
+        let waiting = tokio::spawn(waiter.acquire("orders", &key("1"), PATIENCE));
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        // Half of the time the holder leaves first, so the drop may hit a grant.
+        if delay_ms % 2 == 1 {
+            lease.release().await;
+            waiting.abort();
+        } else {
+            waiting.abort();
+            lease.release().await;
+        }
+        let _ = waiting.await;
+        eventually("no lock is left", || async {
+            advisory_locks(&admin).await == 0
+        })
+        .await;
+        let again = holder
+            .acquire("orders", &key("1"), Duration::from_secs(2))
+            .await
+            .expect("the key is free");
+        again.release().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_acquisitions_leave_no_lock_through_transaction_pooling() {
+    let pg = PgServer::start();
+    let bouncer = PgBouncer::start(&pg, PoolMode::Transaction, 8);
+    assert_dropped_acquisitions_leave_no_lock(&pg, &bouncer.conn_str(), LockScope::Transaction)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropped_acquisitions_leave_no_lock_on_direct_connections() {
+    let pg = PgServer::start();
+    for scope in [LockScope::Session, LockScope::Transaction] {
+        assert_dropped_acquisitions_leave_no_lock(&pg, &pg.conn_str(), scope).await;
+    }
+}

@@ -1,0 +1,1261 @@
+//! The Redis backend against real `redis-server` processes (one per test, on free
+//! ports), through real hyper servers: two layers with separate backends are two
+//! instances of one service.
+#![cfg(feature = "redis")]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::Extension;
+use axum::routing::post;
+use axum::Router;
+use http::StatusCode;
+use redis::aio::MultiplexedConnection;
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, Barrier, Semaphore};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
+use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo, PathParam};
+
+use crate::support::recorder::counter;
+use crate::support::redis_server::RedisServer;
+use crate::support::{serve, Answer, Overlap, Server};
+
+type Layer = KeyedLockLayer<PathParam>;
+
+/// A backend on `redis`; the restart guard is off, since every test's server is fresh
+/// (`redis_faults.rs` tests the guard).
+async fn connect(
+    redis: &RedisServer,
+    configure: impl FnOnce(RedisBackendBuilder) -> RedisBackendBuilder,
+) -> RedisBackend {
+    configure(RedisBackend::builder(redis.client()).restart_guard(false))
+        .build()
+        .await
+        .expect("backend connects")
+}
+
+/// One instance's layer: the same name everywhere, so instances share Redis keys.
+fn layer(backend: RedisBackend) -> Layer {
+    KeyedLockLayer::by_path("order_id")
+        .name("orders")
+        .backend(backend)
+}
+
+async fn connection(redis: &RedisServer) -> MultiplexedConnection {
+    redis
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// Fails the test instead of hanging it.
+async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
+}
+
+/// Waits until the async `condition` holds, failing the test after 5 s.
+async fn until<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn exists(connection: &mut MultiplexedConnection, key: &str) -> bool {
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async::<i64>(connection)
+        .await
+        .unwrap()
+        == 1
+}
+
+async fn all_keys(connection: &mut MultiplexedConnection) -> Vec<String> {
+    let mut keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(connection)
+        .await
+        .unwrap();
+    keys.sort();
+    keys
+}
+
+/// Calls per command since the server started, from `INFO commandstats`.
+async fn command_calls(connection: &mut MultiplexedConnection) -> HashMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(connection)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = stats.strip_prefix("calls=")?.split(',').next()?;
+            Some((name.to_owned(), calls.parse().ok()?))
+        })
+        .collect()
+}
+
+async fn script_calls(connection: &mut MultiplexedConnection) -> u64 {
+    let calls = command_calls(connection).await;
+    calls.get("evalsha").copied().unwrap_or(0) + calls.get("eval").copied().unwrap_or(0)
+}
+
+/// Handlers that report when they hold their key and finish when told to.
+struct Gate {
+    entered: mpsc::UnboundedSender<(LockInfo, Instant)>,
+    finish: Semaphore,
+}
+
+type Entered = mpsc::UnboundedReceiver<(LockInfo, Instant)>;
+
+fn gate() -> (Arc<Gate>, Entered) {
+    let (entered, receiver) = mpsc::unbounded_channel();
+    let gate = Gate {
+        entered,
+        finish: Semaphore::new(0),
+    };
+    (Arc::new(gate), receiver)
+}
+
+impl Gate {
+    /// Lets one held handler finish.
+    fn open_one(&self) {
+        self.finish.add_permits(1);
+    }
+}
+
+/// `/orders/{id}` holds the key until the gate lets it finish and answers whether the
+/// lease was lost; `/quick/{id}` answers at once, under the same layer.
+fn gated_router(gate: Arc<Gate>) -> Router {
+    Router::new()
+        .route(
+            "/orders/{order_id}",
+            post(move |Extension(info): Extension<LockInfo>| {
+                let gate = gate.clone();
+                async move {
+                    let _ = gate.entered.send((info.clone(), Instant::now()));
+                    gate.finish.acquire().await.unwrap().forget();
+                    format!("lost={}", info.is_lease_lost())
+                }
+            }),
+        )
+        .route("/quick/{order_id}", post(|| async { "ok" }))
+}
+
+/// Starts a request on the gated route and waits until its handler holds the key.
+async fn hold(
+    server: &Arc<Server>,
+    path: &str,
+    entered: &mut Entered,
+) -> (JoinHandle<Answer>, LockInfo, Instant) {
+    let request = tokio::spawn({
+        let (server, path) = (server.clone(), path.to_owned());
+        async move { server.post(&path).await }
+    });
+    let (info, at) = within("the holder enters", Duration::from_secs(5), entered.recv())
+        .await
+        .unwrap();
+    (request, info, at)
+}
+
+/// A handler that checks how many handlers run at once, across instances.
+fn overlap_router(overlap: Arc<Overlap>, hold: Duration) -> Router {
+    Router::new().route(
+        "/orders/{order_id}",
+        post(move || {
+            let overlap = overlap.clone();
+            async move {
+                let _inside = overlap.enter();
+                tokio::time::sleep(hold).await;
+            }
+        }),
+    )
+}
+
+/// Sends `count` requests for `path`, alternating between the servers, all at once.
+async fn alternate(servers: [&Arc<Server>; 2], path: &str, count: usize) -> Vec<StatusCode> {
+    let requests: Vec<_> = (0..count)
+        .map(|i| {
+            let (server, path) = (servers[i % 2].clone(), path.to_owned());
+            tokio::spawn(async move { server.post(&path).await.status })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for request in requests {
+        statuses.push(
+            within("a request", Duration::from_secs(10), request)
+                .await
+                .unwrap(),
+        );
+    }
+    statuses
+}
+
+fn sha256_hex(text: &str) -> String {
+    Sha256::digest(text.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Percent-encodes every byte that is not an ASCII letter or digit.
+fn path_escape(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b.is_ascii_alphanumeric() {
+            true => char::from(b).to_string(),
+            false => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn same_key_is_serialized_across_instances() {
+    let redis = RedisServer::start();
+    let overlap = Arc::new(Overlap::default());
+    let (a, b) = (
+        layer(connect(&redis, |b| b).await),
+        layer(connect(&redis, |b| b).await),
+    );
+    let hold = Duration::from_millis(20);
+    let server_a = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(a.clone())).await);
+    let server_b = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(b.clone())).await);
+
+    let statuses = alternate([&server_a, &server_b], "/orders/7", 12).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    assert_eq!(overlap.max(), 1, "two handlers of one key ran at once");
+    crate::support::eventually("both tables empty", || {
+        a.active_keys() == 0 && b.active_keys() == 0
+    })
+    .await;
+
+    // Control: the same two instances without the backend do overlap, so the check
+    // above can fail.
+    let overlap = Arc::new(Overlap::default());
+    let local = || KeyedLockLayer::by_path("order_id");
+    let server_a = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(local())).await);
+    let server_b = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(local())).await);
+    alternate([&server_a, &server_b], "/orders/7", 12).await;
+    assert!(overlap.max() > 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn different_keys_run_in_parallel_across_instances() {
+    let redis = RedisServer::start();
+    // Every handler waits until all four are inside: only parallel runs get there.
+    let barrier = Arc::new(Barrier::new(4));
+    let router = || {
+        let barrier = barrier.clone();
+        Router::new().route(
+            "/orders/{order_id}",
+            post(move || {
+                let barrier = barrier.clone();
+                async move {
+                    match tokio::time::timeout(Duration::from_secs(5), barrier.wait()).await {
+                        Ok(_) => StatusCode::OK,
+                        Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                    }
+                }
+            }),
+        )
+    };
+    let server_a = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
+    let server_b = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
+    let requests: Vec<_> = [
+        (&server_a, 1),
+        (&server_a, 2),
+        (&server_b, 3),
+        (&server_b, 4),
+    ]
+    .into_iter()
+    .map(|(server, key)| {
+        let server = server.clone();
+        tokio::spawn(async move { server.post(&format!("/orders/{key}")).await.status })
+    })
+    .collect();
+    for request in requests {
+        let status = within("a request", Duration::from_secs(10), request).await;
+        assert_eq!(status.unwrap(), StatusCode::OK);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_held_on_another_instance_times_out_with_409() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let (gate, mut entered) = gate();
+    let backend_a = connect(&redis, |b| b).await;
+    let lock_key = backend_a.lock_key("orders", "7");
+    let server_a = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend_a))).await);
+    let b = layer(connect(&redis, |b| b).await).wait_timeout(Duration::from_millis(200));
+    let server_b = Arc::new(serve(gated_router(gate.clone()).layer(b.clone())).await);
+
+    let (holder, _, _) = hold(&server_a, "/orders/7", &mut entered).await;
+    assert!(exists(&mut connection, &lock_key).await);
+
+    let started = Instant::now();
+    let answer = within(
+        "the waiter",
+        Duration::from_secs(5),
+        server_b.post("/orders/7"),
+    )
+    .await;
+    let waited = started.elapsed();
+    assert_eq!(answer.status, StatusCode::CONFLICT);
+    assert_eq!(answer.headers["content-type"], "application/problem+json");
+    assert_eq!(answer.headers["retry-after"], "1");
+    assert!(
+        answer.body.contains(r#""reason":"timeout""#),
+        "{}",
+        answer.body
+    );
+    assert!(
+        waited >= Duration::from_millis(200) && waited < Duration::from_secs(1),
+        "{waited:?}"
+    );
+    assert_eq!(b.active_keys(), 0);
+
+    gate.open_one();
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(answer.status, StatusCode::OK);
+    until("the lock key is deleted", || {
+        let mut connection = connection.clone();
+        let lock_key = lock_key.clone();
+        async move { !exists(&mut connection, &lock_key).await }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fencing_tokens_strictly_increase_per_key_across_instances() {
+    let redis = RedisServer::start();
+    let tokens: Arc<Mutex<Vec<Option<u64>>>> = Arc::default();
+    let router = || {
+        let tokens = tokens.clone();
+        Router::new().route(
+            "/orders/{order_id}",
+            post(move |Extension(info): Extension<LockInfo>| {
+                let tokens = tokens.clone();
+                async move {
+                    // Recorded while holding the key: the order of grants.
+                    tokens.lock().unwrap().push(info.fencing_token());
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            }),
+        )
+    };
+    let server_a = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
+    let server_b = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
+
+    let statuses = alternate([&server_a, &server_b], "/orders/9", 20).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    // A third instance that joins later continues the sequence.
+    let server_c = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
+    assert_eq!(server_c.post("/orders/9").await.status, StatusCode::OK);
+
+    let tokens: Vec<u64> = tokens
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|t| t.expect("a fencing token"))
+        .collect();
+    assert_eq!(tokens.len(), 21);
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "not strictly increasing: {tokens:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn renewal_keeps_a_key_held_past_several_leases() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let lease = Duration::from_millis(300);
+    let (gate, mut entered) = gate();
+    let backend_a = connect(&redis, |b| b.lease(lease)).await;
+    let lock_key = backend_a.lock_key("orders", "3");
+    let server_a = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend_a))).await);
+    let b = layer(connect(&redis, |b| b.lease(lease)).await).wait_timeout(Duration::ZERO);
+    let server_b = Arc::new(serve(gated_router(gate.clone()).layer(b)).await);
+
+    let (holder, info, _) = hold(&server_a, "/orders/3", &mut entered).await;
+    let token: String = redis::cmd("GET")
+        .arg(&lock_key)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    for _ in 0..4 {
+        // Time passing is what is tested here: one lease length per round.
+        tokio::time::sleep(lease).await;
+        let answer = server_b.post("/orders/3").await;
+        assert_eq!(answer.status, StatusCode::CONFLICT, "the key was free");
+        let (holder_token, ttl): (Option<String>, i64) = redis::pipe()
+            .cmd("GET")
+            .arg(&lock_key)
+            .cmd("PTTL")
+            .arg(&lock_key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert_eq!(holder_token.as_deref(), Some(&*token));
+        assert!(ttl > 0 && ttl <= 300, "ttl {ttl}");
+        assert!(!info.is_lease_lost());
+    }
+    gate.open_one();
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        (answer.status, &*answer.body),
+        (StatusCode::OK, "lost=false")
+    );
+}
+
+/// Deletes or overwrites the holder's key in Redis; the holder must see the lease lost
+/// within one renewal period.
+async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    // Renewal every 200 ms; the local deadline alone would take 394 ms or more.
+    let lease = Duration::from_millis(600);
+    let period = lease / 3;
+    let (gate, mut entered) = gate();
+    let backend = connect(&redis, |b| b.lease(lease)).await;
+    let lock_key = backend.lock_key(layer_name, "4");
+    let layer = KeyedLockLayer::by_path("order_id")
+        .name(layer_name)
+        .backend(backend);
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer)).await);
+    let lost_before = counter("keyed_lock_lease_lost_total", layer_name, &[]);
+
+    let (holder, info, _) = hold(&server, "/orders/4", &mut entered).await;
+    let lease_signal = info.lease().expect("a distributed lease").clone();
+    assert!(!lease_signal.is_lost());
+    let changed = Instant::now();
+    let mut command = redis::cmd(if overwrite { "SET" } else { "DEL" });
+    command.arg(&lock_key);
+    if overwrite {
+        command.arg("someone-else").arg("PX").arg(10_000);
+    }
+    command.query_async::<()>(&mut connection).await.unwrap();
+    within(
+        "the lease-lost signal",
+        Duration::from_secs(2),
+        lease_signal.lost(),
+    )
+    .await;
+    let noticed = changed.elapsed();
+    assert!(
+        noticed <= period + Duration::from_millis(100),
+        "noticed after {noticed:?}"
+    );
+    assert!(info.is_lease_lost());
+
+    gate.open_one();
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        (answer.status, &*answer.body),
+        (StatusCode::OK, "lost=true")
+    );
+    crate::support::eventually("the lost lease is counted", || {
+        counter("keyed_lock_lease_lost_total", layer_name, &[]) == lost_before + 1
+    })
+    .await;
+    if overwrite {
+        // The release compares tokens: the new owner's key stays.
+        let value: Option<String> = redis::cmd("GET")
+            .arg(&lock_key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+        assert_eq!(value.as_deref(), Some("someone-else"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_key_is_a_lost_lease_within_one_renewal_period() {
+    lease_lost_when(false, "lost-deleted").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_overwritten_key_is_a_lost_lease_within_one_renewal_period() {
+    lease_lost_when(true, "lost-overwritten").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn abort_on_lease_lost_answers_503() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let (gate, mut entered) = gate();
+    let backend = connect(&redis, |b| b.lease(Duration::from_millis(600))).await;
+    let lock_key = backend.lock_key("orders", "5");
+    let layer = layer(backend).abort_on_lease_lost(true);
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer.clone())).await);
+
+    // The gate never opens: only the abort can end this request.
+    let (holder, _, _) = hold(&server, "/orders/5", &mut entered).await;
+    let deleted = Instant::now();
+    redis::cmd("DEL")
+        .arg(&lock_key)
+        .query_async::<()>(&mut connection)
+        .await
+        .unwrap();
+    let answer = within("the abort", Duration::from_secs(2), holder)
+        .await
+        .unwrap();
+    assert!(
+        deleted.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        deleted.elapsed()
+    );
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        answer.body.contains(r#""reason":"lease_lost""#),
+        "{}",
+        answer.body
+    );
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn max_hold_ends_a_renewed_lease() {
+    let redis = RedisServer::start();
+    let connection = connection(&redis).await;
+    let (gate, mut entered) = gate();
+    let backend = connect(&redis, |b| {
+        b.lease(Duration::from_millis(300))
+            .max_hold(Some(Duration::from_millis(500)))
+    })
+    .await;
+    let lock_key = backend.lock_key("orders", "6");
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend))).await);
+
+    let (holder, info, at) = hold(&server, "/orders/6", &mut entered).await;
+    within(
+        "the end of max_hold",
+        Duration::from_secs(2),
+        info.lease().unwrap().lost(),
+    )
+    .await;
+    let held = at.elapsed();
+    // Renewed past one lease (300 ms), lost by max_hold (500 ms − drift).
+    assert!(
+        held > Duration::from_millis(350) && held < Duration::from_millis(700),
+        "{held:?}"
+    );
+    until("Redis expires the key", || {
+        let (mut connection, lock_key) = (connection.clone(), lock_key.clone());
+        async move { !exists(&mut connection, &lock_key).await }
+    })
+    .await;
+    assert!(
+        at.elapsed() < Duration::from_millis(800),
+        "{:?}",
+        at.elapsed()
+    );
+    gate.open_one();
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(answer.body, "lost=true");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_renewal_a_lease_is_lost_at_its_local_deadline() {
+    let redis = RedisServer::start();
+    let (gate, mut entered) = gate();
+    let backend = connect(&redis, |b| {
+        b.lease(Duration::from_millis(300)).renewal(false)
+    })
+    .await;
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend))).await);
+
+    let (holder, info, at) = hold(&server, "/orders/6", &mut entered).await;
+    within(
+        "the deadline",
+        Duration::from_secs(2),
+        info.lease().unwrap().lost(),
+    )
+    .await;
+    let held = at.elapsed();
+    // Sent before `at`, so lost a little before lease − drift (300 − 5 ms) after it.
+    assert!(
+        held > Duration::from_millis(250) && held < Duration::from_millis(400),
+        "{held:?}"
+    );
+    gate.open_one();
+    assert_eq!(holder.await.unwrap().body, "lost=true");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_outage_fails_closed_or_open_and_the_layer_recovers() {
+    let mut redis = RedisServer::start();
+    let configure = |b: RedisBackendBuilder| {
+        b.lease(Duration::from_millis(600))
+            .command_timeout(Duration::from_millis(200))
+    };
+    let (gate, mut entered) = gate();
+    let backend_a = connect(&redis, configure).await;
+    let server_a =
+        Arc::new(serve(gated_router(gate.clone()).layer(layer(backend_a.clone()))).await);
+    let open = KeyedLockLayer::by_path("order_id")
+        .name("fail-open")
+        .backend(connect(&redis, configure).await)
+        .fail_open(true);
+    let server_open = Arc::new(serve(gated_router(gate.clone()).layer(open)).await);
+    let rejected_before = counter(
+        "keyed_lock_rejected_total",
+        "fail-open",
+        &[("reason", "backend")],
+    );
+
+    let (holder, info, _) = hold(&server_a, "/orders/1", &mut entered).await;
+    redis.stop();
+
+    // The holder cannot renew: its lease is lost at its local deadline.
+    let died = Instant::now();
+    within(
+        "the lease-lost signal",
+        Duration::from_secs(3),
+        info.lease().unwrap().lost(),
+    )
+    .await;
+    assert!(
+        died.elapsed() < Duration::from_millis(700),
+        "{:?}",
+        died.elapsed()
+    );
+
+    // New requests: fail closed, promptly.
+    let started = Instant::now();
+    let answer = within(
+        "a request",
+        Duration::from_secs(3),
+        server_a.post("/quick/2"),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        answer.body.contains(r#""reason":"backend""#),
+        "{}",
+        answer.body
+    );
+    assert!(answer.headers.contains_key("retry-after"));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    // Or open, when so configured.
+    let answer = within(
+        "a request",
+        Duration::from_secs(3),
+        server_open.post("/quick/2"),
+    )
+    .await;
+    assert_eq!((answer.status, &*answer.body), (StatusCode::OK, "ok"));
+    assert_eq!(
+        counter(
+            "keyed_lock_rejected_total",
+            "fail-open",
+            &[("reason", "backend")]
+        ),
+        rejected_before + 1
+    );
+
+    // Redis comes back (empty) on the same port: the same app recovers.
+    redis.restart();
+    until("requests succeed again", || {
+        let server_a = server_a.clone();
+        async move {
+            let answer = within(
+                "a request",
+                Duration::from_secs(3),
+                server_a.post("/quick/3"),
+            )
+            .await;
+            answer.status == StatusCode::OK
+        }
+    })
+    .await;
+    crate::support::eventually("the subscription is back", || backend_a.is_subscribed()).await;
+
+    gate.open_one();
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        (answer.status, &*answer.body),
+        (StatusCode::OK, "lost=true")
+    );
+    // And the key the holder had is usable again.
+    let answer = within(
+        "a request",
+        Duration::from_secs(3),
+        server_a.post("/quick/1"),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_silent_redis_times_out_instead_of_hanging() {
+    let redis = RedisServer::start();
+    let (gate, _entered) = gate();
+    let backend = connect(&redis, |b| b.command_timeout(Duration::from_millis(200))).await;
+    let server = Arc::new(serve(gated_router(gate).layer(layer(backend))).await);
+    assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
+
+    redis.pause();
+    let started = Instant::now();
+    let answer = within(
+        "the request to a paused Redis",
+        Duration::from_secs(3),
+        server.post("/quick/1"),
+    )
+    .await;
+    let took = started.elapsed();
+    redis.resume();
+    assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(took < Duration::from_millis(600), "{took:?}");
+
+    until("requests succeed again", || {
+        let server = server.clone();
+        async move {
+            let answer = within(
+                "a request after resume",
+                Duration::from_secs(3),
+                server.post("/quick/1"),
+            )
+            .await;
+            answer.status == StatusCode::OK
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_client_that_disconnects_while_holding_leaves_no_key() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let (gate, mut entered) = gate();
+    let backend = connect(&redis, |b| b).await;
+    let lock_key = backend.lock_key("orders", "5");
+    let layer = layer(backend);
+    let server = Arc::new(serve(gated_router(gate).layer(layer.clone())).await);
+
+    // The gate never opens: the request ends only by the disconnect.
+    let raw = server.send_raw("/orders/5").await;
+    within("the holder enters", Duration::from_secs(5), entered.recv()).await;
+    assert!(exists(&mut connection, &lock_key).await);
+    drop(raw);
+
+    until("the lock key is deleted", || {
+        let (mut connection, lock_key) = (connection.clone(), lock_key.clone());
+        async move { !exists(&mut connection, &lock_key).await }
+    })
+    .await;
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn clients_that_disconnect_while_waiting_leave_no_key() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let (gate, mut entered) = gate();
+    let backend_a = connect(&redis, |b| b).await;
+    let lock_key = backend_a.lock_key("orders", "5");
+    let a = layer(backend_a);
+    let b = layer(connect(&redis, |b| b).await);
+    let server_a = Arc::new(serve(gated_router(gate.clone()).layer(a.clone())).await);
+    let server_b = Arc::new(serve(gated_router(gate.clone()).layer(b.clone())).await);
+    let (holder, _, _) = hold(&server_a, "/orders/5", &mut entered).await;
+
+    // One waiter on B waits in Redis, a second one behind it in B's local queue.
+    let before = script_calls(&mut connection).await;
+    let remote_waiter = server_b.send_raw("/orders/5").await;
+    until("B's first attempt fails", || {
+        let mut connection = connection.clone();
+        async move { script_calls(&mut connection).await > before }
+    })
+    .await;
+    let local_waiter = server_b.send_raw("/orders/5").await;
+    crate::support::eventually("B queues both", || b.active_keys() == 1).await;
+    drop(remote_waiter);
+    drop(local_waiter);
+
+    gate.open_one();
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(answer.status, StatusCode::OK);
+    until("no lock key is left", || {
+        let (mut connection, lock_key) = (connection.clone(), lock_key.clone());
+        async move { !exists(&mut connection, &lock_key).await }
+    })
+    .await;
+    crate::support::eventually("both tables empty", || {
+        a.active_keys() == 0 && b.active_keys() == 0
+    })
+    .await;
+    assert!(
+        entered.try_recv().is_err(),
+        "a dropped waiter ran its handler"
+    );
+    // The key is free for anyone at once.
+    let answer = server_b.post("/quick/5").await;
+    assert_eq!(answer.status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_wakes_a_waiter_on_another_instance_at_once() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    // Polling alone would take 5–10 s: only the release message can be fast.
+    let configure = |b: RedisBackendBuilder| b.poll_interval(Duration::from_secs(10));
+    let (gate, mut entered) = gate();
+    let server_a = Arc::new(
+        serve(gated_router(gate.clone()).layer(layer(connect(&redis, configure).await))).await,
+    );
+    let server_b = Arc::new(
+        serve(gated_router(gate.clone()).layer(layer(connect(&redis, configure).await))).await,
+    );
+    let (holder, _, _) = hold(&server_a, "/orders/8", &mut entered).await;
+
+    let before = script_calls(&mut connection).await;
+    let waiter = tokio::spawn({
+        let server_b = server_b.clone();
+        async move { server_b.post("/orders/8").await }
+    });
+    until("B waits in Redis", || {
+        let mut connection = connection.clone();
+        async move { script_calls(&mut connection).await > before }
+    })
+    .await;
+
+    let released = Instant::now();
+    gate.open_one();
+    let (info, entered_at) = within("the waiter", Duration::from_secs(20), entered.recv())
+        .await
+        .unwrap();
+    let latency = entered_at - released;
+    println!("release → waiter on the other instance running: {latency:?}");
+    assert!(
+        latency < Duration::from_millis(50),
+        "the waiter started {latency:?} after the release"
+    );
+    assert!(info.waited() > latency);
+    assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+    gate.open_one();
+    assert_eq!(waiter.await.unwrap().status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn local_waiters_cost_one_remote_contender() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let overlap = Arc::new(Overlap::default());
+    let layer = layer(connect(&redis, |b| b).await);
+    let server = Arc::new(
+        serve(overlap_router(overlap.clone(), Duration::from_millis(5)).layer(layer.clone())).await,
+    );
+    // Warm up: the first call of each script loads it (NOSCRIPT, SCRIPT LOAD, EVALSHA).
+    assert_eq!(server.post("/orders/1").await.status, StatusCode::OK);
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
+    let before = script_calls(&mut connection).await;
+    let statuses = alternate([&server, &server], "/orders/1", 16).await;
+    assert!(
+        statuses.iter().all(|s| *s == StatusCode::OK),
+        "{statuses:?}"
+    );
+    crate::support::eventually("the table empties", || layer.active_keys() == 0).await;
+    // One acquire and one release script per request: no waiter polls Redis.
+    assert_eq!(script_calls(&mut connection).await - before, 2 * 16);
+    assert_eq!(overlap.max(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn odd_keys_cannot_reach_other_layers_or_prefixes() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let (gate, mut entered) = gate();
+    let long = "k".repeat(100);
+    let odd = [
+        "plain-key_1.2",
+        "a:b",
+        "{x}",
+        "x}:lock",
+        "*",
+        "a b",
+        "caf\u{e9}",
+        "#hash",
+        &long,
+    ];
+
+    let backend = connect(&redis, |b| b).await;
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer(backend.clone()))).await);
+    let mut holders = Vec::new();
+    let mut expected = Vec::new();
+    for key in odd {
+        let (holder, info, _) = hold(
+            &server,
+            &format!("/orders/{}", path_escape(key)),
+            &mut entered,
+        )
+        .await;
+        assert_eq!(info.key(), key);
+        holders.push(holder);
+        let part = match key {
+            "plain-key_1.2" => key.to_owned(),
+            _ => format!("#{}", sha256_hex(key)),
+        };
+        let lock_key = format!("{{keyed-lock:orders:{part}}}:lock");
+        assert_eq!(backend.lock_key("orders", key), lock_key);
+        expected.push(lock_key.clone());
+        expected.push(lock_key.replace(":lock", ":fence"));
+    }
+    expected.sort();
+    assert_eq!(all_keys(&mut connection).await, expected);
+    for key in all_keys(&mut connection).await {
+        // One hash tag of plain characters, then `:lock` or `:fence`.
+        let (tag, suffix) = key.split_once('}').unwrap();
+        let tag = tag.strip_prefix('{').unwrap();
+        assert!(suffix == ":lock" || suffix == ":fence", "{key}");
+        assert!(
+            tag.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:#".contains(&b)),
+            "{key}"
+        );
+    }
+    gate.finish.add_permits(holders.len());
+    for holder in holders {
+        assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+    }
+
+    // Layer "orders" key "x:y", layer "orders:x" key "y", and prefix "keyed-lock:orders:"
+    // layer "x" key "y" would all read `keyed-lock:orders:x:y`: they must not collide.
+    let other_layer = KeyedLockLayer::by_path("order_id")
+        .name("orders:x")
+        .wait_timeout(Duration::ZERO)
+        .backend(backend.clone());
+    let other_prefix = KeyedLockLayer::by_path("order_id")
+        .name("x")
+        .wait_timeout(Duration::ZERO)
+        .backend(connect(&redis, |b| b.prefix("keyed-lock:orders:")).await);
+    let server_layer = Arc::new(serve(gated_router(gate.clone()).layer(other_layer)).await);
+    let server_prefix = Arc::new(serve(gated_router(gate.clone()).layer(other_prefix)).await);
+    let holders = [
+        hold(
+            &server,
+            &format!("/orders/{}", path_escape("x:y")),
+            &mut entered,
+        )
+        .await,
+        hold(&server_layer, "/orders/y", &mut entered).await,
+        hold(&server_prefix, "/orders/y", &mut entered).await,
+    ];
+    let locks: Vec<String> = all_keys(&mut connection)
+        .await
+        .into_iter()
+        .filter(|key| key.ends_with(":lock"))
+        .collect();
+    assert_eq!(locks.len(), 3, "{locks:?}");
+    assert!(
+        locks.contains(&"{keyed-lock:orders:x:y}:lock".to_owned()),
+        "{locks:?}"
+    );
+    gate.finish.add_permits(holders.len());
+    for (holder, _, _) in holders {
+        assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fence_counters_persist_by_default_and_expire_with_fence_ttl() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let key = Key::new("order-1", 256).unwrap();
+    let wait = Duration::from_secs(1);
+
+    // Default: the counter stays, without TTL.
+    let backend = connect(&redis, |b| b).await;
+    let lease = backend.acquire("plain", &key, wait).await.unwrap();
+    let first = lease.fencing_token().unwrap();
+    lease.release().await;
+    let fence = backend
+        .lock_key("plain", "order-1")
+        .replace(":lock", ":fence");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&fence)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(ttl, -1);
+    let lease = backend.acquire("plain", &key, wait).await.unwrap();
+    assert!(lease.fencing_token().unwrap() > first);
+    lease.release().await;
+
+    // With a fence TTL the counter expires, and starts again above every token it
+    // gave (from the server clock).
+    let backend = connect(&redis, |b| {
+        b.lease(Duration::from_millis(100))
+            .fence_ttl(Some(Duration::from_millis(100)))
+    })
+    .await;
+    let fence = backend
+        .lock_key("ttl", "order-1")
+        .replace(":lock", ":fence");
+    let lease = backend.acquire("ttl", &key, wait).await.unwrap();
+    let before = lease.fencing_token().unwrap();
+    lease.release().await;
+    until("the fence counter expires", || {
+        let (mut connection, fence) = (connection.clone(), fence.clone());
+        async move { !exists(&mut connection, &fence).await }
+    })
+    .await;
+    let lease = backend.acquire("ttl", &key, wait).await.unwrap();
+    assert!(lease.fencing_token().unwrap() > before);
+    lease.release().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_backend_alone_times_out_and_releases() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let (a, b) = (connect(&redis, |b| b).await, connect(&redis, |b| b).await);
+    let key = Key::new("order-2", 256).unwrap();
+    let lease = a.acquire("direct", &key, Duration::ZERO).await.unwrap();
+    assert!(!lease.signal().is_lost());
+
+    let started = Instant::now();
+    let busy = b.acquire("direct", &key, Duration::from_millis(100)).await;
+    assert!(matches!(busy, Err(LockError::Timeout)), "{busy:?}");
+    assert!(started.elapsed() >= Duration::from_millis(100));
+    assert!(matches!(
+        b.acquire("direct", &key, Duration::ZERO).await,
+        Err(LockError::Timeout)
+    ));
+
+    // A dropped lease is released in the background.
+    drop(lease);
+    let lock_key = a.lock_key("direct", "order-2");
+    until("the dropped lease is released", || {
+        let (mut connection, lock_key) = (connection.clone(), lock_key.clone());
+        async move { !exists(&mut connection, &lock_key).await }
+    })
+    .await;
+    let lease = b.acquire("direct", &key, Duration::ZERO).await.unwrap();
+    lease.release().await;
+    assert!(!exists(&mut connection, &lock_key).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_acquire_dropped_mid_attempt_gives_back_what_it_may_hold() {
+    let redis = RedisServer::start();
+    let (a, b) = (connect(&redis, |b| b).await, connect(&redis, |b| b).await);
+    let key = Key::new("order-3", 256).unwrap();
+    // Loads the scripts, so that the attempt below runs when the server wakes up
+    // (instead of failing with NOSCRIPT).
+    let warm_up = a.acquire("direct", &key, Duration::ZERO).await.unwrap();
+    warm_up.release().await;
+
+    // The script is sent to a frozen server and the future dropped before any reply;
+    // the server runs it when it wakes up, granting a lease nobody holds.
+    redis.pause();
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        a.acquire("direct", &key, Duration::from_secs(5)),
+    )
+    .await;
+    assert!(dropped.is_err());
+    redis.resume();
+
+    // Without the give-back the key would stay taken for the whole lease (30 s).
+    until("the key is free again", || {
+        let (b, key) = (b.clone(), key.clone());
+        async move {
+            match b.acquire("direct", &key, Duration::ZERO).await {
+                Ok(lease) => {
+                    lease.release().await;
+                    true
+                }
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+}
+
+/// After Redis restarts, requests on every instance are served at once: an attempt
+/// that finds its connection dropped ("broken pipe") is retried on the reconnected one
+/// instead of answered with 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_first_requests_after_a_redis_restart_are_served() {
+    let mut redis = RedisServer::start();
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        let backend = connect(&redis, |b| b.command_timeout(Duration::from_millis(500))).await;
+        let (gate, _entered) = gate();
+        servers.push(serve(gated_router(gate).layer(layer(backend))).await);
+    }
+    for server in &servers {
+        assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
+    }
+
+    redis.restart();
+
+    for round in 0..20 {
+        for server in &servers {
+            let answer = server.post(&format!("/quick/{round}")).await;
+            assert_eq!(
+                answer.status,
+                StatusCode::OK,
+                "round {round}: {}",
+                answer.body
+            );
+        }
+    }
+}
+
+/// Issue 25.3: a server that may evict keys under memory pressure (any `volatile-*` or
+/// `allkeys-*` `maxmemory-policy`) can drop a held lock key, and another instance is
+/// then granted it before the holder is told. The backend refuses to be built on one,
+/// with an error that names the setting and the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicting_maxmemory_policy_is_refused_when_the_backend_is_built() {
+    for policy in ["volatile-ttl", "allkeys-lru"] {
+        let redis = RedisServer::start_with_args(&["--maxmemory-policy", policy]);
+        let built = RedisBackend::builder(redis.client()).build().await;
+        let message = built
+            .expect_err("built on a server that may evict lock keys")
+            .to_string();
+        for needed in [
+            "maxmemory-policy",
+            policy,
+            "noeviction",
+            "allow_unsafe_eviction_policy(true)",
+        ] {
+            assert!(message.contains(needed), "{needed:?} not in: {message}");
+        }
+        // Whoever accepts the risk says so.
+        RedisBackend::builder(redis.client())
+            .allow_unsafe_eviction_policy(true)
+            .build()
+            .await
+            .expect("the opt-in builds");
+    }
+}
+
+/// Where `CONFIG` is renamed or disabled (managed Redis services do that), the policy
+/// is read from `INFO memory`: an evicting one is still refused, `noeviction` builds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn without_config_the_policy_is_read_from_info() {
+    let no_config = ["--rename-command", "CONFIG", ""];
+    let evicting = [&no_config[..], &["--maxmemory-policy", "allkeys-lfu"]].concat();
+    let redis = RedisServer::start_with_args(&evicting);
+    let message = RedisBackend::builder(redis.client())
+        .build()
+        .await
+        .expect_err("built on a server that may evict lock keys")
+        .to_string();
+    assert!(message.contains("allkeys-lfu"), "{message}");
+
+    let redis = RedisServer::start_with_args(&no_config);
+    RedisBackend::builder(redis.client())
+        .restart_guard(false)
+        .build()
+        .await
+        .expect("noeviction, read from INFO, builds");
+}
+
+/// What `allow_unsafe_eviction_policy(true)` accepts (issue 25.3): under memory
+/// pressure `volatile-ttl` evicts the held lock key (the shortest TTL), and another
+/// instance is granted the key while its holder has not been told; the holder learns
+/// it only at its next renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_the_unsafe_opt_in_an_evicted_lock_is_granted_before_its_holder_is_told() {
+    let redis = RedisServer::start_with_args(&["--maxmemory-policy", "volatile-ttl"]);
+    // Long enough that filling memory ends well before the holder's first renewal.
+    let lease = Duration::from_secs(6);
+    let opt_in = |b: RedisBackendBuilder| b.allow_unsafe_eviction_policy(true).lease(lease);
+    let a = connect(&redis, opt_in).await;
+    let b = connect(&redis, opt_in).await;
+    let mut direct = connection(&redis).await;
+    let key = Key::new("evicted", 256).unwrap();
+    let lock = a.lock_key("orders", "evicted");
+    let held = a.acquire("orders", &key, Duration::ZERO).await.unwrap();
+    let signal = held.signal().clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+
+    // Memory runs short: a limit a little above what is used now, then keys that
+    // live longer than the lock.
+    let memory: String = redis::cmd("INFO")
+        .arg("memory")
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    let used: u64 = memory
+        .lines()
+        .find_map(|line| line.strip_prefix("used_memory:"))
+        .and_then(|bytes| bytes.trim().parse().ok())
+        .unwrap();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory")
+        .arg(used + (1 << 20))
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    let filler = "x".repeat(10_000);
+    let mut written = 0;
+    while exists(&mut direct, &lock).await {
+        let _: () = redis::cmd("SET")
+            .arg(format!("filler:{written}"))
+            .arg(&filler)
+            .arg("EX")
+            .arg(3600)
+            .query_async(&mut direct)
+            .await
+            .unwrap();
+        written += 1;
+        assert!(written < 10_000, "the lock key was never evicted");
+    }
+    let granted = b
+        .acquire("orders", &key, Duration::ZERO)
+        .await
+        .expect("the evicted key is granted to another instance");
+    let granted_at = Instant::now();
+    assert!(
+        !held.signal().is_lost(),
+        "the holder was told before the other instance's grant"
+    );
+    let told = within("the holder is told", lease, told).await.unwrap();
+    println!(
+        "evicted lock ({written} filler keys): another instance granted {:?} before \
+         the holder was told (lease {lease:?}, renewal every {:?})",
+        told - granted_at,
+        lease / 3
+    );
+    granted.release().await;
+}

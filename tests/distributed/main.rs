@@ -1,0 +1,14 @@
+//! `DistributedLocks` between instances, every test body generic over the fixtures of
+//! `support::fixtures` (Redis, a Redis Cluster, PostgreSQL, DynamoDB, in process):
+//! exclusion and hand-over (`instances`), an acquisition dropped at each of its awaits
+//! (`cancel`), the way jobs, workers and caches use it (`jobs`), and work that stops when
+//! its lease is lost (`lease`).
+
+#[macro_use]
+#[path = "../support/mod.rs"]
+mod support;
+
+mod cancel;
+mod instances;
+mod jobs;
+mod lease;

@@ -1,0 +1,14 @@
+//! The lock middleware through real servers, recorders and captured logs: HTTP behaviour
+//! (`over_http`), routing and key extraction (`routing`), metrics and the long-hold
+//! warning (`metrics`), hostile input and overload (`reliability`). Counting allocations
+//! is `tests/allocations.rs`, a process of its own.
+// Every test here builds its layer with `by_path` or `PathParam`: the `axum` feature.
+#![cfg(feature = "axum")]
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod metrics;
+mod over_http;
+mod reliability;
+mod routing;

@@ -1,0 +1,125 @@
+//! Soak runs of two instances sharing one real Redis, with and without Redis being
+//! killed and restarted meanwhile. `SOAK_REQUESTS` scales them (default 4 000).
+#![cfg(feature = "redis")]
+
+use std::time::Duration;
+
+use tower_keyed_lock::backend::redis::RedisBackend;
+use tower_keyed_lock::{KeyedLockLayer, PathParam};
+
+use crate::support::redis_server::RedisServer;
+use crate::support::soak::Soak;
+
+fn requests() -> u64 {
+    std::env::var("SOAK_REQUESTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(4_000)
+}
+
+/// One instance of the service: its own backend connection and its own layer.
+async fn instance(redis: &RedisServer, lease: Duration) -> KeyedLockLayer<PathParam> {
+    // The guard would refuse grants for a lease after each (re)start of the server;
+    // the soak measures serialization, and `tests/backends/redis_faults.rs` tests the guard.
+    let backend = RedisBackend::builder(redis.client())
+        .restart_guard(false)
+        .lease(lease)
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .expect("connect to redis");
+    KeyedLockLayer::by_path("id")
+        .name("soak")
+        .wait_timeout(Duration::from_secs(2))
+        .backend(backend)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_sharing_redis_never_overlap() {
+    let redis = RedisServer::start();
+    let layers = [
+        instance(&redis, Duration::from_secs(5)).await,
+        instance(&redis, Duration::from_secs(5)).await,
+    ];
+    let soak = Soak {
+        requests: requests(),
+        keys: 1_000,
+        clients: 512,
+        deadline: Duration::from_secs(6),
+    };
+
+    let report = soak.run(&layers, std::future::pending()).await;
+
+    println!("redis soak: {report:?}");
+    assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
+    assert_eq!(report.hung, 0, "a request outlived its deadline");
+    assert_eq!(
+        report.answered() + report.cancelled,
+        soak.requests,
+        "a request was lost"
+    );
+    // A 503 is a backend command that outlived its timeout on a loaded machine: honest,
+    // not a broken guarantee. Exclusion, no hang and no lost request are asserted above.
+    assert_eq!(report.other, 0, "{report:?}");
+    assert!(report.ok > soak.requests / 2, "{report:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_during_a_soak() {
+    let lease = Duration::from_millis(500);
+    let mut redis = RedisServer::start();
+    let layers = [instance(&redis, lease).await, instance(&redis, lease).await];
+    let soak = Soak {
+        requests: requests(),
+        keys: 1_000,
+        clients: 512,
+        deadline: Duration::from_secs(5),
+    };
+    let mut faults = 0;
+    let inject = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            redis.stop();
+            faults += 1;
+            // Redis keeps nothing on disk: it stays down for longer than a lease, as
+            // the Redis docs ask, so no lease granted before the crash is still valid
+            // when it comes back empty.
+            tokio::time::sleep(lease + Duration::from_millis(100)).await;
+            redis.restart();
+        }
+    };
+
+    let report = soak.run(&layers, inject).await;
+
+    println!("redis soak with {faults} kills: {report:?}");
+    assert!(faults >= 1, "no fault was injected; raise SOAK_REQUESTS");
+    assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
+    assert_eq!(report.hung, 0, "a request outlived its deadline");
+    assert_eq!(
+        report.answered() + report.cancelled,
+        soak.requests,
+        "a request was lost"
+    );
+    assert_eq!(report.other, 0, "{report:?}");
+    assert!(
+        report.unavailable > 0,
+        "the outages were not seen: {report:?}"
+    );
+
+    // Recovery without restarting the app. The load may have ended mid-outage: start
+    // Redis (again), wait for the first request to be served, then all must be.
+    redis.restart();
+    crate::support::soak::wait_until_served(&layers).await;
+    let after = Soak {
+        requests: 200,
+        keys: 20,
+        clients: 8,
+        deadline: Duration::from_secs(5),
+    };
+    let recovered = after.run(&layers, std::future::pending()).await;
+    assert_eq!(
+        recovered.ok + recovered.cancelled,
+        200,
+        "not recovered: {recovered:?}"
+    );
+}

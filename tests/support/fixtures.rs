@@ -1,0 +1,545 @@
+//! The servers the `distributed` tests and the conformance suite run against, behind one
+//! trait so every test body is written once and runs on Redis, on a Redis Cluster, on
+//! PostgreSQL and (where it makes sense) in process. The servers themselves are the
+//! sibling modules (`redis_server`, `redis_cluster`, `pg_server`, …).
+// A binary uses part of it: the fixtures it re-exports too.
+#![allow(dead_code, unused_imports)]
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use tower_keyed_lock::backend::BoxFuture;
+use tower_keyed_lock::{DistributedAcquire, DistributedLocks, Key, Lease, LockBackend, LockError};
+
+/// The name every instance gives its locks, so they share keys at the backend.
+pub const NAME: &str = "jobs";
+
+/// Long enough for anything that should happen; a test fails instead of hanging.
+pub const PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long a key may stay held after its guard or acquisition was dropped: the remote
+/// release is a round trip in a task of its own. Shorter than the Redis lease, so that
+/// a key left to expire instead is caught.
+pub const FREED_WITHIN: Duration = Duration::from_millis(500);
+
+/// Where instances meet: a server they share, or one process's table.
+pub trait Fixture: Sized {
+    /// Starts the server (panics with a clear message when it is not installed).
+    fn start() -> Self;
+
+    /// The locks of one instance: its own backend connections, the shared server.
+    fn instance(&self, name: &str) -> impl Future<Output = DistributedLocks>;
+}
+
+/// A fixture with a real server that instances reach over the network.
+pub trait Remote: Fixture {
+    /// A fresh backend, as the instance `name` would build it.
+    fn backend(&self, name: &str) -> impl Future<Output = Arc<dyn LockBackend>> + Send;
+
+    /// Kills the server (SIGKILL for Redis, a fast shutdown for PostgreSQL): every
+    /// session and every lock on it is gone.
+    fn kill(&mut self);
+
+    /// The most a held lease may take to be declared lost once the server is killed:
+    /// the Redis lease, or PostgreSQL's liveness interval plus network timeout.
+    fn loss_bound(&self) -> Duration;
+}
+
+/// A remote fixture whose instances can reach the server through the fault proxy.
+pub trait Proxied: Remote {
+    /// Where the server listens.
+    fn upstream(&self) -> std::net::SocketAddr;
+
+    /// A backend whose connections go to `host_port` (the proxy) instead.
+    fn backend_via(&self, host_port: &str) -> impl Future<Output = Arc<dyn LockBackend>> + Send;
+
+    /// The longest one round trip may take before the backend counts it as lost.
+    fn network_timeout(&self) -> Duration;
+
+    /// How long after another instance is granted a key the holder may hear that its
+    /// lease is lost when its connection is reset: zero for a TTL lease (the record
+    /// outlives the connection); for a session lock, which the server frees the moment
+    /// the connection dies, the bound the backend documents.
+    fn reset_notice(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+/// The locks of an instance on `backend`.
+pub fn locks_on(backend: Arc<dyn LockBackend>) -> DistributedLocks {
+    DistributedLocks::builder(NAME)
+        .shared_backend(backend)
+        .build()
+}
+
+/// Every instance is a clone of one in-process table: the locks without a backend.
+pub struct InProcess(DistributedLocks);
+
+impl Fixture for InProcess {
+    fn start() -> Self {
+        InProcess(DistributedLocks::in_process(NAME))
+    }
+
+    async fn instance(&self, _name: &str) -> DistributedLocks {
+        self.0.clone()
+    }
+}
+
+#[cfg(feature = "redis")]
+pub use self::redis::Redis;
+
+#[cfg(feature = "redis")]
+mod redis {
+    use super::*;
+    use crate::support::redis_server::RedisServer;
+    use tower_keyed_lock::RedisBackend;
+
+    pub use super::ttl_lease::LEASE;
+
+    pub struct Redis(pub RedisServer);
+
+    impl Fixture for Redis {
+        fn start() -> Self {
+            Redis(RedisServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+
+    impl Proxied for Redis {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            let client = ::redis::Client::open(format!("redis://{host_port}/")).unwrap();
+            Arc::new(backend_on(client).await)
+        }
+
+        fn network_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
+    async fn backend_on(client: ::redis::Client) -> RedisBackend {
+        RedisBackend::builder(client)
+            // A server started for this run: no instance can hold a key it lost.
+            .restart_guard(false)
+            .lease(LEASE)
+            .command_timeout(COMMAND_TIMEOUT)
+            .build()
+            .await
+            .expect("the backend connects to Redis")
+    }
+
+    impl Remote for Redis {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            Arc::new(backend_on(self.0.client()).await)
+        }
+
+        fn kill(&mut self) {
+            self.0.stop();
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
+/// The lease of the TTL-lease fixtures (Redis, DynamoDB).
+mod ttl_lease {
+    use std::time::Duration;
+
+    /// Short enough that a crashed holder's key frees soon, long enough to renew
+    /// (every lease/3) on a loaded machine.
+    pub const LEASE: Duration = Duration::from_secs(1);
+}
+
+#[cfg(feature = "redis")]
+pub use self::cluster::RedisCluster;
+
+#[cfg(feature = "redis")]
+mod cluster {
+    use super::redis::LEASE;
+    use super::*;
+    use tower_keyed_lock::RedisBackend;
+
+    /// Three primaries, no replicas: the same tests on sharded pub/sub and a cluster
+    /// connection.
+    pub struct RedisCluster(pub crate::support::redis_cluster::RedisCluster);
+
+    impl Fixture for RedisCluster {
+        fn start() -> Self {
+            RedisCluster(crate::support::redis_cluster::RedisCluster::start_primaries())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    impl Remote for RedisCluster {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            let backend = RedisBackend::cluster_builder(self.0.client())
+                .restart_guard(false)
+                .lease(LEASE)
+                .command_timeout(Duration::from_millis(500))
+                .build()
+                .await
+                .expect("the backend connects to the cluster");
+            Arc::new(backend)
+        }
+
+        fn kill(&mut self) {
+            self.0.stop_all();
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+pub use self::postgres::Postgres;
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+    use crate::support::pg_server::PgServer;
+    use tower_keyed_lock::PostgresBackend;
+
+    const LIVENESS: Duration = Duration::from_millis(100);
+    const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+
+    pub struct Postgres(pub PgServer);
+
+    impl Fixture for Postgres {
+        fn start() -> Self {
+            Postgres(PgServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    fn backend_on(mut config: tokio_postgres::Config, name: &str) -> Arc<dyn LockBackend> {
+        // Tells the instances apart in `pg_stat_activity` and the server log.
+        config.application_name(name);
+        let backend = PostgresBackend::from_config(config)
+            .liveness_interval(LIVENESS)
+            .network_timeout(NETWORK_TIMEOUT)
+            .fencing(true);
+        Arc::new(backend)
+    }
+
+    impl Proxied for Postgres {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            let (host, port) = host_port.split_once(':').unwrap();
+            // A fresh config: `host` and `port` add to a parsed one's lists.
+            let mut config = tokio_postgres::Config::new();
+            config
+                .host(host)
+                .port(port.parse().unwrap())
+                .user("postgres")
+                .dbname("postgres");
+            backend_on(config, "proxied")
+        }
+
+        fn network_timeout(&self) -> Duration {
+            NETWORK_TIMEOUT
+        }
+
+        fn reset_notice(&self) -> Duration {
+            // The holder looks at its connection every 5 ms (`backend::postgres`
+            // docs: "a few milliseconds later"); the rest is a loaded machine's slack.
+            Duration::from_millis(100)
+        }
+    }
+
+    impl Remote for Postgres {
+        async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
+            backend_on(self.0.conn_str().parse().unwrap(), name)
+        }
+
+        fn kill(&mut self) {
+            tokio::task::block_in_place(|| self.0.stop());
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LIVENESS + NETWORK_TIMEOUT
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[allow(unused_imports)] // the conformance suite's fixture only
+pub use self::pgbouncer::PgBouncerTransaction;
+
+#[cfg(feature = "postgres")]
+mod pgbouncer {
+    use super::*;
+    use crate::support::pg_server::PgServer;
+    use crate::support::pgbouncer::{PgBouncer, PoolMode};
+    use tower_keyed_lock::backend::postgres::LockScope;
+    use tower_keyed_lock::PostgresBackend;
+
+    const LIVENESS: Duration = Duration::from_millis(100);
+    const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+
+    /// PostgreSQL behind PgBouncer in transaction pooling, locks in transaction scope:
+    /// the set-up the backend accepts behind a transaction pooler.
+    pub struct PgBouncerTransaction {
+        // Dropped first: the pooler before its server.
+        bouncer: PgBouncer,
+        _server: PgServer,
+    }
+
+    impl Fixture for PgBouncerTransaction {
+        fn start() -> Self {
+            let server = PgServer::start();
+            let bouncer = PgBouncer::start(&server, PoolMode::Transaction, 8);
+            PgBouncerTransaction {
+                bouncer,
+                _server: server,
+            }
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    impl Remote for PgBouncerTransaction {
+        async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
+            let mut config: tokio_postgres::Config = self.bouncer.conn_str().parse().unwrap();
+            config.application_name(name);
+            let backend = PostgresBackend::from_config(config)
+                .lock_scope(LockScope::Transaction)
+                .liveness_interval(LIVENESS)
+                .network_timeout(NETWORK_TIMEOUT)
+                .fencing(true);
+            Arc::new(backend)
+        }
+
+        fn kill(&mut self) {
+            tokio::task::block_in_place(|| self._server.stop());
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LIVENESS + NETWORK_TIMEOUT
+        }
+    }
+}
+
+#[cfg(feature = "dynamodb")]
+pub use self::dynamodb::DynamoDb;
+
+#[cfg(feature = "dynamodb")]
+mod dynamodb {
+    use super::ttl_lease::LEASE;
+    use super::*;
+    use crate::support::dynamo_server::{client_for, DynamoServer};
+    use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
+
+    const TABLE: &str = "locks";
+
+    /// moto, a DynamoDB-compatible server: waiting by polling, taking over a record
+    /// that stopped changing.
+    pub struct DynamoDb(pub DynamoServer);
+
+    impl Fixture for DynamoDb {
+        fn start() -> Self {
+            DynamoDb(DynamoServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+
+    async fn backend_on(url: &str) -> Arc<dyn LockBackend> {
+        let builder = DynamoDbBackend::builder(client_for(url), TABLE)
+            .lease(LEASE)
+            .command_timeout(COMMAND_TIMEOUT)
+            .poll_interval(Duration::from_millis(50));
+        // moto answers its first requests slowly (it loads its backends).
+        let patient = builder.clone().command_timeout(Duration::from_secs(10));
+        patient.create_table().await.expect("create the table");
+        let backend = builder.build().await.expect("the backend connects to moto");
+        Arc::new(backend)
+    }
+
+    impl Proxied for DynamoDb {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            backend_on(&format!("http://{host_port}")).await
+        }
+
+        fn network_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
+    impl Remote for DynamoDb {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            backend_on(&self.0.url()).await
+        }
+
+        fn kill(&mut self) {
+            self.0.stop();
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
+/// A real backend that counts the acquisitions this instance sends it: how many in
+/// all, and the most in flight at once.
+pub struct Counting {
+    inner: Arc<dyn LockBackend>,
+    in_flight: Arc<AtomicUsize>,
+    most_in_flight: Arc<AtomicUsize>,
+    calls: AtomicUsize,
+}
+
+impl Counting {
+    pub fn new(inner: Arc<dyn LockBackend>) -> Arc<Self> {
+        Arc::new(Counting {
+            inner,
+            in_flight: Arc::default(),
+            most_in_flight: Arc::default(),
+            calls: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn calls(&self) -> usize {
+        self.calls.load(SeqCst)
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(SeqCst)
+    }
+
+    pub fn most_in_flight(&self) -> usize {
+        self.most_in_flight.load(SeqCst)
+    }
+}
+
+impl LockBackend for Counting {
+    fn acquire(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+    ) -> BoxFuture<Result<Lease, LockError>> {
+        self.calls.fetch_add(1, SeqCst);
+        let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+        self.most_in_flight.fetch_max(now, SeqCst);
+        let in_flight = self.in_flight.clone();
+        let acquire = self.inner.acquire(name, key, wait);
+        Box::pin(async move {
+            let result = acquire.await;
+            in_flight.fetch_sub(1, SeqCst);
+            result
+        })
+    }
+}
+
+/// Fails the test instead of hanging it.
+pub async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(limit, future)
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
+}
+
+/// Generates one `#[tokio::test]` per generic test body and fixture:
+/// `for_each_fixture!(all: [a, b], remote: [c])` makes `in_process::a` calling
+/// `a::<InProcess>()`, `redis::a`, `redis::c`, `redis_cluster::a`, `postgres::a`, and so on.
+#[allow(unused_macros)] // not every binary that includes this file uses it
+macro_rules! for_each_fixture {
+    (all: [$($all:ident),* $(,)?], remote: [$($remote:ident),* $(,)?] $(,)?) => {
+        for_each_fixture!(@mod in_process, $crate::support::fixtures::InProcess, []; $($all),*);
+        for_each_fixture!(@mod redis, $crate::support::fixtures::Redis, ["redis"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod redis_cluster, $crate::support::fixtures::RedisCluster, ["redis"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod postgres, $crate::support::fixtures::Postgres, ["postgres"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod dynamodb, $crate::support::fixtures::DynamoDb, ["dynamodb"]; $($all,)* $($remote),*);
+    };
+    (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
+        $(#[cfg(feature = $feature)])?
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $test() {
+                    super::$test::<$fixture>().await
+                }
+            )*
+        }
+    };
+}
+
+/// Polls `future` once, with a waker that does nothing.
+pub fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
+    Pin::new(future).poll(&mut Context::from_waker(Waker::noop()))
+}
+
+/// Which await the acquisition is at (`local`, `remote`, ...), from its `Debug` form.
+pub fn state(acquire: &DistributedAcquire) -> String {
+    let debug = format!("{acquire:?}");
+    let start = debug.find("state: \"").expect("Debug shows the state") + 8;
+    debug[start..].split('"').next().unwrap().to_owned()
+}
+
+/// Takes `key` on `locks` with `try_lock` until it is free, failing the test after
+/// `limit`; returns how long that took.
+pub async fn wait_free(locks: &DistributedLocks, key: &str, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        match locks.try_lock(key).await {
+            Ok(guard) => {
+                guard.release().await;
+                return started.elapsed();
+            }
+            Err(LockError::Busy) => {}
+            Err(error) => panic!("try_lock({key:?}) failed: {error}"),
+        }
+        assert!(
+            started.elapsed() < limit,
+            "{key:?} still held after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until `condition` holds, failing the test after [`PATIENCE`].
+pub async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !condition() {
+        assert!(
+            started.elapsed() < PATIENCE,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
