@@ -26,6 +26,9 @@ use crate::locks::LockError;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub mod etcd;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -33,7 +36,7 @@ pub mod postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 mod retry_later;
-#[cfg(any(feature = "redis", feature = "dynamodb"))]
+#[cfg(any(feature = "redis", feature = "dynamodb", feature = "etcd"))]
 mod ttl;
 
 pub use retry_later::RetryLater;
