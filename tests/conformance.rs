@@ -127,6 +127,7 @@ mod faults {
     faults!(redis, crate::servers::Redis, "redis");
     faults!(postgres, crate::servers::Postgres, "postgres");
     faults!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+    faults!(etcd, crate::servers::Etcd, "etcd");
 }
 
 // ------------------------------------------------------------- through the layer
