@@ -4,23 +4,28 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use axum::{routing::post, Router};
 //! use tower_keyed_lock::backend::etcd::{EtcdBackend, SetupError};
-//! use tower_keyed_lock::KeyedLockLayer;
+//! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
 //!
-//! # async fn pay() {}
-//! # async fn app() -> Result<Router, SetupError> {
-//! let backend = EtcdBackend::builder(["http://etcd-0:2379", "http://etcd-1:2379", "http://etcd-2:2379"])
+//! # async fn run() -> Result<(), SetupError> {
+//! let endpoints = ["http://etcd-0:2379", "http://etcd-1:2379", "http://etcd-2:2379"];
+//! let backend = EtcdBackend::builder(endpoints)
 //!     .lease(Duration::from_secs(10))
 //!     .build()
 //!     .await?;
-//! let app = Router::new().route("/orders/{order_id}/pay", post(pay)).layer(
-//!     KeyedLockLayer::by_path("order_id")
-//!         .name("orders")
-//!         .wait_timeout(Duration::from_secs(2))
-//!         .backend(backend),
-//! );
-//! # Ok(app)
+//! // Requests with one idempotency key run one at a time, across every instance…
+//! let layer = KeyedLockLayer::by_header("idempotency-key")
+//!     .name("orders")
+//!     .wait_timeout(Duration::from_secs(2))
+//!     .backend(backend.clone());
+//! // …and so do jobs, outside HTTP.
+//! let jobs = DistributedLocks::builder("jobs").backend(backend).build();
+//! if let Ok(guard) = jobs.try_lock("nightly-report").await {
+//!     // Only this instance runs it; `guard.fencing_token()` orders its writes.
+//!     guard.release().await;
+//! }
+//! # let _ = layer;
+//! # Ok(())
 //! # }
 //! ```
 //!
