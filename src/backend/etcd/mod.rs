@@ -29,6 +29,11 @@
 //! # }
 //! ```
 //!
+//! The client is [`etcd_client`] (gRPC over tonic, the v3 API with leases, watches,
+//! transactions and the lock service): its build compiles etcd's protobuf files with
+//! `protoc` (Debian and Ubuntu: `apt-get install protobuf-compiler`; elsewhere set
+//! `PROTOC`).
+//!
 //! # etcd keys
 //!
 //! A layer named `name` locks request key `key` with a queue of etcd keys under
