@@ -10,7 +10,10 @@
 //! Run it with `cargo run --features redis --example scheduled_job`. It starts its own
 //! `redis-server` on a free port (and stops it at the end); without `redis-server`, or
 //! without the `redis` feature, it says so and the three instances share the
-//! in-process lock instead. It checks what it shows and exits non-zero otherwise: every
+//! in-process lock instead. With `SCHEDULED_JOB_ENGINE=etcd` (and the `etcd` feature:
+//! `cargo run --features etcd --example scheduled_job`) the instances share an `etcd`
+//! of the example's own instead (a single member on free ports; a 2 s lease, since etcd
+//! counts leases in whole seconds). It checks what it shows and exits non-zero otherwise: every
 //! tick before the crash ran exactly once, the job's writes carry increasing fencing
 //! tokens, and the takeover came within the lease.
 
@@ -63,14 +66,42 @@ impl Ledger {
     }
 }
 
+/// The etcd lease: whole seconds, and etcd frees an expired lease at its next sweep
+/// (every 500 ms), so a takeover may come up to that much later.
+#[cfg(feature = "etcd")]
+const ETCD_LEASE: Duration = Duration::from_secs(2);
+#[cfg(feature = "etcd")]
+const ETCD_SWEEP: Duration = Duration::from_millis(500);
+
 /// How the instances reach each other.
 enum Shared {
     #[cfg(feature = "redis")]
     Redis(String),
+    #[cfg(feature = "etcd")]
+    Etcd(String),
     InProcess(DistributedLocks),
 }
 
 impl Shared {
+    /// The longest a crashed holder keeps the key: its lease, and the engine's delay in
+    /// freeing it.
+    fn loss_bound(&self) -> Duration {
+        match self {
+            #[cfg(feature = "etcd")]
+            Shared::Etcd(_) => ETCD_LEASE + ETCD_SWEEP,
+            _ => LEASE,
+        }
+    }
+
+    /// The shortest a crashed holder keeps the key.
+    fn lease(&self) -> Duration {
+        match self {
+            #[cfg(feature = "etcd")]
+            Shared::Etcd(_) => ETCD_LEASE,
+            _ => LEASE,
+        }
+    }
+
     async fn locks(&self) -> DistributedLocks {
         match self {
             #[cfg(feature = "redis")]
@@ -86,24 +117,53 @@ impl Shared {
                     .expect("the instance connects to Redis");
                 DistributedLocks::new("cron", backend)
             }
+            #[cfg(feature = "etcd")]
+            Shared::Etcd(endpoint) => {
+                let backend = tower_keyed_lock::EtcdBackend::builder([endpoint.as_str()])
+                    .lease(ETCD_LEASE)
+                    .build()
+                    .await
+                    .expect("the instance connects to etcd");
+                DistributedLocks::new("cron", backend)
+            }
             Shared::InProcess(locks) => locks.clone(),
         }
     }
 }
 
 fn main() {
+    let engine = std::env::var("SCHEDULED_JOB_ENGINE").unwrap_or_else(|_| "redis".to_owned());
+    #[cfg(feature = "etcd")]
+    let etcd = (engine == "etcd")
+        .then(etcd_process::EtcdProcess::start)
+        .flatten();
     #[cfg(feature = "redis")]
-    let redis = redis_process::RedisProcess::start();
-    #[cfg(feature = "redis")]
-    let shared = match &redis {
-        Some(redis) => {
-            println!("redis-server started on port {}", redis.port);
-            Shared::Redis(format!("redis://127.0.0.1:{}/", redis.port))
-        }
-        None => in_process("redis-server is not installed"),
+    let redis = (engine == "redis")
+        .then(redis_process::RedisProcess::start)
+        .flatten();
+    let shared = match engine.as_str() {
+        #[cfg(feature = "redis")]
+        "redis" => match &redis {
+            Some(redis) => {
+                println!("redis-server started on port {}", redis.port);
+                Shared::Redis(format!("redis://127.0.0.1:{}/", redis.port))
+            }
+            None => in_process("redis-server is not installed"),
+        },
+        #[cfg(feature = "etcd")]
+        "etcd" => match &etcd {
+            Some(etcd) => {
+                println!("etcd started on port {}", etcd.port);
+                Shared::Etcd(format!("http://127.0.0.1:{}", etcd.port))
+            }
+            None => in_process("etcd is not installed"),
+        },
+        #[cfg(not(feature = "redis"))]
+        "redis" => in_process("built without the `redis` feature"),
+        #[cfg(not(feature = "etcd"))]
+        "etcd" => in_process("built without the `etcd` feature"),
+        other => panic!("SCHEDULED_JOB_ENGINE={other:?}: use redis or etcd"),
     };
-    #[cfg(not(feature = "redis"))]
-    let shared = in_process("built without the `redis` feature");
     let shared = Arc::new(shared);
 
     let ledger = Arc::new(Mutex::new(Ledger::default()));
@@ -118,7 +178,7 @@ fn main() {
         instance.join().expect("an instance panicked");
     }
 
-    check(&ledger.lock().unwrap());
+    check(&ledger.lock().unwrap(), shared.lease(), shared.loss_bound());
     println!("ok: every tick ran once, and the crashed job was taken over");
 }
 
@@ -201,7 +261,7 @@ async fn run_job(id: usize, tick: u64, guard: DistributedGuard, ledger: &Mutex<L
 }
 
 /// Asserts what the example claims.
-fn check(ledger: &Ledger) {
+fn check(ledger: &Ledger, lease: Duration, loss_bound: Duration) {
     for tick in 1..=NORMAL_TICKS {
         let runs: Vec<_> = ledger.runs.iter().filter(|r| r.tick == tick).collect();
         assert_eq!(runs.len(), 1, "tick {tick} ran {} times", runs.len());
@@ -221,12 +281,12 @@ fn check(ledger: &Ledger) {
     let ticks: Vec<u64> = ledger.runs.iter().map(|run| run.tick).collect();
     assert_eq!(ticks.len(), NORMAL_TICKS as usize + 1, "runs: {ticks:?}");
     if let Some(crash_token) = crash_token {
-        // Redis: the key stayed held until the lease ran out, then the takeover got a
-        // newer token than the crashed run.
+        // Redis or etcd: the key stayed held until the lease ran out, then the
+        // takeover got a newer token than the crashed run.
         assert!(takeover.fencing_token > Some(crash_token));
-        assert!(after >= LEASE * 2 / 3, "taken over after {after:?}");
+        assert!(after >= lease * 2 / 3, "taken over after {after:?}");
         assert!(
-            after <= LEASE + TICK + JOB * 2,
+            after <= loss_bound + TICK + JOB * 2,
             "taken over after {after:?}"
         );
     } else {
@@ -293,6 +353,92 @@ mod redis_process {
         fn drop(&mut self) {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+    }
+}
+
+/// An `etcd` of the example's own (one member) on free ports, stopped on drop.
+#[cfg(feature = "etcd")]
+mod etcd_process {
+    use std::io::{ErrorKind, Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::path::PathBuf;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    pub struct EtcdProcess {
+        pub port: u16,
+        child: Child,
+        dir: PathBuf,
+    }
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port()
+    }
+
+    impl EtcdProcess {
+        /// `None` when `etcd` is not installed.
+        pub fn start() -> Option<EtcdProcess> {
+            let (port, peer) = (free_port(), free_port());
+            let dir = std::env::temp_dir().join(format!(
+                "tower-keyed-lock-example-etcd-{}-{port}",
+                std::process::id()
+            ));
+            let client = format!("http://127.0.0.1:{port}");
+            let peer = format!("http://127.0.0.1:{peer}");
+            let spawned = Command::new("etcd")
+                .args(["--name", "example", "--log-level", "error"])
+                .arg("--data-dir")
+                .arg(&dir)
+                .args(["--listen-client-urls", &client])
+                .args(["--advertise-client-urls", &client])
+                .args(["--listen-peer-urls", &peer])
+                .args(["--initial-advertise-peer-urls", &peer])
+                .args(["--initial-cluster", &format!("example={peer}")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
+            let child = match spawned {
+                Ok(child) => child,
+                Err(error) if error.kind() == ErrorKind::NotFound => return None,
+                Err(error) => panic!("cannot start etcd: {error}"),
+            };
+            let mut etcd = EtcdProcess { port, child, dir };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !etcd.is_healthy() {
+                if let Ok(Some(status)) = etcd.child.try_wait() {
+                    panic!("etcd exited with {status}");
+                }
+                assert!(Instant::now() < deadline, "etcd did not start");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Some(etcd)
+        }
+
+        /// `GET /health` answers `"health":"true"` once the member has a leader.
+        fn is_healthy(&self) -> bool {
+            let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
+                return false;
+            };
+            let request = format!(
+                "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n",
+                self.port
+            );
+            let mut reply = String::new();
+            stream.write_all(request.as_bytes()).is_ok()
+                && stream.read_to_string(&mut reply).is_ok()
+                && reply.contains("\"health\":\"true\"")
+        }
+    }
+
+    impl Drop for EtcdProcess {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 }

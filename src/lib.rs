@@ -70,6 +70,9 @@
 //!   queue inside PostgreSQL; lost sessions are detected; optional fencing tokens).
 //! - `dynamodb`: `DynamoDbBackend`, the same through conditional writes on a DynamoDB
 //!   table (leases, renewal, fencing tokens, takeover timed on the local clock).
+//! - `etcd`: `EtcdBackend`, the same through etcd (a lease per holder, waiters queued
+//!   in arrival order across instances and woken by a watch, fencing tokens from the
+//!   cluster-wide revision).
 //! - `replay`: [`replay::ReplayLayer`], replaying the stored response of a completed
 //!   request to later requests with its key (in memory; in Redis or PostgreSQL with
 //!   `redis` / `postgres` too).
@@ -109,6 +112,9 @@ pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + 
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use backend::dynamodb::DynamoDbBackend;
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub use backend::etcd::EtcdBackend;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use backend::postgres::PostgresBackend;

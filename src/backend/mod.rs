@@ -4,8 +4,8 @@
 //! backend (two tiers: N local waiters on a hot key cost one remote contender, not N
 //! pollers). When the local winner finishes it releases the remote lock first and then
 //! the local one, so the next local waiter contends remotely in its turn. Between
-//! instances, fairness is what the backend gives: PostgreSQL queues waiters in arrival
-//! order; Redis wakes every waiter on a release and the fastest one wins.
+//! instances, fairness is what the backend gives: PostgreSQL and etcd queue waiters in
+//! arrival order; Redis wakes every waiter on a release and the fastest one wins.
 //!
 //! A backend implements [`LockBackend`]; the layer makes every acquisition cancel-safe:
 //! it runs the acquire in a task of its own, so a dropped request detaches it instead of
@@ -24,6 +24,9 @@ use crate::key::Key;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
+#[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
+pub mod etcd;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
@@ -31,7 +34,7 @@ pub mod postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 mod retry_later;
-#[cfg(any(feature = "redis", feature = "dynamodb"))]
+#[cfg(any(feature = "redis", feature = "dynamodb", feature = "etcd"))]
 mod ttl;
 
 pub use retry_later::RetryLater;

@@ -3,7 +3,12 @@
 //! a backend written outside the crate, as a user would write one.
 #![cfg(feature = "testkit")]
 #![cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
+    not(any(
+        feature = "redis",
+        feature = "postgres",
+        feature = "dynamodb",
+        feature = "etcd"
+    )),
     allow(dead_code)
 )]
 
@@ -84,6 +89,7 @@ conformance!(
     "postgres"
 );
 conformance!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+conformance!(etcd, crate::support::fixtures::Etcd, "etcd");
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -115,6 +121,7 @@ mod faults {
     faults!(redis, crate::support::fixtures::Redis, "redis");
     faults!(postgres, crate::support::fixtures::Postgres, "postgres");
     faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    faults!(etcd, crate::support::fixtures::Etcd, "etcd");
 }
 
 // ------------------------------------------------------------- through the layer
@@ -150,6 +157,7 @@ mod through_the_layer {
         "postgres"
     );
     through_the_layer!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    through_the_layer!(etcd, crate::support::fixtures::Etcd, "etcd");
 }
 
 /// Two instances of an axum app, each with its own backend, take 40 requests for one

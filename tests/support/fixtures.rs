@@ -13,6 +13,8 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use tower_keyed_lock::backend::BoxFuture;
+
+// Declared here rather than in every binary that includes this file.
 use tower_keyed_lock::{DistributedAcquire, DistributedLocks, Key, Lease, LockBackend, LockError};
 
 /// The name every instance gives its locks, so they share keys at the backend.
@@ -409,6 +411,81 @@ mod dynamodb {
             self.0.stop();
         }
 
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
+#[cfg(feature = "etcd")]
+#[allow(unused_imports)] // the conformance and etcd binaries use it
+pub use self::etcd::Etcd;
+
+#[cfg(feature = "etcd")]
+mod etcd {
+    use crate::support::etcd_server::EtcdCluster;
+    use super::ttl_lease::LEASE;
+    use super::*;
+    use tower_keyed_lock::EtcdBackend;
+
+    /// A 3-member etcd cluster: a lease per holder, waiters queued by create revision
+    /// and woken by a watch.
+    pub struct Etcd(pub EtcdCluster);
+
+    impl Fixture for Etcd {
+        fn start() -> Self {
+            Etcd(EtcdCluster::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+
+    impl Etcd {
+        /// A backend on `endpoints`, configured as every instance of the fixture.
+        pub async fn backend_on_endpoints(endpoints: Vec<String>) -> EtcdBackend {
+            backend_on(endpoints).await
+        }
+    }
+
+    async fn backend_on(endpoints: Vec<String>) -> EtcdBackend {
+        EtcdBackend::builder(endpoints)
+            .lease(LEASE)
+            .command_timeout(COMMAND_TIMEOUT)
+            .build()
+            .await
+            .expect("the backend connects to etcd")
+    }
+
+    impl Proxied for Etcd {
+        /// The first member: the proxy stands in front of one member of three.
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.client_port(0)))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            Arc::new(backend_on(vec![format!("http://{host_port}")]).await)
+        }
+
+        fn network_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
+    impl Remote for Etcd {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            Arc::new(backend_on(self.0.endpoints()).await)
+        }
+
+        fn kill(&mut self) {
+            self.0.kill_all();
+        }
+
+        /// The lease: the test cluster's shortest is 900 ms, so 1 s is granted as
+        /// asked.
         fn loss_bound(&self) -> Duration {
             LEASE
         }

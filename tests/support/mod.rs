@@ -27,6 +27,8 @@ use tokio::net::{TcpListener, TcpStream};
 
 #[cfg(feature = "dynamodb")]
 pub mod dynamo_server;
+#[cfg(feature = "etcd")]
+pub mod etcd_server;
 #[macro_use]
 pub mod fixtures;
 pub mod logs;

@@ -1,0 +1,623 @@
+//! etcd's steps of the TTL-lease engine: the queue (a contender's key under the lock's
+//! prefix, attached to its own etcd lease), the wait on the predecessor's deletion,
+//! keep-alive as renewal and lease revocation as give-back. The life cycle around them
+//! (validity deadline, renewal every lease/3, background give-back, the in-flight
+//! guard) is the engine's (`backend::ttl`).
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use etcd_client::{
+    Client, EventType, GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
+    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
+};
+use tokio::sync::Mutex as AsyncMutex;
+use tokio::task::AbortHandle;
+use tokio::time::{sleep, sleep_until, timeout_at, Instant};
+use tonic::Code;
+
+use super::keys::LockKeys;
+use super::Inner;
+use crate::backend::ttl::{self, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend};
+use crate::backend::Lease;
+use crate::LockError;
+
+/// The pause before a watch that failed (a broken stream, a cancelled watch) is set up
+/// again, so a failing member is not hammered; the wait's deadline still bounds it.
+const REWATCH_PAUSE: Duration = Duration::from_millis(50);
+
+/// The pauses before a request refused as unavailable is sent again.
+const UNAVAILABLE_PAUSE_MIN: Duration = Duration::from_millis(5);
+const UNAVAILABLE_PAUSE_MAX: Duration = Duration::from_millis(100);
+
+/// One contender: its etcd lease, the key attached to it, the keep-alive stream and
+/// the watch on its own key.
+pub(super) struct Contender {
+    pub(super) lease: i64,
+    pub(super) key: String,
+    /// One keep-alive stream for the contender's life: a renewal is one message each
+    /// way. Locked by the one renewal in progress; `None` until the first renewal and
+    /// after a failed one (a late answer on a stream dropped is never counted for a
+    /// later send).
+    keeper: AsyncMutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
+    /// Set when the watch on the holder's own key sees it deleted (by hand, or the
+    /// lease ran out): the next renewal says "not ours".
+    deleted: AtomicBool,
+    /// The task watching the holder's own key; stops with the contender.
+    watch: Mutex<Option<AbortHandle>>,
+}
+
+impl Contender {
+    fn new(lease: i64, key: String) -> Self {
+        Self {
+            lease,
+            key,
+            keeper: AsyncMutex::new(None),
+            deleted: AtomicBool::new(false),
+            watch: Mutex::new(None),
+        }
+    }
+}
+
+impl fmt::Debug for Contender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Contender")
+            .field("lease", &self.lease)
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Contender {
+    fn drop(&mut self) {
+        let watch = self.watch.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Some(watch) = watch.take() {
+            watch.abort();
+        }
+    }
+}
+
+/// Why an acquisition failed at etcd (inside [`LockError::Backend`]).
+#[derive(Debug)]
+pub enum EtcdLockError {
+    /// etcd did not answer a step within the command timeout.
+    TimedOut(&'static str),
+    /// The waiter's own lease ran out while it queued (its keep-alives did not get
+    /// through): its place in the queue is gone.
+    LeaseLostWhileQueued,
+    /// An answer that the lock recipe cannot use.
+    Unexpected(&'static str),
+}
+
+impl fmt::Display for EtcdLockError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EtcdLockError::TimedOut(step) => {
+                write!(f, "etcd did not answer within the command timeout ({step})")
+            }
+            EtcdLockError::LeaseLostWhileQueued => {
+                f.write_str("the waiter's etcd lease ran out while it queued")
+            }
+            EtcdLockError::Unexpected(what) => write!(f, "unexpected etcd answer: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for EtcdLockError {}
+
+fn backend(error: impl std::error::Error + Send + Sync + 'static) -> LockError {
+    LockError::Backend(Box::new(error))
+}
+
+/// What one look at the queue found.
+enum Queue {
+    /// No older contender: the lock is ours.
+    First,
+    /// The newest older contender's key, and the revision the look was made at.
+    Behind { predecessor: Vec<u8>, revision: i64 },
+}
+
+impl Inner {
+    pub(super) async fn acquire(
+        self: Arc<Self>,
+        keys: LockKeys,
+        wait: Duration,
+    ) -> Result<Lease, LockError> {
+        let deadline = ttl::deadline_after(wait);
+        let command_timeout = self.config.command_timeout;
+
+        // 1. A lease of this contender's own. A grant whose answer never comes leaves a
+        // lease with no key attached, which expires by itself.
+        let granted_at = Instant::now();
+        let grant = step(granted_at + command_timeout, || {
+            let mut leases = self.client.lease_client();
+            let ttl = self.ttl;
+            async move { leases.grant(ttl, None).await }
+        })
+        .await
+        .map_err(|failure| failure.into_error("granting a lease"))?;
+        if grant.ttl() <= 0 {
+            return Err(backend(EtcdLockError::Unexpected(
+                "a lease granted without TTL",
+            )));
+        }
+        let contender = Arc::new(Contender::new(grant.id(), keys.contender(grant.id())));
+        // From here on, dropping the guard (an error, the wait over, the future
+        // dropped) revokes the lease, which deletes the contender's key with it.
+        let mut in_flight = InFlight::new(self.clone(), contender.clone(), String::new());
+        in_flight.sent(granted_at);
+        // Invariant: the lease lives at etcd at least until `confirmed + lease` (the
+        // send time of its grant, or of its last keep-alive that was answered; a
+        // retried step counts from its first send, earlier).
+        let mut confirmed = granted_at;
+
+        // 2. Join the queue: the key, attached to the lease, and in the same
+        // transaction the oldest contender and the key itself. The key's create
+        // revision is its place in the queue and the fencing token. A retried
+        // transaction puts the same key again: its create revision stays.
+        let answer = step(Instant::now() + command_timeout, || {
+            let mut kv = self.client.kv_client();
+            let queued = Txn::new().and_then([
+                TxnOp::put(
+                    contender.key.as_bytes(),
+                    "",
+                    Some(PutOptions::new().with_lease(contender.lease)),
+                ),
+                TxnOp::get(keys.queue.as_bytes(), Some(oldest())),
+                TxnOp::get(
+                    contender.key.as_bytes(),
+                    Some(GetOptions::new().with_keys_only()),
+                ),
+            ]);
+            async move { kv.txn(queued).await }
+        })
+        .await
+        .map_err(|failure| failure.into_error("joining the queue"))?;
+        let (_, place) = first_key(&answer, 2)
+            .ok_or_else(|| backend(EtcdLockError::Unexpected("the key just put is not there")))?;
+        let oldest = first_key(&answer, 1).map(|(key, _)| key);
+        let mut queue = if oldest.as_deref() == Some(contender.key.as_bytes()) {
+            Queue::First
+        } else {
+            Queue::Behind {
+                predecessor: Vec::new(),
+                revision: 0,
+            }
+        };
+
+        // 3. Wait for every older contender to leave: watch the newest older one's
+        // key, look again when it is deleted (or the backstop poll fires), keep this
+        // waiter's lease alive meanwhile, and stop at the deadline.
+        let period = self.config.lease / 3;
+        let mut next_keep_alive = confirmed + period;
+        loop {
+            if let Queue::Behind { .. } = queue {
+                if Instant::now() >= deadline {
+                    return Err(LockError::Timeout);
+                }
+                let limit = (Instant::now() + command_timeout).min(deadline);
+                queue = match self.look(&keys, &contender, place, limit).await {
+                    Ok(found) => found,
+                    Err(Failure::Gone) => return Err(backend(EtcdLockError::LeaseLostWhileQueued)),
+                    Err(Failure::TimedOut) if limit == deadline => return Err(LockError::Timeout),
+                    Err(Failure::TimedOut) => {
+                        return Err(backend(EtcdLockError::TimedOut("reading the queue")))
+                    }
+                    Err(Failure::Etcd(error)) => return Err(backend(error)),
+                };
+            }
+            let (predecessor, revision) = match &queue {
+                Queue::First => {
+                    if Instant::now() >= self.valid_until(confirmed) {
+                        // The place was ours, but too late to count on the lease.
+                        return Err(backend(EtcdLockError::LeaseLostWhileQueued));
+                    }
+                    in_flight.granted();
+                    self.watch_own_key(&contender, place);
+                    let fence = u64::try_from(place).ok();
+                    return Ok(ttl::grant(
+                        &self,
+                        contender,
+                        String::new(),
+                        fence,
+                        confirmed,
+                    ));
+                }
+                Queue::Behind {
+                    predecessor,
+                    revision,
+                } => (predecessor.clone(), *revision),
+            };
+
+            // Events after the look: the predecessor's deletion cannot slip between.
+            let options = WatchOptions::new()
+                .with_start_revision(revision + 1)
+                .with_filters([WatchFilterType::NoPut]);
+            let watch_limit = (Instant::now() + command_timeout).min(deadline);
+            let watch = step(watch_limit, || {
+                let mut watches = self.client.watch_client();
+                let (predecessor, options) = (predecessor.clone(), options.clone());
+                async move { watches.watch(predecessor, Some(options)).await }
+            });
+            let mut stream = match watch.await {
+                Ok(stream) => Some(stream),
+                // The backstop poll below looks again; the keep-alive goes on.
+                Err(_) => {
+                    tracing::debug!("etcd watch failed; polling");
+                    None
+                }
+            };
+            let backstop = Instant::now() + jitter(self.config.poll_interval);
+            loop {
+                let message = async {
+                    match stream.as_mut() {
+                        Some(stream) => stream.message().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    () = sleep_until(deadline) => return Err(LockError::Timeout),
+                    () = sleep_until(next_keep_alive) => {
+                        let sent = Instant::now();
+                        let limit = (sent + command_timeout).min(self.valid_until(confirmed));
+                        match self.keep_alive(&contender, limit).await {
+                            Renewal::Renewed => {
+                                confirmed = sent;
+                                in_flight.sent(sent);
+                                next_keep_alive = sent + period;
+                            }
+                            Renewal::NotOurs => {
+                                return Err(backend(EtcdLockError::LeaseLostWhileQueued))
+                            }
+                            Renewal::Unknown => {
+                                if Instant::now() >= self.valid_until(confirmed) {
+                                    return Err(backend(EtcdLockError::LeaseLostWhileQueued));
+                                }
+                                next_keep_alive = Instant::now() + period / 4;
+                            }
+                        }
+                    }
+                    () = sleep_until(backstop) => break,
+                    message = message => match message {
+                        Ok(Some(response)) => {
+                            let deleted = response
+                                .events()
+                                .iter()
+                                .any(|event| event.event_type() == EventType::Delete);
+                            if deleted || response.canceled() {
+                                break;
+                            }
+                        }
+                        // The stream ended or broke: look again after a pause.
+                        Ok(None) | Err(_) => {
+                            sleep(REWATCH_PAUSE.min(deadline.saturating_duration_since(Instant::now()))).await;
+                            break;
+                        }
+                    },
+                }
+            }
+        }
+    }
+
+    /// Until when a lease whose grant or last keep-alive was sent at `sent` is
+    /// ours, modulo drift: the engine's rule, for the waiting contender.
+    fn valid_until(&self, sent: Instant) -> Instant {
+        self.timing().valid_until(sent, self.config.lease)
+    }
+
+    /// Looks at the queue: whether the contender is still in it, and the newest
+    /// contender older than it (created before `place`).
+    async fn look(
+        &self,
+        keys: &LockKeys,
+        contender: &Contender,
+        place: i64,
+        limit: Instant,
+    ) -> Result<Queue, Failure> {
+        let older = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Create, SortOrder::Descend)
+            .with_max_create_revision(place - 1)
+            .with_limit(1)
+            .with_keys_only();
+        let look = Txn::new().and_then([
+            TxnOp::get(keys.queue.as_bytes(), Some(older)),
+            TxnOp::get(
+                contender.key.as_bytes(),
+                Some(GetOptions::new().with_keys_only()),
+            ),
+        ]);
+        let answer = step(limit, || {
+            let mut kv = self.client.kv_client();
+            let look = look.clone();
+            async move { kv.txn(look).await }
+        })
+        .await?;
+        if first_key(&answer, 1).is_none() {
+            return Err(Failure::Gone);
+        }
+        let revision = answer
+            .header()
+            .map(|header| header.revision())
+            .ok_or(Failure::TimedOut)?;
+        Ok(match first_key(&answer, 0) {
+            None => Queue::First,
+            Some((predecessor, _)) => Queue::Behind {
+                predecessor,
+                revision,
+            },
+        })
+    }
+
+    /// Keeps the contender's lease alive: one message each way on its keep-alive
+    /// stream (opened by the first renewal). "Not ours" when etcd answers that the
+    /// lease is gone, or the watch on the holder's key saw it deleted.
+    async fn keep_alive(&self, contender: &Contender, limit: Instant) -> Renewal {
+        if contender.deleted.load(SeqCst) {
+            return Renewal::NotOurs;
+        }
+        let mut slot = contender.keeper.lock().await;
+        let leases = self.client.lease_client();
+        let answer = timeout_at(limit, renew_on(&mut slot, leases, contender.lease)).await;
+        let renewal = match answer {
+            Ok(Ok(true)) => Renewal::Renewed,
+            Ok(Ok(false)) => Renewal::NotOurs,
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(message)))
+                if message.contains("lease not found") =>
+            {
+                Renewal::NotOurs
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "etcd lease keep-alive failed");
+                Renewal::Unknown
+            }
+            Err(_) => Renewal::Unknown,
+        };
+        if !matches!(renewal, Renewal::Renewed) {
+            // A late answer on this stream must not count for a later send.
+            *slot = None;
+        }
+        if contender.deleted.load(SeqCst) {
+            return Renewal::NotOurs;
+        }
+        renewal
+    }
+
+    /// Watches the holder's own key from its creation on, and marks the contender
+    /// when it is deleted: the next renewal then says the lease is not ours.
+    fn watch_own_key(&self, contender: &Arc<Contender>, place: i64) {
+        let task = tokio::spawn(watch_key(
+            self.client.clone(),
+            Arc::downgrade(contender),
+            contender.key.clone(),
+            place,
+            self.config.command_timeout,
+        ));
+        let mut watch = contender
+            .watch
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        *watch = Some(task.abort_handle());
+    }
+
+    /// Revokes the contender's lease (its key goes with it); one try.
+    async fn revoke(&self, contender: &Contender) -> GiveBack {
+        let mut leases = self.client.lease_client();
+        let limit = Instant::now() + self.config.command_timeout;
+        match timeout_at(limit, leases.revoke(contender.lease)).await {
+            Ok(Ok(_)) => GiveBack::Cleared,
+            Ok(Err(etcd_client::Error::GRpcStatus(status))) if status.code() == Code::NotFound => {
+                GiveBack::NotOurs
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "etcd lease revoke failed");
+                GiveBack::NoAnswer
+            }
+            Err(_) => {
+                tracing::debug!("etcd lease revoke timed out");
+                GiveBack::NoAnswer
+            }
+        }
+    }
+}
+
+/// Why a step failed.
+enum Failure {
+    /// The contender's key is gone: its lease expired.
+    Gone,
+    TimedOut,
+    Etcd(etcd_client::Error),
+}
+
+impl Failure {
+    /// The error of an acquisition whose step `what` failed (before its deadline).
+    fn into_error(self, what: &'static str) -> LockError {
+        match self {
+            Failure::Gone => backend(EtcdLockError::LeaseLostWhileQueued),
+            Failure::TimedOut => backend(EtcdLockError::TimedOut(what)),
+            Failure::Etcd(error) => backend(error),
+        }
+    }
+}
+
+/// Range options for the oldest contender of a queue.
+fn oldest() -> GetOptions {
+    GetOptions::new()
+        .with_prefix()
+        .with_sort(SortTarget::Create, SortOrder::Ascend)
+        .with_limit(1)
+        .with_keys_only()
+}
+
+/// The first key of the range read by operation `index` of a transaction, with its
+/// create revision.
+fn first_key(answer: &TxnResponse, index: usize) -> Option<(Vec<u8>, i64)> {
+    match answer.op_responses().into_iter().nth(index)? {
+        TxnOpResponse::Get(found) => found
+            .kvs()
+            .first()
+            .map(|kv| (kv.key().to_vec(), kv.create_revision())),
+        _ => None,
+    }
+}
+
+/// Whether etcd refused a request as unavailable (no connection to that member, no
+/// leader): sent again, it may reach a member that serves.
+fn unavailable(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::GRpcStatus(status) if status.code() == Code::Unavailable)
+}
+
+/// Runs one request until it is answered, or `limit` passes; a request refused as
+/// unavailable is sent again after a short jittered pause (the client's balancer then
+/// picks another member). Every step is safe to repeat: a lease granted twice leaves
+/// one without a key, which expires; the queue's put writes the same key again.
+async fn step<T, Fut>(limit: Instant, mut request: impl FnMut() -> Fut) -> Result<T, Failure>
+where
+    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+{
+    let mut backoff = Backoff::new(UNAVAILABLE_PAUSE_MIN, UNAVAILABLE_PAUSE_MAX);
+    loop {
+        match timeout_at(limit, request()).await {
+            Err(_) => return Err(Failure::TimedOut),
+            Ok(Ok(answer)) => return Ok(answer),
+            Ok(Err(error)) if unavailable(&error) => {
+                let pause = backoff.pause();
+                if Instant::now() + pause >= limit {
+                    return Err(Failure::Etcd(error));
+                }
+                sleep(pause).await;
+            }
+            Ok(Err(error)) => return Err(Failure::Etcd(error)),
+        }
+    }
+}
+
+/// One keep-alive on the stream in `slot` (opened if there is none): whether the
+/// lease is still alive at etcd.
+async fn renew_on(
+    slot: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+    mut leases: LeaseClient,
+    lease: i64,
+) -> Result<bool, etcd_client::Error> {
+    if let Some((keeper, stream)) = slot.as_mut() {
+        keeper.keep_alive().await?;
+        return match stream.message().await? {
+            Some(answer) => Ok(answer.ttl() > 0),
+            None => Err(etcd_client::Error::LeaseKeepAliveError(
+                "keep-alive stream ended".to_owned(),
+            )),
+        };
+    }
+    // Opening the stream sends the first keep-alive and reads its answer; it fails
+    // with "lease not found" if the lease is gone.
+    *slot = Some(leases.keep_alive(lease).await?);
+    Ok(true)
+}
+
+/// Watches `key` for its deletion from revision `from` on, and marks the contender
+/// when it happens. Ends then, or with the contender.
+async fn watch_key(
+    client: Client,
+    contender: Weak<Contender>,
+    key: String,
+    mut from: i64,
+    command_timeout: Duration,
+) {
+    let mut backoff = Backoff::new(REWATCH_PAUSE, command_timeout.max(REWATCH_PAUSE));
+    loop {
+        let mut watches = client.watch_client();
+        let options = WatchOptions::new()
+            .with_start_revision(from + 1)
+            .with_filters([WatchFilterType::NoPut]);
+        if let Ok(Ok(mut stream)) = tokio::time::timeout(
+            command_timeout,
+            watches.watch(key.as_bytes(), Some(options)),
+        )
+        .await
+        {
+            while let Ok(Some(answer)) = stream.message().await {
+                if answer
+                    .events()
+                    .iter()
+                    .any(|event| event.event_type() == EventType::Delete)
+                {
+                    if let Some(contender) = contender.upgrade() {
+                        contender.deleted.store(true, SeqCst);
+                    }
+                    return;
+                }
+                if answer.canceled() {
+                    // Compacted past `from`: look at the key itself, then watch on.
+                    break;
+                }
+                if let Some(header) = answer.header() {
+                    from = from.max(header.revision());
+                }
+            }
+        }
+        // The stream broke (or was cancelled): the key may have gone meanwhile.
+        let mut kv = client.kv_client();
+        let look = kv.get(key.as_bytes(), Some(GetOptions::new().with_keys_only()));
+        if let Ok(Ok(found)) = tokio::time::timeout(command_timeout, look).await {
+            if found.kvs().is_empty() {
+                if let Some(contender) = contender.upgrade() {
+                    contender.deleted.store(true, SeqCst);
+                }
+                return;
+            }
+            if let Some(header) = found.header() {
+                from = from.max(header.revision());
+            }
+        }
+        sleep(backoff.pause()).await;
+    }
+}
+
+impl TtlBackend for Inner {
+    type Target = Arc<Contender>;
+
+    fn timing(&self) -> Timing {
+        Timing {
+            lease: self.config.lease,
+            drift: self.drift,
+            command_timeout: self.config.command_timeout,
+            renewal: true,
+            max_hold: None,
+        }
+    }
+
+    /// A keep-alive, whatever `ttl` says: etcd renews a lease to the TTL it was
+    /// granted with, which is at least the configured lease.
+    async fn renew(
+        &self,
+        contender: &Arc<Contender>,
+        _token: &str,
+        _ttl: Duration,
+        _sent: Instant,
+        limit: Instant,
+    ) -> Renewal {
+        self.keep_alive(contender, limit).await
+    }
+
+    async fn try_give_back(&self, contender: &Arc<Contender>, _token: &str) -> GiveBack {
+        self.revoke(contender).await
+    }
+
+    fn engine(&self) -> &'static str {
+        "etcd"
+    }
+
+    /// From the last keep-alive on, the lease (and the key) live one lease at most.
+    fn give_back_until(&self, sent_at: Instant) -> Instant {
+        sent_at + self.config.lease
+    }
+
+    /// At once: etcd refuses to attach a key to a revoked or expired lease, so once
+    /// the lease is found gone, nothing of this contender can come back.
+    fn settles_at(&self, sent_at: Instant) -> Instant {
+        sent_at
+    }
+}

@@ -1,0 +1,534 @@
+//! etcd backend: serializes a key across every instance that shares an etcd cluster,
+//! with a lease per holder, waiters queued in arrival order across instances, and the
+//! cluster-wide revision as fencing token.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tower_keyed_lock::backend::etcd::{EtcdBackend, SetupError};
+//! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
+//!
+//! # async fn run() -> Result<(), SetupError> {
+//! let endpoints = ["http://etcd-0:2379", "http://etcd-1:2379", "http://etcd-2:2379"];
+//! let backend = EtcdBackend::builder(endpoints)
+//!     .lease(Duration::from_secs(10))
+//!     .build()
+//!     .await?;
+//! // Requests with one idempotency key run one at a time, across every instance…
+//! let layer = KeyedLockLayer::by_header("idempotency-key")
+//!     .name("orders")
+//!     .wait_timeout(Duration::from_secs(2))
+//!     .backend(backend.clone());
+//! // …and so do jobs, outside HTTP.
+//! let jobs = DistributedLocks::builder("jobs").backend(backend).build();
+//! if let Ok(guard) = jobs.try_lock("nightly-report").await {
+//!     // Only this instance runs it; `guard.fencing_token()` orders its writes.
+//!     guard.release().await;
+//! }
+//! # let _ = layer;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The client is [`etcd_client`] (gRPC over tonic, the v3 API with leases, watches,
+//! transactions and the lock service): its build compiles etcd's protobuf files with
+//! `protoc` (Debian and Ubuntu: `apt-get install protobuf-compiler`; elsewhere set
+//! `PROTOC`).
+//!
+//! # etcd keys
+//!
+//! A layer named `name` locks request key `key` with a queue of etcd keys under
+//!
+//! ```text
+//! <prefix><name>/<key>/                      the lock's queue (a key range)
+//! <prefix><name>/<key>/<lease id, 16 hex>    one contender (holder or waiter), attached
+//!                                            to its own etcd lease, empty value
+//! ```
+//!
+//! `name` and `key` are each written with every byte outside ASCII letters, digits and
+//! `- _ . ~ : @ + = ,` escaped as `%XX` (so `/`, `%`, `#`, spaces and non-ASCII never
+//! appear raw); when the escaped form is empty or longer than 128 bytes, it is `#`
+//! followed by the lowercase hex SHA-256 of the UTF-8 bytes instead (stable across
+//! builds and machines). Neither form holds a `/`, and an escaped form never starts
+//! with `#`: distinct (name, key) pairs under one prefix never share a queue, nor is
+//! one queue a prefix of another. The prefix (default [`DEFAULT_PREFIX`],
+//! `"keyed-lock/"`) gets a trailing `/` if it has none; applications that share a
+//! cluster keep apart by prefixes neither of which starts with the other.
+//! [`EtcdBackend::queue_prefix`] computes a queue's prefix.
+//!
+//! # How a key is held
+//!
+//! This is etcd's own lock recipe (`clientv3/concurrency.Mutex`), with its timing
+//! made explicit:
+//!
+//! - **Lease.** Each acquisition grants an etcd lease of its own
+//!   ([`lease`](EtcdBackendBuilder::lease), rounded up to whole seconds, as etcd counts
+//!   them; etcd may grant a longer one, never a shorter).
+//! - **Queue.** One transaction puts the contender's key, attached to that lease, and
+//!   reads the oldest key of the queue. The key's create revision is its place in the
+//!   queue: etcd's revision is one counter for the whole cluster, raised by every
+//!   write, so places are unique and ordered by arrival at the Raft leader. If the
+//!   oldest key is the contender's own, the lock is granted.
+//! - **Wait.** Otherwise the waiter watches the newest key older than its own (its
+//!   predecessor only: one release wakes one waiter, no herd), from the revision of the
+//!   look on, so a deletion in between is not missed. When it is deleted (released,
+//!   revoked, expired, or the predecessor gave up) the waiter looks again, and holds the
+//!   lock once no older key is left. Keys pass in FIFO order across instances. A watch
+//!   that breaks, and a jittered [`poll_interval`](EtcdBackendBuilder::poll_interval),
+//!   make the waiter look again too: a lost watch only costs latency. Only the request's
+//!   wait bounds the waiting, never a number of attempts; at its end the waiter's lease
+//!   is revoked, which removes its key from the queue.
+//! - **Fencing token.** The holder key's create revision
+//!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): strictly
+//!   increasing from holder to holder, since holders are granted in queue order.
+//! - **Validity.** The lease counts as valid until *send time of the grant, or of the
+//!   last keep-alive that was answered, + lease − drift margin*, on the monotonic clock.
+//!   At that instant it is declared lost (even if etcd never answers again), as it is
+//!   at the first answer saying the lease is gone or the key is not there; the handler
+//!   sees it through [`LockInfo::lease`](crate::LockInfo::lease). etcd counts the
+//!   lease from when the leader received the same request, later, and with a TTL at
+//!   least as long: the holder gives up first, modulo clock drift.
+//! - **Renewal.** From the grant on (waiters too, so a long wait keeps its place), a
+//!   keep-alive every lease/3 on one keep-alive stream kept open for the lease (one
+//!   message each way; a stream that failed or timed out is dropped and a new one
+//!   opened, so a late answer never counts for a later send). A holder also watches
+//!   its own key: a deletion by hand marks it, and the next renewal declares the lease
+//!   lost. Renewal stops when the lease is released, dropped or lost.
+//! - **Release.** The lease is revoked, which deletes the key with it: the next waiter's
+//!   watch fires. If etcd cannot be reached within the command timeout, the revocation
+//!   is retried in the background until the lease would have expired anyway.
+//! - **Cancel safety.** From the moment the lease is granted, a guard revokes it if the
+//!   acquisition ends without handing it over (an error, the wait over, the acquire
+//!   future dropped at any await). A grant whose answer never came leaves a lease with no
+//!   key attached, which expires by itself and blocks nobody.
+//!
+//! Every request is bounded by [`command_timeout`](EtcdBackendBuilder::command_timeout):
+//! when etcd is down or silent, acquisitions fail with [`LockError::Backend`] promptly
+//! and the layer answers 503 (or runs the request under its local lock with
+//! [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//!
+//! # Timing rules
+//!
+//! | what | when |
+//! |---|---|
+//! | keep-alive (holders and waiters) | every lease/3 after the last answered one; retried every lease/12 while unanswered |
+//! | a holder counts its lease lost | send time of the last answered grant or keep-alive + lease − drift margin (default 1% of the lease + 2 ms), or at the first "lease not found" / its key seen deleted |
+//! | etcd frees a stopped holder's key | one granted TTL after the leader last heard of it; a new leader adds up to an election timeout |
+//! | one request (grant, transaction, read, keep-alive, revoke) | at most the command timeout (default 1 s) |
+//! | a waiter looks again without a watch event | after a jittered poll interval (default 1 s) |
+//!
+//! # Failures of the cluster
+//!
+//! Grants, writes and linearizable reads need a quorum (a majority of members and a
+//! leader). When the leader dies, a new one is elected within about an election
+//! timeout; the new leader extends every lease by that long, so no key expires for
+//! want of a leader, and the holders' keep-alives get through again once it is elected.
+//! A holder cut off from the quorum (a partitioned member, a majority down) cannot
+//! renew; it is told at its local deadline, before etcd (whose TTL counts later) frees
+//! its key. A member restarted rejoins with its data; the client sends requests to the
+//! members that answer.
+//!
+//! # What this backend does not guarantee
+//!
+//! - **Clock rate.** Validity is a duration measured on two clocks (this process's and
+//!   the etcd leader's); the drift margin must cover how much faster this clock can run
+//!   than the leader's over one lease. Wall clocks are never compared.
+//! - **A stalled holder.** A holder whose process pauses past its lease loses the key
+//!   to the next waiter; it learns it from [`LeaseSignal::is_lost`](crate::LeaseSignal::is_lost)
+//!   at its next look (by the clock alone), not before. Use the fencing token where a
+//!   late write must be refused.
+//! - **Restores and data loss.** Fencing tokens are etcd revisions. A cluster restored
+//!   from a snapshot (`etcdctl snapshot restore`), or one that lost acknowledged writes
+//!   (every member restarted after running with unsafe no-fsync settings), starts again
+//!   from an older revision and can issue tokens issued before. Restoring also brings
+//!   back the contender keys of that moment, whose leases are gone: they are deleted
+//!   when etcd expires those leases.
+//! - **Keys deleted by hand.** An operator's `etcdctl del` of a holder's key grants the
+//!   lock to the next waiter at once; the holder learns it at its next renewal, up to
+//!   lease/3 later. Keep the prefix away from other writers (etcd's role-based access
+//!   control can).
+//! - **Shared holders and permits.** The reader/writer and n-permit recipes fit this
+//!   queue (a reader waits only for older writers; a permit holder for the n-th older
+//!   key), but are not built yet: one holder per key.
+//!
+//! # Unsafe setups refused
+//!
+//! [`build`](EtcdBackendBuilder::build) connects to every endpoint and refuses, with a
+//! [`SetupError::Unsafe`] that names the problem:
+//!
+//! - endpoints that belong to different etcd clusters (two cluster ids): each cluster
+//!   would grant the same key;
+//! - a drift margin of half the lease or more (no validity would be left).
+//!
+//! etcd decides the rest itself: the quorum, linearizable reads (this backend never
+//! asks for serializable ones), and a shortest lease (a longer TTL than asked only
+//! delays the takeover of a crashed holder's key, never the holder's own deadline).
+
+// One concern per file: `keys` names the etcd keys, `lease` queues, waits, renews and
+// gives back (etcd's steps of the `backend::ttl` engine). This file has the public
+// types and their configuration.
+mod keys;
+mod lease;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions};
+use tokio::time::timeout;
+
+use self::keys::{with_slash, LockKeys};
+use super::{ttl, BoxFuture, Lease, LockBackend};
+use crate::key::Key;
+use crate::locks::LockError;
+
+pub use self::lease::EtcdLockError;
+
+/// The default [`EtcdBackendBuilder::lease`].
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The default [`EtcdBackendBuilder::command_timeout`].
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
+/// The default [`EtcdBackendBuilder::poll_interval`].
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// The default [`EtcdBackendBuilder::prefix`].
+pub const DEFAULT_PREFIX: &str = "keyed-lock/";
+/// The shortest lease accepted: etcd counts leases in whole seconds.
+pub const MIN_LEASE: Duration = Duration::from_secs(1);
+
+/// A [`LockBackend`] on an etcd cluster (v3 API, etcd 3.4 or newer): one client,
+/// shared by every clone. See the [module docs](self).
+///
+/// ```no_run
+/// use tower_keyed_lock::backend::etcd::EtcdBackend;
+/// use tower_keyed_lock::KeyedLockLayer;
+///
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::etcd::SetupError> {
+/// let backend = EtcdBackend::connect(["http://127.0.0.1:2379"]).await?;
+/// let layer = KeyedLockLayer::by_header("idempotency-key")
+///     .name("deliveries")
+///     .backend(backend);
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct EtcdBackend {
+    inner: Arc<Inner>,
+}
+
+/// Configures an [`EtcdBackend`]; made by [`EtcdBackend::builder`].
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_keyed_lock::backend::etcd::EtcdBackend;
+///
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::etcd::SetupError> {
+/// let backend = EtcdBackend::builder(["http://127.0.0.1:2379"])
+///     .lease(Duration::from_secs(10))
+///     .command_timeout(Duration::from_millis(500))
+///     .prefix("billing/locks/")
+///     .build()
+///     .await?;
+/// # let _ = backend;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct EtcdBackendBuilder {
+    endpoints: Vec<String>,
+    options: ConnectOptions,
+    config: Config,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    lease: Duration,
+    drift: Option<Duration>,
+    command_timeout: Duration,
+    poll_interval: Duration,
+    prefix: String,
+}
+
+/// What every clone of a backend shares.
+struct Inner {
+    client: Client,
+    config: Config,
+    drift: Duration,
+    /// The TTL asked of etcd, in whole seconds.
+    ttl: i64,
+}
+
+/// Why [`EtcdBackendBuilder::build`] failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// No endpoint could be reached, or the client could not be built.
+    Connect(etcd_client::Error),
+    /// No endpoint answered within the command timeout.
+    TimedOut,
+    /// A setup that breaks a guarantee of the lock, named.
+    Unsafe(String),
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupError::Connect(error) => write!(f, "cannot connect to etcd: {error}"),
+            SetupError::TimedOut => f.write_str("no etcd endpoint answered in time"),
+            SetupError::Unsafe(why) => write!(f, "unsafe etcd lock setup refused: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for SetupError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SetupError::Connect(error) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl Config {
+    fn drift(&self) -> Duration {
+        self.drift.unwrap_or_else(|| ttl::default_drift(self.lease))
+    }
+}
+
+impl EtcdBackend {
+    /// A builder for a backend on the cluster at `endpoints` (`http://host:port`;
+    /// several members' URLs let the client go on when one is down).
+    pub fn builder<E: Into<String>>(endpoints: impl IntoIterator<Item = E>) -> EtcdBackendBuilder {
+        EtcdBackendBuilder {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            options: ConnectOptions::new(),
+            config: Config {
+                lease: DEFAULT_LEASE,
+                drift: None,
+                command_timeout: DEFAULT_COMMAND_TIMEOUT,
+                poll_interval: DEFAULT_POLL_INTERVAL,
+                prefix: DEFAULT_PREFIX.to_owned(),
+            },
+        }
+    }
+
+    /// A backend with the defaults, on the cluster at `endpoints`.
+    pub async fn connect<E: Into<String>>(
+        endpoints: impl IntoIterator<Item = E>,
+    ) -> Result<Self, SetupError> {
+        Self::builder(endpoints).build().await
+    }
+
+    /// The prefix of the queue of `key` for the layer called `name` (see
+    /// [etcd keys](self#etcd-keys)): every contender's key is this and a lease id.
+    ///
+    /// ```no_run
+    /// # use tower_keyed_lock::backend::etcd::EtcdBackend;
+    /// # async fn run() -> Result<(), tower_keyed_lock::backend::etcd::SetupError> {
+    /// # let backend = EtcdBackend::connect(["http://127.0.0.1:2379"]).await?;
+    /// assert_eq!(backend.queue_prefix("orders", "42"), "keyed-lock/orders/42/");
+    /// assert_eq!(backend.queue_prefix("orders", "a/b"), "keyed-lock/orders/a%2Fb/");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn queue_prefix(&self, name: &str, key: &str) -> String {
+        LockKeys::new(&self.inner.config.prefix, name, key).queue
+    }
+
+    /// The client the backend uses (cheap to clone), for the application's own calls.
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+}
+
+impl fmt::Debug for EtcdBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBackend")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for EtcdBackendBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBackendBuilder")
+            .field("endpoints", &self.endpoints)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdBackendBuilder {
+    /// How long a holder's etcd lease lasts without a keep-alive (default
+    /// [`DEFAULT_LEASE`], 30 s; rounded up to whole seconds for etcd). It bounds how
+    /// long a crashed instance keeps a key; a live holder keeps it as long as it runs.
+    ///
+    /// # Panics
+    /// If `lease` is shorter than [`MIN_LEASE`] (1 s).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        assert!(
+            lease >= MIN_LEASE,
+            "EtcdBackend lease must be at least {MIN_LEASE:?}"
+        );
+        self.config.lease = lease;
+        self
+    }
+
+    /// What is taken off every validity period for clock drift between this process
+    /// and the etcd leader (default 1% of the lease + 2 ms): a lease counts as valid
+    /// until send time + lease − drift margin. Half the lease or more is refused by
+    /// [`build`](Self::build).
+    pub fn drift_margin(mut self, margin: Duration) -> Self {
+        self.config.drift = Some(margin);
+        self
+    }
+
+    /// The longest one request to etcd may take (default [`DEFAULT_COMMAND_TIMEOUT`],
+    /// 1 s). Past it the acquisition fails with [`LockError::Backend`], a keep-alive
+    /// counts as unanswered, and a release goes on in the background. Also the connect
+    /// timeout.
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.config.command_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a waiter watches before it looks at the queue again without a watch
+    /// event (default [`DEFAULT_POLL_INTERVAL`], 1 s; a random time between half of it
+    /// and all of it). The watch is the fast path; this only bounds the cost of a lost
+    /// one.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.config.poll_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The start of every etcd key of the backend (default [`DEFAULT_PREFIX`],
+    /// `"keyed-lock/"`); a `/` is appended if it does not end with one.
+    pub fn prefix(mut self, prefix: &str) -> Self {
+        self.config.prefix = with_slash(prefix);
+        self
+    }
+
+    /// The client's connection options (user and password, TLS with the client's TLS
+    /// features); the backend adds its own timeouts and HTTP/2 keep-alive to them.
+    pub fn connect_options(mut self, options: ConnectOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// Connects, and checks the setup (see [Unsafe setups refused](self#unsafe-setups-refused)):
+    /// every endpoint that answers within the command timeout must report the same
+    /// cluster id, and at least one must answer.
+    pub async fn build(self) -> Result<EtcdBackend, SetupError> {
+        let Self {
+            endpoints,
+            options,
+            config,
+        } = self;
+        let drift = config.drift();
+        if drift >= config.lease / 2 {
+            return Err(SetupError::Unsafe(format!(
+                "the drift margin {drift:?} is half the lease {:?} or more",
+                config.lease
+            )));
+        }
+        let limit = config.command_timeout;
+        // etcd's gRPC server refuses pings more often than every 5 s (ENHANCE_YOUR_CALM
+        // closes the connection), so HTTP/2 keep-alive is the slow backstop for a dead
+        // connection; every request has its own timeout.
+        let options = options
+            .with_connect_timeout(limit)
+            .with_keep_alive(Duration::from_secs(5), limit.max(Duration::from_secs(1)))
+            .with_keep_alive_while_idle(false)
+            .with_tcp_keepalive(Duration::from_secs(5))
+            // A member without a leader fails requests at once instead of holding them.
+            .with_require_leader(true);
+
+        let mut cluster_ids = Vec::new();
+        for endpoint in &endpoints {
+            let probe = async {
+                let mut client = Client::connect([endpoint], Some(options.clone())).await?;
+                client.status().await
+            };
+            match timeout(limit, probe).await {
+                Ok(Ok(status)) => {
+                    if let Some(header) = status.header() {
+                        cluster_ids.push((endpoint.clone(), header.cluster_id()));
+                    }
+                }
+                Ok(Err(error)) => tracing::warn!(%endpoint, %error, "etcd endpoint unreachable"),
+                Err(_) => tracing::warn!(%endpoint, "etcd endpoint did not answer in time"),
+            }
+        }
+        if cluster_ids.is_empty() {
+            return Err(SetupError::TimedOut);
+        }
+        if cluster_ids.iter().any(|(_, id)| *id != cluster_ids[0].1) {
+            let ids: Vec<String> = cluster_ids
+                .iter()
+                .map(|(endpoint, id)| format!("{endpoint} is in cluster {id:x}"))
+                .collect();
+            return Err(SetupError::Unsafe(format!(
+                "the endpoints belong to different etcd clusters ({}); each would grant \
+                 the same key",
+                ids.join(", ")
+            )));
+        }
+        let client = Client::connect(&endpoints, Some(options))
+            .await
+            .map_err(SetupError::Connect)?;
+        let ttl = i64::try_from(config.lease.as_millis().div_ceil(1000)).unwrap_or(i64::MAX);
+        Ok(EtcdBackend {
+            inner: Arc::new(Inner {
+                client,
+                config,
+                drift,
+                ttl,
+            }),
+        })
+    }
+}
+
+impl LockBackend for EtcdBackend {
+    fn acquire(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+    ) -> BoxFuture<Result<Lease, LockError>> {
+        let keys = LockKeys::new(&self.inner.config.prefix, name, key.as_str());
+        Box::pin(self.inner.clone().acquire(keys, wait))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drift_defaults_to_one_percent_plus_two_ms() {
+        let builder =
+            EtcdBackend::builder(["http://127.0.0.1:2379"]).lease(Duration::from_secs(10));
+        assert_eq!(builder.config.drift(), Duration::from_millis(102));
+        let builder = builder.drift_margin(Duration::from_millis(7));
+        assert_eq!(builder.config.drift(), Duration::from_millis(7));
+    }
+
+    #[tokio::test]
+    async fn a_drift_of_half_the_lease_is_refused_by_name() {
+        let refused = EtcdBackend::builder(["http://127.0.0.1:1"])
+            .lease(Duration::from_secs(2))
+            .drift_margin(Duration::from_secs(1))
+            .build()
+            .await;
+        match refused {
+            Err(SetupError::Unsafe(why)) => assert!(why.contains("drift margin"), "{why}"),
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_prefix_gets_a_slash() {
+        let builder = EtcdBackend::builder(["http://127.0.0.1:2379"]);
+        assert_eq!(builder.clone().prefix("app").config.prefix, "app/");
+        assert_eq!(builder.prefix("app/").config.prefix, "app/");
+    }
+}
