@@ -423,9 +423,9 @@ pub use self::etcd::Etcd;
 
 #[cfg(feature = "etcd")]
 mod etcd {
-    use crate::support::etcd_server::EtcdCluster;
     use super::ttl_lease::LEASE;
     use super::*;
+    use crate::support::etcd_server::EtcdCluster;
     use tower_keyed_lock::EtcdBackend;
 
     /// A 3-member etcd cluster: a lease per holder, waiters queued by create revision

@@ -2,7 +2,6 @@
 
 use std::fmt::Write as _;
 
-
 use crate::backend::ttl::sha256_hex;
 
 /// A name or key longer than this once escaped is hashed.
