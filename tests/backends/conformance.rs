@@ -138,6 +138,15 @@ macro_rules! through_the_layer {
                 crate::conformance::one_handler_at_a_time_across_instances_over_http(&fixture)
                     .await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn different_keys_run_in_parallel_across_instances_over_http() {
+                let fixture = <$fixture as crate::support::fixtures::Fixture>::start();
+                crate::conformance::different_keys_run_in_parallel_across_instances_over_http(
+                    &fixture,
+                )
+                .await;
+            }
         }
     };
 }
@@ -218,6 +227,48 @@ async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F
             "fencing tokens out of order: {tokens:?}"
         );
     }
+}
+
+/// Four requests for four keys, two on each instance: every handler waits until all
+/// four are inside, so they only finish if the keys run in parallel across instances.
+#[cfg(feature = "axum")]
+async fn different_keys_run_in_parallel_across_instances_over_http<F: Remote>(fixture: &F) {
+    use axum::routing::post;
+    use http::StatusCode;
+    use tower_keyed_lock::KeyedLockLayer;
+
+    let barrier = Arc::new(tokio::sync::Barrier::new(4));
+    let mut servers = Vec::new();
+    for name in ["a", "b"] {
+        let barrier = barrier.clone();
+        let handler = move || {
+            let barrier = barrier.clone();
+            async move {
+                match tokio::time::timeout(PATIENCE, barrier.wait()).await {
+                    Ok(_) => StatusCode::OK,
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                }
+            }
+        };
+        let app = axum::Router::new()
+            .route("/orders/{id}/pay", post(handler))
+            .layer(
+                KeyedLockLayer::by_path("id")
+                    .name("conformance-parallel")
+                    .wait_timeout(PATIENCE)
+                    .backend(fixture.backend(name).await),
+            );
+        servers.push(Arc::new(crate::support::serve(app).await));
+    }
+    let requests = (1..=4).map(|key| {
+        let server = servers[key % 2].clone();
+        async move { server.post(&format!("/orders/{key}/pay")).await.status }
+    });
+    let statuses = crate::support::join_all(requests).await;
+    assert!(
+        statuses.iter().all(|status| *status == StatusCode::OK),
+        "different keys did not all run at once: {statuses:?}"
+    );
 }
 
 /// Slack for a loaded machine on bounds the backends document (a wait plus one network
@@ -527,7 +578,7 @@ async fn a_backend_written_outside_the_crate_conforms() {
 // ------------------------------------------------------ RELIABILITY.md, checked
 
 /// The columns of RELIABILITY.md's conformance table, as the fixture modules here.
-const COLUMNS: [(&str, &str); 6] = [
+const COLUMNS: [(&str, &str); 7] = [
     ("Redis", "redis"),
     ("Redis Cluster", "redis_cluster"),
     ("PostgreSQL", "postgres"),
@@ -536,12 +587,19 @@ const COLUMNS: [(&str, &str); 6] = [
         "pgbouncer_transaction",
     ),
     ("DynamoDB", "dynamodb"),
+    ("etcd", "etcd"),
     ("a backend outside the crate", "outside"),
 ];
 
 /// RELIABILITY.md's conformance table says ✓ exactly where this binary runs a check
 /// for a fixture: its list of tests (`--list`) is the suite.
-#[cfg(all(feature = "redis", feature = "postgres", feature = "dynamodb"))]
+#[cfg(all(
+    feature = "redis",
+    feature = "postgres",
+    feature = "dynamodb",
+    feature = "etcd",
+    feature = "axum"
+))]
 #[test]
 fn reliability_table_matches_the_suite() {
     use std::collections::BTreeSet;

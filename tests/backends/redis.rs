@@ -4,25 +4,22 @@
 #![cfg(feature = "redis")]
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::Extension;
-use axum::routing::post;
-use axum::Router;
 use http::StatusCode;
 use redis::aio::MultiplexedConnection;
 use sha2::{Digest, Sha256};
-use tokio::sync::{mpsc, Barrier, Semaphore};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
-use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo, PathParam};
+use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, PathParam};
 
+use crate::support::instances::{
+    alternate, gate, gated_router, hold, overlap_router, path_escape, until, within,
+};
 use crate::support::recorder::counter;
 use crate::support::redis_server::RedisServer;
-use crate::support::{serve, Answer, Overlap, Server};
+use crate::support::{serve, Overlap};
 
 type Layer = KeyedLockLayer<PathParam>;
 
@@ -51,22 +48,6 @@ async fn connection(redis: &RedisServer) -> MultiplexedConnection {
         .get_multiplexed_async_connection()
         .await
         .unwrap()
-}
-
-/// Fails the test instead of hanging it.
-async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
-}
-
-/// Waits until the async `condition` holds, failing the test after 5 s.
-async fn until<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !condition().await {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 async fn exists(connection: &mut MultiplexedConnection, key: &str) -> bool {
@@ -109,185 +90,11 @@ async fn script_calls(connection: &mut MultiplexedConnection) -> u64 {
     calls.get("evalsha").copied().unwrap_or(0) + calls.get("eval").copied().unwrap_or(0)
 }
 
-/// Handlers that report when they hold their key and finish when told to.
-struct Gate {
-    entered: mpsc::UnboundedSender<(LockInfo, Instant)>,
-    finish: Semaphore,
-}
-
-type Entered = mpsc::UnboundedReceiver<(LockInfo, Instant)>;
-
-fn gate() -> (Arc<Gate>, Entered) {
-    let (entered, receiver) = mpsc::unbounded_channel();
-    let gate = Gate {
-        entered,
-        finish: Semaphore::new(0),
-    };
-    (Arc::new(gate), receiver)
-}
-
-impl Gate {
-    /// Lets one held handler finish.
-    fn open_one(&self) {
-        self.finish.add_permits(1);
-    }
-}
-
-/// `/orders/{id}` holds the key until the gate lets it finish and answers whether the
-/// lease was lost; `/quick/{id}` answers at once, under the same layer.
-fn gated_router(gate: Arc<Gate>) -> Router {
-    Router::new()
-        .route(
-            "/orders/{order_id}",
-            post(move |Extension(info): Extension<LockInfo>| {
-                let gate = gate.clone();
-                async move {
-                    let _ = gate.entered.send((info.clone(), Instant::now()));
-                    gate.finish.acquire().await.unwrap().forget();
-                    format!("lost={}", info.is_lease_lost())
-                }
-            }),
-        )
-        .route("/quick/{order_id}", post(|| async { "ok" }))
-}
-
-/// Starts a request on the gated route and waits until its handler holds the key.
-async fn hold(
-    server: &Arc<Server>,
-    path: &str,
-    entered: &mut Entered,
-) -> (JoinHandle<Answer>, LockInfo, Instant) {
-    let request = tokio::spawn({
-        let (server, path) = (server.clone(), path.to_owned());
-        async move { server.post(&path).await }
-    });
-    let (info, at) = within("the holder enters", Duration::from_secs(5), entered.recv())
-        .await
-        .unwrap();
-    (request, info, at)
-}
-
-/// A handler that checks how many handlers run at once, across instances.
-fn overlap_router(overlap: Arc<Overlap>, hold: Duration) -> Router {
-    Router::new().route(
-        "/orders/{order_id}",
-        post(move || {
-            let overlap = overlap.clone();
-            async move {
-                let _inside = overlap.enter();
-                tokio::time::sleep(hold).await;
-            }
-        }),
-    )
-}
-
-/// Sends `count` requests for `path`, alternating between the servers, all at once.
-async fn alternate(servers: [&Arc<Server>; 2], path: &str, count: usize) -> Vec<StatusCode> {
-    let requests: Vec<_> = (0..count)
-        .map(|i| {
-            let (server, path) = (servers[i % 2].clone(), path.to_owned());
-            tokio::spawn(async move { server.post(&path).await.status })
-        })
-        .collect();
-    let mut statuses = Vec::new();
-    for request in requests {
-        statuses.push(
-            within("a request", Duration::from_secs(10), request)
-                .await
-                .unwrap(),
-        );
-    }
-    statuses
-}
-
 fn sha256_hex(text: &str) -> String {
     Sha256::digest(text.as_bytes())
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
-}
-
-/// Percent-encodes every byte that is not an ASCII letter or digit.
-fn path_escape(text: &str) -> String {
-    text.bytes()
-        .map(|b| match b.is_ascii_alphanumeric() {
-            true => char::from(b).to_string(),
-            false => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn same_key_is_serialized_across_instances() {
-    let redis = RedisServer::start();
-    let overlap = Arc::new(Overlap::default());
-    let (a, b) = (
-        layer(connect(&redis, |b| b).await),
-        layer(connect(&redis, |b| b).await),
-    );
-    let hold = Duration::from_millis(20);
-    let server_a = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(a.clone())).await);
-    let server_b = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(b.clone())).await);
-
-    let statuses = alternate([&server_a, &server_b], "/orders/7", 12).await;
-    assert!(
-        statuses.iter().all(|s| *s == StatusCode::OK),
-        "{statuses:?}"
-    );
-    assert_eq!(overlap.max(), 1, "two handlers of one key ran at once");
-    crate::support::eventually("both tables empty", || {
-        a.active_keys() == 0 && b.active_keys() == 0
-    })
-    .await;
-
-    // Control: the same two instances without the backend do overlap, so the check
-    // above can fail.
-    let overlap = Arc::new(Overlap::default());
-    let local = || KeyedLockLayer::by_path("order_id");
-    let server_a = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(local())).await);
-    let server_b = Arc::new(serve(overlap_router(overlap.clone(), hold).layer(local())).await);
-    alternate([&server_a, &server_b], "/orders/7", 12).await;
-    assert!(overlap.max() > 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn different_keys_run_in_parallel_across_instances() {
-    let redis = RedisServer::start();
-    // Every handler waits until all four are inside: only parallel runs get there.
-    let barrier = Arc::new(Barrier::new(4));
-    let router = || {
-        let barrier = barrier.clone();
-        Router::new().route(
-            "/orders/{order_id}",
-            post(move || {
-                let barrier = barrier.clone();
-                async move {
-                    match tokio::time::timeout(Duration::from_secs(5), barrier.wait()).await {
-                        Ok(_) => StatusCode::OK,
-                        Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
-                    }
-                }
-            }),
-        )
-    };
-    let server_a = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
-    let server_b = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
-    let requests: Vec<_> = [
-        (&server_a, 1),
-        (&server_a, 2),
-        (&server_b, 3),
-        (&server_b, 4),
-    ]
-    .into_iter()
-    .map(|(server, key)| {
-        let server = server.clone();
-        tokio::spawn(async move { server.post(&format!("/orders/{key}")).await.status })
-    })
-    .collect();
-    for request in requests {
-        let status = within("a request", Duration::from_secs(10), request).await;
-        assert_eq!(status.unwrap(), StatusCode::OK);
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -337,49 +144,6 @@ async fn a_key_held_on_another_instance_times_out_with_409() {
         async move { !exists(&mut connection, &lock_key).await }
     })
     .await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn fencing_tokens_strictly_increase_per_key_across_instances() {
-    let redis = RedisServer::start();
-    let tokens: Arc<Mutex<Vec<Option<u64>>>> = Arc::default();
-    let router = || {
-        let tokens = tokens.clone();
-        Router::new().route(
-            "/orders/{order_id}",
-            post(move |Extension(info): Extension<LockInfo>| {
-                let tokens = tokens.clone();
-                async move {
-                    // Recorded while holding the key: the order of grants.
-                    tokens.lock().unwrap().push(info.fencing_token());
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-            }),
-        )
-    };
-    let server_a = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
-    let server_b = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
-
-    let statuses = alternate([&server_a, &server_b], "/orders/9", 20).await;
-    assert!(
-        statuses.iter().all(|s| *s == StatusCode::OK),
-        "{statuses:?}"
-    );
-    // A third instance that joins later continues the sequence.
-    let server_c = Arc::new(serve(router().layer(layer(connect(&redis, |b| b).await))).await);
-    assert_eq!(server_c.post("/orders/9").await.status, StatusCode::OK);
-
-    let tokens: Vec<u64> = tokens
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|t| t.expect("a fencing token"))
-        .collect();
-    assert_eq!(tokens.len(), 21);
-    assert!(
-        tokens.windows(2).all(|w| w[0] < w[1]),
-        "not strictly increasing: {tokens:?}"
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -31,6 +31,8 @@ pub mod dynamo_server;
 pub mod etcd_server;
 #[macro_use]
 pub mod fixtures;
+#[cfg(feature = "axum")]
+pub mod instances;
 pub mod logs;
 #[cfg(feature = "postgres")]
 pub mod pg_server;
