@@ -11,6 +11,9 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+/// What `Body::poll_frame` returns for a body of `Bytes` with errors `E`.
+pub(crate) type PollFrame<E> = Poll<Option<Result<Frame<Bytes>, E>>>;
+
 pin_project! {
     /// A response body: the inner service's body, or a short body of the layer's own
     /// (a rejection).
@@ -52,10 +55,7 @@ impl<B: Body<Data = Bytes>> Body for InnerOrFull<B> {
     type Data = Bytes;
     type Error = B::Error;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame<B::Error> {
         match self.project().kind.project() {
             KindProj::Inner { body } => body.poll_frame(cx),
             KindProj::Full { data } => Poll::Ready(data.take().map(|data| Ok(Frame::data(data)))),

@@ -87,6 +87,27 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+/// `get_ref`, `get_mut` and `into_inner` for a service that wraps its inner service
+/// in a field `inner` (as tower-http's middleware have them).
+macro_rules! inner_service_accessors {
+    () => {
+        /// The inner service.
+        pub fn get_ref(&self) -> &S {
+            &self.inner
+        }
+
+        /// The inner service, mutably.
+        pub fn get_mut(&mut self) -> &mut S {
+            &mut self.inner
+        }
+
+        /// The inner service, consuming this one.
+        pub fn into_inner(self) -> S {
+            self.inner
+        }
+    };
+}
+
 pub mod backend;
 mod body;
 pub mod buffer;

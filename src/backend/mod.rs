@@ -43,6 +43,9 @@ pub use retry_later::RetryLater;
 // here, where implementers of `LockBackend` look for it.
 pub use crate::BoxFuture;
 
+/// What [`LockBackend::acquire`] returns: a lease, or why there is none.
+pub type Acquisition = BoxFuture<Result<Lease, LockError>>;
+
 /// A lock service shared by every instance of an application.
 pub trait LockBackend: Send + Sync + 'static {
     /// Acquires the remote lock of `key` (already namespaced by the layer `name`),
@@ -53,8 +56,7 @@ pub trait LockBackend: Send + Sync + 'static {
     /// The layer runs the future in a task of its own and never drops it midway; a
     /// lease nobody waits for any more is dropped, which releases it. So
     /// implementations need not be cancel-safe themselves.
-    fn acquire(&self, name: &str, key: &Key, wait: Duration)
-        -> BoxFuture<Result<Lease, LockError>>;
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition;
 
     /// Whether every lease carries a [fencing token](Lease::fencing_token) (the
     /// default). A replay store that orders its writes by token is refused under a
@@ -66,12 +68,7 @@ pub trait LockBackend: Send + Sync + 'static {
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
 impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
-    fn acquire(
-        &self,
-        name: &str,
-        key: &Key,
-        wait: Duration,
-    ) -> BoxFuture<Result<Lease, LockError>> {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         (**self).acquire(name, key, wait)
     }
 
@@ -327,7 +324,7 @@ pub(crate) fn acquire_detached(
     name: &str,
     key: &Key,
     wait: Duration,
-) -> BoxFuture<Result<Lease, LockError>> {
+) -> Acquisition {
     let task = tokio::spawn(backend.acquire(name, key, wait));
     Box::pin(async move {
         match task.await {

@@ -9,11 +9,10 @@ use std::time::{Duration, Instant};
 
 use super::guard::DistributedGuard;
 use super::Inner;
-use crate::backend::{acquire_detached, Lease};
+use crate::backend::{acquire_detached, Acquisition, Lease};
 use crate::error::LockError;
 use crate::key::{Key, KeyError};
 use crate::locks::{Acquire, KeyGuard};
-use crate::BoxFuture;
 
 /// The remote wait of an acquisition without a time limit. Backends add the wait to
 /// `Instant::now()`, which must not overflow; a year is "until it is free".
@@ -45,7 +44,7 @@ enum State {
     /// Held in this process; waiting at the backend.
     Remote {
         local: Option<KeyGuard<Key>>,
-        remote: BoxFuture<Result<Lease, LockError>>,
+        remote: Acquisition,
     },
     Done,
 }

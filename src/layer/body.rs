@@ -4,11 +4,12 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
-use http_body::{Body, Frame, SizeHint};
+use http_body::{Body, SizeHint};
 use pin_project_lite::pin_project;
 
 use super::held::HeldKey;
 use crate::body::InnerOrFull;
+use crate::body::PollFrame;
 
 pin_project! {
     /// The body of every response that passes through the layer.
@@ -45,10 +46,7 @@ impl<B: Body<Data = Bytes>> Body for KeyedLockBody<B> {
     type Data = Bytes;
     type Error = B::Error;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame<B::Error> {
         let this = self.project();
         if let Some(held) = this.guard {
             held.check_long_hold();

@@ -8,6 +8,7 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use crate::body::InnerOrFull;
+use crate::body::PollFrame;
 
 pin_project! {
     /// The body of every response that passes through the
@@ -82,10 +83,7 @@ impl<B: Body<Data = Bytes>> Body for ReplayBody<B> {
     type Data = Bytes;
     type Error = B::Error;
 
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> PollFrame<B::Error> {
         let (head, pending, rest) = match self.project().kind.project() {
             KindProj::Whole { body } => return body.poll_frame(cx),
             KindProj::Partial {

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::{sleep, sleep_until, Instant};
-use tower_keyed_lock::backend::{BoxFuture, LeaseLostSender, ReleaseLease};
+use tower_keyed_lock::backend::{Acquisition, BoxFuture, LeaseLostSender, ReleaseLease};
 use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
@@ -493,12 +493,7 @@ impl TableService {
 }
 
 impl LockBackend for TableBackend {
-    fn acquire(
-        &self,
-        name: &str,
-        key: &Key,
-        wait: Duration,
-    ) -> BoxFuture<Result<Lease, LockError>> {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let service = self.0.clone();
         let key = format!("{name}:{}", key.as_str());
         Box::pin(async move {

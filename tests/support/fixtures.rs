@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use tower_keyed_lock::backend::BoxFuture;
+use tower_keyed_lock::backend::Acquisition;
 
 // Declared here rather than in every binary that includes this file.
 use tower_keyed_lock::{DistributedAcquire, DistributedLocks, Key, Lease, LockBackend, LockError};
@@ -525,12 +525,7 @@ impl Counting {
 }
 
 impl LockBackend for Counting {
-    fn acquire(
-        &self,
-        name: &str,
-        key: &Key,
-        wait: Duration,
-    ) -> BoxFuture<Result<Lease, LockError>> {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         self.calls.fetch_add(1, SeqCst);
         let now = self.in_flight.fetch_add(1, SeqCst) + 1;
         self.most_in_flight.fetch_max(now, SeqCst);

@@ -296,13 +296,8 @@ impl TtlBackend for Inner {
     type Target = ItemKey;
 
     fn timing(&self) -> Timing {
-        Timing {
-            lease: self.config.lease,
-            drift: self.drift,
-            command_timeout: self.config.command_timeout,
-            renewal: self.config.renewal,
-            max_hold: None,
-        }
+        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
+            .renewal(self.config.renewal)
     }
 
     async fn renew(

@@ -149,7 +149,8 @@ use aws_sdk_dynamodb::Client;
 
 use self::item::{partition_value, Layout};
 pub use self::table::SetupError;
-use super::{ttl, BoxFuture, Lease, LockBackend};
+use super::{ttl, Acquisition, LockBackend};
+#[cfg(doc)]
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -440,12 +441,7 @@ impl DynamoDbBackendBuilder {
 }
 
 impl LockBackend for DynamoDbBackend {
-    fn acquire(
-        &self,
-        name: &str,
-        key: &Key,
-        wait: Duration,
-    ) -> BoxFuture<Result<Lease, LockError>> {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let item = self
             .inner
             .layout

@@ -580,13 +580,7 @@ impl TtlBackend for Inner {
     type Target = Arc<Contender>;
 
     fn timing(&self) -> Timing {
-        Timing {
-            lease: self.config.lease,
-            drift: self.drift,
-            command_timeout: self.config.command_timeout,
-            renewal: true,
-            max_hold: None,
-        }
+        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
     }
 
     /// A keep-alive, whatever `ttl` says: etcd renews a lease to the TTL it was

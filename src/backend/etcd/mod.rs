@@ -177,9 +177,10 @@ use etcd_client::{Client, ConnectOptions};
 use tokio::time::timeout;
 
 use self::keys::{with_slash, LockKeys};
-use super::{ttl, BoxFuture, Lease, LockBackend};
+use super::{ttl, Acquisition, LockBackend};
+#[cfg(doc)]
+use crate::error::LockError;
 use crate::key::Key;
-use crate::locks::LockError;
 
 pub use self::lease::EtcdLockError;
 
@@ -488,12 +489,7 @@ impl EtcdBackendBuilder {
 }
 
 impl LockBackend for EtcdBackend {
-    fn acquire(
-        &self,
-        name: &str,
-        key: &Key,
-        wait: Duration,
-    ) -> BoxFuture<Result<Lease, LockError>> {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = LockKeys::new(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(keys, wait))
     }

@@ -249,7 +249,8 @@ use tokio_postgres::NoTls;
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 
 use self::error::PgError;
-use super::{BoxFuture, Lease, LockBackend};
+use super::{Acquisition, LockBackend};
+#[cfg(doc)]
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -565,12 +566,7 @@ impl LockBackend for PostgresBackend {
         self.inner.fencing.is_some()
     }
 
-    fn acquire(
-        &self,
-        name: &str,
-        key: &Key,
-        wait: Duration,
-    ) -> BoxFuture<Result<Lease, LockError>> {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let id = self.lock_id(name, key.as_str());
         let inner = self.inner.clone();
         // PostgreSQL's `lock_timeout` is an `int` of milliseconds (24.8 days): a longer

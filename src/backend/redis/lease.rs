@@ -349,13 +349,9 @@ impl TtlBackend for Inner {
     type Target = Arc<RedisKeys>;
 
     fn timing(&self) -> Timing {
-        Timing {
-            lease: self.config.lease,
-            drift: self.drift,
-            command_timeout: self.config.command_timeout,
-            renewal: self.config.renewal,
-            max_hold: self.config.max_hold,
-        }
+        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
+            .renewal(self.config.renewal)
+            .max_hold(self.config.max_hold)
     }
 
     async fn renew(

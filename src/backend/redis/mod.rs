@@ -213,7 +213,8 @@ use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
 use self::scripts::ACQUIRE;
 use self::subscriber::{Releases, Subscriber};
-use super::{ttl, BoxFuture, Lease, LockBackend};
+use super::{ttl, Acquisition, LockBackend};
+#[cfg(doc)]
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -711,12 +712,7 @@ fn timed_out(what: &'static str) -> RedisError {
 }
 
 impl LockBackend for RedisBackend {
-    fn acquire(
-        &self,
-        name: &str,
-        key: &Key,
-        wait: Duration,
-    ) -> BoxFuture<Result<Lease, LockError>> {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))
     }

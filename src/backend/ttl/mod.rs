@@ -57,6 +57,28 @@ pub(crate) struct Timing {
 }
 
 impl Timing {
+    /// Leases of `lease`, renewed while held, with this drift margin and command
+    /// timeout.
+    pub(crate) fn new(lease: Duration, drift: Duration, command_timeout: Duration) -> Self {
+        Timing {
+            lease,
+            drift,
+            command_timeout,
+            renewal: true,
+            max_hold: None,
+        }
+    }
+
+    /// Whether held leases are renewed at all.
+    pub(crate) fn renewal(self, renewal: bool) -> Self {
+        Timing { renewal, ..self }
+    }
+
+    /// The longest a lease is kept, renewals included.
+    pub(crate) fn max_hold(self, max_hold: Option<Duration>) -> Self {
+        Timing { max_hold, ..self }
+    }
+
     /// The TTL an acquisition asks for: the lease, shortened to `max_hold`.
     pub(crate) fn first_ttl(&self) -> Duration {
         self.max_hold.map_or(self.lease, |max| max.min(self.lease))

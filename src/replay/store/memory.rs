@@ -7,9 +7,7 @@ use quick_cache::sync::Cache;
 use quick_cache::Weighter;
 use tokio::time::Instant;
 
-use crate::BoxFuture;
-
-use super::{RecordKey, ReplayStore, StoreError, Stored};
+use super::{Get, Put, RecordKey, ReplayStore, Stored};
 use crate::replay::record::Record;
 
 /// The default [`MemoryStore::new`] capacity: 64 MiB of records.
@@ -83,20 +81,14 @@ impl Default for MemoryStore {
 }
 
 impl ReplayStore for MemoryStore {
-    fn get(&self, key: &RecordKey) -> BoxFuture<Result<Option<Record>, StoreError>> {
+    fn get(&self, key: &RecordKey) -> Get {
         let found = self.lookup(key);
         Box::pin(async move { Ok(found) })
     }
 
     /// Writes at once: in process the lock table itself fences, as the request still
     /// holds its key while the layer stores.
-    fn put(
-        &self,
-        key: &RecordKey,
-        record: Record,
-        ttl: Duration,
-        _fencing_token: Option<u64>,
-    ) -> BoxFuture<Result<Stored, StoreError>> {
+    fn put(&self, key: &RecordKey, record: Record, ttl: Duration, _token: Option<u64>) -> Put {
         let entry = Entry {
             record: Arc::new(record),
             expires_at: Instant::now() + ttl,

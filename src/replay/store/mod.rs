@@ -76,6 +76,12 @@ pub enum Stored {
     Fenced,
 }
 
+/// What [`ReplayStore::get`] returns: the record, if any, or why the store failed.
+pub type Get = BoxFuture<Result<Option<Record>, StoreError>>;
+
+/// What [`ReplayStore::put`] returns: whether the record was written or fenced off.
+pub type Put = BoxFuture<Result<Stored, StoreError>>;
+
 /// Keeps the records of completed requests.
 ///
 /// The replay layer calls [`get`](Self::get) while the request holds its key, and
@@ -83,17 +89,11 @@ pub enum Stored {
 /// return boxed futures, as [`LockBackend`](crate::LockBackend) does.
 pub trait ReplayStore: Send + Sync + 'static {
     /// The record stored under `key`, unless it is missing or older than its TTL.
-    fn get(&self, key: &RecordKey) -> BoxFuture<Result<Option<Record>, StoreError>>;
+    fn get(&self, key: &RecordKey) -> Get;
 
     /// Stores `record` under `key` for `ttl`, if the request that made it still holds
-    /// the key: `fencing_token` is its [`LockInfo::fencing_token`](crate::LockInfo::fencing_token).
-    fn put(
-        &self,
-        key: &RecordKey,
-        record: Record,
-        ttl: Duration,
-        fencing_token: Option<u64>,
-    ) -> BoxFuture<Result<Stored, StoreError>>;
+    /// the key: `token` is its [`LockInfo::fencing_token`](crate::LockInfo::fencing_token).
+    fn put(&self, key: &RecordKey, record: Record, ttl: Duration, token: Option<u64>) -> Put;
 
     /// Whether each instance has a store of its own (the memory store). The replay
     /// layer refuses such a store under a distributed lock: a duplicate that reaches

@@ -8,9 +8,8 @@ use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
 
 use crate::backend::postgres::schema::create_if_missing;
-use crate::BoxFuture;
 
-use super::{RecordKey, ReplayStore, StoreError, Stored};
+use super::{Get, Put, RecordKey, ReplayStore, StoreError, Stored};
 use crate::replay::record::Record;
 
 /// The default table name.
@@ -164,7 +163,7 @@ impl Statements {
 }
 
 impl ReplayStore for PostgresReplayStore {
-    fn get(&self, key: &RecordKey) -> BoxFuture<Result<Option<Record>, StoreError>> {
+    fn get(&self, key: &RecordKey) -> Get {
         let store = self.clone();
         let key = key.clone();
         Box::pin(async move {
@@ -181,17 +180,11 @@ impl ReplayStore for PostgresReplayStore {
         })
     }
 
-    fn put(
-        &self,
-        key: &RecordKey,
-        record: Record,
-        ttl: Duration,
-        fencing_token: Option<u64>,
-    ) -> BoxFuture<Result<Stored, StoreError>> {
+    fn put(&self, key: &RecordKey, record: Record, ttl: Duration, token: Option<u64>) -> Put {
         let store = self.clone();
         let key = key.clone();
         Box::pin(async move {
-            let token = fencing_token.ok_or_else(|| {
+            let token = token.ok_or_else(|| {
                 StoreError::new("the PostgreSQL replay store needs fencing tokens: PostgresBackend::fencing(true)")
             })?;
             let fence = i64::try_from(token).map_err(StoreError::new)?;

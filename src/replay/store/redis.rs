@@ -5,9 +5,8 @@ use std::time::Duration;
 use redis::Script;
 
 use crate::backend::redis::{Connection, RedisBackend};
-use crate::BoxFuture;
 
-use super::{RecordKey, ReplayStore, StoreError, Stored};
+use super::{Get, Put, RecordKey, ReplayStore, StoreError, Stored};
 use crate::replay::record::Record;
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` record; `ARGV[1]` the request's fencing
@@ -74,7 +73,7 @@ impl RedisReplayStore {
 }
 
 impl ReplayStore for RedisReplayStore {
-    fn get(&self, key: &RecordKey) -> BoxFuture<Result<Option<Record>, StoreError>> {
+    fn get(&self, key: &RecordKey) -> Get {
         let [_, _, record] = self.keys(key);
         let backend = self.backend.clone();
         Box::pin(async move {
@@ -89,18 +88,12 @@ impl ReplayStore for RedisReplayStore {
         })
     }
 
-    fn put(
-        &self,
-        key: &RecordKey,
-        record: Record,
-        ttl: Duration,
-        fencing_token: Option<u64>,
-    ) -> BoxFuture<Result<Stored, StoreError>> {
+    fn put(&self, key: &RecordKey, record: Record, ttl: Duration, token: Option<u64>) -> Put {
         let [lock, fence, record_key] = self.keys(key);
         let backend = self.backend.clone();
         let put = self.put.clone();
         Box::pin(async move {
-            let token = fencing_token.ok_or_else(|| {
+            let token = token.ok_or_else(|| {
                 StoreError::new(
                     "the Redis replay store needs the Redis lock backend's fencing token",
                 )
