@@ -3,7 +3,12 @@
 //! a backend written outside the crate, as a user would write one.
 #![cfg(feature = "testkit")]
 #![cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
+    not(any(
+        feature = "redis",
+        feature = "postgres",
+        feature = "dynamodb",
+        feature = "mysql"
+    )),
     allow(dead_code)
 )]
 
@@ -90,6 +95,7 @@ conformance!(redis, crate::servers::Redis, "redis");
 conformance!(redis_cluster, crate::servers::RedisCluster, "redis");
 conformance!(postgres, crate::servers::Postgres, "postgres");
 conformance!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+conformance!(mysql, crate::servers::MySql, "mysql");
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -144,6 +150,7 @@ mod through_the_layer {
     through_the_layer!(redis_cluster, crate::servers::RedisCluster, "redis");
     through_the_layer!(postgres, crate::servers::Postgres, "postgres");
     through_the_layer!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+    through_the_layer!(mysql, crate::servers::MySql, "mysql");
 }
 
 /// Two instances of an axum app, each with its own backend, take 40 requests for one
