@@ -127,6 +127,7 @@ mod faults {
     faults!(redis, crate::servers::Redis, "redis");
     faults!(postgres, crate::servers::Postgres, "postgres");
     faults!(dynamodb, crate::servers::DynamoDb, "dynamodb");
+    faults!(mysql, crate::servers::MySql, "mysql");
 }
 
 // ------------------------------------------------------------- through the layer
