@@ -56,7 +56,19 @@
 //! escaping, and another program takes the same lock with
 //! `GET_LOCK('<the same name>', …)`. Names are compared byte for byte (`Abc` and `abc`
 //! are two locks). Two keys share a hashed name only by a collision of 156 bits or
-//! more of SHA-256.
+//! more of SHA-256. In Python:
+//!
+//! ```python
+//! import hashlib, struct
+//! def lock_name(namespace, name, key):
+//!     plain = f"{namespace}:{name}:{key}"
+//!     if len(plain.encode()) <= 64:
+//!         return plain
+//!     parts = [s.encode() for s in (namespace, name, key)]
+//!     message = b"".join(struct.pack(">I", len(p)) + p for p in parts)
+//!     hashed = namespace + "#" + hashlib.sha256(message).hexdigest()
+//!     return hashed[:64]
+//! ```
 //!
 //! # How a key is locked
 //!
@@ -320,15 +332,16 @@ impl MySqlBackend {
     /// that share a server but must not share locks use different namespaces.
     ///
     /// # Panics
-    /// If `namespace` is empty, longer than 24 bytes, or holds `:` or `#` (a
+    /// If `namespace` is empty, longer than 24 bytes, not ASCII, or holds `:` or `#` (a
     /// configuration mistake: names would no longer be told apart).
     pub fn namespace(self, namespace: impl Into<String>) -> Self {
         let namespace: String = namespace.into();
         assert!(
             !namespace.is_empty()
+                && namespace.is_ascii()
                 && namespace.len() <= MAX_NAMESPACE_LEN
                 && !namespace.contains([':', '#']),
-            "namespace: {namespace:?} must be 1 to {MAX_NAMESPACE_LEN} bytes without ':' or '#'"
+            "namespace: {namespace:?} must be 1 to {MAX_NAMESPACE_LEN} ASCII bytes without ':' or '#'"
         );
         self.configure(|inner| inner.namespace = namespace.into())
     }
@@ -500,7 +513,7 @@ mod tests {
 
     #[test]
     fn namespaces_are_checked() {
-        for bad in ["", "a:b", "a#b", &"n".repeat(25)] {
+        for bad in ["", "a:b", "a#b", "é", &"n".repeat(25)] {
             let result = std::panic::catch_unwind(|| backend().namespace(bad));
             assert!(result.is_err(), "{bad:?} was accepted");
         }
