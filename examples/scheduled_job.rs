@@ -13,6 +13,13 @@
 //! in-process lock instead. It checks what it shows and exits non-zero otherwise: every
 //! tick before the crash ran exactly once, the job's writes carry increasing fencing
 //! tokens, and the takeover came within the lease.
+//!
+//! With `cargo run --features mysql --example scheduled_job -- --mysql` the instances
+//! share a MariaDB server instead (`MySqlBackend`, `GET_LOCK`), which the example
+//! starts on a free port with a data dir of its own (it needs `mariadb-server`
+//! installed). A session lock ends with its connection: the crash closes the crashed
+//! instance's connections, the server frees the key at once, and the next tick takes
+//! over with a newer fencing token.
 
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread;
@@ -67,6 +74,8 @@ impl Ledger {
 enum Shared {
     #[cfg(feature = "redis")]
     Redis(String),
+    #[cfg(feature = "mysql")]
+    MySql(String),
     InProcess(DistributedLocks),
 }
 
@@ -86,12 +95,33 @@ impl Shared {
                     .expect("the instance connects to Redis");
                 DistributedLocks::new("cron", backend)
             }
+            #[cfg(feature = "mysql")]
+            Shared::MySql(url) => {
+                let backend = tower_keyed_lock::MySqlBackend::from_url(url)
+                    .expect("a valid MySQL URL")
+                    .fencing(true);
+                DistributedLocks::new("cron", backend)
+            }
             Shared::InProcess(locks) => locks.clone(),
         }
     }
 }
 
 fn main() {
+    if std::env::args().any(|arg| arg == "--mysql") {
+        #[cfg(feature = "mysql")]
+        {
+            let server = mysql_process::MariaDb::start();
+            println!("mariadbd started on port {}", server.port);
+            let shared = Arc::new(Shared::MySql(server.url()));
+            let ledger = run(shared);
+            check(&ledger, Takeover::AtOnce);
+            println!("ok: every tick ran once, and the crashed job was taken over");
+            return;
+        }
+        #[cfg(not(feature = "mysql"))]
+        panic!("--mysql needs the `mysql` feature: cargo run --features mysql --example scheduled_job -- --mysql");
+    }
     #[cfg(feature = "redis")]
     let redis = redis_process::RedisProcess::start();
     #[cfg(feature = "redis")]
@@ -105,7 +135,27 @@ fn main() {
     #[cfg(not(feature = "redis"))]
     let shared = in_process("built without the `redis` feature");
     let shared = Arc::new(shared);
+    let takeover = match *shared {
+        Shared::InProcess(_) => Takeover::AtOnce,
+        _ => Takeover::AfterTheLease,
+    };
+    let ledger = run(shared);
+    check(&ledger, takeover);
+    println!("ok: every tick ran once, and the crashed job was taken over");
+}
 
+/// When the crashed job's key comes back.
+#[derive(Clone, Copy)]
+enum Takeover {
+    /// A lease: when it runs out.
+    AfterTheLease,
+    /// A session lock (or the in-process lock): with the crashed instance's connection
+    /// (or guard), so the next tick takes over.
+    AtOnce,
+}
+
+/// Runs the three instances to their end; returns what their jobs wrote.
+fn run(shared: Arc<Shared>) -> Ledger {
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let start = Instant::now() + Duration::from_millis(200);
     let instances: Vec<_> = (1..=3)
@@ -117,9 +167,8 @@ fn main() {
     for instance in instances {
         instance.join().expect("an instance panicked");
     }
-
-    check(&ledger.lock().unwrap());
-    println!("ok: every tick ran once, and the crashed job was taken over");
+    let ledger = std::mem::take(&mut *ledger.lock().unwrap());
+    ledger
 }
 
 fn in_process(why: &str) -> Shared {
@@ -201,7 +250,7 @@ async fn run_job(id: usize, tick: u64, guard: DistributedGuard, ledger: &Mutex<L
 }
 
 /// Asserts what the example claims.
-fn check(ledger: &Ledger) {
+fn check(ledger: &Ledger, expected: Takeover) {
     for tick in 1..=NORMAL_TICKS {
         let runs: Vec<_> = ledger.runs.iter().filter(|r| r.tick == tick).collect();
         assert_eq!(runs.len(), 1, "tick {tick} ran {} times", runs.len());
@@ -221,17 +270,21 @@ fn check(ledger: &Ledger) {
     let ticks: Vec<u64> = ledger.runs.iter().map(|run| run.tick).collect();
     assert_eq!(ticks.len(), NORMAL_TICKS as usize + 1, "runs: {ticks:?}");
     if let Some(crash_token) = crash_token {
-        // Redis: the key stayed held until the lease ran out, then the takeover got a
-        // newer token than the crashed run.
+        // The takeover got a newer token than the crashed run.
         assert!(takeover.fencing_token > Some(crash_token));
-        assert!(after >= LEASE * 2 / 3, "taken over after {after:?}");
-        assert!(
-            after <= LEASE + TICK + JOB * 2,
-            "taken over after {after:?}"
-        );
-    } else {
-        // In process the crash dropped the guard: the next tick takes over.
-        assert_eq!(takeover.tick, CRASH_TICK + 1);
+    }
+    match expected {
+        // Redis: the key stayed held until the lease ran out.
+        Takeover::AfterTheLease => {
+            assert!(after >= LEASE * 2 / 3, "taken over after {after:?}");
+            assert!(
+                after <= LEASE + TICK + JOB * 2,
+                "taken over after {after:?}"
+            );
+        }
+        // In process the crash dropped the guard; with MySQL it closed the session:
+        // the next tick takes over.
+        Takeover::AtOnce => assert_eq!(takeover.tick, CRASH_TICK + 1),
     }
 }
 
@@ -293,6 +346,102 @@ mod redis_process {
         fn drop(&mut self) {
             let _ = self.child.kill();
             let _ = self.child.wait();
+        }
+    }
+}
+
+/// A MariaDB server of the example's own: `mariadb-install-db` into a temp dir,
+/// `mariadbd` on a free port of 127.0.0.1 (never the system's), removed on drop.
+#[cfg(feature = "mysql")]
+mod mysql_process {
+    use std::net::TcpListener;
+    use std::path::PathBuf;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    pub struct MariaDb {
+        pub port: u16,
+        root: PathBuf,
+        child: Child,
+    }
+
+    impl MariaDb {
+        /// Panics, saying what to install, when MariaDB is missing.
+        pub fn start() -> MariaDb {
+            let root = std::env::temp_dir().join(format!(
+                "tower-keyed-lock-example-mariadb-{}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&root);
+            std::fs::create_dir_all(root.join("tmp")).expect("a temp dir");
+            let user =
+                String::from_utf8(Command::new("id").arg("-un").output().unwrap().stdout).unwrap();
+            let (data, tmp) = (root.join("data"), root.join("tmp"));
+            let installed = Command::new("mariadb-install-db")
+                .arg("--no-defaults")
+                .arg(format!("--datadir={}", data.display()))
+                .args(["--auth-root-authentication-method=normal", "--skip-test-db"])
+                .arg(format!("--user={}", user.trim()))
+                .arg(format!("--tmpdir={}", tmp.display()))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            assert!(
+                installed.is_ok_and(|status| status.success()),
+                "mariadb-install-db failed or is missing: apt-get install mariadb-server"
+            );
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|listener| listener.local_addr())
+                .expect("a free port")
+                .port();
+            let socket = root.join("mariadb.sock");
+            let child = Command::new("/usr/sbin/mariadbd")
+                .arg("--no-defaults")
+                .arg(format!("--datadir={}", data.display()))
+                .arg(format!("--tmpdir={}", tmp.display()))
+                .arg(format!("--socket={}", socket.display()))
+                .arg(format!("--pid-file={}", root.join("mariadb.pid").display()))
+                .arg(format!("--port={port}"))
+                .args(["--bind-address=127.0.0.1", "--skip-log-bin"])
+                .arg(format!("--user={}", user.trim()))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("cannot start /usr/sbin/mariadbd: apt-get install mariadb-server");
+            let mut server = MariaDb { port, root, child };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let created = Command::new("mariadb")
+                    .arg("--no-defaults")
+                    .arg(format!("--socket={}", socket.display()))
+                    .args(["-uroot", "-e", "CREATE DATABASE IF NOT EXISTS cron"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status();
+                if created.is_ok_and(|status| status.success()) {
+                    return server;
+                }
+                if let Ok(Some(status)) = server.child.try_wait() {
+                    panic!("mariadbd exited with {status}");
+                }
+                assert!(Instant::now() < deadline, "mariadbd did not start");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+
+        pub fn url(&self) -> String {
+            format!(
+                "mysql://root@127.0.0.1:{}/cron?prefer_socket=false",
+                self.port
+            )
+        }
+    }
+
+    impl Drop for MariaDb {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.root);
         }
     }
 }
