@@ -1,12 +1,15 @@
 //! What the MySQL backend promises beyond the conformance suite, against a real
 //! MariaDB server the tests start: long names hashed, a killed session or a paused
 //! server raises the lost signal, fencing tokens survive a restart and a crash, a
-//! proxy that multiplexes sessions is refused, and an acquisition cancelled at any
-//! point leaves nothing held and no locked connection in the pool.
+//! proxy that multiplexes sessions is refused, a grant answered late never overlaps
+//! the next holder, and an acquisition cancelled at any point leaves nothing held and
+//! no locked connection in the pool.
 #![cfg(feature = "mysql")]
 
 #[path = "support/mysql_server.rs"]
 mod mysql_server;
+#[path = "support/tcp_proxy.rs"]
+mod tcp_proxy;
 
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::Arc;
@@ -372,4 +375,81 @@ async fn an_acquisition_cancelled_at_any_await_leaves_nothing_held() {
         eventually_free(&other, "cut", freed_within).await;
     }
     eprintln!("cut points up to {:?}", cold * 24 / 20);
+}
+
+/// B holds K; A (through the proxy) waits for K in `GET_LOCK`; the path to A turns slow
+/// (400 ms each way, past the 500 ms network timeout for a round trip); C (direct)
+/// waits too; B releases. The server may grant A, but A's answer comes late and its
+/// confirming round trip cannot answer in time: A must not hold the key while C does.
+/// Either A is refused (the grant given back), or A is told its lease is lost before C
+/// is granted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_answered_late_never_overlaps_the_next_holder() {
+    let server = MySqlServer::start();
+    let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], server.port()));
+    let proxy = tcp_proxy::TcpProxy::start(upstream).await;
+    let (b, c) = (locks(&server.url()), locks(&server.url()));
+    let a = locks(&server.url_via(&proxy.host_port()));
+    // A's connection is set up (first-use checks done) before the fault.
+    a.lock("warm").await.unwrap().release().await;
+    let held = b.lock("k").await.unwrap();
+    let a_wait = tokio::spawn(async move {
+        let outcome = a.lock_timeout("k", Duration::from_secs(4)).await;
+        let at = Instant::now();
+        let told = match &outcome {
+            Ok(guard) => {
+                let signal = guard.lease().unwrap().clone();
+                Some(tokio::spawn(async move {
+                    signal.lost().await;
+                    Instant::now()
+                }))
+            }
+            Err(_) => None,
+        };
+        (outcome, at, told)
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxy.delay(Duration::from_millis(400));
+    let c_wait = tokio::spawn(async move {
+        let guard = c.lock_timeout("k", PATIENCE).await.expect("C is granted");
+        let at = Instant::now();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        guard.release().await;
+        at
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let released = Instant::now();
+    held.release().await;
+    let (a_outcome, a_at, told) = a_wait.await.unwrap();
+    let c_at = c_wait.await.unwrap();
+    match a_outcome {
+        Ok(guard) => {
+            let told = tokio::time::timeout(PATIENCE, told.unwrap())
+                .await
+                .expect("A is told")
+                .unwrap();
+            assert!(
+                told <= c_at,
+                "A held the key unsignalled while C held it: told {:?} after C's grant",
+                told - c_at
+            );
+            drop(guard);
+        }
+        Err(LockError::Backend(error)) => {
+            assert!(
+                a_at <= c_at,
+                "A was refused {:?} after C's grant",
+                a_at - c_at
+            );
+            eprintln!(
+                "late grant: A refused at +{:?} ({error}), C granted at +{:?}",
+                a_at - released,
+                c_at - released
+            );
+        }
+        Err(other) => eprintln!(
+            "late grant: A ended with {other:?}; C granted at +{:?}",
+            c_at - released
+        ),
+    }
 }
