@@ -185,9 +185,17 @@
 //!   fencing counter can go backwards. Point every instance at the same primary.
 //! - **Fencing without durability.** With `innodb_flush_log_at_trx_commit = 2`, an
 //!   operating-system crash (not a server crash) can lose the last second of counter
-//!   increments.
+//!   increments. Dropping or truncating the counter table starts the tokens again
+//!   from 1: don't, or set the row past the highest token written (`UPDATE <table>
+//!   SET token = <n> WHERE id = 1`).
 //! - **Fairness.** The server wakes waiters of a name in no promised order.
 
+// The client is `mysql_async`: maintained, tokio-native, light with `minimal-rust`
+// (no TLS, no proc macros), and its `Conn` can be owned outside any pool, which the
+// cancel safety needs (see `session`). sqlx's MySQL driver would do too (its pool can
+// `detach` a connection), but its current release needs Rust 1.94 and brings sqlx-core's
+// machinery for one statement shape.
+//
 // One concern per file: `lock_name` is the stable name of a key, `session` the pool of
 // connections that closes those in an unknown state, `acquire` runs `GET_LOCK` and the
 // round trip after the grant, `server` the first-use checks and the fencing table,
