@@ -29,7 +29,7 @@ impl Inner {
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let deadline = deadline_after(wait);
-        self.prepare(deadline).await?;
+        let server = self.prepare(deadline).await?;
         let literal = hex_literal(&name);
         let mut session = self.session(deadline).await?;
         // A session that already holds this lock would be granted it again (GET_LOCK is
@@ -38,50 +38,62 @@ impl Inner {
             format!(
                 "SELECT CONNECTION_ID(), \
                  IF(IS_USED_LOCK({literal}) <=> CONNECTION_ID(), -1, GET_LOCK({literal}, {secs}))",
-                secs = seconds(remaining),
+                secs = server.wait_argument(remaining),
             )
         };
-        let mut sent = Instant::now();
-        let remaining = deadline.saturating_duration_since(sent);
-        let mut answer = session
-            .rows(&sql(remaining), remaining + self.network_timeout)
-            .await;
-        if answer.is_err() && session.reused && sent.elapsed() < self.network_timeout {
-            // A pooled connection that died idle (a server restart, a kill) fails at
-            // once: its session, and any lock of it, is gone; try once more on a fresh
-            // connection.
-            drop(session);
-            session = self.session(deadline).await?;
-            sent = Instant::now();
+        let mut first = true;
+        let (sent, id) = loop {
+            let mut sent = Instant::now();
             let remaining = deadline.saturating_duration_since(sent);
-            answer = session
+            let mut answer = session
                 .rows(&sql(remaining), remaining + self.network_timeout)
                 .await;
-        }
-        // On every early return below, `session` is dropped: closed, not pooled.
-        let rows = answer.map_err(|error| {
-            tracing::debug!(lock = %name, %error, "GET_LOCK failed; closing the connection");
-            error.into_lock_error()
-        })?;
-        let row = rows
-            .last()
-            .ok_or_else(|| MyError::message("GET_LOCK answered no row"))?;
-        let id = number(row, 0).ok_or_else(|| MyError::message("GET_LOCK answered oddly"))?;
-        if !session.same_session(id as u64) {
-            return Err(MyError::shared_session().into());
-        }
-        let prompt = sent.elapsed() <= self.network_timeout;
-        match number(row, 1) {
-            Some(1) => {}
-            Some(0) => {
-                // Timed out in the server: nothing is held, the session is clean.
-                session.give_back();
-                return Err(LockError::Timeout);
+            if first && answer.is_err() && session.reused && sent.elapsed() < self.network_timeout {
+                // A pooled connection that died idle (a server restart, a kill) fails at
+                // once: its session, and any lock of it, is gone; try once more on a
+                // fresh connection.
+                drop(session);
+                session = self.session(deadline).await?;
+                sent = Instant::now();
+                let remaining = deadline.saturating_duration_since(sent);
+                answer = session
+                    .rows(&sql(remaining), remaining + self.network_timeout)
+                    .await;
             }
-            Some(-1) => return Err(MyError::shared_session().into()),
-            // NULL: an error in the server (the session was killed, out of memory).
-            _ => return Err(MyError::message("GET_LOCK failed in the server").into()),
-        }
+            first = false;
+            // On every early return below, `session` is dropped: closed, not pooled.
+            let rows = answer.map_err(|error| {
+                tracing::debug!(lock = %name, %error, "GET_LOCK failed; closing the connection");
+                error.into_lock_error()
+            })?;
+            let row = rows
+                .last()
+                .ok_or_else(|| MyError::message("GET_LOCK answered no row"))?;
+            let id = number(row, 0).ok_or_else(|| MyError::message("GET_LOCK answered oddly"))?;
+            if !session.same_session(id as u64) {
+                return Err(MyError::shared_session().into());
+            }
+            match number(row, 1) {
+                Some(1) => break (sent, id),
+                Some(0) => {
+                    // Not granted: nothing is held, the session is clean.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left < MIN_WAIT {
+                        session.give_back();
+                        return Err(LockError::Timeout);
+                    }
+                    // The server waited less than asked: a MySQL server waits whole
+                    // seconds, so the last fraction of the wait is polled.
+                    if sent.elapsed() < POLL {
+                        tokio::time::sleep(POLL.min(left)).await;
+                    }
+                }
+                Some(-1) => return Err(MyError::shared_session().into()),
+                // NULL: an error in the server (the session was killed, out of memory).
+                _ => return Err(MyError::message("GET_LOCK failed in the server").into()),
+            }
+        };
+        let prompt = sent.elapsed() <= self.network_timeout;
         let granted = self
             .after_grant(&mut session, &literal, id as u64, sent, prompt)
             .await?;
@@ -176,28 +188,16 @@ impl Inner {
     }
 }
 
-/// `GET_LOCK`'s timeout for `wait`: seconds with microseconds (MySQL and MariaDB take
-/// fractions), rounded up so the wait never ends early.
-fn seconds(wait: Duration) -> String {
-    let micros = wait.as_nanos().div_ceil(1000);
-    format!("{}.{:06}", micros / 1_000_000, micros % 1_000_000)
-}
+/// A wait left shorter than this is over: `GET_LOCK` is not sent again.
+const MIN_WAIT: Duration = Duration::from_millis(1);
+
+/// How often the last fraction of a wait is polled on a server that waits whole
+/// seconds only (MySQL), and the shortest `GET_LOCK` that counts as having waited.
+const POLL: Duration = Duration::from_millis(25);
 
 /// When a wait that starts now ends; a wait too long for the clock ends in a year.
 fn deadline_after(wait: Duration) -> Instant {
     let now = Instant::now();
     let year = Duration::from_secs(365 * 24 * 3600);
     now.checked_add(wait.min(year)).unwrap_or(now + year)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn seconds_round_up() {
-        assert_eq!(seconds(Duration::ZERO), "0.000000");
-        assert_eq!(seconds(Duration::from_nanos(1)), "0.000001");
-        assert_eq!(seconds(Duration::from_millis(2500)), "2.500000");
-    }
 }

@@ -76,9 +76,11 @@
 //! here. It takes a connection from the backend's own pool and runs, in one round trip,
 //! `SELECT CONNECTION_ID(), GET_LOCK(name, <remaining wait>)`: it waits *inside the
 //! server*, which grants the lock to the next waiter when it is released — nobody
-//! polls. The wait is the request's remaining wait, in microseconds, so a busy key
-//! answers `0` when the wait is over ([`LockError::Timeout`]) and the connection goes
-//! back to the pool clean. A session that already holds the name (`IS_USED_LOCK`)
+//! polls. The wait is the request's remaining wait, in microseconds on MariaDB, so a
+//! busy key answers `0` when the wait is over ([`LockError::Timeout`]) and the
+//! connection goes back to the pool clean. MySQL takes the timeout in whole seconds:
+//! there the backend asks for the whole seconds left, and polls the last fraction
+//! (`GET_LOCK(name, 0)` every 25 ms) rather than wait past the deadline. A session that already holds the name (`IS_USED_LOCK`)
 //! would be granted it again (`GET_LOCK` is re-entrant): the backend refuses it
 //! instead (see [proxies](self#proxies)).
 //!
@@ -268,7 +270,7 @@ struct Inner {
     table: Arc<str>,
     fencing: Option<Fencing>,
     /// Set once the first-use checks passed; shared by clones with the same settings.
-    checked: Arc<OnceCell<()>>,
+    checked: Arc<OnceCell<server::Server>>,
 }
 
 #[derive(Clone)]

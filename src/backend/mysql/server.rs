@@ -3,6 +3,8 @@
 //! shared by every client of the server, and, with fencing, that the counter table
 //! exists (created safely under concurrency, and quietly) and cannot regress.
 
+use std::time::Duration;
+
 use tokio::time::Instant;
 
 use super::error::MyError;
@@ -10,18 +12,46 @@ use super::session::number;
 use super::Inner;
 use crate::locks::LockError;
 
+/// What the first-use checks learned of the server.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Server {
+    /// MariaDB waits fractions of a second in `GET_LOCK`; MySQL takes the timeout as
+    /// whole seconds (a fraction would be rounded, possibly up).
+    fractional_waits: bool,
+}
+
+impl Server {
+    /// `GET_LOCK`'s timeout for the `remaining` wait, never longer than it: seconds
+    /// with microseconds, rounded up to the microsecond, where the server takes
+    /// fractions; else whole seconds, rounded down (the rest is polled).
+    pub(super) fn wait_argument(self, remaining: Duration) -> String {
+        if self.fractional_waits {
+            let micros = remaining.as_nanos().div_ceil(1000);
+            format!("{}.{:06}", micros / 1_000_000, micros % 1_000_000)
+        } else {
+            remaining.as_secs().to_string()
+        }
+    }
+}
+
 impl Inner {
     /// Runs the first-use checks (see the module docs of this file) unless they passed.
-    pub(super) async fn prepare(&self, deadline: Instant) -> Result<(), LockError> {
+    pub(super) async fn prepare(&self, deadline: Instant) -> Result<Server, LockError> {
         self.checked
             .get_or_try_init(|| self.check_server(deadline))
             .await
-            .map(|_| ())
+            .copied()
     }
 
-    async fn check_server(&self, deadline: Instant) -> Result<(), LockError> {
+    async fn check_server(&self, deadline: Instant) -> Result<Server, LockError> {
         let mut session = self.session(deadline).await?;
         let limit = self.network_timeout;
+        let rows = session
+            .rows("SELECT VERSION() LIKE '%MariaDB%'", limit)
+            .await?;
+        let server = Server {
+            fractional_waits: rows.first().and_then(|row| number(row, 0)) == Some(1),
+        };
         // Galera replicates rows, not `GET_LOCK`: each node would grant the same name.
         let rows = session
             .rows("SHOW GLOBAL VARIABLES LIKE 'wsrep_on'", limit)
@@ -117,6 +147,29 @@ impl Inner {
             }
         }
         session.give_back();
-        Ok(())
+        Ok(server)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_never_exceed_the_remaining_time() {
+        let mariadb = Server {
+            fractional_waits: true,
+        };
+        assert_eq!(mariadb.wait_argument(Duration::ZERO), "0.000000");
+        assert_eq!(mariadb.wait_argument(Duration::from_nanos(1)), "0.000001");
+        assert_eq!(
+            mariadb.wait_argument(Duration::from_millis(2500)),
+            "2.500000"
+        );
+        let mysql = Server {
+            fractional_waits: false,
+        };
+        assert_eq!(mysql.wait_argument(Duration::from_millis(2999)), "2");
+        assert_eq!(mysql.wait_argument(Duration::from_millis(300)), "0");
     }
 }
