@@ -579,3 +579,44 @@ async fn faults_in_turn_never_grant_a_key_twice_unsignalled() {
     assert_eq!(registry.unsignalled_overlaps, 0);
     assert_eq!(registry.regressions, 0);
 }
+
+/// Releases that land while a liveness check is in flight (a check every millisecond):
+/// the check's answer is still on its way, so the connection must not serve another
+/// statement — it would read that answer as its own (a `GET_LOCK` answered by a stale
+/// "1" looks granted). Every grant is real (the server names its holder), and every
+/// acquisition succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_during_a_liveness_check_never_desyncs_the_connection() {
+    let server = MySqlServer::start();
+    let checked_often = MySqlBackend::from_url(&server.url())
+        .unwrap()
+        .liveness_interval(Duration::from_millis(1))
+        .network_timeout(NETWORK_TIMEOUT)
+        .fencing(true);
+    let a = DistributedLocks::new(NAME, checked_often);
+    let b = locks(&server.url());
+    let name = lock_name(DEFAULT_NAMESPACE, NAME, "k");
+    let mut last_token = 0;
+    for turn in 0..150u64 {
+        let guard = a
+            .lock_timeout("k", PATIENCE)
+            .await
+            .unwrap_or_else(|error| panic!("turn {turn}: {error}"));
+        let token = guard.fencing_token().unwrap();
+        assert!(
+            token > last_token,
+            "turn {turn}: token {token} after {last_token}"
+        );
+        last_token = token;
+        if turn % 10 == 0 {
+            assert!(
+                holder(&server, &name).is_some(),
+                "turn {turn}: granted, yet not held"
+            );
+            assert!(matches!(b.try_lock("k").await, Err(LockError::Busy)));
+        }
+        // Let a check or two run, and release at varying points of one.
+        tokio::time::sleep(Duration::from_micros(500 + 37 * (turn % 40))).await;
+        guard.release().await;
+    }
+}

@@ -61,7 +61,10 @@ impl Inner {
                     let sent = Instant::now();
                     let answer = tokio::select! {
                         biased;
-                        _ = &mut stop => break,
+                        // Released mid-check: the check's answer is still on its way,
+                        // so the connection is closed (which frees the lock) rather
+                        // than used for RELEASE_LOCK.
+                        _ = &mut stop => return,
                         answer = session.rows(&check, self.network_timeout) => answer,
                     };
                     let row = match answer {

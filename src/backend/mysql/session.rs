@@ -53,6 +53,11 @@ pub(super) struct Session {
     pub(super) state: SessionState,
     /// Whether the connection served an earlier acquisition (it may have died idle).
     pub(super) reused: bool,
+    /// Set while a statement is in flight, and left set if it did not end well (cut by
+    /// a timeout or a dropped future, or failed): the connection's state is unknown —
+    /// an answer may still be on its way and would be read as the next statement's —
+    /// so it is never used again nor pooled, only closed.
+    unknown: bool,
     pool: Arc<Pool>,
     close_within: Duration,
     _permit: OwnedSemaphorePermit,
@@ -114,6 +119,7 @@ impl Pool {
                 conn: Some(idle.conn),
                 state: idle.state,
                 reused: true,
+                unknown: false,
                 pool: self.clone(),
                 close_within: network_timeout,
                 _permit: permit,
@@ -129,6 +135,7 @@ impl Pool {
                 conn: Some(conn),
                 state: SessionState::default(),
                 reused: false,
+                unknown: false,
                 pool: self.clone(),
                 close_within: network_timeout,
                 _permit: permit,
@@ -141,7 +148,11 @@ impl Pool {
 
 impl Session {
     /// Returns the connection to the pool: only for a session known to hold no lock.
+    /// One whose last statement did not end well is closed instead.
     pub(super) fn give_back(mut self) {
+        if self.unknown {
+            return;
+        }
         if let Some(conn) = self.conn.take() {
             let idle = Idle {
                 conn,
@@ -157,8 +168,16 @@ impl Session {
     }
 
     /// Runs `sql` (text protocol; several statements allowed) within `limit` and
-    /// returns the rows of every result set, in order.
+    /// returns the rows of every result set, in order. Fails at once on a connection
+    /// whose earlier statement did not end well.
     pub(super) async fn rows(&mut self, sql: &str, limit: Duration) -> Result<Vec<Row>, MyError> {
+        if self.unknown {
+            return Err(MyError::message(
+                "the connection is in an unknown state (a statement was cut short)",
+            ));
+        }
+        // Cleared only when the answer was read in full: a cut or a failure leaves it.
+        self.unknown = true;
         let conn = self.conn.as_mut().expect("a session until dropped");
         let query = async {
             let mut result = conn.query_iter(sql).await?;
@@ -169,7 +188,10 @@ impl Session {
             Ok::<_, mysql_async::Error>(rows)
         };
         match timeout(limit, query).await {
-            Ok(Ok(rows)) => Ok(rows),
+            Ok(Ok(rows)) => {
+                self.unknown = false;
+                Ok(rows)
+            }
             Ok(Err(error)) => Err(MyError::new("MySQL statement failed", error)),
             Err(_) => Err(MyError::message("MySQL did not answer in time")),
         }
