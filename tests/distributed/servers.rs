@@ -501,6 +501,7 @@ macro_rules! for_each_fixture {
         for_each_fixture!(@mod redis_cluster, crate::servers::RedisCluster, ["redis"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod postgres, crate::servers::Postgres, ["postgres"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod dynamodb, crate::servers::DynamoDb, ["dynamodb"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod mysql, crate::servers::MySql, ["mysql"]; $($all,)* $($remote),*);
     };
     (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
         $(#[cfg(feature = $feature)])?
