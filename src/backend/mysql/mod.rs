@@ -98,8 +98,9 @@
 //! `1` from the same session returns the connection to the pool; anything else (the
 //! lock was not held, another session answered, an error or a timeout) closes it. A
 //! connection whose state is unknown — an error or timeout while acquiring or
-//! releasing, a task dropped mid-statement — is never pooled: it is closed, and the
-//! server frees every lock of a session that ends. The backend keeps its own pool for
+//! releasing, a task dropped mid-statement, a release that lands while a liveness
+//! check is in flight — is never pooled nor used again (its next answer may be the cut
+//! statement's): it is closed, and the server frees every lock of a session that ends. The backend keeps its own pool for
 //! that: `mysql_async`'s pool would read a dropped statement's pending answer (a
 //! `GET_LOCK` that may still be granted) and return the connection.
 //!
