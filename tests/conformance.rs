@@ -1,6 +1,6 @@
 //! The backend conformance suite (`tower_keyed_lock::testkit`), run for every backend
-//! against a real server — Redis, a Redis Cluster, PostgreSQL, DynamoDB (moto) — and for
-//! a backend written outside the crate, as a user would write one.
+//! against a real server — Redis, a Redis Cluster, PostgreSQL, DynamoDB (moto), MariaDB
+//! — and for a backend written outside the crate, as a user would write one.
 #![cfg(feature = "testkit")]
 #![cfg_attr(
     not(any(
