@@ -583,8 +583,8 @@ async fn faults_in_turn_never_grant_a_key_twice_unsignalled() {
 /// Releases that land while a liveness check is in flight (a check every millisecond):
 /// the check's answer is still on its way, so the connection must not serve another
 /// statement — it would read that answer as its own (a `GET_LOCK` answered by a stale
-/// "1" looks granted). Every grant is real (the server names its holder), and every
-/// acquisition succeeds.
+/// "1" looks granted). Every grant is real (the server names its holder), every
+/// acquisition succeeds, and a release returns with the key free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_during_a_liveness_check_never_desyncs_the_connection() {
     let server = MySqlServer::start();
@@ -618,5 +618,12 @@ async fn a_release_during_a_liveness_check_never_desyncs_the_connection() {
         // Let a check or two run, and release at varying points of one.
         tokio::time::sleep(Duration::from_micros(500 + 37 * (turn % 40))).await;
         guard.release().await;
+        if turn % 10 == 5 {
+            // `release().await` returns once the key is free.
+            let free = b.try_lock("k").await;
+            free.unwrap_or_else(|error| panic!("turn {turn}: released, yet {error:?}"))
+                .release()
+                .await;
+        }
     }
 }

@@ -59,14 +59,27 @@ impl Inner {
                 _ = &mut stop => break,
                 _ = checks.tick() => {
                     let sent = Instant::now();
-                    let answer = tokio::select! {
-                        biased;
-                        // Released mid-check: the check's answer is still on its way,
-                        // so the connection is closed (which frees the lock) rather
-                        // than used for RELEASE_LOCK.
-                        _ = &mut stop => return,
-                        answer = session.rows(&check, self.network_timeout) => answer,
+                    let (answer, released) = {
+                        let check = session.rows(&check, self.network_timeout);
+                        tokio::pin!(check);
+                        tokio::select! {
+                            biased;
+                            answer = &mut check => (answer, false),
+                            // Released mid-check: the check's answer is on its way, and
+                            // a statement cut short would leave the connection unusable
+                            // (closed, the lock freed only once the server notices), so
+                            // the check runs to its end (within the network timeout)
+                            // and RELEASE_LOCK follows.
+                            _ = &mut stop => (check.await, true),
+                        }
                     };
+                    if released {
+                        if answer.is_err() {
+                            // `session` is dropped: closed, which frees the lock.
+                            return;
+                        }
+                        break;
+                    }
                     let row = match answer {
                         Ok(rows) => rows.into_iter().last(),
                         Err(error) => {

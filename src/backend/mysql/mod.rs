@@ -98,9 +98,10 @@
 //! `1` from the same session returns the connection to the pool; anything else (the
 //! lock was not held, another session answered, an error or a timeout) closes it. A
 //! connection whose state is unknown — an error or timeout while acquiring or
-//! releasing, a task dropped mid-statement, a release that lands while a liveness
-//! check is in flight — is never pooled nor used again (its next answer may be the cut
-//! statement's): it is closed, and the server frees every lock of a session that ends. The backend keeps its own pool for
+//! releasing, a task dropped mid-statement — is never pooled nor used again (its next
+//! answer may be the cut statement's): it is closed, and the server frees every lock
+//! of a session that ends. So a release that lands while a liveness check is in flight
+//! lets the check finish first, then sends `RELEASE_LOCK`. The backend keeps its own pool for
 //! that: `mysql_async`'s pool would read a dropped statement's pending answer (a
 //! `GET_LOCK` that may still be granted) and return the connection.
 //!
@@ -131,8 +132,8 @@
 //! pooled connections too, so a partition strands no session; the pool closes a
 //! connection idle for that limit less a network timeout rather than reuse it.
 //!
-//! An acquisition takes at most its wait plus one network timeout in all; a release
-//! or a check at most one network timeout.
+//! An acquisition takes at most its wait plus one network timeout in all; a check at
+//! most one network timeout; a release one, or two when it lands during a check.
 //!
 //! # Fencing tokens
 //!
