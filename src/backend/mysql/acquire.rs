@@ -78,7 +78,8 @@ impl Inner {
                 Some(0) => {
                     // Not granted: nothing is held, the session is clean.
                     let left = deadline.saturating_duration_since(Instant::now());
-                    if left < MIN_WAIT {
+                    // Never before the deadline: a wait ends in `Timeout` only once over.
+                    if left.is_zero() {
                         session.give_back();
                         return Err(LockError::Timeout);
                     }
@@ -187,9 +188,6 @@ impl Inner {
         )
     }
 }
-
-/// A wait left shorter than this is over: `GET_LOCK` is not sent again.
-const MIN_WAIT: Duration = Duration::from_millis(1);
 
 /// How often the last fraction of a wait is polled on a server that waits whole
 /// seconds only (MySQL), and the shortest `GET_LOCK` that counts as having waited.
