@@ -54,6 +54,9 @@ impl MySqlServer {
             .arg("--innodb-log-file-size=16M")
             .output()
             .expect("cannot run mariadb-install-db");
+        if !output.status.success() {
+            let _ = fs::remove_dir_all(&root);
+        }
         assert!(
             output.status.success(),
             "mariadb-install-db failed: {}\n{}",
