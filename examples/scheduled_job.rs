@@ -13,7 +13,11 @@
 //! in-process lock instead. With `SCHEDULED_JOB_ENGINE=etcd` (and the `etcd` feature:
 //! `cargo run --features etcd --example scheduled_job`) the instances share an `etcd`
 //! of the example's own instead (a single member on free ports; a 2 s lease, since etcd
-//! counts leases in whole seconds). It checks what it shows and exits non-zero otherwise: every
+//! counts leases in whole seconds). With `SCHEDULED_JOB_ENGINE=mysql` (and the `mysql`
+//! feature) they share a MariaDB server the example starts on a free port with a data
+//! dir of its own (`MySqlBackend`, `GET_LOCK`; it needs `mariadb-server` installed): a
+//! session lock ends with its connection, so the crash frees the key at once and the next
+//! tick takes over with a newer fencing token. It checks what it shows and exits non-zero otherwise: every
 //! tick before the crash ran exactly once, the job's writes carry increasing fencing
 //! tokens, and the takeover came within the lease.
 
@@ -79,6 +83,8 @@ enum Shared {
     Redis(String),
     #[cfg(feature = "etcd")]
     Etcd(String),
+    #[cfg(feature = "mysql")]
+    MySql(String),
     InProcess(DistributedLocks),
 }
 
@@ -90,6 +96,17 @@ impl Shared {
             #[cfg(feature = "etcd")]
             Shared::Etcd(_) => ETCD_LEASE + ETCD_SWEEP,
             _ => LEASE,
+        }
+    }
+
+    /// Whether a crashed holder's key comes back with its process: the in-process
+    /// lock, and a session lock (MySQL), end with it; a lease runs out.
+    fn takes_over_at_once(&self) -> bool {
+        match self {
+            Shared::InProcess(_) => true,
+            #[cfg(feature = "mysql")]
+            Shared::MySql(_) => true,
+            _ => false,
         }
     }
 
@@ -126,6 +143,13 @@ impl Shared {
                     .expect("the instance connects to etcd");
                 DistributedLocks::new("cron", backend)
             }
+            #[cfg(feature = "mysql")]
+            Shared::MySql(url) => {
+                let backend = tower_keyed_lock::MySqlBackend::from_url(url)
+                    .expect("a valid MySQL URL")
+                    .fencing(true);
+                DistributedLocks::new("cron", backend)
+            }
             Shared::InProcess(locks) => locks.clone(),
         }
     }
@@ -137,6 +161,8 @@ fn main() {
     let etcd = (engine == "etcd")
         .then(etcd_process::EtcdProcess::start)
         .flatten();
+    #[cfg(feature = "mysql")]
+    let mysql = (engine == "mysql").then(mysql_process::MariaDb::start);
     #[cfg(feature = "redis")]
     let redis = (engine == "redis")
         .then(redis_process::RedisProcess::start)
@@ -158,11 +184,19 @@ fn main() {
             }
             None => in_process("etcd is not installed"),
         },
+        #[cfg(feature = "mysql")]
+        "mysql" => {
+            let server = mysql.as_ref().expect("started above");
+            println!("mariadbd started on port {}", server.port);
+            Shared::MySql(server.url())
+        }
         #[cfg(not(feature = "redis"))]
         "redis" => in_process("built without the `redis` feature"),
         #[cfg(not(feature = "etcd"))]
         "etcd" => in_process("built without the `etcd` feature"),
-        other => panic!("SCHEDULED_JOB_ENGINE={other:?}: use redis or etcd"),
+        #[cfg(not(feature = "mysql"))]
+        "mysql" => in_process("built without the `mysql` feature"),
+        other => panic!("SCHEDULED_JOB_ENGINE={other:?}: use redis, etcd or mysql"),
     };
     let shared = Arc::new(shared);
 
@@ -178,7 +212,7 @@ fn main() {
         instance.join().expect("an instance panicked");
     }
 
-    check(&ledger.lock().unwrap(), shared.lease(), shared.loss_bound());
+    check(&ledger.lock().unwrap(), &shared);
     println!("ok: every tick ran once, and the crashed job was taken over");
 }
 
@@ -261,7 +295,7 @@ async fn run_job(id: usize, tick: u64, guard: DistributedGuard, ledger: &Mutex<L
 }
 
 /// Asserts what the example claims.
-fn check(ledger: &Ledger, lease: Duration, loss_bound: Duration) {
+fn check(ledger: &Ledger, shared: &Shared) {
     for tick in 1..=NORMAL_TICKS {
         let runs: Vec<_> = ledger.runs.iter().filter(|r| r.tick == tick).collect();
         assert_eq!(runs.len(), 1, "tick {tick} ran {} times", runs.len());
@@ -281,17 +315,21 @@ fn check(ledger: &Ledger, lease: Duration, loss_bound: Duration) {
     let ticks: Vec<u64> = ledger.runs.iter().map(|run| run.tick).collect();
     assert_eq!(ticks.len(), NORMAL_TICKS as usize + 1, "runs: {ticks:?}");
     if let Some(crash_token) = crash_token {
-        // Redis or etcd: the key stayed held until the lease ran out, then the
-        // takeover got a newer token than the crashed run.
+        // The takeover got a newer token than the crashed run.
         assert!(takeover.fencing_token > Some(crash_token));
+    }
+    if shared.takes_over_at_once() {
+        // In process the crash dropped the guard; with MySQL it closed the session:
+        // the next tick takes over.
+        assert_eq!(takeover.tick, CRASH_TICK + 1);
+    } else {
+        // A lease (Redis, etcd): the key stayed held until it ran out.
+        let (lease, loss_bound) = (shared.lease(), shared.loss_bound());
         assert!(after >= lease * 2 / 3, "taken over after {after:?}");
         assert!(
             after <= loss_bound + TICK + JOB * 2,
             "taken over after {after:?}"
         );
-    } else {
-        // In process the crash dropped the guard: the next tick takes over.
-        assert_eq!(takeover.tick, CRASH_TICK + 1);
     }
 }
 
@@ -439,6 +477,102 @@ mod etcd_process {
             let _ = self.child.kill();
             let _ = self.child.wait();
             let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// A MariaDB server of the example's own: `mariadb-install-db` into a temp dir,
+/// `mariadbd` on a free port of 127.0.0.1 (never the system's), removed on drop.
+#[cfg(feature = "mysql")]
+mod mysql_process {
+    use std::net::TcpListener;
+    use std::path::PathBuf;
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    pub struct MariaDb {
+        pub port: u16,
+        root: PathBuf,
+        child: Child,
+    }
+
+    impl MariaDb {
+        /// Panics, saying what to install, when MariaDB is missing.
+        pub fn start() -> MariaDb {
+            let root = std::env::temp_dir().join(format!(
+                "tower-keyed-lock-example-mariadb-{}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&root);
+            std::fs::create_dir_all(root.join("tmp")).expect("a temp dir");
+            let user =
+                String::from_utf8(Command::new("id").arg("-un").output().unwrap().stdout).unwrap();
+            let (data, tmp) = (root.join("data"), root.join("tmp"));
+            let installed = Command::new("mariadb-install-db")
+                .arg("--no-defaults")
+                .arg(format!("--datadir={}", data.display()))
+                .args(["--auth-root-authentication-method=normal", "--skip-test-db"])
+                .arg(format!("--user={}", user.trim()))
+                .arg(format!("--tmpdir={}", tmp.display()))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            assert!(
+                installed.is_ok_and(|status| status.success()),
+                "mariadb-install-db failed or is missing: apt-get install mariadb-server"
+            );
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|listener| listener.local_addr())
+                .expect("a free port")
+                .port();
+            let socket = root.join("mariadb.sock");
+            let child = Command::new("/usr/sbin/mariadbd")
+                .arg("--no-defaults")
+                .arg(format!("--datadir={}", data.display()))
+                .arg(format!("--tmpdir={}", tmp.display()))
+                .arg(format!("--socket={}", socket.display()))
+                .arg(format!("--pid-file={}", root.join("mariadb.pid").display()))
+                .arg(format!("--port={port}"))
+                .args(["--bind-address=127.0.0.1", "--skip-log-bin"])
+                .arg(format!("--user={}", user.trim()))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("cannot start /usr/sbin/mariadbd: apt-get install mariadb-server");
+            let mut server = MariaDb { port, root, child };
+            let deadline = Instant::now() + Duration::from_secs(60);
+            loop {
+                let created = Command::new("mariadb")
+                    .arg("--no-defaults")
+                    .arg(format!("--socket={}", socket.display()))
+                    .args(["-uroot", "-e", "CREATE DATABASE IF NOT EXISTS cron"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .status();
+                if created.is_ok_and(|status| status.success()) {
+                    return server;
+                }
+                if let Ok(Some(status)) = server.child.try_wait() {
+                    panic!("mariadbd exited with {status}");
+                }
+                assert!(Instant::now() < deadline, "mariadbd did not start");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+
+        pub fn url(&self) -> String {
+            format!(
+                "mysql://root@127.0.0.1:{}/cron?prefer_socket=false",
+                self.port
+            )
+        }
+    }
+
+    impl Drop for MariaDb {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.root);
         }
     }
 }

@@ -136,6 +136,9 @@ pub use backend::dynamodb::DynamoDbBackend;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub use backend::etcd::EtcdBackend;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use backend::mysql::MySqlBackend;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use backend::postgres::PostgresBackend;

@@ -7,7 +7,8 @@
         feature = "redis",
         feature = "postgres",
         feature = "dynamodb",
-        feature = "etcd"
+        feature = "etcd",
+        feature = "mysql"
     )),
     allow(dead_code)
 )]
@@ -90,6 +91,7 @@ conformance!(
 );
 conformance!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
 conformance!(etcd, crate::support::fixtures::Etcd, "etcd");
+conformance!(mysql, crate::support::fixtures::MySql, "mysql");
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -122,6 +124,7 @@ mod faults {
     faults!(postgres, crate::support::fixtures::Postgres, "postgres");
     faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     faults!(etcd, crate::support::fixtures::Etcd, "etcd");
+    faults!(mysql, crate::support::fixtures::MySql, "mysql");
 }
 
 // ------------------------------------------------------------- through the layer
@@ -167,6 +170,7 @@ mod through_the_layer {
     );
     through_the_layer!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     through_the_layer!(etcd, crate::support::fixtures::Etcd, "etcd");
+    through_the_layer!(mysql, crate::support::fixtures::MySql, "mysql");
 }
 
 /// Two instances of an axum app, each with its own backend, take 40 requests for one
@@ -573,7 +577,7 @@ async fn a_backend_written_outside_the_crate_conforms() {
 // ------------------------------------------------------ RELIABILITY.md, checked
 
 /// The columns of RELIABILITY.md's conformance table, as the fixture modules here.
-const COLUMNS: [(&str, &str); 7] = [
+const COLUMNS: [(&str, &str); 8] = [
     ("Redis", "redis"),
     ("Redis Cluster", "redis_cluster"),
     ("PostgreSQL", "postgres"),
@@ -583,6 +587,7 @@ const COLUMNS: [(&str, &str); 7] = [
     ),
     ("DynamoDB", "dynamodb"),
     ("etcd", "etcd"),
+    ("MySQL (MariaDB)", "mysql"),
     ("a backend outside the crate", "outside"),
 ];
 
@@ -593,6 +598,7 @@ const COLUMNS: [(&str, &str); 7] = [
     feature = "postgres",
     feature = "dynamodb",
     feature = "etcd",
+    feature = "mysql",
     feature = "axum"
 ))]
 #[test]

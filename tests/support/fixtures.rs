@@ -348,6 +348,77 @@ mod pgbouncer {
     }
 }
 
+// Not every binary that includes this file runs on MySQL.
+#[cfg(feature = "mysql")]
+#[allow(unused_imports)]
+pub use self::mysql::MySql;
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use super::*;
+    use crate::support::mysql_server::MySqlServer;
+    use tower_keyed_lock::MySqlBackend;
+
+    pub const LIVENESS: Duration = Duration::from_millis(100);
+    pub const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+
+    /// MariaDB, `GET_LOCK`: a session lock like PostgreSQL's, on a server of its own.
+    pub struct MySql(pub MySqlServer);
+
+    impl Fixture for MySql {
+        fn start() -> Self {
+            MySql(MySqlServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    pub fn backend_on(url: &str) -> MySqlBackend {
+        MySqlBackend::from_url(url)
+            .expect("a valid URL")
+            .liveness_interval(LIVENESS)
+            .network_timeout(NETWORK_TIMEOUT)
+            .fencing(true)
+    }
+
+    impl Proxied for MySql {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            Arc::new(backend_on(&self.0.url_via(host_port)))
+        }
+
+        fn network_timeout(&self) -> Duration {
+            NETWORK_TIMEOUT
+        }
+
+        fn reset_notice(&self) -> Duration {
+            // The server frees the lock the moment the connection dies; the holder
+            // hears of it at its next check (`backend::mysql` docs: "up to one liveness
+            // interval later"); the rest is a loaded machine's slack.
+            LIVENESS + Duration::from_millis(200)
+        }
+    }
+
+    impl Remote for MySql {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            Arc::new(backend_on(&self.0.url()))
+        }
+
+        fn kill(&mut self) {
+            tokio::task::block_in_place(|| self.0.stop());
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LIVENESS + NETWORK_TIMEOUT
+        }
+    }
+}
+
 #[cfg(feature = "dynamodb")]
 pub use self::dynamodb::DynamoDb;
 
@@ -557,6 +628,7 @@ macro_rules! for_each_fixture {
         for_each_fixture!(@mod redis_cluster, $crate::support::fixtures::RedisCluster, ["redis"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod postgres, $crate::support::fixtures::Postgres, ["postgres"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod dynamodb, $crate::support::fixtures::DynamoDb, ["dynamodb"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod mysql, $crate::support::fixtures::MySql, ["mysql"]; $($all,)* $($remote),*);
     };
     (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
         $(#[cfg(feature = $feature)])?

@@ -29,6 +29,8 @@ use tokio::net::{TcpListener, TcpStream};
 pub mod dynamo_server;
 #[cfg(feature = "etcd")]
 pub mod etcd_server;
+#[cfg(feature = "mysql")]
+pub mod mysql_server;
 #[macro_use]
 pub mod fixtures;
 #[cfg(feature = "axum")]

@@ -1,0 +1,201 @@
+//! Taking a lock: `GET_LOCK` with the remaining wait, on a session checked to be the
+//! client's own, then the fencing token and, where needed, a round trip that confirms
+//! the grant.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::error::MyError;
+use super::lock_name::hex_literal;
+use super::session::{number, Session};
+use super::Inner;
+use crate::backend::Lease;
+use crate::locks::LockError;
+
+/// A lock granted, and the round trip that counts for it.
+pub(super) struct Granted {
+    pub(super) token: Option<u64>,
+    /// When the round trip that counts for the grant was sent: it answered within the
+    /// network timeout, so the server's idle limit runs from after this instant.
+    pub(super) since: Instant,
+}
+
+impl Inner {
+    pub(super) async fn acquire(
+        self: Arc<Self>,
+        name: String,
+        wait: Duration,
+    ) -> Result<Lease, LockError> {
+        let deadline = deadline_after(wait);
+        let server = self.prepare(deadline).await?;
+        let literal = hex_literal(&name);
+        let mut session = self.session(deadline).await?;
+        // A session that already holds this lock would be granted it again (GET_LOCK is
+        // re-entrant): only a session shared with another client can be found so.
+        let sql = |remaining: Duration| {
+            format!(
+                "SELECT CONNECTION_ID(), \
+                 IF(IS_USED_LOCK({literal}) <=> CONNECTION_ID(), -1, GET_LOCK({literal}, {secs}))",
+                secs = server.wait_argument(remaining),
+            )
+        };
+        let mut first = true;
+        let (sent, id) = loop {
+            let mut sent = Instant::now();
+            let remaining = deadline.saturating_duration_since(sent);
+            let mut answer = session
+                .rows(&sql(remaining), remaining + self.network_timeout)
+                .await;
+            if first && answer.is_err() && session.reused && sent.elapsed() < self.network_timeout {
+                // A pooled connection that died idle (a server restart, a kill) fails at
+                // once: its session, and any lock of it, is gone; try once more on a
+                // fresh connection.
+                drop(session);
+                session = self.session(deadline).await?;
+                sent = Instant::now();
+                let remaining = deadline.saturating_duration_since(sent);
+                answer = session
+                    .rows(&sql(remaining), remaining + self.network_timeout)
+                    .await;
+            }
+            first = false;
+            // On every early return below, `session` is dropped: closed, not pooled.
+            let rows = answer.map_err(|error| {
+                tracing::debug!(lock = %name, %error, "GET_LOCK failed; closing the connection");
+                error.into_lock_error()
+            })?;
+            let row = rows
+                .last()
+                .ok_or_else(|| MyError::message("GET_LOCK answered no row"))?;
+            let id = number(row, 0).ok_or_else(|| MyError::message("GET_LOCK answered oddly"))?;
+            if !session.same_session(id as u64) {
+                return Err(MyError::shared_session().into());
+            }
+            match number(row, 1) {
+                Some(1) => break (sent, id),
+                Some(0) => {
+                    // Not granted: nothing is held, the session is clean.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    // Never before the deadline: a wait ends in `Timeout` only once over.
+                    if left.is_zero() {
+                        session.give_back();
+                        return Err(LockError::Timeout);
+                    }
+                    // The server waited less than asked: a MySQL server waits whole
+                    // seconds, so the last fraction of the wait is polled.
+                    if sent.elapsed() < POLL {
+                        tokio::time::sleep(POLL.min(left)).await;
+                    }
+                }
+                Some(-1) => return Err(MyError::shared_session().into()),
+                // NULL: an error in the server (the session was killed, out of memory).
+                _ => return Err(MyError::message("GET_LOCK failed in the server").into()),
+            }
+        };
+        let prompt = sent.elapsed() <= self.network_timeout;
+        let granted = self
+            .after_grant(&mut session, &literal, id as u64, sent, prompt)
+            .await?;
+        Ok(self.hold(session, name, id as u64, granted))
+    }
+
+    /// What follows a grant on `session` (`CONNECTION_ID()` `id`), whose statement was
+    /// sent at `sent` and answered within the network timeout if `prompt`: the fencing
+    /// token, taken in a round trip of its own right after the grant, and a check that
+    /// the session still holds the lock — needed when the grant's answer came late
+    /// (the server's idle limit runs from the grant, which a late answer does not date)
+    /// and on a session never checked before (a proxy may reset sessions between
+    /// statements). Not confirmed within the network timeout, the grant is given back:
+    /// the caller drops the session, which closes it.
+    async fn after_grant(
+        &self,
+        session: &mut Session,
+        literal: &str,
+        id: u64,
+        sent: Instant,
+        prompt: bool,
+    ) -> Result<Granted, LockError> {
+        let check = format!(
+            "SELECT CONNECTION_ID(), IS_USED_LOCK({literal}) <=> CONNECTION_ID(), LAST_INSERT_ID()"
+        );
+        let sql = match &self.fencing {
+            Some(fencing) => format!("{}; {check}", fencing.increment_sql()),
+            None if prompt && session.state.checked => {
+                return Ok(Granted {
+                    token: None,
+                    since: sent,
+                })
+            }
+            None => check,
+        };
+        let confirm_sent = Instant::now();
+        let rows = session
+            .rows(&sql, self.network_timeout)
+            .await
+            .map_err(|error| {
+                tracing::warn!(%error, "MySQL lock grant not confirmed in time; given back");
+                MyError::with_detail(
+                    "MySQL did not confirm the lock grant within the network timeout (the \
+                     server could free it before the holder would hear of it): given back",
+                    error.to_string(),
+                )
+            })?;
+        let row = rows
+            .last()
+            .ok_or_else(|| MyError::message("MySQL answered no row"))?;
+        let same = number(row, 0).is_some_and(|now| session.same_session(now as u64));
+        if !same || number(row, 1) != Some(1) || number(row, 0) != Some(id as i64) {
+            return Err(MyError::shared_session().into());
+        }
+        session.state.checked = true;
+        let token = match self.fencing {
+            Some(_) => Some(
+                number(row, 2)
+                    .filter(|token| *token > 0)
+                    .ok_or_else(|| MyError::message("the fencing counter answered no token"))?
+                    as u64,
+            ),
+            None => None,
+        };
+        Ok(Granted {
+            token,
+            since: confirm_sent,
+        })
+    }
+
+    /// A pooled session within `deadline` (plus the network timeout to connect).
+    pub(super) async fn session(&self, deadline: Instant) -> Result<Session, LockError> {
+        self.pool
+            .get(
+                deadline,
+                self.network_timeout,
+                self.max_pooled_idle(),
+                &self.session_setup(),
+            )
+            .await
+    }
+
+    /// The statement every new connection runs: the server-side limits of a cut-off
+    /// session (see `Inner::server_idle_limit`), and autocommit, so the fencing counter
+    /// is committed by the statement that increments it.
+    fn session_setup(&self) -> String {
+        let limit = self.server_idle_limit().as_secs();
+        format!(
+            "SET SESSION wait_timeout = {limit}, net_read_timeout = {limit}, \
+             net_write_timeout = {limit}, autocommit = 1"
+        )
+    }
+}
+
+/// How often the last fraction of a wait is polled on a server that waits whole
+/// seconds only (MySQL), and the shortest `GET_LOCK` that counts as having waited.
+const POLL: Duration = Duration::from_millis(25);
+
+/// When a wait that starts now ends; a wait too long for the clock ends in a year.
+fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    let year = Duration::from_secs(365 * 24 * 3600);
+    now.checked_add(wait.min(year)).unwrap_or(now + year)
+}

@@ -1,0 +1,545 @@
+//! MySQL / MariaDB backend: serializes a key across every instance that shares one
+//! server, with named locks (`GET_LOCK`).
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_keyed_lock::backend::mysql::MySqlBackend;
+//! use tower_keyed_lock::DistributedLocks;
+//!
+//! # fn main() -> Result<(), mysql_async::UrlError> {
+//! // Connects lazily: nothing is sent until the first lock.
+//! let backend = MySqlBackend::from_url("mysql://app@db.internal/app")?
+//!     .max_connections(32) // keys held (or waited for) at once by this instance
+//!     .fencing(true);
+//! let jobs = DistributedLocks::new("jobs", backend);
+//! # let _ = jobs;
+//! # Ok(())
+//! # }
+//! # async fn run(jobs: DistributedLocks) -> Result<(), tower_keyed_lock::LockError> {
+//! let guard = jobs.lock_timeout("nightly-report", Duration::from_secs(2)).await?;
+//! // ... write with guard.fencing_token() ...
+//! guard.release().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! In front of axum handlers, give it to the layer:
+//!
+//! ```
+//! # #[cfg(feature = "axum")]
+//! # {
+//! use std::time::Duration;
+//! use axum::{routing::post, Router};
+//! use tower_keyed_lock::backend::mysql::MySqlBackend;
+//! use tower_keyed_lock::KeyedLockLayer;
+//!
+//! let backend = MySqlBackend::from_url("mysql://app@db.internal/app").unwrap();
+//! let app: Router = Router::new()
+//!     .route("/orders/{order_id}/pay", post(|| async { "paid" }))
+//!     .layer(
+//!         KeyedLockLayer::by_path("order_id")
+//!             .name("orders") // part of the lock name: give every layer its own name
+//!             .wait_timeout(Duration::from_secs(2))
+//!             .backend(backend),
+//!     );
+//! # }
+//! ```
+//!
+//! # Key mapping
+//!
+//! A key becomes the lock name `<namespace>:<layer name>:<key>`
+//! ([`namespace`](MySqlBackend::namespace), default [`DEFAULT_NAMESPACE`]); a name
+//! longer than [`MAX_LOCK_NAME_LEN`] (64) bytes — MySQL's limit — becomes
+//! `<namespace>#` and the first hex digits of a SHA-256 digest of the three parts, 64
+//! characters in all: the same on every build and machine ([`lock_name`] has the
+//! exact rule). The name is sent as a hex literal of its UTF-8 bytes, so no key needs
+//! escaping, and another program takes the same lock with
+//! `GET_LOCK('<the same name>', …)`. Names are compared byte for byte (`Abc` and `abc`
+//! are two locks). Two keys share a hashed name only by a collision of 156 bits or
+//! more of SHA-256. In Python:
+//!
+//! ```python
+//! import hashlib, struct
+//! def lock_name(namespace, name, key):
+//!     plain = f"{namespace}:{name}:{key}"
+//!     if len(plain.encode()) <= 64:
+//!         return plain
+//!     parts = [s.encode() for s in (namespace, name, key)]
+//!     message = b"".join(struct.pack(">I", len(p)) + p for p in parts)
+//!     hashed = namespace + "#" + hashlib.sha256(message).hexdigest()
+//!     return hashed[:64]
+//! ```
+//!
+//! # How a key is locked
+//!
+//! Requests first queue on the layer's in-process table; only the local winner comes
+//! here. It takes a connection from the backend's own pool and runs, in one round trip,
+//! `SELECT CONNECTION_ID(), GET_LOCK(name, <remaining wait>)`: it waits *inside the
+//! server*, which grants the lock to the next waiter when it is released — nobody
+//! polls. The wait is the request's remaining wait, in microseconds on MariaDB, so a
+//! busy key answers `0` when the wait is over ([`LockError::Timeout`]) and the
+//! connection goes back to the pool clean. MySQL takes the timeout in whole seconds:
+//! there the backend asks for the whole seconds left, and polls the last fraction
+//! (`GET_LOCK(name, 0)` every 25 ms) rather than wait past the deadline. A session that already holds the name (`IS_USED_LOCK`)
+//! would be granted it again (`GET_LOCK` is re-entrant): the backend refuses it
+//! instead (see [proxies](self#proxies)).
+//!
+//! A grant counts only from a round trip answered within the
+//! [`network_timeout`](MySqlBackend::network_timeout): the server's idle limit runs
+//! from the moment it grants, which a late answer does not date. A `GET_LOCK` that
+//! waited answers later than that, so one more round trip confirms the grant
+//! (`IS_USED_LOCK(name) = CONNECTION_ID()`); if it does not answer in time, the grant
+//! is given back (the connection is closed) and the acquisition fails with
+//! [`LockError::Backend`] (503). The first grant on each connection is confirmed the
+//! same way. With [fencing](self#fencing-tokens), the round trip that takes the token
+//! is that confirmation.
+//!
+//! Release runs `RELEASE_LOCK(name)` on the same connection and checks its answer:
+//! `1` from the same session returns the connection to the pool; anything else (the
+//! lock was not held, another session answered, an error or a timeout) closes it. A
+//! connection whose state is unknown — an error or timeout while acquiring or
+//! releasing, a task dropped mid-statement — is never pooled nor used again (its next
+//! answer may be the cut statement's): it is closed, and the server frees every lock
+//! of a session that ends. So a release that lands while a liveness check is in flight
+//! lets the check finish first, then sends `RELEASE_LOCK`. The backend keeps its own pool for
+//! that: `mysql_async`'s pool would read a dropped statement's pending answer (a
+//! `GET_LOCK` that may still be granted) and return the connection.
+//!
+//! # Timing
+//!
+//! The holder checks its session every
+//! [`liveness_interval`](MySqlBackend::liveness_interval) (default
+//! [`DEFAULT_LIVENESS_INTERVAL`], 1 s) with
+//! `SELECT CONNECTION_ID(), IS_USED_LOCK(name) = CONNECTION_ID()`. A check that fails,
+//! takes longer than the network timeout (default [`DEFAULT_NETWORK_TIMEOUT`], 2 s), is
+//! answered by another session or finds the lock gone raises the lease-lost signal of
+//! [`LockInfo`](crate::LockInfo); the layer counts it in
+//! `keyed_lock_lease_lost_total`, and
+//! [`abort_on_lease_lost`](crate::KeyedLockLayer::abort_on_lease_lost) turns it into
+//! 503. "Lost" is a fact of the clock: the lease's deadline is the sending of the last
+//! answered check plus one interval plus one network timeout, and
+//! [`LeaseSignal::is_lost`](crate::LeaseSignal::is_lost) reads it even when no task
+//! ran.
+//!
+//! A network that goes silent frees nothing by itself: the server does not know the
+//! holder is gone. So every session the backend opens sets `wait_timeout`,
+//! `net_read_timeout` and `net_write_timeout` to one liveness interval plus two
+//! network timeouts, rounded up to whole seconds (the settings' unit): 5 s with the
+//! defaults. A live holder is never idle that long (its checks keep the session busy);
+//! a holder cut off is told at most one interval plus one network timeout after its
+//! last answered check, at least one network timeout *before* the server ends the
+//! session and frees the lock (measured: see `RELIABILITY.md`). The limit stays on
+//! pooled connections too, so a partition strands no session; the pool closes a
+//! connection idle for that limit less a network timeout rather than reuse it.
+//!
+//! An acquisition takes at most its wait plus one network timeout in all; a check at
+//! most one network timeout; a release one, or two when it lands during a check.
+//!
+//! # Fencing tokens
+//!
+//! With [`fencing(true)`](MySqlBackend::fencing), the holder takes a token right after
+//! the grant, in the same session:
+//! `INSERT INTO <table> (id, token) VALUES (1, LAST_INSERT_ID(1)) ON DUPLICATE KEY
+//! UPDATE token = LAST_INSERT_ID(token + 1)`, one counter row in an InnoDB table
+//! ([`fencing_table`](MySqlBackend::fencing_table), default
+//! [`DEFAULT_FENCING_TABLE`]), committed by that statement (the backend's sessions run
+//! with `autocommit = 1`). The next holder of a key is granted only after this one
+//! released, so its increment comes later: the tokens of a key strictly increase from
+//! holder to holder, and a committed increment survives a restart. The backend creates
+//! the table on first use if it is missing (it looks first, so nothing warns when it
+//! exists, and `CREATE TABLE IF NOT EXISTS` is serialized by the server's metadata
+//! lock, so instances that start together do not collide), and refuses a table in an
+//! engine that can forget its counter (anything but InnoDB) and a server with
+//! `innodb_flush_log_at_trx_commit = 0` (a crash loses the last second of increments):
+//! every acquisition fails with a [`LockError::Backend`] saying what to change.
+//!
+//! # Proxies
+//!
+//! A `GET_LOCK` lives in a server session, so it needs a direct connection, or a proxy
+//! that pins one server session to each client connection. A proxy that multiplexes
+//! sessions would hand the session — and its lock — to another client. The backend
+//! refuses such a setup: every statement it sends also asks `CONNECTION_ID()`, and a
+//! connection answered by two sessions, a session found already holding the name
+//! before `GET_LOCK`, or a lock gone right after its grant fails the acquisition with
+//! a [`LockError::Backend`] that names the cause, or raises the lost-lease signal of a
+//! holder. A Galera node (`wsrep_on = ON`) is refused too: `GET_LOCK` is local to one
+//! node.
+//!
+//! # Pool size
+//!
+//! **Each key held, or waited for in the server, by this instance pins one
+//! connection** until it is released. Size the pool
+//! ([`max_connections`](MySqlBackend::max_connections), default
+//! [`DEFAULT_MAX_CONNECTIONS`]) for the keys you expect to hold at once per instance;
+//! the in-process tier already makes every key cost at most one connection per
+//! instance. When the pool is exhausted, a request waits for a connection within its
+//! wait and then gets the timeout response (409). Mind the server's `max_connections`.
+//!
+//! # What it does not guarantee
+//!
+//! - **The signal is not a guard everywhere.** When the session ends on the server's
+//!   side first (`KILL`, a server restart, a connection reset), a waiting instance is
+//!   granted at once, and the holder hears of it at its next check: up to one liveness
+//!   interval later. For work that must never overlap, write the
+//!   [fencing token](self#fencing-tokens) with it and let the store reject older
+//!   tokens.
+//! - **Replication and failover.** `GET_LOCK` lives on one server and is not
+//!   replicated: instances pointed at two servers (a primary and a replica, two nodes)
+//!   do not exclude each other, and after a failover to a replica that lagged, the
+//!   fencing counter can go backwards. Point every instance at the same primary.
+//! - **Fencing without durability.** With `innodb_flush_log_at_trx_commit = 2`, an
+//!   operating-system crash (not a server crash) can lose the last second of counter
+//!   increments. Dropping or truncating the counter table starts the tokens again
+//!   from 1: don't, or set the row past the highest token written (`UPDATE <table>
+//!   SET token = <n> WHERE id = 1`).
+//! - **Fairness.** The server wakes waiters of a name in no promised order.
+
+// The client is `mysql_async`: maintained, tokio-native, light with `minimal-rust`
+// (no TLS, no proc macros), and its `Conn` can be owned outside any pool, which the
+// cancel safety needs (see `session`). sqlx's MySQL driver would do too (its pool can
+// `detach` a connection), but its current release needs Rust 1.94 and brings sqlx-core's
+// machinery for one statement shape.
+//
+// One concern per file: `lock_name` is the stable name of a key, `session` the pool of
+// connections that closes those in an unknown state, `acquire` runs `GET_LOCK` and the
+// round trip after the grant, `server` the first-use checks and the fencing table,
+// `lease` checks a held lock and releases it, and `error` is the backend's error. This
+// file has the public type and its configuration.
+mod acquire;
+mod error;
+mod lease;
+mod lock_name;
+mod server;
+mod session;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use mysql_async::Opts;
+use tokio::sync::OnceCell;
+use tokio::time::timeout;
+
+pub use self::lock_name::{lock_name, MAX_LOCK_NAME_LEN};
+
+use self::error::MyError;
+use self::lock_name::MAX_NAMESPACE_LEN;
+use self::session::Pool;
+use super::{Acquisition, LockBackend};
+#[cfg(doc)]
+use crate::error::LockError;
+use crate::key::Key;
+
+/// The default [`MySqlBackend::namespace`].
+pub const DEFAULT_NAMESPACE: &str = "tkl";
+/// The default [`MySqlBackend::liveness_interval`].
+pub const DEFAULT_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
+/// The default [`MySqlBackend::network_timeout`].
+pub const DEFAULT_NETWORK_TIMEOUT: Duration = Duration::from_secs(2);
+/// The default [`MySqlBackend::max_connections`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
+/// The default [`MySqlBackend::fencing_table`].
+pub const DEFAULT_FENCING_TABLE: &str = "tower_keyed_lock_fencing";
+
+/// A [`LockBackend`] on MySQL / MariaDB named locks. See the [module docs](self).
+///
+/// Cheap to clone; clones share the pool. Builder methods take and return the backend,
+/// before it is handed to [`KeyedLockLayer::backend`](crate::KeyedLockLayer::backend).
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_keyed_lock::backend::mysql::MySqlBackend;
+///
+/// let backend = MySqlBackend::from_url("mysql://app:secret@db.internal:3306/app")
+///     .unwrap()
+///     .max_connections(32)                            // default 16
+///     .namespace("billing")                           // default "tkl"
+///     .liveness_interval(Duration::from_millis(500))  // default 1 s
+///     .network_timeout(Duration::from_secs(1))        // default 2 s
+///     .fencing(true);                                 // default off
+/// ```
+#[derive(Clone)]
+pub struct MySqlBackend {
+    inner: Arc<Inner>,
+}
+
+#[derive(Clone)]
+struct Inner {
+    pool: Arc<Pool>,
+    namespace: Arc<str>,
+    liveness_interval: Duration,
+    network_timeout: Duration,
+    /// Kept while fencing is off, so turning it back on keeps the name.
+    table: Arc<str>,
+    fencing: Option<Fencing>,
+    /// Set once the first-use checks passed; shared by clones with the same settings.
+    checked: Arc<OnceCell<server::Server>>,
+}
+
+#[derive(Clone)]
+struct Fencing {
+    table: Arc<str>,
+}
+
+impl Fencing {
+    /// Increments the counter; `LAST_INSERT_ID()` is then the token, in this session.
+    fn increment_sql(&self) -> String {
+        format!(
+            "INSERT INTO {} (id, token) VALUES (1, LAST_INSERT_ID(1)) \
+             ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1)",
+            self.table
+        )
+    }
+}
+
+impl MySqlBackend {
+    /// A backend with a pool of its own ([`DEFAULT_MAX_CONNECTIONS`] connections) to
+    /// the server `opts` describe. Connects lazily. The pool settings of `opts` are not
+    /// used: the backend pools its connections itself (see
+    /// [How a key is locked](self#how-a-key-is-locked)).
+    ///
+    /// ```
+    /// use mysql_async::OptsBuilder;
+    /// use tower_keyed_lock::backend::mysql::MySqlBackend;
+    ///
+    /// let opts = OptsBuilder::default()
+    ///     .ip_or_hostname("db.internal")
+    ///     .user(Some("app"))
+    ///     .db_name(Some("app"));
+    /// let backend = MySqlBackend::new(opts);
+    /// ```
+    pub fn new(opts: impl Into<Opts>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                pool: Arc::new(Pool::new(opts.into(), DEFAULT_MAX_CONNECTIONS)),
+                namespace: DEFAULT_NAMESPACE.into(),
+                liveness_interval: DEFAULT_LIVENESS_INTERVAL,
+                network_timeout: DEFAULT_NETWORK_TIMEOUT,
+                table: DEFAULT_FENCING_TABLE.into(),
+                fencing: None,
+                checked: Arc::default(),
+            }),
+        }
+    }
+
+    /// [`new`](Self::new) with a `mysql://user:password@host:port/database` URL. Fails
+    /// only if the URL does not parse; nothing is connected yet.
+    pub fn from_url(url: &str) -> Result<Self, mysql_async::UrlError> {
+        Ok(Self::new(Opts::from_url(url)?))
+    }
+
+    /// The most connections this backend opens (default [`DEFAULT_MAX_CONNECTIONS`]):
+    /// the most keys this instance can hold, or wait for in the server, at once (see
+    /// [Pool size](self#pool-size)). Call it before the backend is used.
+    ///
+    /// # Panics
+    /// If `max` is zero.
+    pub fn max_connections(self, max: usize) -> Self {
+        assert!(max > 0, "max_connections must be at least 1");
+        self.configure(|inner| {
+            inner.pool = Arc::new(Pool::new(inner.pool.opts().clone(), max));
+        })
+    }
+
+    /// The first part of every lock name (default [`DEFAULT_NAMESPACE`]): applications
+    /// that share a server but must not share locks use different namespaces.
+    ///
+    /// # Panics
+    /// If `namespace` is empty, longer than 24 bytes, not ASCII, or holds `:` or `#` (a
+    /// configuration mistake: names would no longer be told apart).
+    pub fn namespace(self, namespace: impl Into<String>) -> Self {
+        let namespace: String = namespace.into();
+        assert!(
+            !namespace.is_empty()
+                && namespace.is_ascii()
+                && namespace.len() <= MAX_NAMESPACE_LEN
+                && !namespace.contains([':', '#']),
+            "namespace: {namespace:?} must be 1 to {MAX_NAMESPACE_LEN} ASCII bytes without ':' or '#'"
+        );
+        self.configure(|inner| inner.namespace = namespace.into())
+    }
+
+    /// How often a held lock's session is checked with a round trip (default 1 s): a
+    /// server gone silent is noticed at most this long plus the network timeout after
+    /// its last answer. Part of the server-side idle limit (see [Timing](self#timing)).
+    ///
+    /// # Panics
+    /// If `interval` is zero.
+    pub fn liveness_interval(self, interval: Duration) -> Self {
+        assert!(!interval.is_zero(), "liveness_interval must not be zero");
+        self.configure(|inner| inner.liveness_interval = interval)
+    }
+
+    /// The longest wait for one answer from the server — connecting, a statement, a
+    /// check, the release — beyond the request's own wait (default 2 s). A statement
+    /// past it leaves its connection in an unknown state, so the connection is closed
+    /// rather than reused.
+    ///
+    /// # Panics
+    /// If `timeout` is zero.
+    pub fn network_timeout(self, timeout: Duration) -> Self {
+        assert!(!timeout.is_zero(), "network_timeout must not be zero");
+        self.configure(|inner| inner.network_timeout = timeout)
+    }
+
+    /// Issues a fencing token with every grant (off by default), from the counter in
+    /// the [`fencing_table`](Self::fencing_table), which the backend creates on first
+    /// use if it is missing.
+    pub fn fencing(self, enabled: bool) -> Self {
+        self.configure(|inner| {
+            inner.fencing = enabled.then(|| Fencing {
+                table: inner.table.clone(),
+            });
+        })
+    }
+
+    /// The table of the fencing counter (default [`DEFAULT_FENCING_TABLE`]): a plain or
+    /// database-qualified name of unquoted identifiers (`tokens`, `locks.tokens`); a
+    /// plain name lives in the connection's database. Enables fencing.
+    ///
+    /// # Panics
+    /// If `name` is not such a name (a configuration mistake).
+    pub fn fencing_table(self, name: &str) -> Self {
+        let valid_part = |part: &str| {
+            !part.is_empty()
+                && part.len() <= 64
+                && !part.starts_with(|c: char| c.is_ascii_digit())
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        };
+        let parts: Vec<&str> = name.split('.').collect();
+        assert!(
+            parts.len() <= 2 && parts.iter().all(|part| valid_part(part)),
+            "fencing_table: {name:?} is not a plain or database-qualified identifier"
+        );
+        self.configure(|inner| {
+            inner.table = name.into();
+            inner.fencing = Some(Fencing {
+                table: inner.table.clone(),
+            });
+        })
+    }
+
+    /// The lock name of `key` under the layer `name` with this backend's namespace.
+    ///
+    /// ```
+    /// use tower_keyed_lock::backend::mysql::{lock_name, MySqlBackend};
+    ///
+    /// let backend = MySqlBackend::from_url("mysql://localhost/app")
+    ///     .unwrap()
+    ///     .namespace("billing");
+    /// assert_eq!(backend.lock_name("orders", "42"), "billing:orders:42");
+    /// assert_eq!(backend.lock_name("orders", "42"), lock_name("billing", "orders", "42"));
+    /// ```
+    pub fn lock_name(&self, name: &str, key: &str) -> String {
+        lock_name(&self.inner.namespace, name, key)
+    }
+
+    fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
+        let inner = Arc::make_mut(&mut self.inner);
+        change(inner);
+        // New settings are checked anew.
+        inner.checked = Arc::default();
+        self
+    }
+}
+
+impl Inner {
+    /// How long the server lets a session sit idle (`wait_timeout`, and the read and
+    /// write timeouts) before it ends it and frees its locks: one liveness interval
+    /// plus two network timeouts, rounded up to whole seconds. A live holder is never
+    /// idle that long, and a holder cut off declares the lease lost at most one
+    /// interval plus one network timeout after its last answered check: a network
+    /// timeout or more before the server frees the lock.
+    fn server_idle_limit(&self) -> Duration {
+        let limit = self.liveness_interval + 2 * self.network_timeout;
+        Duration::from_secs(limit.as_nanos().div_ceil(1_000_000_000) as u64)
+    }
+
+    /// How long a pooled connection may sit idle before it is closed instead of reused:
+    /// the server's idle limit less a network timeout.
+    fn max_pooled_idle(&self) -> Duration {
+        self.server_idle_limit()
+            .saturating_sub(self.network_timeout)
+    }
+}
+
+impl fmt::Debug for MySqlBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = &self.inner;
+        f.debug_struct("MySqlBackend")
+            .field("namespace", &inner.namespace)
+            .field("liveness_interval", &inner.liveness_interval)
+            .field("network_timeout", &inner.network_timeout)
+            .field("fencing_table", &inner.fencing.as_ref().map(|f| &*f.table))
+            .field("max_connections", &inner.pool.max())
+            .field("idle_connections", &inner.pool.idle())
+            .finish()
+    }
+}
+
+impl LockBackend for MySqlBackend {
+    /// Only with [`fencing(true)`](MySqlBackend::fencing).
+    fn issues_fencing_tokens(&self) -> bool {
+        self.inner.fencing.is_some()
+    }
+
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
+        let name = self.lock_name(name, key.as_str());
+        let inner = self.inner.clone();
+        // The whole acquisition stays within the wait plus one network timeout, however
+        // many round trips were slow. Cut short, it drops its connection: closed, so
+        // whatever the server granted it is freed.
+        let limit = wait.saturating_add(inner.network_timeout);
+        Box::pin(async move {
+            match timeout(limit, inner.acquire(name, wait)).await {
+                Ok(result) => result,
+                Err(_) => Err(MyError::message(
+                    "MySQL did not answer within the wait plus the network timeout",
+                )
+                .into_lock_error()),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend() -> MySqlBackend {
+        MySqlBackend::from_url("mysql://localhost/app").unwrap()
+    }
+
+    #[test]
+    fn table_names_are_checked() {
+        let _ = backend().fencing_table("locks.tokens");
+        for bad in ["", "a b", "x;drop", "a.b.c", "1abc", "a'b", "a`b"] {
+            let result = std::panic::catch_unwind(|| backend().fencing_table(bad));
+            assert!(result.is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn namespaces_are_checked() {
+        for bad in ["", "a:b", "a#b", "é", &"n".repeat(25)] {
+            let result = std::panic::catch_unwind(|| backend().namespace(bad));
+            assert!(result.is_err(), "{bad:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn the_idle_limit_is_whole_seconds_past_the_deadline() {
+        let backend = backend()
+            .liveness_interval(Duration::from_millis(100))
+            .network_timeout(Duration::from_millis(500));
+        assert_eq!(backend.inner.server_idle_limit(), Duration::from_secs(2));
+        assert_eq!(backend.inner.max_pooled_idle(), Duration::from_millis(1500));
+        assert_eq!(
+            MySqlBackend::from_url("mysql://x/y")
+                .unwrap()
+                .inner
+                .server_idle_limit(),
+            Duration::from_secs(5)
+        );
+    }
+}

@@ -1,0 +1,235 @@
+//! The backend's own pool of connections: taking one within the wait, round trips
+//! bounded by the network timeout, and closing a connection whose state is unknown
+//! instead of pooling it.
+//!
+//! `mysql_async`'s pool is not used: a connection dropped mid-statement goes back to it
+//! through a recycler that first reads the pending answer (a `GET_LOCK` that may still
+//! be granted) or resets the session, and it has no way to take one connection out and
+//! close it. Here a [`Session`] is closed unless it is explicitly given back.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Conn, Opts, Row};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{timeout, timeout_at, Instant};
+
+use super::error::MyError;
+use crate::locks::LockError;
+
+/// Connections to one server, at most `max` at once (held, waiting, or idle in the
+/// pool).
+pub(super) struct Pool {
+    opts: Opts,
+    idle: Mutex<Vec<Idle>>,
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+/// A pooled connection: when it was given back, and what is known of its session.
+struct Idle {
+    conn: Conn,
+    since: Instant,
+    state: SessionState,
+}
+
+/// What the backend learned of a server session.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct SessionState {
+    /// `CONNECTION_ID()` as the session first answered it: every later statement on
+    /// this connection must be answered by the same session.
+    pub(super) id: Option<u64>,
+    /// Whether a round trip of its own found the session still holding a lock after the
+    /// granting statement: nothing resets this session between statements.
+    pub(super) checked: bool,
+}
+
+/// A connection whose session may hold a lock. Dropped, it is closed — the server then
+/// ends the session and frees its locks; only [`give_back`](Self::give_back), for a
+/// session known to hold nothing, pools it again.
+pub(super) struct Session {
+    conn: Option<Conn>,
+    pub(super) state: SessionState,
+    /// Whether the connection served an earlier acquisition (it may have died idle).
+    pub(super) reused: bool,
+    /// Set while a statement is in flight, and left set if it did not end well (cut by
+    /// a timeout or a dropped future, or failed): the connection's state is unknown —
+    /// an answer may still be on its way and would be read as the next statement's —
+    /// so it is never used again nor pooled, only closed.
+    unknown: bool,
+    pool: Arc<Pool>,
+    close_within: Duration,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Pool {
+    pub(super) fn new(opts: Opts, max: usize) -> Self {
+        Pool {
+            opts,
+            idle: Mutex::new(Vec::new()),
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+
+    pub(super) fn opts(&self) -> &Opts {
+        &self.opts
+    }
+
+    pub(super) fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Connections idle in the pool now.
+    pub(super) fn idle(&self) -> usize {
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// A connection, waiting for a free slot at most until `deadline` (then
+    /// [`LockError::Timeout`]: the pool is exhausted), plus `network_timeout` to open
+    /// a new one. A pooled connection idle for `max_idle` or longer is closed instead
+    /// of reused: the server may be about to end it (its `wait_timeout`). A new one
+    /// runs `setup` first.
+    pub(super) async fn get(
+        self: &Arc<Self>,
+        deadline: Instant,
+        network_timeout: Duration,
+        max_idle: Duration,
+        setup: &str,
+    ) -> Result<Session, LockError> {
+        let permit = match self.permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => match timeout_at(deadline, self.permits.clone().acquire_owned()).await {
+                Ok(Ok(permit)) => permit,
+                _ => return Err(LockError::Timeout),
+            },
+        };
+        let reused = loop {
+            let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            match idle {
+                Some(idle) if idle.since.elapsed() < max_idle => break Some(idle),
+                // Too old: the server may end it any moment.
+                Some(idle) => close(idle.conn, network_timeout),
+                None => break None,
+            }
+        };
+        if let Some(idle) = reused {
+            return Ok(Session {
+                conn: Some(idle.conn),
+                state: idle.state,
+                reused: true,
+                unknown: false,
+                pool: self.clone(),
+                close_within: network_timeout,
+                _permit: permit,
+            });
+        }
+        let connect = async {
+            let mut conn = Conn::new(self.opts.clone()).await?;
+            conn.query_drop(setup).await?;
+            Ok::<_, mysql_async::Error>(conn)
+        };
+        match timeout(network_timeout, connect).await {
+            Ok(Ok(conn)) => Ok(Session {
+                conn: Some(conn),
+                state: SessionState::default(),
+                reused: false,
+                unknown: false,
+                pool: self.clone(),
+                close_within: network_timeout,
+                _permit: permit,
+            }),
+            Ok(Err(error)) => Err(MyError::new("cannot connect to MySQL", error).into()),
+            Err(_) => Err(MyError::message("MySQL did not accept a connection in time").into()),
+        }
+    }
+}
+
+impl Session {
+    /// Returns the connection to the pool: only for a session known to hold no lock.
+    /// One whose last statement did not end well is closed instead.
+    pub(super) fn give_back(mut self) {
+        if self.unknown {
+            return;
+        }
+        if let Some(conn) = self.conn.take() {
+            let idle = Idle {
+                conn,
+                since: Instant::now(),
+                state: self.state,
+            };
+            self.pool
+                .idle
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(idle);
+        }
+    }
+
+    /// Runs `sql` (text protocol; several statements allowed) within `limit` and
+    /// returns the rows of every result set, in order. Fails at once on a connection
+    /// whose earlier statement did not end well.
+    pub(super) async fn rows(&mut self, sql: &str, limit: Duration) -> Result<Vec<Row>, MyError> {
+        if self.unknown {
+            return Err(MyError::message(
+                "the connection is in an unknown state (a statement was cut short)",
+            ));
+        }
+        // Cleared only when the answer was read in full: a cut or a failure leaves it.
+        self.unknown = true;
+        let conn = self.conn.as_mut().expect("a session until dropped");
+        let query = async {
+            let mut result = conn.query_iter(sql).await?;
+            let mut rows = Vec::new();
+            while !result.is_empty() {
+                rows.extend(result.collect::<Row>().await?);
+            }
+            Ok::<_, mysql_async::Error>(rows)
+        };
+        match timeout(limit, query).await {
+            Ok(Ok(rows)) => {
+                self.unknown = false;
+                Ok(rows)
+            }
+            Ok(Err(error)) => Err(MyError::new("MySQL statement failed", error)),
+            Err(_) => Err(MyError::message("MySQL did not answer in time")),
+        }
+    }
+
+    /// Whether `id` is the session this connection has always talked to; learns it on
+    /// the first answer.
+    pub(super) fn same_session(&mut self, id: u64) -> bool {
+        *self.state.id.get_or_insert(id) == id
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            close(conn, self.close_within);
+        }
+    }
+}
+
+/// Closes `conn` without pooling it: `COM_QUIT` once any pending answer is read, within
+/// `limit`; past it (a silent path) the socket is simply dropped. Either way the server
+/// ends the session and frees its locks. Without a runtime the socket is dropped at
+/// once.
+fn close(conn: Conn, limit: Duration) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move {
+                let _ = timeout(limit, conn.disconnect()).await;
+            });
+        }
+        Err(_) => drop(conn),
+    }
+}
+
+/// Column `index` of `row` as a number; `None` for NULL or anything else.
+pub(super) fn number(row: &Row, index: usize) -> Option<i64> {
+    row.get_opt::<Option<i64>, usize>(index)
+        .and_then(Result::ok)
+        .flatten()
+}
