@@ -131,38 +131,42 @@ impl LockInfo {
 /// [`allow_missing_key`](crate::KeyedLockLayer::allow_missing_key)), take
 /// `Option<LockInfo>`.
 #[cfg(feature = "axum")]
-impl<S: Send + Sync> axum::extract::FromRequestParts<S> for LockInfo {
-    type Rejection = crate::reject::Rejection;
+mod extractor {
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Self, Self::Rejection> {
-        static LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-        let info = parts.extensions.get::<LockInfo>().cloned();
-        info.ok_or_else(|| {
-            if !LOGGED.swap(true, Ordering::Relaxed) {
-                tracing::error!(
-                    "a handler takes LockInfo, but its route is not behind a KeyedLockLayer"
-                );
-            }
-            crate::reject::Rejection::misconfigured(
-                "the handler expects a held key, but its route is not behind a lock layer",
-            )
-        })
+    use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+    use http::request::Parts;
+
+    use super::LockInfo;
+    use crate::reject::Rejection;
+
+    impl<S: Send + Sync> FromRequestParts<S> for LockInfo {
+        type Rejection = Rejection;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Rejection> {
+            static LOGGED: AtomicBool = AtomicBool::new(false);
+            let info = parts.extensions.get::<LockInfo>().cloned();
+            info.ok_or_else(|| {
+                if !LOGGED.swap(true, Ordering::Relaxed) {
+                    tracing::error!(
+                        "a handler takes LockInfo, but its route is not behind a KeyedLockLayer"
+                    );
+                }
+                Rejection::misconfigured(
+                    "the handler expects a held key, but its route is not behind a lock layer",
+                )
+            })
+        }
     }
-}
 
-/// `Option<LockInfo>`: `None` for a request the layer let through without a key.
-#[cfg(feature = "axum")]
-impl<S: Send + Sync> axum::extract::OptionalFromRequestParts<S> for LockInfo {
-    type Rejection = std::convert::Infallible;
+    /// `Option<LockInfo>`: `None` for a request the layer let through without a key.
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for LockInfo {
+        type Rejection = Infallible;
 
-    async fn from_request_parts(
-        parts: &mut http::request::Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        Ok(parts.extensions.get::<LockInfo>().cloned())
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Option<Self>, Infallible> {
+            Ok(parts.extensions.get::<LockInfo>().cloned())
+        }
     }
 }
 

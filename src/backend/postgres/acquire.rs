@@ -72,13 +72,12 @@ impl Grant {
 }
 
 impl Inner {
+    /// Takes the session lock `id`, waiting until `deadline` (fencing prepared).
     pub(super) async fn acquire(
         self: Arc<Self>,
         id: i64,
-        wait: Duration,
+        deadline: Instant,
     ) -> Result<Lease, LockError> {
-        let deadline = Instant::now() + wait;
-        self.prepare_fencing(deadline).await?;
         let marker = format!("{id}/{:016x}", nonce());
         let try_sql = format!(
             "SELECT pid, locked, CASE WHEN locked THEN {granted} END, \

@@ -243,7 +243,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::sync::OnceCell;
-use tokio::time::timeout;
+use tokio::time::{timeout, Instant};
 use tokio_postgres::NoTls;
 
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
@@ -578,9 +578,13 @@ impl LockBackend for PostgresBackend {
         let limit = wait + inner.network_timeout;
         Box::pin(async move {
             let acquire = async {
+                let deadline = Instant::now() + wait;
+                inner.prepare_fencing(deadline).await?;
                 match inner.scope {
-                    LockScope::Session => inner.acquire(id, wait).await,
-                    LockScope::Transaction => inner.acquire_in_transaction(id, wait).await,
+                    LockScope::Session => inner.acquire(id, deadline).await,
+                    LockScope::Transaction => {
+                        inner.acquire_in_transaction(id, wait, deadline).await
+                    }
                 }
             };
             match timeout(limit, acquire).await {

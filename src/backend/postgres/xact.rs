@@ -16,13 +16,14 @@ use crate::backend::Lease;
 use crate::error::LockError;
 
 impl Inner {
+    /// Takes the transaction lock `id`, waiting at most `wait`, until `deadline` (fencing
+    /// prepared).
     pub(super) async fn acquire_in_transaction(
         self: Arc<Self>,
         id: i64,
         wait: Duration,
+        deadline: Instant,
     ) -> Result<Lease, LockError> {
-        let deadline = Instant::now() + wait;
-        self.prepare_fencing(deadline).await?;
         let token = self.token_sql();
         // A partitioned holder's transaction is ended by the server at this limit;
         // a live holder's liveness checks keep it shorter.
