@@ -3,8 +3,8 @@
 //! PostgreSQL (when their features are on).
 //!
 //! ```text
-//! cargo bench --all-features --bench etcd
-//! cargo bench --all-features --bench etcd -- --test     # CI: each once
+//! cargo bench -p tower-keyed-lock-benches --bench etcd
+//! cargo bench -p tower-keyed-lock-benches --bench etcd -- --test     # CI: each once
 //! ```
 //!
 //! 1. Uncontended acquire + release of one key: `EtcdBackend` (`acquire` then

@@ -3,8 +3,8 @@
 //! distinct key per request, on a current-thread runtime.
 //!
 //! ```text
-//! cargo bench --bench layer                  # full run (about 30 seconds)
-//! cargo bench --bench layer -- --test        # CI: each benchmark once
+//! cargo bench -p tower-keyed-lock-benches --bench layer                  # full run (about 30 seconds)
+//! cargo bench -p tower-keyed-lock-benches --bench layer -- --test        # CI: each benchmark once
 //! ```
 //!
 //! Variants: the bare router (`no-layer`); `KeyedLockLayer` keyed by the path parameter
@@ -370,7 +370,7 @@ impl Args {
         let args: Vec<String> = std::env::args().skip(1).collect();
         let has = |flag: &str| args.iter().any(|a| a == flag);
         Self {
-            // `cargo bench` passes `--bench`; `-- --test` and `cargo test --benches`
+            // `cargo bench -p tower-keyed-lock-benches` passes `--bench`; `-- --test` and `cargo test --benches`
             // run each benchmark once.
             quick: has("--test") || !has("--bench") || has("--list"),
             // Criterion's options with values are not used with this bench; every

@@ -3,9 +3,9 @@
 //! a queued waiter (workload 6, `6-withdraw`).
 //!
 //! ```text
-//! cargo bench --bench locks                  # full run (about 3 minutes)
-//! cargo bench --bench locks -- --test        # CI: each benchmark once
-//! cargo bench --bench locks -- 3-handoff     # one workload
+//! cargo bench -p tower-keyed-lock-benches --bench locks                  # full run (about 3 minutes)
+//! cargo bench -p tower-keyed-lock-benches --bench locks -- --test        # CI: each benchmark once
+//! cargo bench -p tower-keyed-lock-benches --bench locks -- 3-handoff     # one workload
 //! ```
 //!
 //! Baselines, written here and not dependencies of the crate:
@@ -1180,7 +1180,7 @@ impl Args {
         }
         let has = |flag: &str| args.iter().any(|a| a == flag);
         Self {
-            // `cargo bench` passes `--bench`; `cargo bench -- --test` and
+            // `cargo bench -p tower-keyed-lock-benches` passes `--bench`; `cargo bench -p tower-keyed-lock-benches -- --test` and
             // `cargo test --benches` run each benchmark once.
             quick: has("--test") || !has("--bench"),
             filters,

@@ -9,8 +9,8 @@
 //! waiter's grant.
 //!
 //! ```text
-//! cargo bench --features mysql --bench mysql
-//! cargo bench --features mysql --bench mysql -- --test     # CI: each once
+//! cargo bench -p tower-keyed-lock-benches --bench mysql
+//! cargo bench -p tower-keyed-lock-benches --bench mysql -- --test     # CI: each once
 //! ```
 //!
 //! Both are two round trips to a local server, so the ratio is what the backend adds.

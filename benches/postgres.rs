@@ -7,8 +7,8 @@
 //! the newest `/usr/lib/postgresql/*/bin`; `./scripts/test` installs it).
 //!
 //! ```text
-//! CARGO_TARGET_DIR=/work/target-pg cargo bench --features postgres --bench postgres
-//! cargo bench --features postgres --bench postgres -- --test     # CI: each once
+//! CARGO_TARGET_DIR=/work/target-pg cargo bench -p tower-keyed-lock-benches --bench postgres
+//! cargo bench -p tower-keyed-lock-benches --bench postgres -- --test     # CI: each once
 //! ```
 //!
 //! Both are two round trips to a local server, so the ratio is what the backend adds

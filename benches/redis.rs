@@ -1,8 +1,8 @@
 //! The Redis backend against a real `redis-server` the bench starts on a free port.
 //!
 //! ```text
-//! CARGO_TARGET_DIR=/work/target-redis cargo bench --features redis --bench redis
-//! cargo bench --features redis --bench redis -- --test     # CI: each once
+//! CARGO_TARGET_DIR=/work/target-redis cargo bench -p tower-keyed-lock-benches --bench redis
+//! cargo bench -p tower-keyed-lock-benches --bench redis -- --test     # CI: each once
 //! ```
 //!
 //! 1. Uncontended acquire + release of one key: `RedisBackend` (`acquire` then

@@ -2,8 +2,8 @@
 //! store and with the Redis store (a real `redis-server` the bench starts).
 //!
 //! ```text
-//! cargo bench --features replay,redis --bench replay
-//! cargo bench --features replay,redis --bench replay -- --test     # CI: each once
+//! cargo bench -p tower-keyed-lock-benches --bench replay
+//! cargo bench -p tower-keyed-lock-benches --bench replay -- --test     # CI: each once
 //! ```
 //!
 //! Each stack is driven with `ServiceExt::oneshot` (no sockets), a request with a
