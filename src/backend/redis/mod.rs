@@ -208,6 +208,7 @@ use redis::{Client, ErrorKind, RedisError, Script};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
+#[cfg(feature = "replay")]
 pub(crate) use self::connection::Connection;
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
@@ -687,6 +688,7 @@ impl RedisBackendBuilder {
     }
 }
 
+#[cfg(feature = "replay")]
 impl RedisBackend {
     /// Runs `command` on the backend's own connection (a single server or a cluster),
     /// within the command timeout: how the Redis replay store reaches the server its

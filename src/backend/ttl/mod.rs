@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "redis", feature = "etcd"))]
 pub(crate) use self::backoff::jitter;
 pub(crate) use self::backoff::Backoff;
 pub(crate) use self::give_back::InFlight;
@@ -75,6 +75,7 @@ impl Timing {
     }
 
     /// The longest a lease is kept, renewals included.
+    #[cfg(feature = "redis")]
     pub(crate) fn max_hold(self, max_hold: Option<Duration>) -> Self {
         Timing { max_hold, ..self }
     }
