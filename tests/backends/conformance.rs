@@ -23,6 +23,7 @@ use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
 
+use crate::support::fixtures::within;
 use crate::support::fixtures::{Fixture, Proxied, Remote};
 use crate::support::tcp_proxy::TcpProxy;
 
@@ -426,13 +427,6 @@ async fn a_reset_connection_is_a_lost_lease_and_recovers<F: Proxied>(fixture: &F
     })
     .await;
     again.release().await;
-}
-
-/// `future`, or a panic naming `what` after `limit`.
-async fn within<T>(what: &str, limit: Duration, future: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what} did not happen within {limit:?}"))
 }
 
 // ------------------------------------------------- a backend written outside the crate

@@ -7,7 +7,6 @@
 #![cfg(feature = "redis")]
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,6 +15,7 @@ use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{Key, LockBackend, LockError};
 
+use crate::support::fixtures::within;
 use crate::support::redis_cluster::RedisCluster;
 use crate::support::redis_server::cli;
 
@@ -31,13 +31,6 @@ async fn instance(cluster: &RedisCluster, poll: Duration) -> RedisBackend {
         .build()
         .await
         .expect("backend connects to the cluster")
-}
-
-/// Fails the test instead of hanging it.
-async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
 }
 
 fn key(text: &str) -> Key {

@@ -7,7 +7,6 @@
 //! `cargo test --all-features --test backends redis_faults:: -- --nocapture`.
 #![cfg(feature = "redis")]
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +19,7 @@ use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError};
 
+use crate::support::fixtures::within;
 use crate::support::redis_server::RedisServer;
 use crate::support::tcp_proxy::TcpProxy;
 use crate::support::{eventually, serve, Overlap, Server};
@@ -56,13 +56,6 @@ async fn connection(redis: &RedisServer) -> MultiplexedConnection {
 
 fn key(text: &str) -> Key {
     Key::new(text, 256).unwrap()
-}
-
-/// Fails the test instead of hanging it.
-async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
 }
 
 /// One instance: `/orders/{order_id}` runs a handler that counts overlapping runs.

@@ -3,13 +3,13 @@
 //! and `redis-server --sentinel` processes on free ports.
 #![cfg(feature = "redis")]
 
-use std::future::Future;
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::{Key, LockBackend, LockError};
 
+use crate::support::fixtures::within;
 use crate::support::redis_server::{cli, RedisServer, SENTINEL_MASTER};
 
 fn key(text: &str) -> Key {
@@ -26,13 +26,6 @@ async fn backend(
         .command_timeout(Duration::from_millis(500))
         .restart_guard(false);
     configure(builder).build().await.expect("backend connects")
-}
-
-/// Fails the test instead of hanging it.
-async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
 }
 
 /// The first grant on fresh replicas: retried, since right after a replica synced it

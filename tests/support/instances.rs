@@ -15,14 +15,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tower_keyed_lock::LockInfo;
 
+pub use super::fixtures::within;
 use super::{Answer, Overlap, Server};
-
-/// Fails the test instead of hanging it.
-pub async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
-    tokio::time::timeout(limit, future)
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {limit:?}: {what}"))
-}
 
 /// Waits until the async `condition` holds, failing the test after 5 s.
 pub async fn until<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
