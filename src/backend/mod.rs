@@ -287,12 +287,6 @@ impl LeaseLostSender {
         });
         extended
     }
-
-    /// Whether the signal is raised or its deadline has passed.
-    pub fn is_lost(&self) -> bool {
-        let now = Instant::now();
-        self.0.borrow().is_lost_at(now)
-    }
 }
 
 impl Drop for LeaseLostSender {

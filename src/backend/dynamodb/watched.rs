@@ -17,7 +17,6 @@ const MAX_WATCHED: usize = 16_384;
 
 /// A record version seen on another owner's item, and since when (on our monotonic
 /// clock). If it is still the same a whole lease later, its holder stopped renewing.
-#[derive(Clone)]
 struct Seen {
     rvn: String,
     since: Instant,
