@@ -369,27 +369,32 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
 
     /// Replaces the response of every rejection.
     ///
+    /// The handler returns any `http::Response` whose body yields [`Bytes`](bytes::Bytes)
+    /// — an axum response (`.into_response()`), `Response<String>`, `Response<Full<Bytes>>`.
+    /// Its body is read to the end before the response is sent (a rejection's body is
+    /// small; trailers are dropped); a body that fails is logged and replaced by
+    /// [`Rejection::into_response`].
+    ///
     /// ```
-    /// use bytes::Bytes;
-    /// use http::Response;
+    /// use axum::response::IntoResponse;
     /// use tower_keyed_lock::{KeyedLockLayer, RejectionKind};
     ///
     /// let layer = KeyedLockLayer::by_header("idempotency-key").on_rejection(|rejection| {
-    ///     let text = match rejection.kind() {
+    ///     let message = match rejection.kind() {
     ///         RejectionKind::Timeout => "already processing this delivery",
     ///         _ => "cannot take this request now",
     ///     };
-    ///     Response::builder()
-    ///         .status(rejection.status())
-    ///         .body(Bytes::from(text))
-    ///         .unwrap()
+    ///     (rejection.status(), [("x-rejected", rejection.kind().as_str())], message).into_response()
     /// });
     /// ```
-    pub fn on_rejection<F>(self, handler: F) -> Self
+    pub fn on_rejection<F, B>(self, handler: F) -> Self
     where
-        F: Fn(Rejection) -> Response<Bytes> + Send + Sync + 'static,
+        F: Fn(Rejection) -> Response<B> + Send + Sync + 'static,
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
-        self.configure(|c| c.on_rejection = Some(Arc::new(handler)))
+        let handler = super::rejected::erase(handler);
+        self.configure(|c| c.on_rejection = Some(handler))
     }
 
     /// Serializes keys across every instance that shares `backend` (Redis,

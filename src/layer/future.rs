@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Instant;
 
-use bytes::Bytes;
 use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
@@ -16,6 +15,7 @@ use tower_service::Service;
 use super::body::KeyedLockBody;
 use super::held::HeldKey;
 use super::info::LockInfo;
+use super::rejected::RejectionResponse;
 use super::shared::Shared;
 use crate::backend::RetryLater;
 use crate::distributed::{DistributedAcquire, DistributedGuard};
@@ -58,7 +58,7 @@ pin_project! {
         },
         // Answered by the layer; the body becomes `KeyedLockBody::full` when polled.
         Rejected {
-            response: Option<Response<Bytes>>,
+            response: RejectionResponse,
         },
         // The inner service failed to get ready.
         Failed {
@@ -150,11 +150,9 @@ where
         }
     }
 
-    pub(crate) fn rejected(response: Response<Bytes>) -> Self {
+    pub(crate) fn rejected(response: RejectionResponse) -> Self {
         Self {
-            state: State::Rejected {
-                response: Some(response),
-            },
+            state: State::Rejected { response },
         }
     }
 }
@@ -221,7 +219,7 @@ where
                                 _ => {}
                             }
                             State::Rejected {
-                                response: Some(pending.ticket.reject(&error)),
+                                response: pending.ticket.reject(&error),
                             }
                         }
                     }
@@ -260,7 +258,7 @@ where
                     return Poll::Ready(Err(error.take().expect("polled after completion")));
                 }
                 StateProj::Rejected { response } => {
-                    let response = response.take().expect("polled after completion");
+                    let response = ready!(response.poll(cx));
                     return Poll::Ready(Ok(response.map(KeyedLockBody::full)));
                 }
             };
@@ -279,7 +277,7 @@ fn poll_lease_lost<S, ReqBody, F, E>(
     lost.then(|| {
         let shared = held.as_ref().expect("a lease implies a hold").shared();
         State::Rejected {
-            response: Some(shared.respond(shared.lease_lost_rejection())),
+            response: shared.respond(shared.lease_lost_rejection()),
         }
     })
 }
@@ -342,7 +340,7 @@ impl WaitTicket {
     }
 
     /// Records a failed wait and answers it.
-    fn reject(&mut self, error: &LockError) -> Response<Bytes> {
+    fn reject(&mut self, error: &LockError) -> RejectionResponse {
         self.ended = true;
         let metrics = self.shared.metrics();
         let waited = self.arrived.elapsed();

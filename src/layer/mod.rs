@@ -127,6 +127,7 @@ mod builder;
 mod future;
 mod held;
 mod info;
+mod rejected;
 mod service;
 pub(crate) mod shared;
 

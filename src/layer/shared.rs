@@ -3,20 +3,18 @@
 //! held key and the body read it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Response, StatusCode};
+use http::StatusCode;
 
 use super::info::LayerTag;
+use super::rejected::{RejectionHandler, RejectionResponse};
 use crate::distributed::{DistributedLocks, DistributedLocksBuilder};
 use crate::error::LockError;
 use crate::key::KeyError;
 use crate::metrics::Metrics;
 use crate::reject::Rejection;
-
-pub(crate) type RejectionHandler = Arc<dyn Fn(Rejection) -> Response<Bytes> + Send + Sync>;
 
 /// A layer's own settings, fixed before the layer is applied; the lock's (name,
 /// permits, limits, backend) are in the layer's `DistributedLocksBuilder`.
@@ -102,7 +100,7 @@ impl Shared {
     }
 
     /// The response for `rejection`: the user's handler's, or the default.
-    pub(crate) fn respond(&self, rejection: Rejection) -> Response<Bytes> {
+    pub(crate) fn respond(&self, rejection: Rejection) -> RejectionResponse {
         self.metrics().rejected(rejection.kind());
         tracing::debug!(
             layer = self.name(),
@@ -110,8 +108,8 @@ impl Shared {
             "request rejected"
         );
         match &self.config.on_rejection {
-            Some(handler) => handler(rejection),
-            None => rejection.into_response(),
+            Some(handler) => RejectionResponse::from_handler(handler, rejection),
+            None => RejectionResponse::ready(rejection),
         }
     }
 }

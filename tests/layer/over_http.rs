@@ -436,17 +436,100 @@ async fn a_panicking_handler_releases_its_key() {
 
 #[tokio::test]
 async fn on_rejection_replaces_the_response() {
+    use axum::response::IntoResponse;
     let layer = KeyedLockLayer::by_header("idempotency-key").on_rejection(|rejection| {
-        http::Response::builder()
-            .status(StatusCode::UNPROCESSABLE_ENTITY)
-            .body(Bytes::from(format!("custom {}", rejection.kind().as_str())))
-            .unwrap()
+        let message = format!("custom {}", rejection.kind().as_str());
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            [("x-custom", "1")],
+            message,
+        )
+            .into_response()
     });
     let server = serve(echo_key_router().layer(layer)).await;
     let answer = server.post("/webhook").await;
     assert_eq!(
         (answer.status, answer.body.as_str()),
         (StatusCode::UNPROCESSABLE_ENTITY, "custom missing_key")
+    );
+    assert_eq!(answer.headers["x-custom"], "1");
+}
+
+/// A body that is not ready at once, then yields `frames`, or fails after the first.
+struct HandlerBody {
+    frames: Vec<&'static str>,
+    polled: bool,
+    fail: bool,
+}
+
+impl http_body::Body for HandlerBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        use std::task::Poll;
+        if !std::mem::replace(&mut self.polled, true) {
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        if self.frames.is_empty() {
+            return Poll::Ready(None);
+        }
+        let frame = self.frames.remove(0);
+        if self.fail && frame != "first " {
+            return Poll::Ready(Some(Err(std::io::Error::other("the body broke"))));
+        }
+        Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
+            frame.as_bytes(),
+        )))))
+    }
+}
+
+#[tokio::test]
+async fn on_rejection_bodies_that_stream_are_read_whole() {
+    let layer = KeyedLockLayer::by_header("idempotency-key").on_rejection(|rejection| {
+        let body = HandlerBody {
+            frames: vec!["first ", "second"],
+            polled: false,
+            fail: false,
+        };
+        http::Response::builder()
+            .status(rejection.status())
+            .body(body)
+            .unwrap()
+    });
+    let server = serve(echo_key_router().layer(layer)).await;
+    let answer = server.post("/webhook").await;
+    assert_eq!(
+        (answer.status, answer.body.as_str()),
+        (StatusCode::BAD_REQUEST, "first second")
+    );
+}
+
+#[tokio::test]
+async fn an_on_rejection_body_that_fails_gets_the_default_rejection() {
+    let layer = KeyedLockLayer::by_header("idempotency-key").on_rejection(|_| {
+        let body = HandlerBody {
+            frames: vec!["first ", "second"],
+            polled: false,
+            fail: true,
+        };
+        http::Response::builder()
+            .status(StatusCode::IM_A_TEAPOT)
+            .body(body)
+            .unwrap()
+    });
+    let server = serve(echo_key_router().layer(layer)).await;
+    let answer = server.post("/webhook").await;
+    assert_eq!(answer.status, StatusCode::BAD_REQUEST);
+    assert_eq!(answer.headers["content-type"], "application/problem+json");
+    assert!(
+        answer.body.contains(r#""reason":"missing_key""#),
+        "{}",
+        answer.body
     );
 }
 
