@@ -185,3 +185,96 @@ fn withdrawn_waiter_behind_the_front_is_skipped() {
         assert!(locks.try_lock(1).is_ok(), "permit lost");
     });
 }
+
+/// Counts shared and exclusive holders of one key; panics if a writer ever overlaps
+/// anyone.
+#[derive(Default)]
+struct ReadWrite {
+    readers: AtomicUsize,
+    writers: AtomicUsize,
+}
+
+impl ReadWrite {
+    fn read(&self) {
+        self.readers.fetch_add(1, Ordering::SeqCst);
+        assert_eq!(
+            self.writers.load(Ordering::SeqCst),
+            0,
+            "a reader beside a writer"
+        );
+        self.readers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    fn write(&self) {
+        assert_eq!(
+            self.writers.fetch_add(1, Ordering::SeqCst),
+            0,
+            "two writers"
+        );
+        assert_eq!(
+            self.readers.load(Ordering::SeqCst),
+            0,
+            "a writer beside a reader"
+        );
+        self.writers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Two readers and a writer race on one key: the writer never overlaps a reader, and
+/// every hand-off (a batch of readers after the writer, the writer after the last
+/// reader) reaches its waiters.
+#[test]
+fn a_writer_never_overlaps_readers() {
+    loom::model(|| {
+        let locks = KeyedLocks::<u8>::new();
+        let state = Arc::new(ReadWrite::default());
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (locks, state) = (locks.clone(), state.clone());
+                thread::spawn(move || {
+                    let guard = block_on(locks.lock_shared(1)).unwrap();
+                    state.read();
+                    drop(guard);
+                })
+            })
+            .collect();
+        let guard = block_on(locks.lock(1)).unwrap();
+        state.write();
+        drop(guard);
+        for reader in readers {
+            reader.join().unwrap();
+        }
+        assert_eq!(locks.len(), 0, "entry left behind");
+        assert!(locks.try_lock(1).is_ok(), "key left held");
+    });
+}
+
+/// A reader holds throughout; a writer queues and is cancelled while a second reader
+/// arrives behind it: whichever way the withdrawal races the arrival, the second
+/// reader gets in beside the first (waiting for the first to leave would deadlock
+/// here), and nothing is left held.
+#[test]
+fn readers_behind_a_cancelled_writer_get_in() {
+    loom::model(|| {
+        let locks = KeyedLocks::<u8>::new();
+        let state = Arc::new(ReadWrite::default());
+        let reader = locks.try_lock_shared(1).unwrap();
+        let mut writer = locks.lock(1);
+        assert!(poll_once(&mut writer).is_pending());
+
+        let second = {
+            let (locks, state) = (locks.clone(), state.clone());
+            thread::spawn(move || {
+                let guard = block_on(locks.lock_shared(1)).unwrap();
+                state.read();
+                drop(guard);
+            })
+        };
+        drop(writer);
+        second.join().unwrap();
+        drop(reader);
+
+        assert_eq!(locks.len(), 0, "entry left behind");
+        assert!(locks.try_lock(1).is_ok(), "key left held");
+    });
+}

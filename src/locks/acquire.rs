@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use super::{Attempt, Handle, KeyGuard, LockError, Waiter};
+use super::{Attempt, Handle, KeyGuard, LockError, Mode, Waiter};
 use crate::sync::Arc;
 
 /// Waits for a key; resolves to its [`KeyGuard`].
@@ -23,18 +23,25 @@ pub struct Acquire<K: Eq + Hash> {
     hash: u64,
     queued: Option<Arc<Waiter>>,
     timeout: Option<Duration>,
+    mode: Mode,
     /// Created only once the future has to wait, so the uncontended path never touches
     /// the timer.
     deadline: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl<K: Eq + Hash> Acquire<K> {
-    pub(super) fn new(inner: Arc<Handle<K>>, key: K, timeout: Option<Duration>) -> Self {
+    pub(super) fn new(
+        inner: Arc<Handle<K>>,
+        key: K,
+        timeout: Option<Duration>,
+        mode: Mode,
+    ) -> Self {
         Self {
             hash: inner.table.hash(&key),
             wanted: Some((inner, key)),
             queued: None,
             timeout,
+            mode,
             deadline: None,
         }
     }
@@ -42,7 +49,7 @@ impl<K: Eq + Hash> Acquire<K> {
     fn resolve(&mut self, result: Result<(), LockError>) -> Poll<Result<KeyGuard<K>, LockError>> {
         self.queued = None;
         let (inner, key) = self.wanted.take().expect("Acquire polled after completion");
-        Poll::Ready(result.map(|()| KeyGuard::new(inner, key, self.hash)))
+        Poll::Ready(result.map(|()| KeyGuard::new(inner, key, self.hash, self.mode)))
     }
 }
 
@@ -67,7 +74,7 @@ impl<K: Eq + Hash + Clone> Future for Acquire<K> {
                     .expect("Acquire polled after completion");
                 let try_once = this.timeout == Some(Duration::ZERO);
                 let waker = (!try_once).then(|| cx.waker());
-                match inner.attempt(this.hash, waker) {
+                match inner.attempt(this.hash, this.mode, waker) {
                     Ok(Attempt::Acquired) => return this.resolve(Ok(())),
                     Ok(Attempt::Queued(waiter)) => this.queued = Some(waiter),
                     Ok(Attempt::Busy) => return this.resolve(Err(LockError::Timeout)),
@@ -115,6 +122,7 @@ impl<K: Eq + Hash + fmt::Debug> fmt::Debug for Acquire<K> {
             .field("key", &self.wanted.as_ref().map(|(_, key)| key))
             .field("queued", &self.queued.is_some())
             .field("timeout", &self.timeout)
+            .field("shared", &(self.mode == Mode::Shared))
             .finish()
     }
 }

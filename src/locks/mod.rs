@@ -47,7 +47,8 @@ pub use acquire::Acquire;
 pub use crate::error::LockError;
 use crate::sync::{Arc, CachePadded};
 use count::KeyBound;
-use slot::{Attempt, Slot, Waiter};
+pub(crate) use slot::Mode;
+use slot::{Attempt, Granted, Slot, Waiter};
 use table::Table;
 
 /// A table of async locks, one per key, created on demand and removed the moment the
@@ -103,7 +104,8 @@ struct Inner<K> {
     /// table. Moving it by ±1 (rather than setting it) lets layers that share a metric
     /// name add up.
     keys_gauge: std::sync::OnceLock<metrics::Gauge>,
-    permits: usize,
+    /// Exclusive holders per key (checked to fit when built).
+    permits: u32,
     max_waiters: usize,
     max_keys: usize,
 }
@@ -137,6 +139,7 @@ pub struct KeyGuard<K: Eq + Hash> {
     key: K,
     /// The key's table hash, kept so the release does not hash the key again.
     hash: u64,
+    mode: Mode,
 }
 
 /// A key held through [`KeyedLocks::try_hold`], known by its table hash. It does not
@@ -166,20 +169,61 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     /// acquired. It fails at once with [`LockError::QueueFull`] or
     /// [`LockError::TooManyKeys`] when a limit is reached.
     pub fn lock(&self, key: K) -> Acquire<K> {
-        Acquire::new(self.handle(), key, None)
+        Acquire::new(self.handle(), key, None, Mode::Exclusive)
     }
 
     /// Waits for `key` at most `timeout`, then fails with [`LockError::Timeout`].
     /// `Duration::ZERO` tries once and never waits. Needs a Tokio runtime with time
     /// enabled when it has to wait.
     pub fn lock_timeout(&self, key: K, timeout: Duration) -> Acquire<K> {
-        Acquire::new(self.handle(), key, Some(timeout))
+        Acquire::new(self.handle(), key, Some(timeout), Mode::Exclusive)
     }
 
     /// Takes `key` if a permit is free now, else fails with [`LockError::Busy`].
     pub fn try_lock(&self, key: K) -> Result<KeyGuard<K>, LockError> {
         let HashHold(hash) = self.try_hold(&key)?;
-        Ok(KeyGuard::new(self.handle(), key, hash))
+        Ok(KeyGuard::new(self.handle(), key, hash, Mode::Exclusive))
+    }
+
+    /// Waits for `key` shared, without a time limit: any number of shared holders hold
+    /// a key together, while no exclusive holder ([`lock`](Self::lock)) has it.
+    ///
+    /// Waiters are served in arrival order whatever their mode: a waiting exclusive
+    /// holder stops new shared holders from entering (writers are not starved by a
+    /// stream of readers), and the shared holders queued behind it enter together once
+    /// it leaves. Cancel-safe as [`lock`](Self::lock).
+    ///
+    /// ```
+    /// use tower_keyed_lock::{KeyedLocks, LockError};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let locks = KeyedLocks::new();
+    /// let reader = locks.lock_shared("order-42").await.unwrap();
+    /// let another = locks.try_lock_shared("order-42").unwrap(); // readers together
+    /// assert!(matches!(locks.try_lock("order-42"), Err(LockError::Busy))); // no writer
+    /// drop((reader, another));
+    /// let writer = locks.try_lock("order-42").unwrap();
+    /// assert!(matches!(locks.try_lock_shared("order-42"), Err(LockError::Busy)));
+    /// # drop(writer);
+    /// # }
+    /// ```
+    pub fn lock_shared(&self, key: K) -> Acquire<K> {
+        Acquire::new(self.handle(), key, None, Mode::Shared)
+    }
+
+    /// Waits for `key` shared at most `timeout`, as [`lock_timeout`](Self::lock_timeout).
+    pub fn lock_shared_timeout(&self, key: K, timeout: Duration) -> Acquire<K> {
+        Acquire::new(self.handle(), key, Some(timeout), Mode::Shared)
+    }
+
+    /// Takes `key` shared if no exclusive holder has it and nobody waits for it, else
+    /// fails with [`LockError::Busy`].
+    pub fn try_lock_shared(&self, key: K) -> Result<KeyGuard<K>, LockError> {
+        let hash = self.inner().table.hash(&key);
+        match self.inner().attempt(hash, Mode::Shared, None)? {
+            Attempt::Acquired => Ok(KeyGuard::new(self.handle(), key, hash, Mode::Shared)),
+            _ => Err(LockError::Busy),
+        }
     }
 
     /// Like [`try_lock`](Self::try_lock), for a holder that keeps the table alive by
@@ -187,7 +231,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     /// no reference count on the table and no copy of the key.
     pub(crate) fn try_hold(&self, key: &K) -> Result<HashHold, LockError> {
         let hash = self.inner().table.hash(key);
-        match self.inner().attempt(hash, None) {
+        match self.inner().attempt(hash, Mode::Exclusive, None) {
             Ok(Attempt::Acquired) => Ok(HashHold(hash)),
             Ok(_) => Err(LockError::Busy),
             Err(error) => Err(error),
@@ -196,7 +240,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
 
     /// Gives back a key taken with [`try_hold`](Self::try_hold).
     pub(crate) fn release(&self, hold: HashHold) {
-        self.inner().release(hold.0);
+        self.inner().release(hold.0, Mode::Exclusive);
     }
 
     /// Keys that have a holder or a waiter now (exact when no call is in flight).
@@ -220,7 +264,12 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
 impl<K: Eq + Hash> Inner<K> {
     /// First attempt on the key of table hash `hash`: acquire, or queue with `waker`,
     /// or say why not.
-    fn attempt(&self, hash: u64, waker: Option<&std::task::Waker>) -> Result<Attempt, LockError> {
+    fn attempt(
+        &self,
+        hash: u64,
+        mode: Mode,
+        waker: Option<&std::task::Waker>,
+    ) -> Result<Attempt, LockError> {
         let attempt = self.table.with_slot(
             hash,
             || {
@@ -230,26 +279,26 @@ impl<K: Eq + Hash> Inner<K> {
                 }
                 admitted
             },
-            |slot| slot.acquire_or_enqueue(self.permits, self.max_waiters, waker),
+            |slot| slot.acquire_or_enqueue(mode, self.permits, self.max_waiters, waker),
         );
         attempt.ok_or(LockError::TooManyKeys)
     }
 
-    fn release(&self, hash: u64) {
-        self.finish(hash, Slot::release);
+    fn release(&self, hash: u64, mode: Mode) {
+        self.finish(hash, |slot| slot.release(mode, self.permits));
     }
 
     fn withdraw(&self, hash: u64, waiter: &Arc<Waiter>) {
-        self.finish(hash, |slot| slot.withdraw(waiter));
+        self.finish(hash, |slot| slot.withdraw(waiter, self.permits));
     }
 
     /// Applies a leaving step to the slot of hash `hash`, removes the slot when it says
-    /// so, and wakes the next holder after the shard lock is released.
-    fn finish(&self, hash: u64, step: impl FnOnce(&mut Slot) -> (Option<std::task::Waker>, bool)) {
-        let mut next = None;
+    /// so, and wakes the holders it granted after the shard lock is released.
+    fn finish(&self, hash: u64, step: impl FnOnce(&mut Slot) -> (Granted, bool)) {
+        let mut next = Granted::default();
         let removed = self.table.update_or_remove(hash, |slot| {
-            let (waker, remove) = step(slot);
-            next = waker;
+            let (granted, remove) = step(slot);
+            next = granted;
             remove
         });
         if removed {
@@ -260,9 +309,7 @@ impl<K: Eq + Hash> Inner<K> {
                 gauge.decrement(1.0);
             }
         }
-        if let Some(waker) = next {
-            waker.wake();
-        }
+        next.wake();
     }
 }
 
@@ -314,6 +361,11 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
             permits > 0,
             "permits must be at least 1: no request could ever run"
         );
+        assert!(
+            u32::try_from(permits).is_ok(),
+            "permits must fit in a u32 (at most {})",
+            u32::MAX
+        );
         self.permits = permits;
         self
     }
@@ -338,7 +390,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
             table: CachePadded(Table::new()),
             bound: KeyBound::new(self.max_keys),
             keys_gauge: std::sync::OnceLock::new(),
-            permits: self.permits,
+            permits: u32::try_from(self.permits).expect("checked by `permits`"),
             max_waiters: self.max_waiters,
             max_keys: self.max_keys,
         });
@@ -354,25 +406,39 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocksBuilder<K> {
 }
 
 impl<K: Eq + Hash> KeyGuard<K> {
-    fn new(inner: Arc<Handle<K>>, key: K, hash: u64) -> Self {
-        Self { inner, key, hash }
+    fn new(inner: Arc<Handle<K>>, key: K, hash: u64, mode: Mode) -> Self {
+        Self {
+            inner,
+            key,
+            hash,
+            mode,
+        }
     }
 
     /// The key this guard holds.
     pub fn key(&self) -> &K {
         &self.key
     }
+
+    /// Whether the key is held shared ([`KeyedLocks::lock_shared`]) rather than
+    /// exclusively.
+    pub fn is_shared(&self) -> bool {
+        self.mode == Mode::Shared
+    }
 }
 
 impl<K: Eq + Hash> Drop for KeyGuard<K> {
     fn drop(&mut self) {
-        self.inner.release(self.hash);
+        self.inner.release(self.hash, self.mode);
     }
 }
 
 impl<K: Eq + Hash + fmt::Debug> fmt::Debug for KeyGuard<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KeyGuard").field("key", &self.key).finish()
+        f.debug_struct("KeyGuard")
+            .field("key", &self.key)
+            .field("shared", &self.is_shared())
+            .finish()
     }
 }
 

@@ -5,24 +5,70 @@ use std::task::Waker;
 
 use crate::sync::{lock, Arc, Mutex};
 
+/// How a key is held: alone (up to `permits` exclusive holders at once) or shared with
+/// other shared holders (any number, while no exclusive holder has it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Exclusive,
+    Shared,
+}
+
 /// What the table holds for one key.
 ///
 /// Invariant (every change happens under the key's shard lock): a waiter is queued only
-/// while all permits are taken, and a releasing holder hands its permit to the front
-/// waiter instead of returning it. So `queue` is non-empty only when
-/// `holders == permits`, and the slot can be removed exactly when `holders == 0`.
+/// while the one in front of it cannot be granted (FIFO: nobody passes a waiter, so a
+/// waiting exclusive holder stops new shared holders from entering), and a release or
+/// a withdrawal grants the front waiters that can now go. So the slot can be removed
+/// exactly when it has no holder left.
 ///
 /// A waiter that gives up is marked withdrawn and left where it is (finding it would
-/// mean searching the queue under the shard lock); a release skips it, and the queue
+/// mean searching the queue under the shard lock); grants skip it, and the queue
 /// drops all withdrawn entries at once when they outnumber the waiting ones, so each
 /// withdrawal costs O(1) amortized.
 #[derive(Default)]
 pub(crate) struct Slot {
-    holders: usize,
+    holders: Holders,
     /// Created by the key's first waiter and kept as long as the slot (as a queue's
     /// buffer is). Boxed, so a slot is 16 bytes and the table can keep a few of them
     /// on its lock's cache lines.
     queue: Option<Box<Queue>>,
+}
+
+/// Who holds a key now.
+#[derive(Default, Clone, Copy)]
+struct Holders {
+    /// Exclusive holders, at most `permits`.
+    exclusive: u32,
+    /// Shared holders, only while `exclusive == 0`.
+    shared: u32,
+}
+
+impl Holders {
+    /// Whether a holder in `mode` may enter now, waiters aside.
+    fn admit(&self, mode: Mode, permits: u32) -> bool {
+        match mode {
+            Mode::Exclusive => self.shared == 0 && self.exclusive < permits,
+            Mode::Shared => self.exclusive == 0,
+        }
+    }
+
+    fn enter(&mut self, mode: Mode) {
+        match mode {
+            Mode::Exclusive => self.exclusive += 1,
+            Mode::Shared => self.shared += 1,
+        }
+    }
+
+    fn leave(&mut self, mode: Mode) {
+        match mode {
+            Mode::Exclusive => self.exclusive -= 1,
+            Mode::Shared => self.shared -= 1,
+        }
+    }
+
+    fn none(&self) -> bool {
+        self.exclusive == 0 && self.shared == 0
+    }
 }
 
 /// The waiters of a busy key.
@@ -42,63 +88,76 @@ pub(crate) enum Attempt {
     QueueFull,
 }
 
+/// The wakers of the waiters a release or withdrawal granted, to call once the shard
+/// lock is released. Mostly one: it is kept inline, the rest (a batch of shared
+/// holders) in a vector that allocates only then.
+#[derive(Default)]
+pub(crate) struct Granted {
+    first: Option<Waker>,
+    rest: Vec<Waker>,
+}
+
+impl Granted {
+    fn push(&mut self, waker: Waker) {
+        match self.first {
+            None => self.first = Some(waker),
+            Some(_) => self.rest.push(waker),
+        }
+    }
+
+    pub(crate) fn wake(self) {
+        if let Some(first) = self.first {
+            first.wake();
+        }
+        self.rest.into_iter().for_each(Waker::wake);
+    }
+}
+
 /// A queue longer than this keeps no more than four times its length in capacity.
 const QUEUE_CAPACITY_KEPT: usize = 64;
 
 impl Slot {
-    /// Takes a permit if one is free; otherwise queues a waiter woken by `waker`,
-    /// or reports why it did not (`waker` is `None` for a try-once attempt).
+    /// Takes the key in `mode` if it is free for it and nobody waits; otherwise queues
+    /// a waiter woken by `waker`, or reports why it did not (`waker` is `None` for a
+    /// try-once attempt).
     pub(crate) fn acquire_or_enqueue(
         &mut self,
-        permits: usize,
+        mode: Mode,
+        permits: u32,
         max_waiters: usize,
         waker: Option<&Waker>,
     ) -> Attempt {
-        if self.holders < permits {
-            debug_assert!(
-                self.queue
-                    .as_ref()
-                    .is_none_or(|queue| queue.entries.is_empty()),
-                "waiters queued beside a free permit"
-            );
-            self.holders += 1;
+        let waiting = self.queue.as_ref().map_or(0, |queue| queue.waiting);
+        if waiting == 0 && self.holders.admit(mode, permits) {
+            self.holders.enter(mode);
             return Attempt::Acquired;
         }
         let Some(waker) = waker else {
             return Attempt::Busy;
         };
-        let waiting = self.queue.as_ref().map_or(0, |queue| queue.waiting);
         if waiting >= max_waiters {
             return Attempt::QueueFull;
         }
         let queue = self.queue.get_or_insert_default();
-        let waiter = Arc::new(Waiter::new(waker.clone()));
+        let waiter = Arc::new(Waiter::new(waker.clone(), mode));
         queue.entries.push_back(waiter.clone());
         queue.waiting += 1;
         Attempt::Queued(waiter)
     }
 
-    /// Gives up one permit: hands it to the first waiter still waiting, if any.
-    /// Returns the waker to call (after the shard lock is released) and whether the
-    /// slot is now unused and must be removed.
-    pub(crate) fn release(&mut self) -> (Option<Waker>, bool) {
-        if let Some(queue) = &mut self.queue {
-            while let Some(next) = queue.entries.pop_front() {
-                if let Some(waker) = next.grant() {
-                    queue.waiting -= 1;
-                    return (Some(waker), false);
-                }
-            }
-        }
-        self.holders -= 1;
-        (None, self.holders == 0)
+    /// Gives up a hold in `mode` and grants the waiters that can now go. Returns their
+    /// wakers and whether the slot is now unused and must be removed.
+    pub(crate) fn release(&mut self, mode: Mode, permits: u32) -> (Granted, bool) {
+        self.holders.leave(mode);
+        self.grant_front(permits)
     }
 
-    /// Withdraws a waiter that is giving up. If the permit was already handed to it,
-    /// the permit is released instead, exactly as its holder would have.
-    pub(crate) fn withdraw(&mut self, waiter: &Waiter) -> (Option<Waker>, bool) {
+    /// Withdraws a waiter that is giving up. If the key was already handed to it, it is
+    /// released instead, exactly as its holder would have. A waiter leaving the front
+    /// may let the ones behind it go (shared holders behind a withdrawn exclusive one).
+    pub(crate) fn withdraw(&mut self, waiter: &Waiter, permits: u32) -> (Granted, bool) {
         if !waiter.withdraw() {
-            return self.release();
+            return self.release(waiter.mode, permits);
         }
         let queue = self
             .queue
@@ -108,8 +167,28 @@ impl Slot {
         if queue.entries.len() > 2 * queue.waiting {
             queue.compact();
         }
-        // A queued waiter implies a holder, so the slot stays.
-        (None, false)
+        self.grant_front(permits)
+    }
+
+    /// Grants waiters from the front, in order, while the key admits them.
+    fn grant_front(&mut self, permits: u32) -> (Granted, bool) {
+        let mut granted = Granted::default();
+        if let Some(queue) = &mut self.queue {
+            while let Some(next) = queue.entries.front() {
+                if next.is_withdrawn() {
+                    queue.entries.pop_front();
+                    continue;
+                }
+                if !self.holders.admit(next.mode, permits) {
+                    break;
+                }
+                self.holders.enter(next.mode);
+                granted.push(next.grant());
+                queue.entries.pop_front();
+                queue.waiting -= 1;
+            }
+        }
+        (granted, self.holders.none())
     }
 }
 
@@ -128,7 +207,10 @@ impl Queue {
 /// A queued acquisition, shared by the queue and the waiting future. Its state changes
 /// from `Waiting` only under the key's shard lock; the future reads it without that
 /// lock.
-pub(crate) struct Waiter(Mutex<WaiterState>);
+pub(crate) struct Waiter {
+    state: Mutex<WaiterState>,
+    mode: Mode,
+}
 
 enum WaiterState {
     /// Queued; the waker wakes the waiting future.
@@ -140,27 +222,24 @@ enum WaiterState {
 }
 
 impl Waiter {
-    fn new(waker: Waker) -> Self {
-        Waiter(Mutex::new(WaiterState::Waiting(waker)))
+    fn new(waker: Waker, mode: Mode) -> Self {
+        Waiter {
+            state: Mutex::new(WaiterState::Waiting(waker)),
+            mode,
+        }
     }
 
-    /// Hands the permit over and returns the waker to call, or `None` if the waiter
-    /// has withdrawn and the permit must go to the next one.
-    fn grant(&self) -> Option<Waker> {
-        let mut state = lock(&self.0);
-        match std::mem::replace(&mut *state, WaiterState::Granted) {
-            WaiterState::Waiting(waker) => Some(waker),
-            WaiterState::Withdrawn => {
-                *state = WaiterState::Withdrawn;
-                None
-            }
-            WaiterState::Granted => unreachable!("a permit granted twice"),
+    /// Hands the key over to a waiter still waiting; returns the waker to call.
+    fn grant(&self) -> Waker {
+        match std::mem::replace(&mut *lock(&self.state), WaiterState::Granted) {
+            WaiterState::Waiting(waker) => waker,
+            _ => unreachable!("only a waiting waiter is granted"),
         }
     }
 
     /// Marks the waiter withdrawn; false if it was granted the permit first.
     fn withdraw(&self) -> bool {
-        let mut state = lock(&self.0);
+        let mut state = lock(&self.state);
         if matches!(*state, WaiterState::Granted) {
             return false;
         }
@@ -169,16 +248,16 @@ impl Waiter {
     }
 
     fn is_withdrawn(&self) -> bool {
-        matches!(*lock(&self.0), WaiterState::Withdrawn)
+        matches!(*lock(&self.state), WaiterState::Withdrawn)
     }
 
     pub(crate) fn is_granted(&self) -> bool {
-        matches!(*lock(&self.0), WaiterState::Granted)
+        matches!(*lock(&self.state), WaiterState::Granted)
     }
 
     /// Returns true once the permit is handed over; until then keeps `waker` registered.
     pub(crate) fn poll_granted(&self, waker: &Waker) -> bool {
-        match &mut *lock(&self.0) {
+        match &mut *lock(&self.state) {
             WaiterState::Waiting(current) => {
                 current.clone_from(waker);
                 false

@@ -1,5 +1,6 @@
 //! Model-based property test of `KeyedLocks`: single-threaded and deterministic, every
-//! operation is checked against a small reference model of holders and FIFO queues.
+//! operation is checked against a small reference model of holders and FIFO queues,
+//! exclusive (`lock`) and shared (`lock_shared`) alike.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
@@ -25,6 +26,8 @@ struct Limits {
 enum Op {
     Lock(u8),
     TryLock(u8),
+    LockShared(u8),
+    TryLockShared(u8),
     /// `lock_timeout(k, ZERO)`: try once, `Timeout` when busy; never touches the timer.
     LockNow(u8),
     Drop(usize),
@@ -48,6 +51,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0..KEYS).prop_map(Op::Lock),
         2 => (0..KEYS).prop_map(Op::TryLock),
+        3 => (0..KEYS).prop_map(Op::LockShared),
+        1 => (0..KEYS).prop_map(Op::TryLockShared),
         1 => (0..KEYS).prop_map(Op::LockNow),
         3 => any::<usize>().prop_map(Op::Drop),
         2 => Just(Op::PollAll),
@@ -73,9 +78,42 @@ enum Role {
 
 #[derive(Default)]
 struct KeyModel {
+    /// Exclusive holders.
     holders: usize,
-    /// Ids of the live items waiting for the key, front first.
-    waiters: VecDeque<u64>,
+    /// Shared holders.
+    shared: usize,
+    /// Ids of the live items waiting for the key, and whether shared, front first.
+    waiters: VecDeque<(u64, bool)>,
+}
+
+impl KeyModel {
+    fn admits(&self, lim: &Limits, shared: bool) -> bool {
+        match shared {
+            true => self.holders == 0,
+            false => self.shared == 0 && self.holders < lim.permits,
+        }
+    }
+
+    fn enter(&mut self, shared: bool) {
+        match shared {
+            true => self.shared += 1,
+            false => self.holders += 1,
+        }
+    }
+
+    /// Grants the front waiters while the key admits them, in order.
+    fn grant_front(&mut self, lim: &Limits) -> Vec<u64> {
+        let mut granted = Vec::new();
+        while let Some(&(id, shared)) = self.waiters.front() {
+            if !self.admits(lim, shared) {
+                break;
+            }
+            self.waiters.pop_front();
+            self.enter(shared);
+            granted.push(id);
+        }
+        granted
+    }
 }
 
 #[derive(Default)]
@@ -86,11 +124,12 @@ struct Model {
 impl Model {
     /// The outcome of a first attempt. `queue` is false for try-once attempts, which
     /// report `busy` instead of queuing (or of `QueueFull`).
-    fn attempt(&mut self, lim: &Limits, key: u8, id: u64, queue: bool, busy: Outcome) -> Outcome {
+    fn attempt(&mut self, lim: &Limits, key: u8, id: u64, how: How, busy: Outcome) -> Outcome {
+        let (queue, shared) = (how.queue, how.shared);
         let key_count = self.keys.len();
         match self.keys.get_mut(&key) {
-            Some(k) if k.holders < lim.permits => {
-                k.holders += 1;
+            Some(k) if k.waiters.is_empty() && k.admits(lim, shared) => {
+                k.enter(shared);
                 Outcome::Acquired
             }
             Some(_) if !queue => busy,
@@ -98,44 +137,61 @@ impl Model {
                 Outcome::QueueFull
             }
             Some(k) => {
-                k.waiters.push_back(id);
+                k.waiters.push_back((id, shared));
                 Outcome::Queued
             }
             None if key_count >= lim.max_keys.unwrap_or(usize::MAX) => Outcome::TooManyKeys,
             None => {
-                self.keys.insert(
-                    key,
-                    KeyModel {
-                        holders: 1,
-                        waiters: VecDeque::new(),
-                    },
-                );
+                let mut k = KeyModel::default();
+                k.enter(shared);
+                self.keys.insert(key, k);
                 Outcome::Acquired
             }
         }
     }
 
-    /// A holder of `key` leaves: its permit goes to the front waiter (returned, so the
-    /// caller can mark it holder), or back to the key, which vanishes when unused.
-    fn release(&mut self, key: u8) -> Option<u64> {
+    /// A holder of `key` leaves: the front waiters the key now admits become holders
+    /// (returned, so the caller can mark them), and the key vanishes when unused.
+    fn release(&mut self, lim: &Limits, key: u8, shared: bool) -> Vec<u64> {
         let k = self.keys.get_mut(&key).expect("a holder implies its key");
-        if let Some(next) = k.waiters.pop_front() {
-            return Some(next);
+        match shared {
+            true => k.shared -= 1,
+            false => k.holders -= 1,
         }
-        k.holders -= 1;
-        if k.holders == 0 {
-            self.keys.remove(&key);
-        }
-        None
+        let granted = k.grant_front(lim);
+        self.remove_if_unused(key);
+        granted
     }
 
-    fn withdraw(&mut self, key: u8, id: u64) {
+    /// A waiter leaves: those behind it may now go (shared waiters behind a withdrawn
+    /// exclusive one).
+    fn withdraw(&mut self, lim: &Limits, key: u8, id: u64) -> Vec<u64> {
         let k = self.keys.get_mut(&key).expect("a waiter implies its key");
-        let at = k.waiters.iter().position(|&w| w == id).expect("queued");
+        let at = k
+            .waiters
+            .iter()
+            .position(|&(w, _)| w == id)
+            .expect("queued");
         k.waiters.remove(at);
-        // A waiter implies a holder, so the key stays.
-        assert!(k.holders > 0);
+        let granted = k.grant_front(lim);
+        self.remove_if_unused(key);
+        granted
     }
+
+    fn remove_if_unused(&mut self, key: u8) {
+        let k = &self.keys[&key];
+        if k.holders == 0 && k.shared == 0 {
+            assert!(k.waiters.is_empty(), "waiters on a free key");
+            self.keys.remove(&key);
+        }
+    }
+}
+
+/// How an attempt is made: whether it may queue, and in which mode.
+#[derive(Debug, Clone, Copy)]
+struct How {
+    queue: bool,
+    shared: bool,
 }
 
 enum Real {
@@ -146,6 +202,7 @@ enum Real {
 struct Item {
     id: u64,
     key: u8,
+    shared: bool,
     role: Role,
     real: Real,
 }
@@ -196,36 +253,48 @@ impl Harness {
 
     fn step(&mut self, op: Op) -> Result<(), TestCaseError> {
         match op {
-            Op::Lock(key) | Op::TryLock(key) | Op::LockNow(key) => {
+            Op::Lock(key)
+            | Op::TryLock(key)
+            | Op::LockNow(key)
+            | Op::LockShared(key)
+            | Op::TryLockShared(key) => {
                 let id = self.next_id;
                 self.next_id += 1;
-                let (expected, (got, guard), pending) = match op {
-                    Op::Lock(_) => {
-                        let mut fut = self.locks.lock(key);
+                let shared = matches!(op, Op::LockShared(_) | Op::TryLockShared(_));
+                let queue = matches!(op, Op::Lock(_) | Op::LockShared(_));
+                let how = How { queue, shared };
+                let (mut pending, got) = match op {
+                    Op::Lock(_) | Op::LockShared(_) => {
+                        let mut fut = match shared {
+                            true => self.locks.lock_shared(key),
+                            false => self.locks.lock(key),
+                        };
                         let got = outcome(poll_once(&mut fut));
-                        let expected = self.model.attempt(&self.lim, key, id, true, Outcome::Busy);
-                        (expected, got, Some(fut))
+                        (Some(fut), got)
                     }
-                    Op::TryLock(_) => {
-                        let got = outcome(Poll::Ready(self.locks.try_lock(key)));
-                        let expected = self.model.attempt(&self.lim, key, id, false, Outcome::Busy);
-                        (expected, got, None)
+                    Op::TryLock(_) => (None, outcome(Poll::Ready(self.locks.try_lock(key)))),
+                    Op::TryLockShared(_) => {
+                        (None, outcome(Poll::Ready(self.locks.try_lock_shared(key))))
                     }
                     _ => {
                         let mut fut = self.locks.lock_timeout(key, Duration::ZERO);
-                        let got = outcome(poll_once(&mut fut));
-                        let expected =
-                            self.model
-                                .attempt(&self.lim, key, id, false, Outcome::Timeout);
-                        (expected, got, None)
+                        (None, outcome(poll_once(&mut fut)))
                     }
                 };
+                let busy = match op {
+                    Op::LockNow(_) => Outcome::Timeout,
+                    _ => Outcome::Busy,
+                };
+                let expected = self.model.attempt(&self.lim, key, id, how, busy);
+                let (got, guard) = got;
                 prop_assert_eq!(got, expected, "{:?}", op);
                 if let Some(guard) = guard {
                     prop_assert_eq!(*guard.key(), key);
+                    prop_assert_eq!(guard.is_shared(), shared);
                     self.items.push(Item {
                         id,
                         key,
+                        shared,
                         role: Role::Holder,
                         real: Real::Guard(guard),
                     });
@@ -233,8 +302,9 @@ impl Harness {
                     self.items.push(Item {
                         id,
                         key,
+                        shared,
                         role: Role::Waiter,
-                        real: Real::Pending(pending.expect("only lock() queues")),
+                        real: Real::Pending(pending.take().expect("only lock() queues")),
                     });
                 }
             }
@@ -250,16 +320,15 @@ impl Harness {
                 // The real drop first, so a hand-off it makes is what the model then
                 // predicts (and is checked by the next `PollAll`).
                 drop(item.real);
-                match item.role {
-                    Role::Holder => {
-                        if let Some(next) = self.model.release(item.key) {
-                            let heir = self.items.iter_mut().find(|it| it.id == next);
-                            let heir = heir.expect("a queued id is a live item");
-                            prop_assert_eq!(heir.role, Role::Waiter);
-                            heir.role = Role::Holder;
-                        }
-                    }
-                    Role::Waiter => self.model.withdraw(item.key, item.id),
+                let granted = match item.role {
+                    Role::Holder => self.model.release(&self.lim, item.key, item.shared),
+                    Role::Waiter => self.model.withdraw(&self.lim, item.key, item.id),
+                };
+                for next in granted {
+                    let heir = self.items.iter_mut().find(|it| it.id == next);
+                    let heir = heir.expect("a queued id is a live item");
+                    prop_assert_eq!(heir.role, Role::Waiter);
+                    heir.role = Role::Holder;
                 }
             }
             Op::PollAll => {
@@ -274,6 +343,7 @@ impl Harness {
                             prop_assert_eq!(got, Outcome::Acquired, "item {}", item.id);
                             let guard = guard.expect("acquired");
                             prop_assert_eq!(*guard.key(), item.key);
+                            prop_assert_eq!(guard.is_shared(), item.shared);
                             item.real = Real::Guard(guard);
                         }
                         Role::Waiter => prop_assert_eq!(got, Outcome::Queued, "item {}", item.id),
@@ -309,7 +379,17 @@ impl Harness {
             }
             prop_assert_eq!(self.locks.len(), 1);
             prop_assert!(matches!(self.locks.try_lock(key), Err(LockError::Busy)));
+            prop_assert!(matches!(
+                self.locks.try_lock_shared(key),
+                Err(LockError::Busy)
+            ));
             drop(guards);
+            prop_assert_eq!(self.locks.len(), 0);
+            // Shared holders: any number together, no exclusive one beside them.
+            let readers: Vec<_> = (0..3).map(|_| self.locks.try_lock_shared(key)).collect();
+            prop_assert!(readers.iter().all(Result::is_ok));
+            prop_assert!(matches!(self.locks.try_lock(key), Err(LockError::Busy)));
+            drop(readers);
             prop_assert_eq!(self.locks.len(), 0);
         }
         Ok(())
