@@ -156,7 +156,7 @@ pub use error::LockError;
 pub use key::PathParam;
 pub use key::{ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN};
 pub use layer::{KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture};
-pub use locks::{Acquire, KeyGuard, KeyedLocks, KeyedLocksBuilder};
+pub use locks::{Acquire, KeyGuard, KeyGuards, KeyedLocks, KeyedLocksBuilder};
 pub use reject::{Rejection, RejectionKind};
 
 // The crates whose types configure this one, re-exported so that the versions always

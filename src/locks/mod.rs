@@ -29,9 +29,11 @@
 //! - `table.rs`: the sharded map of keys, known by their hash.
 //! - `slot.rs`: one key's holders and waiters, and the hand-off to the next waiter.
 //! - `acquire.rs`: [`Acquire`], the cancel-safe wait for a key.
+//! - `all.rs`: several keys at once ([`KeyedLocks::lock_all`], [`KeyGuards`]).
 //! - `count.rs`: the bound on the number of keys (`max_keys`).
 
 mod acquire;
+mod all;
 mod count;
 mod slot;
 mod table;
@@ -41,6 +43,7 @@ use std::hash::Hash;
 use std::time::Duration;
 
 pub use acquire::Acquire;
+pub use all::KeyGuards;
 
 // Re-exported: the lock's error was first defined here, and the backends name it by
 // this path.
