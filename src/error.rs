@@ -22,6 +22,9 @@ pub enum LockError {
     /// The key cannot be used (empty, too long, control characters): from
     /// [`DistributedLocks`](crate::DistributedLocks), which takes keys as text.
     InvalidKey(KeyError),
+    /// The locks' backend cannot give what was asked (it names what: shared locks, …);
+    /// nothing was locked.
+    Unsupported(&'static str),
 }
 
 impl fmt::Display for LockError {
@@ -33,6 +36,7 @@ impl fmt::Display for LockError {
             LockError::TooManyKeys => f.write_str("too many keys in the lock table"),
             LockError::Backend(error) => write!(f, "lock backend failed: {error}"),
             LockError::InvalidKey(error) => write!(f, "invalid lock key: {error}"),
+            LockError::Unsupported(what) => write!(f, "the lock backend does not support {what}"),
         }
     }
 }

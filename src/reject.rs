@@ -274,6 +274,12 @@ impl Rejection {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the lock backend is unavailable",
             ),
+            // The layer refuses such a setup when it is built; kept for completeness.
+            LockError::Unsupported(_) => (
+                RejectionKind::Misconfigured,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the lock backend cannot take this lock",
+            ),
             // The layer validates keys before it locks; kept for completeness.
             LockError::InvalidKey(_) => (
                 RejectionKind::InvalidKey,

@@ -11,12 +11,16 @@ use super::guard::DistributedGuard;
 use super::Inner;
 use crate::backend::{acquire_detached, Acquisition, Lease};
 use crate::error::LockError;
-use crate::key::{Key, KeyError};
-use crate::locks::{Acquire, KeyGuard};
+use crate::key::Key;
+use crate::locks::{Acquire, KeyGuard, Mode};
 
 /// The remote wait of an acquisition without a time limit. Backends add the wait to
 /// `Instant::now()`, which must not overflow; a year is "until it is free".
 const NO_LIMIT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// What a backend is refused for by `lock_shared`.
+pub(crate) const SHARED_LOCKS: &str = "shared locks across instances (no backend holds a \
+    key shared yet; take it exclusively, or lock in process only)";
 
 /// Resolves to a [`DistributedGuard`] once the key is held in this process and, when
 /// there is a backend, remotely; made by [`DistributedLocks`](super::DistributedLocks).
@@ -35,8 +39,8 @@ pub struct DistributedAcquire {
 }
 
 enum State {
-    /// The key was refused before any lock was touched.
-    Invalid(KeyError),
+    /// Refused before any lock was touched (an invalid key, a mode the backend lacks).
+    Refused(Option<LockError>),
     /// Queued in this process.
     Local(Acquire<Key>),
     /// Held in this process, and there is no backend: ready.
@@ -50,19 +54,30 @@ enum State {
 }
 
 impl DistributedAcquire {
-    pub(super) fn new(locks: Arc<Inner>, key: &str, timeout: Option<Duration>) -> Self {
+    pub(super) fn new(locks: Arc<Inner>, key: &str, timeout: Option<Duration>, mode: Mode) -> Self {
         match Key::new(key, locks.max_key_len) {
-            Ok(key) => Self::for_key(locks, key, timeout),
-            Err(error) => Self::with_state(locks, State::Invalid(error), timeout),
+            Ok(key) => Self::for_key(locks, key, timeout, mode),
+            Err(error) => Self::refused(locks, LockError::InvalidKey(error), timeout),
         }
     }
 
-    pub(super) fn for_key(locks: Arc<Inner>, key: Key, timeout: Option<Duration>) -> Self {
-        let local = match timeout {
-            Some(timeout) => locks.local.lock_timeout(key, timeout),
-            None => locks.local.lock(key),
-        };
+    pub(super) fn for_key(
+        locks: Arc<Inner>,
+        key: Key,
+        timeout: Option<Duration>,
+        mode: Mode,
+    ) -> Self {
+        // No backend holds a key shared across instances yet (issue 29): refused, never
+        // silently taken exclusively or in this process only.
+        if mode == Mode::Shared && locks.backend.is_some() {
+            return Self::refused(locks, LockError::Unsupported(SHARED_LOCKS), timeout);
+        }
+        let local = locks.local.acquire(key, timeout, mode);
         Self::with_state(locks, State::Local(local), timeout)
+    }
+
+    fn refused(locks: Arc<Inner>, error: LockError, timeout: Option<Duration>) -> Self {
+        Self::with_state(locks, State::Refused(Some(error)), timeout)
     }
 
     pub(super) fn after_local(
@@ -125,10 +140,10 @@ impl Future for DistributedAcquire {
         let this = self.get_mut();
         loop {
             match &mut this.state {
-                State::Invalid(error) => {
-                    let error = error.clone();
+                State::Refused(error) => {
+                    let error = error.take().expect("polled after completion");
                     this.state = State::Done;
-                    return Poll::Ready(Err(LockError::InvalidKey(error)));
+                    return Poll::Ready(Err(error));
                 }
                 State::Local(acquire) => {
                     let result = ready!(Pin::new(acquire).poll(cx));
@@ -170,7 +185,7 @@ impl Future for DistributedAcquire {
 impl fmt::Debug for DistributedAcquire {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let state = match &self.state {
-            State::Invalid(_) => "invalid",
+            State::Refused(_) => "refused",
             State::Local(_) => "local",
             State::Held(_) => "held",
             State::Remote { .. } => "remote",

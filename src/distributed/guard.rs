@@ -74,6 +74,12 @@ impl DistributedGuard {
         self.lease.as_deref().map(Lease::signal)
     }
 
+    /// Whether the key is held shared
+    /// ([`DistributedLocks::lock_shared`](super::DistributedLocks::lock_shared)).
+    pub fn is_shared(&self) -> bool {
+        self.local.as_ref().is_some_and(KeyGuard::is_shared)
+    }
+
     /// Whether the remote lease was lost: another instance may hold the key now.
     /// Always false in process.
     pub fn is_lost(&self) -> bool {

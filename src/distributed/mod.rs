@@ -52,11 +52,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use acquire::DistributedAcquire;
+pub(crate) use acquire::SHARED_LOCKS;
 pub use guard::{DistributedGuard, LeaseLost};
 
 use crate::backend::LockBackend;
 use crate::key::{Key, DEFAULT_MAX_KEY_LEN};
-use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder};
+use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder, Mode};
 
 /// A keyed lock shared by every instance that shares its backend. Clones share one
 /// local table. See the [module docs](self).
@@ -133,20 +134,48 @@ impl DistributedLocks {
     /// [`LockError::Backend`](crate::LockError::Backend) when the backend fails, and at
     /// once with `QueueFull` or `TooManyKeys` when a local limit is reached.
     pub fn lock(&self, key: &str) -> DistributedAcquire {
-        DistributedAcquire::new(self.inner.clone(), key, None)
+        DistributedAcquire::new(self.inner.clone(), key, None, Mode::Exclusive)
     }
 
     /// Waits for `key` at most `timeout` across both tiers, then fails with
     /// [`LockError::Timeout`](crate::LockError::Timeout).
     pub fn lock_timeout(&self, key: &str, timeout: Duration) -> DistributedAcquire {
-        DistributedAcquire::new(self.inner.clone(), key, Some(timeout))
+        DistributedAcquire::new(self.inner.clone(), key, Some(timeout), Mode::Exclusive)
     }
 
     /// Takes `key` only if no one holds it, here or on another instance; else fails
     /// with [`LockError::Busy`](crate::LockError::Busy): "another instance is already
     /// running this job, skip it". Still one round trip to the backend.
     pub fn try_lock(&self, key: &str) -> DistributedAcquire {
-        DistributedAcquire::new(self.inner.clone(), key, Some(Duration::ZERO))
+        DistributedAcquire::new(
+            self.inner.clone(),
+            key,
+            Some(Duration::ZERO),
+            Mode::Exclusive,
+        )
+    }
+
+    /// Waits for `key` shared, without a time limit: shared holders hold a key
+    /// together while no exclusive holder has it, as
+    /// [`KeyedLocks::lock_shared`](crate::KeyedLocks::lock_shared) describes.
+    ///
+    /// In process only for now: with a backend it fails with
+    /// [`LockError::Unsupported`](crate::LockError::Unsupported), since no backend
+    /// holds a key shared across instances yet — never silently taken exclusively or
+    /// in this process only.
+    pub fn lock_shared(&self, key: &str) -> DistributedAcquire {
+        DistributedAcquire::new(self.inner.clone(), key, None, Mode::Shared)
+    }
+
+    /// Waits for `key` shared at most `timeout`; see [`lock_shared`](Self::lock_shared).
+    pub fn lock_shared_timeout(&self, key: &str, timeout: Duration) -> DistributedAcquire {
+        DistributedAcquire::new(self.inner.clone(), key, Some(timeout), Mode::Shared)
+    }
+
+    /// Takes `key` shared if no exclusive holder has it and nobody waits for it, else
+    /// fails with `Busy`; see [`lock_shared`](Self::lock_shared).
+    pub fn try_lock_shared(&self, key: &str) -> DistributedAcquire {
+        DistributedAcquire::new(self.inner.clone(), key, Some(Duration::ZERO), Mode::Shared)
     }
 
     /// The name given at construction: the namespace of the keys at the backend.
@@ -175,8 +204,13 @@ impl DistributedLocks {
     }
 
     /// Waits for an already validated key.
-    pub(crate) fn acquire(&self, key: Key, timeout: Option<Duration>) -> DistributedAcquire {
-        DistributedAcquire::for_key(self.inner.clone(), key, timeout)
+    pub(crate) fn acquire(
+        &self,
+        key: Key,
+        timeout: Option<Duration>,
+        mode: Mode,
+    ) -> DistributedAcquire {
+        DistributedAcquire::for_key(self.inner.clone(), key, timeout, mode)
     }
 
     /// Goes on from a key already held locally (taken with `local().try_lock`): the
@@ -258,7 +292,6 @@ impl DistributedLocksBuilder {
     }
 
     /// Whether the locks will have a backend.
-    #[cfg(feature = "replay")]
     pub(crate) fn has_backend(&self) -> bool {
         self.backend.is_some()
     }

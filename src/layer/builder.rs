@@ -208,6 +208,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
                 long_hold: None,
                 on_rejection: None,
                 abort_on_lease_lost: false,
+                shared_methods: Box::new([]),
             },
             shared: Arc::default(),
         }
@@ -285,6 +286,32 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// ```
     pub fn max_keys(self, max_keys: usize) -> Self {
         self.configure_locks(|locks| locks.max_keys(max_keys))
+    }
+
+    /// Requests with one of `methods` take their key shared: they run together with
+    /// each other, and never beside a request that takes it exclusively (every other
+    /// method). Waiters are served in arrival order whatever their method, so a waiting
+    /// `PUT` stops new `GET`s from entering until it has run. [`LockInfo::is_shared`](crate::LockInfo::is_shared)
+    /// tells the handler which.
+    ///
+    /// ```
+    /// use axum::{routing::get, Router};
+    /// use http::Method;
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// let app: Router = Router::new()
+    ///     .route("/orders/{order_id}", get(|| async { "order" }).put(|| async { "updated" }))
+    ///     // GETs of one order run in parallel; a PUT runs alone.
+    ///     .layer(KeyedLockLayer::by_path("order_id").shared_methods([Method::GET, Method::HEAD]));
+    /// ```
+    ///
+    /// # Panics
+    /// When the layer is applied with a distributed [`backend`](Self::backend): no
+    /// backend holds a key shared across instances yet (issue 29), and such requests
+    /// must not run exclusively or under this process's lock only instead.
+    pub fn shared_methods(self, methods: impl IntoIterator<Item = http::Method>) -> Self {
+        let methods: Box<[http::Method]> = methods.into_iter().collect();
+        self.configure(|c| c.shared_methods = methods)
     }
 
     /// Requests allowed to hold one key at once (default 1).

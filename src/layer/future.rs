@@ -181,7 +181,8 @@ where
         .filter(|_| shared.config.abort_on_lease_lost)
         .map(|signal| Box::pin(async move { signal.lost().await }) as BoxFuture<()>);
     let key = guard.key_ref().clone();
-    LockInfo::new(&shared.tag, key, waited, guard.fencing_token(), signal)
+    let token = guard.fencing_token();
+    LockInfo::new(&shared.tag, key, waited, guard.is_shared(), token, signal)
         .insert_into(request.extensions_mut());
     let held = HeldKey::distributed(guard, shared);
     Readying {

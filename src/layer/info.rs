@@ -33,6 +33,7 @@ pub struct LockInfo {
     layer: LayerTag,
     key: Key,
     waited: Duration,
+    shared: bool,
     /// Boxed, as only a distributed backend sets it: every request moves its
     /// `LockInfo` into the extensions.
     remote: Option<Box<Remote>>,
@@ -45,6 +46,7 @@ impl LockInfo {
         layer: &LayerTag,
         key: Key,
         waited: Duration,
+        shared: bool,
         fencing_token: Option<u64>,
         lease: Option<LeaseSignal>,
     ) -> Self {
@@ -52,6 +54,7 @@ impl LockInfo {
             layer: layer.clone(),
             key,
             waited,
+            shared,
             remote: (fencing_token.is_some() || lease.is_some()).then(|| {
                 Box::new(Remote {
                     fencing_token,
@@ -97,6 +100,12 @@ impl LockInfo {
     /// The key this request holds.
     pub fn key(&self) -> &str {
         self.key.as_str()
+    }
+
+    /// Whether the request holds its key shared with others
+    /// ([`shared_methods`](crate::KeyedLockLayer::shared_methods)) rather than alone.
+    pub fn is_shared(&self) -> bool {
+        self.shared
     }
 
     /// How long the request waited for the key (zero when it was free).

@@ -16,6 +16,7 @@ use super::shared::Shared;
 use crate::distributed::DistributedAcquire;
 use crate::error::LockError;
 use crate::key::{Key, KeyExtractor};
+use crate::locks::Mode;
 
 /// Serializes requests per key around the inner service `S`; made by
 /// [`KeyedLockLayer`](crate::KeyedLockLayer).
@@ -89,7 +90,9 @@ where
         // Registers the metrics (and the key gauge) before the table is first touched.
         let shared = shared.clone();
         shared.metrics();
+        let mode = shared.config.mode_for(&parts.method);
         if shared.locks.is_distributed() {
+            debug_assert!(mode == Mode::Exclusive, "refused when the layer was built");
             return match shared.locks.local().try_lock(key.clone()) {
                 // Held here; now the backend.
                 Ok(local) => {
@@ -97,22 +100,25 @@ where
                     let acquire = shared.locks.after_local(local, timeout);
                     self.wait(acquire, Request::from_parts(parts, body), shared, false)
                 }
-                Err(error) => self.contended(error, key, Request::from_parts(parts, body), shared),
+                Err(error) => {
+                    self.contended(error, key, mode, Request::from_parts(parts, body), shared)
+                }
             };
         }
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read for the wait, no timer and no service clone.
-        let held = match shared.locks.local().try_hold(&key) {
+        let held = match shared.locks.local().try_hold(&key, mode) {
             Ok(hold) => HeldKey::local(hold, &key, shared),
             Err(error) => {
-                return self.contended(error, key, Request::from_parts(parts, body), shared)
+                return self.contended(error, key, mode, Request::from_parts(parts, body), shared)
             }
         };
         let shared = held.shared();
         let metrics = shared.metrics();
         metrics.acquired_uncontended.increment(1);
         metrics.wait_acquired.record(0.0);
-        LockInfo::new(&shared.tag, key, Duration::ZERO, None, None)
+        let is_shared = mode == Mode::Shared;
+        LockInfo::new(&shared.tag, key, Duration::ZERO, is_shared, None, None)
             .insert_into(&mut parts.extensions);
         self.ready_and_call(Request::from_parts(parts, body), Some(held))
     }
@@ -127,6 +133,7 @@ impl<S, E> KeyedLock<S, E> {
         &mut self,
         error: LockError,
         key: Key,
+        mode: Mode,
         request: Request<ReqBody>,
         shared: Arc<Shared>,
     ) -> ResponseFuture<S, ReqBody>
@@ -140,7 +147,9 @@ impl<S, E> KeyedLock<S, E> {
             }
             return ResponseFuture::rejected(shared.respond(shared.lock_rejection(&error)));
         }
-        let acquire = shared.locks.acquire(key, Some(shared.config.wait_timeout));
+        let acquire = shared
+            .locks
+            .acquire(key, Some(shared.config.wait_timeout), mode);
         self.wait(acquire, request, shared, true)
     }
 

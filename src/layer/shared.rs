@@ -10,9 +10,10 @@ use http::StatusCode;
 
 use super::info::LayerTag;
 use super::rejected::{RejectionHandler, RejectionResponse};
-use crate::distributed::{DistributedLocks, DistributedLocksBuilder};
+use crate::distributed::{DistributedLocks, DistributedLocksBuilder, SHARED_LOCKS};
 use crate::error::LockError;
 use crate::key::KeyError;
+use crate::locks::Mode;
 use crate::metrics::Metrics;
 use crate::reject::Rejection;
 
@@ -28,6 +29,18 @@ pub(crate) struct Config {
     pub(crate) long_hold: Option<Duration>,
     pub(crate) on_rejection: Option<RejectionHandler>,
     pub(crate) abort_on_lease_lost: bool,
+    /// Request methods that take their key shared (`shared_methods`); empty: none.
+    pub(crate) shared_methods: Box<[http::Method]>,
+}
+
+impl Config {
+    /// How a request with `method` takes its key.
+    pub(crate) fn mode_for(&self, method: &http::Method) -> Mode {
+        match self.shared_methods.contains(method) {
+            true => Mode::Shared,
+            false => Mode::Exclusive,
+        }
+    }
 }
 
 /// The table, settings and metrics of one configured layer value.
@@ -45,7 +58,14 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// # Panics
+    /// If `shared_methods` is set and so is a backend: none holds a key shared across
+    /// instances yet, and a request must not be served exclusively or locally instead.
     pub(crate) fn new(locks: DistributedLocksBuilder, config: Config) -> Self {
+        assert!(
+            config.shared_methods.is_empty() || !locks.has_backend(),
+            "KeyedLockLayer::shared_methods: the lock backend does not support {SHARED_LOCKS}"
+        );
         Self {
             tag: LayerTag::new(locks.name().clone()),
             max_key_len: locks.key_len_limit(),

@@ -148,7 +148,10 @@ pub struct KeyGuard<K: Eq + Hash> {
 /// A key held through [`KeyedLocks::try_hold`], known by its table hash. It does not
 /// release on drop: its owner must pass it to [`KeyedLocks::release`] of the same table.
 #[must_use = "a held key must be given back with `KeyedLocks::release`"]
-pub(crate) struct HashHold(u64);
+pub(crate) struct HashHold {
+    hash: u64,
+    mode: Mode,
+}
 
 impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     /// A table with one holder per key and no limits.
@@ -172,20 +175,20 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     /// acquired. It fails at once with [`LockError::QueueFull`] or
     /// [`LockError::TooManyKeys`] when a limit is reached.
     pub fn lock(&self, key: K) -> Acquire<K> {
-        Acquire::new(self.handle(), key, None, Mode::Exclusive)
+        self.acquire(key, None, Mode::Exclusive)
     }
 
     /// Waits for `key` at most `timeout`, then fails with [`LockError::Timeout`].
     /// `Duration::ZERO` tries once and never waits. Needs a Tokio runtime with time
     /// enabled when it has to wait.
     pub fn lock_timeout(&self, key: K, timeout: Duration) -> Acquire<K> {
-        Acquire::new(self.handle(), key, Some(timeout), Mode::Exclusive)
+        self.acquire(key, Some(timeout), Mode::Exclusive)
     }
 
     /// Takes `key` if a permit is free now, else fails with [`LockError::Busy`].
     pub fn try_lock(&self, key: K) -> Result<KeyGuard<K>, LockError> {
-        let HashHold(hash) = self.try_hold(&key)?;
-        Ok(KeyGuard::new(self.handle(), key, hash, Mode::Exclusive))
+        let HashHold { hash, mode } = self.try_hold(&key, Mode::Exclusive)?;
+        Ok(KeyGuard::new(self.handle(), key, hash, mode))
     }
 
     /// Waits for `key` shared, without a time limit: any number of shared holders hold
@@ -211,31 +214,34 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
     /// # }
     /// ```
     pub fn lock_shared(&self, key: K) -> Acquire<K> {
-        Acquire::new(self.handle(), key, None, Mode::Shared)
+        self.acquire(key, None, Mode::Shared)
     }
 
     /// Waits for `key` shared at most `timeout`, as [`lock_timeout`](Self::lock_timeout).
     pub fn lock_shared_timeout(&self, key: K, timeout: Duration) -> Acquire<K> {
-        Acquire::new(self.handle(), key, Some(timeout), Mode::Shared)
+        self.acquire(key, Some(timeout), Mode::Shared)
     }
 
     /// Takes `key` shared if no exclusive holder has it and nobody waits for it, else
     /// fails with [`LockError::Busy`].
     pub fn try_lock_shared(&self, key: K) -> Result<KeyGuard<K>, LockError> {
-        let hash = self.inner().table.hash(&key);
-        match self.inner().attempt(hash, Mode::Shared, None)? {
-            Attempt::Acquired => Ok(KeyGuard::new(self.handle(), key, hash, Mode::Shared)),
-            _ => Err(LockError::Busy),
-        }
+        let HashHold { hash, mode } = self.try_hold(&key, Mode::Shared)?;
+        Ok(KeyGuard::new(self.handle(), key, hash, mode))
+    }
+
+    /// Waits for `key` in `mode`, at most `timeout` if set: what every lock method
+    /// makes.
+    pub(crate) fn acquire(&self, key: K, timeout: Option<Duration>, mode: Mode) -> Acquire<K> {
+        Acquire::new(self.handle(), key, timeout, mode)
     }
 
     /// Like [`try_lock`](Self::try_lock), for a holder that keeps the table alive by
     /// other means and gives the key back with [`release`](Self::release): no guard, so
     /// no reference count on the table and no copy of the key.
-    pub(crate) fn try_hold(&self, key: &K) -> Result<HashHold, LockError> {
+    pub(crate) fn try_hold(&self, key: &K, mode: Mode) -> Result<HashHold, LockError> {
         let hash = self.inner().table.hash(key);
-        match self.inner().attempt(hash, Mode::Exclusive, None) {
-            Ok(Attempt::Acquired) => Ok(HashHold(hash)),
+        match self.inner().attempt(hash, mode, None) {
+            Ok(Attempt::Acquired) => Ok(HashHold { hash, mode }),
             Ok(_) => Err(LockError::Busy),
             Err(error) => Err(error),
         }
@@ -243,7 +249,7 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
 
     /// Gives back a key taken with [`try_hold`](Self::try_hold).
     pub(crate) fn release(&self, hold: HashHold) {
-        self.inner().release(hold.0, Mode::Exclusive);
+        self.inner().release(hold.hash, hold.mode);
     }
 
     /// Keys that have a holder or a waiter now (exact when no call is in flight).
@@ -499,17 +505,26 @@ mod tests {
     #[test]
     fn a_hold_by_hash_excludes_like_a_guard_and_is_given_back() {
         let locks = KeyedLocks::builder().max_keys(1).build();
-        let hold = locks.try_hold(&"a").unwrap();
+        let hold = locks.try_hold(&"a", Mode::Exclusive).unwrap();
         assert!(matches!(locks.try_lock("a"), Err(LockError::Busy)));
-        assert!(matches!(locks.try_hold(&"a"), Err(LockError::Busy)));
-        assert!(matches!(locks.try_hold(&"b"), Err(LockError::TooManyKeys)));
+        assert!(matches!(
+            locks.try_hold(&"a", Mode::Shared),
+            Err(LockError::Busy)
+        ));
+        assert!(matches!(
+            locks.try_hold(&"b", Mode::Exclusive),
+            Err(LockError::TooManyKeys)
+        ));
         assert_eq!(locks.len(), 1);
         locks.release(hold);
         assert!(locks.is_empty());
         let guard = locks.try_lock("b").unwrap();
-        assert!(matches!(locks.try_hold(&"b"), Err(LockError::Busy)));
+        assert!(matches!(
+            locks.try_hold(&"b", Mode::Exclusive),
+            Err(LockError::Busy)
+        ));
         drop(guard);
-        locks.release(locks.try_hold(&"a").unwrap());
+        locks.release(locks.try_hold(&"a", Mode::Exclusive).unwrap());
         assert!(locks.is_empty());
     }
 

@@ -1,8 +1,8 @@
 //! `DistributedLocks` between instances, every test body generic over the fixtures of
 //! `support::fixtures` (Redis, a Redis Cluster, PostgreSQL, DynamoDB, in process):
 //! exclusion and hand-over (`instances`), an acquisition dropped at each of its awaits
-//! (`cancel`), the way jobs, workers and caches use it (`jobs`), and work that stops when
-//! its lease is lost (`lease`).
+//! (`cancel`), the way jobs, workers and caches use it (`jobs`), work that stops when
+//! its lease is lost (`lease`), and shared locks (`shared`).
 
 #[macro_use]
 #[path = "../support/mod.rs"]
@@ -12,3 +12,4 @@ mod cancel;
 mod instances;
 mod jobs;
 mod lease;
+mod shared;

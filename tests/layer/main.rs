@@ -1,7 +1,7 @@
 //! The lock middleware through real servers, recorders and captured logs: HTTP behaviour
 //! (`over_http`), routing and key extraction (`routing`), metrics and the long-hold
-//! warning (`metrics`), hostile input and overload (`reliability`). Counting allocations
-//! is `tests/allocations.rs`, a process of its own.
+//! warning (`metrics`), hostile input and overload (`reliability`), shared methods
+//! (`shared`). Counting allocations is `tests/allocations.rs`, a process of its own.
 // Every test here builds its layer with `by_path` or `PathParam`: the `axum` feature.
 #![cfg(feature = "axum")]
 
@@ -12,3 +12,4 @@ mod metrics;
 mod over_http;
 mod reliability;
 mod routing;
+mod shared;

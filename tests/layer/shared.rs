@@ -1,0 +1,151 @@
+//! `shared_methods`: requests with those methods hold their key together, the rest
+//! alone, through a real server.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::routing::get;
+use axum::Router;
+use http::{Method, Request, StatusCode};
+use tokio::sync::Barrier;
+use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+
+use crate::support::{join_all, serve};
+
+/// Readers and writers of one key inside the handlers now; a writer beside anyone is
+/// counted as a violation.
+#[derive(Default)]
+struct ReadWrite {
+    readers: AtomicUsize,
+    writers: AtomicUsize,
+    violations: AtomicUsize,
+}
+
+impl ReadWrite {
+    async fn read(&self) {
+        self.readers.fetch_add(1, Ordering::SeqCst);
+        if self.writers.load(Ordering::SeqCst) != 0 {
+            self.violations.fetch_add(1, Ordering::SeqCst);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        self.readers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    async fn write(&self) {
+        let writers = self.writers.fetch_add(1, Ordering::SeqCst);
+        if writers != 0 || self.readers.load(Ordering::SeqCst) != 0 {
+            self.violations.fetch_add(1, Ordering::SeqCst);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        self.writers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn request(method: Method, path: &str) -> Request<()> {
+    Request::builder()
+        .method(method)
+        .uri(path)
+        .body(())
+        .unwrap()
+}
+
+/// Two GETs of one order must be inside the handler at once to finish (a barrier of
+/// two): with the key taken exclusively they would wait for each other for ever.
+#[tokio::test]
+async fn gets_of_one_key_run_together() {
+    let barrier = Arc::new(Barrier::new(2));
+    let app = Router::new()
+        .route(
+            "/orders/{order_id}",
+            get(move |lock: LockInfo| {
+                let barrier = barrier.clone();
+                async move {
+                    barrier.wait().await;
+                    format!("shared={}", lock.is_shared())
+                }
+            }),
+        )
+        .layer(KeyedLockLayer::by_path("order_id").shared_methods([Method::GET, Method::HEAD]));
+    let server = serve(app).await;
+    let both = join_all((0..2).map(|_| server.send(request(Method::GET, "/orders/7"))));
+    let answers = tokio::time::timeout(Duration::from_secs(30), both)
+        .await
+        .expect("the GETs waited for each other: the key was not shared");
+    for answer in answers {
+        assert_eq!(
+            (answer.status, answer.body.as_str()),
+            (StatusCode::OK, "shared=true")
+        );
+    }
+}
+
+/// GETs and PUTs of one order in a burst: every request runs, and a PUT never runs
+/// beside another request of its order.
+#[tokio::test]
+async fn a_put_runs_alone_among_gets() {
+    let state = Arc::new(ReadWrite::default());
+    let (reads, writes) = (state.clone(), state.clone());
+    let layer = KeyedLockLayer::by_path("order_id")
+        .shared_methods([Method::GET])
+        .wait_timeout(Duration::from_secs(60));
+    let app = Router::new()
+        .route(
+            "/orders/{order_id}",
+            get(move |lock: LockInfo| {
+                let state = reads.clone();
+                async move {
+                    state.read().await;
+                    format!("shared={}", lock.is_shared())
+                }
+            })
+            .put(move |lock: LockInfo| {
+                let state = writes.clone();
+                async move {
+                    state.write().await;
+                    format!("shared={}", lock.is_shared())
+                }
+            }),
+        )
+        .layer(layer.clone());
+    let server = serve(app).await;
+    let methods: Vec<Method> = (0..40)
+        .map(|i| if i % 4 == 0 { Method::PUT } else { Method::GET })
+        .collect();
+    let answers = join_all(
+        methods
+            .iter()
+            .map(|method| server.send(request(method.clone(), "/orders/7"))),
+    )
+    .await;
+    for (method, answer) in methods.iter().zip(&answers) {
+        let shared = *method == Method::GET;
+        assert_eq!(answer.status, StatusCode::OK, "{method}");
+        assert_eq!(answer.body, format!("shared={shared}"), "{method}");
+    }
+    assert_eq!(
+        state.violations.load(Ordering::SeqCst),
+        0,
+        "a PUT ran beside another request"
+    );
+    assert_eq!(layer.active_keys(), 0);
+}
+
+#[test]
+#[should_panic(expected = "does not support shared locks across instances")]
+fn shared_methods_with_a_backend_are_refused_when_applied() {
+    use tower_keyed_lock::backend::{Acquisition, LockBackend};
+    use tower_keyed_lock::Key;
+    struct Unreachable;
+    impl LockBackend for Unreachable {
+        fn acquire(&self, _: &str, _: &Key, _: Duration) -> Acquisition {
+            Box::pin(async { Err(tower_keyed_lock::LockError::Backend("unreachable".into())) })
+        }
+    }
+    let layer = KeyedLockLayer::by_path("order_id")
+        .shared_methods([Method::GET])
+        .backend(Unreachable);
+    let _ = Router::<()>::new()
+        .route("/orders/{order_id}", get(|| async {}))
+        .layer(layer);
+}
