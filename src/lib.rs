@@ -148,7 +148,8 @@ pub use backend::redis::RedisBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
 pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
 pub use distributed::{
-    DistributedAcquire, DistributedGuard, DistributedLocks, DistributedLocksBuilder, LeaseLost,
+    DistributedAcquire, DistributedGuard, DistributedGuards, DistributedLocks,
+    DistributedLocksBuilder, LeaseLost,
 };
 pub use error::LockError;
 #[cfg(feature = "axum")]

@@ -42,8 +42,10 @@
 //! - `mod.rs`: [`DistributedLocks`] and its builder.
 //! - `acquire.rs`: [`DistributedAcquire`], the wait in this process, then at the backend.
 //! - `guard.rs`: [`DistributedGuard`], the key held in both tiers, and [`LeaseLost`].
+//! - `all.rs`: several keys at once ([`DistributedLocks::lock_all`], [`DistributedGuards`]).
 
 mod acquire;
+mod all;
 mod guard;
 
 use std::borrow::Cow;
@@ -53,6 +55,7 @@ use std::time::Duration;
 
 pub use acquire::DistributedAcquire;
 pub(crate) use acquire::SHARED_LOCKS;
+pub use all::DistributedGuards;
 pub use guard::{DistributedGuard, LeaseLost};
 
 use crate::backend::LockBackend;

@@ -49,10 +49,12 @@
 //! | [`dropped_acquisitions_leave_nothing_held`] | a cancelled acquisition, at any point, leaves the key free |
 //! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
+//! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
 
 mod isolated;
 mod lease;
 mod mutual;
+mod several;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -63,6 +65,7 @@ pub use self::mutual::{
     busy_and_timeout, dropped_acquisitions_leave_nothing_held, fencing_tokens_increase,
     one_holder_at_a_time, release_hands_over,
 };
+pub use self::several::several_keys_all_or_nothing;
 use crate::{DistributedLocks, LockBackend};
 
 /// Long enough for anything that should happen on a loaded machine: a check fails
@@ -81,7 +84,7 @@ pub trait Deployment: Send + Sync {
 }
 
 /// The names of the checks [`run_all`] runs, in its order.
-pub const CHECKS: [&str; 7] = [
+pub const CHECKS: [&str; 8] = [
     "one_holder_at_a_time",
     "busy_and_timeout",
     "release_hands_over",
@@ -89,6 +92,7 @@ pub const CHECKS: [&str; 7] = [
     "dropped_acquisitions_leave_nothing_held",
     "a_stalled_holder_sees_its_lease_lost",
     "a_crashed_holder_is_taken_over",
+    "several_keys_all_or_nothing",
 ];
 
 /// Runs every check of [`CHECKS`], each on keys of its own.
@@ -100,6 +104,7 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     dropped_acquisitions_leave_nothing_held(deployment).await;
     a_stalled_holder_sees_its_lease_lost(deployment).await;
     a_crashed_holder_is_taken_over(deployment).await;
+    several_keys_all_or_nothing(deployment).await;
 }
 
 /// One instance of the application: locks named like the check, on a fresh backend.

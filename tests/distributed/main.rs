@@ -2,12 +2,13 @@
 //! `support::fixtures` (Redis, a Redis Cluster, PostgreSQL, DynamoDB, in process):
 //! exclusion and hand-over (`instances`), an acquisition dropped at each of its awaits
 //! (`cancel`), the way jobs, workers and caches use it (`jobs`), work that stops when
-//! its lease is lost (`lease`), and shared locks (`shared`).
+//! its lease is lost (`lease`), shared locks (`shared`) and several keys at once (`all`).
 
 #[macro_use]
 #[path = "../support/mod.rs"]
 mod support;
 
+mod all;
 mod cancel;
 mod instances;
 mod jobs;
