@@ -1,8 +1,12 @@
-//! Metric names and the handles one layer records into.
+//! Metric names and the handles one layer, or one [`DistributedLocks`](crate::DistributedLocks),
+//! records into.
 //!
 //! Everything goes through the [`metrics`] facade: install any recorder (Prometheus,
 //! StatsD, …) and the series appear. Every series carries the label `name` (set with
-//! [`KeyedLockLayer::name`](crate::KeyedLockLayer::name)); keys never appear in labels.
+//! [`KeyedLockLayer::name`](crate::KeyedLockLayer::name), or the name a
+//! `DistributedLocks` is built with: a job lock records the same series as a layer);
+//! keys never appear in labels. For `DistributedLocks`, "request" below reads
+//! "acquisition", and a `try_lock` that finds the key held counts as a timeout.
 //!
 //! | metric | kind | labels |
 //! |---|---|---|
@@ -14,8 +18,8 @@
 //! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
 //! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | |
 //!
-//! Handles are registered once per layer, on its first request, so a recorder installed
-//! after the router was built but before it serves is still used.
+//! Handles are registered once per layer (or locks), on its first request, so a recorder
+//! installed after the router was built but before it serves is still used.
 
 use metrics::{Counter, Gauge, Histogram, Unit};
 

@@ -66,6 +66,18 @@ pub enum RejectionKind {
 }
 
 impl RejectionKind {
+    /// The kind of a lock that could not be taken.
+    pub(crate) fn of(error: &LockError) -> Self {
+        match error {
+            LockError::Timeout | LockError::Busy => RejectionKind::Timeout,
+            LockError::QueueFull => RejectionKind::QueueFull,
+            LockError::TooManyKeys => RejectionKind::TooManyKeys,
+            LockError::Backend(_) => RejectionKind::Backend,
+            LockError::InvalidKey(_) => RejectionKind::InvalidKey,
+            LockError::Unsupported(_) => RejectionKind::Misconfigured,
+        }
+    }
+
     /// Every kind, in the order of [`as_str`](Self::as_str)'s list: the one list that
     /// the responses and the `reason` metric labels share.
     pub(crate) const ALL: [RejectionKind; 11] = [
@@ -253,38 +265,30 @@ impl Rejection {
                 );
             }
         }
-        let (kind, status, detail) = match error {
-            LockError::Timeout | LockError::Busy => (
-                RejectionKind::Timeout,
+        let kind = RejectionKind::of(error);
+        let (status, detail) = match kind {
+            RejectionKind::Timeout => (
                 timeout_status,
                 "a request for this key is already in progress",
             ),
-            LockError::QueueFull => (
-                RejectionKind::QueueFull,
+            RejectionKind::QueueFull => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "too many requests are waiting for this key",
             ),
-            LockError::TooManyKeys => (
-                RejectionKind::TooManyKeys,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "too many keys are in use",
-            ),
-            LockError::Backend(_) => (
-                RejectionKind::Backend,
-                StatusCode::SERVICE_UNAVAILABLE,
-                "the lock backend is unavailable",
-            ),
+            RejectionKind::TooManyKeys => {
+                (StatusCode::SERVICE_UNAVAILABLE, "too many keys are in use")
+            }
             // The layer refuses such a setup when it is built; kept for completeness.
-            LockError::Unsupported(_) => (
-                RejectionKind::Misconfigured,
+            RejectionKind::Misconfigured => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "the lock backend cannot take this lock",
             ),
             // The layer validates keys before it locks; kept for completeness.
-            LockError::InvalidKey(_) => (
-                RejectionKind::InvalidKey,
-                StatusCode::BAD_REQUEST,
-                "the lock key cannot be used",
+            RejectionKind::InvalidKey => (StatusCode::BAD_REQUEST, "the lock key cannot be used"),
+            // `Backend`, the only other kind a lock error has.
+            _ => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the lock backend is unavailable",
             ),
         };
         Self::new(kind, status, Some(retry_after), detail)

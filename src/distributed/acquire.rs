@@ -13,6 +13,7 @@ use crate::backend::{acquire_detached, Acquisition, Lease};
 use crate::error::LockError;
 use crate::key::Key;
 use crate::locks::{Acquire, KeyGuard, Mode};
+use crate::reject::RejectionKind;
 
 /// The remote wait of an acquisition without a time limit. Backends add the wait to
 /// `Instant::now()`, which must not overflow; a year is "until it is free".
@@ -36,6 +37,10 @@ pub struct DistributedAcquire {
     started: Instant,
     /// `None`: no limit. `Some(ZERO)`: try once, and a held key is `Busy`.
     timeout: Option<Duration>,
+    /// Counted in the `waiting` gauge of metered locks, until it resolves or is dropped.
+    counted: bool,
+    /// It had to wait (returned `Pending` at least once): a contended acquisition.
+    waited: bool,
 }
 
 enum State {
@@ -91,11 +96,49 @@ impl DistributedAcquire {
     }
 
     fn with_state(locks: Arc<Inner>, state: State, timeout: Option<Duration>) -> Self {
+        let counted = match locks.metrics() {
+            Some(metrics) => {
+                metrics.waiting.increment(1.0);
+                true
+            }
+            None => false,
+        };
         Self {
             locks,
             state,
             started: Instant::now(),
             timeout,
+            counted,
+            waited: false,
+        }
+    }
+
+    /// Records how the acquisition ended, in metered locks.
+    fn record(&mut self, result: &Result<DistributedGuard, LockError>) {
+        if !std::mem::take(&mut self.counted) {
+            return;
+        }
+        let Some(metrics) = self.locks.metrics() else {
+            return;
+        };
+        metrics.waiting.decrement(1.0);
+        let waited = self.started.elapsed();
+        match result {
+            Ok(_) => {
+                metrics.wait_acquired.record(waited);
+                match self.waited {
+                    true => metrics.acquired_contended.increment(1),
+                    false => metrics.acquired_uncontended.increment(1),
+                }
+            }
+            Err(error) => {
+                match error {
+                    LockError::Timeout | LockError::Busy => metrics.wait_timeout.record(waited),
+                    LockError::QueueFull => metrics.wait_queue_full.record(waited),
+                    _ => {}
+                }
+                metrics.rejected(RejectionKind::of(error));
+            }
         }
     }
 
@@ -138,6 +181,31 @@ impl Future for DistributedAcquire {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
+        match this.poll_state(cx) {
+            Poll::Pending => {
+                this.waited = true;
+                Poll::Pending
+            }
+            Poll::Ready(result) => {
+                this.record(&result);
+                Poll::Ready(result)
+            }
+        }
+    }
+}
+
+impl Drop for DistributedAcquire {
+    fn drop(&mut self) {
+        if let (true, Some(metrics)) = (self.counted, self.locks.metrics()) {
+            metrics.waiting.decrement(1.0);
+            metrics.wait_cancelled.record(self.started.elapsed());
+        }
+    }
+}
+
+impl DistributedAcquire {
+    fn poll_state(&mut self, cx: &mut Context<'_>) -> Poll<Result<DistributedGuard, LockError>> {
+        let this = self;
         loop {
             match &mut this.state {
                 State::Refused(error) => {

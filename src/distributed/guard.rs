@@ -4,6 +4,7 @@ use std::error::Error;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tokio::task::JoinHandle;
 
@@ -26,6 +27,8 @@ pub struct DistributedGuard {
     lease: Option<Box<Lease>>,
     /// The backend error the guard was granted despite, with `fail_open`.
     failed: Option<Box<LockError>>,
+    /// When the key was granted, for the hold-time histogram of metered locks.
+    since: Instant,
 }
 
 /// The error of [`DistributedGuard::run_while_held`] when the lease was lost first:
@@ -45,6 +48,18 @@ impl DistributedGuard {
             local: Some(local),
             lease: lease.map(Box::new),
             failed: failed.map(Box::new),
+            since: Instant::now(),
+        }
+    }
+
+    /// Records the hold, and a lease lost while held, in metered locks. Once: a
+    /// released guard has no lease left to find lost when it drops.
+    fn record_hold(&self) {
+        if let (Some(metrics), true) = (self.locks.metrics(), self.local.is_some()) {
+            metrics.hold.record(self.since.elapsed());
+            if self.is_lost() {
+                metrics.lease_lost.increment(1);
+            }
         }
     }
 
@@ -133,7 +148,9 @@ impl DistributedGuard {
     /// up), then releases it locally. Dropping this future midway does not stop the
     /// release: it runs in a task of its own.
     pub async fn release(mut self) {
+        self.record_hold();
         let Some(lease) = self.lease.take() else {
+            self.local.take();
             return; // the local guard drops with `self`
         };
         if let Some(release) = release_detached(*lease, self.local.take()) {
@@ -144,6 +161,7 @@ impl DistributedGuard {
 
 impl Drop for DistributedGuard {
     fn drop(&mut self) {
+        self.record_hold();
         if let Some(lease) = self.lease.take() {
             let _ = release_detached(*lease, self.local.take());
         }

@@ -33,6 +33,9 @@
 //! # }
 //! ```
 //!
+//! The locks record the same metrics as the layer, under their name (see
+//! [`metrics`](crate::metrics)): waits by outcome, hold times, rejections, leases lost.
+//!
 //! Every acquisition is cancel-safe: dropping a [`DistributedAcquire`] at any point —
 //! queued locally, or waiting at the backend — releases whatever it acquired, and the
 //! remote attempt runs detached so a dropped request never leaves a remote lock held.
@@ -50,7 +53,7 @@ mod guard;
 
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 pub use acquire::DistributedAcquire;
@@ -61,6 +64,7 @@ pub use guard::{DistributedGuard, LeaseLost};
 use crate::backend::LockBackend;
 use crate::key::{Key, DEFAULT_MAX_KEY_LEN};
 use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder, Mode};
+use crate::metrics::Metrics;
 
 /// A keyed lock shared by every instance that shares its backend. Clones share one
 /// local table. See the [module docs](self).
@@ -75,6 +79,22 @@ pub(crate) struct Inner {
     backend: Option<Arc<dyn LockBackend>>,
     fail_open: bool,
     max_key_len: usize,
+    /// The locks' metrics, registered on first use (so a recorder installed after the
+    /// locks were built is used); `None` under a layer, which records its own.
+    metrics: Option<OnceLock<Metrics>>,
+}
+
+impl Inner {
+    /// The metric handles, if these locks record any. Every acquisition asks before it
+    /// touches the table, so the table is empty when the key gauge is attached.
+    fn metrics(&self) -> Option<&Metrics> {
+        let cell = self.metrics.as_ref()?;
+        Some(cell.get_or_init(|| {
+            let metrics = Metrics::new(&self.name);
+            self.local.report_keys_to(metrics.keys.clone());
+            metrics
+        }))
+    }
 }
 
 /// Configures a [`DistributedLocks`]; made by [`DistributedLocks::builder`].
@@ -94,6 +114,8 @@ pub struct DistributedLocksBuilder {
     backend: Option<Arc<dyn LockBackend>>,
     fail_open: bool,
     max_key_len: usize,
+    /// Whether the locks record metrics (not under a layer, which records its own).
+    metered: bool,
     /// The local table's permits and limits, checked where that table checks them.
     local: KeyedLocksBuilder<Key>,
 }
@@ -126,6 +148,7 @@ impl DistributedLocks {
             backend: None,
             fail_open: false,
             max_key_len: DEFAULT_MAX_KEY_LEN,
+            metered: true,
             local: KeyedLocks::builder(),
         }
     }
@@ -278,6 +301,12 @@ impl DistributedLocksBuilder {
         self
     }
 
+    /// Locks that record no metrics: a layer's, which records its own.
+    pub(crate) fn unmetered(mut self) -> Self {
+        self.metered = false;
+        self
+    }
+
     /// Renames the locks (a layer's [`name`](crate::KeyedLockLayer::name) setting).
     pub(crate) fn rename(mut self, name: Cow<'static, str>) -> Self {
         self.name = name;
@@ -314,6 +343,7 @@ impl DistributedLocksBuilder {
                 backend: self.backend,
                 fail_open: self.fail_open,
                 max_key_len: self.max_key_len,
+                metrics: self.metered.then(OnceLock::new),
             }),
         }
     }

@@ -69,7 +69,7 @@ impl Shared {
         Self {
             tag: LayerTag::new(locks.name().clone()),
             max_key_len: locks.key_len_limit(),
-            locks: locks.build(),
+            locks: locks.unmetered().build(),
             config,
             metrics: OnceLock::new(),
             misconfiguration_logged: AtomicBool::new(false),

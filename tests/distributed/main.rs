@@ -2,7 +2,8 @@
 //! `support::fixtures` (Redis, a Redis Cluster, PostgreSQL, DynamoDB, in process):
 //! exclusion and hand-over (`instances`), an acquisition dropped at each of its awaits
 //! (`cancel`), the way jobs, workers and caches use it (`jobs`), work that stops when
-//! its lease is lost (`lease`), shared locks (`shared`) and several keys at once (`all`).
+//! its lease is lost (`lease`), shared locks (`shared`), several keys at once (`all`) and
+//! the metrics `DistributedLocks` records (`metrics`).
 
 #[macro_use]
 #[path = "../support/mod.rs"]
@@ -13,4 +14,5 @@ mod cancel;
 mod instances;
 mod jobs;
 mod lease;
+mod metrics;
 mod shared;
