@@ -4,7 +4,7 @@ use std::error::Error;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
 
@@ -29,6 +29,8 @@ pub struct DistributedGuard {
     failed: Option<Box<LockError>>,
     /// When the key was granted, for the hold-time histogram of metered locks.
     since: Instant,
+    /// Set by [`hold_at_least`](Self::hold_at_least): the key is not given back before.
+    hold_until: Option<tokio::time::Instant>,
 }
 
 /// The error of [`DistributedGuard::run_while_held`] when the lease was lost first:
@@ -49,7 +51,32 @@ impl DistributedGuard {
             lease: lease.map(Box::new),
             failed: failed.map(Box::new),
             since: Instant::now(),
+            hold_until: None,
         }
+    }
+
+    /// Keeps the key until it has been held for at least `duration`, however early the
+    /// guard is released or dropped (ShedLock's `lockAtLeastFor`): a scheduled job that
+    /// ends in 50 ms still holds its tick's key, so an instance whose timer fires late
+    /// does not run the same tick again. Until then the lease stays renewed, and
+    /// [`release`](Self::release) waits for it.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_keyed_lock::{DistributedLocks, LockError};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let jobs = DistributedLocks::in_process("jobs");
+    /// let mut tick = jobs.try_lock("report:09:00").await.unwrap();
+    /// tick.hold_at_least(Duration::from_millis(200));
+    /// drop(tick); // the job was quick…
+    /// // …but the tick stays taken until 200 ms after it was granted.
+    /// assert!(matches!(jobs.try_lock("report:09:00").await, Err(LockError::Busy)));
+    /// # }
+    /// ```
+    pub fn hold_at_least(&mut self, duration: Duration) {
+        let since = tokio::time::Instant::from_std(self.since);
+        self.hold_until = Some(since + duration);
     }
 
     /// Records the hold, and a lease lost while held, in metered locks. Once: a
@@ -145,15 +172,20 @@ impl DistributedGuard {
     }
 
     /// Releases the key and waits until the backend has it back (or its release gave
-    /// up), then releases it locally. Dropping this future midway does not stop the
-    /// release: it runs in a task of its own.
+    /// up), then releases it locally; with [`hold_at_least`](Self::hold_at_least), it
+    /// first waits until then. Dropping this future midway does not stop the release:
+    /// it runs in a task of its own.
     pub async fn release(mut self) {
+        // Not taken: a release cancelled during this sleep still holds the key till then.
+        if let Some(until) = self.hold_until {
+            tokio::time::sleep_until(until).await;
+        }
         self.record_hold();
         let Some(lease) = self.lease.take() else {
             self.local.take();
             return; // the local guard drops with `self`
         };
-        if let Some(release) = release_detached(*lease, self.local.take()) {
+        if let Some(release) = release_detached(Some(*lease), self.local.take(), None) {
             let _ = release.await;
         }
     }
@@ -162,21 +194,35 @@ impl DistributedGuard {
 impl Drop for DistributedGuard {
     fn drop(&mut self) {
         self.record_hold();
-        if let Some(lease) = self.lease.take() {
-            let _ = release_detached(*lease, self.local.take());
+        let until = self
+            .hold_until
+            .filter(|until| *until > tokio::time::Instant::now());
+        if self.lease.is_some() || until.is_some() {
+            let lease = self.lease.take().map(|lease| *lease);
+            let _ = release_detached(lease, self.local.take(), until);
         }
         // Else the local guard drops with the fields.
     }
 }
 
 /// Releases `lease`, then `local`, in a task of its own, so that the release completes
-/// however its caller is cancelled. Remote first, then local: the next local waiter
-/// then finds the remote lock free instead of racing the release. Without a runtime
-/// (it is shutting down) both are dropped here: the lease runs out by itself.
-fn release_detached(lease: Lease, local: Option<KeyGuard<Key>>) -> Option<JoinHandle<()>> {
+/// however its caller is cancelled; first holds both (the lease renewed) until `until`.
+/// Remote first, then local: the next local waiter then finds the remote lock free
+/// instead of racing the release. Without a runtime (it is shutting down) both are
+/// dropped here: the lease runs out by itself.
+fn release_detached(
+    lease: Option<Lease>,
+    local: Option<KeyGuard<Key>>,
+    until: Option<tokio::time::Instant>,
+) -> Option<JoinHandle<()>> {
     let runtime = tokio::runtime::Handle::try_current().ok()?;
     Some(runtime.spawn(async move {
-        lease.release().await;
+        if let Some(until) = until {
+            tokio::time::sleep_until(until).await;
+        }
+        if let Some(lease) = lease {
+            lease.release().await;
+        }
         drop(local);
     }))
 }

@@ -22,6 +22,7 @@ for_each_fixture!(
     all: [
         one_instance_of_three_runs_each_tick,
         a_stampede_of_misses_rebuilds_once,
+        a_quick_job_keeps_its_tick_for_hold_at_least,
     ],
     remote: [a_crashed_holder_is_taken_over_after_its_lease],
 );
@@ -187,4 +188,43 @@ async fn a_crashed_holder_is_taken_over_after_its_lease<F: Remote + Sync>() {
         guard.fencing_token()
     );
     guard.release().await;
+}
+
+/// A job that ends at once, under `hold_at_least`, keeps its key (here and on another
+/// instance) until the minimum is over, whether its guard is dropped or released.
+async fn a_quick_job_keeps_its_tick_for_hold_at_least<F: Fixture>() {
+    const AT_LEAST: Duration = Duration::from_millis(800);
+    let fixture = F::start();
+    let (a, b) = (fixture.instance("a").await, fixture.instance("b").await);
+    for (key, by_release) in [("tick-dropped", false), ("tick-released", true)] {
+        let before = Instant::now();
+        let mut guard = a.try_lock(key).await.unwrap();
+        guard.hold_at_least(AT_LEAST);
+        if by_release {
+            guard.release().await;
+            assert!(
+                before.elapsed() >= AT_LEAST,
+                "release returned before the minimum"
+            );
+        } else {
+            drop(guard);
+        }
+        // Whoever takes the key next can do so only once the minimum is over.
+        let next = within(key, PATIENCE, async {
+            loop {
+                match b.try_lock(key).await {
+                    Ok(guard) => return guard,
+                    Err(LockError::Busy) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    Err(error) => panic!("{key}: {error}"),
+                }
+            }
+        })
+        .await;
+        assert!(
+            before.elapsed() >= AT_LEAST,
+            "{key}: taken {:?} after the grant, before its minimum hold",
+            before.elapsed()
+        );
+        next.release().await;
+    }
 }
