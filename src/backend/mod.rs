@@ -67,6 +67,12 @@ pub trait LockBackend: Send + Sync + 'static {
     fn issues_fencing_tokens(&self) -> bool {
         true
     }
+
+    /// The engine's short name, for spans and logs: `"redis"`, `"postgres"`, …
+    /// (`"custom"` unless the backend says).
+    fn engine(&self) -> &'static str {
+        "custom"
+    }
 }
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
@@ -77,6 +83,10 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
 
     fn issues_fencing_tokens(&self) -> bool {
         (**self).issues_fencing_tokens()
+    }
+
+    fn engine(&self) -> &'static str {
+        (**self).engine()
     }
 }
 

@@ -41,6 +41,9 @@ pub struct DistributedAcquire {
     counted: bool,
     /// It had to wait (returned `Pending` at least once): a contended acquisition.
     waited: bool,
+    /// `keyed_lock.wait` of metered locks (a layer has its own), entered while polled;
+    /// its `outcome` is recorded when the acquisition ends.
+    span: tracing::Span,
 }
 
 enum State {
@@ -54,6 +57,8 @@ enum State {
     Remote {
         local: Option<KeyGuard<Key>>,
         remote: Acquisition,
+        /// `keyed_lock.remote`, entered while the remote acquisition is polled.
+        span: tracing::Span,
     },
     Done,
 }
@@ -96,12 +101,17 @@ impl DistributedAcquire {
     }
 
     fn with_state(locks: Arc<Inner>, state: State, timeout: Option<Duration>) -> Self {
-        let counted = match locks.metrics() {
+        let (counted, span) = match locks.metrics() {
             Some(metrics) => {
                 metrics.waiting.increment(1.0);
-                true
+                let span = tracing::debug_span!(
+                    "keyed_lock.wait",
+                    name = &*locks.name,
+                    outcome = tracing::field::Empty,
+                );
+                (true, span)
             }
-            None => false,
+            None => (false, tracing::Span::none()),
         };
         Self {
             locks,
@@ -110,6 +120,7 @@ impl DistributedAcquire {
             timeout,
             counted,
             waited: false,
+            span,
         }
     }
 
@@ -123,6 +134,11 @@ impl DistributedAcquire {
         };
         metrics.waiting.decrement(1.0);
         let waited = self.started.elapsed();
+        let outcome = match result {
+            Ok(_) => "acquired",
+            Err(error) => RejectionKind::of(error).as_str(),
+        };
+        self.span.record("outcome", outcome);
         match result {
             Ok(_) => {
                 metrics.wait_acquired.record(waited);
@@ -154,9 +170,17 @@ impl DistributedAcquire {
                     Some(timeout) => timeout.saturating_sub(self.started.elapsed()),
                     None => NO_LIMIT,
                 };
+                let span = tracing::debug_span!(
+                    "keyed_lock.remote",
+                    name = &*self.locks.name,
+                    engine = backend.engine(),
+                    outcome = tracing::field::Empty,
+                    fencing_token = tracing::field::Empty,
+                );
                 State::Remote {
                     remote: acquire_detached(backend, &self.locks.name, local.key(), wait),
                     local: Some(local),
+                    span,
                 }
             }
             None => State::Held(Some(local)),
@@ -181,7 +205,9 @@ impl Future for DistributedAcquire {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        match this.poll_state(cx) {
+        // A clone to enter, as `poll_state` borrows all of `this` (free when disabled).
+        let polled = this.span.clone().in_scope(|| this.poll_state(cx));
+        match polled {
             Poll::Pending => {
                 this.waited = true;
                 Poll::Pending
@@ -199,6 +225,7 @@ impl Drop for DistributedAcquire {
         if let (true, Some(metrics)) = (self.counted, self.locks.metrics()) {
             metrics.waiting.decrement(1.0);
             metrics.wait_cancelled.record(self.started.elapsed());
+            self.span.record("outcome", "cancelled");
         }
     }
 }
@@ -230,8 +257,21 @@ impl DistributedAcquire {
                     this.state = State::Done;
                     return Poll::Ready(Ok(this.guard(local, None, None)));
                 }
-                State::Remote { local, remote } => {
-                    let result = ready!(remote.as_mut().poll(cx));
+                State::Remote {
+                    local,
+                    remote,
+                    span,
+                } => {
+                    let result = ready!(span.in_scope(|| remote.as_mut().poll(cx)));
+                    match &result {
+                        Ok(lease) => {
+                            span.record("outcome", "acquired");
+                            span.record("fencing_token", lease.fencing_token());
+                        }
+                        Err(error) => {
+                            span.record("outcome", RejectionKind::of(error).as_str());
+                        }
+                    }
                     let local = local.take().expect("polled after completion");
                     this.state = State::Done;
                     return Poll::Ready(match result {

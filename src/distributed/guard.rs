@@ -161,14 +161,24 @@ impl DistributedGuard {
     /// # }
     /// ```
     pub async fn run_while_held<F: Future>(&self, work: F) -> Result<F::Output, LeaseLost> {
-        if self.is_lost() {
-            return Err(LeaseLost);
+        let span = tracing::debug_span!(
+            "keyed_lock.hold",
+            name = &*self.locks.name,
+            fencing_token = self.fencing_token(),
+        );
+        let work = tracing::Instrument::instrument(work, span.clone());
+        let result = match self.is_lost() {
+            true => Err(LeaseLost),
+            false => tokio::select! {
+                biased;
+                () = self.lost() => Err(LeaseLost),
+                output = work => Ok(output),
+            },
+        };
+        if result.is_err() {
+            tracing::warn!(parent: &span, name = &*self.locks.name, "the lease was lost: the work was cancelled");
         }
-        tokio::select! {
-            biased;
-            () = self.lost() => Err(LeaseLost),
-            output = work => Ok(output),
-        }
+        result
     }
 
     /// Releases the key and waits until the backend has it back (or its release gave

@@ -209,6 +209,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
                 on_rejection: None,
                 abort_on_lease_lost: false,
                 shared_methods: Box::new([]),
+                trace_keys: false,
             },
             shared: Arc::default(),
         }
@@ -312,6 +313,19 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     pub fn shared_methods(self, methods: impl IntoIterator<Item = http::Method>) -> Self {
         let methods: Box<[http::Method]> = methods.into_iter().collect();
         self.configure(|c| c.shared_methods = methods)
+    }
+
+    /// Whether the layer's `tracing` spans carry the key (off by default).
+    ///
+    /// The layer opens a DEBUG span `keyed_lock.wait` while a request waits for its key
+    /// (field `outcome`: `acquired`, `timeout`, `queue_full`, `backend`, `cancelled`,
+    /// …) and `keyed_lock.hold` while it runs under it (fields `shared`,
+    /// `fencing_token`); the handler's spans nest in the hold. Both carry the layer's
+    /// `name` and the `route` template, never the key, which comes from the client —
+    /// unless this is on: then a `key` field with its first 16 characters, escaped.
+    /// A subscriber that does not enable them costs next to nothing (BENCHMARKS.md).
+    pub fn trace_keys(self, on: bool) -> Self {
+        self.configure(|c| c.trace_keys = on)
     }
 
     /// Requests allowed to hold one key at once (default 1).

@@ -17,6 +17,7 @@ use super::held::HeldKey;
 use super::info::LockInfo;
 use super::rejected::RejectionResponse;
 use super::shared::Shared;
+use super::trace;
 use crate::backend::RetryLater;
 use crate::distributed::{DistributedAcquire, DistributedGuard};
 use crate::error::LockError;
@@ -182,9 +183,16 @@ where
         .map(|signal| Box::pin(async move { signal.lost().await }) as BoxFuture<()>);
     let key = guard.key_ref().clone();
     let token = guard.fencing_token();
+    let span = trace::hold_span(
+        &shared,
+        request.extensions(),
+        &key,
+        guard.is_shared(),
+        token,
+    );
     LockInfo::new(&shared.tag, key, waited, guard.is_shared(), token, signal)
         .insert_into(request.extensions_mut());
-    let held = HeldKey::distributed(guard, shared);
+    let held = HeldKey::distributed(guard, shared, span);
     Readying {
         service,
         request: Some(request),
@@ -204,7 +212,12 @@ where
         loop {
             let next = match state.as_mut().project() {
                 StateProj::Acquiring { waiting } => {
-                    let result = ready!(Pin::new(&mut waiting.acquire).poll(cx));
+                    let Waiting { acquire, pending } = &mut **waiting;
+                    let result = {
+                        let ticket = &pending.as_ref().expect("polled after completion").ticket;
+                        let _entered = ticket.span.enter();
+                        ready!(Pin::new(acquire).poll(cx))
+                    };
                     let mut pending = waiting.pending.take().expect("polled after completion");
                     match result {
                         Ok(guard) => State::Readying {
@@ -235,11 +248,14 @@ where
                     if let Some(rejection) = poll_lease_lost(lost, held, cx) {
                         rejection
                     } else {
+                        let _entered = held.as_ref().map(HeldKey::enter);
                         match ready!(service.poll_ready(cx)) {
                             Ok(()) => {
                                 let request = request.take().expect("polled after completion");
+                                let future = service.call(request);
+                                drop(_entered);
                                 State::Running {
-                                    future: service.call(request),
+                                    future,
                                     held: held.take(),
                                     lost: lost.take(),
                                 }
@@ -291,7 +307,10 @@ fn poll_running<F, ResBody, E>(
 where
     F: Future<Output = Result<Response<ResBody>, E>>,
 {
-    let result = future.poll(cx);
+    let result = {
+        let _entered = held.as_ref().map(HeldKey::enter);
+        future.poll(cx)
+    };
     if let Some(held) = held.as_mut() {
         held.check_long_hold();
     }
@@ -314,16 +333,20 @@ pub(crate) struct WaitTicket {
     contended: bool,
     /// Whether the wait ended with a guard or a rejection; if not, it was cancelled.
     ended: bool,
+    /// `keyed_lock.wait`, entered while the wait is polled; its `outcome` is recorded
+    /// when the wait ends.
+    span: tracing::Span,
 }
 
 impl WaitTicket {
-    pub(crate) fn new(shared: Arc<Shared>, contended: bool) -> Self {
+    pub(crate) fn new(shared: Arc<Shared>, contended: bool, span: tracing::Span) -> Self {
         shared.metrics().waiting.increment(1.0);
         Self {
             arrived: Instant::now(),
             shared,
             contended,
             ended: false,
+            span,
         }
     }
 
@@ -337,6 +360,7 @@ impl WaitTicket {
             false => metrics.acquired_uncontended.increment(1),
         }
         metrics.wait_acquired.record(waited);
+        self.span.record("outcome", "acquired");
         waited
     }
 
@@ -350,6 +374,8 @@ impl WaitTicket {
             LockError::QueueFull => metrics.wait_queue_full.record(waited),
             _ => {}
         }
+        self.span
+            .record("outcome", RejectionKind::of(error).as_str());
         self.shared.respond(self.shared.lock_rejection(error))
     }
 }
@@ -363,6 +389,7 @@ impl Drop for WaitTicket {
             // it queued for or was handed is released by now: its lock futures and
             // guards are dropped before the ticket.
             metrics.wait_cancelled.record(self.arrived.elapsed());
+            self.span.record("outcome", "cancelled");
         }
     }
 }

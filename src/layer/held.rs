@@ -3,6 +3,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use tracing::Span;
+
 use super::shared::Shared;
 use crate::distributed::DistributedGuard;
 use crate::key::Key;
@@ -30,26 +32,34 @@ pub(crate) struct HeldKey {
     since: Instant,
     shared: Arc<Shared>,
     warned: bool,
+    /// `keyed_lock.hold`: entered while the inner service is called and polled.
+    span: tracing::Span,
 }
 
 impl HeldKey {
-    pub(crate) fn local(hold: HashHold, key: &Key, shared: Arc<Shared>) -> Self {
+    pub(crate) fn local(hold: HashHold, key: &Key, shared: Arc<Shared>, span: Span) -> Self {
         let hold = Some(hold);
         let key = shared.config.long_hold.map(|_| key.clone());
-        Self::new(Guard::Local { hold, key }, shared)
+        Self::new(Guard::Local { hold, key }, shared, span)
     }
 
-    pub(crate) fn distributed(guard: DistributedGuard, shared: Arc<Shared>) -> Self {
-        Self::new(Guard::Distributed(Box::new(guard)), shared)
+    pub(crate) fn distributed(guard: DistributedGuard, shared: Arc<Shared>, span: Span) -> Self {
+        Self::new(Guard::Distributed(Box::new(guard)), shared, span)
     }
 
-    fn new(guard: Guard, shared: Arc<Shared>) -> Self {
+    fn new(guard: Guard, shared: Arc<Shared>, span: Span) -> Self {
         Self {
             guard,
             since: Instant::now(),
             shared,
             warned: false,
+            span,
         }
+    }
+
+    /// Enters the hold span (until the returned guard drops).
+    pub(crate) fn enter(&self) -> tracing::span::Entered<'_> {
+        self.span.enter()
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
@@ -98,6 +108,11 @@ impl Drop for HeldKey {
             Guard::Distributed(guard) => {
                 if guard.is_lost() {
                     metrics.lease_lost.increment(1);
+                    tracing::warn!(
+                        parent: &self.span,
+                        layer = self.shared.name(),
+                        "the lease was lost while the request held the key"
+                    );
                 }
                 // Dropped with the fields; a remote release runs as its own task.
             }

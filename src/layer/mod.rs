@@ -130,6 +130,7 @@ mod info;
 mod rejected;
 mod service;
 pub(crate) mod shared;
+mod trace;
 
 pub use body::KeyedLockBody;
 pub use builder::{

@@ -13,6 +13,7 @@ use super::future::{Pending, ResponseFuture, WaitTicket};
 use super::held::HeldKey;
 use super::info::LockInfo;
 use super::shared::Shared;
+use super::trace;
 use crate::distributed::DistributedAcquire;
 use crate::error::LockError;
 use crate::key::{Key, KeyExtractor};
@@ -96,9 +97,11 @@ where
             return match shared.locks.local().try_lock(key.clone()) {
                 // Held here; now the backend.
                 Ok(local) => {
+                    let span = trace::wait_span(&shared, &parts.extensions, &key);
                     let timeout = Some(shared.config.wait_timeout);
                     let acquire = shared.locks.after_local(local, timeout);
-                    self.wait(acquire, Request::from_parts(parts, body), shared, false)
+                    let request = Request::from_parts(parts, body);
+                    self.wait(acquire, request, shared, false, span)
                 }
                 Err(error) => {
                     self.contended(error, key, mode, Request::from_parts(parts, body), shared)
@@ -107,17 +110,19 @@ where
         }
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read for the wait, no timer and no service clone.
-        let held = match shared.locks.local().try_hold(&key, mode) {
-            Ok(hold) => HeldKey::local(hold, &key, shared),
+        let hold = match shared.locks.local().try_hold(&key, mode) {
+            Ok(hold) => hold,
             Err(error) => {
                 return self.contended(error, key, mode, Request::from_parts(parts, body), shared)
             }
         };
+        let is_shared = mode == Mode::Shared;
+        let span = trace::hold_span(&shared, &parts.extensions, &key, is_shared, None);
+        let held = HeldKey::local(hold, &key, shared, span);
         let shared = held.shared();
         let metrics = shared.metrics();
         metrics.acquired_uncontended.increment(1);
         metrics.wait_acquired.record(0.0);
-        let is_shared = mode == Mode::Shared;
         LockInfo::new(&shared.tag, key, Duration::ZERO, is_shared, None, None)
             .insert_into(&mut parts.extensions);
         self.ready_and_call(Request::from_parts(parts, body), Some(held))
@@ -147,10 +152,11 @@ impl<S, E> KeyedLock<S, E> {
             }
             return ResponseFuture::rejected(shared.respond(shared.lock_rejection(&error)));
         }
+        let span = trace::wait_span(&shared, request.extensions(), &key);
         let acquire = shared
             .locks
             .acquire(key, Some(shared.config.wait_timeout), mode);
-        self.wait(acquire, request, shared, true)
+        self.wait(acquire, request, shared, true, span)
     }
 
     /// Waits for the key (`contended`: behind a holder in this process; else at the
@@ -162,12 +168,14 @@ impl<S, E> KeyedLock<S, E> {
         request: Request<ReqBody>,
         shared: Arc<Shared>,
         contended: bool,
+        span: tracing::Span,
     ) -> ResponseFuture<S, ReqBody>
     where
         S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     {
         let service = self.inner.clone();
-        let pending = Pending::new(service, request, WaitTicket::new(shared, contended));
+        let ticket = WaitTicket::new(shared, contended, span);
+        let pending = Pending::new(service, request, ticket);
         ResponseFuture::acquiring(acquire, pending)
     }
 }
@@ -198,13 +206,22 @@ impl<S, E> KeyedLock<S, E> {
     where
         S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     {
+        // The handler's own spans, made in `call`, nest in the hold span.
+        let entered = held.as_ref().map(HeldKey::enter);
         match self
             .inner
             .poll_ready(&mut Context::from_waker(Waker::noop()))
         {
-            Poll::Ready(Ok(())) => ResponseFuture::running(self.inner.call(request), held),
+            Poll::Ready(Ok(())) => {
+                let future = self.inner.call(request);
+                drop(entered);
+                ResponseFuture::running(future, held)
+            }
             Poll::Ready(Err(error)) => ResponseFuture::failed(error),
-            Poll::Pending => ResponseFuture::readying(self.take_inner(), request, held, None),
+            Poll::Pending => {
+                drop(entered);
+                ResponseFuture::readying(self.take_inner(), request, held, None)
+            }
         }
     }
 }

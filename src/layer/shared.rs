@@ -29,6 +29,8 @@ pub(crate) struct Config {
     pub(crate) long_hold: Option<Duration>,
     pub(crate) on_rejection: Option<RejectionHandler>,
     pub(crate) abort_on_lease_lost: bool,
+    /// Whether spans carry a short escaped prefix of the key (`trace_keys`).
+    pub(crate) trace_keys: bool,
     /// Request methods that take their key shared (`shared_methods`); empty: none.
     pub(crate) shared_methods: Box<[http::Method]>,
 }

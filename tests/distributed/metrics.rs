@@ -92,7 +92,7 @@ async fn in_process_locks_record_every_outcome() {
 }
 
 /// A backend whose every lease is lost as soon as it is granted.
-struct LosesEveryLease;
+pub(crate) struct LosesEveryLease;
 
 struct Nothing;
 

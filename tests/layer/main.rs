@@ -1,7 +1,8 @@
 //! The lock middleware through real servers, recorders and captured logs: HTTP behaviour
 //! (`over_http`), routing and key extraction (`routing`), metrics and the long-hold
 //! warning (`metrics`), hostile input and overload (`reliability`), shared methods
-//! (`shared`). Counting allocations is `tests/allocations.rs`, a process of its own.
+//! (`shared`), tracing spans (`trace`). Counting allocations is `tests/allocations.rs`, a
+//! process of its own.
 // Every test here builds its layer with `by_path` or `PathParam`: the `axum` feature.
 #![cfg(feature = "axum")]
 
@@ -13,3 +14,4 @@ mod over_http;
 mod reliability;
 mod routing;
 mod shared;
+mod trace;

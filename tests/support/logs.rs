@@ -29,6 +29,20 @@ impl Captured {
         tracing::subscriber::set_default(subscriber)
     }
 
+    /// As [`install`](Self::install), and a line for every span that closes, with
+    /// its fields (what was recorded into them included).
+    #[allow(dead_code)] // not every binary that includes this file uses it
+    pub fn install_with_spans(&self) -> tracing::subscriber::DefaultGuard {
+        let writer = self.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
+            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+            .finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
     /// Everything captured so far.
     pub fn text(&self) -> String {
         String::from_utf8(self.0.lock().unwrap().clone()).unwrap()

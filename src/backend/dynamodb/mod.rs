@@ -441,6 +441,10 @@ impl DynamoDbBackendBuilder {
 }
 
 impl LockBackend for DynamoDbBackend {
+    fn engine(&self) -> &'static str {
+        "dynamodb"
+    }
+
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let item = self
             .inner

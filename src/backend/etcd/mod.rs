@@ -489,6 +489,10 @@ impl EtcdBackendBuilder {
 }
 
 impl LockBackend for EtcdBackend {
+    fn engine(&self) -> &'static str {
+        "etcd"
+    }
+
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = LockKeys::new(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(keys, wait))

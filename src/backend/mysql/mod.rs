@@ -478,6 +478,10 @@ impl fmt::Debug for MySqlBackend {
 }
 
 impl LockBackend for MySqlBackend {
+    fn engine(&self) -> &'static str {
+        "mysql"
+    }
+
     /// Only with [`fencing(true)`](MySqlBackend::fencing).
     fn issues_fencing_tokens(&self) -> bool {
         self.inner.fencing.is_some()

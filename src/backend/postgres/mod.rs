@@ -561,6 +561,10 @@ impl fmt::Debug for PostgresBackend {
 }
 
 impl LockBackend for PostgresBackend {
+    fn engine(&self) -> &'static str {
+        "postgres"
+    }
+
     /// Only with [`fencing(true)`](PostgresBackend::fencing).
     fn issues_fencing_tokens(&self) -> bool {
         self.inner.fencing.is_some()

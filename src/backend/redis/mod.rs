@@ -714,6 +714,10 @@ fn timed_out(what: &'static str) -> RedisError {
 }
 
 impl LockBackend for RedisBackend {
+    fn engine(&self) -> &'static str {
+        "redis"
+    }
+
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))

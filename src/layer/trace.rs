@@ -1,0 +1,64 @@
+//! The layer's `tracing` spans: `keyed_lock.wait` while a request waits for its key,
+//! `keyed_lock.hold` while it runs under it (the handler's own spans nest inside).
+//!
+//! Both are DEBUG spans carrying the layer's `name` and the `route` template (axum's
+//! `MatchedPath`), never the raw key — it comes from the client — unless the layer
+//! opts in with [`trace_keys`](crate::KeyedLockLayer::trace_keys), and then only a
+//! short escaped prefix. Without a subscriber that wants them, creating one costs one
+//! check of a static flag, and entering one a branch.
+
+use tracing::field::Empty;
+use tracing::Span;
+
+use super::shared::Shared;
+use crate::key::Key;
+
+/// The route template of a request, if axum routed it.
+fn route(extensions: &http::Extensions) -> Option<&str> {
+    #[cfg(feature = "axum")]
+    if let Some(path) = extensions.get::<axum::extract::MatchedPath>() {
+        return Some(path.as_str());
+    }
+    let _ = extensions;
+    None
+}
+
+/// The span of a request waiting for `key`; its `outcome` is recorded when the wait
+/// ends.
+pub(crate) fn wait_span(shared: &Shared, extensions: &http::Extensions, key: &Key) -> Span {
+    let span = tracing::debug_span!(
+        "keyed_lock.wait",
+        name = shared.name(),
+        route = route(extensions),
+        key = Empty,
+        outcome = Empty,
+    );
+    record_key(&span, shared, key);
+    span
+}
+
+/// The span of a request holding `key`.
+pub(crate) fn hold_span(
+    shared: &Shared,
+    extensions: &http::Extensions,
+    key: &Key,
+    shared_mode: bool,
+    fencing_token: Option<u64>,
+) -> Span {
+    let span = tracing::debug_span!(
+        "keyed_lock.hold",
+        name = shared.name(),
+        route = route(extensions),
+        key = Empty,
+        shared = shared_mode,
+        fencing_token,
+    );
+    record_key(&span, shared, key);
+    span
+}
+
+fn record_key(span: &Span, shared: &Shared, key: &Key) {
+    if shared.config.trace_keys && !span.is_disabled() {
+        span.record("key", key.short());
+    }
+}
