@@ -176,13 +176,30 @@ fn variant(name: &str) -> Router {
 fn count_instructions(spec: &str) {
     let mut parts = spec.split(':');
     let (Some(name), Some(count)) = (parts.next(), parts.next()) else {
-        panic!("TKL_LAYER_INSTRUCTIONS=<variant>:<requests>[:prometheus], not {spec:?}");
+        panic!(
+            "TKL_LAYER_INSTRUCTIONS=<variant>:<requests>[:prometheus][:info|:debug], not {spec:?}"
+        );
     };
     let count: u64 = count.parse().expect("a request count");
-    if parts.next() == Some("prometheus") {
-        PrometheusBuilder::new()
-            .install_recorder()
-            .expect("the only recorder of this process");
+    // Then what is installed: `prometheus` (a metrics recorder), `info` or `debug` (a
+    // `tracing` subscriber writing to nowhere at that level: the layer's spans are
+    // DEBUG, so `info` has them disabled and `debug` records them).
+    for extra in parts {
+        match extra {
+            "prometheus" => {
+                PrometheusBuilder::new()
+                    .install_recorder()
+                    .expect("the only recorder of this process");
+            }
+            "info" | "debug" => tracing_subscriber::fmt()
+                .with_max_level(match extra {
+                    "info" => tracing::Level::INFO,
+                    _ => tracing::Level::DEBUG,
+                })
+                .with_writer(std::io::sink)
+                .init(),
+            other => panic!("unknown TKL_LAYER_INSTRUCTIONS part {other:?}"),
+        }
     }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -4,8 +4,8 @@
 //! Both are DEBUG spans carrying the layer's `name` and the `route` template (axum's
 //! `MatchedPath`), never the raw key — it comes from the client — unless the layer
 //! opts in with [`trace_keys`](crate::KeyedLockLayer::trace_keys), and then only a
-//! short escaped prefix. Without a subscriber that wants them, creating one costs one
-//! check of a static flag, and entering one a branch.
+//! short escaped prefix. Without a subscriber that wants them, a span is `Span::none()`
+//! after one load of the global level, and entering it is a branch.
 
 use tracing::field::Empty;
 use tracing::Span;
@@ -26,6 +26,9 @@ fn route(extensions: &http::Extensions) -> Option<&str> {
 /// The span of a request waiting for `key`; its `outcome` is recorded when the wait
 /// ends.
 pub(crate) fn wait_span(shared: &Shared, extensions: &http::Extensions, key: &Key) -> Span {
+    if !enabled() {
+        return Span::none();
+    }
     let span = tracing::debug_span!(
         "keyed_lock.wait",
         name = shared.name(),
@@ -45,6 +48,9 @@ pub(crate) fn hold_span(
     shared_mode: bool,
     fencing_token: Option<u64>,
 ) -> Span {
+    if !enabled() {
+        return Span::none();
+    }
     let span = tracing::debug_span!(
         "keyed_lock.hold",
         name = shared.name(),
@@ -55,6 +61,14 @@ pub(crate) fn hold_span(
     );
     record_key(&span, shared, key);
     span
+}
+
+/// Whether any subscriber may want a DEBUG span: one load of tracing's global level.
+/// Without it, a disabled span still carries its metadata, and with `tracing`'s `log`
+/// feature (which other crates turn on) entering and leaving it checks `log`'s level
+/// each time; `Span::none()` carries nothing.
+fn enabled() -> bool {
+    tracing::Level::DEBUG <= tracing::level_filters::LevelFilter::current()
 }
 
 fn record_key(span: &Span, shared: &Shared, key: &Key) {
