@@ -69,7 +69,7 @@ fn uncontended(c: &mut Criterion) {
 
 /// The operation of task `task` at step `step`: a write one time in ten.
 fn is_write(task: u64, step: u64) -> bool {
-    (task * 7 + step) % 10 == 0
+    (task * 7 + step).is_multiple_of(10)
 }
 
 async fn read_heavy_keyed(locks: KeyedLocks<u64>) -> Duration {
