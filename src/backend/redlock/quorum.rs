@@ -1,0 +1,241 @@
+//! Asking every master at once and counting the answers: the majority rule of
+//! Redlock, for attempts, renewals and give-backs.
+
+use std::future::Future;
+
+use tokio::task::JoinSet;
+
+use super::master::{Answer, Vote};
+
+/// The majority of `masters`: more than half.
+pub(super) fn majority(masters: usize) -> usize {
+    masters / 2 + 1
+}
+
+/// Sends `ask(i)` to every master `i` at once, each in a task of its own, and hands
+/// the answers to `tally` as they come, until it returns `true` (decided) or every
+/// master answered. Commands still out when the tally decides run on, unread: a write
+/// already sent is not cut off halfway, and every write carries a token whose
+/// give-back covers it. Dropping the future aborts the tasks still out.
+pub(super) async fn ask_all<T, F, Fut>(masters: usize, ask: F, mut tally: impl FnMut(T) -> bool)
+where
+    T: Send + 'static,
+    F: Fn(usize) -> Fut,
+    Fut: Future<Output = T> + Send + 'static,
+{
+    let mut answers = JoinSet::new();
+    for master in 0..masters {
+        answers.spawn(ask(master));
+    }
+    while let Some(answer) = answers.join_next().await {
+        // A task that panicked or was aborted answered nothing.
+        let Ok(answer) = answer else { continue };
+        if tally(answer) {
+            answers.detach_all();
+            return;
+        }
+    }
+}
+
+/// The votes of one acquire attempt, as they come.
+#[derive(Debug, Default)]
+pub(super) struct Votes {
+    masters: usize,
+    pub(super) granted: usize,
+    pub(super) held: usize,
+    pub(super) no_answer: usize,
+    /// Masters within their restart guard, and the shortest wait until one votes.
+    pub(super) restarted: usize,
+    pub(super) restart_wait_ms: Option<u64>,
+    /// The shortest TTL left of another holder's key on a master (ms).
+    pub(super) shortest_hold_ms: Option<u64>,
+}
+
+impl Votes {
+    pub(super) fn new(masters: usize) -> Self {
+        Votes {
+            masters,
+            ..Votes::default()
+        }
+    }
+
+    /// Counts `vote`; whether the attempt is decided: granted by a majority, refused by
+    /// more than a minority (the key is held, or masters are in their restart guard),
+    /// or unanswered by more than a minority. Until one of those is certain the rest
+    /// are waited for (at most the command timeout), so that a busy key and an
+    /// unreachable majority are told apart.
+    pub(super) fn count(&mut self, vote: Vote) -> bool {
+        match vote {
+            Vote::Granted => self.granted += 1,
+            Vote::Held { ttl_ms } => {
+                self.held += 1;
+                if let Ok(ttl) = u64::try_from(ttl_ms) {
+                    self.shortest_hold_ms = Some(self.shortest_hold_ms.map_or(ttl, |s| s.min(ttl)));
+                }
+            }
+            Vote::Restarted { wait_ms } => {
+                self.restarted += 1;
+                self.restart_wait_ms =
+                    Some(self.restart_wait_ms.map_or(wait_ms, |w| w.min(wait_ms)));
+            }
+            Vote::NoAnswer => self.no_answer += 1,
+        }
+        let minority = self.masters - majority(self.masters);
+        self.won() || self.held + self.restarted > minority || self.unreachable()
+    }
+
+    /// Whether a majority granted.
+    pub(super) fn won(&self) -> bool {
+        self.granted >= majority(self.masters)
+    }
+
+    /// Whether every master answered, none of them with a grant: nothing to give back.
+    pub(super) fn nothing_granted(&self) -> bool {
+        self.granted == 0 && self.no_answer == 0 && self.outstanding() == 0
+    }
+
+    /// Whether too few masters answered for any majority: the lock service is down
+    /// (for this instance), not busy.
+    pub(super) fn unreachable(&self) -> bool {
+        self.no_answer > self.masters - majority(self.masters)
+    }
+
+    /// Whether masters within their restart guard are what keeps a majority out of
+    /// reach.
+    pub(super) fn held_back_by_restarts(&self) -> bool {
+        self.restarted > 0
+            && self.masters - self.restarted - self.no_answer < majority(self.masters)
+    }
+
+    fn outstanding(&self) -> usize {
+        self.masters - self.granted - self.held - self.no_answer - self.restarted
+    }
+}
+
+/// The answers to a renewal or a give-back, as they come.
+#[derive(Debug)]
+pub(super) struct Answers {
+    masters: usize,
+    pub(super) ours: usize,
+    pub(super) not_ours: usize,
+    pub(super) no_answer: usize,
+}
+
+impl Answers {
+    pub(super) fn new(masters: usize) -> Self {
+        Answers {
+            masters,
+            ours: 0,
+            not_ours: 0,
+            no_answer: 0,
+        }
+    }
+
+    /// Counts `answer`.
+    pub(super) fn count(&mut self, answer: Answer) {
+        match answer {
+            Answer::Ours => self.ours += 1,
+            Answer::NotOurs => self.not_ours += 1,
+            Answer::NoAnswer => self.no_answer += 1,
+        }
+    }
+
+    /// Whether a majority said the token holds the key.
+    pub(super) fn ours_on_a_majority(&self) -> bool {
+        self.ours >= majority(self.masters)
+    }
+
+    /// Whether so many masters said "not ours" that no majority can hold the key for
+    /// the token any more.
+    pub(super) fn lost_on_a_majority(&self) -> bool {
+        self.not_ours > self.masters - majority(self.masters)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_majority_is_more_than_half() {
+        assert_eq!(majority(3), 2);
+        assert_eq!(majority(4), 3);
+        assert_eq!(majority(5), 3);
+        assert_eq!(majority(7), 4);
+    }
+
+    #[test]
+    fn an_attempt_is_decided_by_a_majority_or_its_impossibility() {
+        let mut votes = Votes::new(5);
+        assert!(!votes.count(Vote::Granted));
+        assert!(!votes.count(Vote::Held { ttl_ms: 900 }));
+        assert!(!votes.count(Vote::Granted));
+        assert!(votes.count(Vote::Granted));
+        assert!(votes.won());
+
+        let mut votes = Votes::new(5);
+        assert!(!votes.count(Vote::NoAnswer));
+        assert!(!votes.count(Vote::NoAnswer));
+        assert!(
+            votes.count(Vote::NoAnswer),
+            "3 of 5 silent: no majority left"
+        );
+        assert!(!votes.won() && votes.unreachable());
+
+        let mut votes = Votes::new(5);
+        assert!(!votes.count(Vote::Held { ttl_ms: 300 }));
+        assert!(!votes.count(Vote::Held { ttl_ms: 100 }));
+        assert!(
+            !votes.count(Vote::NoAnswer),
+            "the last two tell busy from unreachable"
+        );
+        assert!(!votes.count(Vote::NoAnswer));
+        assert!(votes.count(Vote::NoAnswer));
+        assert!(!votes.won() && votes.unreachable());
+
+        let mut votes = Votes::new(5);
+        votes.count(Vote::Held { ttl_ms: 300 });
+        votes.count(Vote::Held { ttl_ms: 100 });
+        assert!(
+            votes.count(Vote::Held { ttl_ms: 200 }),
+            "held on a majority: busy"
+        );
+        assert!(!votes.unreachable() && !votes.held_back_by_restarts());
+        assert_eq!(votes.shortest_hold_ms, Some(100));
+    }
+
+    #[test]
+    fn restarted_masters_do_not_vote() {
+        let mut votes = Votes::new(3);
+        votes.count(Vote::Granted);
+        votes.count(Vote::Restarted { wait_ms: 700 });
+        assert!(votes.count(Vote::Restarted { wait_ms: 400 }));
+        assert!(!votes.won() && votes.held_back_by_restarts() && !votes.unreachable());
+        assert_eq!(votes.restart_wait_ms, Some(400));
+    }
+
+    #[test]
+    fn nothing_to_give_back_only_when_every_master_refused() {
+        let mut votes = Votes::new(3);
+        for _ in 0..3 {
+            votes.count(Vote::Held { ttl_ms: 5 });
+        }
+        assert!(votes.nothing_granted());
+        let mut votes = Votes::new(3);
+        votes.count(Vote::Held { ttl_ms: 5 });
+        votes.count(Vote::Held { ttl_ms: 5 });
+        assert!(!votes.nothing_granted(), "one master has not answered yet");
+    }
+
+    #[test]
+    fn a_renewal_counts_a_majority_either_way() {
+        let mut answers = Answers::new(5);
+        answers.count(Answer::Ours);
+        answers.count(Answer::NotOurs);
+        answers.count(Answer::NoAnswer);
+        assert!(!answers.ours_on_a_majority() && !answers.lost_on_a_majority());
+        answers.count(Answer::NotOurs);
+        answers.count(Answer::NotOurs);
+        assert!(answers.lost_on_a_majority());
+    }
+}
