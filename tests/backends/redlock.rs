@@ -413,7 +413,9 @@ async fn a_fenced_replay_store_is_refused_by_replay_with_the_reason() {
     let lock = KeyedLockLayer::by_header("idempotency-key").backend(redlock);
     let replay = ReplayLayer::new(RedisReplayStore::new(&store_server));
     let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lock.replay(replay)));
-    let message = refused.err().expect("refused");
+    let Err(message) = refused else {
+        panic!("KeyedLockLayer::replay accepted a fenced store under Redlock")
+    };
     let message = message
         .downcast_ref::<String>()
         .cloned()

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use tokio::time::{sleep, Instant};
 
-use super::master::Answer;
-use super::quorum::{ask_all, majority, Answers, Votes};
+use super::master::Reply;
+use super::quorum::{ask_all, majority, Replies, Votes};
 use super::Inner;
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::ttl::{
@@ -170,21 +170,21 @@ impl TtlBackend for Inner {
         _sent: Instant,
         limit: Instant,
     ) -> Renewal {
-        let mut answers = Answers::new(self.masters.len());
+        let mut replies = Replies::new(self.masters.len());
         let ttl_ms = millis(ttl);
         let masters = self.masters.clone();
         let ask = |master: usize| {
             let (masters, keys, token) = (masters.clone(), keys.clone(), token.to_owned());
             async move { masters[master].renew(&keys, &token, ttl_ms, limit).await }
         };
-        ask_all(self.masters.len(), ask, |answer| {
-            answers.count(answer);
-            answers.ours_on_a_majority() || answers.lost_on_a_majority()
+        ask_all(self.masters.len(), ask, |reply| {
+            replies.count(reply);
+            replies.ours_on_a_majority() || replies.lost_on_a_majority()
         })
         .await;
-        if answers.ours_on_a_majority() && Instant::now() < limit {
+        if replies.ours_on_a_majority() && Instant::now() < limit {
             Renewal::Renewed
-        } else if answers.lost_on_a_majority() {
+        } else if replies.lost_on_a_majority() {
             Renewal::NotOurs
         } else {
             Renewal::Unknown
@@ -193,21 +193,21 @@ impl TtlBackend for Inner {
 
     /// Compare-and-delete on every master; settled only when every master answered.
     async fn try_give_back(&self, keys: &Arc<RedisKeys>, token: &str) -> GiveBack {
-        let mut answers = Answers::new(self.masters.len());
+        let mut replies = Replies::new(self.masters.len());
         let mark_ms = millis(GIVEN_BACK_MARK.max(self.config.lease));
         let masters = self.masters.clone();
         let ask = |master: usize| {
             let (masters, keys, token) = (masters.clone(), keys.clone(), token.to_owned());
             async move { masters[master].release(&keys, &token, mark_ms).await }
         };
-        ask_all(self.masters.len(), ask, |answer: Answer| {
-            answers.count(answer);
+        ask_all(self.masters.len(), ask, |reply: Reply| {
+            replies.count(reply);
             false
         })
         .await;
-        if answers.no_answer > 0 {
+        if replies.no_answer > 0 {
             GiveBack::NoAnswer
-        } else if answers.ours > 0 {
+        } else if replies.ours > 0 {
             GiveBack::Cleared
         } else {
             GiveBack::NotOurs

@@ -26,7 +26,7 @@ pub(super) enum Vote {
 
 /// What one master answered to a renewal or a give-back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Answer {
+pub(super) enum Reply {
     /// The token held the key: extended (renewal) or deleted (give-back).
     Ours,
     /// The token does not hold the key there.
@@ -116,7 +116,7 @@ impl Master {
         token: &str,
         ttl_ms: u64,
         limit: Instant,
-    ) -> Answer {
+    ) -> Reply {
         let mut command = redis::cmd("EVAL");
         command
             .arg(RENEW)
@@ -130,15 +130,15 @@ impl Master {
             })
             .await;
         match renewed {
-            Ok(1) => Answer::Ours,
-            Ok(_) => Answer::NotOurs,
-            Err(_) => Answer::NoAnswer,
+            Ok(1) => Reply::Ours,
+            Ok(_) => Reply::NotOurs,
+            Err(_) => Reply::NoAnswer,
         }
     }
 
     /// Deletes the lock if `token` holds it; otherwise marks the token given back for
     /// `mark_ms`, so a late attempt of it grants nothing here.
-    pub(super) async fn release(&self, keys: &RedisKeys, token: &str, mark_ms: u64) -> Answer {
+    pub(super) async fn release(&self, keys: &RedisKeys, token: &str, mark_ms: u64) -> Reply {
         let mut command = redis::cmd("EVAL");
         command
             .arg(RELEASE)
@@ -154,11 +154,11 @@ impl Master {
             })
             .await;
         match released {
-            Ok(1) => Answer::Ours,
-            Ok(_) => Answer::NotOurs,
+            Ok(1) => Reply::Ours,
+            Ok(_) => Reply::NotOurs,
             Err(error) => {
                 tracing::debug!(master = %self.address, %error, "redlock release unanswered");
-                Answer::NoAnswer
+                Reply::NoAnswer
             }
         }
     }

@@ -5,7 +5,7 @@ use std::future::Future;
 
 use tokio::task::JoinSet;
 
-use super::master::{Answer, Vote};
+use super::master::{Reply, Vote};
 
 /// The majority of `masters`: more than half.
 pub(super) fn majority(masters: usize) -> usize {
@@ -114,16 +114,16 @@ impl Votes {
 
 /// The answers to a renewal or a give-back, as they come.
 #[derive(Debug)]
-pub(super) struct Answers {
+pub(super) struct Replies {
     masters: usize,
     pub(super) ours: usize,
     pub(super) not_ours: usize,
     pub(super) no_answer: usize,
 }
 
-impl Answers {
+impl Replies {
     pub(super) fn new(masters: usize) -> Self {
-        Answers {
+        Replies {
             masters,
             ours: 0,
             not_ours: 0,
@@ -132,11 +132,11 @@ impl Answers {
     }
 
     /// Counts `answer`.
-    pub(super) fn count(&mut self, answer: Answer) {
-        match answer {
-            Answer::Ours => self.ours += 1,
-            Answer::NotOurs => self.not_ours += 1,
-            Answer::NoAnswer => self.no_answer += 1,
+    pub(super) fn count(&mut self, reply: Reply) {
+        match reply {
+            Reply::Ours => self.ours += 1,
+            Reply::NotOurs => self.not_ours += 1,
+            Reply::NoAnswer => self.no_answer += 1,
         }
     }
 
@@ -229,13 +229,13 @@ mod tests {
 
     #[test]
     fn a_renewal_counts_a_majority_either_way() {
-        let mut answers = Answers::new(5);
-        answers.count(Answer::Ours);
-        answers.count(Answer::NotOurs);
-        answers.count(Answer::NoAnswer);
-        assert!(!answers.ours_on_a_majority() && !answers.lost_on_a_majority());
-        answers.count(Answer::NotOurs);
-        answers.count(Answer::NotOurs);
-        assert!(answers.lost_on_a_majority());
+        let mut replies = Replies::new(5);
+        replies.count(Reply::Ours);
+        replies.count(Reply::NotOurs);
+        replies.count(Reply::NoAnswer);
+        assert!(!replies.ours_on_a_majority() && !replies.lost_on_a_majority());
+        replies.count(Reply::NotOurs);
+        replies.count(Reply::NotOurs);
+        assert!(replies.lost_on_a_majority());
     }
 }
