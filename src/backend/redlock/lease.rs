@@ -15,13 +15,16 @@ use super::quorum::{ask_all, majority, Replies, Votes};
 use super::Inner;
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::ttl::{
-    self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
 use crate::backend::{Lease, RetryLater};
 use crate::LockError;
 
 /// The first pause between attempts on a held key; it doubles up to the poll interval.
 const FIRST_RETRY: Duration = Duration::from_millis(5);
+
+/// The longest pause before retrying an attempt that split the votes with others.
+const SPLIT_RETRY: Duration = Duration::from_millis(10);
 
 /// How long a give-back's mark refuses a late attempt of its token (a lease, if
 /// longer), and how long after an unanswered attempt its give-back keeps trying: as
@@ -56,6 +59,11 @@ impl Inner {
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let deadline = ttl::deadline_after(wait);
+        // Contenders that split the votes all lose, the key free. Such an attempt is
+        // retried after a short random pause even past the wait, up to one command
+        // timeout from the start (the bound `LockBackend::acquire` allows), so that one
+        // of them wins even a try-once acquisition.
+        let split_deadline = deadline.max(Instant::now() + self.config.command_timeout);
         let timing = self.timing();
         let mut backoff = Backoff::new(FIRST_RETRY, self.config.poll_interval);
         loop {
@@ -73,9 +81,16 @@ impl Inner {
             }
             if votes.nothing_granted() {
                 in_flight.answered();
+            } else if !votes.unreachable() {
+                // The partial grant back before the next attempt, so that it holds no
+                // other contender off meanwhile.
+                let given_back = self.try_give_back(&keys, in_flight.token()).await;
+                if !matches!(given_back, GiveBack::NoAnswer) {
+                    in_flight.answered();
+                }
             }
-            // Otherwise dropping `in_flight` gives the partial grant back on every master,
-            // those that did not answer included, in a task of its own.
+            // Still armed (a master did not answer), dropping `in_flight` gives the
+            // partial grant back on every master, in a task of its own, until all did.
             drop(in_flight);
             if votes.unreachable() {
                 let answered = self.masters.len() - votes.no_answer;
@@ -97,16 +112,19 @@ impl Inner {
                 sleep(wait).await;
                 continue;
             }
-            if now >= deadline {
+            let (until, mut pause) = match votes.granted {
+                0 => (deadline, backoff.pause()),
+                _ => (split_deadline, jitter(SPLIT_RETRY)),
+            };
+            if now >= until {
                 return Err(LockError::Timeout);
             }
             // One ms past the shortest hold, a master is free again.
-            let mut pause = backoff.pause();
             if let Some(ms) = votes.shortest_hold_ms {
                 pause = pause.min(Duration::from_millis(ms + 1));
             }
-            sleep(pause.min(deadline - now)).await;
-            if Instant::now() >= deadline {
+            sleep(pause.min(until - now)).await;
+            if Instant::now() >= until {
                 return Err(LockError::Timeout);
             }
         }
