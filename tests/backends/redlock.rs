@@ -367,6 +367,73 @@ async fn contention_across_instances_has_no_unsignalled_overlap() {
     assert_eq!(unsignalled.load(SeqCst), 0, "unsignalled overlaps");
 }
 
+/// A proxy in front of each master: URLs that reach the masters through them.
+async fn behind_proxies(masters: &Redlock) -> (Vec<TcpProxy>, Vec<String>) {
+    let mut proxies = Vec::new();
+    for master in &masters.0 {
+        proxies.push(TcpProxy::start(([127, 0, 0, 1], master.port()).into()).await);
+    }
+    let urls = proxies
+        .iter()
+        .map(|proxy| format!("redis://{}/", proxy.host_port()))
+        .collect();
+    (proxies, urls)
+}
+
+/// The holder's path to every master goes silent (a partition: no reset, nothing
+/// answers). Another instance waits for the key: the holder is told its lease is lost
+/// before that instance is granted, and its own acquisitions on the silent path end
+/// within their wait plus two command timeouts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cut_off_holder_is_told_before_another_instance_is_granted() {
+    let masters = Redlock::start();
+    let (proxies, urls) = behind_proxies(&masters).await;
+    let a = locks_on(Arc::new(Redlock::backend_on(urls, false).await));
+    let b = instance(&masters).await;
+    let guard = a.lock("cut").await.unwrap();
+    let signal = guard.lease().unwrap().clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    proxies.iter().for_each(TcpProxy::blackhole);
+    let cut = Instant::now();
+    let taken = within(
+        "b takes the key",
+        3 * PATIENCE,
+        b.lock_timeout("cut", 3 * PATIENCE),
+    )
+    .await
+    .expect("b is granted once the holder's lease is gone");
+    let granted = Instant::now();
+    let told = within("a is told", PATIENCE, told).await.unwrap();
+    assert!(
+        told <= granted,
+        "unsignalled overlap: b granted {:?} before a was told",
+        told - granted
+    );
+    eprintln!(
+        "cut off: holder told after {:?}, other instance granted after {:?} (margin {:?})",
+        told - cut,
+        granted - cut,
+        granted - told
+    );
+    taken.release().await;
+
+    let wait = Duration::from_millis(300);
+    let bound = wait + 2 * servers::REDLOCK_COMMAND_TIMEOUT + Duration::from_secs(1);
+    for key in ["silent-1", "silent-2"] {
+        let started = Instant::now();
+        let outcome = a.lock_timeout(key, wait).await;
+        assert!(outcome.is_err(), "granted through a silent path");
+        assert!(
+            started.elapsed() < bound,
+            "took {:?} (bound {bound:?})",
+            started.elapsed()
+        );
+    }
+}
+
 /// Three instances `try_lock` a free key at the same instant, 20 rounds: never more
 /// than one wins, and split votes (each got some masters, none a majority) are retried
 /// within the command timeout, so that a round usually has a winner. How many did is

@@ -565,7 +565,7 @@ mod etcd {
 
 #[cfg(feature = "redis")]
 #[allow(unused_imports)] // the conformance and redlock binaries use it
-pub use self::redlock::Redlock;
+pub use self::redlock::{Redlock, COMMAND_TIMEOUT as REDLOCK_COMMAND_TIMEOUT};
 
 #[cfg(feature = "redis")]
 mod redlock {
