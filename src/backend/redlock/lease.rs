@@ -61,18 +61,25 @@ impl Inner {
         let deadline = ttl::deadline_after(wait);
         // Contenders that split the votes all lose, the key free. Such an attempt is
         // retried after a short random pause even past the wait, up to one command
-        // timeout from the start (the bound `LockBackend::acquire` allows), so that one
-        // of them wins even a try-once acquisition.
+        // timeout from the start, so that one of them wins even a try-once
+        // acquisition. Nothing runs past this: the first attempt gets a whole command
+        // timeout, later ones end here, so an acquisition ends within its wait plus one
+        // command timeout (as `LockBackend::acquire` asks).
         let split_deadline = deadline.max(Instant::now() + self.config.command_timeout);
         let timing = self.timing();
         let mut backoff = Backoff::new(FIRST_RETRY, self.config.poll_interval);
+        let mut first = true;
         loop {
             // A fresh token per attempt: a give-back marks its token on the masters
             // that did not hold it, and a later attempt must not be refused by that.
             let mut in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
             let sent_at = Instant::now();
+            let mut limit = sent_at + self.config.command_timeout;
+            if !std::mem::take(&mut first) {
+                limit = limit.min(split_deadline);
+            }
             in_flight.sent(sent_at);
-            let votes = self.attempt(&keys, in_flight.token(), sent_at).await;
+            let votes = self.attempt(&keys, in_flight.token(), limit).await;
             // The validity budget: the lease minus the time the majority took, minus
             // the drift margin. A majority reached after it is worth nothing.
             if votes.won() && Instant::now() < timing.valid_until(sent_at, timing.first_ttl()) {
@@ -81,17 +88,22 @@ impl Inner {
             }
             if votes.nothing_granted() {
                 in_flight.answered();
-            } else if !votes.unreachable() {
+            } else if votes.granted > 0 && !votes.unreachable() {
                 // The partial grant back before the next attempt, so that it holds no
-                // other contender off meanwhile.
-                let given_back = self.try_give_back(&keys, in_flight.token()).await;
-                if !matches!(given_back, GiveBack::NoAnswer) {
+                // other contender off meanwhile; no later than the acquisition may run.
+                let give_back = self.try_give_back(&keys, in_flight.token());
+                let given_back = tokio::time::timeout_at(split_deadline, give_back).await;
+                if matches!(given_back, Ok(GiveBack::Cleared | GiveBack::NotOurs)) {
                     in_flight.answered();
                 }
             }
             // Still armed (a master did not answer), dropping `in_flight` gives the
             // partial grant back on every master, in a task of its own, until all did.
             drop(in_flight);
+            if votes.unreachable() && limit < sent_at + self.config.command_timeout {
+                // Cut short by the end of the wait, not silent for a command timeout.
+                return Err(LockError::Timeout);
+            }
             if votes.unreachable() {
                 let answered = self.masters.len() - votes.no_answer;
                 let error = NoMajority {
@@ -130,15 +142,14 @@ impl Inner {
         }
     }
 
-    /// One attempt on every master at once, each bounded by the command timeout from
-    /// `sent_at`; decided as soon as a majority granted, or cannot.
+    /// One attempt on every master at once, each answer due by `limit`; decided as
+    /// soon as a majority granted, or cannot.
     async fn attempt(
         self: &Arc<Self>,
         keys: &Arc<RedisKeys>,
         token: &str,
-        sent_at: Instant,
+        limit: Instant,
     ) -> Votes {
-        let limit = sent_at + self.config.command_timeout;
         let ttl_ms = millis(self.timing().first_ttl());
         let guard_ms = match self.config.restart_guard {
             true => millis(self.config.lease),
