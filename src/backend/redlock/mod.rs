@@ -59,6 +59,12 @@
 //!   200 ms), cut to the shortest time a master said the holder's key has left, and to
 //!   the end of the request's wait. There is no pub/sub across N masters: a hand-off
 //!   costs up to one poll interval.
+//! - **Split votes.** Contenders that reach a free key at once can split the masters
+//!   between them so that none has a majority; each gives its partial grant back and
+//!   tries again after a random pause of at most 10 ms, even past the end of a short
+//!   wait, until one command timeout after the acquisition started. So a try-once
+//!   acquisition (`try_lock`) of a free key rarely fails for want of a majority, and
+//!   no acquisition outlives its wait by more than one command timeout.
 //! - **Validity.** The lease counts as valid until *send time of the last attempt or
 //!   renewal that a majority granted + lease − drift margin*, on the monotonic clock. At
 //!   that instant it is declared lost (even if no master answers again), as it is when
