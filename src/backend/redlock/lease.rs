@@ -86,20 +86,8 @@ impl Inner {
                 let token = in_flight.granted();
                 return Ok(ttl::grant(&self, keys, token, None, sent_at));
             }
-            if votes.nothing_granted() {
-                in_flight.answered();
-            } else if votes.granted > 0 && !votes.unreachable() {
-                // The partial grant back before the next attempt, so that it holds no
-                // other contender off meanwhile; no later than the acquisition may run.
-                let give_back = self.try_give_back(&keys, in_flight.token());
-                let given_back = tokio::time::timeout_at(split_deadline, give_back).await;
-                if matches!(given_back, Ok(GiveBack::Cleared | GiveBack::NotOurs)) {
-                    in_flight.answered();
-                }
-            }
-            // Still armed (a master did not answer), dropping `in_flight` gives the
-            // partial grant back on every master, in a task of its own, until all did.
-            drop(in_flight);
+            self.give_back_partial(&keys, in_flight, &votes, split_deadline)
+                .await;
             if votes.unreachable() && limit < sent_at + self.config.command_timeout {
                 // Cut short by the end of the wait, not silent for a command timeout.
                 return Err(LockError::Timeout);
@@ -138,6 +126,29 @@ impl Inner {
             sleep(pause.min(until - now)).await;
             if Instant::now() >= until {
                 return Err(LockError::Timeout);
+            }
+        }
+    }
+
+    /// Settles an attempt that won nothing: a split vote's partial grant is given back
+    /// at once (by `until`), so that it holds no other contender off during the next
+    /// pause; whatever may still be held under the token after that (a master that did
+    /// not answer, the attempt or the give-back) is given back on every master by
+    /// `in_flight`'s drop, in a task of its own, until every master answered.
+    async fn give_back_partial(
+        &self,
+        keys: &Arc<RedisKeys>,
+        mut in_flight: InFlight<Self>,
+        votes: &Votes,
+        until: Instant,
+    ) {
+        if votes.nothing_granted() {
+            in_flight.answered();
+        } else if votes.granted > 0 && !votes.unreachable() {
+            let give_back = self.try_give_back(keys, in_flight.token());
+            let given_back = tokio::time::timeout_at(until, give_back).await;
+            if matches!(given_back, Ok(GiveBack::Cleared | GiveBack::NotOurs)) {
+                in_flight.answered();
             }
         }
     }
