@@ -97,7 +97,9 @@
 //!   forgets the keys it held, and its vote could complete a second majority while a
 //!   holder still counts on the first. The **restart guard** (on by default; antirez's
 //!   "delayed restarts") makes a master whose uptime is below the lease plus a second
-//!   vote for nobody: by then every lease it may have counted in has run out. It reads
+//!   vote for nobody: by then every lease it may have counted in has run out (a
+//!   renewal counts only masters that still hold the key, so a master that lost it is
+//!   in no majority a holder counts on afterwards). It reads
 //!   `uptime_in_seconds`; every instance must use the same lease. If restarted masters
 //!   are what keeps a majority out of reach, an acquisition waits them out, or fails
 //!   with a [`RetryLater`](crate::backend::RetryLater) (503 with `Retry-After`).
@@ -119,9 +121,10 @@
 //!   from holder to holder. The masters share no counter: each could count its own
 //!   grants, but two majorities need share only one master, which may be the one that
 //!   restarted and counts from scratch, so no number read from them is sure to grow
-//!   (Martin Kleppmann, "How to do distributed locking", 2016: Redlock "does not have
-//!   any facility for generating fencing tokens", and a counter needs consensus, which
-//!   Redlock does not run). So [`Lease::fencing_token`](crate::Lease::fencing_token) and
+//!   (Martin Kleppmann's analysis, "How to do distributed locking", 2016: Redlock
+//!   produces no number that grows with every grant, and a counter that must never go
+//!   back needs consensus, which Redlock does not run). So
+//!   [`Lease::fencing_token`](crate::Lease::fencing_token) and
 //!   [`LockInfo::fencing_token`](crate::LockInfo::fencing_token) are `None`,
 //!   [`issues_fencing_tokens`](crate::LockBackend::issues_fencing_tokens) is `false`,
 //!   and every configuration that needs them is refused with this reason: a replay
