@@ -22,6 +22,9 @@ pub(super) enum Vote {
     Restarted { wait_ms: u64 },
     /// No answer within the limit, or an error: it may have granted.
     NoAnswer,
+    /// The connection was refused (the master is down): nothing was sent, so nothing
+    /// granted.
+    Refused,
 }
 
 /// What one master answered to a renewal or a give-back.
@@ -101,6 +104,8 @@ impl Master {
                 wait_ms: u64::try_from(wait_ms).unwrap_or_default(),
             },
             Ok((_, ttl_ms)) => Vote::Held { ttl_ms },
+            // Refused: the master is down, and the attempt never left this process.
+            Err(error) if error.is_connection_refusal() => Vote::Refused,
             Err(error) => {
                 tracing::debug!(master = %self.address, %error, "redlock attempt unanswered");
                 Vote::NoAnswer

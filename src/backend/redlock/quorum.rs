@@ -43,7 +43,9 @@ pub(super) struct Votes {
     masters: usize,
     pub(super) granted: usize,
     pub(super) held: usize,
+    /// Masters that did not answer, the refused among them.
     pub(super) no_answer: usize,
+    refused: usize,
     /// Masters within their restart guard, and the shortest wait until one votes.
     pub(super) restarted: usize,
     pub(super) restart_wait_ms: Option<u64>,
@@ -79,6 +81,10 @@ impl Votes {
                     Some(self.restart_wait_ms.map_or(wait_ms, |w| w.min(wait_ms)));
             }
             Vote::NoAnswer => self.no_answer += 1,
+            Vote::Refused => {
+                self.no_answer += 1;
+                self.refused += 1;
+            }
         }
         let minority = self.masters - majority(self.masters);
         self.won() || self.held + self.restarted > minority || self.unreachable()
@@ -89,9 +95,10 @@ impl Votes {
         self.granted >= majority(self.masters)
     }
 
-    /// Whether every master answered, none of them with a grant: nothing to give back.
+    /// Whether no master can hold the attempt's token: every one refused it, or
+    /// refused the connection (the attempt never reached it). Nothing to give back.
     pub(super) fn nothing_granted(&self) -> bool {
-        self.granted == 0 && self.no_answer == 0 && self.outstanding() == 0
+        self.granted == 0 && self.no_answer == self.refused && self.outstanding() == 0
     }
 
     /// Whether too few masters answered for any majority: the lock service is down
@@ -225,6 +232,13 @@ mod tests {
         votes.count(Vote::Held { ttl_ms: 5 });
         votes.count(Vote::Held { ttl_ms: 5 });
         assert!(!votes.nothing_granted(), "one master has not answered yet");
+        votes.count(Vote::Refused);
+        assert!(votes.nothing_granted(), "a refused connection sent nothing");
+        let mut votes = Votes::new(3);
+        votes.count(Vote::Held { ttl_ms: 5 });
+        votes.count(Vote::Held { ttl_ms: 5 });
+        votes.count(Vote::NoAnswer);
+        assert!(!votes.nothing_granted(), "a silent master may have granted");
     }
 
     #[test]
