@@ -231,7 +231,10 @@ impl TtlBackend for Inner {
         }
     }
 
-    /// Compare-and-delete on every master; settled only when every master answered.
+    /// Compare-and-delete on every master; settled when every master answered or is
+    /// down (refuses connections): retrying a dead master for a minute, once per
+    /// release or failed attempt, would pile up tasks while nothing it held outlives
+    /// its TTL.
     async fn try_give_back(&self, keys: &Arc<RedisKeys>, token: &str) -> GiveBack {
         let mut replies = Replies::new(self.masters.len());
         let mark_ms = millis(GIVEN_BACK_MARK.max(self.config.lease));

@@ -36,6 +36,9 @@ pub(super) enum Reply {
     NotOurs,
     /// No answer within the limit, or an error.
     NoAnswer,
+    /// The connection was refused: the master is down, and what it held expires by
+    /// its TTL (or went with it).
+    Down,
 }
 
 pub(super) struct Master {
@@ -161,6 +164,7 @@ impl Master {
         match released {
             Ok(1) => Reply::Ours,
             Ok(_) => Reply::NotOurs,
+            Err(error) if error.is_connection_refusal() => Reply::Down,
             Err(error) => {
                 tracing::debug!(master = %self.address, %error, "redlock release unanswered");
                 Reply::NoAnswer

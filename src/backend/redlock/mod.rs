@@ -52,8 +52,10 @@
 //! - **Partial grants.** An attempt that got no majority (or got it too late) is given
 //!   back on every master, those that did not answer included (a silent master may
 //!   still run it): a compare-and-delete, retried in the background until every master
-//!   answered it. A master where the token did not hold the key keeps a mark for a
-//!   minute (or a lease, if longer), and refuses a late attempt of that token.
+//!   answered it (a master that refuses connections is down: the attempt never reached
+//!   it, and it is not retried). A master where the token did not hold the key keeps a
+//!   mark for a minute (or a lease, if longer), and refuses a late attempt of that
+//!   token.
 //! - **Wait.** By polling: the next attempt follows a jittered pause that doubles from
 //!   5 ms up to the [`poll_interval`](RedlockBackendBuilder::poll_interval) (default
 //!   200 ms), cut to the shortest time a master said the holder's key has left, and to
@@ -74,7 +76,8 @@
 //!   moves it. A renewal that reached fewer leaves the deadline as it was, and is
 //!   retried every lease/12.
 //! - **Release.** Compare-and-delete on every master, retried in the background for
-//!   masters that did not answer; at worst the key expires by its lease.
+//!   masters that did not answer (not for masters that are down, refusing connections);
+//!   at worst the key expires by its lease.
 //!
 //! # Timing rules
 //!

@@ -138,12 +138,14 @@ impl Replies {
         }
     }
 
-    /// Counts `answer`.
+    /// Counts `reply`. A master that is down extends nothing and clears nothing, but
+    /// is no reason to retry a give-back either (`no_answer` does not count it).
     pub(super) fn count(&mut self, reply: Reply) {
         match reply {
             Reply::Ours => self.ours += 1,
             Reply::NotOurs => self.not_ours += 1,
             Reply::NoAnswer => self.no_answer += 1,
+            Reply::Down => {}
         }
     }
 
@@ -251,5 +253,15 @@ mod tests {
         replies.count(Reply::NotOurs);
         replies.count(Reply::NotOurs);
         assert!(replies.lost_on_a_majority());
+    }
+
+    #[test]
+    fn a_master_that_is_down_is_no_reason_to_retry() {
+        let mut replies = Replies::new(3);
+        replies.count(Reply::Ours);
+        replies.count(Reply::Down);
+        replies.count(Reply::NotOurs);
+        assert_eq!(replies.no_answer, 0);
+        assert!(!replies.ours_on_a_majority() && !replies.lost_on_a_majority());
     }
 }
