@@ -443,6 +443,54 @@ async fn a_cut_off_holder_is_told_before_another_instance_is_granted() {
     }
 }
 
+/// How many `EVAL`s master `index` has run (give-backs and renewals are sent that way).
+fn evals(masters: &Redlock, index: usize) -> u64 {
+    let stats = crate::support::redis_server::info(masters.0[index].port(), "commandstats");
+    stats
+        .lines()
+        .find_map(|line| line.strip_prefix("cmdstat_eval:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |calls| calls.parse().unwrap())
+}
+
+/// A key held (without renewal, so the holder sends nothing meanwhile) while a master
+/// is down, and another instance polling for it for a second: its attempts are refused
+/// by the masters that hold the key, and the dead master's refused connection sent
+/// nothing, so a poll leaves nothing to give back. Before, every poll gave its attempt
+/// back on every master (30 in this second) and left a task retrying the dead one for
+/// a minute. A command that found the connection still reconnecting times out instead
+/// of being refused, and is given back: at most a few in the second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn polling_with_a_master_down_sends_no_give_backs() {
+    let mut masters = Redlock::start();
+    let holder = RedlockBackend::builder(masters.urls())
+        .lease(Duration::from_secs(10))
+        .renewal(false)
+        .restart_guard(false)
+        .build()
+        .await
+        .unwrap();
+    let a = locks_on(Arc::new(holder));
+    let b = instance(&masters).await;
+    let guard = a.lock("k").await.unwrap();
+    masters.0[4].stop();
+    // The first command after the kill finds the old connection broken (it may have
+    // been sent): that attempt is given back. From then on the master refuses.
+    assert!(matches!(b.try_lock("k").await, Err(LockError::Busy)));
+    sleep(Duration::from_millis(200)).await;
+    let before = evals(&masters, 0);
+    let refused = b.lock_timeout("k", Duration::from_secs(1)).await;
+    assert!(matches!(refused, Err(LockError::Timeout)), "{refused:?}");
+    sleep(Duration::from_millis(200)).await;
+    let give_backs = evals(&masters, 0) - before;
+    eprintln!("polling with a master down: {give_backs} give-backs in 1 s");
+    assert!(
+        give_backs <= 3,
+        "{give_backs} give-backs in 1 s of polling a held key"
+    );
+    guard.release().await;
+}
+
 /// Three instances `try_lock` a free key at the same instant, 20 rounds: never more
 /// than one wins, and split votes (each got some masters, none a majority) are retried
 /// within the command timeout, so that a round usually has a winner. How many did is

@@ -154,7 +154,7 @@ impl Inner {
     }
 
     /// One attempt on every master at once, each answer due by `limit`; decided as
-    /// soon as a majority granted, or cannot.
+    /// soon as a majority granted, else when every master answered (or `limit`).
     async fn attempt(
         self: &Arc<Self>,
         keys: &Arc<RedisKeys>,

@@ -48,7 +48,8 @@
 //!   against the lease. It is granted when a majority (⌊N/2⌋ + 1) answered "granted"
 //!   *and* the validity budget is not spent: *lease − time since the attempt was sent
 //!   − drift margin* is still positive. It does not wait for the rest once a majority
-//!   granted, nor once a majority is out of reach.
+//!   granted; a failed attempt waits for every answer (at most the command timeout),
+//!   to know what to give back, and whether the key is busy or a majority unreachable.
 //! - **Partial grants.** An attempt that got no majority (or got it too late) is given
 //!   back on every master, those that did not answer included (a silent master may
 //!   still run it): a compare-and-delete, retried in the background until every master

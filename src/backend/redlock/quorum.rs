@@ -61,11 +61,10 @@ impl Votes {
         }
     }
 
-    /// Counts `vote`; whether the attempt is decided: granted by a majority, refused by
-    /// more than a minority (the key is held, or masters are in their restart guard),
-    /// or unanswered by more than a minority. Until one of those is certain the rest
-    /// are waited for (at most the command timeout), so that a busy key and an
-    /// unreachable majority are told apart.
+    /// Counts `vote`; whether the attempt is decided before every master answered:
+    /// only when a majority granted. A failed attempt waits for the rest (at most the
+    /// command timeout): it must know what to give back, and whether the key is busy
+    /// or a majority is unreachable.
     pub(super) fn count(&mut self, vote: Vote) -> bool {
         match vote {
             Vote::Granted => self.granted += 1,
@@ -86,8 +85,7 @@ impl Votes {
                 self.refused += 1;
             }
         }
-        let minority = self.masters - majority(self.masters);
-        self.won() || self.held + self.restarted > minority || self.unreachable()
+        self.won()
     }
 
     /// Whether a majority granted.
@@ -174,7 +172,7 @@ mod tests {
     }
 
     #[test]
-    fn an_attempt_is_decided_by_a_majority_or_its_impossibility() {
+    fn only_a_majority_of_grants_decides_early() {
         let mut votes = Votes::new(5);
         assert!(!votes.count(Vote::Granted));
         assert!(!votes.count(Vote::Held { ttl_ms: 900 }));
@@ -183,34 +181,28 @@ mod tests {
         assert!(votes.won());
 
         let mut votes = Votes::new(5);
-        assert!(!votes.count(Vote::NoAnswer));
-        assert!(!votes.count(Vote::NoAnswer));
-        assert!(
-            votes.count(Vote::NoAnswer),
-            "3 of 5 silent: no majority left"
-        );
-        assert!(!votes.won() && votes.unreachable());
+        for _ in 0..3 {
+            assert!(
+                !votes.count(Vote::Held { ttl_ms: 300 }),
+                "busy, but the rest may have granted"
+            );
+        }
+        votes.count(Vote::NoAnswer);
+        votes.count(Vote::Held { ttl_ms: 100 });
+        assert!(!votes.won() && !votes.unreachable());
+        assert_eq!(votes.shortest_hold_ms, Some(100));
+    }
 
-        let mut votes = Votes::new(5);
-        assert!(!votes.count(Vote::Held { ttl_ms: 300 }));
-        assert!(!votes.count(Vote::Held { ttl_ms: 100 }));
-        assert!(
-            !votes.count(Vote::NoAnswer),
-            "the last two tell busy from unreachable"
-        );
-        assert!(!votes.count(Vote::NoAnswer));
-        assert!(votes.count(Vote::NoAnswer));
-        assert!(!votes.won() && votes.unreachable());
-
+    #[test]
+    fn a_majority_unanswered_is_unreachable() {
         let mut votes = Votes::new(5);
         votes.count(Vote::Held { ttl_ms: 300 });
         votes.count(Vote::Held { ttl_ms: 100 });
-        assert!(
-            votes.count(Vote::Held { ttl_ms: 200 }),
-            "held on a majority: busy"
-        );
-        assert!(!votes.unreachable() && !votes.held_back_by_restarts());
-        assert_eq!(votes.shortest_hold_ms, Some(100));
+        votes.count(Vote::NoAnswer);
+        votes.count(Vote::Refused);
+        assert!(!votes.unreachable());
+        votes.count(Vote::Refused);
+        assert!(votes.unreachable() && !votes.held_back_by_restarts());
     }
 
     #[test]
@@ -218,7 +210,7 @@ mod tests {
         let mut votes = Votes::new(3);
         votes.count(Vote::Granted);
         votes.count(Vote::Restarted { wait_ms: 700 });
-        assert!(votes.count(Vote::Restarted { wait_ms: 400 }));
+        assert!(!votes.count(Vote::Restarted { wait_ms: 400 }));
         assert!(!votes.won() && votes.held_back_by_restarts() && !votes.unreachable());
         assert_eq!(votes.restart_wait_ms, Some(400));
     }
