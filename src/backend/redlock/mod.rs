@@ -92,10 +92,14 @@
 //!
 //! # Failures of the masters
 //!
-//! - **A minority down or silent** (2 of 5): nothing changes for anyone. Attempts and
-//!   renewals are decided by the majority that answers, without waiting for the rest.
+//! - **A minority down or silent** (2 of 5): the lock stays exclusive and available.
+//!   Grants and renewals are decided by the majority that answers, without waiting for
+//!   the rest. A failed attempt (a busy key) waits for the silent ones up to the
+//!   command timeout, so polling slows by that much; what a silent master may have
+//!   granted is given back there until it answers (for up to a minute per attempt).
+//!   A master that is down (refuses connections) costs nothing: nothing reached it.
 //! - **A majority down** (3 of 5): no attempt can be granted; acquisitions fail with
-//!   [`LockError::Backend`] as soon as a majority is out of reach (the layer answers
+//!   [`LockError::Backend`] once a majority did not answer (the layer answers
 //!   503), and holders are told their lease is lost at their deadline.
 //! - **A master restarted empty** (no persistence, or a snapshot older than the grant)
 //!   forgets the keys it held, and its vote could complete a second majority while a
