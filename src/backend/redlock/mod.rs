@@ -79,6 +79,9 @@
 //! - **Release.** Compare-and-delete on every master, retried in the background for
 //!   masters that did not answer (not for masters that are down, refusing connections);
 //!   at worst the key expires by its lease.
+//! - **Cancel safety.** Each attempt's token is guarded from before it is sent: an
+//!   acquisition dropped at any await (or ended by an error) gives back, on every
+//!   master, whatever that attempt may have been granted, in a task of its own.
 //!
 //! # Timing rules
 //!
