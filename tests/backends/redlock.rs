@@ -200,8 +200,8 @@ async fn a_master_paused_past_the_lease_leaves_the_holder_exclusive() {
 /// The holder A got the key on masters 0, 1, 2 only (its path to 3 and 4 silent, as
 /// in a partition). Master 2 then restarts empty, and instance B asks for the key:
 /// 3 and 4 are free, 2 forgot. Returns whether B was granted while A still counted
-/// its lease as valid (an unsignalled overlap), and how long after A was told B got
-/// in (negative: before).
+/// its lease as valid (an unsignalled overlap: `is_lost()` read at B's grant), the
+/// time between A's watcher waking and B's grant, and whether the watcher woke first.
 async fn restart_mid_hold(restart_guard: bool) -> (bool, Duration, bool) {
     let mut masters = Redlock::start();
     past_the_restart_guard().await;
