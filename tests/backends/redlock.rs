@@ -443,6 +443,68 @@ async fn a_cut_off_holder_is_told_before_another_instance_is_granted() {
     }
 }
 
+/// Every path to the masters slower than usual but within the command timeout (a
+/// quarter of it each way, per chunk): renewals still reach a majority in time, so the
+/// holder keeps its lease for two leases and nobody else is granted the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_path_to_every_master_keeps_the_lease() {
+    let masters = Redlock::start();
+    let (proxies, urls) = behind_proxies(&masters).await;
+    let a = locks_on(Arc::new(Redlock::backend_on(urls, false).await));
+    let b = instance(&masters).await;
+    let guard = a.lock("slow").await.unwrap();
+    for proxy in &proxies {
+        proxy.delay(servers::REDLOCK_COMMAND_TIMEOUT / 4);
+    }
+    sleep(2 * LEASE).await;
+    assert!(
+        !guard.is_lost(),
+        "a slow path within the command timeout lost the lease"
+    );
+    assert!(matches!(b.try_lock("slow").await, Err(LockError::Busy)));
+    for proxy in &proxies {
+        proxy.delay(Duration::ZERO);
+    }
+    guard.release().await;
+}
+
+/// Every connection of the holder to every master reset: the lease outlives its
+/// connections (the keys keep their TTL), renewals reconnect; if the holder loses it
+/// anyway, its lease is lost by its clock when another instance is granted. The same
+/// backend serves again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reset_connections_to_every_master_signal_any_loss_and_recover() {
+    let masters = Redlock::start();
+    let (proxies, urls) = behind_proxies(&masters).await;
+    let a = locks_on(Arc::new(Redlock::backend_on(urls, false).await));
+    let b = instance(&masters).await;
+    let guard = a.lock("reset").await.unwrap();
+    proxies.iter().for_each(TcpProxy::reset);
+    match b.lock_timeout("reset", 2 * LEASE).await {
+        Ok(taken) => {
+            assert!(guard.is_lost(), "unsignalled overlap after a reset");
+            eprintln!("reset: lease lost, then granted elsewhere");
+            taken.release().await;
+        }
+        Err(LockError::Timeout) => {
+            assert!(!guard.is_lost(), "lost, yet nobody could take it");
+            eprintln!("reset: lease kept");
+        }
+        Err(error) => panic!("b: {error}"),
+    }
+    drop(guard);
+    let again = within("a reconnects", 3 * PATIENCE, async {
+        loop {
+            match a.lock_timeout("reset-after", PATIENCE).await {
+                Ok(guard) => break guard,
+                Err(_) => sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    again.release().await;
+}
+
 /// How many `EVAL`s master `index` has run (give-backs and renewals are sent that way).
 fn evals(masters: &Redlock, index: usize) -> u64 {
     let stats = crate::support::redis_server::info(masters.0[index].port(), "commandstats");
