@@ -17,7 +17,10 @@
 //! feature) they share a MariaDB server the example starts on a free port with a data
 //! dir of its own (`MySqlBackend`, `GET_LOCK`; it needs `mariadb-server` installed): a
 //! session lock ends with its connection, so the crash frees the key at once and the next
-//! tick takes over with a newer fencing token. It checks what it shows and exits non-zero otherwise: every
+//! tick takes over with a newer fencing token. With `SCHEDULED_JOB_ENGINE=redlock` (the
+//! `redis` feature) they share five `redis-server`s the example starts (`RedlockBackend`:
+//! a majority of five masters; no fencing tokens, so the ledger orders nothing by
+//! token). It checks what it shows and exits non-zero otherwise: every
 //! tick before the crash ran exactly once, the job's writes carry increasing fencing
 //! tokens, and the takeover came within the lease.
 
@@ -81,6 +84,8 @@ const ETCD_SWEEP: Duration = Duration::from_millis(500);
 enum Shared {
     #[cfg(feature = "redis")]
     Redis(String),
+    #[cfg(feature = "redis")]
+    Redlock(Vec<String>),
     #[cfg(feature = "etcd")]
     Etcd(String),
     #[cfg(feature = "mysql")]
@@ -134,6 +139,17 @@ impl Shared {
                     .expect("the instance connects to Redis");
                 DistributedLocks::new("cron", backend)
             }
+            #[cfg(feature = "redis")]
+            Shared::Redlock(masters) => {
+                let backend = tower_keyed_lock::RedlockBackend::builder(masters.clone())
+                    .lease(LEASE)
+                    // Masters the example just started, as for Redis above.
+                    .restart_guard(false)
+                    .build()
+                    .await
+                    .expect("the instance reaches a majority of the masters");
+                DistributedLocks::new("cron", backend)
+            }
             #[cfg(feature = "etcd")]
             Shared::Etcd(endpoint) => {
                 let backend = tower_keyed_lock::EtcdBackend::builder([endpoint.as_str()])
@@ -167,12 +183,32 @@ fn main() {
     let redis = (engine == "redis")
         .then(redis_process::RedisProcess::start)
         .flatten();
+    #[cfg(feature = "redis")]
+    let masters: Option<Vec<_>> = (engine == "redlock")
+        .then(|| {
+            (0..5)
+                .map(|_| redis_process::RedisProcess::start())
+                .collect()
+        })
+        .flatten();
     let shared = match engine.as_str() {
         #[cfg(feature = "redis")]
         "redis" => match &redis {
             Some(redis) => {
                 println!("redis-server started on port {}", redis.port);
                 Shared::Redis(format!("redis://127.0.0.1:{}/", redis.port))
+            }
+            None => in_process("redis-server is not installed"),
+        },
+        #[cfg(feature = "redis")]
+        "redlock" => match &masters {
+            Some(masters) => {
+                let ports: Vec<u16> = masters.iter().map(|redis| redis.port).collect();
+                println!("five redis-servers (Redlock masters) started on ports {ports:?}");
+                let urls = ports
+                    .iter()
+                    .map(|port| format!("redis://127.0.0.1:{port}/"));
+                Shared::Redlock(urls.collect())
             }
             None => in_process("redis-server is not installed"),
         },
@@ -191,12 +227,12 @@ fn main() {
             Shared::MySql(server.url())
         }
         #[cfg(not(feature = "redis"))]
-        "redis" => in_process("built without the `redis` feature"),
+        "redis" | "redlock" => in_process("built without the `redis` feature"),
         #[cfg(not(feature = "etcd"))]
         "etcd" => in_process("built without the `etcd` feature"),
         #[cfg(not(feature = "mysql"))]
         "mysql" => in_process("built without the `mysql` feature"),
-        other => panic!("SCHEDULED_JOB_ENGINE={other:?}: use redis, etcd or mysql"),
+        other => panic!("SCHEDULED_JOB_ENGINE={other:?}: use redis, redlock, etcd or mysql"),
     };
     let shared = Arc::new(shared);
 

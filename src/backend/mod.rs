@@ -36,6 +36,9 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+pub mod redlock;
 mod retry_later;
 #[cfg(any(feature = "redis", feature = "dynamodb", feature = "etcd"))]
 mod ttl;
@@ -73,6 +76,13 @@ pub trait LockBackend: Send + Sync + 'static {
     fn engine(&self) -> &'static str {
         "custom"
     }
+
+    /// Why this backend issues no fencing tokens when no setting can change that (a
+    /// Redlock quorum): the error of every configuration that needs them names it.
+    /// `None` (the default) when it issues them, or a setting turns them on.
+    fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
@@ -87,6 +97,10 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
 
     fn engine(&self) -> &'static str {
         (**self).engine()
+    }
+
+    fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
+        (**self).no_fencing_tokens_reason()
     }
 }
 

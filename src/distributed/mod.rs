@@ -334,6 +334,12 @@ impl DistributedLocksBuilder {
         (self.backend.as_ref()).is_some_and(|backend| !backend.issues_fencing_tokens())
     }
 
+    /// Why the backend can never issue fencing tokens, if it says (Redlock).
+    #[cfg(feature = "replay")]
+    pub(crate) fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
+        (self.backend.as_ref()).and_then(|backend| backend.no_fencing_tokens_reason())
+    }
+
     /// Builds the locks.
     pub fn build(self) -> DistributedLocks {
         DistributedLocks {

@@ -492,6 +492,12 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.locks.lacks_fencing_tokens()
     }
 
+    /// Why the backend can never issue fencing tokens, if it says (Redlock).
+    #[cfg(feature = "replay")]
+    pub(crate) fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
+        self.locks.no_fencing_tokens_reason()
+    }
+
     fn shared(&self) -> Arc<Shared> {
         self.shared
             .get_or_init(|| Arc::new(Shared::new(self.locks.clone(), self.config.clone())))

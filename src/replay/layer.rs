@@ -18,7 +18,8 @@ use crate::KeyedLockLayer;
 /// issues none.
 pub(crate) const NO_FENCING_TOKENS: &str = "the replay store needs fencing tokens (it \
     writes only with a token above the stored one) and the lock backend issues none, so \
-    nothing would ever be stored: use PostgresBackend::fencing(true)";
+    nothing would ever be stored: use PostgresBackend::fencing(true) (a RedlockBackend \
+    never issues them: it cannot do so safely)";
 
 /// The default [`ttl`](ReplayLayer::ttl): 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);
@@ -189,8 +190,9 @@ impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
     /// keeps its records per instance (the [`MemoryStore`](super::MemoryStore)): another
     /// instance would run a completed request again. Use the Redis or PostgreSQL store.
     /// Also if the store needs fencing tokens (the PostgreSQL store) and the backend
-    /// issues none (a `PostgresBackend` without `fencing(true)`): nothing would ever be
-    /// stored.
+    /// issues none (a `PostgresBackend` without `fencing(true)`, a `RedlockBackend`):
+    /// nothing would ever be stored; the message names the backend's reason if it has
+    /// one.
     pub fn replay(self, replay: ReplayLayer) -> LockAndReplay<E> {
         assert!(
             !(self.is_distributed() && replay.is_per_instance()),
@@ -198,10 +200,15 @@ impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
              lock backend would replay only on the instance that stored the response; use a \
              shared store (RedisReplayStore, PostgresReplayStore)"
         );
-        assert!(
-            !(self.lacks_fencing_tokens() && replay.needs_fencing_tokens()),
-            "KeyedLockLayer::replay: {NO_FENCING_TOKENS}"
-        );
+        if self.lacks_fencing_tokens() && replay.needs_fencing_tokens() {
+            match self.no_fencing_tokens_reason() {
+                Some(reason) => panic!(
+                    "KeyedLockLayer::replay: the replay store needs fencing tokens (its \
+                     writes are fenced by the lock) and {reason}"
+                ),
+                None => panic!("KeyedLockLayer::replay: {NO_FENCING_TOKENS}"),
+            }
+        }
         tower_layer::Stack::new(replay, self)
     }
 }

@@ -45,7 +45,7 @@
 //! | [`one_holder_at_a_time`] | mutual exclusion across instances, nothing lost |
 //! | [`busy_and_timeout`] | `try_lock` is `Busy` and `lock_timeout` ends in `Timeout`, never early, while another instance holds |
 //! | [`release_hands_over`] | a release wakes the next instance's waiter |
-//! | [`fencing_tokens_increase`] | tokens strictly increase from holder to holder (if the backend issues them) |
+//! | [`fencing_tokens_increase`] | tokens strictly increase from holder to holder; a backend that says it issues none hands out none |
 //! | [`dropped_acquisitions_leave_nothing_held`] | a cancelled acquisition, at any point, leaves the key free |
 //! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |

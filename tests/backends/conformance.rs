@@ -94,6 +94,7 @@ conformance!(
 conformance!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
 conformance!(etcd, crate::support::fixtures::Etcd, "etcd");
 conformance!(mysql, crate::support::fixtures::MySql, "mysql");
+conformance!(redlock, crate::support::fixtures::Redlock, "redis");
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -173,6 +174,7 @@ mod through_the_layer {
     through_the_layer!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     through_the_layer!(etcd, crate::support::fixtures::Etcd, "etcd");
     through_the_layer!(mysql, crate::support::fixtures::MySql, "mysql");
+    through_the_layer!(redlock, crate::support::fixtures::Redlock, "redis");
 }
 
 /// Two instances of an axum app, each with its own backend, take 40 requests for one
@@ -572,7 +574,7 @@ async fn a_backend_written_outside_the_crate_conforms() {
 // ------------------------------------------------------ RELIABILITY.md, checked
 
 /// The columns of RELIABILITY.md's conformance table, as the fixture modules here.
-const COLUMNS: [(&str, &str); 8] = [
+const COLUMNS: [(&str, &str); 9] = [
     ("Redis", "redis"),
     ("Redis Cluster", "redis_cluster"),
     ("PostgreSQL", "postgres"),
@@ -583,6 +585,7 @@ const COLUMNS: [(&str, &str); 8] = [
     ("DynamoDB", "dynamodb"),
     ("etcd", "etcd"),
     ("MySQL (MariaDB)", "mysql"),
+    ("Redlock (5 Redis masters)", "redlock"),
     ("a backend outside the crate", "outside"),
 ];
 

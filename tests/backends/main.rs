@@ -3,7 +3,7 @@
 //! plus the fault and HTTP checks every backend passes); then each engine's specifics:
 //! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_sentinel`), PostgreSQL
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
-//! (`etcd`), MySQL (`mysql`); and
+//! (`etcd`), MySQL (`mysql`), Redlock (`redlock`); and
 //! the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
 //! `tests/redis_restart_guard.rs`, a process of its own.
 
@@ -27,4 +27,5 @@ mod redis_cluster;
 #[cfg(feature = "axum")]
 mod redis_faults;
 mod redis_sentinel;
+mod redlock;
 mod tcp_proxy;

@@ -563,6 +563,72 @@ mod etcd {
     }
 }
 
+#[cfg(feature = "redis")]
+#[allow(unused_imports)] // the conformance and redlock binaries use it
+pub use self::redlock::{Redlock, COMMAND_TIMEOUT as REDLOCK_COMMAND_TIMEOUT};
+
+#[cfg(feature = "redis")]
+mod redlock {
+    use super::ttl_lease::LEASE;
+    use super::*;
+    use crate::support::redis_server::RedisServer;
+    use tower_keyed_lock::RedlockBackend;
+
+    /// How many masters the fixture starts.
+    pub const MASTERS: usize = 5;
+
+    /// One attempt on one master: small against the lease (a third of it at most).
+    pub const COMMAND_TIMEOUT: Duration = Duration::from_millis(250);
+
+    /// Five independent `redis-server`s (Redlock's masters), each on a port of its own.
+    pub struct Redlock(pub Vec<RedisServer>);
+
+    impl Fixture for Redlock {
+        fn start() -> Self {
+            Redlock((0..MASTERS).map(|_| RedisServer::start()).collect())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    impl Redlock {
+        /// The masters' URLs, in order.
+        pub fn urls(&self) -> Vec<String> {
+            self.0.iter().map(RedisServer::url).collect()
+        }
+
+        /// A backend on `urls` (the masters, or proxies in front of some), configured as
+        /// every instance of the fixture, with the restart guard as asked.
+        pub async fn backend_on(urls: Vec<String>, restart_guard: bool) -> RedlockBackend {
+            RedlockBackend::builder(urls)
+                .lease(LEASE)
+                .command_timeout(COMMAND_TIMEOUT)
+                .poll_interval(Duration::from_millis(50))
+                .restart_guard(restart_guard)
+                .build()
+                .await
+                .expect("the backend reaches a majority of the masters")
+        }
+    }
+
+    impl Remote for Redlock {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            // Servers started for this run: none can have lost a key an instance holds.
+            Arc::new(Self::backend_on(self.urls(), false).await)
+        }
+
+        fn kill(&mut self) {
+            self.0.iter_mut().for_each(RedisServer::stop);
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
 /// A real backend that counts the acquisitions this instance sends it: how many in
 /// all, and the most in flight at once.
 pub struct Counting {

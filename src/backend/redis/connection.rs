@@ -29,7 +29,7 @@ const SILENT_FOR: u32 = 2;
 
 /// Where commands go: one Redis server, or a Redis Cluster.
 #[derive(Clone)]
-pub(super) enum Target {
+pub(in crate::backend) enum Target {
     Single(Client),
     // Boxed: a cluster client is several times the size of a client.
     Cluster(Box<ClusterClient>),
@@ -99,7 +99,7 @@ impl Target {
 }
 
 /// The command connection of a backend, shared by its clones.
-pub(super) struct Commands {
+pub(in crate::backend) struct Commands {
     target: Target,
     timeout: Duration,
     // A std lock, held only to clone or swap the connection, never across an await.
@@ -115,7 +115,7 @@ pub(super) struct Commands {
 
 /// Why a command failed.
 #[derive(Debug)]
-pub(super) enum Failure {
+pub(in crate::backend) enum Failure {
     /// Redis answered with an error, or the connection failed.
     Redis(RedisError),
     /// No answer before the limit.
@@ -124,7 +124,10 @@ pub(super) enum Failure {
 
 impl Commands {
     /// A lazy connection: it connects on the first command.
-    pub(super) fn new(target: Target, command_timeout: Duration) -> Result<Self, RedisError> {
+    pub(in crate::backend) fn new(
+        target: Target,
+        command_timeout: Duration,
+    ) -> Result<Self, RedisError> {
         let current = target.connect_lazily(command_timeout)?;
         Ok(Self {
             target,
@@ -139,7 +142,7 @@ impl Commands {
     /// Runs `command` on the current connection until `limit`. A timeout counts
     /// towards replacing the connection only when `counts` (the limit was a whole
     /// command timeout, not the end of a shorter wait).
-    pub(super) async fn run<T, F>(
+    pub(in crate::backend) async fn run<T, F>(
         &self,
         limit: Instant,
         counts: bool,
@@ -205,7 +208,10 @@ impl Commands {
 /// TCP keepalive and (on Linux) `TCP_USER_TIMEOUT` for `client`, so the kernel also
 /// notices a dead path: data unacknowledged for `give_up` closes the socket, which a
 /// [`ConnectionManager`] then replaces by itself, and an idle one is probed.
-pub(super) fn with_tcp_settings(client: &Client, give_up: Duration) -> Result<Client, RedisError> {
+pub(in crate::backend) fn with_tcp_settings(
+    client: &Client,
+    give_up: Duration,
+) -> Result<Client, RedisError> {
     let probe = (give_up / 4).max(Duration::from_secs(1));
     let keepalive = TcpKeepalive::new().with_time(probe);
     let settings = TcpSettings::default()

@@ -15,7 +15,7 @@ const NOEVICTION: &str = "noeviction";
 /// The `maxmemory-policy` of each server that grants locks: one, or every primary of a
 /// cluster (by address). Read with `CONFIG GET`, or from `INFO memory` where `CONFIG`
 /// is renamed or not allowed (managed services often do that).
-pub(super) async fn policies(
+pub(in crate::backend) async fn policies(
     connection: Connection,
 ) -> Result<Vec<(Option<String>, String)>, RedisError> {
     match connection {
@@ -50,7 +50,7 @@ pub(super) async fn policies(
 
 /// Refuses unless every policy is `noeviction` or the risk was accepted (then warns).
 /// A policy that could not be read at all is refused the same way: it may evict.
-pub(super) fn check(
+pub(in crate::backend) fn check(
     read: Result<Vec<(Option<String>, String)>, RedisError>,
     allowed: bool,
 ) -> Result<(), RedisError> {

@@ -11,8 +11,8 @@ const MAX_PLAIN_LEN: usize = 64;
 
 /// The Redis keys of one lock, in one hash slot.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct RedisKeys {
-    pub(super) lock: Arc<str>,
+pub(in crate::backend) struct RedisKeys {
+    pub(in crate::backend) lock: Arc<str>,
     pub(super) fence: String,
     /// Present while some instance waits for the lock: its release must publish.
     pub(super) waiting: String,
@@ -20,7 +20,7 @@ pub(super) struct RedisKeys {
 
 impl RedisKeys {
     /// `prefix` is normalized (empty or ending with `:`, no braces).
-    pub(super) fn new(prefix: &str, name: &str, key: &str) -> Self {
+    pub(in crate::backend) fn new(prefix: &str, name: &str, key: &str) -> Self {
         let tag = format!("{{{prefix}{}:{}}}", component(name), component(key));
         Self {
             lock: format!("{tag}:lock").into(),
@@ -32,7 +32,7 @@ impl RedisKeys {
     /// The mark a give-back leaves when it finds the lock not held by `token`: an
     /// attempt of that token still on its way (on a connection since replaced) then
     /// grants nothing. Under the lock's hash tag, so a cluster keeps it on its slot.
-    pub(super) fn given_back(&self, token: &str) -> String {
+    pub(in crate::backend) fn given_back(&self, token: &str) -> String {
         format!("{}:given-back:{token}", self.lock)
     }
 }

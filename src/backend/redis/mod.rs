@@ -192,11 +192,12 @@
 // One concern per file: `keys` names the Redis keys, `scripts` holds the Lua run on
 // Redis, `lease` acquires, renews and gives back leases, and `subscriber` turns release
 // messages into wake-ups. This file has the public types and their configuration.
-mod connection;
-mod eviction;
-mod keys;
+// `connection`, `eviction`, `keys` and `scripts` also serve `backend::redlock`.
+pub(super) mod connection;
+pub(super) mod eviction;
+pub(super) mod keys;
 mod lease;
-mod scripts;
+pub(super) mod scripts;
 mod subscriber;
 
 use std::fmt;

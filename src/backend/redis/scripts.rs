@@ -57,7 +57,7 @@ return {0, redis.call('PTTL', KEYS[1])}
 ";
 
 /// `KEYS[1]` lock; `ARGV[1]` token, `ARGV[2]` lease ms. 1 if still ours and extended.
-pub(super) const RENEW: &str = r"
+pub(in crate::backend) const RENEW: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end

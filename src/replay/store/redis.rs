@@ -117,6 +117,12 @@ impl ReplayStore for RedisReplayStore {
             })
         })
     }
+
+    /// A write checks the fencing token of the request's lock: under a lock backend
+    /// that issues none (a `RedlockBackend`) nothing could be stored.
+    fn needs_fencing_tokens(&self) -> bool {
+        true
+    }
 }
 
 impl std::fmt::Debug for RedisReplayStore {

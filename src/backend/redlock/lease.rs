@@ -1,0 +1,283 @@
+//! Redlock's steps of the TTL-lease engine: an attempt on every master at once that
+//! counts when a majority granted within the validity budget, renewal that must reach a
+//! majority, give-back on every master. The life cycle around them (validity deadline,
+//! renewal every lease/3, background give-back, the in-flight guard) is the engine's
+//! (`backend::ttl`).
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{sleep, Instant};
+
+use super::master::Reply;
+use super::quorum::{ask_all, majority, Replies, Votes};
+use super::Inner;
+use crate::backend::redis::keys::RedisKeys;
+use crate::backend::ttl::{
+    self, fresh_token, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+};
+use crate::backend::{Lease, RetryLater};
+use crate::LockError;
+
+/// The first pause between attempts on a held key; it doubles up to the poll interval.
+const FIRST_RETRY: Duration = Duration::from_millis(5);
+
+/// The longest pause before retrying an attempt that split the votes with others.
+const SPLIT_RETRY: Duration = Duration::from_millis(10);
+
+/// How long a give-back's mark refuses a late attempt of its token (a lease, if
+/// longer), and how long after an unanswered attempt its give-back keeps trying: as
+/// for the Redis backend.
+const GIVEN_BACK_MARK: Duration = Duration::from_secs(60);
+
+/// Too few masters answered for any majority.
+#[derive(Debug)]
+struct NoMajority {
+    answered: usize,
+    masters: usize,
+}
+
+impl fmt::Display for NoMajority {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "redlock: {} of {} Redis masters answered in time, {} needed for a majority",
+            self.answered,
+            self.masters,
+            majority(self.masters)
+        )
+    }
+}
+
+impl std::error::Error for NoMajority {}
+
+impl Inner {
+    pub(super) async fn acquire(
+        self: Arc<Self>,
+        keys: Arc<RedisKeys>,
+        wait: Duration,
+    ) -> Result<Lease, LockError> {
+        let deadline = ttl::deadline_after(wait);
+        // Contenders that split the votes all lose, the key free. Such an attempt is
+        // retried after a short random pause even past the wait, up to one command
+        // timeout from the start, so that one of them wins even a try-once
+        // acquisition. Nothing runs past this: the first attempt gets a whole command
+        // timeout, later ones end here, so an acquisition ends within its wait plus one
+        // command timeout (as `LockBackend::acquire` asks).
+        let split_deadline = deadline.max(Instant::now() + self.config.command_timeout);
+        let timing = self.timing();
+        let mut backoff = Backoff::new(FIRST_RETRY, self.config.poll_interval);
+        let mut first = true;
+        loop {
+            // A fresh token per attempt: a give-back marks its token on the masters
+            // that did not hold it, and a later attempt must not be refused by that.
+            let mut in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
+            let sent_at = Instant::now();
+            let mut limit = sent_at + self.config.command_timeout;
+            if !std::mem::take(&mut first) {
+                limit = limit.min(split_deadline);
+            }
+            in_flight.sent(sent_at);
+            let votes = self.attempt(&keys, in_flight.token(), limit).await;
+            // The validity budget: the lease minus the time the majority took, minus
+            // the drift margin. A majority reached after it is worth nothing.
+            if votes.won() && Instant::now() < timing.valid_until(sent_at, timing.first_ttl()) {
+                let token = in_flight.granted();
+                return Ok(ttl::grant(&self, keys, token, None, sent_at));
+            }
+            self.give_back_partial(&keys, in_flight, &votes, split_deadline)
+                .await;
+            if votes.unreachable() && limit < sent_at + self.config.command_timeout {
+                // Cut short by the end of the wait, not silent for a command timeout.
+                return Err(LockError::Timeout);
+            }
+            if votes.unreachable() {
+                let answered = self.masters.len() - votes.no_answer;
+                let error = NoMajority {
+                    answered,
+                    masters: self.masters.len(),
+                };
+                return Err(LockError::Backend(Box::new(error)));
+            }
+            let now = Instant::now();
+            if votes.held_back_by_restarts() {
+                let wait = Duration::from_millis(votes.restart_wait_ms.unwrap_or_default());
+                if now + wait >= deadline {
+                    return Err(LockError::Backend(Box::new(restart_guard(
+                        self.config.lease,
+                        wait,
+                    ))));
+                }
+                sleep(wait).await;
+                continue;
+            }
+            let (until, mut pause) = match votes.granted {
+                0 => (deadline, backoff.pause()),
+                _ => (split_deadline, jitter(SPLIT_RETRY)),
+            };
+            if now >= until {
+                return Err(LockError::Timeout);
+            }
+            // One ms past the shortest hold, a master is free again.
+            if let Some(ms) = votes.shortest_hold_ms {
+                pause = pause.min(Duration::from_millis(ms + 1));
+            }
+            sleep(pause.min(until - now)).await;
+            if Instant::now() >= until {
+                return Err(LockError::Timeout);
+            }
+        }
+    }
+
+    /// Settles an attempt that won nothing: a split vote's partial grant is given back
+    /// at once (by `until`), so that it holds no other contender off during the next
+    /// pause; whatever may still be held under the token after that (a master that did
+    /// not answer, the attempt or the give-back) is given back on every master by
+    /// `in_flight`'s drop, in a task of its own, until every master answered.
+    async fn give_back_partial(
+        &self,
+        keys: &Arc<RedisKeys>,
+        mut in_flight: InFlight<Self>,
+        votes: &Votes,
+        until: Instant,
+    ) {
+        if votes.nothing_granted() {
+            in_flight.answered();
+        } else if votes.granted > 0 && !votes.unreachable() {
+            let give_back = self.try_give_back(keys, in_flight.token());
+            let given_back = tokio::time::timeout_at(until, give_back).await;
+            if matches!(given_back, Ok(GiveBack::Cleared | GiveBack::NotOurs)) {
+                in_flight.answered();
+            }
+        }
+    }
+
+    /// One attempt on every master at once, each answer due by `limit`; decided as
+    /// soon as a majority granted, else when every master answered (or `limit`).
+    async fn attempt(
+        self: &Arc<Self>,
+        keys: &Arc<RedisKeys>,
+        token: &str,
+        limit: Instant,
+    ) -> Votes {
+        let ttl_ms = millis(self.timing().first_ttl());
+        let guard_ms = match self.config.restart_guard {
+            true => millis(self.config.lease),
+            false => 0,
+        };
+        let mut votes = Votes::new(self.masters.len());
+        let ask = |master: usize| {
+            let (inner, keys, token) = (self.clone(), keys.clone(), token.to_owned());
+            async move {
+                inner.masters[master]
+                    .acquire(&keys, &token, ttl_ms, guard_ms, limit)
+                    .await
+            }
+        };
+        ask_all(self.masters.len(), ask, |vote| votes.count(vote)).await;
+        votes
+    }
+}
+
+/// The restart guard of a majority refuses grants for `wait` more, longer than the
+/// request may wait: a [`RetryLater`], so the client is told why and for how long.
+fn restart_guard(lease: Duration, wait: Duration) -> RetryLater {
+    let detail = format!(
+        "restart guard: too many lock servers started less than a lease ({lease:?}) and \
+         a second ago for a majority, and a lock they lost may still be held elsewhere; \
+         grants resume in {wait:?}"
+    );
+    RetryLater::new(detail, wait)
+}
+
+impl TtlBackend for Inner {
+    type Target = Arc<RedisKeys>;
+
+    fn timing(&self) -> Timing {
+        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
+            .renewal(self.config.renewal)
+    }
+
+    /// Renewed only when a majority extended the key before `limit` (the end of the
+    /// validity too): a renewal that reached fewer proves nothing, and the lease keeps
+    /// its deadline. Definitely lost once more masters than a minority said "not ours".
+    async fn renew(
+        &self,
+        keys: &Arc<RedisKeys>,
+        token: &str,
+        ttl: Duration,
+        _sent: Instant,
+        limit: Instant,
+    ) -> Renewal {
+        let mut replies = Replies::new(self.masters.len());
+        let ttl_ms = millis(ttl);
+        let masters = self.masters.clone();
+        let ask = |master: usize| {
+            let (masters, keys, token) = (masters.clone(), keys.clone(), token.to_owned());
+            async move { masters[master].renew(&keys, &token, ttl_ms, limit).await }
+        };
+        ask_all(self.masters.len(), ask, |reply| {
+            replies.count(reply);
+            replies.ours_on_a_majority() || replies.lost_on_a_majority()
+        })
+        .await;
+        if replies.ours_on_a_majority() && Instant::now() < limit {
+            Renewal::Renewed
+        } else if replies.lost_on_a_majority() {
+            Renewal::NotOurs
+        } else {
+            Renewal::Unknown
+        }
+    }
+
+    /// Compare-and-delete on every master; settled when every master answered or is
+    /// down (refuses connections): retrying a dead master for a minute, once per
+    /// release or failed attempt, would pile up tasks while nothing it held outlives
+    /// its TTL.
+    async fn try_give_back(&self, keys: &Arc<RedisKeys>, token: &str) -> GiveBack {
+        let mut replies = Replies::new(self.masters.len());
+        let mark_ms = millis(GIVEN_BACK_MARK.max(self.config.lease));
+        let masters = self.masters.clone();
+        let ask = |master: usize| {
+            let (masters, keys, token) = (masters.clone(), keys.clone(), token.to_owned());
+            async move { masters[master].release(&keys, &token, mark_ms).await }
+        };
+        ask_all(self.masters.len(), ask, |reply: Reply| {
+            replies.count(reply);
+            false
+        })
+        .await;
+        if replies.no_answer > 0 {
+            GiveBack::NoAnswer
+        } else if replies.ours > 0 {
+            GiveBack::Cleared
+        } else {
+            GiveBack::NotOurs
+        }
+    }
+
+    fn engine(&self) -> &'static str {
+        "redlock"
+    }
+
+    /// Not the grant's expiry: a master runs an attempt when it gets it, which a frozen
+    /// master can put off for longer than a lease. Until the give-back is answered
+    /// everywhere, the attempt may still come; once it is, the mark refuses it.
+    fn give_back_until(&self, sent_at: Instant) -> Instant {
+        sent_at + GIVEN_BACK_MARK.max(self.config.lease)
+    }
+
+    /// At once: a give-back that finds the key not ours marks the token, and the
+    /// acquire script grants nothing to a marked token.
+    fn settles_at(&self, sent_at: Instant) -> Instant {
+        sent_at
+    }
+}
+
+/// Whole milliseconds, at least 1 (Redis rejects a zero `PX`).
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}

@@ -1,0 +1,196 @@
+//! One Redis master: its connection (the Redis backend's, replaced when it goes
+//! silent) and the three commands Redlock sends it.
+
+use std::time::Duration;
+
+use redis::{Client, RedisError, Script};
+use tokio::time::Instant;
+
+use super::scripts::{ACQUIRE, RELEASE};
+use crate::backend::redis::connection::{with_tcp_settings, Commands, Failure, Target};
+use crate::backend::redis::keys::RedisKeys;
+use crate::backend::redis::scripts::RENEW;
+
+/// What one master answered to an acquire attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Vote {
+    /// `SET NX PX` went through: the key is ours on this master.
+    Granted,
+    /// Held by another token, which expires in this many ms (negative: unknown).
+    Held { ttl_ms: i64 },
+    /// Up for less than a lease: it votes for nobody for this many ms more.
+    Restarted { wait_ms: u64 },
+    /// No answer within the limit, or an error: it may have granted.
+    NoAnswer,
+    /// The connection was refused (the master is down): nothing was sent, so nothing
+    /// granted.
+    Refused,
+}
+
+/// What one master answered to a renewal or a give-back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Reply {
+    /// The token held the key: extended (renewal) or deleted (give-back).
+    Ours,
+    /// The token does not hold the key there.
+    NotOurs,
+    /// No answer within the limit, or an error.
+    NoAnswer,
+    /// The connection was refused: the master is down, and what it held expires by
+    /// its TTL (or went with it).
+    Down,
+}
+
+pub(super) struct Master {
+    /// `host:port`, for logs and errors.
+    pub(super) address: String,
+    commands: Commands,
+    acquire: Script,
+    command_timeout: Duration,
+}
+
+impl Master {
+    /// A lazily connected master: the first command connects.
+    pub(super) fn new(client: &Client, command_timeout: Duration) -> Result<Self, RedisError> {
+        let address = client.get_connection_info().addr().to_string();
+        // The kernel's backstop for a dead path, as for the Redis backend.
+        let client = with_tcp_settings(client, (command_timeout * 10).max(Duration::from_secs(5)))?;
+        Ok(Self {
+            address,
+            commands: Commands::new(Target::Single(client), command_timeout)?,
+            acquire: Script::new(ACQUIRE),
+            command_timeout,
+        })
+    }
+
+    /// `PING`, bounded by the command timeout.
+    pub(super) async fn ping(&self) -> Result<(), RedisError> {
+        let limit = Instant::now() + self.command_timeout;
+        self.run(limit, |mut connection| async move {
+            redis::cmd("PING").query_async::<()>(&mut connection).await
+        })
+        .await
+    }
+
+    /// The `maxmemory-policy` check of the Redis backend, on this master.
+    pub(super) async fn check_eviction(&self, allowed: bool) -> Result<(), RedisError> {
+        let limit = Instant::now() + 2 * self.command_timeout;
+        let policies = self
+            .run(limit, crate::backend::redis::eviction::policies)
+            .await;
+        crate::backend::redis::eviction::check(policies, allowed)
+    }
+
+    /// One acquire attempt on this master.
+    pub(super) async fn acquire(
+        &self,
+        keys: &RedisKeys,
+        token: &str,
+        ttl_ms: u64,
+        restart_guard_ms: u64,
+        limit: Instant,
+    ) -> Vote {
+        let mut invocation = self.acquire.key(&*keys.lock);
+        invocation
+            .key(keys.given_back(token))
+            .arg(token)
+            .arg(ttl_ms)
+            .arg(restart_guard_ms);
+        let answer = self
+            .run(limit, |mut connection| async move {
+                invocation.invoke_async::<(i64, i64)>(&mut connection).await
+            })
+            .await;
+        match answer {
+            Ok((1, _)) => Vote::Granted,
+            Ok((2, wait_ms)) => Vote::Restarted {
+                wait_ms: u64::try_from(wait_ms).unwrap_or_default(),
+            },
+            Ok((_, ttl_ms)) => Vote::Held { ttl_ms },
+            // Refused: the master is down, and the attempt never left this process.
+            Err(error) if error.is_connection_refusal() => Vote::Refused,
+            Err(error) => {
+                tracing::debug!(master = %self.address, %error, "redlock attempt unanswered");
+                Vote::NoAnswer
+            }
+        }
+    }
+
+    /// Extends `token`'s hold on the lock to `ttl_ms` if it still holds it. `EVAL`, not
+    /// `EVALSHA`: a master that lost its script cache would cost a round trip more.
+    pub(super) async fn renew(
+        &self,
+        keys: &RedisKeys,
+        token: &str,
+        ttl_ms: u64,
+        limit: Instant,
+    ) -> Reply {
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(RENEW)
+            .arg(1)
+            .arg(&*keys.lock)
+            .arg(token)
+            .arg(ttl_ms);
+        let renewed = self
+            .run(limit, |mut connection| async move {
+                command.query_async::<i64>(&mut connection).await
+            })
+            .await;
+        match renewed {
+            Ok(1) => Reply::Ours,
+            Ok(_) => Reply::NotOurs,
+            Err(_) => Reply::NoAnswer,
+        }
+    }
+
+    /// Deletes the lock if `token` holds it; otherwise marks the token given back for
+    /// `mark_ms`, so a late attempt of it grants nothing here.
+    pub(super) async fn release(&self, keys: &RedisKeys, token: &str, mark_ms: u64) -> Reply {
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(RELEASE)
+            .arg(2)
+            .arg(&*keys.lock)
+            .arg(keys.given_back(token))
+            .arg(token)
+            .arg(mark_ms);
+        let limit = Instant::now() + self.command_timeout;
+        let released = self
+            .run(limit, |mut connection| async move {
+                command.query_async::<i64>(&mut connection).await
+            })
+            .await;
+        match released {
+            Ok(1) => Reply::Ours,
+            Ok(_) => Reply::NotOurs,
+            Err(error) if error.is_connection_refusal() => Reply::Down,
+            Err(error) => {
+                tracing::debug!(master = %self.address, %error, "redlock release unanswered");
+                Reply::NoAnswer
+            }
+        }
+    }
+
+    /// Runs `command` until `limit`; only a whole command timeout counts towards
+    /// replacing a silent connection.
+    async fn run<T, F>(
+        &self,
+        limit: Instant,
+        command: impl FnOnce(crate::backend::redis::connection::Connection) -> F,
+    ) -> Result<T, RedisError>
+    where
+        F: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        let counts = limit >= Instant::now() + self.command_timeout / 2;
+        match self.commands.run(limit, counts, command).await {
+            Ok(value) => Ok(value),
+            Err(Failure::Redis(error)) => Err(error),
+            Err(Failure::TimedOut) => Err(RedisError::from((
+                redis::ErrorKind::Io,
+                "timed out",
+                format!("no answer from {} in time", self.address),
+            ))),
+        }
+    }
+}

@@ -1,0 +1,617 @@
+//! Redlock backend: serializes a key across every instance through N independent Redis
+//! masters (antirez's Redlock), so that no single Redis is a point of failure: the lock
+//! stays available, and exclusive, while a majority of the masters answers.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tower_keyed_lock::backend::redlock::{RedlockBackend, SetupError};
+//! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
+//!
+//! # async fn run() -> Result<(), SetupError> {
+//! let masters = [
+//!     "redis://10.0.0.1:6379/",
+//!     "redis://10.0.0.2:6379/",
+//!     "redis://10.0.0.3:6379/",
+//!     "redis://10.0.0.4:6379/",
+//!     "redis://10.0.0.5:6379/",
+//! ];
+//! let backend = RedlockBackend::builder(masters)
+//!     .lease(Duration::from_secs(10))
+//!     .build()
+//!     .await?;
+//! let layer = KeyedLockLayer::by_header("idempotency-key")
+//!     .name("orders")
+//!     .wait_timeout(Duration::from_secs(2))
+//!     .backend(backend.clone());
+//! let jobs = DistributedLocks::builder("jobs").backend(backend).build();
+//! if let Ok(guard) = jobs.try_lock("nightly-report").await {
+//!     // Only this instance runs it, as long as `guard.is_lost()` says false.
+//!     guard.release().await;
+//! }
+//! # let _ = layer;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The client is the [`redis`] crate, the one the Redis backend uses (its connection
+//! manager, its script support and TCP settings): Redlock is a protocol on plain Redis
+//! masters, so every piece of that backend that does not depend on one server is
+//! reused here: key naming, the compare-and-`PEXPIRE` renewal, the connection replaced
+//! when it goes silent, the eviction check and the restart guard.
+//!
+//! # How a key is held
+//!
+//! - **Acquire.** An attempt takes a fresh random 128-bit token, notes the time, and
+//!   sends `SET lock token NX PX lease` (as a script, with the two refusals below) to
+//!   every master at once, each bounded by the
+//!   [`command_timeout`](RedlockBackendBuilder::command_timeout), which must be small
+//!   against the lease. It is granted when a majority (⌊N/2⌋ + 1) answered "granted"
+//!   *and* the validity budget is not spent: *lease − time since the attempt was sent
+//!   − drift margin* is still positive. It does not wait for the rest once a majority
+//!   granted; a failed attempt waits for every answer (at most the command timeout),
+//!   to know what to give back, and whether the key is busy or a majority unreachable.
+//! - **Partial grants.** An attempt that got no majority (or got it too late) is given
+//!   back on every master, those that did not answer included (a silent master may
+//!   still run it): a compare-and-delete, retried in the background until every master
+//!   answered it (a master that refuses connections is down: the attempt never reached
+//!   it, and it is not retried). A master where the token did not hold the key keeps a
+//!   mark for a minute (or a lease, if longer), and refuses a late attempt of that
+//!   token.
+//! - **Wait.** By polling: the next attempt follows a jittered pause that doubles from
+//!   5 ms up to the [`poll_interval`](RedlockBackendBuilder::poll_interval) (default
+//!   200 ms), cut to the shortest time a master said the holder's key has left, and to
+//!   the end of the request's wait. There is no pub/sub across N masters: a hand-off
+//!   costs up to one poll interval.
+//! - **Split votes.** Contenders that reach a free key at once can split the masters
+//!   between them so that none has a majority; each gives its partial grant back and
+//!   tries again after a random pause of at most 10 ms, even past the end of a short
+//!   wait, until one command timeout after the acquisition started. So a try-once
+//!   acquisition (`try_lock`) of a free key rarely fails for want of a majority, and
+//!   no acquisition outlives its wait by more than one command timeout.
+//! - **Validity.** The lease counts as valid until *send time of the last attempt or
+//!   renewal that a majority granted + lease − drift margin*, on the monotonic clock. At
+//!   that instant it is declared lost (even if no master answers again), as it is when
+//!   more than a minority of the masters say the key is not the token's any more.
+//! - **Renewal.** While held, every lease/3, the compare-and-`PEXPIRE` script goes to
+//!   every master; only a renewal that a majority extended before the current deadline
+//!   moves it. A renewal that reached fewer leaves the deadline as it was, and is
+//!   retried every lease/12.
+//! - **Release.** Compare-and-delete on every master, retried in the background for
+//!   masters that did not answer (not for masters that are down, refusing connections);
+//!   at worst the key expires by its lease.
+//! - **Cancel safety.** Each attempt's token is guarded from before it is sent: an
+//!   acquisition dropped at any await (or ended by an error) gives back, on every
+//!   master, whatever that attempt may have been granted, in a task of its own.
+//!
+//! # Timing rules
+//!
+//! | what | when |
+//! |---|---|
+//! | an attempt is granted | a majority granted, and less than *lease − drift* passed since it was sent |
+//! | one command on one master | at most the command timeout (default 100 ms); the lease must be at least 3 command timeouts |
+//! | renewal | every lease/3; retried every lease/12 while no majority answers |
+//! | a holder counts its lease lost | send time of the last majority grant or renewal + lease − drift margin (default 1% of the lease + 2 ms), or at the first majority of "not ours" |
+//! | the masters free a stopped holder's key | one lease after each master last extended it |
+//!
+//! # Failures of the masters
+//!
+//! - **A minority down or silent** (2 of 5): the lock stays exclusive and available.
+//!   Grants and renewals are decided by the majority that answers, without waiting for
+//!   the rest. A failed attempt (a busy key) waits for the silent ones up to the
+//!   command timeout, so polling slows by that much; what a silent master may have
+//!   granted is given back there until it answers (for up to a minute per attempt).
+//!   A master that is down (refuses connections) costs nothing: nothing reached it.
+//! - **A majority down** (3 of 5): no attempt can be granted; acquisitions fail with
+//!   [`LockError::Backend`] once a majority did not answer (the layer answers
+//!   503), and holders are told their lease is lost at their deadline.
+//! - **A master restarted empty** (no persistence, or a snapshot older than the grant)
+//!   forgets the keys it held, and its vote could complete a second majority while a
+//!   holder still counts on the first. The **restart guard** (on by default; antirez's
+//!   "delayed restarts") makes a master whose uptime is below the lease plus a second
+//!   vote for nobody: by then every lease it may have counted in has run out (a
+//!   renewal counts only masters that still hold the key, so a master that lost it is
+//!   in no majority a holder counts on afterwards). It reads
+//!   `uptime_in_seconds`; every instance must use the same lease. If restarted masters
+//!   are what keeps a majority out of reach, an acquisition waits them out, or fails
+//!   with a [`RetryLater`](crate::backend::RetryLater) (503 with `Retry-After`).
+//! - **Eviction.** [`build`](RedlockBackendBuilder::build) refuses a master whose
+//!   `maxmemory-policy` is not `noeviction`, as the Redis backend does.
+//!
+//! # Redis keys
+//!
+//! The same as the Redis backend's ([Redis keys](super::redis#redis-keys)): a layer
+//! named `name` locks request key `key` under `{<prefix><name>:<key>}:lock` on every
+//! master (name and key written as-is when short and plain, else as `#` + hex SHA-256:
+//! any UTF-8 key, bounded length, no injection), and the give-back mark under
+//! `{<prefix><name>:<key>}:lock:given-back:<token>`. There is no fence counter and no
+//! waiting mark. [`RedlockBackend::lock_key`] computes the lock key.
+//!
+//! # What this backend does not guarantee
+//!
+//! - **Fencing tokens: none, and none can be had.** A fencing token must grow strictly
+//!   from holder to holder. The masters share no counter: each could count its own
+//!   grants, but two majorities need share only one master, which may be the one that
+//!   restarted and counts from scratch, so no number read from them is sure to grow
+//!   (Martin Kleppmann's analysis, "How to do distributed locking", 2016: Redlock
+//!   produces no number that grows with every grant, and a counter that must never go
+//!   back needs consensus, which Redlock does not run). So
+//!   [`Lease::fencing_token`](crate::Lease::fencing_token) and
+//!   [`LockInfo::fencing_token`](crate::LockInfo::fencing_token) are `None`,
+//!   [`issues_fencing_tokens`](crate::LockBackend::issues_fencing_tokens) is `false`,
+//!   and every configuration that needs them is refused with this reason: a replay
+//!   store whose writes are fenced (`KeyedLockLayer::replay` panics; layers stacked by
+//!   hand answer 500), and [`fencing(true)`](RedlockBackendBuilder::fencing). Where a
+//!   late write must be refused, use a backend that issues tokens (PostgreSQL with
+//!   `fencing(true)`, etcd).
+//! - **Timing assumptions.** Safety rests on bounded clock drift (the drift margin must
+//!   cover how much faster this process's clock can run than each master's over one
+//!   lease) and on the restart guard. A master's clock that jumps forward (a wall-clock
+//!   step: Redis expires keys by wall time) expires a key early, and its vote may then
+//!   complete a second majority: run the masters with a slewing NTP, never stepped.
+//! - **A stalled holder.** A holder whose process pauses past its lease loses the key
+//!   to the next waiter; it learns it from [`LeaseSignal::is_lost`](crate::LeaseSignal::is_lost)
+//!   at its next look (by the clock alone), not before, and nothing fences its late
+//!   writes.
+//! - **Fairness.** Between instances there is no queue: the first attempt to reach a
+//!   majority after a release wins. Within an instance, waiters queue on the layer's
+//!   local lock as with every backend.
+//! - **Operators.** A `FLUSHALL` or a `DEL` of a lock key on a majority, like a majority
+//!   restarted with the guard off, frees a held key.
+
+mod lease;
+mod master;
+mod quorum;
+mod scripts;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::{Client, RedisError};
+
+use self::master::Master;
+use super::{ttl, Acquisition, LockBackend};
+use crate::backend::redis::keys::RedisKeys;
+#[cfg(doc)]
+use crate::error::LockError;
+use crate::key::Key;
+
+/// The default [`RedlockBackendBuilder::lease`].
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The default [`RedlockBackendBuilder::command_timeout`]: small against the lease.
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_millis(100);
+/// The default [`RedlockBackendBuilder::poll_interval`].
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(200);
+/// The default [`RedlockBackendBuilder::prefix`] (the Redis backend's).
+pub const DEFAULT_PREFIX: &str = "keyed-lock:";
+/// The fewest masters accepted: with fewer, one master down leaves no majority.
+pub const MIN_MASTERS: usize = 3;
+/// The shortest lease accepted.
+pub const MIN_LEASE: Duration = Duration::from_millis(30);
+
+/// Why a [`RedlockBackend`] issues no fencing tokens; the error of every configuration
+/// that needs them names it (see
+/// [What this backend does not guarantee](self#what-this-backend-does-not-guarantee)).
+pub const NO_FENCING_TOKENS: &str = "RedlockBackend cannot issue fencing tokens: its \
+    Redis masters share no counter, and two majorities may share only a master that \
+    restarted and counts from scratch, so no token could be guaranteed to grow from \
+    holder to holder (Kleppmann, \"How to do distributed locking\"); use a backend that \
+    issues them (PostgresBackend with fencing(true), EtcdBackend) where writes must be \
+    fenced";
+
+/// A [`LockBackend`] on N independent Redis masters (Redlock). Cheap to clone: clones
+/// share the connections. See the [module docs](self).
+#[derive(Clone)]
+pub struct RedlockBackend {
+    inner: Arc<Inner>,
+}
+
+/// Configures a [`RedlockBackend`]; made by [`RedlockBackend::builder`].
+#[derive(Clone)]
+#[must_use]
+pub struct RedlockBackendBuilder {
+    urls: Vec<String>,
+    config: Config,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    lease: Duration,
+    renewal: bool,
+    /// Empty, or ends with `:`; no braces.
+    prefix: String,
+    /// `None`: 1% of the lease + 2 ms.
+    drift: Option<Duration>,
+    command_timeout: Duration,
+    poll_interval: Duration,
+    restart_guard: bool,
+    allow_eviction: bool,
+    fencing: bool,
+}
+
+struct Inner {
+    masters: Arc<[Master]>,
+    config: Config,
+    drift: Duration,
+}
+
+/// Why [`RedlockBackendBuilder::build`] refused.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// Fewer than [`MIN_MASTERS`] masters.
+    TooFewMasters(usize),
+    /// One master listed twice: its vote would count twice.
+    SameMasterTwice(String),
+    /// Fencing tokens were asked for ([`RedlockBackendBuilder::fencing`]); see
+    /// [`NO_FENCING_TOKENS`].
+    NoFencingTokens,
+    /// The timing settings contradict each other.
+    Timing(String),
+    /// A master's URL is invalid, or it may evict lock keys.
+    Master {
+        /// The URL, or the `host:port`, of the master.
+        master: String,
+        /// What Redis or the client said.
+        error: RedisError,
+    },
+    /// Fewer than a majority of the masters answered `PING` in time.
+    NoMajority {
+        /// How many answered.
+        answered: usize,
+        /// How many there are.
+        masters: usize,
+    },
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TooFewMasters(given) => write!(
+                f,
+                "Redlock needs at least {MIN_MASTERS} independent Redis masters (5 is \
+                 usual), {given} given"
+            ),
+            Self::SameMasterTwice(master) => write!(
+                f,
+                "Redis master {master} is listed twice: its vote would count twice"
+            ),
+            Self::NoFencingTokens => f.write_str(NO_FENCING_TOKENS),
+            Self::Timing(problem) => write!(f, "Redlock timing: {problem}"),
+            Self::Master { master, error } => write!(f, "Redis master {master}: {error}"),
+            Self::NoMajority { answered, masters } => write!(
+                f,
+                "only {answered} of {masters} Redis masters answered, {} needed",
+                quorum::majority(*masters)
+            ),
+        }
+    }
+}
+
+impl std::error::Error for SetupError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Master { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl Config {
+    fn drift(&self) -> Duration {
+        self.drift.unwrap_or(ttl::default_drift(self.lease))
+    }
+}
+
+impl RedlockBackend {
+    /// Starts configuring a backend on these Redis masters (`redis://host:port/` URLs),
+    /// at least [`MIN_MASTERS`], independent of each other (not replicas of one
+    /// another); an odd number (3, 5, 7) gives the most failures tolerated per master.
+    pub fn builder<U: Into<String>>(masters: impl IntoIterator<Item = U>) -> RedlockBackendBuilder {
+        RedlockBackendBuilder {
+            urls: masters.into_iter().map(Into::into).collect(),
+            config: Config {
+                lease: DEFAULT_LEASE,
+                renewal: true,
+                prefix: DEFAULT_PREFIX.to_owned(),
+                drift: None,
+                command_timeout: DEFAULT_COMMAND_TIMEOUT,
+                poll_interval: DEFAULT_POLL_INTERVAL,
+                restart_guard: true,
+                allow_eviction: false,
+                fencing: false,
+            },
+        }
+    }
+
+    /// The Redis key that holds the lock of `key` for the layer called `name` on every
+    /// master (see [Redis keys](self#redis-keys)).
+    ///
+    /// ```no_run
+    /// # use tower_keyed_lock::backend::redlock::RedlockBackend;
+    /// # async fn run(backend: RedlockBackend) {
+    /// assert_eq!(backend.lock_key("orders", "42"), "{keyed-lock:orders:42}:lock");
+    /// # }
+    /// ```
+    pub fn lock_key(&self, name: &str, key: &str) -> String {
+        RedisKeys::new(&self.inner.config.prefix, name, key)
+            .lock
+            .to_string()
+    }
+
+    /// The masters' `host:port`, in the order given.
+    pub fn masters(&self) -> Vec<String> {
+        self.inner
+            .masters
+            .iter()
+            .map(|m| m.address.clone())
+            .collect()
+    }
+}
+
+impl fmt::Debug for RedlockBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockBackend")
+            .field("masters", &self.masters())
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for RedlockBackendBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockBackendBuilder")
+            .field("masters", &self.urls.len())
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedlockBackendBuilder {
+    /// How long a grant lasts on each master without renewal (default
+    /// [`DEFAULT_LEASE`], 30 s): it bounds how long a crashed instance keeps a key, and
+    /// how long the restart guard keeps a restarted master from voting.
+    ///
+    /// # Panics
+    /// If `lease` is shorter than [`MIN_LEASE`].
+    pub fn lease(mut self, lease: Duration) -> Self {
+        assert!(
+            lease >= MIN_LEASE,
+            "RedlockBackend lease must be at least {MIN_LEASE:?}"
+        );
+        self.config.lease = lease;
+        self
+    }
+
+    /// Whether a held lease is renewed every lease/3 (default on).
+    pub fn renewal(mut self, renewal: bool) -> Self {
+        self.config.renewal = renewal;
+        self
+    }
+
+    /// The start of every Redis key (default [`DEFAULT_PREFIX`]); a `:` is appended if
+    /// it does not end with one.
+    ///
+    /// # Panics
+    /// If `prefix` contains `{` or `}`.
+    pub fn prefix(mut self, prefix: &str) -> Self {
+        assert!(
+            !prefix.contains(['{', '}']),
+            "RedlockBackend prefix must not contain braces: {prefix:?}"
+        );
+        self.config.prefix = ttl::with_colon(prefix);
+        self
+    }
+
+    /// What is taken off every validity period for clock drift between this process
+    /// and the masters (default 1% of the lease + 2 ms, antirez's figure).
+    pub fn drift_margin(mut self, margin: Duration) -> Self {
+        self.config.drift = Some(margin);
+        self
+    }
+
+    /// The longest one command to one master may take (default
+    /// [`DEFAULT_COMMAND_TIMEOUT`], 100 ms): past it, that master counts as not
+    /// answering. Small against the lease, so that a dead master costs an attempt
+    /// little of its validity; at most a third of the lease. Also the connect timeout.
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.config.command_timeout = timeout;
+        self
+    }
+
+    /// The longest pause between two attempts on a held key (default
+    /// [`DEFAULT_POLL_INTERVAL`], 200 ms); pauses start at 5 ms and double, jittered.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.config.poll_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Whether a master up for less than a lease (plus one second) votes for nobody
+    /// (default on). See [Failures of the masters](self#failures-of-the-masters).
+    /// Off is for tests against masters that just started; **never in production**: a
+    /// master restarted empty could then complete a second majority for a held key.
+    pub fn restart_guard(mut self, on: bool) -> Self {
+        self.config.restart_guard = on;
+        self
+    }
+
+    /// Whether to build on masters that may evict keys — **unsafe** (default off:
+    /// refused), as [`RedisBackendBuilder::allow_unsafe_eviction_policy`](
+    /// crate::backend::redis::RedisBackendBuilder::allow_unsafe_eviction_policy).
+    pub fn allow_unsafe_eviction_policy(mut self, allow: bool) -> Self {
+        self.config.allow_eviction = allow;
+        self
+    }
+
+    /// Asks for fencing tokens, which Redlock cannot give: `true` makes
+    /// [`build`](Self::build) fail with [`SetupError::NoFencingTokens`], naming the
+    /// reason ([`NO_FENCING_TOKENS`]). The setting exists so that a configuration
+    /// carried over from a backend that fences (`PostgresBackend::fencing(true)`) is
+    /// refused, not silently unfenced.
+    pub fn fencing(mut self, fencing: bool) -> Self {
+        self.config.fencing = fencing;
+        self
+    }
+
+    /// Checks the settings, connects to every master at once, and checks that a
+    /// majority answers `PING` and that no master that answers may evict lock keys.
+    /// Masters that do not answer yet are warned about and used when they do (their
+    /// eviction policy unchecked).
+    pub async fn build(self) -> Result<RedlockBackend, SetupError> {
+        let Self { urls, config } = self;
+        if config.fencing {
+            return Err(SetupError::NoFencingTokens);
+        }
+        if urls.len() < MIN_MASTERS {
+            return Err(SetupError::TooFewMasters(urls.len()));
+        }
+        let drift = config.drift();
+        if drift >= config.lease / 2 {
+            return Err(SetupError::Timing(format!(
+                "the drift margin {drift:?} must be shorter than half the lease {:?}",
+                config.lease
+            )));
+        }
+        if config.command_timeout.is_zero() || config.command_timeout * 3 > config.lease {
+            return Err(SetupError::Timing(format!(
+                "the command timeout {:?} must be more than zero and at most a third of \
+                 the lease {:?}",
+                config.command_timeout, config.lease
+            )));
+        }
+        let mut masters = Vec::with_capacity(urls.len());
+        let mut addresses = Vec::with_capacity(urls.len());
+        for url in &urls {
+            let master_error = |error| SetupError::Master {
+                master: url.clone(),
+                error,
+            };
+            let client = Client::open(url.as_str()).map_err(master_error)?;
+            let address = client.get_connection_info().addr().clone();
+            if addresses.contains(&address) {
+                return Err(SetupError::SameMasterTwice(address.to_string()));
+            }
+            addresses.push(address);
+            masters.push(Master::new(&client, config.command_timeout).map_err(master_error)?);
+        }
+        let masters: Arc<[Master]> = masters.into();
+        // Every master at once: a dead one costs one command timeout, not one each.
+        let mut checks = tokio::task::JoinSet::new();
+        for index in 0..masters.len() {
+            let (masters, allowed) = (masters.clone(), config.allow_eviction);
+            checks.spawn(async move {
+                let master = &masters[index];
+                if let Err(error) = master.ping().await {
+                    return (index, Ok(Err(error)));
+                }
+                (index, master.check_eviction(allowed).await.map(Ok))
+            });
+        }
+        let mut answered = 0;
+        while let Some(check) = checks.join_next().await {
+            let Ok((index, check)) = check else { continue };
+            match check {
+                Ok(Ok(())) => answered += 1,
+                Ok(Err(error)) => tracing::warn!(
+                    master = %masters[index].address,
+                    %error,
+                    "redlock master did not answer at start; used when it does"
+                ),
+                Err(error) => {
+                    return Err(SetupError::Master {
+                        master: masters[index].address.clone(),
+                        error,
+                    })
+                }
+            }
+        }
+        if answered < quorum::majority(masters.len()) {
+            return Err(SetupError::NoMajority {
+                answered,
+                masters: masters.len(),
+            });
+        }
+        Ok(RedlockBackend {
+            inner: Arc::new(Inner {
+                masters,
+                config,
+                drift,
+            }),
+        })
+    }
+}
+
+impl LockBackend for RedlockBackend {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
+        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
+        Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))
+    }
+
+    fn issues_fencing_tokens(&self) -> bool {
+        false
+    }
+
+    fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
+        Some(NO_FENCING_TOKENS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn too_few_masters_are_refused() {
+        let two = RedlockBackend::builder(["redis://127.0.0.1:1/", "redis://127.0.0.1:2/"]);
+        assert!(matches!(
+            two.build().await,
+            Err(SetupError::TooFewMasters(2))
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_master_listed_twice_is_refused() {
+        let urls = [
+            "redis://127.0.0.1:1/",
+            "redis://127.0.0.1:2/",
+            "redis://127.0.0.1:1/0",
+        ];
+        let error = RedlockBackend::builder(urls).build().await.unwrap_err();
+        assert!(matches!(error, SetupError::SameMasterTwice(_)), "{error}");
+    }
+
+    #[tokio::test]
+    async fn fencing_is_refused_with_the_reason() {
+        let urls = [
+            "redis://127.0.0.1:1/",
+            "redis://127.0.0.1:2/",
+            "redis://127.0.0.1:3/",
+        ];
+        let error = RedlockBackend::builder(urls)
+            .fencing(true)
+            .build()
+            .await
+            .unwrap_err();
+        assert!(matches!(error, SetupError::NoFencingTokens));
+        assert!(
+            error.to_string().contains("cannot issue fencing tokens"),
+            "{error}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_command_timeout_long_against_the_lease_is_refused() {
+        let urls = [
+            "redis://127.0.0.1:1/",
+            "redis://127.0.0.1:2/",
+            "redis://127.0.0.1:3/",
+        ];
+        let error = RedlockBackend::builder(urls)
+            .lease(Duration::from_millis(300))
+            .command_timeout(Duration::from_millis(200))
+            .build()
+            .await
+            .unwrap_err();
+        assert!(matches!(error, SetupError::Timing(_)), "{error}");
+    }
+}

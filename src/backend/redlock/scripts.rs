@@ -1,0 +1,45 @@
+//! The Lua scripts each master runs, each one atomic there. Renewal is the Redis
+//! backend's own compare-and-`PEXPIRE` (`redis::scripts::RENEW`).
+
+/// `KEYS[1]` lock, `KEYS[2]` the token's given-back mark; `ARGV[1]` token, `ARGV[2]`
+/// lease ms, `ARGV[3]` restart guard ms (0: off). `SET lock token NX PX lease`, with
+/// two refusals before it. Returns `{1, 0}` when granted, `{0, holder's PTTL}` when
+/// held (-2 when the token was given back), or `{2, ms until this master votes}`.
+///
+/// Given back: an attempt that reaches a master after its own give-back (a slow or
+/// frozen master) must not grant the key to a token nobody waits for any more.
+///
+/// Restart guard: a master up for less than a lease may have lost (restarted empty, or
+/// from an older snapshot) a key that a holder still counts in its majority; its vote
+/// could complete a second majority, so it votes for nobody until then
+/// (`uptime_in_seconds` counts whole seconds: one more is asked for).
+pub(super) const ACQUIRE: &str = r"
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {0, -2}
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  if ARGV[3] ~= '0' then
+    local info = redis.call('INFO', 'server')
+    local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+    local early = tonumber(ARGV[3]) + 1000 - uptime * 1000
+    if early > 0 then
+      return {2, early}
+    end
+  end
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return {1, 0}
+end
+return {0, redis.call('PTTL', KEYS[1])}
+";
+
+/// `KEYS[1]` lock, `KEYS[2]` the token's given-back mark; `ARGV[1]` token, `ARGV[2]` the
+/// mark's TTL ms. Deletes the lock only if the token holds it (1); if not, marks the
+/// token given back (see `ACQUIRE`) and returns 0.
+pub(super) const RELEASE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+return 0
+";
