@@ -73,6 +73,8 @@
 //! - `etcd`: `EtcdBackend`, the same through etcd (a lease per holder, waiters queued
 //!   in arrival order across instances and woken by a watch, fencing tokens from the
 //!   cluster-wide revision).
+//! - `azure-blob`: `AzureBlobBackend`, the same through Azure Blob Storage blob leases
+//!   (renewal, fencing tokens in blob metadata, polling waiters; needs Rust 1.88).
 //! - `replay`: [`replay::ReplayLayer`], replaying the stored response of a completed
 //!   request to later requests with its key (in memory; in Redis or PostgreSQL with
 //!   `redis` / `postgres` too).
@@ -136,6 +138,9 @@ pub use backend::dynamodb::DynamoDbBackend;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub use backend::etcd::EtcdBackend;
+#[cfg(feature = "azure-blob")]
+#[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
+pub use backend::azure_blob::AzureBlobBackend;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use backend::mysql::MySqlBackend;

@@ -21,6 +21,9 @@ use tokio::time::Instant;
 use crate::error::LockError;
 use crate::key::Key;
 
+#[cfg(feature = "azure-blob")]
+#[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
+pub mod azure_blob;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
@@ -36,8 +39,15 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+mod escape;
 mod retry_later;
-#[cfg(any(feature = "redis", feature = "dynamodb", feature = "etcd"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "dynamodb",
+    feature = "etcd",
+    feature = "azure-blob"
+))]
 mod ttl;
 
 pub use retry_later::RetryLater;
