@@ -565,7 +565,7 @@ mod etcd {
 
 #[cfg(feature = "azure-blob")]
 #[allow(unused_imports)] // the conformance and azure_blob binaries use it
-pub use self::azure_blob::AzureBlob;
+pub use self::azure_blob::{AzureBlob, LEASE as AZURE_LEASE};
 
 #[cfg(feature = "azure-blob")]
 mod azure_blob {
