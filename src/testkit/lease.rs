@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::isolated::Isolated;
-use super::{instance, within, Deployment, PATIENCE};
+use super::{instance, Deployment, PATIENCE};
 use crate::{DistributedGuard, LeaseLost, LockError};
 
 /// The holder's runtime stalls (none of its tasks runs: no renewal, no signal raised by

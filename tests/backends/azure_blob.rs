@@ -3,8 +3,8 @@
 //! lease broken by an operator signalled to its holder, Azurite killed mid-hold, fencing
 //! tokens across holders and across a deleted blob, and the blob names seen from Azure.
 //!
-//! Azure's shortest lease is 15 s, so four of these wait about one lease each; they run
-//! in parallel with the rest of the binary (about 20 s of wall time in all).
+//! Azure's shortest lease is 15 s: the four checks that wait one out run at once, in
+//! one test (`crashed_broken_and_cut_off_holders_within_one_lease`, about 17 s).
 #![cfg(feature = "azure-blob")]
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
@@ -77,9 +77,7 @@ async fn instances_exclude_each_other_around_a_shared_counter() {
 
 /// The holder's process dies without releasing (its runtime dropped, no renewal):
 /// another instance is refused until Azure's lease ends, then gets the blob.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_crashed_holder_is_taken_over_one_lease_later() {
-    let (fixture, _probe) = start().await;
+async fn a_crashed_holder_is_taken_over_one_lease_later(fixture: &servers::AzureBlob) {
     let backend = fixture.backend("crashed").await;
     let granted = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -116,29 +114,23 @@ async fn a_crashed_holder_is_taken_over_one_lease_later() {
     taken.release().await;
 }
 
-/// An operator breaks the holder's lease. With a break period of zero the blob is
-/// free at once, and the holder is told at its next renewal (within lease/3 and a
-/// command timeout). With Azure's default period (the rest of the lease) nobody else
-/// is granted the blob before the holder is told.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_lease_broken_by_an_operator_is_signalled_to_its_holder() {
-    let (fixture, probe) = start().await;
+/// An operator breaks the holder's lease with a break period of zero: the blob is free
+/// at once, and the holder is told at its next renewal (within lease/3 and a command
+/// timeout).
+async fn a_lease_broken_at_once_is_signalled_at_the_next_renewal(fixture: &servers::AzureBlob) {
+    let probe = fixture.azure_backend().await;
     let holder = fixture.instance("holder").await;
     let other = fixture.instance("other").await;
-    let blob = |key: &str| {
-        probe
-            .container()
-            .blob_client(&probe.blob_name(servers::NAME, key))
-    };
-
-    // At once.
+    let blob = probe
+        .container()
+        .blob_client(&probe.blob_name(servers::NAME, "broken-now"));
     let guard = holder.lock("broken-now").await.unwrap();
     let broken = Instant::now();
     let options = BlobClientBreakLeaseOptions {
         break_period: Some(0),
         ..Default::default()
     };
-    blob("broken-now").break_lease(Some(options)).await.unwrap();
+    blob.break_lease(Some(options)).await.unwrap();
     let freed = other.try_lock("broken-now").await;
     assert!(freed.is_ok(), "a lease broken at once still holds: {freed:?}");
     within("the holder is told of the break", LEASE, guard.lost()).await;
@@ -150,15 +142,24 @@ async fn a_lease_broken_by_an_operator_is_signalled_to_its_holder() {
     );
     drop(guard);
     freed.unwrap().release().await;
+}
 
-    // With the default break period: the holder is told before another grant.
+/// With Azure's default break period (the rest of the lease), nobody else is granted
+/// the blob before the holder is told.
+async fn a_lease_broken_with_the_default_period_is_signalled_first(fixture: &servers::AzureBlob) {
+    let probe = fixture.azure_backend().await;
+    let holder = fixture.instance("holder").await;
+    let other = fixture.instance("other").await;
+    let blob = probe
+        .container()
+        .blob_client(&probe.blob_name(servers::NAME, "broken-later"));
     let guard = holder.lock("broken-later").await.unwrap();
     let signal = guard.lease().unwrap().clone();
     let told = tokio::spawn(async move {
         signal.lost().await;
         Instant::now()
     });
-    blob("broken-later").break_lease(None).await.unwrap();
+    blob.break_lease(None).await.unwrap();
     let taken = within(
         "another instance takes the broken lease's blob",
         LEASE + PATIENCE,
@@ -184,9 +185,9 @@ async fn a_lease_broken_by_an_operator_is_signalled_to_its_holder() {
 /// Azurite dies while a key is held: the holder is told by its local deadline (the last
 /// answered renewal + lease − drift), by the clock alone, and acquisitions fail within
 /// their wait plus a command timeout, never hang.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn azurite_killed_mid_hold_is_a_lost_lease_and_a_prompt_error() {
-    let (mut fixture, _probe) = start().await;
+async fn azurite_killed_mid_hold_is_a_lost_lease_and_a_prompt_error(
+    mut fixture: servers::AzureBlob,
+) {
     let holder = fixture.instance("holder").await;
     let guard = holder.lock("down").await.unwrap();
     let deadline = guard.lease().unwrap().valid_until().unwrap();
@@ -219,6 +220,21 @@ async fn azurite_killed_mid_hold_is_a_lost_lease_and_a_prompt_error() {
         started.elapsed() < Duration::from_millis(300) + 2 * Duration::from_millis(500) + PATIENCE / 10,
         "an acquisition took {:?} with Azurite down",
         started.elapsed()
+    );
+}
+
+/// The checks that wait out a lease (Azure's shortest is 15 s) run at once, so the
+/// binary waits about one lease for all four.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn crashed_broken_and_cut_off_holders_within_one_lease() {
+    let shared = servers::AzureBlob::start();
+    // Killed by its check.
+    let doomed = servers::AzureBlob::start();
+    tokio::join!(
+        a_crashed_holder_is_taken_over_one_lease_later(&shared),
+        a_lease_broken_at_once_is_signalled_at_the_next_renewal(&shared),
+        a_lease_broken_with_the_default_period_is_signalled_first(&shared),
+        azurite_killed_mid_hold_is_a_lost_lease_and_a_prompt_error(doomed),
     );
 }
 

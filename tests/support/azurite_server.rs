@@ -23,8 +23,9 @@ pub const ACCOUNT: &str = "devstoreaccount1";
 const ACCOUNT_KEY: &str =
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
-/// How long Azurite may take to start on a loaded machine.
-const STARTUP: Duration = Duration::from_secs(30);
+/// How long Azurite may take to start on a loaded machine (Node.js loads it in about a
+/// second when idle; many tests starting at once on two cores take far longer).
+const STARTUP: Duration = Duration::from_secs(90);
 
 pub struct AzuriteServer {
     port: u16,
@@ -89,8 +90,10 @@ impl AzuriteServer {
                     .split("successfully listens on http://127.0.0.1:")
                     .nth(1)
                     .and_then(|port| port.trim().parse::<u16>().ok());
-                if let (Some(port), Some(sender)) = (port, sender.take()) {
-                    let _ = sender.send(port);
+                if let Some(port) = port {
+                    if let Some(sender) = sender.take() {
+                        let _ = sender.send(port);
+                    }
                 }
                 // Keeps reading, so Azurite never blocks on a full pipe.
             }
@@ -98,8 +101,9 @@ impl AzuriteServer {
         let port = match receiver.recv_timeout(STARTUP) {
             Ok(port) => port,
             Err(_) => {
+                let exited = child.try_wait();
                 let _ = child.kill();
-                panic!("azurite-blob did not start within {STARTUP:?}");
+                panic!("azurite-blob did not start within {STARTUP:?} (exit: {exited:?})");
             }
         };
         AzuriteServer {

@@ -182,6 +182,9 @@ pub const MAX_LEASE: Duration = Duration::from_secs(60);
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 /// The default [`AzureBlobBackendBuilder::poll_interval`].
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// The shortest time [`build`](AzureBlobBackendBuilder::build) waits for Azure to
+/// answer (the command timeout if longer): a connection's first call is slower.
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 /// The default [`AzureBlobBackendBuilder::prefix`].
 pub const DEFAULT_PREFIX: &str = "keyed-lock/";
 
@@ -243,7 +246,8 @@ pub enum SetupError {
     Invalid(String),
     /// The container does not exist and could not be created.
     Container(azure_core::Error),
-    /// Azure did not answer within the command timeout.
+    /// Azure did not answer within [`SETUP_TIMEOUT`] (or the command timeout if
+    /// longer).
     TimedOut,
 }
 
@@ -430,7 +434,7 @@ impl AzureBlobBackendBuilder {
         };
         let container = BlobContainerClient::new(url, credential, Some(options))
             .map_err(|error| SetupError::Invalid(error.to_string()))?;
-        ensure_container(&container, config.command_timeout).await?;
+        ensure_container(&container, config.command_timeout.max(SETUP_TIMEOUT)).await?;
         let lease_secs = i32::try_from(config.lease.as_millis().div_ceil(1000)).unwrap_or(60);
         Ok(AzureBlobBackend {
             inner: Arc::new(Inner {
