@@ -83,7 +83,10 @@ fn main() {
             (a, b)
         });
         let times = rt.block_on(hand_off(a, b, handoffs));
-        report(&format!("azure-blob (Azurite), poll interval {poll:?}"), &times);
+        report(
+            &format!("azure-blob (Azurite), poll interval {poll:?}"),
+            &times,
+        );
     }
     c.final_summary();
 }

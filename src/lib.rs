@@ -132,15 +132,15 @@ pub mod testkit;
 /// calls are network round trips, where one allocation is noise.
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
 
+#[cfg(feature = "azure-blob")]
+#[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
+pub use backend::azure_blob::AzureBlobBackend;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use backend::dynamodb::DynamoDbBackend;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub use backend::etcd::EtcdBackend;
-#[cfg(feature = "azure-blob")]
-#[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
-pub use backend::azure_blob::AzureBlobBackend;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use backend::mysql::MySqlBackend;

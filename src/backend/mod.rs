@@ -27,6 +27,8 @@ pub mod azure_blob;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
+#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+mod escape;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
@@ -39,8 +41,6 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
-#[cfg(any(feature = "etcd", feature = "azure-blob"))]
-mod escape;
 mod retry_later;
 #[cfg(any(
     feature = "redis",

@@ -132,7 +132,10 @@ async fn a_lease_broken_at_once_is_signalled_at_the_next_renewal(fixture: &serve
     };
     blob.break_lease(Some(options)).await.unwrap();
     let freed = other.try_lock("broken-now").await;
-    assert!(freed.is_ok(), "a lease broken at once still holds: {freed:?}");
+    assert!(
+        freed.is_ok(),
+        "a lease broken at once still holds: {freed:?}"
+    );
     within("the holder is told of the break", LEASE, guard.lost()).await;
     let told = broken.elapsed();
     eprintln!("broken at once: the holder was told after {told:?}");
@@ -217,7 +220,8 @@ async fn azurite_killed_mid_hold_is_a_lost_lease_and_a_prompt_error(
         "no backend error with Azurite down: {outcome:?}"
     );
     assert!(
-        started.elapsed() < Duration::from_millis(300) + 2 * Duration::from_millis(500) + PATIENCE / 10,
+        started.elapsed()
+            < Duration::from_millis(300) + 2 * Duration::from_millis(500) + PATIENCE / 10,
         "an acquisition took {:?} with Azurite down",
         started.elapsed()
     );
@@ -255,7 +259,9 @@ async fn tokens_increase_across_holders_and_a_deleted_blob() {
     let blob = probe
         .container()
         .blob_client(&probe.blob_name(servers::NAME, "deleted"));
-    blob.delete(None).await.expect("a free lock's blob can be deleted");
+    blob.delete(None)
+        .await
+        .expect("a free lock's blob can be deleted");
     assert_eq!(blob_fence(&probe, "deleted").await, None);
     for locks in [&a, &b] {
         let guard = locks.lock("deleted").await.unwrap();
@@ -276,7 +282,18 @@ async fn odd_keys_map_to_one_blob_each() {
     let (fixture, probe) = start().await;
     let locks: DistributedLocks = fixture.instance("odd").await;
     let long = "é".repeat(100);
-    let keys = ["a/b", "a%2Fb", "..", ".", "x.", "é", long.as_str(), "#", "a b", "?q=1&r"];
+    let keys = [
+        "a/b",
+        "a%2Fb",
+        "..",
+        ".",
+        "x.",
+        "é",
+        long.as_str(),
+        "#",
+        "a b",
+        "?q=1&r",
+    ];
     let mut guards = Vec::new();
     for key in keys {
         // Each is free although the others are held: no two share a blob.

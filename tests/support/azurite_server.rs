@@ -48,7 +48,8 @@ fn azurite_binary() -> PathBuf {
         return PathBuf::from("azurite-blob");
     }
     let home = std::env::var("HOME").unwrap_or_default();
-    let cached = PathBuf::from(home).join(".cache/tower-keyed-lock/azurite/node_modules/.bin/azurite-blob");
+    let cached =
+        PathBuf::from(home).join(".cache/tower-keyed-lock/azurite/node_modules/.bin/azurite-blob");
     assert!(
         cached.exists(),
         "`azurite-blob` not found: the Azure Blob tests need Azurite (scripts/test installs \
@@ -147,10 +148,7 @@ fn next_id() -> usize {
 /// The URL of `container` of the development account at `host_port` (Azurite's
 /// path-style URLs: the account is the first path segment), with an account SAS.
 pub fn container_url(host_port: &str, container: &str) -> String {
-    format!(
-        "http://{host_port}/{ACCOUNT}/{container}?{}",
-        account_sas()
-    )
+    format!("http://{host_port}/{ACCOUNT}/{container}?{}", account_sas())
 }
 
 /// An account SAS of the development account for the blob service: read, write,
@@ -164,7 +162,9 @@ pub fn account_sas() -> String {
         "{ACCOUNT}\n{permissions}\n{services}\n{types}\n\n{expiry}\n\n{protocols}\n{version}\n\n"
     );
     let base64 = base64::engine::general_purpose::STANDARD;
-    let key = base64.decode(ACCOUNT_KEY).expect("the account key is base64");
+    let key = base64
+        .decode(ACCOUNT_KEY)
+        .expect("the account key is base64");
     let mut mac = Hmac::<Sha256>::new_from_slice(&key).expect("HMAC takes any key");
     mac.update(to_sign.as_bytes());
     let signature = base64.encode(mac.finalize().into_bytes());

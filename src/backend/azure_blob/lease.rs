@@ -19,7 +19,9 @@ use azure_storage_blob::BlobClient;
 use tokio::time::{sleep, timeout, timeout_at, Instant};
 
 use super::Inner;
-use crate::backend::ttl::{self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend};
+use crate::backend::ttl::{
+    self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+};
 use crate::backend::Lease;
 use crate::LockError;
 
@@ -183,7 +185,10 @@ impl Inner {
         in_flight: &mut InFlight<Self>,
         cap: Option<Instant>,
     ) -> Result<Attempt, AttemptError> {
-        let properties = match self.bounded(self.limit(cap), blob.get_properties(None)).await? {
+        let properties = match self
+            .bounded(self.limit(cap), blob.get_properties(None))
+            .await?
+        {
             Ok(properties) => properties,
             Err(error) if status(&error) == Some(StatusCode::NotFound) => {
                 self.create(blob, cap).await?;
@@ -247,7 +252,9 @@ impl Inner {
     /// Creates the empty lock blob, never over an existing one (`If-None-Match: *`).
     async fn create(&self, blob: &BlobClient, cap: Option<Instant>) -> Result<(), AttemptError> {
         let append = blob.append_blob_client();
-        let create = append.create(Some(AppendBlobClientCreateOptions::default().if_not_exists()));
+        let create = append.create(Some(
+            AppendBlobClientCreateOptions::default().if_not_exists(),
+        ));
         match self.bounded(self.limit(cap), create).await? {
             Ok(_) => Ok(()),
             // Made by another instance meanwhile.

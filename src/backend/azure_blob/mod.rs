@@ -422,7 +422,10 @@ impl AzureBlobBackendBuilder {
         }
         let url = Url::parse(&container_url)
             .ok()
-            .filter(|url| url.path_segments().is_some_and(|mut s| s.any(|s| !s.is_empty())))
+            .filter(|url| {
+                url.path_segments()
+                    .is_some_and(|mut s| s.any(|s| !s.is_empty()))
+            })
             .ok_or_else(|| SetupError::Invalid("not a container URL".to_owned()))?;
         let options = BlobContainerClientOptions {
             client_options: ClientOptions {
@@ -485,8 +488,8 @@ mod tests {
 
     #[test]
     fn drift_defaults_to_one_percent_plus_two_ms() {
-        let builder = AzureBlobBackend::builder("http://127.0.0.1:1/a/c")
-            .lease(Duration::from_secs(20));
+        let builder =
+            AzureBlobBackend::builder("http://127.0.0.1:1/a/c").lease(Duration::from_secs(20));
         assert_eq!(builder.config.drift(), Duration::from_millis(202));
     }
 
@@ -499,7 +502,10 @@ mod tests {
             (base.clone().drift_margin(Duration::from_secs(15)), "drift"),
             (base.clone().prefix(&"p".repeat(600)), "prefix"),
             (AzureBlobBackend::builder("not a url"), "container URL"),
-            (AzureBlobBackend::builder("http://127.0.0.1:1/"), "container URL"),
+            (
+                AzureBlobBackend::builder("http://127.0.0.1:1/"),
+                "container URL",
+            ),
         ];
         for (builder, named) in refused {
             match builder.build().await {
