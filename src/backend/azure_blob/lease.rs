@@ -117,21 +117,20 @@ fn epoch_micros() -> u64 {
 
 impl Inner {
     /// `call`, answered by `limit`.
+    /// `call`, answered within a command timeout and by `cap` (the end of the attempt).
     async fn bounded<T>(
         &self,
-        limit: Instant,
+        cap: Instant,
         call: impl Future<Output = azure_core::Result<T>>,
-    ) -> Result<azure_core::Result<T>, AzureBlobLockError> {
-        timeout_at(limit, call)
-            .await
-            .map_err(|_| AzureBlobLockError::CommandTimeout(self.config.command_timeout))
-    }
-
-    /// The limit of one call started now: a command timeout, and no later than
-    /// `deadline` if given.
-    fn limit(&self, deadline: Option<Instant>) -> Instant {
-        let limit = Instant::now() + self.config.command_timeout;
-        deadline.map_or(limit, |deadline| limit.min(deadline))
+    ) -> Result<azure_core::Result<T>, AttemptError> {
+        let own = Instant::now() + self.config.command_timeout;
+        match timeout_at(own.min(cap), call).await {
+            Ok(answer) => Ok(answer),
+            Err(_) if own <= cap => Err(AttemptError::Lock(AzureBlobLockError::CommandTimeout(
+                self.config.command_timeout,
+            ))),
+            Err(_) => Err(AttemptError::WaitOver),
+        }
     }
 
     pub(super) async fn acquire(
@@ -141,10 +140,11 @@ impl Inner {
     ) -> Result<Lease, LockError> {
         let deadline = ttl::deadline_after(wait);
         let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
-        // The first attempt gets whole command timeouts (a zero wait still tries once);
-        // later ones end with the wait.
-        let mut cap = None;
         loop {
+            // An attempt ends with the wait, or one command timeout after it started if
+            // that is later (a zero wait still tries once): no acquisition outlives its
+            // wait by more than one command timeout.
+            let cap = deadline.max(Instant::now() + self.config.command_timeout);
             // Armed while a lease call is unanswered or a granted lease is not handed
             // over: dropping it (an error, the wait over, this future dropped) releases
             // what the token may hold.
@@ -156,12 +156,7 @@ impl Inner {
                     return Ok(ttl::grant(&self, blob, token, Some(fence), sent_at));
                 }
                 Ok(Attempt::Held) => {}
-                // A call cut short by the end of the wait: the wait is over.
-                Err(AttemptError::Lock(AzureBlobLockError::CommandTimeout(_)))
-                    if cap.is_some() && Instant::now() >= deadline =>
-                {
-                    return Err(LockError::Timeout)
-                }
+                Err(AttemptError::WaitOver) => return Err(LockError::Timeout),
                 Err(error) => return Err(LockError::Backend(error.into_boxed())),
             }
             drop(in_flight);
@@ -173,7 +168,6 @@ impl Inner {
             if Instant::now() >= deadline {
                 return Err(LockError::Timeout);
             }
-            cap = Some(deadline);
         }
     }
 
@@ -183,16 +177,16 @@ impl Inner {
         &self,
         blob: &BlobClient,
         in_flight: &mut InFlight<Self>,
-        cap: Option<Instant>,
+        cap: Instant,
     ) -> Result<Attempt, AttemptError> {
         let properties = match self
-            .bounded(self.limit(cap), blob.get_properties(None))
+            .bounded(cap, blob.get_properties(None))
             .await?
         {
             Ok(properties) => properties,
             Err(error) if status(&error) == Some(StatusCode::NotFound) => {
                 self.create(blob, cap).await?;
-                self.bounded(self.limit(cap), blob.get_properties(None))
+                self.bounded(cap, blob.get_properties(None))
                     .await??
             }
             Err(error) => return Err(error.into()),
@@ -216,7 +210,7 @@ impl Inner {
                 ..Default::default()
             }),
         );
-        let acquired = match self.bounded(self.limit(cap), acquire).await? {
+        let acquired = match self.bounded(cap, acquire).await? {
             Ok(acquired) => acquired,
             Err(error) if status(&error).is_some() => {
                 // Refused: nothing was granted.
@@ -240,7 +234,7 @@ impl Inner {
                 ..Default::default()
             }),
         );
-        match self.bounded(self.limit(cap), write).await? {
+        match self.bounded(cap, write).await? {
             Ok(_) => Ok(Attempt::Granted { fence, sent_at }),
             // Broken or changed in between: the grant does not count, and the guard
             // gives back the lease if it is still ours.
@@ -250,12 +244,12 @@ impl Inner {
     }
 
     /// Creates the empty lock blob, never over an existing one (`If-None-Match: *`).
-    async fn create(&self, blob: &BlobClient, cap: Option<Instant>) -> Result<(), AttemptError> {
+    async fn create(&self, blob: &BlobClient, cap: Instant) -> Result<(), AttemptError> {
         let append = blob.append_blob_client();
         let create = append.create(Some(
             AppendBlobClientCreateOptions::default().if_not_exists(),
         ));
-        match self.bounded(self.limit(cap), create).await? {
+        match self.bounded(cap, create).await? {
             Ok(_) => Ok(()),
             // Made by another instance meanwhile.
             Err(error) if is_conflict(&error) => Ok(()),
@@ -264,10 +258,11 @@ impl Inner {
     }
 }
 
-/// An attempt's failure: ours, or Azure's.
+/// Why an attempt ended without an answer: ours, Azure's, or the wait was over first.
 enum AttemptError {
     Lock(AzureBlobLockError),
     Azure(azure_core::Error),
+    WaitOver,
 }
 
 impl AttemptError {
@@ -275,6 +270,7 @@ impl AttemptError {
         match self {
             Self::Lock(error) => Box::new(error),
             Self::Azure(error) => Box::new(error),
+            Self::WaitOver => Box::new(LockError::Timeout),
         }
     }
 }

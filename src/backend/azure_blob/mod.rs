@@ -107,7 +107,8 @@
 //! | renewal | every lease/3 after the last answered one; retried every lease/12 while unanswered |
 //! | a holder counts its lease lost | send time of the last answered acquire or renewal + lease − drift margin (default 1% of the lease + 2 ms), or at the first renewal refused |
 //! | Azure frees a stopped holder's blob | one lease after it received the last acquire or renewal |
-//! | one call (read, create, acquire, metadata write, renew, release) | at most the command timeout (default 2 s); an attempt is three calls (four the first time a key is used) |
+//! | one call (read, create, acquire, metadata write, renew, release) | at most the command timeout (default 2 s); an attempt is three calls (five the first time a key is used) |
+//! | one acquisition | ends with its wait, or one command timeout after its last attempt started if that is later (a zero wait tries once) |
 //! | a waiter looks again | after a jittered pause doubling from 10 ms up to the poll interval (default 500 ms) |
 //!
 //! # What this backend does not guarantee
