@@ -116,7 +116,6 @@ fn epoch_micros() -> u64 {
 }
 
 impl Inner {
-    /// `call`, answered by `limit`.
     /// `call`, answered within a command timeout and by `cap` (the end of the attempt).
     async fn bounded<T>(
         &self,
@@ -179,15 +178,11 @@ impl Inner {
         in_flight: &mut InFlight<Self>,
         cap: Instant,
     ) -> Result<Attempt, AttemptError> {
-        let properties = match self
-            .bounded(cap, blob.get_properties(None))
-            .await?
-        {
+        let properties = match self.bounded(cap, blob.get_properties(None)).await? {
             Ok(properties) => properties,
             Err(error) if status(&error) == Some(StatusCode::NotFound) => {
                 self.create(blob, cap).await?;
-                self.bounded(cap, blob.get_properties(None))
-                    .await??
+                self.bounded(cap, blob.get_properties(None)).await??
             }
             Err(error) => return Err(error.into()),
         };

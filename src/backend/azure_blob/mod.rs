@@ -53,7 +53,7 @@
 //! bytes, it is `#` followed by the lowercase hex SHA-256 of the UTF-8 bytes instead
 //! (stable across builds and machines). A part that would end with `.` ends with `%2E`
 //! instead (Azure advises against names ending with a dot). Distinct (name, key) pairs
-//! never share a blob, and no blob name is longer than the prefix plus 131 bytes. The
+//! never share a blob, and no blob name is longer than the prefix plus 261 bytes. The
 //! prefix (default [`DEFAULT_PREFIX`], `"keyed-lock/"`, at most 512 bytes) gets a
 //! trailing `/` if it has none. [`AzureBlobBackend::blob_name`] computes a name. The
 //! blobs stay after use (one small blob per key ever locked, with its token); deleting

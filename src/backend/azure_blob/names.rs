@@ -64,7 +64,10 @@ mod tests {
             format!("p/n/#{}", sha256_hex(&long))
         );
         assert_eq!(blob_name("p/", "", "k"), format!("p/#{}/k", sha256_hex("")));
-        let longest = blob_name(&"p".repeat(MAX_PREFIX_LEN), &long, &long);
+        // The longest parts: 128 bytes escaped whose last is a dot (130 written).
+        let dotted = format!("{}.", "k".repeat(MAX_PLAIN_LEN - 1));
+        assert_eq!(blob_name("", &dotted, &dotted).len(), 261);
+        let longest = blob_name(&"p".repeat(MAX_PREFIX_LEN), &dotted, &dotted);
         assert!(longest.len() < 1024, "{}", longest.len());
     }
 
