@@ -20,7 +20,11 @@
 //! tick takes over with a newer fencing token. With `SCHEDULED_JOB_ENGINE=redlock` (the
 //! `redis` feature) they share five `redis-server`s the example starts (`RedlockBackend`:
 //! a majority of five masters; no fencing tokens, so the ledger orders nothing by
-//! token). It checks what it shows and exits non-zero otherwise: every
+//! token). With `SCHEDULED_JOB_ENGINE=azure-blob`
+//! (and the `azure-blob` feature) they share an Azurite (Azure Blob Storage's emulator,
+//! from npm; `scripts/test` installs it) of the example's own: blob leases are 15 s at
+//! least, so the takeover comes about 15 s after the crash. It checks what it shows and
+//! exits non-zero otherwise: every
 //! tick before the crash ran exactly once, the job's writes carry increasing fencing
 //! tokens, and the takeover came within the lease.
 
@@ -80,6 +84,15 @@ const ETCD_LEASE: Duration = Duration::from_secs(2);
 #[cfg(feature = "etcd")]
 const ETCD_SWEEP: Duration = Duration::from_millis(500);
 
+/// Azure's shortest blob lease.
+#[cfg(feature = "azure-blob")]
+const AZURE_LEASE: Duration = Duration::from_secs(15);
+
+// The tests' Azurite launcher and SAS signing (the Azure SDK signs no shared keys).
+#[cfg(feature = "azure-blob")]
+#[path = "../tests/support/azurite_server.rs"]
+mod azurite_server;
+
 /// How the instances reach each other.
 enum Shared {
     #[cfg(feature = "redis")]
@@ -90,6 +103,8 @@ enum Shared {
     Etcd(String),
     #[cfg(feature = "mysql")]
     MySql(String),
+    #[cfg(feature = "azure-blob")]
+    AzureBlob(String),
     InProcess(DistributedLocks),
 }
 
@@ -100,7 +115,18 @@ impl Shared {
         match self {
             #[cfg(feature = "etcd")]
             Shared::Etcd(_) => ETCD_LEASE + ETCD_SWEEP,
+            #[cfg(feature = "azure-blob")]
+            Shared::AzureBlob(_) => AZURE_LEASE,
             _ => LEASE,
+        }
+    }
+
+    /// The last tick fired while waiting for the takeover: past the loss bound.
+    fn last_tick(&self) -> u64 {
+        match self {
+            #[cfg(feature = "azure-blob")]
+            Shared::AzureBlob(_) => CRASH_TICK + AZURE_LEASE.as_secs() + 3,
+            _ => LAST_TICK,
         }
     }
 
@@ -120,6 +146,8 @@ impl Shared {
         match self {
             #[cfg(feature = "etcd")]
             Shared::Etcd(_) => ETCD_LEASE,
+            #[cfg(feature = "azure-blob")]
+            Shared::AzureBlob(_) => AZURE_LEASE,
             _ => LEASE,
         }
     }
@@ -166,6 +194,15 @@ impl Shared {
                     .fencing(true);
                 DistributedLocks::new("cron", backend)
             }
+            #[cfg(feature = "azure-blob")]
+            Shared::AzureBlob(url) => {
+                let backend = tower_keyed_lock::AzureBlobBackend::builder(url.as_str())
+                    .lease(AZURE_LEASE)
+                    .build()
+                    .await
+                    .expect("the instance reaches Azurite");
+                DistributedLocks::new("cron", backend)
+            }
             Shared::InProcess(locks) => locks.clone(),
         }
     }
@@ -179,6 +216,8 @@ fn main() {
         .flatten();
     #[cfg(feature = "mysql")]
     let mysql = (engine == "mysql").then(mysql_process::MariaDb::start);
+    #[cfg(feature = "azure-blob")]
+    let azurite = (engine == "azure-blob").then(azurite_server::AzuriteServer::start);
     #[cfg(feature = "redis")]
     let redis = (engine == "redis")
         .then(redis_process::RedisProcess::start)
@@ -226,13 +265,23 @@ fn main() {
             println!("mariadbd started on port {}", server.port);
             Shared::MySql(server.url())
         }
+        #[cfg(feature = "azure-blob")]
+        "azure-blob" => {
+            let server = azurite.as_ref().expect("started above");
+            println!("azurite-blob started on port {}", server.port());
+            Shared::AzureBlob(server.container_url("jobs"))
+        }
         #[cfg(not(feature = "redis"))]
         "redis" | "redlock" => in_process("built without the `redis` feature"),
         #[cfg(not(feature = "etcd"))]
         "etcd" => in_process("built without the `etcd` feature"),
         #[cfg(not(feature = "mysql"))]
         "mysql" => in_process("built without the `mysql` feature"),
-        other => panic!("SCHEDULED_JOB_ENGINE={other:?}: use redis, redlock, etcd or mysql"),
+        #[cfg(not(feature = "azure-blob"))]
+        "azure-blob" => in_process("built without the `azure-blob` feature"),
+        other => panic!(
+            "SCHEDULED_JOB_ENGINE={other:?}: use redis, redlock, etcd, mysql or azure-blob"
+        ),
     };
     let shared = Arc::new(shared);
 
@@ -288,7 +337,7 @@ async fn schedule(
     crash: mpsc::Sender<()>,
 ) {
     let locks = shared.locks().await;
-    for tick in 1..=LAST_TICK {
+    for tick in 1..=shared.last_tick() {
         tokio::time::sleep_until((start + TICK * tick as u32).into()).await;
         if tick > CRASH_TICK && ledger.lock().unwrap().took_over() {
             return;
@@ -359,7 +408,7 @@ fn check(ledger: &Ledger, shared: &Shared) {
         // the next tick takes over.
         assert_eq!(takeover.tick, CRASH_TICK + 1);
     } else {
-        // A lease (Redis, etcd): the key stayed held until it ran out.
+        // A lease (Redis, etcd, Azure Blob): the key stayed held until it ran out.
         let (lease, loss_bound) = (shared.lease(), shared.loss_bound());
         assert!(after >= lease * 2 / 3, "taken over after {after:?}");
         assert!(

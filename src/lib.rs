@@ -73,6 +73,8 @@
 //! - `etcd`: `EtcdBackend`, the same through etcd (a lease per holder, waiters queued
 //!   in arrival order across instances and woken by a watch, fencing tokens from the
 //!   cluster-wide revision).
+//! - `azure-blob`: `AzureBlobBackend`, the same through Azure Blob Storage blob leases
+//!   (renewal, fencing tokens in blob metadata, polling waiters; needs Rust 1.88).
 //! - `replay`: [`replay::ReplayLayer`], replaying the stored response of a completed
 //!   request to later requests with its key (in memory; in Redis or PostgreSQL with
 //!   `redis` / `postgres` too).
@@ -130,6 +132,9 @@ pub mod testkit;
 /// calls are network round trips, where one allocation is noise.
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
 
+#[cfg(feature = "azure-blob")]
+#[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
+pub use backend::azure_blob::AzureBlobBackend;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use backend::dynamodb::DynamoDbBackend;

@@ -21,9 +21,14 @@ use tokio::time::Instant;
 use crate::error::LockError;
 use crate::key::Key;
 
+#[cfg(feature = "azure-blob")]
+#[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
+pub mod azure_blob;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
+#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+mod escape;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
@@ -40,7 +45,12 @@ pub mod redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redlock;
 mod retry_later;
-#[cfg(any(feature = "redis", feature = "dynamodb", feature = "etcd"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "dynamodb",
+    feature = "etcd",
+    feature = "azure-blob"
+))]
 mod ttl;
 
 pub use retry_later::RetryLater;

@@ -8,7 +8,8 @@
         feature = "postgres",
         feature = "dynamodb",
         feature = "etcd",
-        feature = "mysql"
+        feature = "mysql",
+        feature = "azure-blob"
     )),
     allow(dead_code)
 )]
@@ -95,6 +96,11 @@ conformance!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
 conformance!(etcd, crate::support::fixtures::Etcd, "etcd");
 conformance!(mysql, crate::support::fixtures::MySql, "mysql");
 conformance!(redlock, crate::support::fixtures::Redlock, "redis");
+conformance!(
+    azure_blob,
+    crate::support::fixtures::AzureBlob,
+    "azure-blob"
+);
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -128,6 +134,11 @@ mod faults {
     faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     faults!(etcd, crate::support::fixtures::Etcd, "etcd");
     faults!(mysql, crate::support::fixtures::MySql, "mysql");
+    faults!(
+        azure_blob,
+        crate::support::fixtures::AzureBlob,
+        "azure-blob"
+    );
 }
 
 // ------------------------------------------------------------- through the layer
@@ -175,6 +186,11 @@ mod through_the_layer {
     through_the_layer!(etcd, crate::support::fixtures::Etcd, "etcd");
     through_the_layer!(mysql, crate::support::fixtures::MySql, "mysql");
     through_the_layer!(redlock, crate::support::fixtures::Redlock, "redis");
+    through_the_layer!(
+        azure_blob,
+        crate::support::fixtures::AzureBlob,
+        "azure-blob"
+    );
 }
 
 /// Two instances of an axum app, each with its own backend, take 40 requests for one
@@ -586,6 +602,7 @@ const COLUMNS: [(&str, &str); 9] = [
     ("etcd", "etcd"),
     ("MySQL (MariaDB)", "mysql"),
     ("Redlock (5 Redis masters)", "redlock"),
+    ("Azure Blob (Azurite)", "azure_blob"),
     ("a backend outside the crate", "outside"),
 ];
 
@@ -597,6 +614,7 @@ const COLUMNS: [(&str, &str); 9] = [
     feature = "dynamodb",
     feature = "etcd",
     feature = "mysql",
+    feature = "azure-blob",
     feature = "axum"
 ))]
 #[test]

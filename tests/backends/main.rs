@@ -3,7 +3,8 @@
 //! plus the fault and HTTP checks every backend passes); then each engine's specifics:
 //! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_sentinel`), PostgreSQL
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
-//! (`etcd`), MySQL (`mysql`), Redlock (`redlock`); and
+//! (`etcd`), MySQL (`mysql`), Redlock (`redlock`), Azure Blob Storage on Azurite
+//! (`azure_blob`); and
 //! the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
 //! `tests/redis_restart_guard.rs`, a process of its own.
 
@@ -12,6 +13,7 @@ mod support;
 
 mod conformance;
 
+mod azure_blob;
 mod etcd;
 mod mysql;
 // These go through the HTTP layer (`by_path`): the `axum` feature too.

@@ -586,6 +586,31 @@ mod redlock {
     impl Fixture for Redlock {
         fn start() -> Self {
             Redlock((0..MASTERS).map(|_| RedisServer::start()).collect())
+#[cfg(feature = "azure-blob")]
+#[allow(unused_imports)] // the conformance and azure_blob binaries use it
+pub use self::azure_blob::{AzureBlob, LEASE as AZURE_LEASE};
+
+#[cfg(feature = "azure-blob")]
+mod azure_blob {
+    use super::*;
+    use crate::support::azurite_server::{container_url, AzuriteServer};
+    use tower_keyed_lock::AzureBlobBackend;
+
+    /// Azurite (Azure Blob Storage's emulator): a blob lease per holder, polling
+    /// waiters, the fencing token in the blob's metadata.
+    pub struct AzureBlob(pub AzuriteServer);
+
+    /// Azure's shortest lease: the loss bound of every Azure test.
+    pub const LEASE: Duration = Duration::from_secs(15);
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+    /// Shorter than the default, for prompt hand-offs in the tests.
+    const POLL_INTERVAL: Duration = Duration::from_millis(100);
+    /// Every instance's container.
+    pub const CONTAINER: &str = "locks";
+
+    impl Fixture for AzureBlob {
+        fn start() -> Self {
+            AzureBlob(AzuriteServer::start())
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
@@ -623,6 +648,49 @@ mod redlock {
             self.0.iter_mut().for_each(RedisServer::stop);
         }
 
+    impl AzureBlob {
+        /// A backend on the container at `url`, configured as every instance of the
+        /// fixture.
+        pub async fn backend_on(url: String) -> AzureBlobBackend {
+            AzureBlobBackend::builder(url)
+                .lease(LEASE)
+                .command_timeout(COMMAND_TIMEOUT)
+                .poll_interval(POLL_INTERVAL)
+                .build()
+                .await
+                .expect("the backend reaches Azurite")
+        }
+
+        /// A backend of this fixture's server.
+        pub async fn azure_backend(&self) -> AzureBlobBackend {
+            Self::backend_on(self.0.container_url(CONTAINER)).await
+        }
+    }
+
+    impl Proxied for AzureBlob {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            Arc::new(Self::backend_on(container_url(host_port, CONTAINER)).await)
+        }
+
+        fn network_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
+    impl Remote for AzureBlob {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            Arc::new(self.azure_backend().await)
+        }
+
+        fn kill(&mut self) {
+            self.0.kill();
+        }
+
+        /// The lease: Azure's shortest, 15 s.
         fn loss_bound(&self) -> Duration {
             LEASE
         }

@@ -25,6 +25,8 @@ use hyper_util::rt::TokioExecutor;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
+#[cfg(feature = "azure-blob")]
+pub mod azurite_server;
 #[cfg(feature = "dynamodb")]
 pub mod dynamo_server;
 #[cfg(feature = "etcd")]

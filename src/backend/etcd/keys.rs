@@ -2,10 +2,8 @@
 
 use std::fmt::Write as _;
 
-use crate::backend::ttl::sha256_hex;
-
-/// A name or key longer than this once escaped is hashed.
-pub(super) const MAX_PLAIN_LEN: usize = 128;
+use crate::backend::escape::push_component;
+pub(super) use crate::backend::escape::with_slash;
 
 /// The etcd keys of one lock: the queue's prefix, under which every contender's key
 /// lives.
@@ -37,47 +35,11 @@ impl LockKeys {
     }
 }
 
-/// Bytes written as they are; every other byte is `%XX`.
-fn plain(byte: u8) -> bool {
-    byte.is_ascii_alphanumeric() || b"-_.~:@+=,".contains(&byte)
-}
-
-/// Appends a layer name or request key as it appears in an etcd key: percent-escaped
-/// (so it has no `/`), or `#` + hex SHA-256 when empty or longer than
-/// [`MAX_PLAIN_LEN`] escaped. An escaped form never starts with `#` (`#` is escaped),
-/// so the forms never collide.
-fn push_component(out: &mut String, text: &str) {
-    let escaped_len: usize = text
-        .bytes()
-        .map(|byte| if plain(byte) { 1 } else { 3 })
-        .sum();
-    if text.is_empty() || escaped_len > MAX_PLAIN_LEN {
-        out.push('#');
-        out.push_str(&sha256_hex(text));
-        return;
-    }
-    for byte in text.bytes() {
-        if plain(byte) {
-            out.push(char::from(byte));
-        } else {
-            let _ = write!(out, "%{byte:02X}");
-        }
-    }
-}
-
-/// `prefix` as the start of every key: a trailing `/` added if missing; an empty
-/// prefix is refused by the builder.
-pub(super) fn with_slash(prefix: &str) -> String {
-    let mut prefix = prefix.to_owned();
-    if !prefix.ends_with('/') {
-        prefix.push('/');
-    }
-    prefix
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::escape::MAX_PLAIN_LEN;
+    use crate::backend::ttl::sha256_hex;
 
     #[test]
     fn plain_names_and_keys_are_kept() {

@@ -1,0 +1,209 @@
+//! The Azure Blob backend against Azurite (Azure Blob Storage's emulator, from npm)
+//! started on a free port, and the hand-off between two instances.
+//!
+//! ```text
+//! cargo bench -p tower-keyed-lock-benches --bench azure_blob
+//! cargo bench -p tower-keyed-lock-benches --bench azure_blob -- --test     # CI: each once
+//! ```
+//!
+//! 1. Uncontended acquire + release of one key: `AzureBlobBackend` (`acquire` then
+//!    `Lease::release`: read the blob's properties, acquire its lease, write the fencing
+//!    token under it, release the lease) against the bare lease calls on the same blob
+//!    with the same SDK: acquire lease, release lease. Criterion times each; then both
+//!    run in alternating batches (A B, B A, …) and the median ratio is printed.
+//! 2. Hand-off between two instances: instance A holds the key, instance B waits for it
+//!    (polling: Azure has no notification), A releases; the time from the start of A's
+//!    release to B's grant, with the default poll interval (500 ms) and with 50 ms.
+//!
+//! Azurite is a Node.js process on this machine: the figures are round trips to it,
+//! not to Azure (tens of milliseconds per call from a region's own network).
+
+#[path = "../tests/support/azurite_server.rs"]
+mod azurite_server;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use azure_storage_blob::models::BlobClientAcquireLeaseOptions;
+use azure_storage_blob::BlobClient;
+use criterion::Criterion;
+use tower_keyed_lock::backend::azure_blob::{AzureBlobBackend, DEFAULT_POLL_INTERVAL};
+use tower_keyed_lock::{Key, LockBackend};
+
+const LEASE: Duration = Duration::from_secs(15);
+const BARE_LEASE_ID: &str = "00000000-0000-4000-8000-000000000001";
+
+fn main() {
+    let mut c = Criterion::default()
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500))
+        .configure_from_args();
+    let quick = std::env::args().any(|arg| arg == "--test");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let server = azurite_server::AzuriteServer::start();
+    let url = server.container_url("bench");
+    let backend = rt.block_on(azure_backend(&url, DEFAULT_POLL_INTERVAL));
+    let key = Key::new("order-1", 256).unwrap();
+    // The backend's round makes the blob; the bare round leases another one.
+    rt.block_on(backend_round(&backend, &key));
+    let bare = backend.container().blob_client("bare/order-1");
+    rt.block_on(async {
+        let _ = bare.append_blob_client().create(None).await;
+    });
+    rt.block_on(bare_round(&bare));
+
+    let mut group = c.benchmark_group("azure-blob-uncontended");
+    group.bench_function("backend-acquire-release", |b| {
+        b.to_async(&rt).iter(|| backend_round(&backend, &key));
+    });
+    group.bench_function("bare-lease-acquire-release", |b| {
+        b.to_async(&rt).iter(|| bare_round(&bare));
+    });
+    group.finish();
+
+    let (rounds, batch) = if quick { (2, 5) } else { (11, 50) };
+    let (backend_us, bare_us, ratio) =
+        rt.block_on(alternating(&backend, &bare, &key, rounds, batch));
+    println!(
+        "azure-blob uncontended acquire+release: backend {backend_us:.0} µs, bare lease \
+         acquire + release {bare_us:.0} µs, ratio {ratio:.2}x (median of {rounds} alternating \
+         rounds of {batch})"
+    );
+
+    let handoffs = if quick { 3 } else { 30 };
+    for poll in [DEFAULT_POLL_INTERVAL, Duration::from_millis(50)] {
+        let (a, b) = rt.block_on(async {
+            let a: Arc<dyn LockBackend> = Arc::new(azure_backend(&url, poll).await);
+            let b: Arc<dyn LockBackend> = Arc::new(azure_backend(&url, poll).await);
+            (a, b)
+        });
+        let times = rt.block_on(hand_off(a, b, handoffs));
+        report(
+            &format!("azure-blob (Azurite), poll interval {poll:?}"),
+            &times,
+        );
+    }
+    c.final_summary();
+}
+
+async fn azure_backend(url: &str, poll: Duration) -> AzureBlobBackend {
+    AzureBlobBackend::builder(url)
+        .lease(LEASE)
+        .poll_interval(poll)
+        .build()
+        .await
+        .expect("the backend reaches Azurite")
+}
+
+async fn backend_round(backend: &AzureBlobBackend, key: &Key) {
+    let lease = backend
+        .acquire("bench", key, Duration::from_secs(1))
+        .await
+        .expect("an uncontended key");
+    lease.release().await;
+}
+
+/// The lease calls alone: acquire with a lease id of our own, then release it.
+async fn bare_round(blob: &BlobClient) {
+    let options = BlobClientAcquireLeaseOptions {
+        proposed_lease_id: Some(BARE_LEASE_ID.to_owned()),
+        ..Default::default()
+    };
+    blob.acquire_lease(LEASE.as_secs() as i32, Some(options))
+        .await
+        .expect("a free blob");
+    blob.release_lease(BARE_LEASE_ID.to_owned(), None)
+        .await
+        .expect("our lease");
+}
+
+/// Median over rounds of (backend batch / bare batch), the order alternating.
+async fn alternating(
+    backend: &AzureBlobBackend,
+    bare: &BlobClient,
+    key: &Key,
+    rounds: usize,
+    batch: usize,
+) -> (f64, f64, f64) {
+    let mut samples = Vec::new();
+    for round in 0..rounds {
+        let (mut backend_time, mut bare_time) = (Duration::ZERO, Duration::ZERO);
+        for backend_first in [round % 2 == 0, round % 2 != 0] {
+            let started = Instant::now();
+            for _ in 0..batch {
+                if backend_first {
+                    backend_round(backend, key).await;
+                } else {
+                    bare_round(bare).await;
+                }
+            }
+            if backend_first {
+                backend_time = started.elapsed();
+            } else {
+                bare_time = started.elapsed();
+            }
+        }
+        samples.push((backend_time, bare_time));
+    }
+    samples.sort_by(|x, y| {
+        let ratio = |(a, b): &(Duration, Duration)| a.as_secs_f64() / b.as_secs_f64();
+        ratio(x).total_cmp(&ratio(y))
+    });
+    let (backend_time, bare_time) = samples[samples.len() / 2];
+    let per = |time: Duration| time.as_secs_f64() * 1e6 / batch as f64;
+    (
+        per(backend_time),
+        per(bare_time),
+        backend_time.as_secs_f64() / bare_time.as_secs_f64(),
+    )
+}
+
+/// `rounds` hand-offs from instance `a` to instance `b` (each with its own backend):
+/// the time from the start of a's release to b's grant.
+async fn hand_off(
+    a: Arc<dyn LockBackend>,
+    b: Arc<dyn LockBackend>,
+    rounds: usize,
+) -> Vec<Duration> {
+    let key = Key::new("handoff", 256).unwrap();
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let held = a
+            .acquire("bench", &key, Duration::from_secs(10))
+            .await
+            .expect("a takes the key");
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move {
+                let lease = b.acquire("bench", &key, Duration::from_secs(10)).await;
+                (lease, Instant::now())
+            })
+        };
+        // Long enough for b to have polled a few times and reached its longest pause.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let released = Instant::now();
+        held.release().await;
+        let (lease, granted) = waiter.await.expect("the waiter ran");
+        lease.expect("b takes the key").release().await;
+        times.push(granted.saturating_duration_since(released));
+    }
+    times.sort();
+    times
+}
+
+fn report(engine: &str, times: &[Duration]) {
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    println!(
+        "hand-off release -> next grant, {engine}: p50 {:.2} ms, p90 {:.2} ms, max {:.2} ms \
+         ({} hand-offs)",
+        at(0.5).as_secs_f64() * 1e3,
+        at(0.9).as_secs_f64() * 1e3,
+        at(1.0).as_secs_f64() * 1e3,
+        times.len()
+    );
+}

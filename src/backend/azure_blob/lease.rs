@@ -1,0 +1,335 @@
+//! Azure's steps of the TTL-lease engine: an acquire attempt (read the blob, take its
+//! lease conditionally on the ETag read, write the next fencing token under the new
+//! lease), the polling between attempts, renewal and give-back as lease calls. The life
+//! cycle around them is the engine's (`backend::ttl`).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use azure_core::http::StatusCode;
+use azure_storage_blob::models::{
+    AppendBlobClientCreateOptions, BlobClientAcquireLeaseOptions,
+    BlobClientAcquireLeaseResultHeaders, BlobClientGetPropertiesResultHeaders,
+    BlobClientSetMetadataOptions, LeaseState,
+};
+use azure_storage_blob::BlobClient;
+use tokio::time::{sleep, timeout, timeout_at, Instant};
+
+use super::Inner;
+use crate::backend::ttl::{
+    self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+};
+use crate::backend::Lease;
+use crate::LockError;
+
+/// The blob metadata entry that holds the last fencing token issued for the key.
+pub(super) const FENCE: &str = "fence";
+
+/// The first pause of a waiter; pauses double from here up to `poll_interval`.
+const FIRST_POLL: Duration = Duration::from_millis(10);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why an Azure Blob lock call failed, besides the errors of `azure_core` (which come
+/// boxed as they are). Reaches the application inside [`LockError::Backend`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum AzureBlobLockError {
+    /// Azure did not answer one call within the command timeout.
+    CommandTimeout(Duration),
+    /// The blob's `fence` metadata is not a number: it was written by someone else.
+    /// No token is issued rather than one that could go backwards.
+    UnreadableFence(String),
+}
+
+impl fmt::Display for AzureBlobLockError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::CommandTimeout(limit) => {
+                write!(f, "azure blob storage did not answer within {limit:?}")
+            }
+            Self::UnreadableFence(value) => write!(
+                f,
+                "the lock blob's `{FENCE}` metadata is not a number: {value:?}"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for AzureBlobLockError {}
+
+/// What one acquire attempt found.
+enum Attempt {
+    /// The lease is ours, sent at `sent_at`, with this fencing token written under it.
+    Granted { fence: u64, sent_at: Instant },
+    /// Leased by another holder, or taken between our read and our lease.
+    Held,
+}
+
+/// `token` (32 hex digits) as the GUID Azure wants for a lease id.
+pub(super) fn lease_id(token: &str) -> String {
+    let part = |range: std::ops::Range<usize>| token.get(range).unwrap_or("0");
+    format!(
+        "{}-{}-{}-{}-{}",
+        part(0..8),
+        part(8..12),
+        part(12..16),
+        part(16..20),
+        part(20..32)
+    )
+}
+
+/// The HTTP status of a refusal by Azure; `None` for a call with no answer.
+fn status(error: &azure_core::Error) -> Option<StatusCode> {
+    error.http_status()
+}
+
+/// Whether Azure refused a lease or conditional call because another lease holds the
+/// blob, a lease id does not match, or the blob changed since it was read.
+fn is_conflict(error: &azure_core::Error) -> bool {
+    matches!(
+        status(error),
+        Some(StatusCode::Conflict | StatusCode::PreconditionFailed)
+    )
+}
+
+/// The token after the one in `metadata`; a blob without one (new, or deleted and made
+/// again) starts from the clock in microseconds, as DynamoDB's counter does.
+pub(super) fn next_fence(metadata: &HashMap<String, String>) -> Result<u64, AzureBlobLockError> {
+    match metadata.get(FENCE) {
+        Some(value) => value
+            .parse::<u64>()
+            .map(|fence| fence.saturating_add(1))
+            .map_err(|_| AzureBlobLockError::UnreadableFence(value.clone())),
+        None => Ok(epoch_micros().saturating_add(1)),
+    }
+}
+
+fn epoch_micros() -> u64 {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
+}
+
+impl Inner {
+    /// `call`, answered within a command timeout and by `cap` (the end of the attempt).
+    async fn bounded<T>(
+        &self,
+        cap: Instant,
+        call: impl Future<Output = azure_core::Result<T>>,
+    ) -> Result<azure_core::Result<T>, AttemptError> {
+        let own = Instant::now() + self.config.command_timeout;
+        match timeout_at(own.min(cap), call).await {
+            Ok(answer) => Ok(answer),
+            Err(_) if own <= cap => Err(AttemptError::Lock(AzureBlobLockError::CommandTimeout(
+                self.config.command_timeout,
+            ))),
+            Err(_) => Err(AttemptError::WaitOver),
+        }
+    }
+
+    pub(super) async fn acquire(
+        self: Arc<Self>,
+        blob: Arc<BlobClient>,
+        wait: Duration,
+    ) -> Result<Lease, LockError> {
+        let deadline = ttl::deadline_after(wait);
+        let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
+        loop {
+            // An attempt ends with the wait, or one command timeout after it started if
+            // that is later (a zero wait still tries once): no acquisition outlives its
+            // wait by more than one command timeout.
+            let cap = deadline.max(Instant::now() + self.config.command_timeout);
+            // Armed while a lease call is unanswered or a granted lease is not handed
+            // over: dropping it (an error, the wait over, this future dropped) releases
+            // what the token may hold.
+            let mut in_flight =
+                InFlight::new(self.clone(), blob.clone(), lease_id(&fresh_token()?));
+            match self.attempt(&blob, &mut in_flight, cap).await {
+                Ok(Attempt::Granted { fence, sent_at }) => {
+                    let token = in_flight.granted();
+                    return Ok(ttl::grant(&self, blob, token, Some(fence), sent_at));
+                }
+                Ok(Attempt::Held) => {}
+                Err(AttemptError::WaitOver) => return Err(LockError::Timeout),
+                Err(error) => return Err(LockError::Backend(error.into_boxed())),
+            }
+            drop(in_flight);
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(LockError::Timeout);
+            }
+            sleep(backoff.pause().min(deadline - now)).await;
+            if Instant::now() >= deadline {
+                return Err(LockError::Timeout);
+            }
+        }
+    }
+
+    /// One attempt: read the blob (creating it if missing), take its lease if free and
+    /// unchanged since the read, and write the next fencing token under that lease.
+    async fn attempt(
+        &self,
+        blob: &BlobClient,
+        in_flight: &mut InFlight<Self>,
+        cap: Instant,
+    ) -> Result<Attempt, AttemptError> {
+        let properties = match self.bounded(cap, blob.get_properties(None)).await? {
+            Ok(properties) => properties,
+            Err(error) if status(&error) == Some(StatusCode::NotFound) => {
+                self.create(blob, cap).await?;
+                self.bounded(cap, blob.get_properties(None)).await??
+            }
+            Err(error) => return Err(error.into()),
+        };
+        if matches!(
+            properties.lease_state()?,
+            Some(LeaseState::Leased | LeaseState::Breaking)
+        ) {
+            return Ok(Attempt::Held);
+        }
+        let read = properties.etag()?;
+        let fence = next_fence(&properties.metadata()?)?;
+
+        let sent_at = Instant::now();
+        in_flight.sent(sent_at);
+        let acquire = blob.acquire_lease(
+            self.lease_secs,
+            Some(BlobClientAcquireLeaseOptions {
+                proposed_lease_id: Some(in_flight.token().to_owned()),
+                if_match: read.clone(),
+                ..Default::default()
+            }),
+        );
+        let acquired = match self.bounded(cap, acquire).await? {
+            Ok(acquired) => acquired,
+            Err(error) if status(&error).is_some() => {
+                // Refused: nothing was granted.
+                in_flight.answered();
+                return match is_conflict(&error) {
+                    true => Ok(Attempt::Held),
+                    false => Err(error.into()),
+                };
+            }
+            Err(error) => return Err(error.into()),
+        };
+        // Lease calls leave the ETag as it was read; the answer says so if not.
+        let etag = acquired.etag()?.or(read);
+
+        let metadata = HashMap::from([(FENCE.to_owned(), fence.to_string())]);
+        let write = blob.set_metadata(
+            &metadata,
+            Some(BlobClientSetMetadataOptions {
+                lease_id: Some(in_flight.token().to_owned()),
+                if_match: etag,
+                ..Default::default()
+            }),
+        );
+        match self.bounded(cap, write).await? {
+            Ok(_) => Ok(Attempt::Granted { fence, sent_at }),
+            // Broken or changed in between: the grant does not count, and the guard
+            // gives back the lease if it is still ours.
+            Err(error) if is_conflict(&error) => Ok(Attempt::Held),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Creates the empty lock blob, never over an existing one (`If-None-Match: *`).
+    async fn create(&self, blob: &BlobClient, cap: Instant) -> Result<(), AttemptError> {
+        let append = blob.append_blob_client();
+        let create = append.create(Some(
+            AppendBlobClientCreateOptions::default().if_not_exists(),
+        ));
+        match self.bounded(cap, create).await? {
+            Ok(_) => Ok(()),
+            // Made by another instance meanwhile.
+            Err(error) if is_conflict(&error) => Ok(()),
+            Err(error) => Err(error.into()),
+        }
+    }
+}
+
+/// Why an attempt ended without an answer: ours, Azure's, or the wait was over first.
+enum AttemptError {
+    Lock(AzureBlobLockError),
+    Azure(azure_core::Error),
+    WaitOver,
+}
+
+impl AttemptError {
+    fn into_boxed(self) -> BoxError {
+        match self {
+            Self::Lock(error) => Box::new(error),
+            Self::Azure(error) => Box::new(error),
+            Self::WaitOver => Box::new(LockError::Timeout),
+        }
+    }
+}
+
+impl From<AzureBlobLockError> for AttemptError {
+    fn from(error: AzureBlobLockError) -> Self {
+        Self::Lock(error)
+    }
+}
+
+impl From<azure_core::Error> for AttemptError {
+    fn from(error: azure_core::Error) -> Self {
+        Self::Azure(error)
+    }
+}
+
+impl TtlBackend for Inner {
+    type Target = Arc<BlobClient>;
+
+    fn timing(&self) -> Timing {
+        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
+    }
+
+    async fn renew(
+        &self,
+        blob: &Arc<BlobClient>,
+        token: &str,
+        _ttl: Duration,
+        _sent: Instant,
+        limit: Instant,
+    ) -> Renewal {
+        match timeout_at(limit, blob.renew_lease(token.to_owned(), None)).await {
+            Ok(Ok(_)) => Renewal::Renewed,
+            // Another lease id, a broken or released lease, or no blob any more.
+            Ok(Err(error))
+                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
+            {
+                Renewal::NotOurs
+            }
+            Ok(Err(_)) | Err(_) => Renewal::Unknown,
+        }
+    }
+
+    async fn try_give_back(&self, blob: &Arc<BlobClient>, token: &str) -> GiveBack {
+        let release = blob.release_lease(token.to_owned(), None);
+        match timeout(self.config.command_timeout, release).await {
+            Ok(Ok(_)) => GiveBack::Cleared,
+            Ok(Err(error))
+                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
+            {
+                GiveBack::NotOurs
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "azure blob lease release failed");
+                GiveBack::NoAnswer
+            }
+            Err(_) => {
+                tracing::debug!("azure blob lease release timed out");
+                GiveBack::NoAnswer
+            }
+        }
+    }
+
+    fn engine(&self) -> &'static str {
+        "azure-blob"
+    }
+}

@@ -1,0 +1,537 @@
+//! Azure Blob Storage backend: serializes a key across every instance that shares a
+//! storage container, with a blob lease per holder and a fencing token in the blob's
+//! metadata.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tower_keyed_lock::backend::azure_blob::{AzureBlobBackend, SetupError};
+//! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
+//!
+//! # async fn run() -> Result<(), SetupError> {
+//! // A container URL with a SAS token (or `.credential(..)` for Microsoft Entra ID).
+//! let url = "https://myaccount.blob.core.windows.net/locks?sv=2022-11-02&ss=b&srt=co&sp=rwdlac&se=2030-01-01T00:00:00Z&spr=https&sig=...";
+//! let backend = AzureBlobBackend::builder(url)
+//!     .lease(Duration::from_secs(20))
+//!     .build()
+//!     .await?;
+//! // Requests with one idempotency key run one at a time, across every instance…
+//! let layer = KeyedLockLayer::by_header("idempotency-key")
+//!     .name("orders")
+//!     .wait_timeout(Duration::from_secs(2))
+//!     .backend(backend.clone());
+//! // …and so do jobs, outside HTTP.
+//! let jobs = DistributedLocks::builder("jobs").backend(backend).build();
+//! if let Ok(guard) = jobs.try_lock("nightly-report").await {
+//!     // Only this instance runs it; `guard.fencing_token()` orders its writes.
+//!     guard.release().await;
+//! }
+//! # let _ = layer;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The client is Microsoft's own SDK, [`azure_storage_blob`] with [`azure_core`]: it
+//! has the whole lease API (acquire with a proposed lease id, renew, release, break)
+//! and the conditional headers (`If-Match`, `If-None-Match`, lease ids) the lock needs,
+//! follows the service's API versions, and is kept by the service's owner. It is built
+//! without its default features: reqwest with rustls only (no gzip or deflate, which
+//! lock calls never use). It authenticates with a SAS token in the URL or a Microsoft
+//! Entra ID credential; it has no shared-key signing, so an account key is used by
+//! making a SAS from it. It needs Rust 1.88.
+//!
+//! # Blob names
+//!
+//! A layer named `name` locks request key `key` with one blob of the container:
+//!
+//! ```text
+//! <prefix><name>/<key>        an empty append blob; metadata `fence` = last token
+//! ```
+//!
+//! `name` and `key` are each written as etcd keys are: every byte outside ASCII
+//! letters, digits and `- _ . ~ : @ + = ,` escaped as `%XX` (so `/`, `%`, `#`, spaces and
+//! non-ASCII never appear raw); when the escaped form is empty or longer than 128
+//! bytes, it is `#` followed by the lowercase hex SHA-256 of the UTF-8 bytes instead
+//! (stable across builds and machines). A part that would end with `.` ends with `%2E`
+//! instead (Azure advises against names ending with a dot). Distinct (name, key) pairs
+//! never share a blob, and no blob name is longer than the prefix plus 261 bytes. The
+//! prefix (default [`DEFAULT_PREFIX`], `"keyed-lock/"`, at most 512 bytes) gets a
+//! trailing `/` if it has none. [`AzureBlobBackend::blob_name`] computes a name. The
+//! blobs stay after use (one small blob per key ever locked, with its token); deleting
+//! them is safe when no lock is held (see [what a deletion does](#blobs-deleted-by-hand)).
+//!
+//! # How a key is held
+//!
+//! - **Attempt.** Read the blob's properties (creating the blob, `If-None-Match: *`, if
+//!   it is missing, so no creation ever clobbers one). If its lease state is leased or
+//!   breaking, the key is held. Otherwise acquire its lease for
+//!   [`lease`](AzureBlobBackendBuilder::lease), with a fresh random lease id and
+//!   `If-Match` on the ETag read, then write the next fencing token to the blob's
+//!   metadata with that lease id and the ETag again. Only when that write succeeded
+//!   is the lock granted; a refusal anywhere means another holder got in between.
+//! - **Fencing token.** The metadata counter plus one: written under the new lease in
+//!   one conditional request, so the tokens of one blob strictly increase from holder
+//!   to holder (a holder whose write failed or went unanswered never uses its token;
+//!   the next one counts on from whatever was written). A blob without a counter (new,
+//!   or deleted and made again) starts from the writer's clock in microseconds.
+//! - **Wait.** Azure has no notification of a released lease: a waiter polls, after
+//!   a jittered pause that doubles from 10 ms up to the
+//!   [`poll_interval`](AzureBlobBackendBuilder::poll_interval), until the request's
+//!   wait is over — never a number of attempts. Instances do not queue: whoever polls
+//!   first after a release wins.
+//! - **Validity.** The lease counts as valid until *send time of the acquire, or of the
+//!   last renewal that was answered, + lease − drift margin*, on the monotonic clock;
+//!   Azure counts the same lease from when it received the request, later. At that
+//!   instant the holder is told the lease is lost (even if Azure never answers again),
+//!   as it is at the first renewal refused (a broken, released or taken-over lease, a
+//!   deleted blob): never later than its own deadline.
+//! - **Renewal.** Every lease/3, a renew-lease call with the lease id; retried every
+//!   lease/12 while unanswered. It stops when the lease is released, dropped or lost.
+//! - **Release.** A release-lease call: the key is free at once for the next poll. If
+//!   Azure cannot be reached within the command timeout, the release is retried in
+//!   the background until the lease would have expired anyway.
+//! - **Cancel safety.** From the moment the acquire-lease call is sent, a guard
+//!   releases the lease if the acquisition ends without handing it over (an error, the
+//!   wait over, the acquire future dropped at any await, an answer that never came).
+//!
+//! Every call is bounded by [`command_timeout`](AzureBlobBackendBuilder::command_timeout),
+//! and the SDK's own retries are off (the lock polls and renews by itself): when Azure
+//! is down or silent, acquisitions fail with [`LockError::Backend`] promptly and the
+//! layer answers 503 (or runs the request under its local lock with
+//! [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//!
+//! # Timing rules
+//!
+//! | what | when |
+//! |---|---|
+//! | lease (Azure's range: 15 to 60 s, whole seconds) | default 30 s; rounded up to whole seconds for Azure, counted locally as set |
+//! | renewal | every lease/3 after the last answered one; retried every lease/12 while unanswered |
+//! | a holder counts its lease lost | send time of the last answered acquire or renewal + lease − drift margin (default 1% of the lease + 2 ms), or at the first renewal refused |
+//! | Azure frees a stopped holder's blob | one lease after it received the last acquire or renewal |
+//! | one call (read, create, acquire, metadata write, renew, release) | at most the command timeout (default 2 s); an attempt is three calls (five the first time a key is used) |
+//! | one acquisition | ends with its wait, or one command timeout after its last attempt started if that is later (a zero wait tries once) |
+//! | a waiter looks again | after a jittered pause doubling from 10 ms up to the poll interval (default 500 ms) |
+//!
+//! # What this backend does not guarantee
+//!
+//! - **Latency and cost.** Every grant is three calls to the storage service, a
+//!   release one more, and waiters poll: a hand-off between instances takes up to a
+//!   poll interval, and every poll is a billed read. Suited to jobs and to keys held
+//!   for a while, less to hot keys under high request rates.
+//! - **Clock rate.** Validity is a duration measured on two clocks (this process's and
+//!   the storage service's); the drift margin must cover how much faster this clock
+//!   can run than Azure's over one lease. Wall clocks are compared only for the first
+//!   token of a blob without a counter.
+//! - **A stalled holder.** A holder whose process pauses past its lease loses the key
+//!   to the next waiter; it learns it from [`LeaseSignal::is_lost`](crate::LeaseSignal::is_lost)
+//!   at its next look (by the clock alone), not before. Use the fencing token where a
+//!   late write must be refused.
+//! - **Leases broken by hand.** A `break lease` with a break period of zero frees the
+//!   blob at once: another instance can take it before the holder's next renewal
+//!   tells it (up to lease/3 later). A break with the default period (the rest of the
+//!   lease) keeps the blob until the lease would have ended, after the holder's own
+//!   deadline: the holder is told first.
+//! - <a id="blobs-deleted-by-hand"></a>**Blobs deleted by hand.** Deleting a blob
+//!   (Azure refuses while it is leased, unless the lease id is given) takes its
+//!   counter with it. The next grant makes the blob again and starts the counter from
+//!   the clock in microseconds, which is above every token issued before as long as
+//!   the old counter had not run ahead of the clock (fewer than a million grants per
+//!   second of the old blob's life) and the instances' clocks agree to within the time
+//!   since the old blob was made. The same holds for an account or container emptied
+//!   or restored from a backup. Keep the container for locks only.
+//! - **Azurite is not Azure.** The tests run against Azurite, Microsoft's emulator
+//!   (its lease rules and conditional headers); Azure's own latency, throttling (503
+//!   "server busy", which fails an acquisition with [`LockError::Backend`]) and
+//!   failovers are not exercised.
+//! - **Shared holders and permits.** One holder per key.
+//!
+//! # Setups refused
+//!
+//! [`build`](AzureBlobBackendBuilder::build) refuses, with a [`SetupError`] that names
+//! the problem: a URL that is not a container URL, a lease outside Azure's 15 to 60 s,
+//! a drift margin of half the lease or more, a prefix longer than 512 bytes; and a
+//! container that neither exists nor can be created with the credential given.
+
+// One concern per file: `names` maps keys to blob names, `lease` attempts, waits,
+// renews and gives back (Azure's steps of the `backend::ttl` engine). This file has the
+// public types and their configuration.
+mod lease;
+mod names;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use azure_core::credentials::TokenCredential;
+use azure_core::http::{ClientOptions, RetryOptions, StatusCode, Url};
+use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
+
+use self::names::{blob_name, with_slash, MAX_PREFIX_LEN};
+use super::{ttl, Acquisition, LockBackend};
+#[cfg(doc)]
+use crate::error::LockError;
+use crate::key::Key;
+
+pub use self::lease::AzureBlobLockError;
+
+/// The default [`AzureBlobBackendBuilder::lease`].
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// The shortest lease Azure grants.
+pub const MIN_LEASE: Duration = Duration::from_secs(15);
+/// The longest lease Azure grants (short of an infinite one, which a lock never asks).
+pub const MAX_LEASE: Duration = Duration::from_secs(60);
+/// The default [`AzureBlobBackendBuilder::command_timeout`].
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+/// The default [`AzureBlobBackendBuilder::poll_interval`].
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// The shortest time [`build`](AzureBlobBackendBuilder::build) waits for Azure to
+/// answer (the command timeout if longer): a connection's first call is slower.
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(10);
+/// The default [`AzureBlobBackendBuilder::prefix`].
+pub const DEFAULT_PREFIX: &str = "keyed-lock/";
+
+/// A [`LockBackend`] on an Azure Blob Storage container: one client, shared by every
+/// clone. See the [module docs](self).
+#[derive(Clone)]
+pub struct AzureBlobBackend {
+    inner: Arc<Inner>,
+}
+
+/// Configures an [`AzureBlobBackend`]; made by [`AzureBlobBackend::builder`].
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_keyed_lock::backend::azure_blob::AzureBlobBackend;
+///
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::azure_blob::SetupError> {
+/// let backend = AzureBlobBackend::builder("https://myaccount.blob.core.windows.net/locks?sig=...")
+///     .lease(Duration::from_secs(15))
+///     .command_timeout(Duration::from_secs(1))
+///     .poll_interval(Duration::from_millis(200))
+///     .prefix("billing/")
+///     .build()
+///     .await?;
+/// # let _ = backend;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct AzureBlobBackendBuilder {
+    container_url: String,
+    credential: Option<Arc<dyn TokenCredential>>,
+    config: Config,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    lease: Duration,
+    drift: Option<Duration>,
+    command_timeout: Duration,
+    poll_interval: Duration,
+    prefix: String,
+}
+
+/// What every clone of a backend shares.
+struct Inner {
+    container: BlobContainerClient,
+    config: Config,
+    drift: Duration,
+    /// The lease asked of Azure, in whole seconds.
+    lease_secs: i32,
+}
+
+/// Why [`AzureBlobBackendBuilder::build`] failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// A setting Azure or the lock cannot work with, named.
+    Invalid(String),
+    /// The container does not exist and could not be created.
+    Container(azure_core::Error),
+    /// Azure did not answer within [`SETUP_TIMEOUT`] (or the command timeout if
+    /// longer).
+    TimedOut,
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupError::Invalid(why) => write!(f, "azure blob lock setup refused: {why}"),
+            SetupError::Container(error) => {
+                write!(f, "the lock container is not usable: {error}")
+            }
+            SetupError::TimedOut => f.write_str("azure blob storage did not answer in time"),
+        }
+    }
+}
+
+impl std::error::Error for SetupError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SetupError::Container(error) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl Config {
+    fn drift(&self) -> Duration {
+        self.drift.unwrap_or_else(|| ttl::default_drift(self.lease))
+    }
+}
+
+impl AzureBlobBackend {
+    /// A builder for a backend on the container at `container_url`
+    /// (`https://<account>.blob.core.windows.net/<container>`, with a SAS token as its
+    /// query unless a [`credential`](AzureBlobBackendBuilder::credential) is given).
+    pub fn builder(container_url: impl Into<String>) -> AzureBlobBackendBuilder {
+        AzureBlobBackendBuilder {
+            container_url: container_url.into(),
+            credential: None,
+            config: Config {
+                lease: DEFAULT_LEASE,
+                drift: None,
+                command_timeout: DEFAULT_COMMAND_TIMEOUT,
+                poll_interval: DEFAULT_POLL_INTERVAL,
+                prefix: DEFAULT_PREFIX.to_owned(),
+            },
+        }
+    }
+
+    /// A backend with the defaults, on the container at `container_url`.
+    pub async fn connect(container_url: impl Into<String>) -> Result<Self, SetupError> {
+        Self::builder(container_url).build().await
+    }
+
+    /// The name of the blob of `key` for the layer called `name` (see
+    /// [blob names](self#blob-names)).
+    ///
+    /// ```no_run
+    /// # use tower_keyed_lock::backend::azure_blob::AzureBlobBackend;
+    /// # async fn run() -> Result<(), tower_keyed_lock::backend::azure_blob::SetupError> {
+    /// # let backend = AzureBlobBackend::connect("http://127.0.0.1:10000/devstoreaccount1/locks?sig=...").await?;
+    /// assert_eq!(backend.blob_name("orders", "42"), "keyed-lock/orders/42");
+    /// assert_eq!(backend.blob_name("orders", "a/b"), "keyed-lock/orders/a%2Fb");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn blob_name(&self, name: &str, key: &str) -> String {
+        blob_name(&self.inner.config.prefix, name, key)
+    }
+
+    /// The container client the backend uses, for the application's own calls.
+    pub fn container(&self) -> &BlobContainerClient {
+        &self.inner.container
+    }
+}
+
+impl fmt::Debug for AzureBlobBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AzureBlobBackend")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for AzureBlobBackendBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The URL's query may hold a SAS signature: never printed.
+        f.debug_struct("AzureBlobBackendBuilder")
+            .field("config", &self.config)
+            .field("credential", &self.credential.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AzureBlobBackendBuilder {
+    /// How long a holder's blob lease lasts without a renewal (default
+    /// [`DEFAULT_LEASE`], 30 s). Azure grants 15 to 60 s in whole seconds: a lease
+    /// outside that range is refused by [`build`](Self::build), a fraction of a second
+    /// is rounded up for Azure (the holder still counts the lease as set). It bounds
+    /// how long a crashed instance keeps a key; a live holder keeps it as long as it
+    /// runs.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.config.lease = lease;
+        self
+    }
+
+    /// What is taken off every validity period for clock drift between this process
+    /// and Azure (default 1% of the lease + 2 ms): a lease counts as valid until send
+    /// time + lease − drift margin. Half the lease or more is refused by
+    /// [`build`](Self::build).
+    pub fn drift_margin(mut self, margin: Duration) -> Self {
+        self.config.drift = Some(margin);
+        self
+    }
+
+    /// The longest one call to Azure may take (default [`DEFAULT_COMMAND_TIMEOUT`],
+    /// 2 s). Past it the acquisition fails with [`LockError::Backend`], a renewal counts
+    /// as unanswered, and a release goes on in the background.
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.config.command_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The longest pause of a waiter between two looks at a held blob (default
+    /// [`DEFAULT_POLL_INTERVAL`], 500 ms; pauses double from 10 ms up to it, each a
+    /// random time between half of it and all of it). Shorter: faster hand-offs
+    /// between instances, more reads.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.config.poll_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The start of every blob name of the backend (default [`DEFAULT_PREFIX`],
+    /// `"keyed-lock/"`); a `/` is appended if it does not end with one.
+    pub fn prefix(mut self, prefix: &str) -> Self {
+        self.config.prefix = with_slash(prefix);
+        self
+    }
+
+    /// Authenticates with Microsoft Entra ID (for example `azure_identity`'s
+    /// credentials) instead of a SAS token in the URL; the URL must then be `https`.
+    pub fn credential(mut self, credential: Arc<dyn TokenCredential>) -> Self {
+        self.credential = Some(credential);
+        self
+    }
+
+    /// Checks the settings (see [Setups refused](self#setups-refused)) and creates the
+    /// container if it does not exist.
+    pub async fn build(self) -> Result<AzureBlobBackend, SetupError> {
+        let Self {
+            container_url,
+            credential,
+            config,
+        } = self;
+        if !(MIN_LEASE..=MAX_LEASE).contains(&config.lease) {
+            return Err(SetupError::Invalid(format!(
+                "the lease {:?} is outside Azure's {MIN_LEASE:?} to {MAX_LEASE:?}",
+                config.lease
+            )));
+        }
+        let drift = config.drift();
+        if drift >= config.lease / 2 {
+            return Err(SetupError::Invalid(format!(
+                "the drift margin {drift:?} is half the lease {:?} or more",
+                config.lease
+            )));
+        }
+        if config.prefix.len() > MAX_PREFIX_LEN {
+            return Err(SetupError::Invalid(format!(
+                "the prefix is {} bytes, more than {MAX_PREFIX_LEN}",
+                config.prefix.len()
+            )));
+        }
+        let url = Url::parse(&container_url)
+            .ok()
+            .filter(|url| {
+                url.path_segments()
+                    .is_some_and(|mut s| s.any(|s| !s.is_empty()))
+            })
+            .ok_or_else(|| SetupError::Invalid("not a container URL".to_owned()))?;
+        let options = BlobContainerClientOptions {
+            client_options: ClientOptions {
+                // The lock bounds, retries and polls every call itself.
+                retry: RetryOptions::none(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let container = BlobContainerClient::new(url, credential, Some(options))
+            .map_err(|error| SetupError::Invalid(error.to_string()))?;
+        ensure_container(&container, config.command_timeout.max(SETUP_TIMEOUT)).await?;
+        let lease_secs = i32::try_from(config.lease.as_millis().div_ceil(1000)).unwrap_or(60);
+        Ok(AzureBlobBackend {
+            inner: Arc::new(Inner {
+                container,
+                config,
+                drift,
+                lease_secs,
+            }),
+        })
+    }
+}
+
+/// Creates the container unless it exists; a credential that may not create one is
+/// fine if it can see the container.
+async fn ensure_container(
+    container: &BlobContainerClient,
+    limit: Duration,
+) -> Result<(), SetupError> {
+    let created = tokio::time::timeout(limit, container.create(None))
+        .await
+        .map_err(|_| SetupError::TimedOut)?;
+    match created {
+        Ok(_) => Ok(()),
+        Err(error) if error.http_status() == Some(StatusCode::Conflict) => Ok(()),
+        Err(error) if error.http_status() == Some(StatusCode::Forbidden) => {
+            match tokio::time::timeout(limit, container.exists()).await {
+                Ok(Ok(true)) => Ok(()),
+                Ok(Ok(false)) => Err(SetupError::Container(error)),
+                Ok(Err(error)) => Err(SetupError::Container(error)),
+                Err(_) => Err(SetupError::TimedOut),
+            }
+        }
+        Err(error) => Err(SetupError::Container(error)),
+    }
+}
+
+impl LockBackend for AzureBlobBackend {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
+        let blob = self.blob_name(name, key.as_str());
+        let blob = Arc::new(self.inner.container.blob_client(&blob));
+        Box::pin(self.inner.clone().acquire(blob, wait))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drift_defaults_to_one_percent_plus_two_ms() {
+        let builder =
+            AzureBlobBackend::builder("http://127.0.0.1:1/a/c").lease(Duration::from_secs(20));
+        assert_eq!(builder.config.drift(), Duration::from_millis(202));
+    }
+
+    #[tokio::test]
+    async fn settings_outside_azures_range_are_refused_by_name() {
+        let base = AzureBlobBackend::builder("http://127.0.0.1:1/a/c");
+        let refused = [
+            (base.clone().lease(Duration::from_secs(14)), "lease"),
+            (base.clone().lease(Duration::from_secs(61)), "lease"),
+            (base.clone().drift_margin(Duration::from_secs(15)), "drift"),
+            (base.clone().prefix(&"p".repeat(600)), "prefix"),
+            (AzureBlobBackend::builder("not a url"), "container URL"),
+            (
+                AzureBlobBackend::builder("http://127.0.0.1:1/"),
+                "container URL",
+            ),
+        ];
+        for (builder, named) in refused {
+            match builder.build().await {
+                Err(SetupError::Invalid(why)) => assert!(why.contains(named), "{why}"),
+                other => panic!("not refused ({named}): {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn lease_ids_are_guids() {
+        assert_eq!(
+            lease::lease_id("0123456789abcdef0123456789abcdef"),
+            "01234567-89ab-cdef-0123-456789abcdef"
+        );
+    }
+
+    #[test]
+    fn the_fence_counts_on_or_starts_from_the_clock() {
+        use std::collections::HashMap;
+        let stored = HashMap::from([(lease::FENCE.to_owned(), "41".to_owned())]);
+        assert_eq!(lease::next_fence(&stored).unwrap(), 42);
+        let fresh = lease::next_fence(&HashMap::new()).unwrap();
+        assert!(fresh > 1_700_000_000_000_000, "{fresh}");
+        let garbage = HashMap::from([(lease::FENCE.to_owned(), "x".to_owned())]);
+        assert!(lease::next_fence(&garbage).is_err());
+    }
+}
