@@ -145,6 +145,9 @@ pub use backend::postgres::PostgresBackend;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
 pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
 pub use distributed::{

@@ -27,6 +27,8 @@ pub mod dynamodb;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+mod key_component;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub mod mysql;
@@ -37,8 +39,16 @@ pub mod postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 mod retry_later;
-#[cfg(any(feature = "redis", feature = "dynamodb", feature = "etcd"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "dynamodb",
+    feature = "etcd",
+    feature = "zookeeper"
+))]
 mod ttl;
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub mod zookeeper;
 
 pub use retry_later::RetryLater;
 

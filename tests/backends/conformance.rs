@@ -8,7 +8,8 @@
         feature = "postgres",
         feature = "dynamodb",
         feature = "etcd",
-        feature = "mysql"
+        feature = "mysql",
+        feature = "zookeeper"
     )),
     allow(dead_code)
 )]
@@ -93,6 +94,7 @@ conformance!(
 conformance!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
 conformance!(etcd, crate::support::fixtures::Etcd, "etcd");
 conformance!(mysql, crate::support::fixtures::MySql, "mysql");
+conformance!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -126,6 +128,7 @@ mod faults {
     faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     faults!(etcd, crate::support::fixtures::Etcd, "etcd");
     faults!(mysql, crate::support::fixtures::MySql, "mysql");
+    faults!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 }
 
 // ------------------------------------------------------------- through the layer
@@ -172,6 +175,7 @@ mod through_the_layer {
     through_the_layer!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     through_the_layer!(etcd, crate::support::fixtures::Etcd, "etcd");
     through_the_layer!(mysql, crate::support::fixtures::MySql, "mysql");
+    through_the_layer!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 }
 
 /// Two instances of an axum app, each with its own backend, take 40 requests for one
@@ -571,7 +575,7 @@ async fn a_backend_written_outside_the_crate_conforms() {
 // ------------------------------------------------------ RELIABILITY.md, checked
 
 /// The columns of RELIABILITY.md's conformance table, as the fixture modules here.
-const COLUMNS: [(&str, &str); 8] = [
+const COLUMNS: [(&str, &str); 9] = [
     ("Redis", "redis"),
     ("Redis Cluster", "redis_cluster"),
     ("PostgreSQL", "postgres"),
@@ -582,6 +586,7 @@ const COLUMNS: [(&str, &str); 8] = [
     ("DynamoDB", "dynamodb"),
     ("etcd", "etcd"),
     ("MySQL (MariaDB)", "mysql"),
+    ("ZooKeeper", "zookeeper"),
     ("a backend outside the crate", "outside"),
 ];
 
@@ -593,6 +598,7 @@ const COLUMNS: [(&str, &str); 8] = [
     feature = "dynamodb",
     feature = "etcd",
     feature = "mysql",
+    feature = "zookeeper",
     feature = "axum"
 ))]
 #[test]

@@ -563,6 +563,79 @@ mod etcd {
     }
 }
 
+#[cfg(feature = "zookeeper")]
+#[allow(unused_imports)] // the conformance and zookeeper binaries use it
+pub use self::zookeeper::ZooKeeper;
+
+#[cfg(feature = "zookeeper")]
+mod zookeeper {
+    use super::*;
+    use crate::support::zookeeper_server::ZooKeeperEnsemble;
+    use tower_keyed_lock::ZooKeeperBackend;
+
+    /// A 3-server ZooKeeper ensemble: an ephemeral sequential node per contender, each
+    /// waiter watching its predecessor.
+    pub struct ZooKeeper(pub ZooKeeperEnsemble);
+
+    impl Fixture for ZooKeeper {
+        fn start() -> Self {
+            ZooKeeper(ZooKeeperEnsemble::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    /// The session timeout asked (the test ensemble's tick is 200 ms: 10 ticks).
+    pub const SESSION_TIMEOUT: Duration = Duration::from_secs(2);
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+
+    impl ZooKeeper {
+        /// A backend on `servers` (a connect string), configured as every instance of
+        /// the fixture.
+        pub async fn backend_on_servers(servers: &str) -> ZooKeeperBackend {
+            ZooKeeperBackend::builder(servers)
+                .session_timeout(SESSION_TIMEOUT)
+                .command_timeout(COMMAND_TIMEOUT)
+                .build()
+                .await
+                .expect("the backend connects to ZooKeeper")
+        }
+    }
+
+    impl Proxied for ZooKeeper {
+        /// The first server: the proxy stands in front of one server of three.
+        fn upstream(&self) -> std::net::SocketAddr {
+            self.0.client_addr(0)
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            Arc::new(ZooKeeper::backend_on_servers(host_port).await)
+        }
+
+        fn network_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
+    impl Remote for ZooKeeper {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            Arc::new(ZooKeeper::backend_on_servers(&self.0.connect_string()).await)
+        }
+
+        fn kill(&mut self) {
+            self.0.kill_all();
+        }
+
+        /// The session timeout, plus a tick: the leader expires sessions in buckets of
+        /// a tick.
+        fn loss_bound(&self) -> Duration {
+            SESSION_TIMEOUT + crate::support::zookeeper_server::TICK
+        }
+    }
+}
+
 /// A real backend that counts the acquisitions this instance sends it: how many in
 /// all, and the most in flight at once.
 pub struct Counting {

@@ -2,6 +2,8 @@
 
 use std::fmt::Write as _;
 
+use crate::backend::key_component;
+#[cfg(test)]
 use crate::backend::ttl::sha256_hex;
 
 /// A name or key longer than this once escaped is hashed.
@@ -44,25 +46,9 @@ fn plain(byte: u8) -> bool {
 
 /// Appends a layer name or request key as it appears in an etcd key: percent-escaped
 /// (so it has no `/`), or `#` + hex SHA-256 when empty or longer than
-/// [`MAX_PLAIN_LEN`] escaped. An escaped form never starts with `#` (`#` is escaped),
-/// so the forms never collide.
+/// [`MAX_PLAIN_LEN`] escaped.
 fn push_component(out: &mut String, text: &str) {
-    let escaped_len: usize = text
-        .bytes()
-        .map(|byte| if plain(byte) { 1 } else { 3 })
-        .sum();
-    if text.is_empty() || escaped_len > MAX_PLAIN_LEN {
-        out.push('#');
-        out.push_str(&sha256_hex(text));
-        return;
-    }
-    for byte in text.bytes() {
-        if plain(byte) {
-            out.push(char::from(byte));
-        } else {
-            let _ = write!(out, "%{byte:02X}");
-        }
-    }
+    key_component::push_component(out, text, plain, MAX_PLAIN_LEN);
 }
 
 /// `prefix` as the start of every key: a trailing `/` added if missing; an empty
