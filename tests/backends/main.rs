@@ -3,7 +3,7 @@
 //! plus the fault and HTTP checks every backend passes); then each engine's specifics:
 //! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_sentinel`), PostgreSQL
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
-//! (`etcd`), MySQL (`mysql`); and
+//! (`etcd`), MySQL (`mysql`), ZooKeeper (`zookeeper`); and
 //! the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
 //! `tests/redis_restart_guard.rs`, a process of its own.
 
@@ -28,3 +28,4 @@ mod redis_cluster;
 mod redis_faults;
 mod redis_sentinel;
 mod tcp_proxy;
+mod zookeeper;

@@ -568,7 +568,7 @@ mod etcd {
 pub use self::zookeeper::ZooKeeper;
 
 #[cfg(feature = "zookeeper")]
-mod zookeeper {
+pub mod zookeeper {
     use super::*;
     use crate::support::zookeeper_server::ZooKeeperEnsemble;
     use tower_keyed_lock::ZooKeeperBackend;
