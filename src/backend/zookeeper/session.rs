@@ -61,6 +61,7 @@ impl Session {
                 started,
                 timeout,
                 config.drift(),
+                config.command_timeout,
             ));
             Session {
                 client: Mutex::new(Some(client)),
@@ -163,6 +164,7 @@ async fn keep_heard(
     connected_at: Instant,
     timeout: Duration,
     drift: Duration,
+    command_timeout: Duration,
 ) {
     // `session` cannot be upgraded yet: this task starts while it is being made.
     let period = timeout / 3;
@@ -190,7 +192,7 @@ async fn keep_heard(
             break;
         };
         let sent = Instant::now();
-        let limit = (sent + period).min(valid_until);
+        let limit = (sent + command_timeout).min(valid_until);
         match timeout_at(limit, client.sync("/")).await {
             Ok(Ok(())) => {
                 valid_until = self::valid_until(earlier, timeout, drift).max(valid_until);
