@@ -86,10 +86,7 @@ fn main() {
             Arc::new(backend) as Arc<dyn LockBackend>
         };
         let (a, b) = rt.block_on(async { (backend().await, backend().await) });
-        report(
-            "etcd (3 members)",
-            &rt.block_on(hand_off(a, b, handoffs)),
-        );
+        report("etcd (3 members)", &rt.block_on(hand_off(a, b, handoffs)));
     }
     c.final_summary();
 }

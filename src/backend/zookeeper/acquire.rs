@@ -244,7 +244,8 @@ impl Inner {
             Ok(Ok(children)) => children,
             Ok(Err(zk::Error::NoNode)) => return Err(backend(ZooKeeperLockError::NodeGone)),
             Ok(Err(error)) => return Err(backend(ZooKeeperLockError::ZooKeeper(error))),
-            Err(_) if limit >= deadline => return Err(LockError::Timeout),
+            // Cut short by the wait (never the first look, which gets its own limit).
+            Err(_) if limit == deadline => return Err(LockError::Timeout),
             Err(_) => return Err(backend(ZooKeeperLockError::TimedOut("reading the queue"))),
         };
         let mut queue: Vec<_> = children
