@@ -70,7 +70,9 @@
 //!   node belongs to it and goes when it ends.
 //! - **Queue.** An acquisition creates its node, ephemeral and sequential, named with
 //!   its token ("protected", as Curator calls it). The sequence number is its place in
-//!   the queue; if no contender of the queue is older, the lock is granted.
+//!   the queue; if no contender of the queue is older, the lock is granted. Within an
+//!   instance, requests for a key queue on the local table first (the two tiers of
+//!   [`backend`](crate::backend)), so an instance has at most one node in a key's queue.
 //! - **Wait.** Otherwise the waiter watches the node just older than its own (its
 //!   predecessor only: one release wakes one waiter, no herd) and reads the queue again
 //!   when the watch fires, or after a jittered
