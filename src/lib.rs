@@ -73,6 +73,9 @@
 //! - `etcd`: `EtcdBackend`, the same through etcd (a lease per holder, waiters queued
 //!   in arrival order across instances and woken by a watch, fencing tokens from the
 //!   cluster-wide revision).
+//! - `zookeeper`: `ZooKeeperBackend`, the same through ZooKeeper (an ephemeral
+//!   sequential node per contender, waiters queued in arrival order across instances
+//!   and woken by a watch on their predecessor, fencing tokens from the node's zxid).
 //! - `replay`: [`replay::ReplayLayer`], replaying the stored response of a completed
 //!   request to later requests with its key (in memory; in Redis or PostgreSQL with
 //!   `redis` / `postgres` too).
