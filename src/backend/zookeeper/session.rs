@@ -152,6 +152,39 @@ fn valid_until(sent: Instant, timeout: Duration, drift: Duration) -> Instant {
     sent + timeout.saturating_sub(drift)
 }
 
+/// The session's deadline, moved by the heartbeats answered: counted from the send
+/// time of the heartbeat *before* the last one answered (see [`keep_heard`]).
+#[derive(Debug)]
+struct Deadline {
+    timeout: Duration,
+    drift: Duration,
+    /// The send time of the newest heartbeat answered (or of the connect), which the
+    /// deadline does not count from yet.
+    latest: Instant,
+    valid_until: Instant,
+}
+
+impl Deadline {
+    /// A session whose connect was sent at `connected_at`.
+    fn new(connected_at: Instant, timeout: Duration, drift: Duration) -> Self {
+        Deadline {
+            timeout,
+            drift,
+            latest: connected_at,
+            valid_until: valid_until(connected_at, timeout, drift),
+        }
+    }
+
+    /// A heartbeat sent at `sent` was answered: the deadline moves to count from the
+    /// one answered before it (never backwards). Returns the new deadline.
+    fn answered(&mut self, sent: Instant) -> Instant {
+        let earlier = sent.min(self.latest);
+        self.latest = sent.max(self.latest);
+        self.valid_until = valid_until(earlier, self.timeout, self.drift).max(self.valid_until);
+        self.valid_until
+    }
+}
+
 /// The heartbeat: a `sync` (answered only through the leader, so a server cut off from
 /// the quorum cannot answer it) every third of the session timeout. The deadline is
 /// counted from the send time of the heartbeat *before* the last one answered: a
@@ -168,15 +201,13 @@ async fn keep_heard(
 ) {
     // `session` cannot be upgraded yet: this task starts while it is being made.
     let period = timeout / 3;
-    // Invariant: `valid_until` is what the health says; `earlier` is the send time of
-    // the newest heartbeat answered that the deadline does not count from yet.
-    let mut valid_until = valid_until(connected_at, timeout, drift);
-    let mut earlier = connected_at;
+    // Invariant: `deadline.valid_until` is what the health says.
+    let mut deadline = Deadline::new(connected_at, timeout, drift);
     let mut next = connected_at + period;
     loop {
         tokio::select! {
             biased;
-            () = sleep_until(valid_until) => break,
+            () = sleep_until(deadline.valid_until) => break,
             changed = state.changed() => {
                 if changed.is_terminated() {
                     break;
@@ -192,11 +223,10 @@ async fn keep_heard(
             break;
         };
         let sent = Instant::now();
-        let limit = (sent + command_timeout).min(valid_until);
+        let limit = (sent + command_timeout).min(deadline.valid_until);
         match timeout_at(limit, client.sync("/")).await {
             Ok(Ok(())) => {
-                valid_until = self::valid_until(earlier, timeout, drift).max(valid_until);
-                earlier = sent;
+                let valid_until = deadline.answered(sent);
                 live.health
                     .send_modify(|health| health.valid_until = valid_until);
                 next = sent + period;
@@ -211,5 +241,25 @@ async fn keep_heard(
     }
     if let Some(live) = session.upgrade() {
         live.lose();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_deadline_counts_from_the_heartbeat_before_the_last_answered() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut deadline = Deadline::new(t0, ms(3000), ms(30));
+        assert_eq!(deadline.valid_until, t0 + ms(2970));
+        // The first heartbeat answered: the deadline still counts from the connect.
+        assert_eq!(deadline.answered(t0 + ms(1000)), t0 + ms(2970));
+        // The second: it counts from the first.
+        assert_eq!(deadline.answered(t0 + ms(2000)), t0 + ms(3970));
+        assert_eq!(deadline.answered(t0 + ms(3000)), t0 + ms(4970));
+        // An answer to an older send never moves it back.
+        assert_eq!(deadline.answered(t0 + ms(1500)), t0 + ms(4970));
     }
 }
