@@ -702,6 +702,7 @@ macro_rules! for_each_fixture {
         for_each_fixture!(@mod postgres, $crate::support::fixtures::Postgres, ["postgres"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod dynamodb, $crate::support::fixtures::DynamoDb, ["dynamodb"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod mysql, $crate::support::fixtures::MySql, ["mysql"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod zookeeper, $crate::support::fixtures::ZooKeeper, ["zookeeper"]; $($all,)* $($remote),*);
     };
     (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
         $(#[cfg(feature = $feature)])?
