@@ -30,12 +30,14 @@
 //! ```
 //!
 //! The client is [`zookeeper_client`] (kezhuw's `zookeeper-client`): written for async
-//! Rust from the protocol up, kept current with ZooKeeper (3.5+ `create2` with the new
-//! node's `Stat`, container nodes, `sync`), with one-shot watches that are plain
-//! futures and a session state watcher, and its own Curator-compatible lock recipe as
-//! a reference. `tokio-zookeeper` lacks `sync`, containers and multi-server connect
-//! strings and is barely maintained; `zookeeper-async` wraps the old synchronous
-//! `zookeeper` crate's callback model and its 3.4-era API.
+//! Rust from the protocol up and kept current with ZooKeeper (`create2`, which answers
+//! with the new node's `Stat` and so its creation zxid; container nodes; `sync`;
+//! connect strings of several servers), with one-shot watches that are plain futures,
+//! a session state watcher, and a Curator-compatible lock recipe of its own to compare
+//! with. Of the alternatives, `tokio-zookeeper` connects to one server address (no
+//! failover within an ensemble) and has no `sync`; `zookeeper-async` has no `sync`
+//! either and delivers watches to callbacks, after the 3.4-era Java client it follows.
+//! `sync` is what the heartbeat needs (see below): only the leader can answer it.
 //!
 //! # ZooKeeper nodes
 //!
