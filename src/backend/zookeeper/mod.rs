@@ -37,7 +37,7 @@
 //! with. Of the alternatives, `tokio-zookeeper` connects to one server address (no
 //! failover within an ensemble) and has no `sync`; `zookeeper-async` has no `sync`
 //! either and delivers watches to callbacks, after the 3.4-era Java client it follows.
-//! `sync` is what the heartbeat needs (see below): only the leader can answer it.
+//! `sync` is what the heartbeat needs (see below): it goes through the leader.
 //!
 //! # ZooKeeper nodes
 //!
@@ -85,7 +85,7 @@
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): one counter for the
 //!   whole ensemble, raised by every write and by every new leader's epoch, so strictly
 //!   increasing from holder to holder.
-//! - **Validity.** A heartbeat (`sync`, which only the leader answers) every third of
+//! - **Validity.** A heartbeat (`sync`, which goes through the leader) every third of
 //!   the session timeout. The session, and every lease on it, counts as alive until
 //!   *send time of the heartbeat before the last answered one + session timeout −
 //!   drift margin*, on the monotonic clock: a follower passes a session's touches to
