@@ -304,6 +304,54 @@ async fn a_holder_in_a_minority_partition_is_told_before_the_majority_grants() {
     again.release().await;
 }
 
+/// The conformance suite's cut-off check, on a session heard for a while first (its
+/// heartbeats answered for 3 s): the deadline then counts from the heartbeat before the
+/// last answered one, so the holder is told 0.67–1.33 s after its path goes silent,
+/// well before ZooKeeper expires the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_heard_for_a_while_is_told_well_before_its_session_expires() {
+    let fixture = servers::ZooKeeper::start();
+    let proxy = TcpProxy::start(fixture.0.client_addr(0)).await;
+    let a = locks_on(Arc::new(
+        servers::ZooKeeper::backend_on_servers(&proxy.host_port()).await,
+    ));
+    let b = fixture.instance("b").await;
+    let guard = a.lock("heard").await.unwrap();
+    sleep(3 * SESSION_TIMEOUT / 2).await;
+    assert!(!guard.is_lost(), "a heard session lost its lease");
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    proxy.blackhole();
+    let cut = Instant::now();
+    let taken = servers::within(
+        "b takes the cut-off holder's key",
+        3 * PATIENCE,
+        b.lock_timeout("heard", 3 * PATIENCE),
+    )
+    .await
+    .expect("b is granted once the holder's session expired");
+    let granted = Instant::now();
+    let told = servers::within("the holder is told", PATIENCE, told)
+        .await
+        .unwrap();
+    assert!(
+        told <= granted,
+        "unsignalled overlap: b was granted {:?} before the holder was told",
+        told - granted
+    );
+    eprintln!(
+        "heard, then cut off: holder told after {:?}, other instance granted after {:?} \
+         (margin {:?})",
+        told - cut,
+        granted - cut,
+        granted - told
+    );
+    taken.release().await;
+}
+
 /// Two servers of three die, the leader among them: no quorum, no heartbeat answered,
 /// and the holder is told at its local deadline (by the clock alone). Nobody can be
 /// granted meanwhile (a create needs the quorum). When the servers come back, the
