@@ -5,7 +5,8 @@
 //! anyone else is granted, the node of a create whose answer never came deleted, and
 //! the key mapping seen from ZooKeeper. The holder whose link goes silent past its
 //! session timeout is the conformance suite's fault check
-//! (`conformance::faults::zookeeper`).
+//! (`conformance::faults::zookeeper`), and here once more on a session heard for a
+//! while first.
 #![cfg(feature = "zookeeper")]
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
