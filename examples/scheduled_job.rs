@@ -13,7 +13,11 @@
 //! in-process lock instead. With `SCHEDULED_JOB_ENGINE=etcd` (and the `etcd` feature:
 //! `cargo run --features etcd --example scheduled_job`) the instances share an `etcd`
 //! of the example's own instead (a single member on free ports; a 2 s lease, since etcd
-//! counts leases in whole seconds). With `SCHEDULED_JOB_ENGINE=mysql` (and the `mysql`
+//! counts leases in whole seconds). With `SCHEDULED_JOB_ENGINE=zookeeper` (and the
+//! `zookeeper` feature) they share a standalone ZooKeeper server of the example's own
+//! (Debian `zookeeper`, on Java; a 200 ms tick, so a 2 s session is granted as asked):
+//! the crashed instance's session expires a session timeout after the server last
+//! heard of it, which frees the key. With `SCHEDULED_JOB_ENGINE=mysql` (and the `mysql`
 //! feature) they share a MariaDB server the example starts on a free port with a data
 //! dir of its own (`MySqlBackend`, `GET_LOCK`; it needs `mariadb-server` installed): a
 //! session lock ends with its connection, so the crash frees the key at once and the next
@@ -93,6 +97,13 @@ const AZURE_LEASE: Duration = Duration::from_secs(15);
 #[path = "../tests/support/azurite_server.rs"]
 mod azurite_server;
 
+/// The ZooKeeper session timeout, and the server's tick: it expires sessions in
+/// buckets of a tick, so a takeover may come up to that much later.
+#[cfg(feature = "zookeeper")]
+const ZOOKEEPER_SESSION: Duration = Duration::from_secs(2);
+#[cfg(feature = "zookeeper")]
+const ZOOKEEPER_TICK: Duration = Duration::from_millis(200);
+
 /// How the instances reach each other.
 enum Shared {
     #[cfg(feature = "redis")]
@@ -105,6 +116,8 @@ enum Shared {
     MySql(String),
     #[cfg(feature = "azure-blob")]
     AzureBlob(String),
+    #[cfg(feature = "zookeeper")]
+    ZooKeeper(String),
     InProcess(DistributedLocks),
 }
 
@@ -117,6 +130,8 @@ impl Shared {
             Shared::Etcd(_) => ETCD_LEASE + ETCD_SWEEP,
             #[cfg(feature = "azure-blob")]
             Shared::AzureBlob(_) => AZURE_LEASE,
+            #[cfg(feature = "zookeeper")]
+            Shared::ZooKeeper(_) => ZOOKEEPER_SESSION + ZOOKEEPER_TICK,
             _ => LEASE,
         }
     }
@@ -148,6 +163,8 @@ impl Shared {
             Shared::Etcd(_) => ETCD_LEASE,
             #[cfg(feature = "azure-blob")]
             Shared::AzureBlob(_) => AZURE_LEASE,
+            #[cfg(feature = "zookeeper")]
+            Shared::ZooKeeper(_) => ZOOKEEPER_SESSION,
             _ => LEASE,
         }
     }
@@ -203,6 +220,15 @@ impl Shared {
                     .expect("the instance reaches Azurite");
                 DistributedLocks::new("cron", backend)
             }
+            #[cfg(feature = "zookeeper")]
+            Shared::ZooKeeper(servers) => {
+                let backend = tower_keyed_lock::ZooKeeperBackend::builder(servers.as_str())
+                    .session_timeout(ZOOKEEPER_SESSION)
+                    .build()
+                    .await
+                    .expect("the instance connects to ZooKeeper");
+                DistributedLocks::new("cron", backend)
+            }
             Shared::InProcess(locks) => locks.clone(),
         }
     }
@@ -218,6 +244,10 @@ fn main() {
     let mysql = (engine == "mysql").then(mysql_process::MariaDb::start);
     #[cfg(feature = "azure-blob")]
     let azurite = (engine == "azure-blob").then(azurite_server::AzuriteServer::start);
+    #[cfg(feature = "zookeeper")]
+    let zookeeper = (engine == "zookeeper")
+        .then(zookeeper_process::ZooKeeperProcess::start)
+        .flatten();
     #[cfg(feature = "redis")]
     let redis = (engine == "redis")
         .then(redis_process::RedisProcess::start)
@@ -259,6 +289,14 @@ fn main() {
             }
             None => in_process("etcd is not installed"),
         },
+        #[cfg(feature = "zookeeper")]
+        "zookeeper" => match &zookeeper {
+            Some(zookeeper) => {
+                println!("ZooKeeper started on port {}", zookeeper.port);
+                Shared::ZooKeeper(format!("127.0.0.1:{}", zookeeper.port))
+            }
+            None => in_process("ZooKeeper (or Java) is not installed"),
+        },
         #[cfg(feature = "mysql")]
         "mysql" => {
             let server = mysql.as_ref().expect("started above");
@@ -279,8 +317,10 @@ fn main() {
         "mysql" => in_process("built without the `mysql` feature"),
         #[cfg(not(feature = "azure-blob"))]
         "azure-blob" => in_process("built without the `azure-blob` feature"),
+        #[cfg(not(feature = "zookeeper"))]
+        "zookeeper" => in_process("built without the `zookeeper` feature"),
         other => panic!(
-            "SCHEDULED_JOB_ENGINE={other:?}: use redis, redlock, etcd, mysql or azure-blob"
+            "SCHEDULED_JOB_ENGINE={other:?}: use redis, redlock, etcd, zookeeper, mysql or azure-blob"
         ),
     };
     let shared = Arc::new(shared);
@@ -408,7 +448,8 @@ fn check(ledger: &Ledger, shared: &Shared) {
         // the next tick takes over.
         assert_eq!(takeover.tick, CRASH_TICK + 1);
     } else {
-        // A lease (Redis, etcd, Azure Blob): the key stayed held until it ran out.
+        // A lease (Redis, etcd, Azure Blob, a ZooKeeper session): the key stayed held
+        // until it ran out.
         let (lease, loss_bound) = (shared.lease(), shared.loss_bound());
         assert!(after >= lease * 2 / 3, "taken over after {after:?}");
         assert!(
@@ -558,6 +599,98 @@ mod etcd_process {
     }
 
     impl Drop for EtcdProcess {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// A standalone ZooKeeper server of the example's own on a free port (the Debian
+/// package's jar on the installed Java), stopped on drop.
+#[cfg(feature = "zookeeper")]
+mod zookeeper_process {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    const JAR: &str = "/usr/share/java/zookeeper.jar";
+
+    pub struct ZooKeeperProcess {
+        pub port: u16,
+        child: Child,
+        dir: PathBuf,
+    }
+
+    impl ZooKeeperProcess {
+        /// `None` when ZooKeeper's jar or Java is not installed.
+        pub fn start() -> Option<ZooKeeperProcess> {
+            let jar = std::env::var("ZOOKEEPER_JAR").unwrap_or_else(|_| JAR.to_owned());
+            if !Path::new(&jar).is_file() {
+                return None;
+            }
+            let port = TcpListener::bind("127.0.0.1:0")
+                .and_then(|listener| listener.local_addr())
+                .expect("a free port")
+                .port();
+            let dir = std::env::temp_dir().join(format!(
+                "tower-keyed-lock-example-zookeeper-{}-{port}",
+                std::process::id()
+            ));
+            std::fs::create_dir_all(&dir).expect("a data dir");
+            let config = dir.join("zoo.cfg");
+            std::fs::write(
+                &config,
+                format!(
+                    "tickTime={}\ndataDir={}\nclientPort={port}\nclientPortAddress=127.0.0.1\n\
+                     admin.enableServer=false\n4lw.commands.whitelist=ruok\n",
+                    super::ZOOKEEPER_TICK.as_millis(),
+                    dir.display()
+                ),
+            )
+            .expect("writing zoo.cfg");
+            let spawned = Command::new("java")
+                .args(["-Xmx128m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1"])
+                .args([
+                    "-cp",
+                    &jar,
+                    "org.apache.zookeeper.server.quorum.QuorumPeerMain",
+                ])
+                .arg(&config)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn();
+            let Ok(child) = spawned else {
+                return None; // no Java
+            };
+            let mut server = ZooKeeperProcess { port, child, dir };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !server.is_ok() {
+                if let Ok(Some(status)) = server.child.try_wait() {
+                    panic!("ZooKeeper exited with {status}");
+                }
+                assert!(Instant::now() < deadline, "ZooKeeper did not start");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Some(server)
+        }
+
+        /// `ruok` answers `imok` once the server runs.
+        fn is_ok(&self) -> bool {
+            let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
+                return false;
+            };
+            let mut reply = String::new();
+            stream.write_all(b"ruok").is_ok()
+                && stream.read_to_string(&mut reply).is_ok()
+                && reply == "imok"
+        }
+    }
+
+    impl Drop for ZooKeeperProcess {
         fn drop(&mut self) {
             let _ = self.child.kill();
             let _ = self.child.wait();

@@ -75,6 +75,9 @@
 //!   cluster-wide revision).
 //! - `azure-blob`: `AzureBlobBackend`, the same through Azure Blob Storage blob leases
 //!   (renewal, fencing tokens in blob metadata, polling waiters; needs Rust 1.88).
+//! - `zookeeper`: `ZooKeeperBackend`, the same through ZooKeeper (an ephemeral
+//!   sequential node per contender, waiters queued in arrival order across instances
+//!   and woken by a watch on their predecessor, fencing tokens from the node's zxid).
 //! - `replay`: [`replay::ReplayLayer`], replaying the stored response of a completed
 //!   request to later requests with its key (in memory; in Redis or PostgreSQL with
 //!   `redis` / `postgres` too).
@@ -153,6 +156,9 @@ pub use backend::redis::RedisBackend;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redlock::RedlockBackend;
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
 pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
 pub use distributed::{

@@ -27,11 +27,11 @@ pub mod azure_blob;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
-#[cfg(any(feature = "etcd", feature = "azure-blob"))]
-mod escape;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
+#[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
+mod key_component;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub mod mysql;
@@ -49,9 +49,13 @@ mod retry_later;
     feature = "redis",
     feature = "dynamodb",
     feature = "etcd",
-    feature = "azure-blob"
+    feature = "azure-blob",
+    feature = "zookeeper"
 ))]
 mod ttl;
+#[cfg(feature = "zookeeper")]
+#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
+pub mod zookeeper;
 
 pub use retry_later::RetryLater;
 

@@ -1,6 +1,8 @@
 //! The backend conformance suite (`tower_keyed_lock::testkit`), run for every backend
-//! against a real server — Redis, a Redis Cluster, PostgreSQL, DynamoDB (moto) — and for
-//! a backend written outside the crate, as a user would write one.
+//! against real servers — Redis, a Redis Cluster, PostgreSQL (also through PgBouncer),
+//! DynamoDB (moto), etcd, MariaDB, Redlock's five Redis masters, Azure Blob Storage
+//! (Azurite), ZooKeeper — and for a backend written outside the crate, as a user would
+//! write one.
 #![cfg(feature = "testkit")]
 #![cfg_attr(
     not(any(
@@ -9,7 +11,8 @@
         feature = "dynamodb",
         feature = "etcd",
         feature = "mysql",
-        feature = "azure-blob"
+        feature = "azure-blob",
+        feature = "zookeeper"
     )),
     allow(dead_code)
 )]
@@ -101,6 +104,7 @@ conformance!(
     crate::support::fixtures::AzureBlob,
     "azure-blob"
 );
+conformance!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -139,6 +143,7 @@ mod faults {
         crate::support::fixtures::AzureBlob,
         "azure-blob"
     );
+    faults!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 }
 
 // ------------------------------------------------------------- through the layer
@@ -191,6 +196,7 @@ mod through_the_layer {
         crate::support::fixtures::AzureBlob,
         "azure-blob"
     );
+    through_the_layer!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 }
 
 /// Two instances of an axum app, each with its own backend, take 40 requests for one
@@ -590,7 +596,7 @@ async fn a_backend_written_outside_the_crate_conforms() {
 // ------------------------------------------------------ RELIABILITY.md, checked
 
 /// The columns of RELIABILITY.md's conformance table, as the fixture modules here.
-const COLUMNS: [(&str, &str); 9] = [
+const COLUMNS: [(&str, &str); 11] = [
     ("Redis", "redis"),
     ("Redis Cluster", "redis_cluster"),
     ("PostgreSQL", "postgres"),
@@ -603,6 +609,7 @@ const COLUMNS: [(&str, &str); 9] = [
     ("MySQL (MariaDB)", "mysql"),
     ("Redlock (5 Redis masters)", "redlock"),
     ("Azure Blob (Azurite)", "azure_blob"),
+    ("ZooKeeper", "zookeeper"),
     ("a backend outside the crate", "outside"),
 ];
 
@@ -615,6 +622,7 @@ const COLUMNS: [(&str, &str); 9] = [
     feature = "etcd",
     feature = "mysql",
     feature = "azure-blob",
+    feature = "zookeeper",
     feature = "axum"
 ))]
 #[test]

@@ -4,7 +4,7 @@
 //! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_sentinel`), PostgreSQL
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
 //! (`etcd`), MySQL (`mysql`), Redlock (`redlock`), Azure Blob Storage on Azurite
-//! (`azure_blob`); and
+//! (`azure_blob`), ZooKeeper (`zookeeper`); and
 //! the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
 //! `tests/redis_restart_guard.rs`, a process of its own.
 
@@ -31,3 +31,4 @@ mod redis_faults;
 mod redis_sentinel;
 mod redlock;
 mod tcp_proxy;
+mod zookeeper;

@@ -586,31 +586,6 @@ mod redlock {
     impl Fixture for Redlock {
         fn start() -> Self {
             Redlock((0..MASTERS).map(|_| RedisServer::start()).collect())
-#[cfg(feature = "azure-blob")]
-#[allow(unused_imports)] // the conformance and azure_blob binaries use it
-pub use self::azure_blob::{AzureBlob, LEASE as AZURE_LEASE};
-
-#[cfg(feature = "azure-blob")]
-mod azure_blob {
-    use super::*;
-    use crate::support::azurite_server::{container_url, AzuriteServer};
-    use tower_keyed_lock::AzureBlobBackend;
-
-    /// Azurite (Azure Blob Storage's emulator): a blob lease per holder, polling
-    /// waiters, the fencing token in the blob's metadata.
-    pub struct AzureBlob(pub AzuriteServer);
-
-    /// Azure's shortest lease: the loss bound of every Azure test.
-    pub const LEASE: Duration = Duration::from_secs(15);
-    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
-    /// Shorter than the default, for prompt hand-offs in the tests.
-    const POLL_INTERVAL: Duration = Duration::from_millis(100);
-    /// Every instance's container.
-    pub const CONTAINER: &str = "locks";
-
-    impl Fixture for AzureBlob {
-        fn start() -> Self {
-            AzureBlob(AzuriteServer::start())
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
@@ -647,6 +622,44 @@ mod azure_blob {
         fn kill(&mut self) {
             self.0.iter_mut().for_each(RedisServer::stop);
         }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+    }
+}
+
+#[cfg(feature = "azure-blob")]
+#[allow(unused_imports)] // the conformance and azure_blob binaries use it
+pub use self::azure_blob::{AzureBlob, LEASE as AZURE_LEASE};
+
+#[cfg(feature = "azure-blob")]
+mod azure_blob {
+    use super::*;
+    use crate::support::azurite_server::{container_url, AzuriteServer};
+    use tower_keyed_lock::AzureBlobBackend;
+
+    /// Azurite (Azure Blob Storage's emulator): a blob lease per holder, polling
+    /// waiters, the fencing token in the blob's metadata.
+    pub struct AzureBlob(pub AzuriteServer);
+
+    /// Azure's shortest lease: the loss bound of every Azure test.
+    pub const LEASE: Duration = Duration::from_secs(15);
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+    /// Shorter than the default, for prompt hand-offs in the tests.
+    const POLL_INTERVAL: Duration = Duration::from_millis(100);
+    /// Every instance's container.
+    pub const CONTAINER: &str = "locks";
+
+    impl Fixture for AzureBlob {
+        fn start() -> Self {
+            AzureBlob(AzuriteServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
 
     impl AzureBlob {
         /// A backend on the container at `url`, configured as every instance of the
@@ -693,6 +706,79 @@ mod azure_blob {
         /// The lease: Azure's shortest, 15 s.
         fn loss_bound(&self) -> Duration {
             LEASE
+        }
+    }
+}
+
+#[cfg(feature = "zookeeper")]
+#[allow(unused_imports)] // the conformance and zookeeper binaries use it
+pub use self::zookeeper::ZooKeeper;
+
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper {
+    use super::*;
+    use crate::support::zookeeper_server::ZooKeeperEnsemble;
+    use tower_keyed_lock::ZooKeeperBackend;
+
+    /// A 3-server ZooKeeper ensemble: an ephemeral sequential node per contender, each
+    /// waiter watching its predecessor.
+    pub struct ZooKeeper(pub ZooKeeperEnsemble);
+
+    impl Fixture for ZooKeeper {
+        fn start() -> Self {
+            ZooKeeper(ZooKeeperEnsemble::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+    }
+
+    /// The session timeout asked (the test ensemble's tick is 200 ms: 10 ticks).
+    pub const SESSION_TIMEOUT: Duration = Duration::from_secs(2);
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
+
+    impl ZooKeeper {
+        /// A backend on `servers` (a connect string), configured as every instance of
+        /// the fixture.
+        pub async fn backend_on_servers(servers: &str) -> ZooKeeperBackend {
+            ZooKeeperBackend::builder(servers)
+                .session_timeout(SESSION_TIMEOUT)
+                .command_timeout(COMMAND_TIMEOUT)
+                .build()
+                .await
+                .expect("the backend connects to ZooKeeper")
+        }
+    }
+
+    impl Proxied for ZooKeeper {
+        /// The first server: the proxy stands in front of one server of three.
+        fn upstream(&self) -> std::net::SocketAddr {
+            self.0.client_addr(0)
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            Arc::new(ZooKeeper::backend_on_servers(host_port).await)
+        }
+
+        fn network_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
+    impl Remote for ZooKeeper {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            Arc::new(ZooKeeper::backend_on_servers(&self.0.connect_string()).await)
+        }
+
+        fn kill(&mut self) {
+            self.0.kill_all();
+        }
+
+        /// The session timeout, plus a tick: the leader expires sessions in buckets of
+        /// a tick.
+        fn loss_bound(&self) -> Duration {
+            SESSION_TIMEOUT + crate::support::zookeeper_server::TICK
         }
     }
 }
@@ -763,6 +849,7 @@ macro_rules! for_each_fixture {
         for_each_fixture!(@mod postgres, $crate::support::fixtures::Postgres, ["postgres"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod dynamodb, $crate::support::fixtures::DynamoDb, ["dynamodb"]; $($all,)* $($remote),*);
         for_each_fixture!(@mod mysql, $crate::support::fixtures::MySql, ["mysql"]; $($all,)* $($remote),*);
+        for_each_fixture!(@mod zookeeper, $crate::support::fixtures::ZooKeeper, ["zookeeper"]; $($all,)* $($remote),*);
     };
     (@mod $module:ident, $fixture:ty, [$($feature:literal)?]; $($test:ident),* $(,)?) => {
         $(#[cfg(feature = $feature)])?

@@ -52,6 +52,8 @@ pub mod replay;
 #[cfg(feature = "axum")]
 pub mod soak;
 pub mod tcp_proxy;
+#[cfg(feature = "zookeeper")]
+pub mod zookeeper_server;
 
 /// Serves `app` on a free port of 127.0.0.1 until the test ends.
 pub async fn serve(app: Router) -> Server {

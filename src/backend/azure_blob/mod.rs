@@ -476,6 +476,10 @@ async fn ensure_container(
 }
 
 impl LockBackend for AzureBlobBackend {
+    fn engine(&self) -> &'static str {
+        "azure-blob"
+    }
+
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let blob = self.blob_name(name, key.as_str());
         let blob = Arc::new(self.inner.container.blob_client(&blob));

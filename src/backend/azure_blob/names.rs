@@ -1,7 +1,7 @@
 //! The name of a lock's blob (see [blob names](super#blob-names)).
 
-use crate::backend::escape::push_component;
-pub(super) use crate::backend::escape::with_slash;
+use crate::backend::key_component::push_url_safe as push_component;
+pub(super) use crate::backend::key_component::with_slash;
 
 /// The longest prefix accepted: with the longest name and key parts (two hashes) the
 /// blob name stays far below Azure's 1024 characters.
@@ -33,7 +33,7 @@ fn push_part(out: &mut String, text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::escape::MAX_PLAIN_LEN;
+    use crate::backend::key_component::MAX_PLAIN_LEN;
     use crate::backend::ttl::sha256_hex;
 
     #[test]

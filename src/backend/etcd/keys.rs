@@ -2,8 +2,8 @@
 
 use std::fmt::Write as _;
 
-use crate::backend::escape::push_component;
-pub(super) use crate::backend::escape::with_slash;
+use crate::backend::key_component::push_url_safe as push_component;
+pub(super) use crate::backend::key_component::with_slash;
 
 /// The etcd keys of one lock: the queue's prefix, under which every contender's key
 /// lives.
@@ -38,7 +38,7 @@ impl LockKeys {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::escape::MAX_PLAIN_LEN;
+    use crate::backend::key_component::MAX_PLAIN_LEN;
     use crate::backend::ttl::sha256_hex;
 
     #[test]

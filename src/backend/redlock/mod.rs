@@ -542,6 +542,10 @@ impl RedlockBackendBuilder {
 }
 
 impl LockBackend for RedlockBackend {
+    fn engine(&self) -> &'static str {
+        "redlock"
+    }
+
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))

@@ -33,9 +33,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-#[cfg(any(feature = "redis", feature = "etcd"))]
+#[cfg(any(feature = "redis", feature = "etcd", feature = "zookeeper"))]
 pub(crate) use self::backoff::jitter;
 pub(crate) use self::backoff::Backoff;
+#[cfg(feature = "zookeeper")]
+pub(crate) use self::give_back::give_back;
 pub(crate) use self::give_back::InFlight;
 pub(crate) use self::lease::grant;
 pub(crate) use self::token::{fresh_token, sha256_hex};

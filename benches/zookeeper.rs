@@ -1,0 +1,223 @@
+//! The ZooKeeper backend against a real 3-server ensemble the bench starts on free
+//! ports, and the hand-off between two instances side by side with etcd (a 3-member
+//! cluster started beside it).
+//!
+//! ```text
+//! cargo bench -p tower-keyed-lock-benches --bench zookeeper
+//! cargo bench -p tower-keyed-lock-benches --bench zookeeper -- --test     # CI: each once
+//! ```
+//!
+//! 1. Uncontended acquire + release of one key: `ZooKeeperBackend` (`acquire` then
+//!    `Lease::release`: the create of an ephemeral sequential node, a read of the
+//!    queue, the delete) against the bare recipe calls on a client of the same
+//!    ensemble: create an ephemeral sequential node, delete it. Criterion times each;
+//!    then both run in alternating batches (A B, B A, …) and the median ratio is
+//!    printed.
+//! 2. Hand-off between two instances: instance A holds the key, instance B waits for
+//!    it, A releases; the time from the start of A's release to B's grant (B is woken
+//!    by a watch on its predecessor, on ZooKeeper and on etcd alike).
+
+#[path = "../tests/support/etcd_server.rs"]
+mod etcd_server;
+#[path = "../tests/support/zookeeper_server.rs"]
+mod zookeeper_server;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
+use tower_keyed_lock::{Key, LockBackend};
+use zookeeper_client as zk;
+use zookeeper_server::ZooKeeperEnsemble;
+
+fn main() {
+    let mut c = Criterion::default()
+        .sample_size(30)
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_millis(500))
+        .configure_from_args();
+    let quick = std::env::args().any(|arg| arg == "--test");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let ensemble = ZooKeeperEnsemble::start();
+    let backend = rt.block_on(zookeeper_backend(&ensemble));
+    let bare = rt.block_on(bare_client(&ensemble));
+    let key = Key::new("order-1", 256).unwrap();
+    rt.block_on(backend_round(&backend, &key));
+    rt.block_on(bare_round(&bare));
+
+    let mut group = c.benchmark_group("zookeeper-uncontended");
+    group.bench_function("backend-acquire-release", |b| {
+        b.to_async(&rt).iter(|| backend_round(&backend, &key));
+    });
+    group.bench_function("bare-create-delete", |b| {
+        b.to_async(&rt).iter(|| bare_round(&bare));
+    });
+    group.finish();
+
+    let (rounds, batch) = if quick { (2, 5) } else { (11, 100) };
+    let (backend_us, bare_us, ratio) =
+        rt.block_on(alternating(&backend, &bare, &key, rounds, batch));
+    println!(
+        "zookeeper uncontended acquire+release: backend {backend_us:.0} µs, bare create \
+         ephemeral sequential + delete {bare_us:.0} µs, ratio {ratio:.2}x (median of \
+         {rounds} alternating rounds of {batch})"
+    );
+
+    let handoffs = if quick { 3 } else { 50 };
+    let a: Arc<dyn LockBackend> = Arc::new(backend.clone());
+    let b: Arc<dyn LockBackend> = Arc::new(rt.block_on(zookeeper_backend(&ensemble)));
+    report(
+        "zookeeper (3 servers)",
+        &rt.block_on(hand_off(a, b, handoffs)),
+    );
+    {
+        let cluster = etcd_server::EtcdCluster::start();
+        let backend = || async {
+            let backend = tower_keyed_lock::EtcdBackend::builder(cluster.endpoints())
+                .lease(Duration::from_secs(10))
+                .build()
+                .await
+                .expect("the backend connects to etcd");
+            Arc::new(backend) as Arc<dyn LockBackend>
+        };
+        let (a, b) = rt.block_on(async { (backend().await, backend().await) });
+        report("etcd (3 members)", &rt.block_on(hand_off(a, b, handoffs)));
+    }
+    c.final_summary();
+}
+
+async fn zookeeper_backend(ensemble: &ZooKeeperEnsemble) -> ZooKeeperBackend {
+    ZooKeeperBackend::builder(ensemble.connect_string())
+        .session_timeout(Duration::from_secs(4))
+        .build()
+        .await
+        .expect("the backend connects to ZooKeeper")
+}
+
+/// A plain client, with the parent of its nodes made.
+async fn bare_client(ensemble: &ZooKeeperEnsemble) -> zk::Client {
+    let client = zk::Client::connector()
+        .with_session_timeout(Duration::from_secs(4))
+        .connect(&ensemble.connect_string())
+        .await
+        .expect("a client connects to ZooKeeper");
+    let parent = zk::CreateMode::Persistent.with_acls(zk::Acls::anyone_all());
+    client
+        .mkdir("/bare/order-1", &parent)
+        .await
+        .expect("the parent node");
+    client
+}
+
+async fn backend_round(backend: &ZooKeeperBackend, key: &Key) {
+    let lease = backend
+        .acquire("bench", key, Duration::from_secs(1))
+        .await
+        .expect("an uncontended key");
+    lease.release().await;
+}
+
+/// The recipe's two writes without the lock around them: an ephemeral sequential node
+/// created, then deleted.
+async fn bare_round(client: &zk::Client) {
+    let node = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
+    let (_, sequence) = client
+        .create("/bare/order-1/lock-", b"", &node)
+        .await
+        .unwrap();
+    client
+        .delete(&format!("/bare/order-1/lock-{sequence}"), None)
+        .await
+        .unwrap();
+}
+
+/// Median over rounds of (backend batch / bare batch), the order alternating.
+async fn alternating(
+    backend: &ZooKeeperBackend,
+    bare: &zk::Client,
+    key: &Key,
+    rounds: usize,
+    batch: usize,
+) -> (f64, f64, f64) {
+    let mut samples = Vec::new();
+    for round in 0..rounds {
+        let (mut backend_time, mut bare_time) = (Duration::ZERO, Duration::ZERO);
+        for backend_first in [round % 2 == 0, round % 2 != 0] {
+            let started = Instant::now();
+            for _ in 0..batch {
+                if backend_first {
+                    backend_round(backend, key).await;
+                } else {
+                    bare_round(bare).await;
+                }
+            }
+            if backend_first {
+                backend_time = started.elapsed();
+            } else {
+                bare_time = started.elapsed();
+            }
+        }
+        samples.push((backend_time, bare_time));
+    }
+    samples.sort_by(|x, y| {
+        let ratio = |(a, b): &(Duration, Duration)| a.as_secs_f64() / b.as_secs_f64();
+        ratio(x).total_cmp(&ratio(y))
+    });
+    let (backend_time, bare_time) = samples[samples.len() / 2];
+    let per = |time: Duration| time.as_secs_f64() * 1e6 / batch as f64;
+    (
+        per(backend_time),
+        per(bare_time),
+        backend_time.as_secs_f64() / bare_time.as_secs_f64(),
+    )
+}
+
+/// `rounds` hand-offs from instance `a` to instance `b` (each with its own backend):
+/// the time from the start of a's release to b's grant.
+async fn hand_off(
+    a: Arc<dyn LockBackend>,
+    b: Arc<dyn LockBackend>,
+    rounds: usize,
+) -> Vec<Duration> {
+    let key = Key::new("handoff", 256).unwrap();
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let held = a
+            .acquire("bench", &key, Duration::from_secs(10))
+            .await
+            .expect("a takes the key");
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move {
+                let lease = b.acquire("bench", &key, Duration::from_secs(10)).await;
+                (lease, Instant::now())
+            })
+        };
+        // Long enough for b to be queued and watching before the release.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let released = Instant::now();
+        held.release().await;
+        let (lease, granted) = waiter.await.expect("the waiter ran");
+        lease.expect("b takes the key").release().await;
+        times.push(granted.saturating_duration_since(released));
+    }
+    times.sort();
+    times
+}
+
+fn report(engine: &str, times: &[Duration]) {
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    println!(
+        "hand-off release -> next grant, {engine}: p50 {:.2} ms, p90 {:.2} ms, max {:.2} ms \
+         ({} hand-offs)",
+        at(0.5).as_secs_f64() * 1e3,
+        at(0.9).as_secs_f64() * 1e3,
+        at(1.0).as_secs_f64() * 1e3,
+        times.len()
+    );
+}

@@ -1,0 +1,63 @@
+//! A layer name or request key as one component of an engine's path (etcd keys,
+//! ZooKeeper nodes, blob names): percent-escaped, or hashed when empty or too long, so
+//! that any UTF-8 text is safe there and distinct texts never share a component.
+
+use std::fmt::Write as _;
+
+use crate::backend::ttl::sha256_hex;
+
+/// Appends `text` to `out`: every byte for which `plain` is false written `%XX` (so a
+/// separator never appears raw, provided `plain` refuses it and `%` and `#`), or `#`
+/// and the lowercase hex SHA-256 of the UTF-8 bytes when `text` is empty or its
+/// escaped form is longer than `max_plain_len` (stable across builds and machines). An
+/// escaped form never starts with `#`, so the two forms never collide.
+pub(crate) fn push_component(
+    out: &mut String,
+    text: &str,
+    plain: fn(u8) -> bool,
+    max_plain_len: usize,
+) {
+    let escaped_len: usize = text
+        .bytes()
+        .map(|byte| if plain(byte) { 1 } else { 3 })
+        .sum();
+    if text.is_empty() || escaped_len > max_plain_len {
+        out.push('#');
+        out.push_str(&sha256_hex(text));
+        return;
+    }
+    for byte in text.bytes() {
+        if plain(byte) {
+            out.push(char::from(byte));
+        } else {
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+}
+
+/// A name or key longer than this once escaped is hashed (etcd keys, blob names).
+#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+pub(crate) const MAX_PLAIN_LEN: usize = 128;
+
+/// The bytes etcd keys and blob names keep as they are: every other byte is `%XX`.
+#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+fn url_safe(byte: u8) -> bool {
+    byte.is_ascii_alphanumeric() || b"-_.~:@+=,".contains(&byte)
+}
+
+/// [`push_component`] with the bytes of [`url_safe`] plain and [`MAX_PLAIN_LEN`]: no
+/// `/`, `%` or `#` ever appears raw.
+#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+pub(crate) fn push_url_safe(out: &mut String, text: &str) {
+    push_component(out, text, url_safe, MAX_PLAIN_LEN);
+}
+
+/// `prefix` as the start of every name: a trailing `/` added if missing.
+#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+pub(crate) fn with_slash(prefix: &str) -> String {
+    let mut prefix = prefix.to_owned();
+    if !prefix.ends_with('/') {
+        prefix.push('/');
+    }
+    prefix
+}

@@ -1,0 +1,517 @@
+//! ZooKeeper backend: serializes a key across every instance that shares a ZooKeeper
+//! ensemble, with an ephemeral sequential node per contender, waiters queued in
+//! arrival order across instances (each watching only its predecessor), and the node's
+//! creation zxid as fencing token.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tower_keyed_lock::backend::zookeeper::{SetupError, ZooKeeperBackend};
+//! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
+//!
+//! # async fn run() -> Result<(), SetupError> {
+//! let backend = ZooKeeperBackend::builder("zk-0:2181,zk-1:2181,zk-2:2181")
+//!     .session_timeout(Duration::from_secs(10))
+//!     .build()
+//!     .await?;
+//! // Requests with one idempotency key run one at a time, across every instance…
+//! let layer = KeyedLockLayer::by_header("idempotency-key")
+//!     .name("orders")
+//!     .wait_timeout(Duration::from_secs(2))
+//!     .backend(backend.clone());
+//! // …and so do jobs, outside HTTP.
+//! let jobs = DistributedLocks::builder("jobs").backend(backend).build();
+//! if let Ok(guard) = jobs.try_lock("nightly-report").await {
+//!     // Only this instance runs it; `guard.fencing_token()` orders its writes.
+//!     guard.release().await;
+//! }
+//! # let _ = layer;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The client is [`zookeeper_client`] (kezhuw's `zookeeper-client`): written for async
+//! Rust from the protocol up and kept current with ZooKeeper (`create2`, which answers
+//! with the new node's `Stat` and so its creation zxid; container nodes; `sync`;
+//! connect strings of several servers), with one-shot watches that are plain futures,
+//! a session state watcher, and a Curator-compatible lock recipe of its own to compare
+//! with. Of the alternatives, `tokio-zookeeper` connects to one server address (no
+//! failover within an ensemble) and has no `sync`; `zookeeper-async` has no `sync`
+//! either and delivers watches to callbacks, after the 3.4-era Java client it follows.
+//! `sync` is what the heartbeat needs (see below): it goes through the leader.
+//!
+//! # ZooKeeper nodes
+//!
+//! A layer named `name` locks request key `key` with these nodes:
+//!
+//! ```text
+//! <prefix>/<name>/<key>                          the lock's queue (container nodes,
+//!                                                which ZooKeeper deletes once empty)
+//! <prefix>/<name>/<key>/_c_<token>-lock-<seq>    one contender (holder or waiter):
+//!                                                ephemeral sequential, empty
+//! ```
+//!
+//! `name` and `key` are each written with every byte outside ASCII letters, digits and
+//! `- _ ~ : @ + = ,` escaped as `%XX` (so `/`, `.`, `%`, `#`, spaces, control and
+//! non-ASCII characters never appear raw, nor the names `.` and `..`); `zookeeper` is
+//! written `%7Aookeeper`. When the escaped form is empty or longer than 128 bytes, it is
+//! `#` followed by the lowercase hex SHA-256 of the UTF-8 bytes instead (stable across
+//! builds and machines). Distinct (name, key) pairs under one prefix never share a
+//! queue. `<token>` is 128 random bits in hex, fresh for every acquisition; `<seq>` is
+//! ZooKeeper's sequence number. The prefix (default [`DEFAULT_PREFIX`],
+//! `"/keyed-lock"`) gets a leading `/` and loses trailing ones; a prefix under
+//! `/zookeeper`, or with empty, `.` or `..` parts, is refused.
+//! [`ZooKeeperBackend::queue_path`] computes a queue's path.
+//!
+//! # How a key is held
+//!
+//! This is ZooKeeper's lock recipe (the one Curator's `InterProcessMutex` follows),
+//! with its timing made explicit:
+//!
+//! - **Session.** The backend keeps one ZooKeeper session (opened on first use, with
+//!   [`session_timeout`](ZooKeeperBackendBuilder::session_timeout)); every contender's
+//!   node belongs to it and goes when it ends.
+//! - **Queue.** An acquisition creates its node, ephemeral and sequential, named with
+//!   its token ("protected", as Curator calls it). The sequence number is its place in
+//!   the queue; if no contender of the queue is older, the lock is granted. Within an
+//!   instance, requests for a key queue on the local table first (the two tiers of
+//!   [`backend`](crate::backend)), so an instance has at most one node in a key's queue.
+//! - **Wait.** Otherwise the waiter watches the node just older than its own (its
+//!   predecessor only: one release wakes one waiter, no herd) and reads the queue again
+//!   when the watch fires, or after a jittered
+//!   [`poll_interval`](ZooKeeperBackendBuilder::poll_interval) (a backstop: a lost
+//!   watch only costs latency). Keys pass in FIFO order across instances. Only the
+//!   request's wait bounds the waiting.
+//! - **Fencing token.** The holder node's creation zxid
+//!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): one counter for the
+//!   whole ensemble, raised by every write and by every new leader's epoch, so strictly
+//!   increasing from holder to holder.
+//! - **Validity.** A heartbeat (`sync`, which goes through the leader) every third of
+//!   the session timeout. The session, and every lease on it, counts as alive until
+//!   *send time of the heartbeat before the last answered one + session timeout −
+//!   drift margin*, on the monotonic clock: a follower passes a session's touches to
+//!   the leader on its next ping, so the last heartbeat may not have reached the leader
+//!   when the link broke, while the one before it has. At that instant the session is
+//!   declared lost (whatever ZooKeeper says later), as it is at once when the client
+//!   reports it expired or closed, and a holder's lease is lost too when a watch on its
+//!   own node sees it deleted. The handler sees it through
+//!   [`LockInfo::lease`](crate::LockInfo::lease). A session declared lost is closed
+//!   (its nodes go at once if ZooKeeper can still be reached) and the next acquisition
+//!   opens a new one.
+//! - **Release.** The node is deleted: the next waiter's watch fires. If ZooKeeper
+//!   cannot be reached within the command timeout, the delete is retried in the
+//!   background until it succeeds or the session is lost.
+//! - **Cancel safety.** From the create on, a guard deletes the contender's node if the
+//!   acquisition ends without handing it over (an error, the wait over, the acquire
+//!   future dropped at any await). When the create's answer never came, the guard finds
+//!   the node by its token among the queue's children, and looks again until no write
+//!   of the attempt can still land.
+//!
+//! Every request is bounded by
+//! [`command_timeout`](ZooKeeperBackendBuilder::command_timeout): when ZooKeeper is down
+//! or silent, acquisitions fail with [`LockError::Backend`] promptly and the layer
+//! answers 503 (or runs the request under its local lock with
+//! [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//!
+//! # Timing rules
+//!
+//! | what | when |
+//! |---|---|
+//! | heartbeat (`sync`) | every session timeout/3 after the last one sent; retried every timeout/12 while unanswered |
+//! | a holder counts its lease lost | send time of the heartbeat before the last answered one + session timeout − drift margin (default 1% of the timeout + 2 ms); at once when the session is reported expired or closed, or its node is seen deleted |
+//! | ZooKeeper frees a stopped holder's node | one negotiated session timeout after the leader last heard of the session (rounded up to a tick); a new leader restarts every session's timeout |
+//! | one request (create, read, watch, delete, heartbeat) | at most the command timeout (default 1 s) |
+//! | opening a session | at most the command timeout per server in the connect string |
+//! | a waiter looks again without a watch event | after a jittered poll interval (default 1 s) |
+//!
+//! # Failures of the ensemble
+//!
+//! Creates, deletes and `sync` need a quorum. When the leader dies, the ensemble elects
+//! another (within a few ticks) and every session's timeout starts again; the client
+//! reconnects to another server of the connect string within the session, and the
+//! heartbeats get through again. A holder cut off from the quorum (its server in a
+//! minority partition, a majority of servers down, the link silent) cannot get a
+//! heartbeat answered; it is told at its local deadline, before the leader (whose count
+//! starts later) expires the session and deletes its node. A server restarted rejoins
+//! with its data.
+//!
+//! # What this backend does not guarantee
+//!
+//! - **Clock rate.** Validity is a duration measured on two clocks (this process's and
+//!   the leader's); the drift margin must cover how much faster this clock can run than
+//!   the leader's over one session timeout. Wall clocks are never compared.
+//! - **A stalled holder.** A holder whose process pauses past its session timeout loses
+//!   the key to the next waiter; it learns it from
+//!   [`LeaseSignal::is_lost`](crate::LeaseSignal::is_lost) at its next look (by the
+//!   clock alone), not before. Use the fencing token where a late write must be refused.
+//! - **One session for all keys.** Every lock of one backend shares its session: a
+//!   session lost loses every lease held on it at once.
+//! - **Restores and data loss.** Fencing tokens are zxids. An ensemble restored from an
+//!   old snapshot, or one that lost acknowledged writes (`forceSync=no` and every server
+//!   restarted), can issue a zxid issued before.
+//! - **Nodes deleted by hand.** An operator's delete of a holder's node grants the lock
+//!   to the next waiter at once; the holder learns it when its node watch fires (one
+//!   round trip later). Keep the prefix away from other writers (ZooKeeper ACLs can).
+//! - **A delete that keeps failing while the session lives.** Such a node stays until
+//!   the session ends (the backend dropped, or the session lost).
+//! - **Shared holders and permits.** Not built yet: one holder per key. The recipes map
+//!   onto the same queue: a shared lock is a read node that waits only for older write
+//!   nodes (a writer waits for every older node); n permits grant the n oldest nodes,
+//!   each waiter watching the node n places ahead of it.
+//!
+//! # Unsafe setups refused
+//!
+//! [`build`](ZooKeeperBackendBuilder::build) opens a session (and closes it again: the
+//! first acquisition opens the one the locks use, on the runtime it runs on, so that a
+//! process whose runtime stalls or dies takes its session along) and refuses, with a
+//! [`SetupError::Unsafe`] that names the problem:
+//!
+//! - a drift margin of half the negotiated session timeout or more (no validity would
+//!   be left; the server may shorten the timeout asked to its own bounds, 2 to 20
+//!   ticks);
+//! - a prefix that is not a valid ZooKeeper path, or lies under `/zookeeper`.
+//!
+//! The backend never connects read-only (a read-only server cannot create nodes) and
+//! never reads a lock's queue without the session's ordering (every read follows the
+//! contender's own create on the same session).
+
+// One concern per file: `keys` names the nodes, `session` keeps the session heard,
+// `acquire` queues and waits (and gives back a node nobody holds), `lease` follows a
+// held node. This file has the public types and their configuration.
+mod acquire;
+mod keys;
+mod lease;
+mod session;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Mutex as AsyncMutex;
+use zookeeper_client as zk;
+
+use self::acquire::backend;
+use self::keys::{check_prefix, normalize_prefix, LockPath};
+use self::session::Session;
+use super::{ttl, Acquisition, LockBackend};
+#[cfg(doc)]
+use crate::error::LockError;
+use crate::key::Key;
+
+pub use self::acquire::ZooKeeperLockError;
+
+/// The default [`ZooKeeperBackendBuilder::session_timeout`].
+pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+/// The default [`ZooKeeperBackendBuilder::command_timeout`].
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
+/// The default [`ZooKeeperBackendBuilder::poll_interval`].
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// The default [`ZooKeeperBackendBuilder::prefix`].
+pub const DEFAULT_PREFIX: &str = "/keyed-lock";
+
+/// A [`LockBackend`] on a ZooKeeper ensemble (3.5 or newer): one session, shared by
+/// every clone. See the [module docs](self).
+///
+/// ```no_run
+/// use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
+/// use tower_keyed_lock::KeyedLockLayer;
+///
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::zookeeper::SetupError> {
+/// let backend = ZooKeeperBackend::connect("127.0.0.1:2181").await?;
+/// let layer = KeyedLockLayer::by_header("idempotency-key")
+///     .name("deliveries")
+///     .backend(backend);
+/// # let _ = layer;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct ZooKeeperBackend {
+    inner: Arc<Inner>,
+}
+
+/// Configures a [`ZooKeeperBackend`]; made by [`ZooKeeperBackend::builder`].
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
+///
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::zookeeper::SetupError> {
+/// let backend = ZooKeeperBackend::builder("127.0.0.1:2181")
+///     .session_timeout(Duration::from_secs(6))
+///     .command_timeout(Duration::from_millis(500))
+///     .prefix("/billing/locks")
+///     .build()
+///     .await?;
+/// # let _ = backend;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct ZooKeeperBackendBuilder {
+    config: Config,
+}
+
+#[derive(Clone, Debug)]
+struct Config {
+    /// The connect string: `host:port,host:port,…`.
+    servers: String,
+    session_timeout: Duration,
+    drift: Option<Duration>,
+    command_timeout: Duration,
+    poll_interval: Duration,
+    prefix: String,
+}
+
+/// What every clone of a backend shares.
+struct Inner {
+    /// With `session_timeout` the negotiated one and `drift` decided.
+    config: Config,
+    drift: Duration,
+    /// The session in use; replaced by the next acquisition once lost.
+    session: AsyncMutex<Option<Arc<Session>>>,
+}
+
+/// Why [`ZooKeeperBackendBuilder::build`] failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// No session could be opened.
+    Connect(zk::Error),
+    /// A setup that breaks a guarantee of the lock, named.
+    Unsafe(String),
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupError::Connect(error) => write!(f, "cannot connect to ZooKeeper: {error}"),
+            SetupError::Unsafe(why) => write!(f, "unsafe ZooKeeper lock setup refused: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for SetupError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SetupError::Connect(error) => Some(error),
+            SetupError::Unsafe(_) => None,
+        }
+    }
+}
+
+impl Config {
+    fn drift(&self) -> Duration {
+        self.drift
+            .unwrap_or_else(|| ttl::default_drift(self.session_timeout))
+    }
+
+    /// How long opening a session may take: the command timeout per server.
+    fn connect_timeout(&self) -> Duration {
+        let servers = self.servers.split(',').count().max(1);
+        self.command_timeout * u32::try_from(servers).unwrap_or(u32::MAX)
+    }
+}
+
+impl ZooKeeperBackend {
+    /// A builder for a backend on the ensemble at `servers`, a ZooKeeper connect string
+    /// (`host:port,host:port,…`; every server of the ensemble lets the client go on
+    /// when one is down).
+    pub fn builder(servers: impl Into<String>) -> ZooKeeperBackendBuilder {
+        ZooKeeperBackendBuilder {
+            config: Config {
+                servers: servers.into(),
+                session_timeout: DEFAULT_SESSION_TIMEOUT,
+                drift: None,
+                command_timeout: DEFAULT_COMMAND_TIMEOUT,
+                poll_interval: DEFAULT_POLL_INTERVAL,
+                prefix: DEFAULT_PREFIX.to_owned(),
+            },
+        }
+    }
+
+    /// A backend with the defaults, on the ensemble at `servers`.
+    pub async fn connect(servers: impl Into<String>) -> Result<Self, SetupError> {
+        Self::builder(servers).build().await
+    }
+
+    /// The path of the queue of `key` for the layer called `name` (see
+    /// [ZooKeeper nodes](self#zookeeper-nodes)): every contender's node is a child of
+    /// it.
+    ///
+    /// ```no_run
+    /// # use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
+    /// # async fn run() -> Result<(), tower_keyed_lock::backend::zookeeper::SetupError> {
+    /// # let backend = ZooKeeperBackend::connect("127.0.0.1:2181").await?;
+    /// assert_eq!(backend.queue_path("orders", "42"), "/keyed-lock/orders/42");
+    /// assert_eq!(backend.queue_path("orders", "a/b"), "/keyed-lock/orders/a%2Fb");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn queue_path(&self, name: &str, key: &str) -> String {
+        LockPath::new(&self.inner.config.prefix, name, key).queue
+    }
+
+    /// The session timeout the ensemble granted (it may shorten or lengthen the one
+    /// asked to its own bounds).
+    pub fn session_timeout(&self) -> Duration {
+        self.inner.config.session_timeout
+    }
+}
+
+impl fmt::Debug for ZooKeeperBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ZooKeeperBackend")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ZooKeeperBackendBuilder {
+    /// The session timeout asked of ZooKeeper (default [`DEFAULT_SESSION_TIMEOUT`],
+    /// 10 s; the server keeps it between 2 and 20 of its ticks). It bounds how long a
+    /// crashed instance keeps a key, and how long a holder cut off from the quorum
+    /// holds before it is told; a live holder keeps the key as long as it runs.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.config.session_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// What is taken off every validity period for clock drift between this process
+    /// and the ZooKeeper leader (default 1% of the session timeout + 2 ms). Half the
+    /// negotiated session timeout or more is refused by [`build`](Self::build).
+    pub fn drift_margin(mut self, margin: Duration) -> Self {
+        self.config.drift = Some(margin);
+        self
+    }
+
+    /// The longest one request to ZooKeeper may take (default
+    /// [`DEFAULT_COMMAND_TIMEOUT`], 1 s). Past it the acquisition fails with
+    /// [`LockError::Backend`], a heartbeat counts as unanswered, and a release goes on
+    /// in the background. Opening a session may take it once per server.
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.config.command_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long a waiter watches before it reads the queue again without a watch
+    /// event (default [`DEFAULT_POLL_INTERVAL`], 1 s; a random time between half of it
+    /// and all of it).
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.config.poll_interval = interval.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The path under which every lock node lives (default [`DEFAULT_PREFIX`],
+    /// `"/keyed-lock"`); a leading `/` is added and trailing ones removed.
+    pub fn prefix(mut self, prefix: &str) -> Self {
+        self.config.prefix = normalize_prefix(prefix);
+        self
+    }
+
+    /// Opens a session to check the setup (see
+    /// [Unsafe setups refused](self#unsafe-setups-refused)).
+    pub async fn build(self) -> Result<ZooKeeperBackend, SetupError> {
+        let mut config = self.config;
+        check_prefix(&config.prefix).map_err(SetupError::Unsafe)?;
+        let asked = config.drift();
+        if asked >= config.session_timeout / 2 {
+            return Err(SetupError::Unsafe(format!(
+                "the drift margin {asked:?} is half the session timeout {:?} or more",
+                config.session_timeout
+            )));
+        }
+        config.drift = Some(asked);
+        let session = Session::open(&config).await.map_err(SetupError::Connect)?;
+        let negotiated = session.timeout();
+        if config.drift.unwrap_or(asked) >= negotiated / 2 {
+            return Err(SetupError::Unsafe(format!(
+                "the drift margin {asked:?} is half the session timeout ZooKeeper granted \
+                 ({negotiated:?}, asked {:?}) or more",
+                config.session_timeout
+            )));
+        }
+        config.session_timeout = negotiated;
+        // Closed: the first acquisition opens the session the locks use, so that its
+        // tasks run on the runtime the locks are used from (a process whose runtime
+        // stalls or dies takes its session with it, as it should).
+        drop(session);
+        Ok(ZooKeeperBackend {
+            inner: Arc::new(Inner {
+                drift: asked,
+                config,
+                session: AsyncMutex::new(None),
+            }),
+        })
+    }
+}
+
+impl Inner {
+    /// The session in use, or a new one if it is lost (or none was open).
+    async fn session(&self) -> Result<Arc<Session>, crate::LockError> {
+        let mut slot = self.session.lock().await;
+        if let Some(session) = slot.as_ref().filter(|session| !session.is_lost()) {
+            return Ok(session.clone());
+        }
+        *slot = None;
+        let session = Session::open(&self.config)
+            .await
+            .map_err(|error| backend(ZooKeeperLockError::ZooKeeper(error)))?;
+        *slot = Some(session.clone());
+        Ok(session)
+    }
+}
+
+impl LockBackend for ZooKeeperBackend {
+    fn engine(&self) -> &'static str {
+        "zookeeper"
+    }
+
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
+        let path = LockPath::new(&self.inner.config.prefix, name, key.as_str());
+        Box::pin(self.inner.clone().acquire(path, wait))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drift_defaults_to_one_percent_plus_two_ms() {
+        let builder =
+            ZooKeeperBackend::builder("127.0.0.1:2181").session_timeout(Duration::from_secs(10));
+        assert_eq!(builder.config.drift(), Duration::from_millis(102));
+        let builder = builder.drift_margin(Duration::from_millis(7));
+        assert_eq!(builder.config.drift(), Duration::from_millis(7));
+    }
+
+    #[tokio::test]
+    async fn a_drift_of_half_the_timeout_and_a_bad_prefix_are_refused_by_name() {
+        let refused = ZooKeeperBackend::builder("127.0.0.1:1")
+            .session_timeout(Duration::from_secs(2))
+            .drift_margin(Duration::from_secs(1))
+            .build()
+            .await;
+        match refused {
+            Err(SetupError::Unsafe(why)) => assert!(why.contains("drift margin"), "{why}"),
+            other => panic!("not refused: {other:?}"),
+        }
+        for prefix in ["/zookeeper/locks", "/", "/a/../b"] {
+            let refused = ZooKeeperBackend::builder("127.0.0.1:1")
+                .prefix(prefix)
+                .build()
+                .await;
+            assert!(
+                matches!(refused, Err(SetupError::Unsafe(_))),
+                "{prefix}: {refused:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_connect_timeout_is_one_command_timeout_per_server() {
+        let builder =
+            ZooKeeperBackend::builder("a:1,b:2,c:3").command_timeout(Duration::from_millis(300));
+        assert_eq!(builder.config.connect_timeout(), Duration::from_millis(900));
+    }
+}

@@ -1,0 +1,547 @@
+//! What the ZooKeeper backend promises beyond the conformance suite, on a real 3-server
+//! ensemble: waiters served in arrival order across instances, a hold that survives the
+//! leader's death or a server's restart (or is signalled lost before anyone else is
+//! granted), a holder cut off in a minority or left without a majority told before
+//! anyone else is granted, the node of a create whose answer never came deleted, and
+//! the key mapping seen from ZooKeeper. The holder whose link goes silent past its
+//! session timeout is the conformance suite's fault check
+//! (`conformance::faults::zookeeper`), and here once more on a session heard for a
+//! while first.
+#![cfg(feature = "zookeeper")]
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::support::fixtures::{self as servers, locks_on, Fixture, PATIENCE};
+use crate::support::tcp_proxy::TcpProxy;
+use crate::support::zookeeper_server::ZooKeeperEnsemble;
+use tokio::time::{sleep, Instant};
+use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
+use tower_keyed_lock::{DistributedGuard, DistributedLocks, LockError};
+use zookeeper_client as zk;
+
+/// The session timeout of the fixture's backends.
+const SESSION_TIMEOUT: Duration = servers::zookeeper::SESSION_TIMEOUT;
+
+async fn backend(ensemble: &ZooKeeperEnsemble) -> ZooKeeperBackend {
+    servers::ZooKeeper::backend_on_servers(&ensemble.connect_string()).await
+}
+
+/// A plain client of the ensemble, to look at the nodes.
+async fn probe(ensemble: &ZooKeeperEnsemble) -> zk::Client {
+    zk::Client::connect(&ensemble.connect_string())
+        .await
+        .expect("a probe connects to ZooKeeper")
+}
+
+/// How many contenders (holder and waiters) the queue of `key` has at ZooKeeper.
+async fn queued(probe: &zk::Client, backend: &ZooKeeperBackend, key: &str) -> usize {
+    match probe
+        .list_children(&backend.queue_path(servers::NAME, key))
+        .await
+    {
+        Ok(children) => children.len(),
+        Err(zk::Error::NoNode) => 0,
+        Err(error) => panic!("ZooKeeper answers: {error}"),
+    }
+}
+
+async fn until_queued(probe: &zk::Client, backend: &ZooKeeperBackend, key: &str, count: usize) {
+    let started = Instant::now();
+    while queued(probe, backend, key).await != count {
+        assert!(
+            started.elapsed() < PATIENCE,
+            "the queue of {key:?} never had {count} contenders"
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Four instances: one holds, three queue one after another. On release the key passes
+/// in the order they arrived, whatever instance they are on, the fencing tokens follow
+/// that order, and no node is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_are_served_in_arrival_order_across_instances() {
+    let ensemble = ZooKeeperEnsemble::start();
+    let probe = probe(&ensemble).await;
+    let paths = backend(&ensemble).await;
+    let holder = locks_on(Arc::new(backend(&ensemble).await));
+    let guard = holder.lock("fifo").await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for (n, name) in ["first", "second", "third"].into_iter().enumerate() {
+        let locks = locks_on(Arc::new(backend(&ensemble).await));
+        let order = order.clone();
+        waiters.push(tokio::spawn(async move {
+            let guard = locks.lock_timeout("fifo", 3 * PATIENCE).await.unwrap();
+            order
+                .lock()
+                .unwrap()
+                .push((name, guard.fencing_token().unwrap()));
+            sleep(Duration::from_millis(20)).await;
+            guard.release().await;
+        }));
+        // The next waiter arrives only once this one is in the queue.
+        until_queued(&probe, &paths, "fifo", n + 2).await;
+    }
+    guard.release().await;
+    for waiter in waiters {
+        servers::within("every waiter is served", 3 * PATIENCE, waiter)
+            .await
+            .unwrap();
+    }
+    let order = order.lock().unwrap().clone();
+    let names: Vec<&str> = order.iter().map(|(name, _)| *name).collect();
+    assert_eq!(names, ["first", "second", "third"], "not FIFO: {order:?}");
+    assert!(
+        order.windows(2).all(|pair| pair[0].1 < pair[1].1),
+        "fencing tokens out of order: {order:?}"
+    );
+    until_queued(&probe, &paths, "fifo", 0).await;
+}
+
+/// Holds `key` for `hold` while `fault` runs, with another instance trying for it the
+/// whole time. No unsignalled overlap: if the other instance is granted while the
+/// holder still holds, the holder was told its lease was lost before. Returns whether
+/// the hold survived (not lost).
+async fn hold_through(
+    holder: &DistributedLocks,
+    waiter: DistributedLocks,
+    key: &'static str,
+    hold: Duration,
+    fault: impl std::future::Future<Output = ()>,
+) -> bool {
+    let guard: DistributedGuard = holder.lock(key).await.unwrap();
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    let granted = Arc::new(Mutex::new(None));
+    let other = tokio::spawn({
+        let granted = granted.clone();
+        async move {
+            loop {
+                match waiter.lock_timeout(key, Duration::from_millis(500)).await {
+                    Ok(guard) => {
+                        *granted.lock().unwrap() = Some(Instant::now());
+                        return guard;
+                    }
+                    // The ensemble is electing, or the server this client was on is
+                    // down: try again.
+                    Err(LockError::Timeout | LockError::Backend(_)) => {}
+                    Err(error) => panic!("the waiter failed: {error}"),
+                }
+            }
+        }
+    });
+    fault.await;
+    let end = Instant::now() + hold;
+    while Instant::now() < end && !guard.is_lost() {
+        sleep(Duration::from_millis(10)).await;
+    }
+    let survived = !guard.is_lost();
+    let released = Instant::now();
+    guard.release().await;
+    let taken = servers::within("the waiter gets the key", 3 * PATIENCE, other)
+        .await
+        .unwrap();
+    let granted = granted.lock().unwrap().expect("granted");
+    if granted < released {
+        // Granted while the holder still held: it must have been told before.
+        let told = servers::within("the holder is told", PATIENCE, told)
+            .await
+            .unwrap();
+        assert!(
+            told <= granted,
+            "unsignalled overlap: the waiter was granted {:?} before the holder was told",
+            told - granted
+        );
+        eprintln!(
+            "{key}: holder told, waiter granted {:?} later",
+            granted - told
+        );
+    } else {
+        told.abort();
+    }
+    taken.release().await;
+    survived
+}
+
+/// Locks on a backend with `session_timeout` on `servers` (a connect string).
+async fn with_session(servers: &str, session_timeout: Duration) -> DistributedLocks {
+    let backend = ZooKeeperBackend::builder(servers)
+        .session_timeout(session_timeout)
+        .command_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("the backend connects to ZooKeeper");
+    locks_on(Arc::new(backend))
+}
+
+/// The leader dies while a key is held: the other two elect a new one within a few
+/// ticks, which restarts every session's timeout, and the holder's client reconnects
+/// to a live server within its session. With a session of 4 s the hold normally goes
+/// on; on a machine too loaded to elect and reconnect in time it is signalled lost
+/// before the waiter is granted. Either way, no unsignalled overlap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_leader_killed_mid_hold() {
+    let mut ensemble = ZooKeeperEnsemble::start();
+    let session = 2 * SESSION_TIMEOUT;
+    let holder = with_session(&ensemble.connect_string(), session).await;
+    let waiter = with_session(&ensemble.connect_string(), session).await;
+    let leader = ensemble.leader().expect("a leader");
+    let ensemble_ref = &mut ensemble;
+    let survived = hold_through(&holder, waiter, "leader", 2 * session, async {
+        ensemble_ref.kill(leader);
+    })
+    .await;
+    eprintln!("leader {leader} killed mid-hold: hold survived = {survived}");
+    ensemble
+        .wait_for_leader(PATIENCE)
+        .expect("the two others elect a leader");
+    assert_ne!(ensemble.leader(), Some(leader));
+    // Serving goes on with two servers of three.
+    let again = holder.lock_timeout("after", PATIENCE).await.unwrap();
+    again.release().await;
+}
+
+/// A follower is killed and started again on its data while a key is held: the hold
+/// goes on (the other two keep the quorum; a client on the dead server reconnects to
+/// another within its session of 4 s), and the server rejoins and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_restarted_mid_hold() {
+    let mut ensemble = ZooKeeperEnsemble::start();
+    let session = 2 * SESSION_TIMEOUT;
+    let holder = with_session(&ensemble.connect_string(), session).await;
+    let waiter = with_session(&ensemble.connect_string(), session).await;
+    let server = (ensemble.leader().expect("a leader") + 1) % ensemble.size();
+    let ensemble_ref = &mut ensemble;
+    let survived = hold_through(&holder, waiter, "restart", 2 * session, async {
+        ensemble_ref.kill(server);
+        sleep(Duration::from_millis(500)).await;
+        ensemble_ref.restart(server);
+    })
+    .await;
+    assert!(
+        survived,
+        "a follower's restart cost the holder its lease (the quorum never went away)"
+    );
+    ensemble
+        .wait_for_server(server, 3 * PATIENCE)
+        .expect("the restarted server rejoins");
+    let direct = with_session(&ensemble.address(server), SESSION_TIMEOUT).await;
+    let guard = servers::within(
+        "the restarted server serves",
+        3 * PATIENCE,
+        direct.lock_timeout("after", 2 * PATIENCE),
+    )
+    .await
+    .unwrap();
+    guard.release().await;
+}
+
+/// The holder's only server is cut off from the other two (a minority partition): it
+/// loses its leader within the sync limit and stops serving, so no heartbeat of the
+/// holder is answered, and the leader, on the majority side, expires the session one
+/// session timeout after it last heard of it and deletes the node. The waiter, on the
+/// majority side, is granted then — after the holder was told, by its local deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_in_a_minority_partition_is_told_before_the_majority_grants() {
+    let ensemble = ZooKeeperEnsemble::start_partitionable();
+    let cut = (ensemble.leader().expect("a leader") + 1) % ensemble.size();
+    let majority: Vec<String> = (0..ensemble.size())
+        .filter(|&server| server != cut)
+        .map(|server| ensemble.address(server))
+        .collect();
+    let holder = with_session(&ensemble.address(cut), SESSION_TIMEOUT).await;
+    let waiter = with_session(&majority.join(","), SESSION_TIMEOUT).await;
+    let guard = holder.lock("minority").await.unwrap();
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    ensemble.partition(cut);
+    let partitioned = Instant::now();
+    let taken = servers::within(
+        "the majority side grants the key",
+        3 * PATIENCE,
+        waiter.lock_timeout("minority", 2 * PATIENCE),
+    )
+    .await
+    .expect("the waiter is granted once the holder's session expired");
+    let granted = Instant::now();
+    let told = servers::within("the holder is told", PATIENCE, told)
+        .await
+        .unwrap();
+    assert!(
+        told <= granted,
+        "unsignalled overlap: the majority granted {:?} before the holder was told",
+        told - granted
+    );
+    assert!(guard.is_lost());
+    eprintln!(
+        "minority partition: holder told after {:?}, majority granted after {:?} (margin {:?})",
+        told - partitioned,
+        granted - partitioned,
+        granted - told
+    );
+    taken.release().await;
+    drop(guard);
+    ensemble.heal(cut);
+    ensemble
+        .wait_for_server(cut, 3 * PATIENCE)
+        .expect("the healed server rejoins");
+    // The same backend serves again, with a new session.
+    let again = servers::within("the healed side serves again", 3 * PATIENCE, async {
+        loop {
+            match holder.lock_timeout("minority-after", PATIENCE).await {
+                Ok(guard) => break guard,
+                Err(_) => sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    again.release().await;
+}
+
+/// The conformance suite's cut-off check, on a session heard for a while first (its
+/// heartbeats answered for 3 s): the deadline then counts from the heartbeat before the
+/// last answered one, so the holder is told 0.67–1.33 s after its path goes silent,
+/// well before ZooKeeper expires the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_heard_for_a_while_is_told_well_before_its_session_expires() {
+    let fixture = servers::ZooKeeper::start();
+    let proxy = TcpProxy::start(fixture.0.client_addr(0)).await;
+    let a = locks_on(Arc::new(
+        servers::ZooKeeper::backend_on_servers(&proxy.host_port()).await,
+    ));
+    let b = fixture.instance("b").await;
+    let guard = a.lock("heard").await.unwrap();
+    sleep(3 * SESSION_TIMEOUT / 2).await;
+    assert!(!guard.is_lost(), "a heard session lost its lease");
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    proxy.blackhole();
+    let cut = Instant::now();
+    let taken = servers::within(
+        "b takes the cut-off holder's key",
+        3 * PATIENCE,
+        b.lock_timeout("heard", 3 * PATIENCE),
+    )
+    .await
+    .expect("b is granted once the holder's session expired");
+    let granted = Instant::now();
+    let told = servers::within("the holder is told", PATIENCE, told)
+        .await
+        .unwrap();
+    assert!(
+        told <= granted,
+        "unsignalled overlap: b was granted {:?} before the holder was told",
+        told - granted
+    );
+    eprintln!(
+        "heard, then cut off: holder told after {:?}, other instance granted after {:?} \
+         (margin {:?})",
+        told - cut,
+        granted - cut,
+        granted - told
+    );
+    taken.release().await;
+}
+
+/// Two servers of three die, the leader among them: no quorum, no heartbeat answered,
+/// and the holder is told at its local deadline (by the clock alone). Nobody can be
+/// granted meanwhile (a create needs the quorum). When the servers come back, the
+/// holder's session is closed (declared lost, it is never used again) and the waiter
+/// is granted — after the holder was told.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_majority_down_is_a_lost_lease_then_recovers() {
+    let mut ensemble = ZooKeeperEnsemble::start();
+    let holder = with_session(&ensemble.connect_string(), SESSION_TIMEOUT).await;
+    let waiter = with_session(&ensemble.connect_string(), SESSION_TIMEOUT).await;
+    let guard = holder.lock("majority").await.unwrap();
+    let signal = guard.lease().unwrap().clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    let leader = ensemble.leader().expect("a leader");
+    let down = [leader, (leader + 1) % ensemble.size()];
+    for server in down {
+        ensemble.kill(server);
+    }
+    let killed = Instant::now();
+    let granted = Arc::new(Mutex::new(None));
+    let other = tokio::spawn({
+        let granted = granted.clone();
+        async move {
+            loop {
+                match waiter
+                    .lock_timeout("majority", Duration::from_millis(500))
+                    .await
+                {
+                    Ok(guard) => {
+                        *granted.lock().unwrap() = Some(Instant::now());
+                        return guard;
+                    }
+                    Err(_) => sleep(Duration::from_millis(20)).await,
+                }
+            }
+        }
+    });
+    // The last heartbeat answered was sent before the kill.
+    tokio::time::sleep_until(killed + SESSION_TIMEOUT).await;
+    assert!(
+        guard.is_lost(),
+        "the holder's lease still counts as valid a session timeout after the quorum was lost"
+    );
+    let told = told.await.unwrap();
+    eprintln!(
+        "majority down: the holder was told after {:?}",
+        told - killed
+    );
+    for server in down {
+        ensemble.restart(server);
+    }
+    ensemble
+        .wait_for_leader(3 * PATIENCE)
+        .expect("the servers elect a leader again");
+    let taken = servers::within("the waiter gets the key", 3 * PATIENCE, other)
+        .await
+        .unwrap();
+    let granted = granted.lock().unwrap().expect("granted");
+    assert!(
+        told <= granted,
+        "unsignalled overlap: granted {:?} before the holder was told",
+        told - granted
+    );
+    eprintln!(
+        "majority down: waiter granted {:?} after the holder was told",
+        granted - told
+    );
+    taken.release().await;
+    drop(guard);
+    let again = servers::within("the backend serves again", 3 * PATIENCE, async {
+        loop {
+            match holder.lock_timeout("majority-after", PATIENCE).await {
+                Ok(guard) => break guard,
+                Err(_) => sleep(Duration::from_millis(50)).await,
+            }
+        }
+    })
+    .await;
+    again.release().await;
+}
+
+/// The create of an acquisition reaches ZooKeeper only after the acquisition gave up
+/// (its bytes held on the path, then delivered): the node is created for a contender
+/// that is gone. The in-flight guard finds it by its token and deletes it, while the
+/// session that owns it lives on, so another instance gets the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_create_whose_answer_never_came_is_deleted() {
+    let fixture = servers::ZooKeeper::start();
+    let probe = probe(&fixture.0).await;
+    let paths = backend(&fixture.0).await;
+    let proxy = TcpProxy::start(fixture.0.client_addr(0)).await;
+    let a = locks_on(Arc::new(
+        servers::ZooKeeper::backend_on_servers(&proxy.host_port()).await,
+    ));
+    // The session is open, through the proxy, and the queue node exists (a create
+    // under a missing queue would be refused, not late).
+    a.lock("late").await.unwrap().release().await;
+    // Every node created and deleted under the queue, as the probe sees it.
+    let queue = paths.queue_path(servers::NAME, "late");
+    let mut watcher = probe
+        .watch(&queue, zk::AddWatchMode::PersistentRecursive)
+        .await
+        .expect("a persistent watch");
+    let events = tokio::spawn(async move {
+        let mut events = Vec::new();
+        loop {
+            let event = watcher.changed().await;
+            events.push((event.event_type, event.path));
+            let created = events
+                .iter()
+                .filter(|(t, _)| *t == zk::EventType::NodeCreated);
+            let deleted = events
+                .iter()
+                .filter(|(t, _)| *t == zk::EventType::NodeDeleted);
+            // The late node, then the next instance's: both created and deleted.
+            if created.count() >= 2 && deleted.count() >= 2 {
+                return events;
+            }
+        }
+    });
+    proxy.hold_existing();
+    let outcome = a.lock_timeout("late", Duration::from_millis(100)).await;
+    assert!(outcome.is_err(), "granted through a held path: {outcome:?}");
+    // Delivered well within the session timeout: the session lives on, and so would
+    // the node, but for the guard.
+    proxy.release_held();
+    let b = fixture.instance("b").await;
+    let taken = servers::within(
+        "the late node is deleted",
+        PATIENCE,
+        b.lock_timeout("late", PATIENCE),
+    )
+    .await
+    .expect("another instance gets the key");
+    assert!(proxy.delivered_late() > 0, "nothing was held on the path");
+    taken.release().await;
+    let events = servers::within("the nodes come and go", PATIENCE, events)
+        .await
+        .unwrap();
+    let late = events
+        .iter()
+        .find(|(t, path)| *t == zk::EventType::NodeCreated && path != &queue)
+        .map(|(_, path)| path.clone())
+        .expect("the late create landed");
+    assert!(
+        events.contains(&(zk::EventType::NodeDeleted, late.clone())),
+        "the late node {late} was not deleted: {events:?}"
+    );
+    eprintln!("late create: {late} created after its acquisition gave up, then deleted");
+    until_queued(&probe, &paths, "late", 0).await;
+}
+
+/// Keys with separators, dots, `%`, non-ASCII text, reserved names and more than 128
+/// bytes each get a queue of their own, exactly one level under the layer name, and two
+/// such keys exclude nobody but themselves; the nodes go with the release.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn odd_keys_map_to_one_queue_each() {
+    let ensemble = ZooKeeperEnsemble::start();
+    let probe = probe(&ensemble).await;
+    let backend = backend(&ensemble).await;
+    let locks = locks_on(Arc::new(backend.clone()));
+    let long = "é".repeat(100);
+    let keys = [
+        "a/b",
+        "a%2Fb",
+        "..",
+        ".",
+        "zookeeper",
+        "é",
+        long.as_str(),
+        "#",
+        "a b",
+    ];
+    let mut guards = Vec::new();
+    for key in keys {
+        // Each is free although the others are held: no two share a queue.
+        guards.push(locks.try_lock(key).await.expect("a queue of its own"));
+        let queue = backend.queue_path(servers::NAME, key);
+        assert_eq!(queue.matches('/').count(), 3, "{queue}");
+        assert!(queue.len() <= "/keyed-lock/".len() + 4 + 1 + 129, "{queue}");
+        assert_eq!(queued(&probe, &backend, key).await, 1, "{queue}");
+    }
+    for guard in guards {
+        guard.release().await;
+    }
+    for key in keys {
+        until_queued(&probe, &backend, key, 0).await;
+    }
+}
