@@ -20,6 +20,35 @@
 //!
 //! Handles are registered once per layer (or locks), on its first request, so a recorder
 //! installed after the router was built but before it serves is still used.
+//!
+//! # OpenTelemetry names
+//!
+//! The names above are Prometheus style. [`use_naming`]`(`[`Naming::OpenTelemetry`]`)`,
+//! called once at startup before any layer or lock records, switches the whole process
+//! to OpenTelemetry's semantic-convention style instead — dotted names, the unit in the
+//! metric's description (`Unit::Seconds`) rather than in its name, no `_total` — for an
+//! OTLP exporter; labels (attributes) stay as they are:
+//!
+//! | Prometheus style (default) | OpenTelemetry style |
+//! |---|---|
+//! | `keyed_lock_wait_seconds` | `keyed_lock.wait.duration` (s) |
+//! | `keyed_lock_hold_seconds` | `keyed_lock.hold.duration` (s) |
+//! | `keyed_lock_acquired_total` | `keyed_lock.acquired` |
+//! | `keyed_lock_rejected_total` | `keyed_lock.rejected` |
+//! | `keyed_lock_waiting` | `keyed_lock.waiting` |
+//! | `keyed_lock_keys` | `keyed_lock.keys` |
+//! | `keyed_lock_lease_lost_total` | `keyed_lock.lease.lost` |
+//! | `keyed_lock_replayed_total` | `keyed_lock.replayed` |
+//! | `keyed_lock_stored_total` | `keyed_lock.stored` |
+//!
+//! ```
+//! use tower_keyed_lock::metrics::{use_naming, Naming};
+//!
+//! // First thing in main, before the router serves.
+//! use_naming(Naming::OpenTelemetry).expect("no series registered yet");
+//! ```
+
+use std::sync::OnceLock;
 
 use metrics::{Counter, Gauge, Histogram, Unit};
 
@@ -48,6 +77,99 @@ pub const HISTOGRAM_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 ];
 
+/// How metric series are named, for the whole process: see [`use_naming`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Naming {
+    /// `keyed_lock_wait_seconds`, `keyed_lock_acquired_total`, … (the default).
+    #[default]
+    Prometheus,
+    /// `keyed_lock.wait.duration`, `keyed_lock.acquired`, …: OpenTelemetry's
+    /// semantic-convention style.
+    OpenTelemetry,
+}
+
+/// The naming was already fixed: a series had been registered, or `use_naming` was
+/// called before with another choice.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NamingAlreadyFixed(pub Naming);
+
+impl std::fmt::Display for NamingAlreadyFixed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "metric names are already {:?} style: choose the naming before any layer or lock records",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for NamingAlreadyFixed {}
+
+static NAMING: OnceLock<Naming> = OnceLock::new();
+
+/// Chooses how every series of this process is named. Call it once, before any layer or
+/// lock records (the first series registered fixes the naming, so a recorder never holds
+/// both styles); a later call with another choice fails.
+pub fn use_naming(naming: Naming) -> Result<(), NamingAlreadyFixed> {
+    match *NAMING.get_or_init(|| naming) {
+        fixed if fixed == naming => Ok(()),
+        fixed => Err(NamingAlreadyFixed(fixed)),
+    }
+}
+
+/// The metric names in use: fixed by [`use_naming`], or Prometheus style at the first
+/// series registered.
+pub(crate) fn names() -> &'static Names {
+    match NAMING.get_or_init(Naming::default) {
+        Naming::Prometheus => &PROMETHEUS,
+        Naming::OpenTelemetry => &OPENTELEMETRY,
+    }
+}
+
+/// The name of every series, in one style.
+pub(crate) struct Names {
+    pub(crate) wait: &'static str,
+    pub(crate) hold: &'static str,
+    pub(crate) acquired: &'static str,
+    pub(crate) rejected: &'static str,
+    pub(crate) waiting: &'static str,
+    pub(crate) keys: &'static str,
+    pub(crate) lease_lost: &'static str,
+    #[cfg(feature = "replay")]
+    pub(crate) replayed: &'static str,
+    #[cfg(feature = "replay")]
+    pub(crate) stored: &'static str,
+}
+
+const PROMETHEUS: Names = Names {
+    wait: WAIT_SECONDS,
+    hold: HOLD_SECONDS,
+    acquired: ACQUIRED_TOTAL,
+    rejected: REJECTED_TOTAL,
+    waiting: WAITING,
+    keys: KEYS,
+    lease_lost: LEASE_LOST_TOTAL,
+    #[cfg(feature = "replay")]
+    replayed: REPLAYED_TOTAL,
+    #[cfg(feature = "replay")]
+    stored: STORED_TOTAL,
+};
+
+const OPENTELEMETRY: Names = Names {
+    wait: "keyed_lock.wait.duration",
+    hold: "keyed_lock.hold.duration",
+    acquired: "keyed_lock.acquired",
+    rejected: "keyed_lock.rejected",
+    waiting: "keyed_lock.waiting",
+    keys: "keyed_lock.keys",
+    lease_lost: "keyed_lock.lease.lost",
+    #[cfg(feature = "replay")]
+    replayed: "keyed_lock.replayed",
+    #[cfg(feature = "replay")]
+    stored: "keyed_lock.stored",
+};
+
 /// Histogram of the time from a request's arrival to its guard (or its rejection).
 pub const WAIT_SECONDS: &str = "keyed_lock_wait_seconds";
 /// Histogram of the time a guard was held.
@@ -62,6 +184,10 @@ pub const WAITING: &str = "keyed_lock_waiting";
 pub const KEYS: &str = "keyed_lock_keys";
 /// Counter of leases lost while held (distributed backends).
 pub const LEASE_LOST_TOTAL: &str = "keyed_lock_lease_lost_total";
+/// Counter of responses replayed from the store (the replay layer).
+pub const REPLAYED_TOTAL: &str = "keyed_lock_replayed_total";
+/// Counter of responses written to the store (the replay layer).
+pub const STORED_TOTAL: &str = "keyed_lock_stored_total";
 
 /// The [`REJECTED_TOTAL`] counters of one `name`, one per [`RejectionKind`]: the lock
 /// layer and the replay layer under it count into the same series.
@@ -69,9 +195,10 @@ pub(crate) struct Rejected([Counter; RejectionKind::ALL.len()]);
 
 impl Rejected {
     pub(crate) fn new(name: &metrics::SharedString) -> Self {
-        Self(RejectionKind::ALL.map(|kind| {
-            metrics::counter!(REJECTED_TOTAL, "name" => name.clone(), "reason" => kind.as_str())
-        }))
+        let rejected = names().rejected;
+        Self(RejectionKind::ALL.map(
+            |kind| metrics::counter!(rejected, "name" => name.clone(), "reason" => kind.as_str()),
+        ))
     }
 
     pub(crate) fn increment(&self, kind: RejectionKind) {
@@ -97,21 +224,22 @@ pub(crate) struct Metrics {
 
 impl Metrics {
     pub(crate) fn new(name: &str) -> Self {
-        describe();
+        let n = names();
+        describe(n);
         let name = metrics::SharedString::from(name.to_owned());
         let rejected = Rejected::new(&name);
         Self {
-            wait_acquired: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "acquired"),
-            wait_timeout: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "timeout"),
-            wait_queue_full: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "queue_full"),
-            wait_cancelled: metrics::histogram!(WAIT_SECONDS, "name" => name.clone(), "outcome" => "cancelled"),
-            hold: metrics::histogram!(HOLD_SECONDS, "name" => name.clone()),
-            acquired_uncontended: metrics::counter!(ACQUIRED_TOTAL, "name" => name.clone(), "contended" => "false"),
-            acquired_contended: metrics::counter!(ACQUIRED_TOTAL, "name" => name.clone(), "contended" => "true"),
+            wait_acquired: metrics::histogram!(n.wait, "name" => name.clone(), "outcome" => "acquired"),
+            wait_timeout: metrics::histogram!(n.wait, "name" => name.clone(), "outcome" => "timeout"),
+            wait_queue_full: metrics::histogram!(n.wait, "name" => name.clone(), "outcome" => "queue_full"),
+            wait_cancelled: metrics::histogram!(n.wait, "name" => name.clone(), "outcome" => "cancelled"),
+            hold: metrics::histogram!(n.hold, "name" => name.clone()),
+            acquired_uncontended: metrics::counter!(n.acquired, "name" => name.clone(), "contended" => "false"),
+            acquired_contended: metrics::counter!(n.acquired, "name" => name.clone(), "contended" => "true"),
             rejected,
-            waiting: metrics::gauge!(WAITING, "name" => name.clone()),
-            keys: metrics::gauge!(KEYS, "name" => name.clone()),
-            lease_lost: metrics::counter!(LEASE_LOST_TOTAL, "name" => name),
+            waiting: metrics::gauge!(n.waiting, "name" => name.clone()),
+            keys: metrics::gauge!(n.keys, "name" => name.clone()),
+            lease_lost: metrics::counter!(n.lease_lost, "name" => name),
         }
     }
 
@@ -120,24 +248,24 @@ impl Metrics {
     }
 }
 
-fn describe() {
+fn describe(n: &Names) {
     metrics::describe_histogram!(
-        WAIT_SECONDS,
+        n.wait,
         Unit::Seconds,
         "Time from a request's arrival to its key guard, its rejection or its cancellation."
     );
-    metrics::describe_histogram!(HOLD_SECONDS, Unit::Seconds, "Time a key guard was held.");
+    metrics::describe_histogram!(n.hold, Unit::Seconds, "Time a key guard was held.");
     metrics::describe_counter!(
-        ACQUIRED_TOTAL,
+        n.acquired,
         "Key guards acquired, by whether the request had to wait."
     );
     metrics::describe_counter!(
-        REJECTED_TOTAL,
+        n.rejected,
         "Requests answered by the lock layer instead of the service, by reason."
     );
-    metrics::describe_gauge!(WAITING, "Requests waiting for a key now.");
-    metrics::describe_gauge!(KEYS, "Keys with a holder or a waiter now.");
-    metrics::describe_counter!(LEASE_LOST_TOTAL, "Distributed leases lost while held.");
+    metrics::describe_gauge!(n.waiting, "Requests waiting for a key now.");
+    metrics::describe_gauge!(n.keys, "Keys with a holder or a waiter now.");
+    metrics::describe_counter!(n.lease_lost, "Distributed leases lost while held.");
 }
 
 #[cfg(test)]

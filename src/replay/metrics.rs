@@ -8,13 +8,10 @@
 
 use metrics::Counter;
 
-use crate::metrics::Rejected;
+use crate::metrics::{names, Rejected};
 use crate::reject::RejectionKind;
 
-/// Counter of responses replayed from the store.
-pub const REPLAYED_TOTAL: &str = "keyed_lock_replayed_total";
-/// Counter of responses written to the store.
-pub const STORED_TOTAL: &str = "keyed_lock_stored_total";
+pub use crate::metrics::{REPLAYED_TOTAL, STORED_TOTAL};
 
 /// The handles of one replay layer under one lock layer name.
 pub(crate) struct ReplayMetrics {
@@ -26,11 +23,12 @@ pub(crate) struct ReplayMetrics {
 impl ReplayMetrics {
     pub(crate) fn new(name: &str) -> Self {
         let name = metrics::SharedString::from(name.to_owned());
-        metrics::describe_counter!(REPLAYED_TOTAL, "Responses replayed from the replay store.");
-        metrics::describe_counter!(STORED_TOTAL, "Responses written to the replay store.");
+        let n = names();
+        metrics::describe_counter!(n.replayed, "Responses replayed from the replay store.");
+        metrics::describe_counter!(n.stored, "Responses written to the replay store.");
         Self {
-            replayed: metrics::counter!(REPLAYED_TOTAL, "name" => name.clone()),
-            stored: metrics::counter!(STORED_TOTAL, "name" => name.clone()),
+            replayed: metrics::counter!(n.replayed, "name" => name.clone()),
+            stored: metrics::counter!(n.stored, "name" => name.clone()),
             rejected: Rejected::new(&name),
         }
     }
