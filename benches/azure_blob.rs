@@ -20,9 +20,12 @@
 
 #[path = "../tests/support/azurite_server.rs"]
 mod azurite_server;
+mod support;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use support::engine::{alternating, hand_off, report_hand_off};
 
 use azure_storage_blob::models::BlobClientAcquireLeaseOptions;
 use azure_storage_blob::BlobClient;
@@ -32,6 +35,9 @@ use tower_keyed_lock::{Key, LockBackend};
 
 const LEASE: Duration = Duration::from_secs(15);
 const BARE_LEASE_ID: &str = "00000000-0000-4000-8000-000000000001";
+
+/// Long enough for the waiter to have polled a few times and reached its longest pause.
+const SETTLE: Duration = Duration::from_millis(1000);
 
 fn main() {
     let mut c = Criterion::default()
@@ -67,8 +73,13 @@ fn main() {
     group.finish();
 
     let (rounds, batch) = if quick { (2, 5) } else { (11, 50) };
-    let (backend_us, bare_us, ratio) =
-        rt.block_on(alternating(&backend, &bare, &key, rounds, batch));
+    let measured = rt.block_on(alternating(
+        || backend_round(&backend, &key),
+        || bare_round(&bare),
+        rounds,
+        batch,
+    ));
+    let (backend_us, bare_us, ratio) = (measured.a_us, measured.b_us, measured.ratio);
     println!(
         "azure-blob uncontended acquire+release: backend {backend_us:.0} µs, bare lease \
          acquire + release {bare_us:.0} µs, ratio {ratio:.2}x (median of {rounds} alternating \
@@ -82,8 +93,8 @@ fn main() {
             let b: Arc<dyn LockBackend> = Arc::new(azure_backend(&url, poll).await);
             (a, b)
         });
-        let times = rt.block_on(hand_off(a, b, handoffs));
-        report(
+        let times = rt.block_on(hand_off(a, b, handoffs, SETTLE));
+        report_hand_off(
             &format!("azure-blob (Azurite), poll interval {poll:?}"),
             &times,
         );
@@ -120,90 +131,4 @@ async fn bare_round(blob: &BlobClient) {
     blob.release_lease(BARE_LEASE_ID.to_owned(), None)
         .await
         .expect("our lease");
-}
-
-/// Median over rounds of (backend batch / bare batch), the order alternating.
-async fn alternating(
-    backend: &AzureBlobBackend,
-    bare: &BlobClient,
-    key: &Key,
-    rounds: usize,
-    batch: usize,
-) -> (f64, f64, f64) {
-    let mut samples = Vec::new();
-    for round in 0..rounds {
-        let (mut backend_time, mut bare_time) = (Duration::ZERO, Duration::ZERO);
-        for backend_first in [round % 2 == 0, round % 2 != 0] {
-            let started = Instant::now();
-            for _ in 0..batch {
-                if backend_first {
-                    backend_round(backend, key).await;
-                } else {
-                    bare_round(bare).await;
-                }
-            }
-            if backend_first {
-                backend_time = started.elapsed();
-            } else {
-                bare_time = started.elapsed();
-            }
-        }
-        samples.push((backend_time, bare_time));
-    }
-    samples.sort_by(|x, y| {
-        let ratio = |(a, b): &(Duration, Duration)| a.as_secs_f64() / b.as_secs_f64();
-        ratio(x).total_cmp(&ratio(y))
-    });
-    let (backend_time, bare_time) = samples[samples.len() / 2];
-    let per = |time: Duration| time.as_secs_f64() * 1e6 / batch as f64;
-    (
-        per(backend_time),
-        per(bare_time),
-        backend_time.as_secs_f64() / bare_time.as_secs_f64(),
-    )
-}
-
-/// `rounds` hand-offs from instance `a` to instance `b` (each with its own backend):
-/// the time from the start of a's release to b's grant.
-async fn hand_off(
-    a: Arc<dyn LockBackend>,
-    b: Arc<dyn LockBackend>,
-    rounds: usize,
-) -> Vec<Duration> {
-    let key = Key::new("handoff", 256).unwrap();
-    let mut times = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let held = a
-            .acquire("bench", &key, Duration::from_secs(10))
-            .await
-            .expect("a takes the key");
-        let waiter = {
-            let (b, key) = (b.clone(), key.clone());
-            tokio::spawn(async move {
-                let lease = b.acquire("bench", &key, Duration::from_secs(10)).await;
-                (lease, Instant::now())
-            })
-        };
-        // Long enough for b to have polled a few times and reached its longest pause.
-        tokio::time::sleep(Duration::from_millis(1000)).await;
-        let released = Instant::now();
-        held.release().await;
-        let (lease, granted) = waiter.await.expect("the waiter ran");
-        lease.expect("b takes the key").release().await;
-        times.push(granted.saturating_duration_since(released));
-    }
-    times.sort();
-    times
-}
-
-fn report(engine: &str, times: &[Duration]) {
-    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
-    println!(
-        "hand-off release -> next grant, {engine}: p50 {:.2} ms, p90 {:.2} ms, max {:.2} ms \
-         ({} hand-offs)",
-        at(0.5).as_secs_f64() * 1e3,
-        at(0.9).as_secs_f64() * 1e3,
-        at(1.0).as_secs_f64() * 1e3,
-        times.len()
-    );
 }

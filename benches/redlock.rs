@@ -21,9 +21,12 @@
 
 #[path = "../tests/support/redis_server.rs"]
 mod redis_server;
+mod support;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use support::engine::{alternating, hand_off, report_hand_off};
 
 use criterion::Criterion;
 use redis::aio::ConnectionManager;
@@ -33,6 +36,9 @@ use tower_keyed_lock::backend::redlock::RedlockBackend;
 use tower_keyed_lock::{Key, LockBackend, RedisBackend};
 
 const MASTERS: usize = 5;
+
+/// Long enough for the waiter to be waiting (polling, or subscribed) before the release.
+const SETTLE: Duration = Duration::from_millis(50);
 
 fn main() {
     let mut c = Criterion::default()
@@ -106,13 +112,19 @@ fn main() {
         let b: Arc<dyn LockBackend> = Arc::new(redlock_backend(&urls).await);
         (a, b)
     });
-    report("redlock, 5 masters", &rt.block_on(hand_off(a, b, handoffs)));
+    report_hand_off(
+        "redlock, 5 masters",
+        &rt.block_on(hand_off(a, b, handoffs, SETTLE)),
+    );
     let (a, b) = rt.block_on(async {
         let a: Arc<dyn LockBackend> = Arc::new(redis_backend(&masters[1]).await);
         let b: Arc<dyn LockBackend> = Arc::new(redis_backend(&masters[1]).await);
         (a, b)
     });
-    report("redis, 1 server", &rt.block_on(hand_off(a, b, handoffs)));
+    report_hand_off(
+        "redis, 1 server",
+        &rt.block_on(hand_off(a, b, handoffs, SETTLE)),
+    );
     c.final_summary();
 }
 
@@ -186,114 +198,4 @@ async fn bare_round(masters: &[ConnectionManager]) {
     while let Some(del) = dels.join_next().await {
         del.unwrap();
     }
-}
-
-struct Ratio {
-    a_us: f64,
-    b_us: f64,
-    ratio: f64,
-    rounds: usize,
-    batch: usize,
-}
-
-impl Ratio {
-    fn print(&self, a: &str, b: &str) {
-        println!(
-            "uncontended acquire+release: {a} {:.1} µs, {b} {:.1} µs, ratio {:.2}x \
-             (median of {} alternating rounds of {})",
-            self.a_us, self.b_us, self.ratio, self.rounds, self.batch
-        );
-    }
-}
-
-/// Median over rounds of (batch of `a` / batch of `b`), the order alternating.
-async fn alternating<A, B, FA, FB>(a: A, b: B, rounds: usize, batch: usize) -> Ratio
-where
-    A: Fn() -> FA,
-    B: Fn() -> FB,
-    FA: std::future::Future<Output = ()>,
-    FB: std::future::Future<Output = ()>,
-{
-    let mut samples = Vec::new();
-    for round in 0..rounds {
-        let (mut a_time, mut b_time) = (Duration::ZERO, Duration::ZERO);
-        for a_first in [round % 2 == 0, round % 2 != 0] {
-            let started = Instant::now();
-            for _ in 0..batch {
-                if a_first {
-                    a().await;
-                } else {
-                    b().await;
-                }
-            }
-            if a_first {
-                a_time = started.elapsed();
-            } else {
-                b_time = started.elapsed();
-            }
-        }
-        samples.push((a_time, b_time));
-    }
-    let per_op = |d: Duration| d.as_secs_f64() * 1e6 / batch as f64;
-    let median = |mut values: Vec<f64>| {
-        values.sort_by(f64::total_cmp);
-        values[values.len() / 2]
-    };
-    Ratio {
-        a_us: median(samples.iter().map(|s| per_op(s.0)).collect()),
-        b_us: median(samples.iter().map(|s| per_op(s.1)).collect()),
-        ratio: median(
-            samples
-                .iter()
-                .map(|s| s.0.as_secs_f64() / s.1.as_secs_f64())
-                .collect(),
-        ),
-        rounds,
-        batch,
-    }
-}
-
-/// `rounds` hand-offs from instance `a` to instance `b` (each with its own backend):
-/// the time from the start of a's release to b's grant (as `benches/etcd.rs` measures).
-async fn hand_off(
-    a: Arc<dyn LockBackend>,
-    b: Arc<dyn LockBackend>,
-    rounds: usize,
-) -> Vec<Duration> {
-    let key = Key::new("handoff", 256).unwrap();
-    let mut times = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let held = a
-            .acquire("bench", &key, Duration::from_secs(10))
-            .await
-            .expect("a takes the key");
-        let waiter = {
-            let (b, key) = (b.clone(), key.clone());
-            tokio::spawn(async move {
-                let lease = b.acquire("bench", &key, Duration::from_secs(10)).await;
-                (lease, Instant::now())
-            })
-        };
-        // Long enough for b to be waiting (polling, or subscribed) before the release.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let released = Instant::now();
-        held.release().await;
-        let (lease, granted) = waiter.await.expect("the waiter ran");
-        lease.expect("b takes the key").release().await;
-        times.push(granted.saturating_duration_since(released));
-    }
-    times.sort();
-    times
-}
-
-fn report(engine: &str, times: &[Duration]) {
-    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
-    println!(
-        "hand-off release -> next grant, {engine}: p50 {:.2} ms, p90 {:.2} ms, max {:.2} ms \
-         ({} hand-offs)",
-        at(0.5).as_secs_f64() * 1e3,
-        at(0.9).as_secs_f64() * 1e3,
-        at(1.0).as_secs_f64() * 1e3,
-        times.len()
-    );
 }

@@ -19,17 +19,23 @@
 
 #[path = "../tests/support/etcd_server.rs"]
 mod etcd_server;
+mod support;
 #[path = "../tests/support/zookeeper_server.rs"]
 mod zookeeper_server;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use support::engine::{alternating, hand_off, report_hand_off};
 
 use criterion::Criterion;
 use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
 use tower_keyed_lock::{Key, LockBackend};
 use zookeeper_client as zk;
 use zookeeper_server::ZooKeeperEnsemble;
+
+/// Long enough for the waiter to be queued (watching) before the release.
+const SETTLE: Duration = Duration::from_millis(50);
 
 fn main() {
     let mut c = Criterion::default()
@@ -60,8 +66,13 @@ fn main() {
     group.finish();
 
     let (rounds, batch) = if quick { (2, 5) } else { (11, 100) };
-    let (backend_us, bare_us, ratio) =
-        rt.block_on(alternating(&backend, &bare, &key, rounds, batch));
+    let measured = rt.block_on(alternating(
+        || backend_round(&backend, &key),
+        || bare_round(&bare),
+        rounds,
+        batch,
+    ));
+    let (backend_us, bare_us, ratio) = (measured.a_us, measured.b_us, measured.ratio);
     println!(
         "zookeeper uncontended acquire+release: backend {backend_us:.0} µs, bare create \
          ephemeral sequential + delete {bare_us:.0} µs, ratio {ratio:.2}x (median of \
@@ -71,9 +82,9 @@ fn main() {
     let handoffs = if quick { 3 } else { 50 };
     let a: Arc<dyn LockBackend> = Arc::new(backend.clone());
     let b: Arc<dyn LockBackend> = Arc::new(rt.block_on(zookeeper_backend(&ensemble)));
-    report(
+    report_hand_off(
         "zookeeper (3 servers)",
-        &rt.block_on(hand_off(a, b, handoffs)),
+        &rt.block_on(hand_off(a, b, handoffs, SETTLE)),
     );
     {
         let cluster = etcd_server::EtcdCluster::start();
@@ -86,7 +97,10 @@ fn main() {
             Arc::new(backend) as Arc<dyn LockBackend>
         };
         let (a, b) = rt.block_on(async { (backend().await, backend().await) });
-        report("etcd (3 members)", &rt.block_on(hand_off(a, b, handoffs)));
+        report_hand_off(
+            "etcd (3 members)",
+            &rt.block_on(hand_off(a, b, handoffs, SETTLE)),
+        );
     }
     c.final_summary();
 }
@@ -134,90 +148,4 @@ async fn bare_round(client: &zk::Client) {
         .delete(&format!("/bare/order-1/lock-{sequence}"), None)
         .await
         .unwrap();
-}
-
-/// Median over rounds of (backend batch / bare batch), the order alternating.
-async fn alternating(
-    backend: &ZooKeeperBackend,
-    bare: &zk::Client,
-    key: &Key,
-    rounds: usize,
-    batch: usize,
-) -> (f64, f64, f64) {
-    let mut samples = Vec::new();
-    for round in 0..rounds {
-        let (mut backend_time, mut bare_time) = (Duration::ZERO, Duration::ZERO);
-        for backend_first in [round % 2 == 0, round % 2 != 0] {
-            let started = Instant::now();
-            for _ in 0..batch {
-                if backend_first {
-                    backend_round(backend, key).await;
-                } else {
-                    bare_round(bare).await;
-                }
-            }
-            if backend_first {
-                backend_time = started.elapsed();
-            } else {
-                bare_time = started.elapsed();
-            }
-        }
-        samples.push((backend_time, bare_time));
-    }
-    samples.sort_by(|x, y| {
-        let ratio = |(a, b): &(Duration, Duration)| a.as_secs_f64() / b.as_secs_f64();
-        ratio(x).total_cmp(&ratio(y))
-    });
-    let (backend_time, bare_time) = samples[samples.len() / 2];
-    let per = |time: Duration| time.as_secs_f64() * 1e6 / batch as f64;
-    (
-        per(backend_time),
-        per(bare_time),
-        backend_time.as_secs_f64() / bare_time.as_secs_f64(),
-    )
-}
-
-/// `rounds` hand-offs from instance `a` to instance `b` (each with its own backend):
-/// the time from the start of a's release to b's grant.
-async fn hand_off(
-    a: Arc<dyn LockBackend>,
-    b: Arc<dyn LockBackend>,
-    rounds: usize,
-) -> Vec<Duration> {
-    let key = Key::new("handoff", 256).unwrap();
-    let mut times = Vec::with_capacity(rounds);
-    for _ in 0..rounds {
-        let held = a
-            .acquire("bench", &key, Duration::from_secs(10))
-            .await
-            .expect("a takes the key");
-        let waiter = {
-            let (b, key) = (b.clone(), key.clone());
-            tokio::spawn(async move {
-                let lease = b.acquire("bench", &key, Duration::from_secs(10)).await;
-                (lease, Instant::now())
-            })
-        };
-        // Long enough for b to be queued and watching before the release.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let released = Instant::now();
-        held.release().await;
-        let (lease, granted) = waiter.await.expect("the waiter ran");
-        lease.expect("b takes the key").release().await;
-        times.push(granted.saturating_duration_since(released));
-    }
-    times.sort();
-    times
-}
-
-fn report(engine: &str, times: &[Duration]) {
-    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
-    println!(
-        "hand-off release -> next grant, {engine}: p50 {:.2} ms, p90 {:.2} ms, max {:.2} ms \
-         ({} hand-offs)",
-        at(0.5).as_secs_f64() * 1e3,
-        at(0.9).as_secs_f64() * 1e3,
-        at(1.0).as_secs_f64() * 1e3,
-        times.len()
-    );
 }

@@ -1,5 +1,8 @@
-//! Helpers shared by the bench binaries: CPU time, quantiles, where results go.
+//! Helpers shared by the bench binaries: CPU time, quantiles, where results go;
+//! `engine`: measuring a distributed backend.
 #![allow(dead_code)]
+
+pub mod engine;
 
 /// On-CPU nanoseconds of all live threads of this process (`schedstat`'s first field;
 /// the kernel updates it at scheduler ticks, so batches last tens of milliseconds).

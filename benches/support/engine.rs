@@ -1,0 +1,125 @@
+//! Measuring a distributed backend: batches alternating with the engine's bare calls,
+//! and hand-offs between two instances.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tower_keyed_lock::{Key, LockBackend};
+
+/// Two operations timed in alternating batches: medians per operation and of the
+/// per-round ratio.
+pub struct Ratio {
+    pub a_us: f64,
+    pub b_us: f64,
+    pub ratio: f64,
+    pub rounds: usize,
+    pub batch: usize,
+}
+
+impl Ratio {
+    /// One line: both times and their ratio.
+    pub fn print(&self, a: &str, b: &str) {
+        println!(
+            "uncontended acquire+release: {a} {:.1} µs, {b} {:.1} µs, ratio {:.2}x \
+             (median of {} alternating rounds of {})",
+            self.a_us, self.b_us, self.ratio, self.rounds, self.batch
+        );
+    }
+}
+
+/// Median over rounds of (batch of `a` / batch of `b`), the order alternating from
+/// round to round, so both see the same load and drift.
+pub async fn alternating<A, B, FA, FB>(a: A, b: B, rounds: usize, batch: usize) -> Ratio
+where
+    A: Fn() -> FA,
+    B: Fn() -> FB,
+    FA: Future<Output = ()>,
+    FB: Future<Output = ()>,
+{
+    let mut samples = Vec::new();
+    for round in 0..rounds {
+        let (mut a_time, mut b_time) = (Duration::ZERO, Duration::ZERO);
+        for a_first in [round % 2 == 0, round % 2 != 0] {
+            let started = Instant::now();
+            for _ in 0..batch {
+                if a_first {
+                    a().await;
+                } else {
+                    b().await;
+                }
+            }
+            if a_first {
+                a_time = started.elapsed();
+            } else {
+                b_time = started.elapsed();
+            }
+        }
+        samples.push((a_time, b_time));
+    }
+    let per_op = |d: Duration| d.as_secs_f64() * 1e6 / batch as f64;
+    let median = |mut values: Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    Ratio {
+        a_us: median(samples.iter().map(|s| per_op(s.0)).collect()),
+        b_us: median(samples.iter().map(|s| per_op(s.1)).collect()),
+        ratio: median(
+            samples
+                .iter()
+                .map(|s| s.0.as_secs_f64() / s.1.as_secs_f64())
+                .collect(),
+        ),
+        rounds,
+        batch,
+    }
+}
+
+/// `rounds` hand-offs from instance `a` to instance `b` (each with its own backend):
+/// the time from the start of a's release to b's grant, sorted. `settle` is how long b
+/// waits before each release (long enough to be queued, subscribed, or at its longest
+/// polling pause).
+pub async fn hand_off(
+    a: Arc<dyn LockBackend>,
+    b: Arc<dyn LockBackend>,
+    rounds: usize,
+    settle: Duration,
+) -> Vec<Duration> {
+    let key = Key::new("handoff", 256).unwrap();
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let held = a
+            .acquire("bench", &key, Duration::from_secs(10))
+            .await
+            .expect("a takes the key");
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move {
+                let lease = b.acquire("bench", &key, Duration::from_secs(10)).await;
+                (lease, Instant::now())
+            })
+        };
+        tokio::time::sleep(settle).await;
+        let released = Instant::now();
+        held.release().await;
+        let (lease, granted) = waiter.await.expect("the waiter ran");
+        lease.expect("b takes the key").release().await;
+        times.push(granted.saturating_duration_since(released));
+    }
+    times.sort();
+    times
+}
+
+/// Prints the p50, p90 and max of sorted hand-off times.
+pub fn report_hand_off(engine: &str, times: &[Duration]) {
+    let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+    println!(
+        "hand-off release -> next grant, {engine}: p50 {:.2} ms, p90 {:.2} ms, max {:.2} ms \
+         ({} hand-offs)",
+        at(0.5).as_secs_f64() * 1e3,
+        at(0.9).as_secs_f64() * 1e3,
+        at(1.0).as_secs_f64() * 1e3,
+        times.len()
+    );
+}
