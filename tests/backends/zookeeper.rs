@@ -12,11 +12,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::support::fixtures::{self as servers, locks_on, Fixture, PATIENCE};
+use crate::support::hold::hold_through;
 use crate::support::tcp_proxy::TcpProxy;
 use crate::support::zookeeper_server::ZooKeeperEnsemble;
 use tokio::time::{sleep, Instant};
 use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
-use tower_keyed_lock::{DistributedGuard, DistributedLocks, LockError};
+use tower_keyed_lock::DistributedLocks;
 use zookeeper_client as zk;
 
 /// The session timeout of the fixture's backends.
@@ -97,74 +98,6 @@ async fn waiters_are_served_in_arrival_order_across_instances() {
         "fencing tokens out of order: {order:?}"
     );
     until_queued(&probe, &paths, "fifo", 0).await;
-}
-
-/// Holds `key` for `hold` while `fault` runs, with another instance trying for it the
-/// whole time. No unsignalled overlap: if the other instance is granted while the
-/// holder still holds, the holder was told its lease was lost before. Returns whether
-/// the hold survived (not lost).
-async fn hold_through(
-    holder: &DistributedLocks,
-    waiter: DistributedLocks,
-    key: &'static str,
-    hold: Duration,
-    fault: impl std::future::Future<Output = ()>,
-) -> bool {
-    let guard: DistributedGuard = holder.lock(key).await.unwrap();
-    let signal = guard.lease().expect("a remote lease").clone();
-    let told = tokio::spawn(async move {
-        signal.lost().await;
-        Instant::now()
-    });
-    let granted = Arc::new(Mutex::new(None));
-    let other = tokio::spawn({
-        let granted = granted.clone();
-        async move {
-            loop {
-                match waiter.lock_timeout(key, Duration::from_millis(500)).await {
-                    Ok(guard) => {
-                        *granted.lock().unwrap() = Some(Instant::now());
-                        return guard;
-                    }
-                    // The ensemble is electing, or the server this client was on is
-                    // down: try again.
-                    Err(LockError::Timeout | LockError::Backend(_)) => {}
-                    Err(error) => panic!("the waiter failed: {error}"),
-                }
-            }
-        }
-    });
-    fault.await;
-    let end = Instant::now() + hold;
-    while Instant::now() < end && !guard.is_lost() {
-        sleep(Duration::from_millis(10)).await;
-    }
-    let survived = !guard.is_lost();
-    let released = Instant::now();
-    guard.release().await;
-    let taken = servers::within("the waiter gets the key", 3 * PATIENCE, other)
-        .await
-        .unwrap();
-    let granted = granted.lock().unwrap().expect("granted");
-    if granted < released {
-        // Granted while the holder still held: it must have been told before.
-        let told = servers::within("the holder is told", PATIENCE, told)
-            .await
-            .unwrap();
-        assert!(
-            told <= granted,
-            "unsignalled overlap: the waiter was granted {:?} before the holder was told",
-            told - granted
-        );
-        eprintln!(
-            "{key}: holder told, waiter granted {:?} later",
-            granted - told
-        );
-    } else {
-        told.abort();
-    }
-    taken.release().await;
-    survived
 }
 
 /// Locks on a backend with `session_timeout` on `servers` (a connect string).

@@ -35,6 +35,8 @@ pub mod etcd_server;
 pub mod mysql_server;
 #[macro_use]
 pub mod fixtures;
+#[cfg(any(feature = "etcd", feature = "zookeeper"))]
+pub mod hold;
 #[cfg(feature = "axum")]
 pub mod instances;
 pub mod logs;

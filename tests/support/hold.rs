@@ -1,0 +1,77 @@
+//! A key held through a fault of a consensus engine (etcd, ZooKeeper): whether the
+//! holder kept it, and if another instance got it meanwhile, that the holder was told
+//! first.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::{sleep, Instant};
+use tower_keyed_lock::{DistributedGuard, DistributedLocks, LockError};
+
+use super::fixtures::{within, PATIENCE};
+
+/// Holds `key` for `hold` while `fault` runs, with another instance waiting for it the
+/// whole time. No unsignalled overlap: if the other instance is granted while the
+/// holder still holds, the holder was told its lease was lost before. Returns whether
+/// the hold survived (not lost).
+pub async fn hold_through(
+    holder: &DistributedLocks,
+    waiter: DistributedLocks,
+    key: &'static str,
+    hold: Duration,
+    fault: impl std::future::Future<Output = ()>,
+) -> bool {
+    let guard: DistributedGuard = holder.lock(key).await.unwrap();
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    let granted = Arc::new(Mutex::new(None));
+    let other = tokio::spawn({
+        let granted = granted.clone();
+        async move {
+            loop {
+                match waiter.lock_timeout(key, Duration::from_millis(500)).await {
+                    Ok(guard) => {
+                        *granted.lock().unwrap() = Some(Instant::now());
+                        return guard;
+                    }
+                    // The cluster or ensemble is electing, or the server this client
+                    // chose is down: try again.
+                    Err(LockError::Timeout | LockError::Backend(_)) => {}
+                    Err(error) => panic!("the waiter failed: {error}"),
+                }
+            }
+        }
+    });
+    fault.await;
+    let end = Instant::now() + hold;
+    while Instant::now() < end && !guard.is_lost() {
+        sleep(Duration::from_millis(10)).await;
+    }
+    let survived = !guard.is_lost();
+    let released = Instant::now();
+    guard.release().await;
+    let taken = within("the waiter gets the key", 3 * PATIENCE, other)
+        .await
+        .unwrap();
+    let granted = granted.lock().unwrap().expect("granted");
+    if granted < released {
+        // Granted while the holder still held: it must have been told before.
+        let told = within("the holder is told", PATIENCE, told).await.unwrap();
+        assert!(
+            told <= granted,
+            "unsignalled overlap: the waiter was granted {:?} before the holder was told",
+            told - granted
+        );
+        eprintln!(
+            "{key}: holder told, waiter granted {:?} later",
+            granted - told
+        );
+    } else {
+        told.abort();
+    }
+    taken.release().await;
+    survived
+}
