@@ -19,16 +19,12 @@
 
 #[path = "../tests/support/etcd_server.rs"]
 mod etcd_server;
-#[path = "../tests/support/pg_server.rs"]
-mod pg_server;
-#[path = "../tests/support/redis_server.rs"]
-mod redis_server;
 mod support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::engine::{alternating, hand_off, report_hand_off};
+use support::engine::{alternating, hand_off, reference_hand_offs, report_hand_off};
 
 use criterion::Criterion;
 use etcd_client::{Client, LockOptions};
@@ -87,31 +83,7 @@ fn main() {
     let etcd = rt.block_on(hand_off(a, b, handoffs, SETTLE));
     report_hand_off("etcd (3 members)", &etcd);
 
-    {
-        let server = redis_server::RedisServer::start();
-        let backend = || async {
-            let backend = tower_keyed_lock::RedisBackend::builder(server.client())
-                .restart_guard(false)
-                .build()
-                .await
-                .expect("the backend connects to Redis");
-            Arc::new(backend) as Arc<dyn LockBackend>
-        };
-        let (a, b) = rt.block_on(async { (backend().await, backend().await) });
-        report_hand_off("redis", &rt.block_on(hand_off(a, b, handoffs, SETTLE)));
-    }
-    {
-        let server = pg_server::PgServer::start();
-        let backend = || {
-            let config = server.conn_str().parse().expect("a connection string");
-            Arc::new(tower_keyed_lock::PostgresBackend::from_config(config).fencing(true))
-                as Arc<dyn LockBackend>
-        };
-        report_hand_off(
-            "postgres",
-            &rt.block_on(hand_off(backend(), backend(), handoffs, SETTLE)),
-        );
-    }
+    reference_hand_offs(&rt, handoffs, SETTLE);
     c.final_summary();
 }
 

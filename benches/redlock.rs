@@ -19,8 +19,6 @@
 //!    polls (jittered, 5 ms doubling to the poll interval, cut to the holder's TTL);
 //!    Redis wakes B with a release message.
 
-#[path = "../tests/support/redis_server.rs"]
-mod redis_server;
 mod support;
 
 use std::sync::Arc;
@@ -30,7 +28,7 @@ use support::engine::{alternating, hand_off, report_hand_off};
 
 use criterion::Criterion;
 use redis::aio::ConnectionManager;
-use redis_server::RedisServer;
+use support::redis_server::RedisServer;
 use tokio::task::JoinSet;
 use tower_keyed_lock::backend::redlock::RedlockBackend;
 use tower_keyed_lock::{Key, LockBackend, RedisBackend};

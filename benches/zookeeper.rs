@@ -1,6 +1,6 @@
 //! The ZooKeeper backend against a real 3-server ensemble the bench starts on free
 //! ports, and the hand-off between two instances side by side with etcd (a 3-member
-//! cluster started beside it).
+//! cluster started beside it), Redis and PostgreSQL.
 //!
 //! ```text
 //! cargo bench -p tower-keyed-lock-benches --bench zookeeper
@@ -26,7 +26,7 @@ mod zookeeper_server;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::engine::{alternating, hand_off, report_hand_off};
+use support::engine::{alternating, hand_off, reference_hand_offs, report_hand_off};
 
 use criterion::Criterion;
 use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
@@ -102,6 +102,7 @@ fn main() {
             &rt.block_on(hand_off(a, b, handoffs, SETTLE)),
         );
     }
+    reference_hand_offs(&rt, handoffs, SETTLE);
     c.final_summary();
 }
 

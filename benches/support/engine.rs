@@ -5,7 +5,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tower_keyed_lock::{Key, LockBackend};
+use tower_keyed_lock::{Key, LockBackend, PostgresBackend, RedisBackend};
+
+use super::{pg_server, redis_server};
 
 /// Two operations timed in alternating batches: medians per operation and of the
 /// per-round ratio.
@@ -122,4 +124,30 @@ pub fn report_hand_off(engine: &str, times: &[Duration]) {
         at(1.0).as_secs_f64() * 1e3,
         times.len()
     );
+}
+
+/// The hand-offs users know, for side-by-side figures: two instances on one Redis
+/// (woken by a release message) and on one PostgreSQL (its own lock queue), each on a
+/// server started here.
+pub fn reference_hand_offs(rt: &tokio::runtime::Runtime, rounds: usize, settle: Duration) {
+    {
+        let server = redis_server::RedisServer::start();
+        let backend = || async {
+            let backend = RedisBackend::builder(server.client())
+                .restart_guard(false)
+                .build()
+                .await
+                .expect("the backend connects to Redis");
+            Arc::new(backend) as Arc<dyn LockBackend>
+        };
+        let (a, b) = rt.block_on(async { (backend().await, backend().await) });
+        report_hand_off("redis", &rt.block_on(hand_off(a, b, rounds, settle)));
+    }
+    let server = pg_server::PgServer::start();
+    let backend = || {
+        let config = server.conn_str().parse().expect("a connection string");
+        Arc::new(PostgresBackend::from_config(config).fencing(true)) as Arc<dyn LockBackend>
+    };
+    let times = rt.block_on(hand_off(backend(), backend(), rounds, settle));
+    report_hand_off("postgres", &times);
 }

@@ -3,6 +3,11 @@
 #![allow(dead_code)]
 
 pub mod engine;
+// The tests' server launchers: the reference engines every backend is measured beside.
+#[path = "../../tests/support/pg_server.rs"]
+pub mod pg_server;
+#[path = "../../tests/support/redis_server.rs"]
+pub mod redis_server;
 
 /// On-CPU nanoseconds of all live threads of this process (`schedstat`'s first field;
 /// the kernel updates it at scheduler ticks, so batches last tens of milliseconds).
