@@ -298,8 +298,7 @@ async fn hammer(a: PostgresBackend, b: PostgresBackend, run: Duration) -> Tally 
             .expect("the workload hung")
             .unwrap();
     }
-    let tally = std::mem::take(&mut *tally.lock().unwrap());
-    tally
+    std::mem::take(&mut *tally.lock().unwrap())
 }
 
 /// PgBouncer in transaction pooling with `server_reset_query_always = 1` and
