@@ -315,5 +315,11 @@ fn check(text: &str, tally: &Tally) {
 
     assert_eq!(get("keyed_lock_keys", &[]), 0.0, "every key was released");
     assert_eq!(get("keyed_lock_waiting", &[]), 0.0, "nobody waits any more");
-    get("keyed_lock_lease_lost_total", &[]);
+    for reason in ["unreachable", "expired", "not_owner"] {
+        assert_eq!(
+            get("keyed_lock_lease_lost_total", &[("reason", reason)]),
+            0.0,
+            "no lease in process"
+        );
+    }
 }

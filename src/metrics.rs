@@ -16,7 +16,7 @@
 //! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `fingerprint_mismatch` \| `body_too_large` \| `body_unread` \| `misconfigured` |
 //! | [`WAITING`] | gauge: requests waiting now | |
 //! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
-//! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | |
+//! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | `reason` = `unreachable` \| `expired` \| `not_owner` ([`LostReason`]) |
 //!
 //! Handles are registered once per layer (or locks), on its first request, so a recorder
 //! installed after the router was built but before it serves is still used.
@@ -52,6 +52,7 @@ use std::sync::OnceLock;
 
 use metrics::{Counter, Gauge, Histogram, Unit};
 
+use crate::backend::LostReason;
 use crate::reject::RejectionKind;
 
 /// Histogram buckets, in seconds, for [`WAIT_SECONDS`] and [`HOLD_SECONDS`]: 0.5 ms to
@@ -219,7 +220,8 @@ pub(crate) struct Metrics {
     rejected: Rejected,
     pub(crate) waiting: Gauge,
     pub(crate) keys: Gauge,
-    pub(crate) lease_lost: Counter,
+    /// One per [`LostReason`], at its index.
+    lease_lost: [Counter; 3],
 }
 
 impl Metrics {
@@ -239,12 +241,18 @@ impl Metrics {
             rejected,
             waiting: metrics::gauge!(n.waiting, "name" => name.clone()),
             keys: metrics::gauge!(n.keys, "name" => name.clone()),
-            lease_lost: metrics::counter!(n.lease_lost, "name" => name),
+            lease_lost: LostReason::ALL.map(|reason| {
+                metrics::counter!(n.lease_lost, "name" => name.clone(), "reason" => reason.as_str())
+            }),
         }
     }
 
     pub(crate) fn rejected(&self, kind: RejectionKind) {
         self.rejected.increment(kind);
+    }
+
+    pub(crate) fn lease_lost(&self, reason: LostReason) {
+        self.lease_lost[reason.index()].increment(1);
     }
 }
 

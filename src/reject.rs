@@ -29,7 +29,7 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderValue, Response, StatusCode};
 
-use crate::backend::RetryLater;
+use crate::backend::{LostReason, RetryLater};
 use crate::error::LockError;
 use crate::key::KeyError;
 
@@ -295,12 +295,23 @@ impl Rejection {
     }
 
     /// The distributed lease was lost while the request ran (and the layer aborts then).
-    pub(crate) fn lease_lost(retry_after: Duration) -> Self {
+    pub(crate) fn lease_lost(retry_after: Duration, reason: LostReason) -> Self {
+        let detail = match reason {
+            LostReason::Unreachable => {
+                "the lock lease was lost while the request ran: the lock engine could not be reached"
+            }
+            LostReason::Expired => {
+                "the lock lease was lost while the request ran: it expired before it was renewed"
+            }
+            LostReason::NotOwner => {
+                "the lock lease was lost while the request ran: the lock engine gave the key to another holder"
+            }
+        };
         Self::new(
             RejectionKind::LeaseLost,
             StatusCode::SERVICE_UNAVAILABLE,
             Some(retry_after),
-            "the lock lease was lost while the request ran",
+            detail,
         )
     }
 

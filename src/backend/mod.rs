@@ -32,6 +32,7 @@ pub mod dynamodb;
 pub mod etcd;
 #[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
 mod key_component;
+mod lost;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub mod mysql;
@@ -57,6 +58,7 @@ mod ttl;
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub mod zookeeper;
 
+pub use lost::LostReason;
 pub use retry_later::RetryLater;
 
 // Defined at the crate root, which the replay stores and the layer share; re-exported
@@ -216,17 +218,36 @@ pub struct LeaseSignal(watch::Receiver<Validity>);
 #[derive(Debug)]
 pub struct LeaseLostSender(watch::Sender<Validity>);
 
-/// What a signal knows: raised, or valid until a deadline (`None`: no deadline, only
-/// the backend can tell).
+/// What a signal knows: raised (and why), or valid until a deadline (`None`: no
+/// deadline, only the backend can tell).
 #[derive(Debug, Clone, Copy)]
 struct Validity {
-    lost: bool,
+    lost: Option<LostReason>,
     valid_until: Option<Instant>,
+    /// A renewal went unanswered since the last one that was: if the deadline passes
+    /// now, the engine was unreachable rather than this process late.
+    unanswered: bool,
 }
 
 impl Validity {
     fn is_lost_at(&self, now: Instant) -> bool {
-        self.lost || self.valid_until.is_some_and(|deadline| now >= deadline)
+        self.lost_reason_at(now).is_some()
+    }
+
+    fn lost_reason_at(&self, now: Instant) -> Option<LostReason> {
+        self.lost.or_else(|| {
+            let passed = self.valid_until.is_some_and(|deadline| now >= deadline);
+            passed.then(|| self.deadline_reason())
+        })
+    }
+
+    /// Why the lease is lost when its deadline passes.
+    fn deadline_reason(&self) -> LostReason {
+        if self.unanswered {
+            LostReason::Unreachable
+        } else {
+            LostReason::Expired
+        }
     }
 }
 
@@ -245,8 +266,9 @@ impl LeaseSignal {
 
     fn with_validity(valid_until: Option<Instant>) -> (LeaseLostSender, LeaseSignal) {
         let (sender, receiver) = watch::channel(Validity {
-            lost: false,
+            lost: None,
             valid_until,
+            unanswered: false,
         });
         (LeaseLostSender(sender), LeaseSignal(receiver))
     }
@@ -260,11 +282,19 @@ impl LeaseSignal {
         self.0.borrow().is_lost_at(now)
     }
 
+    /// Why the lease was lost, once it is (see [`LostReason`]); `None` while it is not.
+    /// A lease whose deadline passed is lost for that reason at once, whether or not
+    /// the backend has run since; once seen, the reason never changes.
+    pub fn lost_reason(&self) -> Option<LostReason> {
+        let now = Instant::now();
+        self.0.borrow().lost_reason_at(now)
+    }
+
     /// The instant the lease counts as lost unless renewed first; `None` if the
     /// backend sets no deadline, or the lease is lost or released.
     pub fn valid_until(&self) -> Option<Instant> {
         let validity = *self.0.borrow();
-        validity.valid_until.filter(|_| !validity.lost)
+        validity.valid_until.filter(|_| validity.lost.is_none())
     }
 
     /// Resolves when the lease is lost (raised, or its deadline passed); never resolves
@@ -300,26 +330,69 @@ impl LeaseSignal {
 }
 
 impl LeaseLostSender {
-    /// Raises the signal (once; later calls do nothing). Returns whether this call
-    /// raised it.
-    pub fn lose(&self) -> bool {
+    /// Raises the signal for `reason` (once; later calls do nothing, and a deadline
+    /// that has already passed keeps its own reason). Returns whether this call raised
+    /// it.
+    pub fn lose(&self, reason: LostReason) -> bool {
+        let now = Instant::now();
         self.0.send_if_modified(|validity| {
-            let was_lost = std::mem::replace(&mut validity.lost, true);
-            !was_lost
+            if validity.lost.is_some() {
+                return false;
+            }
+            validity.lost = Some(validity.lost_reason_at(now).unwrap_or(reason));
+            true
         })
+    }
+
+    /// Raises the signal at its passed deadline, for the reason the deadline gives:
+    /// [`LostReason::Unreachable`] after an [unanswered](Self::unanswered) renewal,
+    /// else [`LostReason::Expired`].
+    pub fn lose_at_deadline(&self) -> bool {
+        let now = Instant::now();
+        self.0.send_if_modified(|validity| {
+            if validity.lost.is_some() {
+                return false;
+            }
+            validity.lost = Some(
+                validity
+                    .lost_reason_at(now)
+                    .unwrap_or(validity.deadline_reason()),
+            );
+            true
+        })
+    }
+
+    /// Records a renewal that went unanswered (a timeout, a broken connection): should
+    /// the deadline pass before one is answered, the engine was unreachable. Cleared
+    /// by [`extend`](Self::extend).
+    pub fn unanswered(&self) {
+        let now = Instant::now();
+        self.0.send_if_modified(|validity| {
+            // Once lost, the reason readers may have seen stays.
+            if !validity.is_lost_at(now) {
+                validity.unanswered = true;
+            }
+            false // nothing a waiter needs to wake for
+        });
     }
 
     /// Moves the deadline to `valid_until` after a renewal; returns `false` and raises
     /// the signal instead if the current deadline has already passed: a reader may
-    /// have seen the lease lost, and a lost lease stays lost.
+    /// have seen the lease lost, and a lost lease stays lost (for the reason it was
+    /// seen lost for).
     pub fn extend(&self, valid_until: Instant) -> bool {
         let mut extended = false;
+        let now = Instant::now();
         self.0.send_if_modified(|validity| {
-            if validity.is_lost_at(Instant::now()) {
-                let was_lost = std::mem::replace(&mut validity.lost, true);
-                return !was_lost;
+            if validity.lost.is_some() {
+                return false;
+            }
+            if let Some(reason) = validity.lost_reason_at(now) {
+                validity.lost = Some(reason);
+                return true;
             }
             validity.valid_until = Some(valid_until);
+            validity.unanswered = false;
             extended = true;
             true
         });
@@ -331,11 +404,12 @@ impl Drop for LeaseLostSender {
     fn drop(&mut self) {
         // The lease ends here (released, or its renewal task done): freeze the signal,
         // lost if its deadline has passed, else never lost.
+        let now = Instant::now();
         self.0.send_if_modified(|validity| {
-            if validity.lost {
+            if validity.lost.is_some() {
                 return false;
             }
-            validity.lost = validity.is_lost_at(Instant::now());
+            validity.lost = validity.lost_reason_at(now);
             validity.valid_until = None;
             true
         });
@@ -376,7 +450,7 @@ mod lease_signal_tests {
     use proptest::prelude::*;
     use tokio::time::Instant;
 
-    use super::LeaseSignal;
+    use super::{LeaseSignal, LostReason};
 
     /// What can happen to a lease while a holder looks at its signal.
     #[derive(Debug, Clone)]
@@ -385,8 +459,12 @@ mod lease_signal_tests {
         Wait(u64),
         /// A renewal answered: valid for this many ms from now.
         Extend(u64),
-        /// The backend says the lease is gone.
-        Lose,
+        /// A renewal went unanswered.
+        Unanswered,
+        /// The backend says the lease is gone, for this reason.
+        Lose(LostReason),
+        /// The backend's timer raises the signal at the deadline.
+        LoseAtDeadline,
         /// The lease is released (its sender dropped).
         Release,
     }
@@ -395,15 +473,40 @@ mod lease_signal_tests {
         prop_oneof![
             4 => (0u64..40).prop_map(Step::Wait),
             3 => (0u64..40).prop_map(Step::Extend),
-            1 => Just(Step::Lose),
+            2 => Just(Step::Unanswered),
+            1 => prop::sample::select(LostReason::ALL.to_vec()).prop_map(Step::Lose),
+            1 => Just(Step::LoseAtDeadline),
             1 => Just(Step::Release),
         ]
+    }
+
+    /// The model's signal: raised with a reason, or a deadline and whether a renewal
+    /// went unanswered since the last answered one.
+    struct Model {
+        lost: Option<LostReason>,
+        deadline: Option<Instant>,
+        unanswered: bool,
+    }
+
+    impl Model {
+        fn reason(&self, now: Instant) -> Option<LostReason> {
+            self.lost.or_else(|| {
+                let passed = self.deadline.is_some_and(|d| now >= d);
+                passed.then_some(if self.unanswered {
+                    LostReason::Unreachable
+                } else {
+                    LostReason::Expired
+                })
+            })
+        }
     }
 
     proptest! {
         /// Against a model: lost once raised or once the clock passed the deadline,
         /// and never un-lost — a renewal answered after the deadline does not revive
-        /// it, and a release freezes what was true then.
+        /// it, and a release freezes what was true then. The reason is the first one
+        /// that held (a passed deadline: unreachable after an unanswered renewal, else
+        /// expired), and once seen it never changes.
         #[test]
         fn the_signal_follows_the_clock_and_stays_lost(steps in prop::collection::vec(step(), 1..40)) {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -414,39 +517,57 @@ mod lease_signal_tests {
             runtime.block_on(async {
                 let (sender, signal) = LeaseSignal::with_deadline(Instant::now() + Duration::from_millis(20));
                 let mut sender = Some(sender);
-                // The model.
-                let mut deadline = Some(Instant::now() + Duration::from_millis(20));
-                let mut lost = false;
-                let mut seen_lost = false;
+                let mut model = Model {
+                    lost: None,
+                    deadline: Some(Instant::now() + Duration::from_millis(20)),
+                    unanswered: false,
+                };
+                let mut seen: Option<LostReason> = None;
                 for step in steps {
-                    match step {
-                        Step::Wait(ms) => tokio::time::advance(Duration::from_millis(ms)).await,
-                        Step::Extend(ms) => {
-                            if let Some(sender) = &sender {
-                                let now = Instant::now();
-                                let expired = lost || deadline.is_some_and(|d| now >= d);
-                                let extended = sender.extend(now + Duration::from_millis(ms));
-                                prop_assert_eq!(extended, !expired);
-                                if expired { lost = true } else { deadline = Some(now + Duration::from_millis(ms)) }
+                    let now = Instant::now();
+                    match (step, &sender) {
+                        (Step::Wait(ms), _) => tokio::time::advance(Duration::from_millis(ms)).await,
+                        (Step::Extend(ms), Some(sender)) => {
+                            let expired = model.reason(now);
+                            let extended = sender.extend(now + Duration::from_millis(ms));
+                            prop_assert_eq!(extended, expired.is_none());
+                            match expired {
+                                Some(reason) => model.lost = Some(reason),
+                                None => {
+                                    model.deadline = Some(now + Duration::from_millis(ms));
+                                    model.unanswered = false;
+                                }
                             }
                         }
-                        Step::Lose => {
-                            if let Some(sender) = &sender {
-                                sender.lose();
-                                lost = true;
+                        (Step::Unanswered, Some(sender)) => {
+                            sender.unanswered();
+                            if model.reason(now).is_none() {
+                                model.unanswered = true;
                             }
                         }
-                        Step::Release => {
-                            if sender.take().is_some() {
-                                lost = lost || deadline.is_some_and(|d| Instant::now() >= d);
-                                deadline = None;
-                            }
+                        (Step::Lose(reason), Some(sender)) => {
+                            sender.lose(reason);
+                            model.lost = Some(model.reason(now).unwrap_or(reason));
                         }
+                        (Step::LoseAtDeadline, Some(sender)) => {
+                            sender.lose_at_deadline();
+                            let at_deadline = if model.unanswered { LostReason::Unreachable } else { LostReason::Expired };
+                            model.lost = Some(model.reason(now).unwrap_or(at_deadline));
+                        }
+                        (Step::Release, Some(_)) => {
+                            sender = None;
+                            model.lost = model.reason(now);
+                            model.deadline = None;
+                        }
+                        (_, None) => {}
                     }
-                    let expected = lost || deadline.is_some_and(|d| Instant::now() >= d);
-                    prop_assert_eq!(signal.is_lost(), expected);
-                    prop_assert!(!seen_lost || signal.is_lost(), "a lost lease came back");
-                    seen_lost |= signal.is_lost();
+                    let expected = model.reason(Instant::now());
+                    prop_assert_eq!(signal.lost_reason(), expected);
+                    prop_assert_eq!(signal.is_lost(), expected.is_some());
+                    if let Some(first) = seen {
+                        prop_assert_eq!(signal.lost_reason(), Some(first), "a lost lease came back, or changed its reason");
+                    }
+                    seen = signal.lost_reason();
                 }
                 Ok(())
             })?;

@@ -13,6 +13,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::{DistributedGuard, DistributedLocks, LeaseLost};
+use crate::backend::LostReason;
 use crate::error::LockError;
 use crate::key::Key;
 use crate::locks::Mode;
@@ -45,8 +46,8 @@ impl DistributedGuards {
     /// Runs `work` while every key is held, and cancels it (drops it) as soon as any
     /// key's lease is lost.
     pub async fn run_while_held<F: Future>(&self, work: F) -> Result<F::Output, LeaseLost> {
-        if self.is_lost() {
-            return Err(LeaseLost);
+        if let Some(lost) = self.first_lost() {
+            return Err(lost);
         }
         let any_lost = async {
             let mut lost: Vec<_> = self
@@ -67,9 +68,17 @@ impl DistributedGuards {
         };
         tokio::select! {
             biased;
-            () = any_lost => Err(LeaseLost),
+            () = any_lost => Err(self.first_lost().unwrap_or(LeaseLost::new(LostReason::Expired))),
             output = work => Ok(output),
         }
+    }
+
+    /// The loss of the first key found lost, if any.
+    fn first_lost(&self) -> Option<LeaseLost> {
+        self.guards
+            .iter()
+            .find(|guard| guard.is_lost())
+            .map(DistributedGuard::lease_lost)
     }
 
     /// Releases every key and waits until the backend has them back.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 use super::Inner;
-use crate::backend::{Lease, LeaseSignal};
+use crate::backend::{Lease, LeaseSignal, LostReason};
 use crate::key::Key;
 use crate::locks::{KeyGuard, LockError};
 
@@ -35,8 +35,23 @@ pub struct DistributedGuard {
 
 /// The error of [`DistributedGuard::run_while_held`] when the lease was lost first:
 /// the work was cancelled, because another instance may hold the key now.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseLost;
+/// [`reason`](Self::reason) says why it was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseLost {
+    reason: LostReason,
+}
+
+impl LeaseLost {
+    /// The error for a lease lost for `reason`.
+    pub(crate) fn new(reason: LostReason) -> Self {
+        Self { reason }
+    }
+
+    /// Why the lease was lost.
+    pub fn reason(&self) -> LostReason {
+        self.reason
+    }
+}
 
 impl DistributedGuard {
     pub(super) fn new(
@@ -84,8 +99,8 @@ impl DistributedGuard {
     fn record_hold(&self) {
         if let (Some(metrics), true) = (self.locks.metrics(), self.local.is_some()) {
             metrics.hold.record(self.since.elapsed());
-            if self.is_lost() {
-                metrics.lease_lost.increment(1);
+            if let Some(reason) = self.lost_reason() {
+                metrics.lease_lost(reason);
             }
         }
     }
@@ -128,6 +143,18 @@ impl DistributedGuard {
         self.lease().is_some_and(LeaseSignal::is_lost)
     }
 
+    /// Why the remote lease was lost, once it is; always `None` in process.
+    pub fn lost_reason(&self) -> Option<LostReason> {
+        self.lease().and_then(LeaseSignal::lost_reason)
+    }
+
+    /// The error of work cut short by the loss of this lease.
+    pub(super) fn lease_lost(&self) -> LeaseLost {
+        // Asked once the lease is lost, so a reason is known; a passed deadline is
+        // what the signal would say otherwise.
+        LeaseLost::new(self.lost_reason().unwrap_or(LostReason::Expired))
+    }
+
     /// Resolves when the remote lease is lost; never, in process.
     pub async fn lost(&self) {
         match self.lease() {
@@ -168,15 +195,15 @@ impl DistributedGuard {
         );
         let work = tracing::Instrument::instrument(work, span.clone());
         let result = match self.is_lost() {
-            true => Err(LeaseLost),
+            true => Err(self.lease_lost()),
             false => tokio::select! {
                 biased;
-                () = self.lost() => Err(LeaseLost),
+                () = self.lost() => Err(self.lease_lost()),
                 output = work => Ok(output),
             },
         };
-        if result.is_err() {
-            tracing::warn!(parent: &span, name = &*self.locks.name, "the lease was lost: the work was cancelled");
+        if let Err(lost) = &result {
+            tracing::warn!(parent: &span, name = &*self.locks.name, reason = lost.reason().as_str(), "the lease was lost: the work was cancelled");
         }
         result
     }
@@ -251,7 +278,11 @@ impl fmt::Debug for DistributedGuard {
 
 impl fmt::Display for LeaseLost {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("the lock's lease was lost; another instance may hold the key")
+        write!(
+            f,
+            "the lock's lease was lost ({}); another instance may hold the key",
+            self.reason
+        )
     }
 }
 

@@ -18,7 +18,7 @@ use super::info::LockInfo;
 use super::rejected::RejectionResponse;
 use super::shared::Shared;
 use super::trace;
-use crate::backend::RetryLater;
+use crate::backend::{LostReason, RetryLater};
 use crate::distributed::{DistributedAcquire, DistributedGuard};
 use crate::error::LockError;
 use crate::reject::RejectionKind;
@@ -292,9 +292,12 @@ fn poll_lease_lost<S, ReqBody, F, E>(
 ) -> Option<State<S, ReqBody, F, E>> {
     let lost = lost.as_mut()?.as_mut().poll(cx).is_ready();
     lost.then(|| {
-        let shared = held.as_ref().expect("a lease implies a hold").shared();
+        let held = held.as_ref().expect("a lease implies a hold");
+        // Resolved once lost, so a reason is known; a passed deadline's otherwise.
+        let reason = held.lost_reason().unwrap_or(LostReason::Expired);
+        let shared = held.shared();
         State::Rejected {
-            response: shared.respond(shared.lease_lost_rejection()),
+            response: shared.respond(shared.lease_lost_rejection(reason)),
         }
     })
 }

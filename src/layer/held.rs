@@ -6,6 +6,7 @@ use std::time::Instant;
 use tracing::Span;
 
 use super::shared::Shared;
+use crate::backend::LostReason;
 use crate::distributed::DistributedGuard;
 use crate::key::Key;
 use crate::locks::HashHold;
@@ -66,6 +67,14 @@ impl HeldKey {
         &self.shared
     }
 
+    /// Why the key's lease was lost, once it is; `None` in process.
+    pub(crate) fn lost_reason(&self) -> Option<LostReason> {
+        match &self.guard {
+            Guard::Local { .. } => None,
+            Guard::Distributed(guard) => guard.lost_reason(),
+        }
+    }
+
     /// Whether the key stays held until the response body ends.
     pub(crate) fn until_body_end(&self) -> bool {
         self.shared.config.hold_until_body_end
@@ -106,11 +115,12 @@ impl Drop for HeldKey {
                 }
             }
             Guard::Distributed(guard) => {
-                if guard.is_lost() {
-                    metrics.lease_lost.increment(1);
+                if let Some(reason) = guard.lost_reason() {
+                    metrics.lease_lost(reason);
                     tracing::warn!(
                         parent: &self.span,
                         layer = self.shared.name(),
+                        reason = reason.as_str(),
                         "the lease was lost while the request held the key"
                     );
                 }

@@ -10,6 +10,7 @@ use http::StatusCode;
 
 use super::info::LayerTag;
 use super::rejected::{RejectionHandler, RejectionResponse};
+use crate::backend::LostReason;
 use crate::distributed::{DistributedLocks, DistributedLocksBuilder, SHARED_LOCKS};
 use crate::error::LockError;
 use crate::key::KeyError;
@@ -117,8 +118,8 @@ impl Shared {
     }
 
     /// The rejection for a request aborted because its distributed lease was lost.
-    pub(crate) fn lease_lost_rejection(&self) -> Rejection {
-        Rejection::lease_lost(self.config.retry_after)
+    pub(crate) fn lease_lost_rejection(&self, reason: LostReason) -> Rejection {
+        Rejection::lease_lost(self.config.retry_after, reason)
     }
 
     /// The response for `rejection`: the user's handler's, or the default.

@@ -47,7 +47,7 @@
 //! | [`release_hands_over`] | a release wakes the next instance's waiter |
 //! | [`fencing_tokens_increase`] | tokens strictly increase from holder to holder; a backend that says it issues none hands out none |
 //! | [`dropped_acquisitions_leave_nothing_held`] | a cancelled acquisition, at any point, leaves the key free |
-//! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone |
+//! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone, for the reason `Expired` |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
 

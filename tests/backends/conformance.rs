@@ -22,7 +22,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::{sleep, sleep_until, Instant};
-use tower_keyed_lock::backend::{Acquisition, BoxFuture, LeaseLostSender, ReleaseLease};
+use tower_keyed_lock::backend::{
+    Acquisition, BoxFuture, LeaseLostSender, LostReason, ReleaseLease,
+};
 use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
@@ -434,6 +436,9 @@ async fn a_reset_connection_is_a_lost_lease_and_recovers<F: Proxied>(fixture: &F
                 fixture.reset_notice()
             );
             eprintln!("reset: the holder was told {late:?} after the other grant");
+            // Its renewals went unanswered, or the connection holding the lock broke:
+            // the local deadline comes before the engine's, so never "not the owner".
+            assert_eq!(guard.lost_reason(), Some(LostReason::Unreachable));
             taken.release().await;
         }
         Err(LockError::Timeout) => {
@@ -548,9 +553,12 @@ async fn keep(service: TableService, key: String, owner: u64, lost: LeaseLostSen
     loop {
         sleep_until(sent + LEASE / 3).await;
         sent = Instant::now();
-        if !service.renew(&key, owner, sent) || !lost.extend(sent + LEASE) {
-            lost.lose();
+        if !service.renew(&key, owner, sent) {
+            lost.lose(LostReason::NotOwner);
             return;
+        }
+        if !lost.extend(sent + LEASE) {
+            return; // lost: the deadline had passed
         }
     }
 }

@@ -13,6 +13,7 @@ use axum::Router;
 use http::StatusCode;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, DynamoDbBackendBuilder, SetupError};
+use tower_keyed_lock::backend::LostReason;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, PathParam};
 
 use crate::support::dynamo_server::DynamoServer;
@@ -316,7 +317,11 @@ async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
         .name(layer_name)
         .backend(backend);
     let server = Arc::new(serve(gated_router(gate.clone()).layer(layer)).await);
-    let lost_before = counter("keyed_lock_lease_lost_total", layer_name, &[]);
+    let lost_before = counter(
+        "keyed_lock_lease_lost_total",
+        layer_name,
+        &[("reason", "not_owner")],
+    );
 
     let (holder, info, _) = hold(&server, "/orders/4", &mut entered).await;
     let lease_signal = info.lease().expect("a distributed lease").clone();
@@ -346,6 +351,8 @@ async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
         "noticed after {noticed:?}"
     );
     assert!(info.is_lease_lost());
+    // The engine answered that the lock is someone else's (or no one's).
+    assert_eq!(lease_signal.lost_reason(), Some(LostReason::NotOwner));
 
     gate.finish.add_permits(1);
     let answer = within("the holder", Duration::from_secs(5), holder)
@@ -356,7 +363,11 @@ async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
         (StatusCode::OK, "lost=true")
     );
     crate::support::eventually("the lost lease is counted", || {
-        counter("keyed_lock_lease_lost_total", layer_name, &[]) == lost_before + 1
+        counter(
+            "keyed_lock_lease_lost_total",
+            layer_name,
+            &[("reason", "not_owner")],
+        ) == lost_before + 1
     })
     .await;
     if overwrite {

@@ -614,7 +614,11 @@ async fn terminated_connection_raises_lease_lost() {
         .name("pg-lost")
         .backend(a.clone());
     let server = Arc::new(serve(app(layer, probe.clone())).await);
-    let before = counter(tower_keyed_lock::metrics::LEASE_LOST_TOTAL, "pg-lost", &[]);
+    let before = counter(
+        tower_keyed_lock::metrics::LEASE_LOST_TOTAL,
+        "pg-lost",
+        &[("reason", "unreachable")],
+    );
 
     let request = spawn_post(&server, "/lost/1");
     let info = next_entered(&mut entered).await;
@@ -633,7 +637,11 @@ async fn terminated_connection_raises_lease_lost() {
     assert!(info.is_lease_lost());
     assert!(started.elapsed() < Duration::from_secs(2), "noticed late");
     eventually("the loss is counted", || async {
-        counter(tower_keyed_lock::metrics::LEASE_LOST_TOTAL, "pg-lost", &[]) == before + 1
+        counter(
+            tower_keyed_lock::metrics::LEASE_LOST_TOTAL,
+            "pg-lost",
+            &[("reason", "unreachable")],
+        ) == before + 1
     })
     .await;
     // The dead connection did not go back to the pool.
@@ -688,6 +696,8 @@ async fn lost_lease_aborts_with_503() {
         .unwrap();
     let answer = answer(request).await;
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE, "{answer:?}");
+    // The session that held the lock ended: the engine is out of reach for it.
+    assert!(answer.body.contains("could not be reached"), "{answer:?}");
     assert_eq!(probe.overlap.max(), 1);
 }
 

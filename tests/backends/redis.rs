@@ -12,6 +12,7 @@ use redis::aio::MultiplexedConnection;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
+use tower_keyed_lock::backend::LostReason;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, PathParam};
 
 use crate::support::instances::{
@@ -206,7 +207,11 @@ async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
         .name(layer_name)
         .backend(backend);
     let server = Arc::new(serve(gated_router(gate.clone()).layer(layer)).await);
-    let lost_before = counter("keyed_lock_lease_lost_total", layer_name, &[]);
+    let lost_before = counter(
+        "keyed_lock_lease_lost_total",
+        layer_name,
+        &[("reason", "not_owner")],
+    );
 
     let (holder, info, _) = hold(&server, "/orders/4", &mut entered).await;
     let lease_signal = info.lease().expect("a distributed lease").clone();
@@ -230,6 +235,8 @@ async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
         "noticed after {noticed:?}"
     );
     assert!(info.is_lease_lost());
+    // The engine answered that the lock is someone else's (or no one's).
+    assert_eq!(lease_signal.lost_reason(), Some(LostReason::NotOwner));
 
     gate.open_one();
     let answer = within("the holder", Duration::from_secs(5), holder)
@@ -240,7 +247,11 @@ async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
         (StatusCode::OK, "lost=true")
     );
     crate::support::eventually("the lost lease is counted", || {
-        counter("keyed_lock_lease_lost_total", layer_name, &[]) == lost_before + 1
+        counter(
+            "keyed_lock_lease_lost_total",
+            layer_name,
+            &[("reason", "not_owner")],
+        ) == lost_before + 1
     })
     .await;
     if overwrite {
@@ -293,6 +304,12 @@ async fn abort_on_lease_lost_answers_503() {
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(
         answer.body.contains(r#""reason":"lease_lost""#),
+        "{}",
+        answer.body
+    );
+    // The key was deleted: the engine's word that the lock is not ours.
+    assert!(
+        answer.body.contains("gave the key to another holder"),
         "{}",
         answer.body
     );

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use metrics_util::debugging::DebugValue;
-use tower_keyed_lock::backend::{Acquisition, Lease, LeaseSignal, LockBackend, ReleaseLease};
+use tower_keyed_lock::backend::{
+    Acquisition, Lease, LeaseSignal, LockBackend, LostReason, ReleaseLease,
+};
 use tower_keyed_lock::{BoxFuture, DistributedLocks, Key, LockError};
 
 use crate::support::recorder;
@@ -106,7 +108,7 @@ impl LockBackend for LosesEveryLease {
     fn acquire(&self, _: &str, _: &Key, _: Duration) -> Acquisition {
         Box::pin(async {
             let (sender, signal) = LeaseSignal::new();
-            sender.lose();
+            sender.lose(LostReason::NotOwner);
             Ok(Lease::new(Some(1), signal, Nothing))
         })
     }
@@ -118,11 +120,22 @@ async fn a_lease_lost_while_held_is_counted() {
     const NAME: &str = "metrics-lost";
     let locks = DistributedLocks::new(NAME, LosesEveryLease);
     let guard = locks.lock("a").await.unwrap();
-    assert!(guard.is_lost());
+    assert_eq!(guard.lost_reason(), Some(LostReason::NotOwner));
     drop(guard);
+    // Counted under its reason, and under no other.
     assert_eq!(
-        recorder::counter("keyed_lock_lease_lost_total", NAME, &[]),
+        recorder::counter(
+            "keyed_lock_lease_lost_total",
+            NAME,
+            &[("reason", "not_owner")]
+        ),
         1
     );
+    for other in ["unreachable", "expired"] {
+        assert_eq!(
+            recorder::counter("keyed_lock_lease_lost_total", NAME, &[("reason", other)]),
+            0
+        );
+    }
     assert_eq!(samples("keyed_lock_hold_seconds", NAME, None), 1);
 }

@@ -12,7 +12,7 @@ use super::error::SHARED_SESSION;
 use super::lock_name::hex_literal;
 use super::session::{number, Session};
 use super::Inner;
-use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
+use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, LostReason, ReleaseLease};
 
 impl Inner {
     /// Hands the locked session (`CONNECTION_ID()` `id`) to a task that checks it until
@@ -84,7 +84,7 @@ impl Inner {
                         Ok(rows) => rows.into_iter().last(),
                         Err(error) => {
                             tracing::warn!(lock = %name, %error, "MySQL lock lost: its connection failed");
-                            lost.lose();
+                            lost.lose(LostReason::Unreachable);
                             return;
                         }
                     };
@@ -92,7 +92,7 @@ impl Inner {
                     let held = row.as_ref().and_then(|row| number(row, 1)) == Some(1);
                     if answered_by != Some(id as i64) || !held {
                         tracing::error!(lock = %name, "MySQL lock lost: {SHARED_SESSION}");
-                        lost.lose();
+                        lost.lose(LostReason::NotOwner);
                         return;
                     }
                     if !lost.extend(self.valid_until(sent)) {

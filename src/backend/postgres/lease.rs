@@ -11,7 +11,7 @@ use tokio::time::{Instant, MissedTickBehavior};
 use super::error::SHARED_SESSION;
 use super::session::{last_row, Session};
 use super::{Inner, LockScope};
-use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
+use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, LostReason, ReleaseLease};
 
 /// How often a held connection is looked at (no round trip: whether its connection task
 /// ended), so a session that ended raises the lost-lease signal within this period.
@@ -51,15 +51,14 @@ impl Inner {
         lost: LeaseLostSender,
         mut stop: oneshot::Receiver<()>,
     ) {
-        if self
+        if let Err(reason) = self
             .stays_alive(&session, id, pid, since, &lost, &mut stop)
             .await
-            .is_err()
         {
             // The session ended (so PostgreSQL freed the lock), went silent, or is not
             // the one that holds the lock: another instance may hold the key now, or
             // soon. Dropping `session` closes our end too.
-            lost.lose();
+            lost.lose(reason);
             return;
         }
         let released = match self.scope {
@@ -78,8 +77,8 @@ impl Inner {
         }
     }
 
-    /// Returns `Ok` when `stop` fires (the lease is released), `Err` when the lock is
-    /// lost. Between liveness checks the connection is looked at every
+    /// Returns `Ok` when `stop` fires (the lease is released), `Err` with the reason
+    /// when the lock is lost. Between liveness checks the connection is looked at every
     /// [`CLOSED_CHECK_PERIOD`]: a session that ended is noticed at once, not at the
     /// next check.
     async fn stays_alive(
@@ -90,7 +89,7 @@ impl Inner {
         since: Instant,
         lost: &LeaseLostSender,
         stop: &mut oneshot::Receiver<()>,
-    ) -> Result<(), ()> {
+    ) -> Result<(), LostReason> {
         let interval = self.liveness_interval;
         let mut checks = tokio::time::interval_at(since + interval, interval);
         checks.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -104,7 +103,7 @@ impl Inner {
                 _ = looks.tick() => {
                     if session.is_closed() {
                         tracing::warn!(lock_id = id, "PostgreSQL lock lost: its connection closed");
-                        return Err(());
+                        return Err(LostReason::Unreachable);
                     }
                 }
                 _ = checks.tick() => {
@@ -122,16 +121,16 @@ impl Inner {
                         Ok(Some(now)) if now == pid => {
                             if !lost.extend(self.valid_until(sent)) {
                                 tracing::warn!(lock_id = id, "PostgreSQL lock lost: its holder stalled past its deadline");
-                                return Err(());
+                                return Err(LostReason::Expired);
                             }
                         }
                         Ok(_) => {
                             tracing::error!(lock_id = id, "PostgreSQL lock lost: {SHARED_SESSION}");
-                            return Err(());
+                            return Err(LostReason::NotOwner);
                         }
                         Err(error) => {
                             tracing::warn!(lock_id = id, %error, "PostgreSQL lock lost: its connection failed");
-                            return Err(());
+                            return Err(LostReason::Unreachable);
                         }
                     }
                 }

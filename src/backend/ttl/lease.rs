@@ -9,7 +9,7 @@ use tokio::time::{sleep_until, Instant};
 
 use super::give_back::give_back;
 use super::{Renewal, TtlBackend};
-use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
+use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, LostReason, ReleaseLease};
 
 /// The lease for a grant of `target` to `token`, sent at `sent_at`, with its renewal
 /// task.
@@ -81,15 +81,21 @@ async fn keep<B: TtlBackend>(
             Renewal::Renewed => {
                 valid_until = timing.valid_until(sent, ttl);
                 if !lost.extend(valid_until) {
-                    break; // the old deadline passed while the answer was on its way
+                    return; // the old deadline passed while the answer was on its way
                 }
                 next = sent + period;
             }
-            Renewal::NotOurs => break,
-            Renewal::Unknown => next = Instant::now() + period / 4,
+            Renewal::NotOurs => {
+                lost.lose(LostReason::NotOwner);
+                return;
+            }
+            Renewal::Unknown => {
+                lost.unanswered();
+                next = Instant::now() + period / 4;
+            }
         }
     }
-    lost.lose();
+    lost.lose_at_deadline();
 }
 
 /// Gives a lease back: stops its renewal, then clears the record if still ours.

@@ -13,7 +13,7 @@ use super::acquire::Contender;
 use super::session::{Health, Session};
 use super::Inner;
 use crate::backend::ttl::give_back;
-use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, ReleaseLease};
+use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, LostReason, ReleaseLease};
 
 /// The lease of `contender`, granted with `fence`; `None` if its session was lost
 /// meanwhile.
@@ -52,7 +52,7 @@ async fn keep(
 ) {
     // A watch on the node itself: set up off the grant's path (one round trip).
     let Some(client) = session.client() else {
-        lost.lose();
+        lost.lose(LostReason::Unreachable);
         return;
     };
     let watched = timeout_at(
@@ -64,7 +64,7 @@ async fn keep(
     let watcher = match watched {
         Ok(Ok((Some(_), watcher))) => Some(watcher),
         Ok(Ok((None, _))) => {
-            lost.lose();
+            lost.lose(LostReason::NotOwner);
             return;
         }
         // Without a watch, the session's health alone decides.
@@ -78,27 +78,37 @@ async fn keep(
         }
     };
     tokio::pin!(deleted);
-    loop {
+    // The session lost (its deadline passed unheard, or it closed) is the engine out
+    // of reach; the node gone is the engine's word that the lock is not ours.
+    let reason = loop {
         tokio::select! {
             changed = health.changed() => {
                 let now = *health.borrow_and_update();
-                if changed.is_err() || now.lost || !lost.extend(now.valid_until) {
-                    break;
+                if changed.is_err() || now.lost {
+                    break LostReason::Unreachable;
+                }
+                if now.unanswered {
+                    lost.unanswered();
+                } else if !lost.extend(now.valid_until) {
+                    return; // raised: the deadline had passed
                 }
             }
             event = &mut deleted, if watching => {
                 // A node watch fires once: deleted, changed by hand, or the session
                 // ended. Only a data change leaves the node ours; then the session's
                 // health goes on deciding alone.
-                if event.event_type == zk::EventType::NodeDataChanged {
-                    watching = false;
-                    continue;
+                match event.event_type {
+                    zk::EventType::NodeDataChanged => {
+                        watching = false;
+                        continue;
+                    }
+                    zk::EventType::Session => break LostReason::Unreachable,
+                    _ => break LostReason::NotOwner,
                 }
-                break;
             }
         }
-    }
-    lost.lose();
+    };
+    lost.lose(reason);
 }
 
 /// Gives a lease back: stops following the session, then deletes the node.

@@ -21,6 +21,9 @@ pub(super) struct Health {
     /// Expired, closed, or its local deadline passed: its nodes are gone or going, and
     /// the backend will not use it again.
     pub(super) lost: bool,
+    /// A heartbeat went unanswered since the last one answered: should the deadline
+    /// pass now, ZooKeeper was out of reach.
+    pub(super) unanswered: bool,
 }
 
 /// One ZooKeeper session and its heartbeat.
@@ -53,6 +56,7 @@ impl Session {
         let (health, _) = watch::channel(Health {
             valid_until: valid_until(started, timeout, config.drift()),
             lost: false,
+            unanswered: false,
         });
         let session = Arc::new_cyclic(|weak: &Weak<Session>| {
             let task = tokio::spawn(keep_heard(
@@ -227,8 +231,10 @@ async fn keep_heard(
         match timeout_at(limit, client.sync("/")).await {
             Ok(Ok(())) => {
                 let valid_until = deadline.answered(sent);
-                live.health
-                    .send_modify(|health| health.valid_until = valid_until);
+                live.health.send_modify(|health| {
+                    health.valid_until = valid_until;
+                    health.unanswered = false;
+                });
                 next = sent + period;
             }
             Ok(Err(error))
@@ -236,7 +242,11 @@ async fn keep_heard(
             {
                 break
             }
-            _ => next = Instant::now() + period / 4,
+            _ => {
+                live.health
+                    .send_if_modified(|health| !std::mem::replace(&mut health.unanswered, true));
+                next = Instant::now() + period / 4;
+            }
         }
     }
     if let Some(live) = session.upgrade() {
