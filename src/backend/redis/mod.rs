@@ -213,9 +213,9 @@ use tokio::time::Instant;
 pub(crate) use self::connection::Connection;
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
-use self::scripts::ACQUIRE;
+use self::scripts::{ACQUIRE, ACQUIRE_COUNTED};
 use self::subscriber::{Releases, Subscriber};
-use super::{ttl, Acquisition, LockBackend};
+use super::{ttl, Acquisition, LockBackend, LockMode};
 #[cfg(doc)]
 use crate::error::LockError;
 use crate::key::Key;
@@ -334,6 +334,8 @@ struct Inner {
     config: Config,
     drift: Duration,
     acquire: Script,
+    /// Takes a place among a key's readers or permit holders.
+    acquire_counted: Script,
     /// The shared release channel; empty on a cluster (a shard channel per lock).
     channel: String,
     releases: Arc<Releases>,
@@ -679,6 +681,7 @@ impl RedisBackendBuilder {
                 config,
                 drift,
                 acquire: Script::new(ACQUIRE),
+                acquire_counted: Script::new(ACQUIRE_COUNTED),
                 channel,
                 releases,
                 subscribed,
@@ -720,8 +723,17 @@ impl LockBackend for RedisBackend {
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
-        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
+        self.acquire_mode(name, key, LockMode::Exclusive, wait)
+    }
+
+    fn acquire_mode(&self, name: &str, key: &Key, mode: LockMode, wait: Duration) -> Acquisition {
+        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str()).with_mode(mode);
         Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))
+    }
+
+    /// Every mode: see [Shared locks and permits](self#shared-locks-and-permits).
+    fn supports(&self, _mode: LockMode) -> bool {
+        true
     }
 }
 
