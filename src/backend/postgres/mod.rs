@@ -232,6 +232,7 @@ mod error;
 mod fencing;
 mod lease;
 mod lock_id;
+mod permits;
 pub(crate) mod schema;
 mod session;
 mod xact;
@@ -247,10 +248,10 @@ use tokio::time::{timeout, Instant};
 use tokio_postgres::NoTls;
 
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
+pub use self::permits::PERMIT_POLL;
 
 use self::error::PgError;
-use super::{Acquisition, LockBackend};
-#[cfg(doc)]
+use super::{Acquisition, LockBackend, LockMode};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -571,7 +572,32 @@ impl LockBackend for PostgresBackend {
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
+        self.acquire_mode(name, key, LockMode::Exclusive, wait)
+    }
+
+    /// Every mode with [`LockScope::Session`] (shared: `pg_advisory_lock_shared`;
+    /// permits: a lock id per permit); only exclusive locks with
+    /// [`LockScope::Transaction`]. See [Shared locks and permits](self#shared-locks-and-permits).
+    fn supports(&self, mode: LockMode) -> bool {
+        mode == LockMode::Exclusive || self.inner.scope == LockScope::Session
+    }
+
+    fn acquire_mode(&self, name: &str, key: &Key, mode: LockMode, wait: Duration) -> Acquisition {
+        if !self.supports(mode) {
+            let what = match mode {
+                LockMode::Shared => super::SHARED_LOCKS,
+                _ => super::PERMITS,
+            };
+            return Box::pin(async move { Err(LockError::Unsupported(what)) });
+        }
         let id = self.lock_id(name, key.as_str());
+        let permits = match mode {
+            LockMode::Permit { of } => {
+                permits::permit_ids(&self.inner.namespace, name, key.as_str(), of)
+            }
+            _ => Vec::new(),
+        };
+        let shared = mode == LockMode::Shared;
         let inner = self.inner.clone();
         // PostgreSQL's `lock_timeout` is an `int` of milliseconds (24.8 days): a longer
         // wait (`Duration::MAX` for "no limit" included) ends there, with a timeout.
@@ -585,7 +611,10 @@ impl LockBackend for PostgresBackend {
                 let deadline = Instant::now() + wait;
                 inner.prepare_fencing(deadline).await?;
                 match inner.scope {
-                    LockScope::Session => inner.acquire(id, deadline).await,
+                    LockScope::Session if !permits.is_empty() => {
+                        inner.clone().acquire_permit(permits, deadline).await
+                    }
+                    LockScope::Session => inner.clone().acquire(id, shared, deadline).await,
                     LockScope::Transaction => {
                         inner.acquire_in_transaction(id, wait, deadline).await
                     }
