@@ -61,7 +61,8 @@
 //! | [`a_waiting_writer_is_not_starved`] | a waiting writer stops new readers of any instance from entering |
 //! | [`at_most_n_permit_holders`] | never more than n permit holders across instances, nothing lost |
 //! | [`a_crashed_permit_comes_back`] | a crashed holder's permit is free again after the loss bound |
-//! | [`fencing_tokens_across_modes`] | writer tokens increase across modes; a reader's is the last writer's |
+//! | [`fencing_tokens_across_modes`] | writer tokens increase across modes; a reader's is at least the last writer's and below the next |
+//! | [`dropped_shared_and_permit_acquisitions_leave_nothing_held`] | a cancelled shared or permit acquisition, at any point, leaves the key free |
 
 mod isolated;
 mod lease;
@@ -80,7 +81,8 @@ pub use self::mutual::{
 };
 pub use self::modes::{
     a_crashed_permit_comes_back, a_waiting_writer_is_not_starved, a_writer_excludes_everyone,
-    at_most_n_permit_holders, fencing_tokens_across_modes, readers_hold_together,
+    at_most_n_permit_holders, dropped_shared_and_permit_acquisitions_leave_nothing_held,
+    fencing_tokens_across_modes, readers_hold_together,
 };
 pub use self::several::several_keys_all_or_nothing;
 use crate::{DistributedLocks, LockBackend};
@@ -126,13 +128,14 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
 
 /// The names of the checks [`run_modes`] runs, in its order: for backends that hold
 /// keys shared and count permits.
-pub const MODE_CHECKS: [&str; 6] = [
+pub const MODE_CHECKS: [&str; 7] = [
     "readers_hold_together",
     "a_writer_excludes_everyone",
     "a_waiting_writer_is_not_starved",
     "at_most_n_permit_holders",
     "a_crashed_permit_comes_back",
     "fencing_tokens_across_modes",
+    "dropped_shared_and_permit_acquisitions_leave_nothing_held",
 ];
 
 /// Runs every check of [`MODE_CHECKS`], each on keys of its own.
@@ -143,6 +146,7 @@ pub async fn run_modes<D: Deployment>(deployment: &D) {
     at_most_n_permit_holders(deployment).await;
     a_crashed_permit_comes_back(deployment).await;
     fencing_tokens_across_modes(deployment).await;
+    dropped_shared_and_permit_acquisitions_leave_nothing_held(deployment).await;
 }
 
 /// One instance of the application: locks named like the check, on a fresh backend.

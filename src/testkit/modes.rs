@@ -241,3 +241,72 @@ pub async fn fencing_tokens_across_modes<D: Deployment>(deployment: &D) {
         guard.release().await;
     }
 }
+
+/// Shared and permit acquisitions cut at any point (0 to 50 ms; queued behind a holder,
+/// or racing a grant) leave nothing held: a writer then gets the key, and every permit
+/// can be taken, within half the loss bound.
+pub async fn dropped_shared_and_permit_acquisitions_leave_nothing_held<D: Deployment>(
+    deployment: &D,
+) {
+    let a = counted(deployment, "conformance-cancel-modes", 1).await;
+    let b = counted(deployment, "conformance-cancel-modes", 1).await;
+    let permits_a = counted(deployment, "conformance-cancel-permits", 2).await;
+    let permits_b = counted(deployment, "conformance-cancel-permits", 2).await;
+    let freed_within = (deployment.loss_bound() / 2).max(Duration::from_millis(100));
+    for micros in [0, 100, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000] {
+        let cut = Duration::from_micros(micros);
+        // A reader cut while a writer holds the key, then while it is free.
+        let writer = a.lock("held").await.unwrap();
+        let _ = tokio::time::timeout(cut, b.lock_shared_timeout("held", PATIENCE)).await;
+        writer.release().await;
+        writer_eventually(&a, "held", freed_within).await;
+        let _ = tokio::time::timeout(cut, b.lock_shared_timeout("free", PATIENCE)).await;
+        writer_eventually(&a, "free", freed_within).await;
+        // A permit holder cut while both permits are taken, then while they are free.
+        let first = permits_a.lock("held").await.unwrap();
+        let second = permits_a.lock("held").await.unwrap();
+        let _ = tokio::time::timeout(cut, permits_b.lock_timeout("held", PATIENCE)).await;
+        first.release().await;
+        second.release().await;
+        both_permits_eventually(&permits_a, "held", freed_within).await;
+        let _ = tokio::time::timeout(cut, permits_b.lock_timeout("free", PATIENCE)).await;
+        both_permits_eventually(&permits_a, "free", freed_within).await;
+    }
+}
+
+/// Takes `key` exclusively with `try_lock` until it can, failing after `limit`.
+async fn writer_eventually(locks: &DistributedLocks, key: &str, limit: Duration) {
+    let started = Instant::now();
+    loop {
+        match locks.try_lock(key).await {
+            Ok(guard) => return guard.release().await,
+            Err(LockError::Busy) => {}
+            Err(error) => panic!("conformance: try_lock({key:?}) failed: {error}"),
+        }
+        assert!(
+            started.elapsed() < limit,
+            "conformance: {key:?} still held {limit:?} after a cut shared acquisition"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Takes both permits of `key` at once with `try_lock`, failing after `limit`.
+async fn both_permits_eventually(locks: &DistributedLocks, key: &str, limit: Duration) {
+    let started = Instant::now();
+    let mut held = Vec::new();
+    while held.len() < 2 {
+        match locks.try_lock(key).await {
+            Ok(guard) => held.push(guard),
+            Err(LockError::Busy) => tokio::time::sleep(Duration::from_millis(5)).await,
+            Err(error) => panic!("conformance: try_lock({key:?}) failed: {error}"),
+        }
+        assert!(
+            started.elapsed() < limit,
+            "conformance: a permit of {key:?} still held {limit:?} after a cut acquisition"
+        );
+    }
+    for guard in held {
+        guard.release().await;
+    }
+}

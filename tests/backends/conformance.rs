@@ -103,6 +103,7 @@ macro_rules! modes {
                 at_most_n_permit_holders,
                 a_crashed_permit_comes_back,
                 fencing_tokens_across_modes,
+                dropped_shared_and_permit_acquisitions_leave_nothing_held,
             );
         }
     };

@@ -56,3 +56,55 @@ async fn shared_locks_across_instances_or_refused<F: Fixture>() {
     ));
     writer.release().await;
 }
+
+/// An engine that holds keys exclusively only, as a user might write one.
+struct ExclusiveOnly;
+
+impl tower_keyed_lock::LockBackend for ExclusiveOnly {
+    fn acquire(
+        &self,
+        _: &str,
+        _: &tower_keyed_lock::Key,
+        _: std::time::Duration,
+    ) -> tower_keyed_lock::backend::Acquisition {
+        Box::pin(async { Err(LockError::Backend("unreachable".into())) })
+    }
+
+    fn engine(&self) -> &'static str {
+        "exclusive-only"
+    }
+}
+
+#[test]
+#[should_panic(
+    expected = "DistributedLocks::permits(3): the exclusive-only lock backend does not support 3 permits per key across instances"
+)]
+fn permits_an_engine_cannot_count_are_refused_when_built() {
+    let _ = tower_keyed_lock::DistributedLocks::builder("exports")
+        .backend(ExclusiveOnly)
+        .permits(3)
+        .build();
+}
+
+#[test]
+fn one_permit_is_the_exclusive_lock_on_any_engine() {
+    let locks = tower_keyed_lock::DistributedLocks::builder("exports")
+        .backend(ExclusiveOnly)
+        .permits(1)
+        .build();
+    assert!(locks.supports(LockMode::Exclusive));
+    assert!(!locks.supports(LockMode::Shared));
+    assert!(!locks.supports(LockMode::Permit { of: 3 }));
+}
+
+#[tokio::test]
+async fn shared_locks_on_an_engine_without_them_are_refused_naming_it() {
+    let locks = tower_keyed_lock::DistributedLocks::new("orders", ExclusiveOnly);
+    match locks.lock_shared("order-7").await {
+        Err(error @ LockError::Unsupported(_)) => {
+            assert!(error.to_string().contains("shared locks across instances"), "{error}")
+        }
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+    assert!(locks.is_empty(), "a refused shared lock left something held");
+}
