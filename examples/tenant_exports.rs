@@ -83,7 +83,9 @@ async fn main() {
                         *running.done.entry(tenant).or_default() += 1;
                     }
                     permit.release().await;
-                    println!("instance {instance}: export of {tenant} done (permit token {token:?})");
+                    println!(
+                        "instance {instance}: export of {tenant} done (permit token {token:?})"
+                    );
                 }));
             }
         }

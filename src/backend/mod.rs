@@ -10,6 +10,12 @@
 //! A backend implements [`LockBackend`]; the layer makes every acquisition cancel-safe:
 //! it runs the acquire in a task of its own, so a dropped request detaches it instead of
 //! cancelling it mid-round-trip, and an unwanted lease is released when the task ends.
+//!
+//! Besides exclusive locks, a backend may hold a key shared or as one of `n` permits
+//! ([`LockMode`], [`LockBackend::acquire_mode`]); it says which in
+//! [`LockBackend::supports`], and a mode it lacks is refused when the locks or the
+//! layer are built. Redis and PostgreSQL (session locks) give every mode; the other
+//! engines hold keys exclusively only.
 
 use std::fmt;
 use std::sync::Arc;

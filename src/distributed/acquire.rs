@@ -75,9 +75,8 @@ impl DistributedAcquire {
     ) -> Self {
         // A backend that cannot hold a key shared refuses it: never silently taken
         // exclusively or in this process only.
-        let unshared = |backend: &Arc<dyn crate::backend::LockBackend>| {
-            !backend.supports(LockMode::Shared)
-        };
+        let unshared =
+            |backend: &Arc<dyn crate::backend::LockBackend>| !backend.supports(LockMode::Shared);
         if mode == Mode::Shared && locks.backend.as_ref().is_some_and(unshared) {
             return Self::refused(locks, LockError::Unsupported(SHARED_LOCKS), timeout);
         }

@@ -33,6 +33,32 @@
 //! # }
 //! ```
 //!
+//! # Shared locks and permits across instances
+//!
+//! [`lock_shared`](DistributedLocks::lock_shared) and
+//! [`permits`](DistributedLocksBuilder::permits) hold across instances too, on a
+//! backend that [supports](LockBackend::supports) them (Redis, PostgreSQL with session
+//! locks): every local holder holds the key at the backend in the same mode, with a
+//! lease of its own. A mode the backend cannot give is refused (never downgraded):
+//! `permits(n)` when the locks are built, `lock_shared` with
+//! [`LockError::Unsupported`](crate::LockError::Unsupported).
+//!
+//! ```no_run
+//! # #[cfg(feature = "redis")]
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_keyed_lock::{DistributedLocks, RedisBackend};
+//! # async fn export(_tenant: &str) {}
+//!
+//! let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
+//! // At most 3 exports per tenant at once, across all instances.
+//! let exports = DistributedLocks::builder("exports").backend(backend).permits(3).build();
+//! let permit = exports.lock("tenant-42").await?;
+//! export("tenant-42").await;
+//! permit.release().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! The locks record the same metrics as the layer, under their name (see
 //! [`metrics`](crate::metrics)): waits by outcome, hold times, rejections, leases lost.
 //!

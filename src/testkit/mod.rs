@@ -75,14 +75,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_lease_lost};
-pub use self::mutual::{
-    busy_and_timeout, dropped_acquisitions_leave_nothing_held, fencing_tokens_increase,
-    one_holder_at_a_time, release_hands_over,
-};
 pub use self::modes::{
     a_crashed_permit_comes_back, a_waiting_writer_is_not_starved, a_writer_excludes_everyone,
     at_most_n_permit_holders, dropped_shared_and_permit_acquisitions_leave_nothing_held,
     fencing_tokens_across_modes, readers_hold_together,
+};
+pub use self::mutual::{
+    busy_and_timeout, dropped_acquisitions_leave_nothing_held, fencing_tokens_increase,
+    one_holder_at_a_time, release_hands_over,
 };
 pub use self::several::several_keys_all_or_nothing;
 use crate::{DistributedLocks, LockBackend};

@@ -70,7 +70,10 @@ pub async fn a_writer_excludes_everyone<D: Deployment>(deployment: &D) {
         guard.map(|guard| tokio::spawn(guard.release()))
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!reader.is_finished(), "conformance: a reader did not wait for the writer");
+    assert!(
+        !reader.is_finished(),
+        "conformance: a reader did not wait for the writer"
+    );
     guard.release().await;
     within("the reader after the writer", reader)
         .await
@@ -102,7 +105,10 @@ pub async fn a_waiting_writer_is_not_starved<D: Deployment>(deployment: &D) {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(!waiting.is_finished(), "conformance: the writer did not wait for the reader");
+    assert!(
+        !waiting.is_finished(),
+        "conformance: the writer did not wait for the reader"
+    );
     reader.release().await;
     let guard = within("the writer after the reader", waiting)
         .await
@@ -136,7 +142,11 @@ pub async fn at_most_n_permit_holders<D: Deployment>(deployment: &D) {
     );
     let mut tokens: Vec<_> = held.iter().map(|guard| guard.fencing_token()).collect();
     tokens.dedup();
-    assert_eq!(tokens.len(), PERMITS, "conformance: two permit holders share a token");
+    assert_eq!(
+        tokens.len(),
+        PERMITS,
+        "conformance: two permit holders share a token"
+    );
     for guard in held {
         guard.release().await;
     }
@@ -164,9 +174,15 @@ pub async fn at_most_n_permit_holders<D: Deployment>(deployment: &D) {
         }
     }
     for task in tasks {
-        within("every permit turn", task).await.expect("a turn panicked");
+        within("every permit turn", task)
+            .await
+            .expect("a turn panicked");
     }
-    assert_eq!(turns.load(SeqCst), 4 * 3 * 4, "conformance: a turn was lost");
+    assert_eq!(
+        turns.load(SeqCst),
+        4 * 3 * 4,
+        "conformance: a turn was lost"
+    );
 }
 
 /// An instance crashes holding one of 2 permits: the other permit stays free to take,
@@ -224,7 +240,10 @@ pub async fn fencing_tokens_across_modes<D: Deployment>(deployment: &D) {
     reader.release().await;
     let second = within("a second writer", b.lock("k")).await.unwrap();
     let later = second.fencing_token().unwrap();
-    assert!(later > written, "conformance: writer tokens went {written} then {later}");
+    assert!(
+        later > written,
+        "conformance: writer tokens went {written} then {later}"
+    );
     assert!(
         later > read,
         "conformance: a writer's token {later} is not above the reader's before it {read}"
@@ -236,7 +255,10 @@ pub async fn fencing_tokens_across_modes<D: Deployment>(deployment: &D) {
     for _ in 0..3 {
         let guard = within("a permit", permits.lock("p")).await.unwrap();
         let token = guard.fencing_token().expect("a permit holder got no token");
-        assert!(token > last, "conformance: permit tokens went {last} then {token}");
+        assert!(
+            token > last,
+            "conformance: permit tokens went {last} then {token}"
+        );
         last = token;
         guard.release().await;
     }

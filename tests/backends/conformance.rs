@@ -111,7 +111,11 @@ macro_rules! modes {
 
 mod modes {
     modes!(redis, crate::support::fixtures::Redis, "redis");
-    modes!(redis_cluster, crate::support::fixtures::RedisCluster, "redis");
+    modes!(
+        redis_cluster,
+        crate::support::fixtures::RedisCluster,
+        "redis"
+    );
     modes!(postgres, crate::support::fixtures::Postgres, "postgres");
 }
 conformance!(postgres, crate::support::fixtures::Postgres, "postgres");

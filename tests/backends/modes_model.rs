@@ -69,7 +69,10 @@ impl Holders {
     /// lost their lease. Returns its id, to leave by.
     fn enter(&mut self, step: Step, signal: LeaseSignal) -> Result<usize, Unsignalled> {
         let live = |holders: &[(usize, LeaseSignal)]| {
-            holders.iter().filter(|(_, signal)| !signal.is_lost()).count()
+            holders
+                .iter()
+                .filter(|(_, signal)| !signal.is_lost())
+                .count()
         };
         let (live, allowed) = match step {
             Step::Read(_) => (live(&self.writers), live(&self.writers) == 0),

@@ -16,7 +16,10 @@ async fn shared_locks_across_instances_or_refused<F: Fixture>() {
     let fixture = F::start();
     let locks = fixture.instance("a").await;
     if !locks.supports(LockMode::Shared) {
-        assert!(locks.is_distributed(), "in process, keys can always be shared");
+        assert!(
+            locks.is_distributed(),
+            "in process, keys can always be shared"
+        );
         for result in [
             locks.lock_shared("order-7").await,
             locks.try_lock_shared("order-7").await,
@@ -102,9 +105,15 @@ async fn shared_locks_on_an_engine_without_them_are_refused_naming_it() {
     let locks = tower_keyed_lock::DistributedLocks::new("orders", ExclusiveOnly);
     match locks.lock_shared("order-7").await {
         Err(error @ LockError::Unsupported(_)) => {
-            assert!(error.to_string().contains("shared locks across instances"), "{error}")
+            assert!(
+                error.to_string().contains("shared locks across instances"),
+                "{error}"
+            )
         }
         other => panic!("expected Unsupported, got {other:?}"),
     }
-    assert!(locks.is_empty(), "a refused shared lock left something held");
+    assert!(
+        locks.is_empty(),
+        "a refused shared lock left something held"
+    );
 }

@@ -219,7 +219,10 @@ mod across_instances {
         )
         .await
         .expect("two GETs on two instances were not let in together");
-        assert_eq!((together.0.status, together.1.status), (StatusCode::OK, StatusCode::OK));
+        assert_eq!(
+            (together.0.status, together.1.status),
+            (StatusCode::OK, StatusCode::OK)
+        );
 
         let methods: Vec<Method> = (0..40)
             .map(|i| if i % 4 == 0 { Method::PUT } else { Method::GET })

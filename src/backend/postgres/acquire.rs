@@ -225,7 +225,9 @@ impl Inner {
                     Ok(true) => {
                         let sent = Instant::now();
                         let granted = self
-                            .round_trip(session.simple_query(&self.granted_sql(marker, pid, shared)))
+                            .round_trip(
+                                session.simple_query(&self.granted_sql(marker, pid, shared)),
+                            )
                             .await
                             .map_err(PgError::into_lock_error)?;
                         Ok(Some(Granted {

@@ -36,18 +36,18 @@ impl Inner {
         // the same instant on the clock, so a holder whose runtime stalls knows it too.
         let (lost, signal) = LeaseSignal::with_deadline(self.valid_until(since));
         let (stop, stopped) = oneshot::channel();
-        let task = tokio::spawn(self.watch(session, id, shared, pid, since, lost, stopped));
+        let task = tokio::spawn(self.watch(session, (id, shared), pid, since, lost, stopped));
         Lease::new(token, signal, PgRelease { stop, task })
     }
 
     /// Watches the held connection until the lease is released (or dropped), then
     /// unlocks. If the runtime drops this task instead, `session`'s drop closes the
-    /// connection, which frees the lock.
+    /// connection, which frees the lock. `lock` is the lock id, and whether it is held
+    /// shared.
     async fn watch(
         self: Arc<Self>,
         session: Session,
-        id: i64,
-        shared: bool,
+        (id, shared): (i64, bool),
         pid: i32,
         since: Instant,
         lost: LeaseLostSender,

@@ -211,6 +211,33 @@
 //! another one — every acquisition fails with a [`LockError::Backend`] saying what to
 //! change, until the sequence is altered (no restart needed).
 //!
+//! # Shared locks and permits
+//!
+//! With [`LockScope::Session`] (the default) the backend gives every
+//! [`LockMode`](crate::backend::LockMode):
+//!
+//! - **Shared**: `pg_try_advisory_lock_shared` / `pg_advisory_lock_shared` on the key's
+//!   lock id, released by `pg_advisory_unlock_shared`, with every rule above (the
+//!   marker, the confirmation, the liveness checks). PostgreSQL's own lock queue keeps
+//!   writers from starving: a shared request that conflicts with a *waiting* exclusive
+//!   one waits behind it, whichever instance sent either.
+//! - **Permits**: `n` lock ids per key (the namespace followed by a NUL and the
+//!   permit's place, see [`lock_id`]), each an exclusive session lock; an acquisition
+//!   tries them in turn from a random place, and when all are taken sleeps between half
+//!   of [`PERMIT_POLL`] and all of it before the next round, until its wait is over.
+//!   PostgreSQL queues a waiter on one lock, not on "any of n", so permit waiters are
+//!   served in no particular order. A crashed holder's permit comes back when its
+//!   session ends (the [lost locks](self#lost-locks) bound).
+//! - **Fencing** (with [`fencing`](PostgresBackend::fencing)): writers and permit
+//!   holders take `nextval` of the sequence, so writers' tokens keep increasing across
+//!   shared and exclusive grants. A reader takes none: its token is the sequence's last
+//!   value when it was granted — at least the token of the last writer of its key
+//!   before it, below the next one's (other keys' grants share the sequence) — or
+//!   `None` before the sequence's first value.
+//!
+//! With [`LockScope::Transaction`] only exclusive locks are given: the other modes are
+//! refused when the locks or the layer are built.
+//!
 //! # Failures
 //!
 //! An unreachable database or a failing statement is [`LockError::Backend`]: 503, or

@@ -23,7 +23,13 @@ pub const PERMIT_POLL: Duration = Duration::from_millis(100);
 /// from the key's own lock id (the namespace gains a NUL and the permit's place).
 pub(super) fn permit_ids(namespace: &str, name: &str, key: &str, permits: usize) -> Vec<i64> {
     (0..permits)
-        .map(|place| lock_id(&format!("{namespace}\0permit {place} of {permits}"), name, key))
+        .map(|place| {
+            lock_id(
+                &format!("{namespace}\0permit {place} of {permits}"),
+                name,
+                key,
+            )
+        })
         .collect()
 }
 

@@ -75,17 +75,11 @@ impl std::error::Error for NotReplicated {}
 /// What one acquire attempt found.
 enum Attempt {
     /// Granted, with a fencing token (none for a reader of a key never written).
-    Granted {
-        fence: Option<u64>,
-    },
+    Granted { fence: Option<u64> },
     /// Held by another token, which expires in this many ms (negative: no TTL).
-    Held {
-        ttl_ms: i64,
-    },
+    Held { ttl_ms: i64 },
     /// The server is up for less than a lease: no grant for this many ms.
-    Restarted {
-        wait_ms: u64,
-    },
+    Restarted { wait_ms: u64 },
     /// Granted, but acknowledged by too few replicas: to be given back.
     NotReplicated(NotReplicated),
 }
