@@ -388,6 +388,7 @@ impl DistributedLocksBuilder {
     }
 
     /// Whether the locks will have a backend.
+    #[cfg(feature = "replay")]
     pub(crate) fn has_backend(&self) -> bool {
         self.backend.is_some()
     }

@@ -214,7 +214,7 @@
 //! # Shared locks and permits
 //!
 //! With [`LockScope::Session`] (the default) the backend gives every
-//! [`LockMode`](crate::backend::LockMode):
+//! [`LockMode`]:
 //!
 //! - **Shared**: `pg_try_advisory_lock_shared` / `pg_advisory_lock_shared` on the key's
 //!   lock id, released by `pg_advisory_unlock_shared`, with every rule above (the
