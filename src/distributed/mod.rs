@@ -418,6 +418,11 @@ impl DistributedLocksBuilder {
         })
     }
 
+    /// The holders per key the locks will allow.
+    pub(crate) fn permit_count(&self) -> usize {
+        self.permits
+    }
+
     /// Builds the locks.
     ///
     /// # Panics

@@ -71,6 +71,10 @@ impl Shared {
                 panic!("KeyedLockLayer::shared_methods: {refusal}");
             }
         }
+        let permits = locks.permit_count();
+        if let Some(refusal) = locks.refuses(LockMode::permits(permits)) {
+            panic!("KeyedLockLayer::permits({permits}): {refusal}");
+        }
         Self {
             tag: LayerTag::new(locks.name().clone()),
             max_key_len: locks.key_len_limit(),

@@ -251,3 +251,24 @@ mod across_instances {
         tokio::join!(a, b)
     }
 }
+
+#[test]
+#[should_panic(
+    expected = "KeyedLockLayer::permits(3): the custom lock backend does not support 3 permits per key across instances"
+)]
+fn permits_an_exclusive_only_backend_cannot_count_are_refused_when_applied() {
+    use tower_keyed_lock::backend::{Acquisition, LockBackend};
+    use tower_keyed_lock::Key;
+    struct Unreachable;
+    impl LockBackend for Unreachable {
+        fn acquire(&self, _: &str, _: &Key, _: Duration) -> Acquisition {
+            Box::pin(async { Err(tower_keyed_lock::LockError::Backend("unreachable".into())) })
+        }
+    }
+    let layer = KeyedLockLayer::by_path("order_id")
+        .permits(3)
+        .backend(Unreachable);
+    let _ = Router::<()>::new()
+        .route("/orders/{order_id}", get(|| async {}))
+        .layer(layer);
+}
