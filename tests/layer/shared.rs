@@ -272,3 +272,93 @@ fn permits_an_exclusive_only_backend_cannot_count_are_refused_when_applied() {
         .route("/orders/{order_id}", get(|| async {}))
         .layer(layer);
 }
+
+/// `permits(2)` across two instances on Redis over HTTP: two requests of one key, one
+/// on each instance, are inside their handler at once; a third, on either instance,
+/// gets the timeout status while they are (the permits are cluster-wide, not per
+/// instance), and gets in once one leaves.
+#[cfg(feature = "redis")]
+mod permits_across_instances {
+    use super::*;
+    use crate::support::redis_server::RedisServer;
+    use tokio::sync::Semaphore;
+    use tower_keyed_lock::backend::redis::RedisBackend;
+
+    async fn instance(
+        redis: &RedisServer,
+        entered: Arc<Semaphore>,
+        gate: Arc<Semaphore>,
+    ) -> Router {
+        let backend = RedisBackend::builder(redis.client())
+            .restart_guard(false)
+            .build()
+            .await
+            .expect("backend connects");
+        let layer = KeyedLockLayer::by_path("tenant")
+            .name("exports-over-http")
+            .permits(2)
+            .wait_timeout(Duration::ZERO)
+            .backend(backend);
+        Router::new()
+            .route(
+                "/exports/{tenant}",
+                get(move || {
+                    let (entered, gate) = (entered.clone(), gate.clone());
+                    async move {
+                        entered.add_permits(1);
+                        gate.acquire().await.unwrap().forget();
+                    }
+                }),
+            )
+            .layer(layer)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_permits_hold_across_two_instances() {
+        let redis = RedisServer::start();
+        let (entered, gate) = (Arc::new(Semaphore::new(0)), Arc::new(Semaphore::new(0)));
+        let a = Arc::new(serve(instance(&redis, entered.clone(), gate.clone()).await).await);
+        let b = Arc::new(serve(instance(&redis, entered.clone(), gate.clone()).await).await);
+        let first = tokio::spawn({
+            let a = a.clone();
+            async move { a.send(request(Method::GET, "/exports/acme")).await }
+        });
+        let second = tokio::spawn({
+            let b = b.clone();
+            async move { b.send(request(Method::GET, "/exports/acme")).await }
+        });
+        // Both inside at once: one permit each, on two instances.
+        tokio::time::timeout(Duration::from_secs(30), entered.acquire_many(2))
+            .await
+            .expect("two holders of two permits were not let in together")
+            .unwrap()
+            .forget();
+        for server in [&a, &b] {
+            let third = server.send(request(Method::GET, "/exports/acme")).await;
+            assert_eq!(
+                third.status,
+                StatusCode::CONFLICT,
+                "a third holder of 2 permits"
+            );
+        }
+        gate.add_permits(1);
+        let one = tokio::select! {
+            answer = first => answer,
+            answer = second => answer,
+        };
+        assert_eq!(one.unwrap().status, StatusCode::OK);
+        gate.add_permits(16);
+        let mut third = None;
+        // Up to 10 s: a patience bound, not a speed figure.
+        for _ in 0..1_000 {
+            let answer = a.send(request(Method::GET, "/exports/acme")).await;
+            if answer.status == StatusCode::OK {
+                third = Some(answer);
+                break;
+            }
+            // The release of the first holder may still be on its way to Redis.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(third.is_some(), "no third holder got in after one left");
+    }
+}
