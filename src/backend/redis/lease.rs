@@ -159,6 +159,7 @@ impl Inner {
             in_flight.answered();
             let now = Instant::now();
             if now >= deadline {
+                self.leave_intent(&keys, in_flight.token());
                 return Err(LockError::Timeout);
             }
             let pause = self.pause(ttl_ms).min(deadline - now);
@@ -169,9 +170,37 @@ impl Inner {
                 () = sleep(pause) => {}
             }
             if Instant::now() >= deadline {
+                self.leave_intent(&keys, in_flight.token());
                 return Err(LockError::Timeout);
             }
         }
+    }
+
+    /// A writer that stops waiting takes its token out of the key's intent set (in the
+    /// background, once, within the command timeout), so new readers are let in again
+    /// at once rather than when its entry expires. Nothing for readers and permits,
+    /// which enter no intent.
+    fn leave_intent(self: &Arc<Self>, keys: &Arc<RedisKeys>, token: &str) {
+        if keys.mode != LockMode::Exclusive {
+            return;
+        }
+        let (this, keys, token) = (self.clone(), keys.clone(), token.to_owned());
+        tokio::spawn(async move {
+            let limit = Instant::now() + this.config.command_timeout;
+            let left = this
+                .commands
+                .run(limit, false, |mut connection| async move {
+                    redis::cmd("ZREM")
+                        .arg(&keys.intent)
+                        .arg(&token)
+                        .query_async::<i64>(&mut connection)
+                        .await
+                });
+            if left.await.is_err() {
+                // Its entry expires by itself, a waiting mark's TTL later.
+                tracing::debug!("redis: a writer's intent left to expire");
+            }
+        });
     }
 
     /// Logs once per guard period (not per request) that the restart guard refuses

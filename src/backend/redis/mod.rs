@@ -164,9 +164,12 @@
 //!   A writer refused enters its token in the `:intent` sorted set (scored by the
 //!   waiting mark's expiry: `poll_interval` + `command_timeout`, refreshed at every
 //!   attempt) and leaves it when granted: while any writer waits, new readers of every
-//!   instance are refused, so a stream of readers cannot starve writers. A writer that
-//!   stops waiting (timeout, cancellation) keeps new readers out until its entry
-//!   expires, `poll_interval` + `command_timeout` at most.
+//!   instance are refused, so a stream of readers cannot starve writers. A writer
+//!   whose wait ends without a grant takes its entry out (a command sent in the
+//!   background); only if that fails, or its last attempt went unanswered, does the
+//!   entry keep new readers out until it expires, `poll_interval` + `command_timeout`
+//!   at most. (A cancelled acquisition's remote attempt runs on, detached, to the end
+//!   of its wait.)
 //! - **Permits.** A permit is granted while fewer than `n` unexpired holders are in
 //!   `:permits`. Every instance must use the same `n`.
 //! - **Wake-ups.** A reader's or permit holder's release publishes like a writer's
