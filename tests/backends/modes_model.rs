@@ -3,8 +3,11 @@
 //! sequences of acquire/hold/release, and at no instant does a writer overlap anyone,
 //! nor do more than `PERMITS` permit holders exist. Through the fault proxy (one
 //! instance's path delayed, blackholed or reset mid-run) an overlap may happen, but only
-//! signalled: the holder it overlaps has been told its lease is lost.
+//! signalled: the holder it overlaps has been told its lease is lost — before the other
+//! grant, or for a session lock whose connection was reset, within the bound its
+//! backend documents (`Proxied::reset_notice`), unless it left by then.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -58,6 +61,13 @@ struct Holders {
     writers: Vec<(usize, LeaseSignal)>,
     permits: Vec<(usize, LeaseSignal)>,
     next: usize,
+    /// How long after another grant an overlapped holder may be told (0: before it).
+    notice: Duration,
+    /// Overlapped holders not yet told at the other grant: each must be told, or have
+    /// left, by its deadline; the watcher says whether it was told in time.
+    pending: Vec<(usize, Instant, tokio::task::JoinHandle<bool>)>,
+    /// When each holder left.
+    left: HashMap<usize, Instant>,
 }
 
 /// A grant that overlapped a holder not told it lost its lease.
@@ -82,7 +92,24 @@ impl Holders {
             }
             Step::Permit(_) => (live(&self.permits), live(&self.permits) < PERMITS),
         };
-        if !allowed {
+        if !allowed && !self.notice.is_zero() {
+            // A session lock freed with its reset connection: the holders in the way
+            // must be told (or leave) within the notice; checked after the run.
+            let deadline = Instant::now() + self.notice;
+            let in_the_way: Vec<(usize, LeaseSignal)> = match step {
+                Step::Read(_) => self.writers.clone(),
+                Step::Write(_) => [self.writers.clone(), self.readers.clone()].concat(),
+                Step::Permit(_) => self.permits.clone(),
+            };
+            for (id, signal) in in_the_way.into_iter().filter(|(_, s)| !s.is_lost()) {
+                let told = tokio::spawn(async move {
+                    tokio::time::timeout_at(deadline, signal.lost())
+                        .await
+                        .is_ok()
+                });
+                self.pending.push((id, deadline, told));
+            }
+        } else if !allowed {
             return Err(Unsignalled(format!(
                 "{step:?} granted beside {live} live conflicting holders \
                  (readers {}, writers {}, permits {})",
@@ -102,9 +129,28 @@ impl Holders {
     }
 
     fn leave(&mut self, id: usize) {
+        self.left.insert(id, Instant::now());
         for list in [&mut self.readers, &mut self.writers, &mut self.permits] {
             list.retain(|(entry, _)| *entry != id);
         }
+    }
+
+    /// After the run: every overlapped holder was told, or had left, by its deadline.
+    async fn check_pending(model: &Mutex<Holders>) -> Result<(), TestCaseError> {
+        let (pending, left) = {
+            let mut model = model.lock().unwrap();
+            (std::mem::take(&mut model.pending), model.left.clone())
+        };
+        for (id, deadline, told) in pending {
+            let told = told.await.expect("a watcher panicked");
+            let gone = left.get(&id).is_some_and(|at| *at <= deadline);
+            prop_assert!(
+                told || gone,
+                "a holder overlapped after its connection reset was neither told nor gone \
+                 within the notice"
+            );
+        }
+        Ok(())
     }
 }
 
@@ -227,9 +273,16 @@ fn model_holds_through<F: Fixture + Proxied + Send + Sync>(fault: Fault, cases: 
         ..Config::default()
     });
     let faulty = [true, false, false];
+    let notice = match fault {
+        Fault::Reset => fixture.reset_notice(),
+        Fault::Delay | Fault::Blackhole => Duration::ZERO,
+    };
     runner
         .run(&(plan(), 0u64..30, 1u64..4), |(plan, after_ms, lasting)| {
-            let model = Arc::new(Mutex::new(Holders::default()));
+            let model = Arc::new(Mutex::new(Holders {
+                notice,
+                ..Holders::default()
+            }));
             runtime.block_on(async {
                 let proxy = proxy.clone();
                 // The fault lasts 1 to 3 network timeouts: long enough to cut a lease
@@ -247,9 +300,10 @@ fn model_holds_through<F: Fixture + Proxied + Send + Sync>(fault: Fault, cases: 
                     proxy.heal();
                     proxy.delay(Duration::ZERO);
                 });
-                let result = run(&instances, plan, &faulty, model).await;
+                let result = run(&instances, plan, &faulty, model.clone()).await;
                 faults.await.unwrap();
-                result
+                result?;
+                Holders::check_pending(&model).await
             })
         })
         .unwrap();
@@ -299,5 +353,10 @@ mod postgres {
     #[test]
     fn through_a_blackholed_path() {
         model_holds_through::<Postgres>(Fault::Blackhole, 6);
+    }
+
+    #[test]
+    fn through_a_reset_path() {
+        model_holds_through::<Postgres>(Fault::Reset, 6);
     }
 }
