@@ -159,6 +159,8 @@
 //!   member's expiry. Renewal moves one's own score (only if still there and
 //!   unexpired: else the lease is lost), release removes one's own token (or marks it
 //!   given back, as for an exclusive lock), and both are one script each, by token.
+//!   The scores are the server's wall clock (`TIME`), as Redis's own key expiry is: a
+//!   server clock stepped forward ends them early, as it ends an exclusive lock's TTL.
 //! - **Readers and writers.** A reader is granted when no writer holds `:lock` and no
 //!   writer waits; a writer when `:lock` is free *and* no unexpired reader is left.
 //!   A writer refused enters its token in the `:intent` sorted set (scored by the

@@ -1,10 +1,11 @@
 //! The Lua scripts that acquire, renew and release a lock, each one atomic in Redis.
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
-/// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent; `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
-/// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off). Returns `{1, fencing
-/// token}`, `{0, holder's PTTL}` (-2 when the token was given back), or `{2, ms until
-/// the restart guard lets grants through}`.
+/// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent; `ARGV[1]` token, `ARGV[2]` lease
+/// ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]`
+/// restart guard ms (0: off). Returns `{1, fencing token}`, `{0, holder's PTTL}` (-2
+/// when the token was given back; a reader's expiry when readers hold the key), or
+/// `{2, ms until the restart guard lets grants through}`.
 ///
 /// Given back: an attempt that arrives after its own give-back (it travelled on a
 /// connection since replaced, and the give-back on the fresh one found the key free)
