@@ -10,6 +10,12 @@
 //! A backend implements [`LockBackend`]; the layer makes every acquisition cancel-safe:
 //! it runs the acquire in a task of its own, so a dropped request detaches it instead of
 //! cancelling it mid-round-trip, and an unwanted lease is released when the task ends.
+//!
+//! Besides exclusive locks, a backend may hold a key shared or as one of `n` permits
+//! ([`LockMode`], [`LockBackend::acquire_mode`]); it says which in
+//! [`LockBackend::supports`], and a mode it lacks is refused when the locks or the
+//! layer are built. Redis and PostgreSQL (session locks) give every mode; the other
+//! engines hold keys exclusively only.
 
 use std::fmt;
 use std::sync::Arc;
@@ -33,6 +39,7 @@ pub mod etcd;
 #[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
 mod key_component;
 mod lost;
+mod mode;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub mod mysql;
@@ -59,6 +66,7 @@ mod ttl;
 pub mod zookeeper;
 
 pub use lost::LostReason;
+pub use mode::LockMode;
 pub use retry_later::RetryLater;
 
 // Defined at the crate root, which the replay stores and the layer share; re-exported
@@ -79,6 +87,39 @@ pub trait LockBackend: Send + Sync + 'static {
     /// lease nobody waits for any more is dropped, which releases it. So
     /// implementations need not be cancel-safe themselves.
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition;
+
+    /// Acquires the remote lock of `key` in `mode`: [`acquire`](Self::acquire) for
+    /// [`LockMode::Exclusive`] (the default does just that), a shared hold, or one of
+    /// `n` permits. A backend that overrides it says so in
+    /// [`supports`](Self::supports); the default refuses every other mode with
+    /// [`LockError::Unsupported`], and [`DistributedLocks`](crate::DistributedLocks)
+    /// and the layer refuse such a mode when they are built, before any request.
+    ///
+    /// Every holder of a shared or permit lease has a lease of its own: its own
+    /// renewal, release and lost signal. An exclusive grant must wait for every shared
+    /// holder, and its fencing token is greater than every token issued for the key
+    /// before, whatever the mode.
+    fn acquire_mode(&self, name: &str, key: &Key, mode: LockMode, wait: Duration) -> Acquisition {
+        match mode {
+            LockMode::Exclusive => self.acquire(name, key, wait),
+            LockMode::Shared => Box::pin(async { Err(LockError::Unsupported(SHARED_LOCKS)) }),
+            LockMode::Permit { .. } => Box::pin(async { Err(LockError::Unsupported(PERMITS)) }),
+        }
+    }
+
+    /// Whether [`acquire_mode`](Self::acquire_mode) gives `mode` (only
+    /// [`LockMode::Exclusive`] by default).
+    ///
+    /// ```
+    /// use tower_keyed_lock::backend::{LockBackend, LockMode};
+    ///
+    /// fn can_share(backend: &dyn LockBackend) -> bool {
+    ///     backend.supports(LockMode::Shared)
+    /// }
+    /// ```
+    fn supports(&self, mode: LockMode) -> bool {
+        mode == LockMode::Exclusive
+    }
 
     /// Whether every lease carries a [fencing token](Lease::fencing_token) (the
     /// default). A replay store that orders its writes by token is refused under a
@@ -107,6 +148,14 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
         (**self).acquire(name, key, wait)
     }
 
+    fn acquire_mode(&self, name: &str, key: &Key, mode: LockMode, wait: Duration) -> Acquisition {
+        (**self).acquire_mode(name, key, mode, wait)
+    }
+
+    fn supports(&self, mode: LockMode) -> bool {
+        (**self).supports(mode)
+    }
+
     fn issues_fencing_tokens(&self) -> bool {
         (**self).issues_fencing_tokens()
     }
@@ -119,6 +168,14 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
         (**self).no_fencing_tokens_reason()
     }
 }
+
+/// What a backend without shared locks refuses them for.
+pub(crate) const SHARED_LOCKS: &str = "shared locks across instances (this engine holds a \
+    key exclusively only; use the Redis or PostgreSQL backend, or lock in process only)";
+
+/// What a backend without counted permits refuses them for.
+pub(crate) const PERMITS: &str = "several permits per key across instances (this engine \
+    holds a key exclusively only; use the Redis or PostgreSQL backend, or one permit)";
 
 /// A remote lock held: its fencing token and lost-lease signal. Dropping it releases
 /// the lock (in a task of its own, since release is a round trip).
@@ -432,9 +489,10 @@ pub(crate) fn acquire_detached(
     backend: &Arc<dyn LockBackend>,
     name: &str,
     key: &Key,
+    mode: LockMode,
     wait: Duration,
 ) -> Acquisition {
-    let task = tokio::spawn(backend.acquire(name, key, wait));
+    let task = tokio::spawn(backend.acquire_mode(name, key, mode, wait));
     Box::pin(async move {
         match task.await {
             Ok(result) => result,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::guard::DistributedGuard;
 use super::Inner;
-use crate::backend::{acquire_detached, Acquisition, Lease};
+use crate::backend::{acquire_detached, Acquisition, Lease, LockMode, SHARED_LOCKS};
 use crate::error::LockError;
 use crate::key::Key;
 use crate::locks::{Acquire, KeyGuard, Mode};
@@ -18,10 +18,6 @@ use crate::reject::RejectionKind;
 /// The remote wait of an acquisition without a time limit. Backends add the wait to
 /// `Instant::now()`, which must not overflow; a year is "until it is free".
 const NO_LIMIT: Duration = Duration::from_secs(365 * 24 * 3600);
-
-/// What a backend is refused for by `lock_shared`.
-pub(crate) const SHARED_LOCKS: &str = "shared locks across instances (no backend holds a \
-    key shared yet; take it exclusively, or lock in process only)";
 
 /// Resolves to a [`DistributedGuard`] once the key is held in this process and, when
 /// there is a backend, remotely; made by [`DistributedLocks`](super::DistributedLocks).
@@ -77,9 +73,11 @@ impl DistributedAcquire {
         timeout: Option<Duration>,
         mode: Mode,
     ) -> Self {
-        // No backend holds a key shared across instances yet (issue 29): refused, never
-        // silently taken exclusively or in this process only.
-        if mode == Mode::Shared && locks.backend.is_some() {
+        // A backend that cannot hold a key shared refuses it: never silently taken
+        // exclusively or in this process only.
+        let unshared =
+            |backend: &Arc<dyn crate::backend::LockBackend>| !backend.supports(LockMode::Shared);
+        if mode == Mode::Shared && locks.backend.as_ref().is_some_and(unshared) {
             return Self::refused(locks, LockError::Unsupported(SHARED_LOCKS), timeout);
         }
         let local = locks.local.acquire(key, timeout, mode);
@@ -177,8 +175,15 @@ impl DistributedAcquire {
                     outcome = tracing::field::Empty,
                     fencing_token = tracing::field::Empty,
                 );
+                // Each local holder holds remotely in the same way: shared beside the
+                // other readers, or one of the permits (the build checked the backend
+                // has them).
+                let mode = match local.is_shared() {
+                    true => LockMode::Shared,
+                    false => LockMode::permits(self.locks.permits),
+                };
                 State::Remote {
-                    remote: acquire_detached(backend, &self.locks.name, local.key(), wait),
+                    remote: acquire_detached(backend, &self.locks.name, local.key(), mode, wait),
                     local: Some(local),
                     span,
                 }

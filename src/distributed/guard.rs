@@ -121,7 +121,9 @@ impl DistributedGuard {
 
     /// The fencing token issued with the remote grant: it grows with every grant of
     /// this key, so storage can refuse a write from an older holder. `None` in
-    /// process, and from a backend that does not issue them.
+    /// process, and from a backend that does not issue them. A shared holder's is the
+    /// last writer's, or one at least that and below the next writer's (see
+    /// [`DistributedLocks::lock_shared`](super::DistributedLocks::lock_shared)).
     pub fn fencing_token(&self) -> Option<u64> {
         self.lease.as_deref().and_then(Lease::fencing_token)
     }

@@ -33,6 +33,32 @@
 //! # }
 //! ```
 //!
+//! # Shared locks and permits across instances
+//!
+//! [`lock_shared`](DistributedLocks::lock_shared) and
+//! [`permits`](DistributedLocksBuilder::permits) hold across instances too, on a
+//! backend that [supports](LockBackend::supports) them (Redis, PostgreSQL with session
+//! locks): every local holder holds the key at the backend in the same mode, with a
+//! lease of its own. A mode the backend cannot give is refused (never downgraded):
+//! `permits(n)` when the locks are built, `lock_shared` with
+//! [`LockError::Unsupported`](crate::LockError::Unsupported).
+//!
+//! ```no_run
+//! # #[cfg(feature = "redis")]
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_keyed_lock::{DistributedLocks, RedisBackend};
+//! # async fn export(_tenant: &str) {}
+//!
+//! let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
+//! // At most 3 exports per tenant at once, across all instances.
+//! let exports = DistributedLocks::builder("exports").backend(backend).permits(3).build();
+//! let permit = exports.lock("tenant-42").await?;
+//! export("tenant-42").await;
+//! permit.release().await;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! The locks record the same metrics as the layer, under their name (see
 //! [`metrics`](crate::metrics)): waits by outcome, hold times, rejections, leases lost.
 //!
@@ -57,11 +83,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 pub use acquire::DistributedAcquire;
-pub(crate) use acquire::SHARED_LOCKS;
 pub use all::DistributedGuards;
 pub use guard::{DistributedGuard, LeaseLost};
 
-use crate::backend::LockBackend;
+use crate::backend::{LockBackend, LockMode};
 use crate::key::{Key, DEFAULT_MAX_KEY_LEN};
 use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder, Mode};
 use crate::metrics::Metrics;
@@ -77,6 +102,8 @@ pub(crate) struct Inner {
     name: Cow<'static, str>,
     local: KeyedLocks<Key>,
     backend: Option<Arc<dyn LockBackend>>,
+    /// Holders per key, in this process and, with a backend, across instances.
+    permits: usize,
     fail_open: bool,
     max_key_len: usize,
     /// The locks' metrics, registered on first use (so a recorder installed after the
@@ -112,6 +139,7 @@ impl Inner {
 pub struct DistributedLocksBuilder {
     name: Cow<'static, str>,
     backend: Option<Arc<dyn LockBackend>>,
+    permits: usize,
     fail_open: bool,
     max_key_len: usize,
     /// Whether the locks record metrics (not under a layer, which records its own).
@@ -146,6 +174,7 @@ impl DistributedLocks {
         DistributedLocksBuilder {
             name: name.into(),
             backend: None,
+            permits: 1,
             fail_open: false,
             max_key_len: DEFAULT_MAX_KEY_LEN,
             metered: true,
@@ -185,10 +214,18 @@ impl DistributedLocks {
     /// together while no exclusive holder has it, as
     /// [`KeyedLocks::lock_shared`](crate::KeyedLocks::lock_shared) describes.
     ///
-    /// In process only for now: with a backend it fails with
-    /// [`LockError::Unsupported`](crate::LockError::Unsupported), since no backend
-    /// holds a key shared across instances yet — never silently taken exclusively or
-    /// in this process only.
+    /// With a backend, each shared holder also holds the key shared at the backend,
+    /// with a lease of its own: readers of every instance hold it together, a writer
+    /// of any instance waits for all of them, and a waiting writer stops new readers
+    /// from entering everywhere. A backend that cannot hold a key shared
+    /// ([`LockBackend::supports`]) fails it with
+    /// [`LockError::Unsupported`](crate::LockError::Unsupported) — never silently
+    /// taken exclusively or in this process only.
+    ///
+    /// A reader's [fencing token](DistributedGuard::fencing_token) is the token of the
+    /// last exclusive grant of the key before it (what it reads was written under that
+    /// token, or later under a greater one), or `None` if the key has had none that
+    /// the backend remembers; readers never move the key's tokens.
     pub fn lock_shared(&self, key: &str) -> DistributedAcquire {
         DistributedAcquire::new(self.inner.clone(), key, None, Mode::Shared)
     }
@@ -207,6 +244,20 @@ impl DistributedLocks {
     /// The name given at construction: the namespace of the keys at the backend.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// Whether keys can be held in `mode` by these locks: always in process; with a
+    /// backend, what it [supports](LockBackend::supports).
+    ///
+    /// ```
+    /// use tower_keyed_lock::backend::LockMode;
+    /// use tower_keyed_lock::DistributedLocks;
+    ///
+    /// let locks = DistributedLocks::in_process("cache");
+    /// assert!(locks.supports(LockMode::Shared));
+    /// ```
+    pub fn supports(&self, mode: LockMode) -> bool {
+        (self.inner.backend.as_ref()).is_none_or(|backend| backend.supports(mode))
     }
 
     /// Whether the locks are shared with other instances through a backend.
@@ -277,13 +328,26 @@ impl DistributedLocksBuilder {
         self
     }
 
-    /// Holders per key within this process (default 1). With a backend, each of them
-    /// still contends remotely, where one holds the key at a time.
+    /// Holders per key (default 1): in this process, and with a backend across every
+    /// instance — at most `permits` holders of a key cluster-wide, each with a lease
+    /// of its own (renewal, release, lost signal); a crashed holder's permit comes
+    /// back when its lease runs out. Every instance must use the same number.
+    ///
+    /// ```
+    /// use tower_keyed_lock::DistributedLocks;
+    ///
+    /// // At most 3 exports per tenant at once (here in process; with a Redis or
+    /// // PostgreSQL backend, across all instances).
+    /// let exports = DistributedLocks::builder("exports").permits(3).build();
+    /// # let _ = exports;
+    /// ```
     ///
     /// # Panics
-    /// If `permits` is 0.
+    /// If `permits` is 0; and at [`build`](Self::build) if it is more than 1 and the
+    /// backend cannot count permits ([`LockBackend::supports`]).
     pub fn permits(mut self, permits: usize) -> Self {
         self.local = self.local.permits(permits);
+        self.permits = permits;
         self
     }
 
@@ -324,6 +388,7 @@ impl DistributedLocksBuilder {
     }
 
     /// Whether the locks will have a backend.
+    #[cfg(feature = "replay")]
     pub(crate) fn has_backend(&self) -> bool {
         self.backend.is_some()
     }
@@ -340,13 +405,39 @@ impl DistributedLocksBuilder {
         (self.backend.as_ref()).and_then(|backend| backend.no_fencing_tokens_reason())
     }
 
+    /// Why the backend cannot hold keys in `mode`, naming it; `None` if it can (or
+    /// there is no backend).
+    pub(crate) fn refuses(&self, mode: LockMode) -> Option<String> {
+        let backend = self.backend.as_ref()?;
+        (!backend.supports(mode)).then(|| {
+            format!(
+                "the {} lock backend does not support {mode} across instances; only \
+                 the Redis and PostgreSQL backends hold keys shared or counted",
+                backend.engine()
+            )
+        })
+    }
+
+    /// The holders per key the locks will allow.
+    pub(crate) fn permit_count(&self) -> usize {
+        self.permits
+    }
+
     /// Builds the locks.
+    ///
+    /// # Panics
+    /// With a backend that cannot give the [`permits`](Self::permits) asked for: they
+    /// would hold in this process only, never silently.
     pub fn build(self) -> DistributedLocks {
+        if let Some(refusal) = self.refuses(LockMode::permits(self.permits)) {
+            panic!("DistributedLocks::permits({}): {refusal}", self.permits);
+        }
         DistributedLocks {
             inner: Arc::new(Inner {
                 name: self.name,
                 local: self.local.build(),
                 backend: self.backend,
+                permits: self.permits,
                 fail_open: self.fail_open,
                 max_key_len: self.max_key_len,
                 metrics: self.metered.then(OnceLock::new),

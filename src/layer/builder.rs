@@ -306,10 +306,14 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     ///     .layer(KeyedLockLayer::by_path("order_id").shared_methods([Method::GET, Method::HEAD]));
     /// ```
     ///
+    /// With a distributed [`backend`](Self::backend) that holds keys shared (Redis,
+    /// PostgreSQL with session locks), the GETs of every instance hold a key together
+    /// and a PUT of any instance runs alone; a waiting PUT stops new GETs everywhere.
+    ///
     /// # Panics
-    /// When the layer is applied with a distributed [`backend`](Self::backend): no
-    /// backend holds a key shared across instances yet (issue 29), and such requests
-    /// must not run exclusively or under this process's lock only instead.
+    /// When the layer is applied with a backend that cannot hold a key shared
+    /// ([`LockBackend::supports`](crate::LockBackend::supports)), naming it: such
+    /// requests must not run exclusively or under this process's lock only instead.
     pub fn shared_methods(self, methods: impl IntoIterator<Item = http::Method>) -> Self {
         let methods: Box<[http::Method]> = methods.into_iter().collect();
         self.configure(|c| c.shared_methods = methods)
@@ -328,10 +332,13 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.configure(|c| c.trace_keys = on)
     }
 
-    /// Requests allowed to hold one key at once (default 1).
+    /// Requests allowed to hold one key at once (default 1): with a distributed
+    /// [`backend`](Self::backend), across every instance (each holder with a lease of
+    /// its own; see [`DistributedLocksBuilder::permits`](crate::DistributedLocksBuilder::permits)).
     ///
     /// # Panics
-    /// If `permits` is 0.
+    /// If `permits` is 0; and when the layer is applied, if it is more than 1 and the
+    /// backend cannot count permits (only Redis and PostgreSQL with session locks can).
     pub fn permits(self, permits: usize) -> Self {
         self.configure_locks(|locks| locks.permits(permits))
     }

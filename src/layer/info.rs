@@ -115,6 +115,11 @@ impl LockInfo {
 
     /// A number that grows with every grant of this key, for fencing writes to storage.
     /// `None` in process: only distributed backends issue fencing tokens.
+    ///
+    /// A request holding its key [shared](Self::is_shared) takes no token of its own:
+    /// it gets the last writer's (Redis) or one at least that and below the next
+    /// writer's (PostgreSQL) — what it reads was written under it — or `None` before
+    /// any writer.
     pub fn fencing_token(&self) -> Option<u64> {
         self.remote.as_ref().and_then(|remote| remote.fencing_token)
     }

@@ -93,8 +93,13 @@ where
         shared.metrics();
         let mode = shared.config.mode_for(&parts.method);
         if shared.locks.is_distributed() {
-            debug_assert!(mode == Mode::Exclusive, "refused when the layer was built");
-            return match shared.locks.local().try_lock(key.clone()) {
+            // In the request's mode: the backend then holds it the same way (the layer
+            // refused a backend that cannot when it was applied).
+            let local = match mode {
+                Mode::Shared => shared.locks.local().try_lock_shared(key.clone()),
+                Mode::Exclusive => shared.locks.local().try_lock(key.clone()),
+            };
+            return match local {
                 // Held here; now the backend.
                 Ok(local) => {
                     let span = trace::wait_span(&shared, &parts.extensions, &key);

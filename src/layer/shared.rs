@@ -10,8 +10,8 @@ use http::StatusCode;
 
 use super::info::LayerTag;
 use super::rejected::{RejectionHandler, RejectionResponse};
-use crate::backend::LostReason;
-use crate::distributed::{DistributedLocks, DistributedLocksBuilder, SHARED_LOCKS};
+use crate::backend::{LockMode, LostReason};
+use crate::distributed::{DistributedLocks, DistributedLocksBuilder};
 use crate::error::LockError;
 use crate::key::KeyError;
 use crate::locks::Mode;
@@ -62,13 +62,19 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// # Panics
-    /// If `shared_methods` is set and so is a backend: none holds a key shared across
-    /// instances yet, and a request must not be served exclusively or locally instead.
+    /// If `shared_methods` is set and the backend cannot hold a key shared (or
+    /// `permits` is more than 1 and it cannot count them): a request must not be
+    /// served exclusively or locally instead.
     pub(crate) fn new(locks: DistributedLocksBuilder, config: Config) -> Self {
-        assert!(
-            config.shared_methods.is_empty() || !locks.has_backend(),
-            "KeyedLockLayer::shared_methods: the lock backend does not support {SHARED_LOCKS}"
-        );
+        if !config.shared_methods.is_empty() {
+            if let Some(refusal) = locks.refuses(LockMode::Shared) {
+                panic!("KeyedLockLayer::shared_methods: {refusal}");
+            }
+        }
+        let permits = locks.permit_count();
+        if let Some(refusal) = locks.refuses(LockMode::permits(permits)) {
+            panic!("KeyedLockLayer::permits({permits}): {refusal}");
+        }
         Self {
             tag: LayerTag::new(locks.name().clone()),
             max_key_len: locks.key_len_limit(),

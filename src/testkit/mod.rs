@@ -50,9 +50,23 @@
 //! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone, for the reason `Expired` |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
+//!
+//! Backends that hold a key shared and count permits ([`LockBackend::supports`]) also
+//! run [`MODE_CHECKS`] ([`run_modes`]):
+//!
+//! | check | the guarantee |
+//! |---|---|
+//! | [`readers_hold_together`] | readers of several instances hold a key together; a writer waits for all of them |
+//! | [`a_writer_excludes_everyone`] | a writer holds a key alone; a waiting reader gets it after |
+//! | [`a_waiting_writer_is_not_starved`] | a waiting writer stops new readers of any instance from entering |
+//! | [`at_most_n_permit_holders`] | never more than n permit holders across instances, nothing lost |
+//! | [`a_crashed_permit_comes_back`] | a crashed holder's permit is free again after the loss bound |
+//! | [`fencing_tokens_across_modes`] | writer tokens increase across modes; a reader's is at least the last writer's and below the next |
+//! | [`dropped_shared_and_permit_acquisitions_leave_nothing_held`] | a cancelled shared or permit acquisition, at any point, leaves the key free |
 
 mod isolated;
 mod lease;
+mod modes;
 mod mutual;
 mod several;
 
@@ -61,6 +75,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_lease_lost};
+pub use self::modes::{
+    a_crashed_permit_comes_back, a_waiting_writer_is_not_starved, a_writer_excludes_everyone,
+    at_most_n_permit_holders, dropped_shared_and_permit_acquisitions_leave_nothing_held,
+    fencing_tokens_across_modes, readers_hold_together,
+};
 pub use self::mutual::{
     busy_and_timeout, dropped_acquisitions_leave_nothing_held, fencing_tokens_increase,
     one_holder_at_a_time, release_hands_over,
@@ -105,6 +124,29 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     a_stalled_holder_sees_its_lease_lost(deployment).await;
     a_crashed_holder_is_taken_over(deployment).await;
     several_keys_all_or_nothing(deployment).await;
+}
+
+/// The names of the checks [`run_modes`] runs, in its order: for backends that hold
+/// keys shared and count permits.
+pub const MODE_CHECKS: [&str; 7] = [
+    "readers_hold_together",
+    "a_writer_excludes_everyone",
+    "a_waiting_writer_is_not_starved",
+    "at_most_n_permit_holders",
+    "a_crashed_permit_comes_back",
+    "fencing_tokens_across_modes",
+    "dropped_shared_and_permit_acquisitions_leave_nothing_held",
+];
+
+/// Runs every check of [`MODE_CHECKS`], each on keys of its own.
+pub async fn run_modes<D: Deployment>(deployment: &D) {
+    readers_hold_together(deployment).await;
+    a_writer_excludes_everyone(deployment).await;
+    a_waiting_writer_is_not_starved(deployment).await;
+    at_most_n_permit_holders(deployment).await;
+    a_crashed_permit_comes_back(deployment).await;
+    fencing_tokens_across_modes(deployment).await;
+    dropped_shared_and_permit_acquisitions_leave_nothing_held(deployment).await;
 }
 
 /// One instance of the application: locks named like the check, on a fresh backend.

@@ -91,6 +91,35 @@ conformance!(
     crate::support::fixtures::RedisCluster,
     "redis"
 );
+
+/// `modes!(fixture_module, Fixture, "feature")`: the shared and permit checks, for the
+/// engines that hold a key in those modes.
+macro_rules! modes {
+    ($module:ident, $fixture:ty, $feature:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            conformance!(@checks $fixture;
+                readers_hold_together,
+                a_writer_excludes_everyone,
+                a_waiting_writer_is_not_starved,
+                at_most_n_permit_holders,
+                a_crashed_permit_comes_back,
+                fencing_tokens_across_modes,
+                dropped_shared_and_permit_acquisitions_leave_nothing_held,
+            );
+        }
+    };
+}
+
+mod modes {
+    modes!(redis, crate::support::fixtures::Redis, "redis");
+    modes!(
+        redis_cluster,
+        crate::support::fixtures::RedisCluster,
+        "redis"
+    );
+    modes!(postgres, crate::support::fixtures::Postgres, "postgres");
+}
 conformance!(postgres, crate::support::fixtures::Postgres, "postgres");
 conformance!(
     pgbouncer_transaction,
@@ -650,7 +679,7 @@ fn reliability_table_matches_the_suite() {
     for name in names.filter_map(|name| name.strip_prefix("conformance::")) {
         let parts: Vec<&str> = name.split("::").collect();
         match parts.as_slice() {
-            ["faults" | "through_the_layer", fixture, check] | [fixture, check] => {
+            ["faults" | "through_the_layer" | "modes", fixture, check] | [fixture, check] => {
                 run.insert((fixture.to_string(), check.to_string()));
             }
             ["a_backend_written_outside_the_crate_conforms"] => {

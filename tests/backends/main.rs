@@ -12,6 +12,7 @@
 mod support;
 
 mod conformance;
+mod modes_model;
 
 mod azure_blob;
 mod etcd;

@@ -1040,3 +1040,47 @@ async fn with_the_unsafe_opt_in_an_evicted_lock_is_granted_before_its_holder_is_
     );
     granted.release().await;
 }
+
+/// A writer that stops waiting for readers takes its intent back at once: with a 30 s
+/// poll interval its entry would keep new readers out for over 30 s, and here a new
+/// reader of a third instance gets in well within that (10 s of patience), and the
+/// intent set is empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_writer_that_gives_up_lets_new_readers_in_at_once() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let configure = |b: RedisBackendBuilder| b.poll_interval(Duration::from_secs(30));
+    let instance = |backend: RedisBackend| {
+        tower_keyed_lock::DistributedLocks::builder("reports")
+            .backend(backend)
+            .build()
+    };
+    let reader = instance(connect(&redis, configure).await);
+    let writer = instance(connect(&redis, configure).await);
+    let late = instance(connect(&redis, configure).await);
+    let held = reader.lock_shared("r").await.unwrap();
+    let intent = "{keyed-lock:reports:r}:intent";
+    assert!(matches!(
+        writer.lock_timeout("r", Duration::from_millis(300)).await,
+        Err(LockError::Timeout)
+    ));
+    let started = Instant::now();
+    let entered = loop {
+        match late.try_lock_shared("r").await {
+            Ok(guard) => break guard,
+            Err(LockError::Busy) => {}
+            Err(error) => panic!("try_lock_shared failed: {error}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "new readers were kept out after the writer gave up"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert!(
+        !exists(&mut connection, intent).await,
+        "the writer's intent is still there"
+    );
+    entered.release().await;
+    held.release().await;
+}

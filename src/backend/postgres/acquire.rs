@@ -72,20 +72,23 @@ impl Grant {
 }
 
 impl Inner {
-    /// Takes the session lock `id`, waiting until `deadline` (fencing prepared).
+    /// Takes the session lock `id` (`shared` beside other shared holders, else alone),
+    /// waiting until `deadline` (fencing prepared).
     pub(super) async fn acquire(
         self: Arc<Self>,
         id: i64,
+        shared: bool,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
+        let suffix = shared_suffix(shared);
         let marker = format!("{id}/{:016x}", nonce());
         let try_sql = format!(
             "SELECT pid, locked, CASE WHEN locked THEN {granted} END, \
                     current_setting('{CHECKED_MARKER}', true) IS NOT DISTINCT FROM 'on', {limits} \
              FROM (SELECT pg_backend_pid() AS pid, \
                    CASE WHEN coalesce(current_setting('{LEASE_MARKER}', true), '') <> '' \
-                        THEN NULL ELSE pg_try_advisory_lock({id}) END AS locked) AS try",
-            granted = self.granted(&marker),
+                        THEN NULL ELSE pg_try_advisory_lock{suffix}({id}) END AS locked) AS try",
+            granted = self.granted(&marker, shared),
             limits = limits_sql(&format!("'{}ms'", self.server_idle_limit().as_millis())),
         );
         let (session, sent, tried) = self
@@ -110,7 +113,7 @@ impl Inner {
             },
             Some(false) => {
                 match self
-                    .wait_lock(&session, id, grant.pid, &marker, deadline)
+                    .wait_lock(&session, id, shared, grant.pid, &marker, deadline)
                     .await?
                 {
                     Some(granted) => granted,
@@ -129,17 +132,20 @@ impl Inner {
             true => granted.sent,
             false => self.confirm(&session, id, grant.pid, &marker).await?,
         };
-        Ok(self.hold(session, id, grant.pid, granted.token, since))
+        Ok(self.hold(session, id, shared, grant.pid, granted.token, since))
     }
 
     /// The expression, evaluated once the lock is granted, that takes the fencing token
     /// and marks the session with `marker`; its value is the token (NULL without
-    /// fencing).
-    fn granted(&self, marker: &str) -> String {
+    /// fencing). A shared holder takes no new token: it reads the last one issued.
+    fn granted(&self, marker: &str, shared: bool) -> String {
+        let token = match shared {
+            true => self.read_token_sql(),
+            false => self.token_sql(),
+        };
         format!(
             "(SELECT token FROM (SELECT {token} AS token, \
-              set_config('{LEASE_MARKER}', '{marker}', false)) AS granted)",
-            token = self.token_sql(),
+              set_config('{LEASE_MARKER}', '{marker}', false)) AS granted)"
         )
     }
 
@@ -180,10 +186,12 @@ impl Inner {
         &self,
         session: &Session,
         id: i64,
+        shared: bool,
         pid: i32,
         marker: &str,
         deadline: Instant,
     ) -> Result<Option<Granted>, LockError> {
+        let suffix = shared_suffix(shared);
         let remaining = deadline.saturating_duration_since(Instant::now());
         // `lock_timeout = 0` would mean "wait forever".
         let millis = whole_millis(remaining);
@@ -197,9 +205,9 @@ impl Inner {
         // comes back.
         let sql = format!(
             "SELECT set_config('lock_timeout', '{millis}ms', true); \
-             SELECT pg_advisory_lock({id}) WHERE pg_backend_pid() = {pid}; \
+             SELECT pg_advisory_lock{suffix}({id}) WHERE pg_backend_pid() = {pid}; \
              {granted}",
-            granted = self.granted_sql(marker, pid),
+            granted = self.granted_sql(marker, pid, shared),
         );
         let sent = Instant::now();
         let answer = timeout(remaining + self.network_timeout, session.simple_query(&sql)).await;
@@ -217,7 +225,9 @@ impl Inner {
                     Ok(true) => {
                         let sent = Instant::now();
                         let granted = self
-                            .round_trip(session.simple_query(&self.granted_sql(marker, pid)))
+                            .round_trip(
+                                session.simple_query(&self.granted_sql(marker, pid, shared)),
+                            )
                             .await
                             .map_err(PgError::into_lock_error)?;
                         Ok(Some(Granted {
@@ -241,10 +251,10 @@ impl Inner {
 
     /// A statement for a session that was just granted a lock: the `Grant` row with the
     /// token, the session marked with `marker`; no row on another server process.
-    fn granted_sql(&self, marker: &str, pid: i32) -> String {
+    fn granted_sql(&self, marker: &str, pid: i32, shared: bool) -> String {
         format!(
             "SELECT pg_backend_pid(), true, {granted} WHERE pg_backend_pid() = {pid}",
-            granted = self.granted(marker)
+            granted = self.granted(marker, shared)
         )
     }
 
@@ -277,11 +287,20 @@ impl Inner {
     /// The statement that unlocks `id` on server process `pid` and clears the session's
     /// marker: its row says whether the lock was held; no row means another server
     /// process answered (a transaction pooler), which was left alone.
-    pub(super) fn unlock_sql(id: i64, pid: i32) -> String {
+    pub(super) fn unlock_sql(id: i64, shared: bool, pid: i32) -> String {
+        let suffix = shared_suffix(shared);
         format!(
-            "SELECT pg_advisory_unlock({id}), set_config('{LEASE_MARKER}', NULL, false) \
+            "SELECT pg_advisory_unlock{suffix}({id}), set_config('{LEASE_MARKER}', NULL, false) \
              WHERE pg_backend_pid() = {pid}"
         )
+    }
+}
+
+/// The suffix of the advisory lock functions for a shared hold (`pg_advisory_lock_shared`).
+fn shared_suffix(shared: bool) -> &'static str {
+    match shared {
+        true => "_shared",
+        false => "",
     }
 }
 
@@ -298,7 +317,7 @@ fn holds_sql(id: i64, pid: i32) -> String {
 
 /// A number no other acquisition, of this process or another, is likely to draw: the
 /// std hasher's random keys (fresh per call) over a counter.
-fn nonce() -> u64 {
+pub(super) fn nonce() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));

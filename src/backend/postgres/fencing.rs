@@ -21,6 +21,19 @@ impl Inner {
         }
     }
 
+    /// The SQL of a reader's fencing token: the last token the sequence issued (that
+    /// of the last writer of the key or of a later grant of another key), without
+    /// taking one; NULL before the first, or without fencing.
+    pub(super) fn read_token_sql(&self) -> String {
+        match &self.fencing {
+            Some(fencing) => format!(
+                "(SELECT CASE WHEN is_called THEN last_value END FROM {})",
+                fencing.sequence
+            ),
+            None => "NULL::bigint".to_owned(),
+        }
+    }
+
     /// Creates the fencing sequence if it is missing and checks that its values strictly
     /// increase across sessions; once per backend (again after a failure, so a fixed
     /// sequence is taken up without a restart).

@@ -27,6 +27,7 @@ impl Inner {
         self: Arc<Self>,
         session: Session,
         id: i64,
+        shared: bool,
         pid: i32,
         token: Option<u64>,
         since: Instant,
@@ -35,17 +36,18 @@ impl Inner {
         // the same instant on the clock, so a holder whose runtime stalls knows it too.
         let (lost, signal) = LeaseSignal::with_deadline(self.valid_until(since));
         let (stop, stopped) = oneshot::channel();
-        let task = tokio::spawn(self.watch(session, id, pid, since, lost, stopped));
+        let task = tokio::spawn(self.watch(session, (id, shared), pid, since, lost, stopped));
         Lease::new(token, signal, PgRelease { stop, task })
     }
 
     /// Watches the held connection until the lease is released (or dropped), then
     /// unlocks. If the runtime drops this task instead, `session`'s drop closes the
-    /// connection, which frees the lock.
+    /// connection, which frees the lock. `lock` is the lock id, and whether it is held
+    /// shared.
     async fn watch(
         self: Arc<Self>,
         session: Session,
-        id: i64,
+        (id, shared): (i64, bool),
         pid: i32,
         since: Instant,
         lost: LeaseLostSender,
@@ -62,7 +64,7 @@ impl Inner {
             return;
         }
         let released = match self.scope {
-            LockScope::Session => self.unlock(&session, id, pid).await,
+            LockScope::Session => self.unlock(&session, id, shared, pid).await,
             // Ending the transaction ends its lock.
             LockScope::Transaction => self
                 .round_trip(session.simple_query("ROLLBACK"))
@@ -146,9 +148,9 @@ impl Inner {
     }
 
     /// Unlocks a session lock; `Ok` when the session is known to hold nothing now.
-    async fn unlock(&self, session: &Session, id: i64, pid: i32) -> Result<(), ()> {
+    async fn unlock(&self, session: &Session, id: i64, shared: bool, pid: i32) -> Result<(), ()> {
         let answer = self
-            .round_trip(session.simple_query(&Inner::unlock_sql(id, pid)))
+            .round_trip(session.simple_query(&Inner::unlock_sql(id, shared, pid)))
             .await;
         match answer.as_deref().map(last_row) {
             Ok(Some(row)) if row.get(0) == Some("t") => Ok(()),

@@ -211,6 +211,33 @@
 //! another one — every acquisition fails with a [`LockError::Backend`] saying what to
 //! change, until the sequence is altered (no restart needed).
 //!
+//! # Shared locks and permits
+//!
+//! With [`LockScope::Session`] (the default) the backend gives every
+//! [`LockMode`]:
+//!
+//! - **Shared**: `pg_try_advisory_lock_shared` / `pg_advisory_lock_shared` on the key's
+//!   lock id, released by `pg_advisory_unlock_shared`, with every rule above (the
+//!   marker, the confirmation, the liveness checks). PostgreSQL's own lock queue keeps
+//!   writers from starving: a shared request that conflicts with a *waiting* exclusive
+//!   one waits behind it, whichever instance sent either.
+//! - **Permits**: `n` lock ids per key (the namespace followed by a NUL and the
+//!   permit's place, see [`lock_id`]), each an exclusive session lock; an acquisition
+//!   tries them in turn from a random place, and when all are taken sleeps between half
+//!   of [`PERMIT_POLL`] and all of it before the next round, until its wait is over.
+//!   PostgreSQL queues a waiter on one lock, not on "any of n", so permit waiters are
+//!   served in no particular order. A crashed holder's permit comes back when its
+//!   session ends (the [lost locks](self#lost-locks) bound).
+//! - **Fencing** (with [`fencing`](PostgresBackend::fencing)): writers and permit
+//!   holders take `nextval` of the sequence, so writers' tokens keep increasing across
+//!   shared and exclusive grants. A reader takes none: its token is the sequence's last
+//!   value when it was granted — at least the token of the last writer of its key
+//!   before it, below the next one's (other keys' grants share the sequence) — or
+//!   `None` before the sequence's first value.
+//!
+//! With [`LockScope::Transaction`] only exclusive locks are given: the other modes are
+//! refused when the locks or the layer are built.
+//!
 //! # Failures
 //!
 //! An unreachable database or a failing statement is [`LockError::Backend`]: 503, or
@@ -232,6 +259,7 @@ mod error;
 mod fencing;
 mod lease;
 mod lock_id;
+mod permits;
 pub(crate) mod schema;
 mod session;
 mod xact;
@@ -247,10 +275,10 @@ use tokio::time::{timeout, Instant};
 use tokio_postgres::NoTls;
 
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
+pub use self::permits::PERMIT_POLL;
 
 use self::error::PgError;
-use super::{Acquisition, LockBackend};
-#[cfg(doc)]
+use super::{Acquisition, LockBackend, LockMode};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -571,7 +599,32 @@ impl LockBackend for PostgresBackend {
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
+        self.acquire_mode(name, key, LockMode::Exclusive, wait)
+    }
+
+    /// Every mode with [`LockScope::Session`] (shared: `pg_advisory_lock_shared`;
+    /// permits: a lock id per permit); only exclusive locks with
+    /// [`LockScope::Transaction`]. See [Shared locks and permits](self#shared-locks-and-permits).
+    fn supports(&self, mode: LockMode) -> bool {
+        mode == LockMode::Exclusive || self.inner.scope == LockScope::Session
+    }
+
+    fn acquire_mode(&self, name: &str, key: &Key, mode: LockMode, wait: Duration) -> Acquisition {
+        if !self.supports(mode) {
+            let what = match mode {
+                LockMode::Shared => super::SHARED_LOCKS,
+                _ => super::PERMITS,
+            };
+            return Box::pin(async move { Err(LockError::Unsupported(what)) });
+        }
         let id = self.lock_id(name, key.as_str());
+        let permits = match mode {
+            LockMode::Permit { of } => {
+                permits::permit_ids(&self.inner.namespace, name, key.as_str(), of)
+            }
+            _ => Vec::new(),
+        };
+        let shared = mode == LockMode::Shared;
         let inner = self.inner.clone();
         // PostgreSQL's `lock_timeout` is an `int` of milliseconds (24.8 days): a longer
         // wait (`Duration::MAX` for "no limit" included) ends there, with a timeout.
@@ -585,7 +638,10 @@ impl LockBackend for PostgresBackend {
                 let deadline = Instant::now() + wait;
                 inner.prepare_fencing(deadline).await?;
                 match inner.scope {
-                    LockScope::Session => inner.acquire(id, deadline).await,
+                    LockScope::Session if !permits.is_empty() => {
+                        inner.clone().acquire_permit(permits, deadline).await
+                    }
+                    LockScope::Session => inner.clone().acquire(id, shared, deadline).await,
                     LockScope::Transaction => {
                         inner.acquire_in_transaction(id, wait, deadline).await
                     }

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::backend::ttl::sha256_hex;
+use crate::backend::LockMode;
 
 /// Names and keys longer than this are hashed.
 const MAX_PLAIN_LEN: usize = 64;
@@ -16,6 +17,15 @@ pub(in crate::backend) struct RedisKeys {
     pub(super) fence: String,
     /// Present while some instance waits for the lock: its release must publish.
     pub(super) waiting: String,
+    /// Shared holders: a sorted set of tokens scored by expiry (server ms).
+    pub(super) readers: String,
+    /// Permit holders, the same way.
+    pub(super) permits: String,
+    /// Writers waiting for the key, the same way: while one is there, no new reader
+    /// enters (writers are not starved).
+    pub(super) intent: String,
+    /// How the acquisition these keys were made for holds the key.
+    pub(super) mode: LockMode,
 }
 
 impl RedisKeys {
@@ -26,6 +36,26 @@ impl RedisKeys {
             lock: format!("{tag}:lock").into(),
             fence: format!("{tag}:fence"),
             waiting: format!("{tag}:waiting"),
+            readers: format!("{tag}:readers"),
+            permits: format!("{tag}:permits"),
+            intent: format!("{tag}:intent"),
+            mode: LockMode::Exclusive,
+        }
+    }
+
+    /// The same keys, for an acquisition in `mode`.
+    pub(super) fn with_mode(mut self, mode: LockMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// The sorted set of holders that a shared or permit lease is in; `None` for an
+    /// exclusive one, held in `lock`.
+    pub(super) fn holders(&self) -> Option<&str> {
+        match self.mode {
+            LockMode::Exclusive => None,
+            LockMode::Shared => Some(&self.readers),
+            LockMode::Permit { .. } => Some(&self.permits),
         }
     }
 

@@ -12,12 +12,12 @@ use tokio::time::{sleep, Instant};
 
 use super::connection::Failure;
 use super::keys::RedisKeys;
-use super::scripts::{RELEASE, RENEW};
+use super::scripts::{RELEASE, RELEASE_COUNTED, RENEW, RENEW_COUNTED};
 use super::Inner;
 use crate::backend::ttl::{
     self, fresh_token, jitter, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
-use crate::backend::{Lease, RetryLater};
+use crate::backend::{Lease, LockMode, RetryLater};
 use crate::LockError;
 
 /// How often a waiter polls while the subscription is down (capped by `poll_interval`).
@@ -74,17 +74,12 @@ impl std::error::Error for NotReplicated {}
 
 /// What one acquire attempt found.
 enum Attempt {
-    Granted {
-        fence: u64,
-    },
+    /// Granted, with a fencing token (none for a reader of a key never written).
+    Granted { fence: Option<u64> },
     /// Held by another token, which expires in this many ms (negative: no TTL).
-    Held {
-        ttl_ms: i64,
-    },
+    Held { ttl_ms: i64 },
     /// The server is up for less than a lease: no grant for this many ms.
-    Restarted {
-        wait_ms: u64,
-    },
+    Restarted { wait_ms: u64 },
     /// Granted, but acknowledged by too few replicas: to be given back.
     NotReplicated(NotReplicated),
 }
@@ -122,7 +117,7 @@ impl Inner {
             let ttl_ms = match attempt.await {
                 Ok(Attempt::Granted { fence }) => {
                     let token = in_flight.granted();
-                    return Ok(ttl::grant(&self, keys, token, Some(fence), sent_at));
+                    return Ok(ttl::grant(&self, keys, token, fence, sent_at));
                 }
                 Ok(Attempt::Held { ttl_ms }) => ttl_ms,
                 // `in_flight` stays armed: its drop gives the grant back.
@@ -164,6 +159,7 @@ impl Inner {
             in_flight.answered();
             let now = Instant::now();
             if now >= deadline {
+                self.leave_intent(&keys, in_flight.token());
                 return Err(LockError::Timeout);
             }
             let pause = self.pause(ttl_ms).min(deadline - now);
@@ -174,9 +170,37 @@ impl Inner {
                 () = sleep(pause) => {}
             }
             if Instant::now() >= deadline {
+                self.leave_intent(&keys, in_flight.token());
                 return Err(LockError::Timeout);
             }
         }
+    }
+
+    /// A writer that stops waiting takes its token out of the key's intent set (in the
+    /// background, once, within the command timeout), so new readers are let in again
+    /// at once rather than when its entry expires. Nothing for readers and permits,
+    /// which enter no intent.
+    fn leave_intent(self: &Arc<Self>, keys: &Arc<RedisKeys>, token: &str) {
+        if keys.mode != LockMode::Exclusive {
+            return;
+        }
+        let (this, keys, token) = (self.clone(), keys.clone(), token.to_owned());
+        tokio::spawn(async move {
+            let limit = Instant::now() + this.config.command_timeout;
+            let left = this
+                .commands
+                .run(limit, false, |mut connection| async move {
+                    redis::cmd("ZREM")
+                        .arg(&keys.intent)
+                        .arg(&token)
+                        .query_async::<i64>(&mut connection)
+                        .await
+                });
+            if left.await.is_err() {
+                // Its entry expires by itself, a waiting mark's TTL later.
+                tracing::debug!("redis: a writer's intent left to expire");
+            }
+        });
     }
 
     /// Logs once per guard period (not per request) that the restart guard refuses
@@ -233,16 +257,28 @@ impl Inner {
             true => millis(self.config.lease),
             false => 0,
         };
-        let mut invocation = self.acquire.key(&*keys.lock);
+        // Shared and permit holders go through their own script (a sorted set of
+        // holders); the exclusive one also waits for the readers.
+        let (script, holders, permits) = match keys.mode {
+            LockMode::Exclusive => (&self.acquire, &keys.readers, None),
+            LockMode::Shared => (&self.acquire_counted, &keys.readers, Some(0)),
+            LockMode::Permit { of } => (&self.acquire_counted, &keys.permits, Some(of)),
+        };
+        let mut invocation = script.key(&*keys.lock);
         invocation
             .key(&keys.fence)
             .key(&keys.waiting)
             .key(keys.given_back(token))
+            .key(holders)
+            .key(&keys.intent)
             .arg(token)
             .arg(millis(self.config.first_ttl()))
             .arg(fence_ttl)
             .arg(millis(waiting_ttl))
             .arg(restart_guard);
+        if let Some(permits) = permits {
+            invocation.arg(permits);
+        }
         let replicas = self.config.replicas;
         let (outcome, value, acknowledged) = self
             .commands
@@ -265,7 +301,7 @@ impl Inner {
                     })
                 }
                 _ => Attempt::Granted {
-                    fence: u64::try_from(value).unwrap_or_default(),
+                    fence: u64::try_from(value).ok(),
                 },
             },
             2 => Attempt::Restarted {
@@ -280,19 +316,18 @@ impl Inner {
     /// failover) would cost a second round trip, and a renewal has none to spare.
     async fn renew_once(
         &self,
-        lock: &str,
+        keys: &RedisKeys,
         token: &str,
         ttl: Duration,
         limit: Instant,
         counts: bool,
     ) -> Result<bool, Failure> {
         let mut command = redis::cmd("EVAL");
-        command
-            .arg(RENEW)
-            .arg(1)
-            .arg(lock)
-            .arg(token)
-            .arg(millis(ttl));
+        match keys.holders() {
+            None => command.arg(RENEW).arg(1).arg(&*keys.lock),
+            Some(holders) => command.arg(RENEW_COUNTED).arg(1).arg(holders),
+        };
+        command.arg(token).arg(millis(ttl));
         let replicas = self.config.replicas;
         self.commands
             .run(limit, counts, |mut connection| async move {
@@ -317,12 +352,15 @@ impl Inner {
     /// script cache.
     async fn delete_if_ours(&self, keys: &RedisKeys, token: &str) -> GiveBack {
         let mut command = redis::cmd("EVAL");
+        match keys.holders() {
+            None => command.arg(RELEASE).arg(3).arg(&*keys.lock),
+            Some(holders) => command.arg(RELEASE_COUNTED).arg(4).arg(holders),
+        };
+        command.arg(&keys.waiting).arg(keys.given_back(token));
+        if keys.holders().is_some() {
+            command.arg(&*keys.lock);
+        }
         command
-            .arg(RELEASE)
-            .arg(3)
-            .arg(&*keys.lock)
-            .arg(&keys.waiting)
-            .arg(keys.given_back(token))
             .arg(token)
             .arg(&self.channel)
             .arg(millis(GIVEN_BACK_MARK.max(self.config.lease)));
@@ -364,7 +402,7 @@ impl TtlBackend for Inner {
     ) -> Renewal {
         // Only a whole command timeout says the connection may be silent.
         let counts = limit == sent + self.config.command_timeout;
-        match self.renew_once(&keys.lock, token, ttl, limit, counts).await {
+        match self.renew_once(keys, token, ttl, limit, counts).await {
             Ok(true) => Renewal::Renewed,
             Ok(false) => Renewal::NotOurs,
             // Renewed but acknowledged by too few replicas, or no answer.

@@ -144,6 +144,47 @@
 //! starves for longer than the others keep the key busy. For arrival order across
 //! instances, use the PostgreSQL backend.
 //!
+//! # Shared locks and permits
+//!
+//! The backend gives every [`LockMode`]: shared holders
+//! ([`DistributedLocks::lock_shared`](crate::DistributedLocks::lock_shared), the
+//! layer's [`shared_methods`](crate::KeyedLockLayer::shared_methods)) and `n` permits
+//! per key ([`permits`](crate::DistributedLocksBuilder::permits)).
+//!
+//! - **Holders.** Readers, and permit holders, are members of a sorted set per key
+//!   (`:readers`, `:permits`): each its own random token, scored by its expiry in the
+//!   server's milliseconds (`TIME`). Every acquire script first prunes the members
+//!   whose expiry has passed, so a crashed holder's place comes back one lease after
+//!   its last grant or renewal; the set's own TTL is only ever extended, to the latest
+//!   member's expiry. Renewal moves one's own score (only if still there and
+//!   unexpired: else the lease is lost), release removes one's own token (or marks it
+//!   given back, as for an exclusive lock), and both are one script each, by token.
+//!   The scores are the server's wall clock (`TIME`), as Redis's own key expiry is: a
+//!   server clock stepped forward ends them early, as it ends an exclusive lock's TTL.
+//! - **Readers and writers.** A reader is granted when no writer holds `:lock` and no
+//!   writer waits; a writer when `:lock` is free *and* no unexpired reader is left.
+//!   A writer refused enters its token in the `:intent` sorted set (scored by the
+//!   waiting mark's expiry: `poll_interval` + `command_timeout`, refreshed at every
+//!   attempt) and leaves it when granted: while any writer waits, new readers of every
+//!   instance are refused, so a stream of readers cannot starve writers. A writer
+//!   whose wait ends without a grant takes its entry out (a command sent in the
+//!   background); only if that fails, or its last attempt went unanswered, does the
+//!   entry keep new readers out until it expires, `poll_interval` + `command_timeout`
+//!   at most. (A cancelled acquisition's remote attempt runs on, detached, to the end
+//!   of its wait.)
+//! - **Permits.** A permit is granted while fewer than `n` unexpired holders are in
+//!   `:permits`. Every instance must use the same `n`.
+//! - **Wake-ups.** A reader's or permit holder's release publishes like a writer's
+//!   (on the lock key's name) when a waiter marked the key, so waiters of every mode
+//!   wake as for an exclusive lock; the poll is the backstop.
+//! - **Fencing.** Writers and permit holders take a new token from the key's fence
+//!   counter (`max(counter + 1, server µs)`), so writers' tokens keep increasing
+//!   across shared and exclusive grants. A reader takes none: its
+//!   [`fencing_token`](crate::DistributedGuard::fencing_token) is the key's last
+//!   token, the one of the last writer whose writes it reads (or of a later permit
+//!   holder of the same key), or `None` if the key has none.
+//! - **Cluster.** The sets share the key's hash tag, so every script runs on one slot.
+//!
 //! # Redis keys
 //!
 //! A layer named `name` locks request key `key` under
@@ -152,6 +193,9 @@
 //! {<prefix><name>:<key>}:lock     the token of the holder, with the lease as TTL
 //! {<prefix><name>:<key>}:fence    the last fencing token issued (no TTL unless `fence_ttl` is set)
 //! {<prefix><name>:<key>}:waiting  while another instance waits: its release publishes
+//! {<prefix><name>:<key>}:readers  shared holders: tokens scored by expiry (ms)
+//! {<prefix><name>:<key>}:permits  permit holders, the same way
+//! {<prefix><name>:<key>}:intent   writers waiting: tokens scored by expiry (ms)
 //! {<prefix><name>:<key>}:lock:given-back:<token>
 //!                                 a release found the key not held by <token>
 //!                                 (for a minute, or a lease if longer)
@@ -213,9 +257,9 @@ use tokio::time::Instant;
 pub(crate) use self::connection::Connection;
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
-use self::scripts::ACQUIRE;
+use self::scripts::{ACQUIRE, ACQUIRE_COUNTED};
 use self::subscriber::{Releases, Subscriber};
-use super::{ttl, Acquisition, LockBackend};
+use super::{ttl, Acquisition, LockBackend, LockMode};
 #[cfg(doc)]
 use crate::error::LockError;
 use crate::key::Key;
@@ -334,6 +378,8 @@ struct Inner {
     config: Config,
     drift: Duration,
     acquire: Script,
+    /// Takes a place among a key's readers or permit holders.
+    acquire_counted: Script,
     /// The shared release channel; empty on a cluster (a shard channel per lock).
     channel: String,
     releases: Arc<Releases>,
@@ -679,6 +725,7 @@ impl RedisBackendBuilder {
                 config,
                 drift,
                 acquire: Script::new(ACQUIRE),
+                acquire_counted: Script::new(ACQUIRE_COUNTED),
                 channel,
                 releases,
                 subscribed,
@@ -720,8 +767,17 @@ impl LockBackend for RedisBackend {
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
-        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
+        self.acquire_mode(name, key, LockMode::Exclusive, wait)
+    }
+
+    fn acquire_mode(&self, name: &str, key: &Key, mode: LockMode, wait: Duration) -> Acquisition {
+        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str()).with_mode(mode);
         Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))
+    }
+
+    /// Every mode: see [Shared locks and permits](self#shared-locks-and-permits).
+    fn supports(&self, _mode: LockMode) -> bool {
+        true
     }
 }
 

@@ -1,10 +1,11 @@
 //! The Lua scripts that acquire, renew and release a lock, each one atomic in Redis.
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
-/// mark; `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
-/// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off). Returns `{1, fencing
-/// token}`, `{0, holder's PTTL}` (-2 when the token was given back), or `{2, ms until
-/// the restart guard lets grants through}`.
+/// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent; `ARGV[1]` token, `ARGV[2]` lease
+/// ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]`
+/// restart guard ms (0: off). Returns `{1, fencing token}`, `{0, holder's PTTL}` (-2
+/// when the token was given back; a reader's expiry when readers hold the key), or
+/// `{2, ms until the restart guard lets grants through}`.
 ///
 /// Given back: an attempt that arrives after its own give-back (it travelled on a
 /// connection since replaced, and the give-back on the fresh one found the key free)
@@ -24,11 +25,21 @@
 /// When not granted, the waiting mark tells the holder's release to publish. Its TTL
 /// outlasts the caller's pause before the next attempt (which marks again), and is
 /// only ever extended, so a waiter with a longer pause keeps its mark.
+///
+/// Readers (shared holders, see `ACQUIRE_COUNTED`) hold the key as much as a writer:
+/// the expired ones are pruned, and while any is left the key is held, until the one
+/// that expires first. A writer refused enters its token in the intent set (scored by
+/// the waiting mark's expiry) and takes it out when granted: while it is there, no new
+/// reader enters.
 pub(super) const ACQUIRE: &str = r"
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+local reader = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
+if redis.call('EXISTS', KEYS[1]) == 0 and reader[1] == nil then
   if ARGV[5] ~= '0' then
     local info = redis.call('INFO', 'server')
     local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
@@ -48,10 +59,18 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
   end
+  redis.call('ZREM', KEYS[6], ARGV[1])
   return {1, fence}
 end
 if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[4]) then
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
+end
+redis.call('ZADD', KEYS[6], now + tonumber(ARGV[4]), ARGV[1])
+if redis.call('PTTL', KEYS[6]) < tonumber(ARGV[4]) then
+  redis.call('PEXPIRE', KEYS[6], ARGV[4])
+end
+if reader[1] ~= nil then
+  return {0, tonumber(reader[2]) - now}
 end
 return {0, redis.call('PTTL', KEYS[1])}
 ";
@@ -78,6 +97,116 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
       redis.call('SPUBLISH', KEYS[1], KEYS[1])
     else
       redis.call('PUBLISH', ARGV[2], KEYS[1])
+    end
+  end
+  return 1
+end
+redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+return 0
+";
+
+/// Takes one place among a key's shared or permit holders. `KEYS[1]` lock, `KEYS[2]`
+/// fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back mark, `KEYS[5]` the
+/// holders (readers or permits: tokens scored by expiry, server ms), `KEYS[6]` the
+/// writers' intent; `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0:
+/// none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]`
+/// permits (0: a reader, unbounded but for writers). Answers as `ACQUIRE` does; a
+/// reader's fencing token is the key's last one (-1 if none), a permit holder's a new
+/// one.
+///
+/// Expired holders are pruned first, so a crashed holder's place comes back one lease
+/// after its last grant or renewal. A reader is refused while a writer holds the key
+/// or waits for it (the intent set, pruned the same way); a permit holder while
+/// `ARGV[6]` places are taken. The set's own TTL is only ever extended, to the latest
+/// holder's expiry.
+pub(super) const ACQUIRE_COUNTED: &str = r"
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  return {0, -2}
+end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+local busy = nil
+local limit = tonumber(ARGV[6])
+if limit == 0 then
+  if redis.call('EXISTS', KEYS[1]) == 1 then
+    busy = redis.call('PTTL', KEYS[1])
+  else
+    local writer = redis.call('ZRANGE', KEYS[6], 0, 0, 'WITHSCORES')
+    if writer[1] ~= nil then
+      busy = tonumber(writer[2]) - now
+    end
+  end
+elseif redis.call('ZCARD', KEYS[5]) >= limit then
+  local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
+  busy = tonumber(first[2]) - now
+end
+if busy ~= nil then
+  if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[4]) then
+    redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
+  end
+  return {0, busy}
+end
+if ARGV[5] ~= '0' then
+  local info = redis.call('INFO', 'server')
+  local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+  local early = tonumber(ARGV[5]) + 1000 - uptime * 1000
+  if early > 0 then
+    return {2, early}
+  end
+end
+redis.call('ZADD', KEYS[5], now + tonumber(ARGV[2]), ARGV[1])
+if redis.call('PTTL', KEYS[5]) < tonumber(ARGV[2]) then
+  redis.call('PEXPIRE', KEYS[5], ARGV[2])
+end
+if limit == 0 then
+  local last = redis.call('GET', KEYS[2])
+  if last then
+    return {1, tonumber(last)}
+  end
+  return {1, -1}
+end
+local micros = clock[1] .. string.sub('00000' .. clock[2], -6)
+local fence = redis.call('INCR', KEYS[2])
+if fence < tonumber(micros) then
+  redis.call('SET', KEYS[2], micros)
+  fence = tonumber(micros)
+end
+if ARGV[3] ~= '0' then
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+return {1, fence}
+";
+
+/// `KEYS[1]` the holders; `ARGV[1]` token, `ARGV[2]` lease ms. 1 if the token is still
+/// among them, unexpired, and now holds for `ARGV[2]` more.
+pub(super) const RENEW_COUNTED: &str = r"
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if expiry and tonumber(expiry) > now then
+  redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[2]), ARGV[1])
+  if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  end
+  return 1
+end
+return 0
+";
+
+/// `KEYS[1]` the holders, `KEYS[2]` waiting, `KEYS[3]` the token's given-back mark,
+/// `KEYS[4]` lock (the name a release is announced by); `ARGV[1]` token, `ARGV[2]`
+/// release channel, or empty on a cluster (the lock's shard channel); `ARGV[3]` the
+/// mark's TTL ms. Takes the token out of the holders and announces it if a waiter
+/// marked the key: 1. If it was not there, marks it given back (see `ACQUIRE`): 0.
+pub(super) const RELEASE_COUNTED: &str = r"
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  if redis.call('DEL', KEYS[2]) == 1 then
+    if ARGV[2] == '' then
+      redis.call('SPUBLISH', KEYS[4], KEYS[4])
+    else
+      redis.call('PUBLISH', ARGV[2], KEYS[4])
     end
   end
   return 1
