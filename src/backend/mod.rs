@@ -36,6 +36,7 @@ pub mod dynamodb;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
+pub(crate) mod health;
 #[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
 mod key_component;
 mod lost;
@@ -65,6 +66,7 @@ mod ttl;
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub mod zookeeper;
 
+pub use health::{Health, LastError, HEALTH_LOCK_NAME, HEALTH_PROBE_KEY, HEALTH_PROBE_WAIT};
 pub use lost::LostReason;
 pub use mode::LockMode;
 pub use retry_later::RetryLater;
@@ -121,6 +123,31 @@ pub trait LockBackend: Send + Sync + 'static {
         mode == LockMode::Exclusive
     }
 
+    /// Checks that the engine answers and lets this instance lock: by default it takes
+    /// the reserved key [`HEALTH_PROBE_KEY`] under [`HEALTH_LOCK_NAME`], waiting at most
+    /// [`HEALTH_PROBE_WAIT`], and gives it back (see [`Health`]), bounded by the
+    /// backend's own timeouts. For a
+    /// readiness probe or a health route; the Redis restart guard's remaining time is
+    /// reported beside it.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "redis")]
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_keyed_lock::{LockBackend, RedisBackend};
+    ///
+    /// let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
+    /// let health = backend.health().await;
+    /// println!("{health}"); // "redis: answered in 412µs"
+    /// # Ok(())
+    /// # }
+    /// ```
+    fn health(&self) -> BoxFuture<Health> {
+        let engine = self.engine();
+        let key = Key::new(HEALTH_PROBE_KEY, HEALTH_PROBE_KEY.len()).expect("a valid key");
+        let acquisition = self.acquire(HEALTH_LOCK_NAME, &key, HEALTH_PROBE_WAIT);
+        Box::pin(health::probe(engine, acquisition))
+    }
+
     /// Whether every lease carries a [fencing token](Lease::fencing_token) (the
     /// default). A replay store that orders its writes by token is refused under a
     /// backend that says no.
@@ -154,6 +181,10 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
 
     fn supports(&self, mode: LockMode) -> bool {
         (**self).supports(mode)
+    }
+
+    fn health(&self) -> BoxFuture<Health> {
+        (**self).health()
     }
 
     fn issues_fencing_tokens(&self) -> bool {

@@ -275,6 +275,9 @@ impl DistributedAcquire {
                         }
                         Err(error) => {
                             span.record("outcome", RejectionKind::of(error).as_str());
+                            if let LockError::Backend(error) = error {
+                                this.locks.last_error.record(error);
+                            }
                         }
                     }
                     let local = local.take().expect("polled after completion");

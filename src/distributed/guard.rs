@@ -97,6 +97,11 @@ impl DistributedGuard {
     /// Records the hold, and a lease lost while held, in metered locks. Once: a
     /// released guard has no lease left to find lost when it drops.
     fn record_hold(&self) {
+        if let (Some(reason), true) = (self.lost_reason(), self.local.is_some()) {
+            self.locks
+                .last_error
+                .record(format_args!("a lease was lost: {reason}"));
+        }
         if let (Some(metrics), true) = (self.locks.metrics(), self.local.is_some()) {
             metrics.hold.record(self.since.elapsed());
             if let Some(reason) = self.lost_reason() {

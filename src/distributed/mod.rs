@@ -86,7 +86,8 @@ pub use acquire::DistributedAcquire;
 pub use all::DistributedGuards;
 pub use guard::{DistributedGuard, LeaseLost};
 
-use crate::backend::{LockBackend, LockMode};
+use crate::backend::health::LastErrorCell;
+use crate::backend::{Health, LockBackend, LockMode};
 use crate::key::{Key, DEFAULT_MAX_KEY_LEN};
 use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder, Mode};
 use crate::metrics::Metrics;
@@ -109,6 +110,8 @@ pub(crate) struct Inner {
     /// The locks' metrics, registered on first use (so a recorder installed after the
     /// locks were built is used); `None` under a layer, which records its own.
     metrics: Option<OnceLock<Metrics>>,
+    /// For [`DistributedLocks::health`].
+    last_error: LastErrorCell,
 }
 
 impl Inner {
@@ -265,6 +268,28 @@ impl DistributedLocks {
         self.inner.backend.is_some()
     }
 
+    /// Checks the backend ([`LockBackend::health`]) and adds the last backend error
+    /// these locks met (a failed acquisition, a lost lease); in process, unchecked
+    /// and healthy.
+    ///
+    /// ```
+    /// use tower_keyed_lock::DistributedLocks;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let jobs = DistributedLocks::in_process("jobs");
+    /// let health = jobs.health().await;
+    /// assert!(health.is_healthy());
+    /// assert_eq!(health.round_trip(), None); // nothing to reach
+    /// # }
+    /// ```
+    pub async fn health(&self) -> Health {
+        let health = match &self.inner.backend {
+            Some(backend) => backend.health().await,
+            None => Health::unchecked("in-process"),
+        };
+        health.and_last_error(self.inner.last_error.get())
+    }
+
     /// Keys with a holder or a waiter in this process now.
     pub fn len(&self) -> usize {
         self.inner.local.len()
@@ -393,6 +418,11 @@ impl DistributedLocksBuilder {
         self.backend.is_some()
     }
 
+    /// The backend the locks will have, if any.
+    pub(crate) fn backend_handle(&self) -> Option<Arc<dyn LockBackend>> {
+        self.backend.clone()
+    }
+
     /// Whether the locks will have a backend that issues no fencing tokens.
     #[cfg(feature = "replay")]
     pub(crate) fn lacks_fencing_tokens(&self) -> bool {
@@ -441,6 +471,7 @@ impl DistributedLocksBuilder {
                 fail_open: self.fail_open,
                 max_key_len: self.max_key_len,
                 metrics: self.metered.then(OnceLock::new),
+                last_error: LastErrorCell::default(),
             }),
         }
     }

@@ -487,6 +487,25 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.shared.get().map_or(0, |shared| shared.locks.len())
     }
 
+    /// A handle on the backend's health check (see [`Health`](crate::backend::Health)),
+    /// for a readiness probe or a health route; take it before the layer is applied.
+    /// Once applied, it also reports the last backend error the layer's requests met.
+    ///
+    /// ```
+    /// use axum::{routing::{get, post}, Router};
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// let orders = KeyedLockLayer::by_path("order_id"); // add `.backend(…)` to check it
+    /// let health = orders.health_check();
+    /// let app: Router = Router::new()
+    ///     .route("/orders/{order_id}", post(|| async { "paid" }))
+    ///     .route_layer(orders)
+    ///     .route("/ready", get(move || async move { health.check().await }));
+    /// ```
+    pub fn health_check(&self) -> crate::HealthCheck {
+        crate::HealthCheck::new(self.locks.backend_handle(), self.shared.clone())
+    }
+
     /// Whether a distributed backend is configured.
     #[cfg(feature = "replay")]
     pub(crate) fn is_distributed(&self) -> bool {

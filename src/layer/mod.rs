@@ -121,10 +121,12 @@
 //! - `body.rs`: [`KeyedLockBody`], the inner body (carrying the hold, if the key is held
 //!   until the body ends) or the layer's own rejection body.
 //! - `info.rs`: [`LockInfo`], what the handler learns about its lock.
+//! - `health.rs`: [`HealthCheck`], the backend's health check for a readiness route.
 
 mod body;
 mod builder;
 mod future;
+mod health;
 mod held;
 mod info;
 mod rejected;
@@ -137,5 +139,6 @@ pub use builder::{
     KeyedLockLayer, DEFAULT_MAX_WAITERS, DEFAULT_NAME, DEFAULT_RETRY_AFTER, DEFAULT_WAIT_TIMEOUT,
 };
 pub use future::ResponseFuture;
+pub use health::HealthCheck;
 pub use info::LockInfo;
 pub use service::KeyedLock;

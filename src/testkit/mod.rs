@@ -50,6 +50,7 @@
 //! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone, for the reason `Expired` |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
+//! | [`health_answers`] | the health check of a reachable engine is healthy with a round trip, from several instances at once, and leaves nothing held |
 //!
 //! Backends that hold a key shared and count permits ([`LockBackend::supports`]) also
 //! run [`MODE_CHECKS`] ([`run_modes`]):
@@ -64,6 +65,7 @@
 //! | [`fencing_tokens_across_modes`] | writer tokens increase across modes; a reader's is at least the last writer's and below the next |
 //! | [`dropped_shared_and_permit_acquisitions_leave_nothing_held`] | a cancelled shared or permit acquisition, at any point, leaves the key free |
 
+mod health;
 mod isolated;
 mod lease;
 mod modes;
@@ -74,6 +76,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use self::health::health_answers;
 pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_lease_lost};
 pub use self::modes::{
     a_crashed_permit_comes_back, a_waiting_writer_is_not_starved, a_writer_excludes_everyone,
@@ -103,7 +106,7 @@ pub trait Deployment: Send + Sync {
 }
 
 /// The names of the checks [`run_all`] runs, in its order.
-pub const CHECKS: [&str; 8] = [
+pub const CHECKS: [&str; 9] = [
     "one_holder_at_a_time",
     "busy_and_timeout",
     "release_hands_over",
@@ -112,6 +115,7 @@ pub const CHECKS: [&str; 8] = [
     "a_stalled_holder_sees_its_lease_lost",
     "a_crashed_holder_is_taken_over",
     "several_keys_all_or_nothing",
+    "health_answers",
 ];
 
 /// Runs every check of [`CHECKS`], each on keys of its own.
@@ -124,6 +128,7 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     a_stalled_holder_sees_its_lease_lost(deployment).await;
     a_crashed_holder_is_taken_over(deployment).await;
     several_keys_all_or_nothing(deployment).await;
+    health_answers(deployment).await;
 }
 
 /// The names of the checks [`run_modes`] runs, in its order: for backends that hold

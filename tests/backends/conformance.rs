@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use tokio::time::{sleep, sleep_until, Instant};
 use tower_keyed_lock::backend::{
-    Acquisition, BoxFuture, LeaseLostSender, LostReason, ReleaseLease,
+    Acquisition, BoxFuture, LeaseLostSender, LostReason, ReleaseLease, HEALTH_PROBE_WAIT,
 };
 use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
@@ -70,6 +70,7 @@ macro_rules! conformance {
                 a_stalled_holder_sees_its_lease_lost,
                 a_crashed_holder_is_taken_over,
                 several_keys_all_or_nothing,
+                health_answers,
             );
         }
     };
@@ -150,6 +151,7 @@ macro_rules! faults {
                 no_acquisition_outlives_its_wait_on_a_silent_path,
                 a_slow_path_keeps_the_lease,
                 a_reset_connection_is_a_lost_lease_and_recovers,
+                the_health_check_fails_on_a_silent_path_and_recovers,
             );
         }
     };
@@ -436,6 +438,47 @@ async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
     );
     proxy.delay(Duration::ZERO);
     guard.release().await;
+}
+
+/// The health check through a silent path says unhealthy, with the engine's error,
+/// within about one network timeout (never hanging), and healthy again once the path
+/// heals.
+async fn the_health_check_fails_on_a_silent_path_and_recovers<F: Proxied>(fixture: &F) {
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let backend = fixture.backend_via(&proxy.host_port()).await;
+    let before = backend.health().await;
+    assert!(before.is_healthy(), "{before}");
+    proxy.blackhole();
+    let bound = HEALTH_PROBE_WAIT + 2 * fixture.network_timeout() + SLACK;
+    let started = Instant::now();
+    let silent = within(
+        "the health check on a silent path",
+        PATIENCE,
+        backend.health(),
+    )
+    .await;
+    let took = started.elapsed();
+    assert!(
+        !silent.is_healthy(),
+        "healthy through a silent path: {silent}"
+    );
+    assert!(
+        took < bound,
+        "the health check took {took:?} on a silent path (bound {bound:?})"
+    );
+    eprintln!("health on a silent path: {silent} after {took:?}");
+    proxy.heal();
+    within("healthy again", 3 * PATIENCE, async {
+        loop {
+            let health = backend.health().await;
+            if health.is_healthy() {
+                break;
+            }
+            eprintln!("after the heal: {health}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
 }
 
 /// Every connection of the holder is reset: the holder is told (before, or as, any

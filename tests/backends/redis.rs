@@ -1084,3 +1084,100 @@ async fn a_writer_that_gives_up_lets_new_readers_in_at_once() {
     entered.release().await;
     held.release().await;
 }
+
+/// Issue 32.4: a readiness route on the layer's health check answers 200 with JSON
+/// while Redis answers, and 503 naming the error once it is gone, with the last backend
+/// error a request met.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_readiness_route_follows_the_backend() {
+    let mut redis = RedisServer::start();
+    let backend = connect(&redis, |b| b.command_timeout(Duration::from_millis(300))).await;
+    let orders = KeyedLockLayer::by_path("order_id")
+        .name("health-route")
+        .wait_timeout(Duration::from_secs(2))
+        .backend(backend);
+    let health = orders.health_check();
+    let app = axum::Router::new()
+        .route(
+            "/orders/{order_id}",
+            axum::routing::post(|| async { "paid" }),
+        )
+        .route_layer(orders)
+        .route(
+            "/ready",
+            axum::routing::get(move || async move { health.check().await }),
+        );
+    let server = serve(app).await;
+
+    let ready = server
+        .send(http::Request::get("/ready").body(()).unwrap())
+        .await;
+    assert_eq!(ready.status, StatusCode::OK, "{ready:?}");
+    assert_eq!(ready.headers["content-type"], "application/json");
+    assert!(
+        ready
+            .body
+            .starts_with(r#"{"status":"ok","engine":"redis","round_trip_ms":"#),
+        "{}",
+        ready.body
+    );
+    assert_eq!(server.post("/orders/1").await.status, StatusCode::OK);
+
+    tokio::task::block_in_place(|| redis.stop());
+    let refused = server.post("/orders/1").await;
+    assert_eq!(
+        refused.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{refused:?}"
+    );
+    let down = server
+        .send(http::Request::get("/ready").body(()).unwrap())
+        .await;
+    assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE, "{down:?}");
+    assert!(
+        down.body
+            .starts_with(r#"{"status":"unavailable","engine":"redis","error":"#),
+        "{}",
+        down.body
+    );
+    assert!(down.body.contains(r#""last_error":"#), "{}", down.body);
+}
+
+/// Issue 32.4: the health check reports how long the guard still refuses grants, and
+/// counts the engine as healthy (it answered); with the guard off it reports none.
+#[tokio::test]
+async fn the_health_check_reports_the_restart_guards_time_left() {
+    let redis = RedisServer::start();
+    let lease = Duration::from_secs(5);
+    let guarded = RedisBackend::builder(redis.client())
+        .lease(lease)
+        .restart_guard(true)
+        .build()
+        .await
+        .expect("backend connects");
+    let health = guarded.health().await;
+    assert!(health.is_healthy(), "{health}");
+    let left = health
+        .restart_guard_left()
+        .unwrap_or_else(|| panic!("no guard reported a moment after the start: {health}"));
+    // The guard lasts a lease (plus the second the uptime may round off) from the start.
+    assert!(
+        left > Duration::ZERO && left <= lease + Duration::from_secs(1),
+        "{left:?}"
+    );
+    assert!(
+        health.to_json().contains(r#""restart_guard_left_ms":"#),
+        "{}",
+        health.to_json()
+    );
+
+    let unguarded = RedisBackend::builder(redis.client())
+        .lease(lease)
+        .restart_guard(false)
+        .build()
+        .await
+        .expect("backend connects");
+    let health = unguarded.health().await;
+    assert!(health.is_healthy(), "{health}");
+    assert_eq!(health.restart_guard_left(), None, "{health}");
+}

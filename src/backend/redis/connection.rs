@@ -17,6 +17,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::{socket2::TcpKeepalive, TcpSettings};
+use redis::ErrorKind;
 use redis::{Client, Cmd, Pipeline, RedisError, RedisFuture, Value};
 use tokio::time::{timeout_at, Instant};
 
@@ -162,6 +163,18 @@ impl Commands {
                 self.last_answer.store(self.micros_now(), Ordering::Relaxed);
                 return Ok(value);
             }
+            // Our commands' answers have fixed types: an answer of another type is
+            // one meant for another command (bytes lost on a broken path), and every
+            // later answer on this connection would be off by one too.
+            Ok(Err(error))
+                if matches!(
+                    error.kind(),
+                    ErrorKind::Parse | ErrorKind::UnexpectedReturnType
+                ) =>
+            {
+                self.replace(number, "answered out of turn");
+                return Err(Failure::Redis(error));
+            }
             Ok(Err(error)) if !error.is_timeout() => return Err(Failure::Redis(error)),
             // Our limit, or the connection's own response timeout.
             Ok(Err(_)) | Err(_) => {}
@@ -174,14 +187,29 @@ impl Commands {
 
     /// Counts a timeout of a command sent on connection `number`.
     fn timed_out(&self, number: u64) {
-        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
-        if current.1 != number {
+        // A command of a connection already replaced says nothing of the current one.
+        if self
+            .current
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .1
+            != number
+        {
             return;
         }
         let count = self.timeouts.fetch_add(1, Ordering::Relaxed) + 1;
         let quiet = self.micros_now() - self.last_answer.load(Ordering::Relaxed);
         let silent = u128::from(quiet) >= (self.timeout * SILENT_FOR).as_micros();
-        if count < REPLACE_AFTER || !silent {
+        if count >= REPLACE_AFTER && silent {
+            self.replace(number, "silent");
+        }
+    }
+
+    /// Replaces connection `number` (unless it was already replaced), because it is
+    /// `why`.
+    fn replace(&self, number: u64, why: &str) {
+        let mut current = self.current.write().unwrap_or_else(PoisonError::into_inner);
+        if current.1 != number {
             return;
         }
         // Lazy: no await here; the next command connects. Commands still in flight
@@ -192,7 +220,7 @@ impl Commands {
                 self.timeouts.store(0, Ordering::Relaxed);
                 // The fresh connection gets its own grace before it can be silent.
                 self.last_answer.store(self.micros_now(), Ordering::Relaxed);
-                tracing::debug!("redis connection silent for {count} commands; replaced");
+                tracing::debug!("redis connection {why}; replaced");
             }
             Err(error) => tracing::debug!(%error, "replacing the redis connection failed"),
         }
