@@ -160,12 +160,15 @@ pub use backend::redlock::RedlockBackend;
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
-pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
+pub use buffer::{BufferRequestBody, BufferRequestBodyLayer, BufferedBody};
 pub use distributed::{
     DistributedAcquire, DistributedGuard, DistributedGuards, DistributedLocks,
     DistributedLocksBuilder, LeaseLost,
 };
 pub use error::LockError;
+#[cfg(feature = "json")]
+#[cfg_attr(docsrs, doc(cfg(feature = "json")))]
+pub use key::JsonBodyKey;
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use key::PathParam;
@@ -197,13 +200,14 @@ pub use redis;
 pub use tokio_postgres;
 
 /// The README's examples, compiled as doctests with every backend feature (they use
-/// Redis, PostgreSQL and the replay layer together).
+/// Redis, PostgreSQL, the replay layer and the JSON body key together).
 #[cfg(all(
     doctest,
     feature = "redis",
     feature = "postgres",
     feature = "dynamodb",
-    feature = "replay"
+    feature = "replay",
+    feature = "json"
 ))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
