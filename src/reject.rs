@@ -63,6 +63,9 @@ pub enum RejectionKind {
     BodyUnread,
     /// The layers are set up in a way that cannot work (an `error` is logged).
     Misconfigured,
+    /// The instance is shutting down: it takes no new key (503 with `Retry-After`, so
+    /// the client retries on another instance).
+    ShuttingDown,
 }
 
 impl RejectionKind {
@@ -75,12 +78,13 @@ impl RejectionKind {
             LockError::Backend(_) => RejectionKind::Backend,
             LockError::InvalidKey(_) => RejectionKind::InvalidKey,
             LockError::Unsupported(_) => RejectionKind::Misconfigured,
+            LockError::ShuttingDown => RejectionKind::ShuttingDown,
         }
     }
 
     /// Every kind, in the order of [`as_str`](Self::as_str)'s list: the one list that
     /// the responses and the `reason` metric labels share.
-    pub(crate) const ALL: [RejectionKind; 11] = [
+    pub(crate) const ALL: [RejectionKind; 12] = [
         RejectionKind::Timeout,
         RejectionKind::QueueFull,
         RejectionKind::TooManyKeys,
@@ -92,12 +96,13 @@ impl RejectionKind {
         RejectionKind::BodyTooLarge,
         RejectionKind::BodyUnread,
         RejectionKind::Misconfigured,
+        RejectionKind::ShuttingDown,
     ];
 
     /// The `reason` metric label and the `reason` field of the response body:
     /// `timeout`, `queue_full`, `too_many_keys`, `missing_key`, `invalid_key`,
     /// `backend`, `lease_lost`, `fingerprint_mismatch`, `body_too_large`,
-    /// `body_unread` or `misconfigured`.
+    /// `body_unread`, `misconfigured` or `shutting_down`.
     pub fn as_str(self) -> &'static str {
         match self {
             RejectionKind::Timeout => "timeout",
@@ -111,6 +116,7 @@ impl RejectionKind {
             RejectionKind::BodyTooLarge => "body_too_large",
             RejectionKind::BodyUnread => "body_unread",
             RejectionKind::Misconfigured => "misconfigured",
+            RejectionKind::ShuttingDown => "shutting_down",
         }
     }
 }
@@ -282,6 +288,10 @@ impl Rejection {
             RejectionKind::Misconfigured => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "the lock backend cannot take this lock",
+            ),
+            RejectionKind::ShuttingDown => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this instance is shutting down; retry, another instance will take the request",
             ),
             // The layer validates keys before it locks; kept for completeness.
             RejectionKind::InvalidKey => (StatusCode::BAD_REQUEST, "the lock key cannot be used"),

@@ -82,6 +82,9 @@ impl DistributedAcquire {
         if mode == Mode::Shared && locks.backend.is_some() {
             return Self::refused(locks, LockError::Unsupported(SHARED_LOCKS), timeout);
         }
+        if locks.shutdown.is_started() {
+            return Self::refused(locks, LockError::ShuttingDown, timeout);
+        }
         let local = locks.local.acquire(key, timeout, mode);
         Self::with_state(locks, State::Local(local), timeout)
     }
@@ -95,6 +98,9 @@ impl DistributedAcquire {
         local: KeyGuard<Key>,
         timeout: Option<Duration>,
     ) -> Self {
+        if locks.shutdown.is_started() {
+            return Self::refused(locks, LockError::ShuttingDown, timeout);
+        }
         let mut this = Self::with_state(locks, State::Done, timeout);
         this.state = this.held_locally(local);
         this
@@ -234,6 +240,18 @@ impl DistributedAcquire {
     fn poll_state(&mut self, cx: &mut Context<'_>) -> Poll<Result<DistributedGuard, LockError>> {
         let this = self;
         loop {
+            // Once the locks shut down nothing more is granted, not even to a caller
+            // already waiting: what it holds so far (a place in the queue, the local
+            // key, a remote attempt) is given back as the state drops.
+            if this.locks.shutdown.is_started()
+                && matches!(
+                    this.state,
+                    State::Local(_) | State::Held(_) | State::Remote { .. }
+                )
+            {
+                this.state = State::Done;
+                return Poll::Ready(Err(LockError::ShuttingDown));
+            }
             match &mut this.state {
                 State::Refused(error) => {
                     let error = error.take().expect("polled after completion");

@@ -494,6 +494,22 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.configure(|c| c.abort_on_lease_lost = abort)
     }
 
+    /// A handle that shuts this layer's lock table down gracefully (see
+    /// [`ShutdownHandle`](crate::layer::ShutdownHandle)), kept before `Router::layer`
+    /// consumes the layer. It fixes the configuration, as applying the layer does:
+    /// call it after the last setting.
+    ///
+    /// ```
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// let layer = KeyedLockLayer::by_header("idempotency-key");
+    /// let shutdown = layer.shutdown_handle();
+    /// assert!(!shutdown.is_shutting_down());
+    /// ```
+    pub fn shutdown_handle(&self) -> super::ShutdownHandle {
+        super::ShutdownHandle::new(self.shared().locks.clone())
+    }
+
     /// Keys with a holder or a waiter now, in this layer's table.
     ///
     /// ```

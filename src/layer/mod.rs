@@ -121,6 +121,7 @@
 //! - `body.rs`: [`KeyedLockBody`], the inner body (carrying the hold, if the key is held
 //!   until the body ends) or the layer's own rejection body.
 //! - `info.rs`: [`LockInfo`], what the handler learns about its lock.
+//! - `shutdown.rs`: [`ShutdownHandle`], the layer's graceful shutdown.
 
 mod body;
 mod builder;
@@ -130,6 +131,7 @@ mod info;
 mod rejected;
 mod service;
 pub(crate) mod shared;
+mod shutdown;
 mod trace;
 
 pub use body::KeyedLockBody;
@@ -139,3 +141,4 @@ pub use builder::{
 pub use future::ResponseFuture;
 pub use info::LockInfo;
 pub use service::KeyedLock;
+pub use shutdown::ShutdownHandle;

@@ -1,0 +1,141 @@
+//! `DistributedLocks::shutdown`: no key granted once it begins (to new callers or to
+//! those already waiting), holders drained up to the deadline, and a holder that
+//! outlives it cut off — told through its lost signal, its lease given back — so that
+//! another instance takes the key at once. On every fixture: in process, Redis (single
+//! and Cluster), PostgreSQL, DynamoDB, MySQL, ZooKeeper.
+
+// Without a backend feature, the bodies for remote fixtures have nothing to run on.
+#![cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
+    allow(dead_code)
+)]
+
+use std::time::Duration;
+
+use tower_keyed_lock::LockError;
+
+use crate::support::fixtures::{
+    poll_once, wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE,
+};
+
+for_each_fixture!(
+    all: [
+        a_shutdown_refuses_new_and_waiting_acquisitions_and_counts_finished_holders,
+        a_second_shutdown_is_harmless,
+    ],
+    remote: [
+        a_holder_past_the_deadline_is_cut_off_and_another_instance_takes_the_key,
+        a_dropped_shutdown_leaves_the_locks_shut_and_frees_leases_by_drop,
+    ],
+);
+
+/// A holder, a waiter queued behind it, then the shutdown: a new acquisition fails at
+/// once with `ShuttingDown`, the waiter is refused (never granted) when the holder
+/// finishes, and the report counts the holder as finished.
+async fn a_shutdown_refuses_new_and_waiting_acquisitions_and_counts_finished_holders<F: Fixture>() {
+    let fixture = F::start();
+    let locks = fixture.instance("a").await;
+    let holder = locks.lock("order-1").await.unwrap();
+    let waiter = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.lock_timeout("order-1", PATIENCE).await.map(drop) }
+    });
+    tokio::task::yield_now().await;
+
+    let shutdown = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.shutdown(PATIENCE).await }
+    });
+    within("the shutdown begins", PATIENCE, async {
+        while !locks.is_shutting_down() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    for attempt in [locks.try_lock("order-2").await, locks.lock("order-3").await] {
+        assert!(
+            matches!(attempt, Err(LockError::ShuttingDown)),
+            "{attempt:?}"
+        );
+    }
+
+    drop(holder);
+    let waited = within("the waiter is answered", PATIENCE, waiter)
+        .await
+        .unwrap();
+    assert!(matches!(waited, Err(LockError::ShuttingDown)), "{waited:?}");
+    let report = within("the drain ends", PATIENCE, shutdown).await.unwrap();
+    assert_eq!((report.finished, report.cut_off), (1, 0), "{report}");
+    assert_eq!(report.leases_released, 0);
+    assert!(locks.is_empty());
+}
+
+/// Shutting down twice: the second call finds nothing to drain and reports zeros.
+async fn a_second_shutdown_is_harmless<F: Fixture>() {
+    let fixture = F::start();
+    let locks = fixture.instance("a").await;
+    let first = locks.shutdown(Duration::from_millis(10)).await;
+    let second = locks.shutdown(Duration::from_millis(10)).await;
+    assert_eq!((first.finished, first.cut_off), (0, 0));
+    assert_eq!(second, first);
+    assert!(matches!(
+        locks.try_lock("k").await,
+        Err(LockError::ShuttingDown)
+    ));
+}
+
+/// A holder still running at the deadline: its lost signal is raised and its lease
+/// given back, so another instance's single `try_lock` gets the key while the first
+/// guard is still alive. Without the cut-off that guard's renewals would keep the key
+/// taken for as long as it lives, so the grant proves ownership moved, not that a lease
+/// ran out; the fencing token moves on too.
+async fn a_holder_past_the_deadline_is_cut_off_and_another_instance_takes_the_key<F: Remote>() {
+    let fixture = F::start();
+    let a = fixture.instance("a").await;
+    let b = fixture.instance("b").await;
+    let held = a.lock("order-1").await.unwrap();
+    assert!(!held.is_lost());
+    // Held across a few renewals first: the lease is live, not about to run out.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(matches!(b.try_lock("order-1").await, Err(LockError::Busy)));
+
+    let report = a.shutdown(Duration::from_millis(50)).await;
+    assert_eq!((report.finished, report.cut_off), (0, 1), "{report}");
+    assert_eq!(report.leases_released, 1, "{report}");
+    // Told before anyone else could be granted the key.
+    assert!(held.is_lost());
+    within("the lost signal resolves", PATIENCE, held.lost()).await;
+
+    let taken = b.try_lock("order-1").await;
+    let taken = taken.expect("another instance takes the cut-off key at once");
+    if let (Some(before), Some(after)) = (held.fencing_token(), taken.fencing_token()) {
+        assert!(after > before, "{after} after {before}");
+    }
+    // The cut-off guard dropping later gives back nothing of the new holder's.
+    drop(held);
+    tokio::time::sleep(FREED_WITHIN).await;
+    let c = fixture.instance("c").await;
+    assert!(matches!(c.try_lock("order-1").await, Err(LockError::Busy)));
+    drop(taken);
+}
+
+/// The shutdown future dropped midway (polled once, inside its drain): the locks stay
+/// shut, nothing hangs, and the holder's lease is given back when its guard drops.
+async fn a_dropped_shutdown_leaves_the_locks_shut_and_frees_leases_by_drop<F: Remote>() {
+    let fixture = F::start();
+    let a = fixture.instance("a").await;
+    let b = fixture.instance("b").await;
+    let held = a.lock("order-1").await.unwrap();
+    {
+        let mut shutdown = Box::pin(a.shutdown(PATIENCE));
+        assert!(poll_once(&mut shutdown).is_pending());
+    }
+    assert!(a.is_shutting_down());
+    assert!(matches!(
+        a.try_lock("order-2").await,
+        Err(LockError::ShuttingDown)
+    ));
+    assert!(!held.is_lost(), "not cut off: the deadline never came");
+    drop(held);
+    wait_free(&b, "order-1", FREED_WITHIN).await;
+}
