@@ -12,7 +12,14 @@
 
 use std::time::Duration;
 
-use tower_keyed_lock::LockError;
+use axum::body::Body;
+use axum::routing::post;
+use axum::Router;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+use tower_keyed_lock::{KeyedLockLayer, LockError, LockInfo};
 
 use crate::support::fixtures::{
     poll_once, wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE,
@@ -26,6 +33,7 @@ for_each_fixture!(
     remote: [
         a_holder_past_the_deadline_is_cut_off_and_another_instance_takes_the_key,
         a_dropped_shutdown_leaves_the_locks_shut_and_frees_leases_by_drop,
+        a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over,
     ],
 );
 
@@ -138,4 +146,91 @@ async fn a_dropped_shutdown_leaves_the_locks_shut_and_frees_leases_by_drop<F: Re
     assert!(!held.is_lost(), "not cut off: the deadline never came");
     drop(held);
     wait_free(&b, "order-1", FREED_WITHIN).await;
+}
+
+/// The layer on a real backend: a request in flight when the shutdown begins holds its
+/// key past the deadline and hears that its lease was lost; a new request gets 503 with
+/// `Retry-After` (reason `shutting_down`); another instance then takes the key at once.
+async fn a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over<F: Remote>() {
+    let fixture = F::start();
+    let gate = std::sync::Arc::new(Semaphore::new(0));
+    let entered = std::sync::Arc::new(Semaphore::new(0));
+    let layer = KeyedLockLayer::by_header("idempotency-key")
+        .name(crate::support::fixtures::NAME)
+        .backend(fixture.backend("a").await);
+    let shutdown = layer.shutdown_handle();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post({
+                let gate = std::sync::Arc::clone(&gate);
+                let entered = std::sync::Arc::clone(&entered);
+                move |info: LockInfo| async move {
+                    entered.add_permits(1);
+                    let lease = info.lease().expect("a remote lease").clone();
+                    tokio::select! {
+                        () = lease.lost() => "stopped: lease lost",
+                        _ = gate.acquire() => "paid",
+                    }
+                }
+            }),
+        )
+        .layer(layer);
+    let send = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let request = Request::post("/pay")
+                .header("idempotency-key", key)
+                .body(Body::empty())
+                .unwrap();
+            let response = app.oneshot(request).await.unwrap();
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            (parts, String::from_utf8(body.to_vec()).unwrap())
+        }
+    };
+    let in_flight = tokio::spawn(send("order-1"));
+    let other = fixture.instance("b").await;
+    // The handler runs: the key is granted (a grant still on its way when the
+    // shutdown begins is refused, as it should be).
+    within("the request holds its key", PATIENCE, entered.acquire())
+        .await
+        .unwrap()
+        .forget();
+    assert!(matches!(
+        other.try_lock("order-1").await,
+        Err(LockError::Busy)
+    ));
+
+    let draining = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { shutdown.shutdown(Duration::from_millis(200)).await }
+    });
+    within("the shutdown begins", PATIENCE, async {
+        while !shutdown.is_shutting_down() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    let (refused, body) = send("order-2").await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(refused.headers.contains_key("retry-after"), "{refused:?}");
+    assert_eq!(refused.headers["content-type"], "application/problem+json");
+    assert!(body.contains(r#""reason":"shutting_down""#), "{body}");
+
+    let report = within("the drain ends", PATIENCE, draining).await.unwrap();
+    let (answered, body) = within("the cut-off request ends", PATIENCE, in_flight)
+        .await
+        .unwrap();
+    assert_eq!(
+        (report.finished, report.cut_off, report.leases_released),
+        (0, 1, 1),
+        "{answered:?} {body}"
+    );
+    assert_eq!(
+        (answered.status, body.as_str()),
+        (StatusCode::OK, "stopped: lease lost")
+    );
+    let taken = other.try_lock("order-1").await;
+    assert!(taken.is_ok(), "{taken:?}");
 }
