@@ -173,7 +173,9 @@ pub use key::JsonBodyKey;
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use key::PathParam;
 pub use key::{ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN};
-pub use layer::{KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture};
+pub use layer::{
+    KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture, ShutdownHandle,
+};
 pub use locks::{Acquire, KeyGuard, KeyGuards, KeyedLocks, KeyedLocksBuilder};
 pub use reject::{Rejection, RejectionKind};
 

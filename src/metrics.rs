@@ -13,7 +13,7 @@
 //! | [`WAIT_SECONDS`] | histogram: arrival → guard, rejection or client gone | `outcome` = `acquired` \| `timeout` \| `queue_full` \| `cancelled` |
 //! | [`HOLD_SECONDS`] | histogram: time the guard was held | |
 //! | [`ACQUIRED_TOTAL`] | counter | `contended` = `true` \| `false` |
-//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `fingerprint_mismatch` \| `body_too_large` \| `body_unread` \| `misconfigured` |
+//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `fingerprint_mismatch` \| `body_too_large` \| `body_unread` \| `misconfigured` \| `shutting_down` |
 //! | [`WAITING`] | gauge: requests waiting now | |
 //! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
 //! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | |

@@ -471,6 +471,11 @@ mod tests {
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "misconfigured",
             ),
+            (
+                RejectionKind::ShuttingDown,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+            ),
         ];
         assert_eq!(cases.len(), RejectionKind::ALL.len());
         for (kind, status, reason) in cases {
@@ -501,6 +506,28 @@ mod tests {
         assert_eq!(rejection.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(rejection.retry_after(), Some(Duration::from_millis(1500)));
         assert_eq!(rejection.detail(), "too many waiters");
+    }
+
+    #[test]
+    fn shutting_down_is_503_with_retry_after() {
+        let rejection = Rejection::for_lock(
+            &LockError::ShuttingDown,
+            StatusCode::CONFLICT,
+            Duration::from_secs(2),
+        );
+        assert_eq!(rejection.kind(), RejectionKind::ShuttingDown);
+        let response = rejection.into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[RETRY_AFTER], "2");
+        assert!(body_text(&response).contains(r#""reason":"shutting_down""#));
+    }
+
+    #[test]
+    fn json_body_key_errors_are_invalid_keys() {
+        for error in [KeyError::NotJson, KeyError::NotText] {
+            assert_eq!(RejectionKind::from(&error), RejectionKind::InvalidKey);
+            assert_eq!(Rejection::for_key(&error).status(), StatusCode::BAD_REQUEST);
+        }
     }
 
     #[test]
