@@ -33,6 +33,7 @@ for_each_fixture!(
     remote: [
         a_holder_past_the_deadline_is_cut_off_and_another_instance_takes_the_key,
         a_dropped_shutdown_leaves_the_locks_shut_and_frees_leases_by_drop,
+        a_shutdown_dropped_while_cutting_off_still_gives_the_lease_back,
         a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over,
     ],
 );
@@ -146,6 +147,26 @@ async fn a_dropped_shutdown_leaves_the_locks_shut_and_frees_leases_by_drop<F: Re
     assert!(!held.is_lost(), "not cut off: the deadline never came");
     drop(held);
     wait_free(&b, "order-1", FREED_WITHIN).await;
+}
+
+/// The shutdown future dropped at its last await, while the cut-off runs (deadline
+/// zero: straight to it): the release it began runs on in its own task, so the lease
+/// is given back and its holder told while the holder's guard still lives.
+async fn a_shutdown_dropped_while_cutting_off_still_gives_the_lease_back<F: Remote>() {
+    let fixture = F::start();
+    let a = fixture.instance("a").await;
+    let b = fixture.instance("b").await;
+    let held = a.lock("order-1").await.unwrap();
+    {
+        let mut shutdown = Box::pin(a.shutdown(Duration::ZERO));
+        // Mostly pending, waiting for the release; on a quick server (the release task
+        // runs on another worker) it may already be done: dropped either way.
+        let _ = poll_once(&mut shutdown);
+    }
+    within("the holder is told", PATIENCE, held.lost()).await;
+    wait_free(&b, "order-1", PATIENCE).await;
+    assert!(held.is_lost());
+    drop(held);
 }
 
 /// The layer on a real backend: a request in flight when the shutdown begins holds its
