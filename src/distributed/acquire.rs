@@ -259,7 +259,17 @@ impl DistributedAcquire {
                     return Poll::Ready(Err(error));
                 }
                 State::Local(acquire) => {
-                    let result = ready!(Pin::new(acquire).poll(cx));
+                    let result = match Pin::new(acquire).poll(cx) {
+                        Poll::Ready(result) => result,
+                        // Queued after a shutdown's wake-up sweep passed this key: the
+                        // flag, read again after queueing, is set then (the key's shard
+                        // lock orders the two).
+                        Poll::Pending if this.locks.shutdown.is_started() => {
+                            this.state = State::Done;
+                            return Poll::Ready(Err(LockError::ShuttingDown));
+                        }
+                        Poll::Pending => return Poll::Pending,
+                    };
                     this.state = State::Done;
                     let local = match result {
                         Ok(local) => local,

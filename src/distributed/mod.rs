@@ -243,8 +243,9 @@ impl DistributedLocks {
     /// accepting connections or alongside its own graceful shutdown. Calling it again
     /// is harmless: it drains what is left and reports on that.
     ///
-    /// Waiters already queued are refused when they are next woken (their key is
-    /// handed to them, or their wait times out); none is ever granted the key.
+    /// Waiters queued in this process are refused at once; one whose remote attempt is
+    /// under way (the local winner, waiting at the backend) when that attempt ends.
+    /// None is ever granted the key.
     ///
     /// ```
     /// use std::time::Duration;
@@ -269,6 +270,9 @@ impl DistributedLocks {
     /// holder running; their leases are given back when their guards drop, as always.
     /// A lease release the shutdown began runs to its end in a task of its own.
     pub async fn shutdown(&self, deadline: Duration) -> ShutdownReport {
+        self.inner.shutdown.start();
+        // Waiters queued here give up now rather than when next handed the key.
+        self.inner.local.wake_waiters();
         let report = shutdown::drain(&self.inner.shutdown, || self.len(), deadline).await;
         tracing::info!(
             name = &*self.inner.name,

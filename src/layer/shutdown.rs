@@ -11,8 +11,7 @@ use crate::distributed::{DistributedLocks, ShutdownReport};
 /// to clone.
 ///
 /// After [`shutdown`](Self::shutdown) begins, every request that needs a key gets 503
-/// with `Retry-After` (reason `shutting_down`), including those already waiting (when
-/// they are next woken: handed the key, or at their wait timeout);
+/// with `Retry-After` (reason `shutting_down`), including those already waiting;
 /// requests that hold their key run on until the deadline, when their remote leases
 /// are given back and their lost signal raised.
 ///
