@@ -315,7 +315,7 @@ fn check(text: &str, tally: &Tally) {
 
     assert_eq!(get("keyed_lock_keys", &[]), 0.0, "every key was released");
     assert_eq!(get("keyed_lock_waiting", &[]), 0.0, "nobody waits any more");
-    for reason in ["unreachable", "expired", "not_owner"] {
+    for reason in ["unreachable", "expired", "not_owner", "shut_down"] {
         assert_eq!(
             get("keyed_lock_lease_lost_total", &[("reason", reason)]),
             0.0,

@@ -21,6 +21,10 @@
 //!             .read_timeout(Duration::from_secs(5)),
 //!     );
 //! ```
+//!
+//! The bytes read are also put in the request extensions as a [`BufferedBody`], so a
+//! key extractor can read the body (`JsonBodyKey`, with the `json` feature) while the
+//! handler still gets the whole body.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -46,6 +50,36 @@ use crate::reject::Rejection;
 pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
 /// The default [`read_timeout`](BufferRequestBodyLayer::read_timeout): 10 s.
 pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The request body as [`BufferRequestBodyLayer`] read it, in the request extensions:
+/// what a key extractor that reads the body (`JsonBodyKey`) takes its key from. The
+/// handler still gets the same bytes as its body; this is a second reference to them,
+/// not a copy.
+///
+/// ```
+/// use bytes::Bytes;
+/// use http::Request;
+/// use tower_keyed_lock::BufferedBody;
+///
+/// let mut request = Request::new(());
+/// request.extensions_mut().insert(BufferedBody::new(Bytes::from_static(b"{}")));
+/// let body = request.extensions().get::<BufferedBody>().unwrap();
+/// assert_eq!(body.bytes(), &b"{}"[..]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct BufferedBody(Bytes);
+
+impl BufferedBody {
+    /// Wraps `bytes`, e.g. for a layer of your own that reads the body first.
+    pub fn new(bytes: Bytes) -> Self {
+        BufferedBody(bytes)
+    }
+
+    /// The whole request body.
+    pub fn bytes(&self) -> &Bytes {
+        &self.0
+    }
+}
 
 /// Reads the whole request body before calling the inner service; see the
 /// [module docs](self).
@@ -181,9 +215,10 @@ where
         let settings = self.settings;
         BufferFuture(Box::pin(async move {
             let length = content_length(&request);
-            let (parts, body) = request.into_parts();
+            let (mut parts, body) = request.into_parts();
             match read_body(length, body, settings.limit, settings.read_timeout).await {
                 Ok(bytes) => {
+                    parts.extensions.insert(BufferedBody(bytes.clone()));
                     let response = inner
                         .call(Request::from_parts(parts, ReqBody::from(bytes)))
                         .await?;

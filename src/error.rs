@@ -25,6 +25,10 @@ pub enum LockError {
     /// The locks' backend cannot give what was asked (it names what: shared locks, …);
     /// nothing was locked.
     Unsupported(&'static str),
+    /// The locks are shutting down
+    /// ([`DistributedLocks::shutdown`](crate::DistributedLocks::shutdown)): no key is
+    /// granted any more, to a new caller or to one already waiting.
+    ShuttingDown,
 }
 
 impl fmt::Display for LockError {
@@ -37,6 +41,7 @@ impl fmt::Display for LockError {
             LockError::Backend(error) => write!(f, "lock backend failed: {error}"),
             LockError::InvalidKey(error) => write!(f, "invalid lock key: {error}"),
             LockError::Unsupported(what) => write!(f, "the lock backend does not support {what}"),
+            LockError::ShuttingDown => f.write_str("the locks are shutting down"),
         }
     }
 }

@@ -160,17 +160,22 @@ pub use backend::redlock::RedlockBackend;
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
-pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
+pub use buffer::{BufferRequestBody, BufferRequestBodyLayer, BufferedBody};
 pub use distributed::{
     DistributedAcquire, DistributedGuard, DistributedGuards, DistributedLocks,
-    DistributedLocksBuilder, LeaseLost,
+    DistributedLocksBuilder, LeaseLost, ShutdownReport,
 };
 pub use error::LockError;
+#[cfg(feature = "json")]
+#[cfg_attr(docsrs, doc(cfg(feature = "json")))]
+pub use key::JsonBodyKey;
 #[cfg(feature = "axum")]
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use key::PathParam;
 pub use key::{ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN};
-pub use layer::{HealthCheck, KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture};
+pub use layer::{
+    HealthCheck, KeyedLock, KeyedLockBody, KeyedLockLayer, LockInfo, ResponseFuture, ShutdownHandle,
+};
 pub use locks::{Acquire, KeyGuard, KeyGuards, KeyedLocks, KeyedLocksBuilder};
 pub use reject::{Rejection, RejectionKind};
 
@@ -197,13 +202,14 @@ pub use redis;
 pub use tokio_postgres;
 
 /// The README's examples, compiled as doctests with every backend feature (they use
-/// Redis, PostgreSQL and the replay layer together).
+/// Redis, PostgreSQL, the replay layer and the JSON body key together).
 #[cfg(all(
     doctest,
     feature = "redis",
     feature = "postgres",
     feature = "dynamodb",
-    feature = "replay"
+    feature = "replay",
+    feature = "json"
 ))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;

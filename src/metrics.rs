@@ -13,10 +13,10 @@
 //! | [`WAIT_SECONDS`] | histogram: arrival → guard, rejection or client gone | `outcome` = `acquired` \| `timeout` \| `queue_full` \| `cancelled` |
 //! | [`HOLD_SECONDS`] | histogram: time the guard was held | |
 //! | [`ACQUIRED_TOTAL`] | counter | `contended` = `true` \| `false` |
-//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `fingerprint_mismatch` \| `body_too_large` \| `body_unread` \| `misconfigured` |
+//! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `fingerprint_mismatch` \| `body_too_large` \| `body_unread` \| `misconfigured` \| `shutting_down` |
 //! | [`WAITING`] | gauge: requests waiting now | |
 //! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
-//! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | `reason` = `unreachable` \| `expired` \| `not_owner` ([`LostReason`]) |
+//! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | `reason` = `unreachable` \| `expired` \| `not_owner` \| `shut_down` ([`LostReason`]) |
 //!
 //! Handles are registered once per layer (or locks), on its first request, so a recorder
 //! installed after the router was built but before it serves is still used.
@@ -221,7 +221,7 @@ pub(crate) struct Metrics {
     pub(crate) waiting: Gauge,
     pub(crate) keys: Gauge,
     /// One per [`LostReason`], at its index.
-    lease_lost: [Counter; 3],
+    lease_lost: [Counter; 4],
 }
 
 impl Metrics {

@@ -63,6 +63,9 @@ pub enum RejectionKind {
     BodyUnread,
     /// The layers are set up in a way that cannot work (an `error` is logged).
     Misconfigured,
+    /// The instance is shutting down: it takes no new key (503 with `Retry-After`, so
+    /// the client retries on another instance).
+    ShuttingDown,
 }
 
 impl RejectionKind {
@@ -75,12 +78,13 @@ impl RejectionKind {
             LockError::Backend(_) => RejectionKind::Backend,
             LockError::InvalidKey(_) => RejectionKind::InvalidKey,
             LockError::Unsupported(_) => RejectionKind::Misconfigured,
+            LockError::ShuttingDown => RejectionKind::ShuttingDown,
         }
     }
 
     /// Every kind, in the order of [`as_str`](Self::as_str)'s list: the one list that
     /// the responses and the `reason` metric labels share.
-    pub(crate) const ALL: [RejectionKind; 11] = [
+    pub(crate) const ALL: [RejectionKind; 12] = [
         RejectionKind::Timeout,
         RejectionKind::QueueFull,
         RejectionKind::TooManyKeys,
@@ -92,12 +96,13 @@ impl RejectionKind {
         RejectionKind::BodyTooLarge,
         RejectionKind::BodyUnread,
         RejectionKind::Misconfigured,
+        RejectionKind::ShuttingDown,
     ];
 
     /// The `reason` metric label and the `reason` field of the response body:
     /// `timeout`, `queue_full`, `too_many_keys`, `missing_key`, `invalid_key`,
     /// `backend`, `lease_lost`, `fingerprint_mismatch`, `body_too_large`,
-    /// `body_unread` or `misconfigured`.
+    /// `body_unread`, `misconfigured` or `shutting_down`.
     pub fn as_str(self) -> &'static str {
         match self {
             RejectionKind::Timeout => "timeout",
@@ -111,6 +116,7 @@ impl RejectionKind {
             RejectionKind::BodyTooLarge => "body_too_large",
             RejectionKind::BodyUnread => "body_unread",
             RejectionKind::Misconfigured => "misconfigured",
+            RejectionKind::ShuttingDown => "shutting_down",
         }
     }
 }
@@ -283,6 +289,10 @@ impl Rejection {
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "the lock backend cannot take this lock",
             ),
+            RejectionKind::ShuttingDown => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "this instance is shutting down; retry, another instance will take the request",
+            ),
             // The layer validates keys before it locks; kept for completeness.
             RejectionKind::InvalidKey => (StatusCode::BAD_REQUEST, "the lock key cannot be used"),
             // `Backend`, the only other kind a lock error has.
@@ -305,6 +315,9 @@ impl Rejection {
             }
             LostReason::NotOwner => {
                 "the lock lease was lost while the request ran: the lock engine gave the key to another holder"
+            }
+            LostReason::ShutDown => {
+                "the lock lease was given back while the request ran: this instance is shutting down"
             }
         };
         Self::new(
@@ -472,6 +485,11 @@ mod tests {
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "misconfigured",
             ),
+            (
+                RejectionKind::ShuttingDown,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+            ),
         ];
         assert_eq!(cases.len(), RejectionKind::ALL.len());
         for (kind, status, reason) in cases {
@@ -502,6 +520,28 @@ mod tests {
         assert_eq!(rejection.status(), StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(rejection.retry_after(), Some(Duration::from_millis(1500)));
         assert_eq!(rejection.detail(), "too many waiters");
+    }
+
+    #[test]
+    fn shutting_down_is_503_with_retry_after() {
+        let rejection = Rejection::for_lock(
+            &LockError::ShuttingDown,
+            StatusCode::CONFLICT,
+            Duration::from_secs(2),
+        );
+        assert_eq!(rejection.kind(), RejectionKind::ShuttingDown);
+        let response = rejection.into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[RETRY_AFTER], "2");
+        assert!(body_text(&response).contains(r#""reason":"shutting_down""#));
+    }
+
+    #[test]
+    fn json_body_key_errors_are_invalid_keys() {
+        for error in [KeyError::NotJson, KeyError::NotText] {
+            assert_eq!(RejectionKind::from(&error), RejectionKind::InvalidKey);
+            assert_eq!(Rejection::for_key(&error).status(), StatusCode::BAD_REQUEST);
+        }
     }
 
     #[test]

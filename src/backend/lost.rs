@@ -38,18 +38,27 @@ pub enum LostReason {
     /// took the key, or the engine dropped it (it expired there, an operator deleted
     /// it, a pooler moved the session).
     NotOwner,
+    /// This process's graceful shutdown gave the lease back at its deadline, while the
+    /// key was still held (see [`DistributedLocks::shutdown`](crate::DistributedLocks::shutdown)).
+    ShutDown,
 }
 
 impl LostReason {
     /// Every reason, in the order of [`index`](Self::index).
-    pub(crate) const ALL: [LostReason; 3] = [Self::Unreachable, Self::Expired, Self::NotOwner];
+    pub(crate) const ALL: [LostReason; 4] = [
+        Self::Unreachable,
+        Self::Expired,
+        Self::NotOwner,
+        Self::ShutDown,
+    ];
 
-    /// The reason's label value: `unreachable`, `expired` or `not_owner`.
+    /// The reason's label value: `unreachable`, `expired`, `not_owner` or `shut_down`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Unreachable => "unreachable",
             Self::Expired => "expired",
             Self::NotOwner => "not_owner",
+            Self::ShutDown => "shut_down",
         }
     }
 
@@ -59,6 +68,7 @@ impl LostReason {
             Self::Unreachable => 0,
             Self::Expired => 1,
             Self::NotOwner => 2,
+            Self::ShutDown => 3,
         }
     }
 }
@@ -69,6 +79,7 @@ impl fmt::Display for LostReason {
             Self::Unreachable => "the lock engine could not be reached to renew the lease",
             Self::Expired => "the lease expired on this process's clock",
             Self::NotOwner => "the lock engine says another holder has the key",
+            Self::ShutDown => "this process's shutdown gave the lease back",
         })
     }
 }

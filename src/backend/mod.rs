@@ -213,7 +213,35 @@ pub(crate) const PERMITS: &str = "several permits per key across instances (this
 pub struct Lease {
     fencing_token: Option<u64>,
     signal: LeaseSignal,
-    release: Option<Box<dyn ReleaseLease>>,
+    /// Shared with the locks' shutdown, which may give the lease back at its deadline
+    /// while the holder still runs (see [`CutOff`]); whoever takes it releases.
+    release: Arc<std::sync::Mutex<Option<Box<dyn ReleaseLease>>>>,
+}
+
+/// A shutdown's hold on a lease it may have to cut off: raise the holder's lost signal,
+/// then give the lease back at the backend, while the holder still runs.
+pub(crate) struct CutOff {
+    signal: LeaseSignal,
+    release: Arc<std::sync::Mutex<Option<Box<dyn ReleaseLease>>>>,
+}
+
+impl CutOff {
+    /// Raises the lost signal first (the holder is told before anyone else can be
+    /// granted the key), then releases the lease unless its holder already did.
+    pub(crate) async fn cut(self) {
+        self.signal.raise();
+        let release = take(&self.release);
+        if let Some(release) = release {
+            release.release().await;
+        }
+    }
+}
+
+/// Takes the release out of its slot; a poisoned slot still holds a whole value.
+fn take(slot: &std::sync::Mutex<Option<Box<dyn ReleaseLease>>>) -> Option<Box<dyn ReleaseLease>> {
+    slot.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
 }
 
 /// How a backend gives a lease back: stop renewing, then release remotely.
@@ -232,7 +260,15 @@ impl Lease {
         Self {
             fencing_token,
             signal,
-            release: Some(Box::new(release)),
+            release: Arc::new(std::sync::Mutex::new(Some(Box::new(release)))),
+        }
+    }
+
+    /// What a shutdown needs to cut this lease off while its holder runs.
+    pub(crate) fn cut_off(&self) -> CutOff {
+        CutOff {
+            signal: self.signal.clone(),
+            release: Arc::clone(&self.release),
         }
     }
 
@@ -249,8 +285,9 @@ impl Lease {
 
     /// Releases the lease and waits until the backend has it back (or the release gave
     /// up). Dropping the lease instead releases it in the background.
-    pub async fn release(mut self) {
-        if let Some(release) = self.release.take() {
+    pub async fn release(self) {
+        let release = take(&self.release);
+        if let Some(release) = release {
             release.release().await;
         }
     }
@@ -258,7 +295,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let Some(release) = self.release.take() else {
+        let Some(release) = take(&self.release) else {
             return;
         };
         // Without a runtime (it is shutting down) the lease runs out by itself.
@@ -298,7 +335,7 @@ impl fmt::Debug for Lease {
 /// # async fn do_the_work() {}
 /// ```
 #[derive(Clone)]
-pub struct LeaseSignal(watch::Receiver<Validity>);
+pub struct LeaseSignal(watch::Receiver<Validity>, watch::Sender<Validity>);
 
 /// The backend's side of a [`LeaseSignal`]: moves its deadline on renewal and raises
 /// it. Dropping it without raising it (the lease was released) freezes the signal as
@@ -358,7 +395,26 @@ impl LeaseSignal {
             valid_until,
             unanswered: false,
         });
-        (LeaseLostSender(sender), LeaseSignal(receiver))
+        // The signal keeps a sender of its own, so that a shutdown can raise it (the
+        // lease cut off at the deadline); the channel then never closes, and a released
+        // lease's frozen value ends `lost()` the same way a closed channel did.
+        (
+            LeaseLostSender(sender.clone()),
+            LeaseSignal(receiver, sender),
+        )
+    }
+
+    /// Raises the signal from this side: the locks' shutdown cut the lease off.
+    pub(crate) fn raise(&self) {
+        let now = Instant::now();
+        self.1.send_if_modified(|validity| {
+            if validity.lost.is_some() {
+                return false;
+            }
+            // A deadline already passed keeps the reason readers may have seen.
+            validity.lost = Some(validity.lost_reason_at(now).unwrap_or(LostReason::ShutDown));
+            true
+        });
     }
 
     /// Whether the lease has been lost: raised by the backend, or its deadline passed.

@@ -80,6 +80,9 @@ impl DistributedAcquire {
         if mode == Mode::Shared && locks.backend.as_ref().is_some_and(unshared) {
             return Self::refused(locks, LockError::Unsupported(SHARED_LOCKS), timeout);
         }
+        if locks.shutdown.is_started() {
+            return Self::refused(locks, LockError::ShuttingDown, timeout);
+        }
         let local = locks.local.acquire(key, timeout, mode);
         Self::with_state(locks, State::Local(local), timeout)
     }
@@ -93,6 +96,9 @@ impl DistributedAcquire {
         local: KeyGuard<Key>,
         timeout: Option<Duration>,
     ) -> Self {
+        if locks.shutdown.is_started() {
+            return Self::refused(locks, LockError::ShuttingDown, timeout);
+        }
         let mut this = Self::with_state(locks, State::Done, timeout);
         this.state = this.held_locally(local);
         this
@@ -239,6 +245,18 @@ impl DistributedAcquire {
     fn poll_state(&mut self, cx: &mut Context<'_>) -> Poll<Result<DistributedGuard, LockError>> {
         let this = self;
         loop {
+            // Once the locks shut down nothing more is granted, not even to a caller
+            // already waiting: what it holds so far (a place in the queue, the local
+            // key, a remote attempt) is given back as the state drops.
+            if this.locks.shutdown.is_started()
+                && matches!(
+                    this.state,
+                    State::Local(_) | State::Held(_) | State::Remote { .. }
+                )
+            {
+                this.state = State::Done;
+                return Poll::Ready(Err(LockError::ShuttingDown));
+            }
             match &mut this.state {
                 State::Refused(error) => {
                     let error = error.take().expect("polled after completion");
@@ -246,7 +264,17 @@ impl DistributedAcquire {
                     return Poll::Ready(Err(error));
                 }
                 State::Local(acquire) => {
-                    let result = ready!(Pin::new(acquire).poll(cx));
+                    let result = match Pin::new(acquire).poll(cx) {
+                        Poll::Ready(result) => result,
+                        // Queued after a shutdown's wake-up sweep passed this key: the
+                        // flag, read again after queueing, is set then (the key's shard
+                        // lock orders the two).
+                        Poll::Pending if this.locks.shutdown.is_started() => {
+                            this.state = State::Done;
+                            return Poll::Ready(Err(LockError::ShuttingDown));
+                        }
+                        Poll::Pending => return Poll::Pending,
+                    };
                     this.state = State::Done;
                     let local = match result {
                         Ok(local) => local,

@@ -31,6 +31,8 @@ pub struct DistributedGuard {
     since: Instant,
     /// Set by [`hold_at_least`](Self::hold_at_least): the key is not given back before.
     hold_until: Option<tokio::time::Instant>,
+    /// The lease's entry in the shutdown's list of leases it may cut off.
+    shutdown_id: Option<u64>,
 }
 
 /// The error of [`DistributedGuard::run_while_held`] when the lease was lost first:
@@ -60,7 +62,11 @@ impl DistributedGuard {
         lease: Option<Lease>,
         failed: Option<LockError>,
     ) -> Self {
+        let shutdown_id = lease
+            .as_ref()
+            .map(|lease| locks.shutdown.register(lease.cut_off()));
         Self {
+            shutdown_id,
             locks,
             local: Some(local),
             lease: lease.map(Box::new),
@@ -107,6 +113,13 @@ impl DistributedGuard {
             if let Some(reason) = self.lost_reason() {
                 metrics.lease_lost(reason);
             }
+        }
+    }
+
+    /// Takes the lease off the shutdown's list: its guard gives it back itself.
+    fn unregister(&mut self) {
+        if let Some(id) = self.shutdown_id.take() {
+            self.locks.shutdown.unregister(id);
         }
     }
 
@@ -225,6 +238,7 @@ impl DistributedGuard {
             tokio::time::sleep_until(until).await;
         }
         self.record_hold();
+        self.unregister();
         let Some(lease) = self.lease.take() else {
             self.local.take();
             return; // the local guard drops with `self`
@@ -238,6 +252,7 @@ impl DistributedGuard {
 impl Drop for DistributedGuard {
     fn drop(&mut self) {
         self.record_hold();
+        self.unregister();
         let until = self
             .hold_until
             .filter(|until| *until > tokio::time::Instant::now());

@@ -72,10 +72,12 @@
 //! - `acquire.rs`: [`DistributedAcquire`], the wait in this process, then at the backend.
 //! - `guard.rs`: [`DistributedGuard`], the key held in both tiers, and [`LeaseLost`].
 //! - `all.rs`: several keys at once ([`DistributedLocks::lock_all`], [`DistributedGuards`]).
+//! - `shutdown.rs`: [`DistributedLocks::shutdown`] and its [`ShutdownReport`].
 
 mod acquire;
 mod all;
 mod guard;
+mod shutdown;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -85,6 +87,7 @@ use std::time::Duration;
 pub use acquire::DistributedAcquire;
 pub use all::DistributedGuards;
 pub use guard::{DistributedGuard, LeaseLost};
+pub use shutdown::ShutdownReport;
 
 use crate::backend::health::LastErrorCell;
 use crate::backend::{Health, LockBackend, LockMode};
@@ -112,6 +115,8 @@ pub(crate) struct Inner {
     metrics: Option<OnceLock<Metrics>>,
     /// For [`DistributedLocks::health`].
     last_error: LastErrorCell,
+    /// Set once [`DistributedLocks::shutdown`] began; the remote leases it may cut off.
+    pub(crate) shutdown: shutdown::Shutdown,
 }
 
 impl Inner {
@@ -300,6 +305,66 @@ impl DistributedLocks {
         self.len() == 0
     }
 
+    /// Shuts the locks down gracefully: from now on no key is granted (new callers and
+    /// callers already waiting fail with [`LockError::ShuttingDown`](crate::LockError::ShuttingDown);
+    /// under a layer that is 503 with `Retry-After`); holders keep running until they
+    /// finish or `deadline` passes; then every remote lease still held is cut off: its
+    /// holder's lost signal is raised (so a handler watching
+    /// [`LeaseSignal::lost`](crate::LeaseSignal::lost) stops), and the lease is given
+    /// back at the backend, so another instance takes the key at once instead of after
+    /// the lease's expiry. In process (no backend) it is the same drain, with nothing
+    /// remote to give back.
+    ///
+    /// Call it when the process is told to stop (SIGTERM), after the server stopped
+    /// accepting connections or alongside its own graceful shutdown. Calling it again
+    /// is harmless: it drains what is left and reports on that.
+    ///
+    /// Waiters queued in this process are refused at once; one whose remote attempt is
+    /// under way (the local winner, waiting at the backend) when that attempt ends.
+    /// None is ever granted the key.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_keyed_lock::{DistributedLocks, LockError};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let locks = DistributedLocks::in_process("jobs");
+    /// let job = locks.lock("nightly").await.unwrap();
+    /// tokio::spawn(async move {
+    ///     tokio::time::sleep(Duration::from_millis(10)).await;
+    ///     drop(job); // the job ends within the deadline
+    /// });
+    /// let report = locks.shutdown(Duration::from_secs(5)).await;
+    /// assert_eq!((report.finished, report.cut_off), (1, 0));
+    /// assert!(matches!(locks.try_lock("other").await, Err(LockError::ShuttingDown)));
+    /// # }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future midway leaves the locks shut (no key granted) and every
+    /// holder running; their leases are given back when their guards drop, as always.
+    /// A lease release the shutdown began runs to its end in a task of its own.
+    pub async fn shutdown(&self, deadline: Duration) -> ShutdownReport {
+        self.inner.shutdown.start();
+        // Waiters queued here give up now rather than when next handed the key.
+        self.inner.local.wake_waiters();
+        let report = shutdown::drain(&self.inner.shutdown, || self.len(), deadline).await;
+        tracing::info!(
+            name = &*self.inner.name,
+            finished = report.finished,
+            cut_off = report.cut_off,
+            leases_released = report.leases_released,
+            "locks shut down"
+        );
+        report
+    }
+
+    /// Whether [`shutdown`](Self::shutdown) has begun: no key is granted any more.
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.shutdown.is_started()
+    }
+
     /// The in-process tier, for the layer's uncontended fast path.
     pub(crate) fn local(&self) -> &KeyedLocks<Key> {
         &self.inner.local
@@ -472,6 +537,7 @@ impl DistributedLocksBuilder {
                 max_key_len: self.max_key_len,
                 metrics: self.metered.then(OnceLock::new),
                 last_error: LastErrorCell::default(),
+                shutdown: shutdown::Shutdown::default(),
             }),
         }
     }

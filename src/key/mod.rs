@@ -24,12 +24,16 @@
 //! - `mod.rs`: [`Key`] and [`KeyError`], the key every lock takes (no HTTP here).
 //! - `text.rs`: the storage of a key's text, inline when short.
 //! - `extract.rs`: [`KeyExtractor`] and the built-in extractors of a request's head.
+//! - `json.rs`: `JsonBodyKey`, the key from a field of the buffered JSON body (the
+//!   `json` feature).
 //! - `axum.rs`: `PathParam` and the check for requests axum did not route: the only
 //!   file in the crate that knows axum.
 
 #[cfg(feature = "axum")]
 mod axum;
 mod extract;
+#[cfg(feature = "json")]
+mod json;
 mod text;
 
 use std::borrow::{Borrow, Cow};
@@ -45,6 +49,9 @@ pub(crate) use self::axum::is_unrouted;
 #[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use self::axum::PathParam;
 pub use extract::{ExtensionKey, FnKey, HeaderKey, KeyExtractor};
+#[cfg(feature = "json")]
+#[cfg_attr(docsrs, doc(cfg(feature = "json")))]
+pub use json::JsonBodyKey;
 
 /// The default limit on a key's length, in bytes.
 pub const DEFAULT_MAX_KEY_LEN: usize = 256;
@@ -199,6 +206,11 @@ pub enum KeyError {
     NotUtf8,
     /// The key contains a control character.
     ControlChar,
+    /// The request body that should hold the key is not JSON (`JsonBodyKey`).
+    NotJson,
+    /// The JSON value that should be the key is neither a string nor an integer: a
+    /// fraction, a boolean, `null`, an object or an array (`JsonBodyKey`).
+    NotText,
     /// The key is longer than the limit.
     TooLong {
         /// The key's length in bytes.
@@ -237,6 +249,10 @@ impl fmt::Display for KeyError {
             KeyError::Empty => f.write_str("the lock key is empty"),
             KeyError::NotUtf8 => f.write_str("the lock key is not valid text"),
             KeyError::ControlChar => f.write_str("the lock key contains a control character"),
+            KeyError::NotJson => f.write_str("the request body is not valid JSON"),
+            KeyError::NotText => {
+                f.write_str("the lock key in the JSON body is neither a string nor an integer")
+            }
             KeyError::TooLong { len, limit } => {
                 write!(
                     f,

@@ -149,6 +149,36 @@ impl KeyedLockLayer<ExtensionKey<()>> {
     }
 }
 
+#[cfg(feature = "json")]
+#[cfg_attr(docsrs, doc(cfg(feature = "json")))]
+impl KeyedLockLayer<crate::key::JsonBodyKey> {
+    /// Keys requests by the value at a JSON pointer (RFC 6901) in the JSON request
+    /// body, such as Stripe's event id at `/id`: a string is the key, an integer its
+    /// decimal text; anything else, a missing field or a body that is not JSON gets 400
+    /// problem+json, like a bad header key. See [`JsonBodyKey`](crate::JsonBodyKey).
+    ///
+    /// The body must be read first, by a [`BufferRequestBodyLayer`](crate::BufferRequestBodyLayer)
+    /// outside this layer; without one every request gets 500 and an `error` is logged
+    /// once (the server is set up wrong). The handler still gets the whole body.
+    ///
+    /// # Panics
+    /// If `pointer` is not a JSON pointer (it must be empty or start with `/`).
+    ///
+    /// ```
+    /// use axum::{routing::post, Router};
+    /// use tower_keyed_lock::{BufferRequestBodyLayer, KeyedLockLayer};
+    ///
+    /// let app: Router = Router::new()
+    ///     .route("/webhooks/stripe", post(|body: String| async move { body }))
+    ///     .layer(KeyedLockLayer::by_json_body("/id"))
+    ///     // Added last, so it runs first: the body is read before the key is taken.
+    ///     .layer(BufferRequestBodyLayer::new());
+    /// ```
+    pub fn by_json_body(pointer: &str) -> Self {
+        Self::new(crate::key::JsonBodyKey::new(pointer))
+    }
+}
+
 impl<F> KeyedLockLayer<FnKey<F>>
 where
     F: Fn(&http::request::Parts) -> Option<String> + Clone + Send + Sync + 'static,
@@ -469,6 +499,22 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// (`false`, the default).
     pub fn abort_on_lease_lost(self, abort: bool) -> Self {
         self.configure(|c| c.abort_on_lease_lost = abort)
+    }
+
+    /// A handle that shuts this layer's lock table down gracefully (see
+    /// [`ShutdownHandle`](crate::layer::ShutdownHandle)), kept before `Router::layer`
+    /// consumes the layer. It fixes the configuration, as applying the layer does:
+    /// call it after the last setting.
+    ///
+    /// ```
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// let layer = KeyedLockLayer::by_header("idempotency-key");
+    /// let shutdown = layer.shutdown_handle();
+    /// assert!(!shutdown.is_shutting_down());
+    /// ```
+    pub fn shutdown_handle(&self) -> super::ShutdownHandle {
+        super::ShutdownHandle::new(self.shared().locks.clone())
     }
 
     /// Keys with a holder or a waiter now, in this layer's table.

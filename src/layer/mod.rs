@@ -122,6 +122,7 @@
 //!   until the body ends) or the layer's own rejection body.
 //! - `info.rs`: [`LockInfo`], what the handler learns about its lock.
 //! - `health.rs`: [`HealthCheck`], the backend's health check for a readiness route.
+//! - `shutdown.rs`: [`ShutdownHandle`], the layer's graceful shutdown.
 
 mod body;
 mod builder;
@@ -132,6 +133,7 @@ mod info;
 mod rejected;
 mod service;
 pub(crate) mod shared;
+mod shutdown;
 mod trace;
 
 pub use body::KeyedLockBody;
@@ -142,3 +144,4 @@ pub use future::ResponseFuture;
 pub use health::HealthCheck;
 pub use info::LockInfo;
 pub use service::KeyedLock;
+pub use shutdown::ShutdownHandle;

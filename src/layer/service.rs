@@ -91,6 +91,10 @@ where
         // Registers the metrics (and the key gauge) before the table is first touched.
         let shared = shared.clone();
         shared.metrics();
+        if shared.locks.is_shutting_down() {
+            let rejection = shared.lock_rejection(&LockError::ShuttingDown);
+            return ResponseFuture::rejected(shared.respond(rejection));
+        }
         let mode = shared.config.mode_for(&parts.method);
         if shared.locks.is_distributed() {
             // In the request's mode: the backend then holds it the same way (the layer

@@ -40,6 +40,7 @@ mod table;
 
 use std::fmt;
 use std::hash::Hash;
+use std::task::Waker;
 use std::time::Duration;
 
 pub use acquire::Acquire;
@@ -341,6 +342,17 @@ impl<K> KeyedLocks<K> {
         &self.handles[0]
     }
 
+    /// Wakes every waiter without granting it anything, so that a future that wraps
+    /// the wait (a distributed acquisition of locks shutting down) looks again whether
+    /// it still wants the key. The wakers are called after the shard locks are released.
+    pub(crate) fn wake_waiters(&self) {
+        let mut wakers = Vec::new();
+        self.inner()
+            .table
+            .for_each(|slot| slot.waiting_wakers(&mut wakers));
+        wakers.into_iter().for_each(Waker::wake);
+    }
+
     /// A new reference to the table, on this thread's handle.
     fn handle(&self) -> Arc<Handle<K>> {
         // The number of handles is a power of two.
@@ -462,6 +474,43 @@ mod tests {
     /// Polls `future` once with a waker that does nothing.
     fn poll_once<F: Future + Unpin>(future: &mut F) -> Poll<F::Output> {
         Pin::new(future).poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    /// A waker that counts its wakes.
+    struct Counting(std::sync::atomic::AtomicUsize);
+
+    impl std::task::Wake for Counting {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn wake_waiters_wakes_every_waiter_and_grants_nothing() {
+        let locks = KeyedLocks::new();
+        let held = [locks.try_lock("a").unwrap(), locks.try_lock("b").unwrap()];
+        let counter = std::sync::Arc::new(Counting(std::sync::atomic::AtomicUsize::new(0)));
+        let waker = Waker::from(std::sync::Arc::clone(&counter));
+        let mut waiters: Vec<_> = ["a", "a", "b"].map(|key| Box::pin(locks.lock(key))).into();
+        for waiter in &mut waiters {
+            assert!(waiter
+                .as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending());
+        }
+        locks.wake_waiters();
+        assert_eq!(counter.0.load(std::sync::atomic::Ordering::SeqCst), 3);
+        // Still queued, in order: woken is not granted.
+        for waiter in &mut waiters {
+            assert!(poll_once(waiter).is_pending());
+        }
+        drop(held);
+        let granted = poll_once(&mut waiters[0]);
+        assert!(matches!(granted, Poll::Ready(Ok(_))));
+        assert!(poll_once(&mut waiters[1]).is_pending());
+        drop(granted);
+        drop(waiters);
+        assert!(locks.is_empty());
     }
 
     #[test]

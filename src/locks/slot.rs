@@ -117,6 +117,19 @@ impl Granted {
 const QUEUE_CAPACITY_KEPT: usize = 64;
 
 impl Slot {
+    /// Adds the wakers of the waiters still waiting to `wakers`, leaving them queued: a
+    /// shutdown wakes them so that each gives up by itself (and withdraws as usual).
+    pub(crate) fn waiting_wakers(&self, wakers: &mut Vec<Waker>) {
+        let Some(queue) = &self.queue else {
+            return;
+        };
+        for waiter in &queue.entries {
+            if let WaiterState::Waiting(waker) = &*lock(&waiter.state) {
+                wakers.push(waker.clone());
+            }
+        }
+    }
+
     /// Takes the key in `mode` if it is free for it and nobody waits; otherwise queues
     /// a waiter woken by `waker`, or reports why it did not (`waker` is `None` for a
     /// try-once attempt).

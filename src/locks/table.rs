@@ -78,6 +78,16 @@ impl<K, V> Table<K, V> {
             .map(|shard| shard.len.load(Ordering::Relaxed))
             .sum()
     }
+
+    /// Runs `f` on every slot, one shard lock at a time: for a rare sweep (a
+    /// shutdown waking its waiters), never on a request's path.
+    pub(crate) fn for_each(&self, mut f: impl FnMut(&V)) {
+        for shard in &*self.shards {
+            let shard = lock(&shard.map);
+            shard.inline.iter().flatten().for_each(|(_, slot)| f(slot));
+            shard.table.iter().for_each(|(_, slot)| f(slot));
+        }
+    }
 }
 
 #[cfg(not(loom))]
@@ -211,6 +221,10 @@ pub(crate) struct Table<K, V>(
 impl<K, V> Table<K, V> {
     pub(crate) fn len(&self) -> usize {
         self.0.lock().unwrap().len()
+    }
+
+    pub(crate) fn for_each(&self, f: impl FnMut(&V)) {
+        self.0.lock().unwrap().values().for_each(f);
     }
 }
 

@@ -3,10 +3,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::HeaderName;
+use http::request::Parts;
 use http::{Extensions, StatusCode};
 use tower_layer::Layer;
 
+use super::fingerprint::fingerprint;
 use super::record::DEFAULT_REPLAYED_HEADERS;
 use super::service::Replay;
 use super::shared::{Settings, Shared};
@@ -54,6 +57,7 @@ impl ReplayLayer {
                 read_timeout: crate::buffer::DEFAULT_READ_TIMEOUT,
                 max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
                 fingerprint: true,
+                fingerprint_fn: None,
                 mismatch_status: StatusCode::UNPROCESSABLE_ENTITY,
                 store_server_errors: false,
                 fail_open: false,
@@ -78,6 +82,47 @@ impl ReplayLayer {
     /// already unique per event.
     pub fn fingerprint(mut self, enabled: bool) -> Self {
         self.settings.fingerprint = enabled;
+        self
+    }
+
+    /// Compares retries by what `f` picks from the request instead of its whole body:
+    /// the fingerprint becomes SHA-256 over the method, path, query and the bytes `f`
+    /// returns. Use it when a sender changes part of the body between retries of one
+    /// event (a delivery timestamp, an attempt counter) and a retry should still be
+    /// replayed, not refused with the [`mismatch_status`](Self::mismatch_status).
+    /// Turns fingerprinting on (a later [`fingerprint(false)`](Self::fingerprint) turns
+    /// it off again).
+    ///
+    /// `f` gets the request head and its whole body (read within
+    /// [`max_request_bytes`](Self::max_request_bytes)); what it returns stands in for
+    /// the body. The record's scope (the lock layer's name, the method, the route, the
+    /// path and query, the principal) is the same whatever the fingerprint, so `f`
+    /// can only widen what counts as *the same request for this resource*, never make
+    /// one resource's key replay another's response. Records stored under one
+    /// fingerprint function do not match requests under another (they get the mismatch
+    /// status until they expire): change it with care.
+    ///
+    /// ```
+    /// use tower_keyed_lock::replay::{MemoryStore, ReplayLayer};
+    ///
+    /// // The sender stamps each delivery attempt with `"sent_at"`: compare the rest.
+    /// let replay = ReplayLayer::new(MemoryStore::default()).fingerprint_with(|_parts, body| {
+    ///     let mut event: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    ///     if let Some(fields) = event.as_object_mut() {
+    ///         fields.remove("sent_at");
+    ///     }
+    ///     serde_json::to_vec(&event).unwrap_or_default()
+    /// });
+    /// ```
+    pub fn fingerprint_with<F, T>(mut self, f: F) -> Self
+    where
+        F: Fn(&Parts, &Bytes) -> T + Send + Sync + 'static,
+        T: AsRef<[u8]>,
+    {
+        self.settings.fingerprint = true;
+        self.settings.fingerprint_fn = Some(Arc::new(move |parts: &Parts, body: &Bytes| {
+            fingerprint(parts, f(parts, body).as_ref())
+        }));
         self
     }
 
@@ -231,6 +276,7 @@ impl std::fmt::Debug for ReplayLayer {
         f.debug_struct("ReplayLayer")
             .field("ttl", &settings.ttl)
             .field("fingerprint", &settings.fingerprint)
+            .field("custom_fingerprint", &settings.fingerprint_fn.is_some())
             .field("mismatch_status", &settings.mismatch_status)
             .field("max_request_bytes", &settings.max_request_bytes)
             .field("max_response_bytes", &settings.max_response_bytes)

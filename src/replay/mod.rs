@@ -43,7 +43,10 @@
 //! optionally a [`principal`](ReplayLayer::principal), so one key never replays another
 //! resource's (or user's) response, with the fingerprint on or off. The fingerprint is
 //! SHA-256 over method, path, query and body: within one scope it tells a retry from
-//! a different request (422).
+//! a different request (422). A sender that changes part of the body between retries
+//! of one event (a delivery timestamp) gets its own comparison with
+//! [`fingerprint_with`](ReplayLayer::fingerprint_with), which picks what of the body
+//! counts; the scope stays the same.
 //!
 //! Replayed headers are an allow-list ([`DEFAULT_REPLAYED_HEADERS`], extended with
 //! [`replay_header`](ReplayLayer::replay_header)); multi-valued headers keep every

@@ -156,7 +156,12 @@ where
             info.key(),
             scope(&parts, principal.as_deref()),
         ),
-        fingerprint: settings.fingerprint.then(|| fingerprint(&parts, &body)),
+        fingerprint: settings
+            .fingerprint
+            .then(|| match &settings.fingerprint_fn {
+                Some(custom) => custom(&parts, &body),
+                None => fingerprint(&parts, &body),
+            }),
     };
     Ok((Request::from_parts(parts, ReqBody::from(body)), lookup))
 }

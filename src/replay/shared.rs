@@ -6,13 +6,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::HeaderName;
+use http::request::Parts;
 use http::{Extensions, StatusCode};
 
 use super::metrics::ReplayMetrics;
+use super::record::Fingerprint;
 use super::store::ReplayStore;
 
 pub(crate) type PrincipalFn = dyn Fn(&Extensions) -> Option<String> + Send + Sync;
+
+/// A request's fingerprint from its head and buffered body: the built-in one, or one
+/// over what [`fingerprint_with`](super::ReplayLayer::fingerprint_with) chose.
+pub(crate) type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync;
 
 /// The configuration, fixed when the layer is applied.
 #[derive(Clone)]
@@ -23,6 +30,8 @@ pub(crate) struct Settings {
     pub(crate) read_timeout: Duration,
     pub(crate) max_response_bytes: usize,
     pub(crate) fingerprint: bool,
+    /// `None`: the built-in fingerprint over the whole body.
+    pub(crate) fingerprint_fn: Option<Arc<FingerprintFn>>,
     pub(crate) mismatch_status: StatusCode,
     pub(crate) store_server_errors: bool,
     pub(crate) fail_open: bool,

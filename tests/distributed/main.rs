@@ -3,7 +3,8 @@
 //! exclusion and hand-over (`instances`), an acquisition dropped at each of its awaits
 //! (`cancel`), the way jobs, workers and caches use it (`jobs`), work that stops when
 //! its lease is lost (`lease`), shared locks (`shared`), several keys at once (`all`) and
-//! the metrics and spans `DistributedLocks` records (`metrics`, `trace`).
+//! the metrics and spans `DistributedLocks` records (`metrics`, `trace`) and graceful
+//! shutdown (`shutdown`).
 
 #[macro_use]
 #[path = "../support/mod.rs"]
@@ -16,4 +17,5 @@ mod jobs;
 mod lease;
 mod metrics;
 mod shared;
+mod shutdown;
 mod trace;

@@ -131,7 +131,7 @@ async fn a_lease_lost_while_held_is_counted() {
         ),
         1
     );
-    for other in ["unreachable", "expired"] {
+    for other in ["unreachable", "expired", "shut_down"] {
         assert_eq!(
             recorder::counter("keyed_lock_lease_lost_total", NAME, &[("reason", other)]),
             0

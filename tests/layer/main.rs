@@ -1,5 +1,6 @@
 //! The lock middleware through real servers, recorders and captured logs: HTTP behaviour
-//! (`over_http`), routing and key extraction (`routing`), metrics and the long-hold
+//! (`over_http`), routing and key extraction (`routing`), keys from the JSON body
+//! (`json_body`), metrics and the long-hold
 //! warning (`metrics`), hostile input and overload (`reliability`), shared methods
 //! (`shared`), tracing spans (`trace`). Counting allocations is `tests/allocations.rs`, a
 //! process of its own.
@@ -9,6 +10,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod json_body;
 mod metrics;
 mod over_http;
 mod reliability;

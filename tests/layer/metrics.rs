@@ -198,7 +198,7 @@ async fn every_outcome_is_recorded_with_its_labels() {
     assert!(holds.iter().any(|h| *h >= 0.04), "{holds:?}");
     assert_eq!(gauge(&series, "keyed_lock_waiting"), 0.0);
     assert_eq!(gauge(&series, "keyed_lock_keys"), 0.0);
-    for reason in ["unreachable", "expired", "not_owner"] {
+    for reason in ["unreachable", "expired", "not_owner", "shut_down"] {
         assert_eq!(
             counter(
                 &series,

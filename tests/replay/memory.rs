@@ -51,6 +51,11 @@ async fn different_fingerprint_is_rejected() {
 }
 
 #[tokio::test]
+async fn custom_fingerprint_ignores_what_changes_between_retries() {
+    crate::support::replay::custom_fingerprint_ignores_what_changes_between_retries(&kit()).await;
+}
+
+#[tokio::test]
 async fn transient_answers_are_not_stored() {
     crate::support::replay::transient_answers_are_not_stored(&kit()).await;
 }

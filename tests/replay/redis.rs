@@ -59,6 +59,7 @@ rows!(
     duplicate_in_flight_waits_then_replays,
     duplicate_in_flight_without_waiting_gets_409,
     different_fingerprint_is_rejected,
+    custom_fingerprint_ignores_what_changes_between_retries,
     transient_answers_are_not_stored,
     panic_stores_nothing,
     cancelled_request_stores_nothing,

@@ -335,6 +335,45 @@ pub async fn different_fingerprint_is_rejected(kit: &Kit) {
     assert_eq!(changed.body, first.body);
 }
 
+/// A custom fingerprint that ignores a delivery stamp (`@…` at the end of the body):
+/// a retry whose stamp changed is replayed, one whose payload changed still gets 422;
+/// without it the same stamped retry gets 422.
+pub async fn custom_fingerprint_ignores_what_changes_between_retries(kit: &Kit) {
+    let plain = kit.serve().await;
+    plain.post("/orders", "k-stamped", "pay 10 @1").await;
+    let restamped = plain.post("/orders", "k-stamped", "pay 10 @2").await;
+    assert_eq!(
+        restamped.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{restamped:?}"
+    );
+    assert_eq!(restamped.reason(), "fingerprint_mismatch");
+
+    let custom = kit
+        .serve_with(
+            |lock| lock,
+            |replay| {
+                replay.fingerprint_with(|_parts, body: &Bytes| {
+                    let stamp = body.iter().rposition(|&b| b == b'@').unwrap_or(body.len());
+                    body.slice(..stamp)
+                })
+            },
+        )
+        .await;
+    let first = custom.post("/orders", "k-custom", "pay 10 @1").await;
+    assert_eq!(first.body, "call 1 for pay 10 @1");
+    let restamped = custom.post("/orders", "k-custom", "pay 10 @2").await;
+    assert!(restamped.is_replay(), "{restamped:?}");
+    assert_eq!(restamped.body, first.body);
+    let changed = custom.post("/orders", "k-custom", "pay 99 @3").await;
+    assert_eq!(
+        changed.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{changed:?}"
+    );
+    assert_eq!(custom.probe.completed(), 1);
+}
+
 /// 5xx is not stored unless asked; 401, 403, 408, 409 and 429 never are.
 pub async fn transient_answers_are_not_stored(kit: &Kit) {
     let app = kit.serve().await;
