@@ -30,6 +30,7 @@ pub mod dynamodb;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
+mod holder;
 #[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
 mod key_component;
 #[cfg(feature = "mysql")]
@@ -57,6 +58,18 @@ mod ttl;
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub mod zookeeper;
 
+pub use holder::{default_instance_id, Holder};
+#[cfg(any(
+    feature = "redis",
+    feature = "dynamodb",
+    feature = "etcd",
+    feature = "azure-blob",
+    feature = "zookeeper",
+    feature = "mysql",
+    feature = "postgres"
+))]
+#[allow(unused_imports)] // each engine uses what it needs
+pub(crate) use holder::{from_unix_millis, unix_millis};
 pub use retry_later::RetryLater;
 
 // Defined at the crate root, which the replay stores and the layer share; re-exported
@@ -97,6 +110,15 @@ pub trait LockBackend: Send + Sync + 'static {
     fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
         None
     }
+
+    /// Who holds `key` (namespaced by `name`, as in [`acquire`](Self::acquire)) now,
+    /// read without taking or extending the lock: `None` when the key is free. Fails
+    /// with [`LockError::Unsupported`] (the default) when the backend cannot tell, or
+    /// [`LockError::Backend`] when the engine errs.
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let _ = (name, key);
+        Box::pin(async { Err(LockError::Unsupported("inspecting the holder of a key")) })
+    }
 }
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
@@ -115,6 +137,10 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
 
     fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
         (**self).no_fencing_tokens_reason()
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        (**self).holder(name, key)
     }
 }
 

@@ -50,7 +50,9 @@
 //! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
+//! | [`the_holder_is_read_without_taking_the_key`] | [`DistributedLocks::holder`] is `None` for a free key, names the holder's instance id and fencing token while held, `None` after the release, and never takes or keeps the key |
 
+mod holder;
 mod isolated;
 mod lease;
 mod mutual;
@@ -60,12 +62,14 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use self::holder::the_holder_is_read_without_taking_the_key;
 pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_lease_lost};
 pub use self::mutual::{
     busy_and_timeout, dropped_acquisitions_leave_nothing_held, fencing_tokens_increase,
     one_holder_at_a_time, release_hands_over,
 };
 pub use self::several::several_keys_all_or_nothing;
+use crate::backend::default_instance_id;
 use crate::{DistributedLocks, LockBackend};
 
 /// Long enough for anything that should happen on a loaded machine: a check fails
@@ -81,10 +85,18 @@ pub trait Deployment: Send + Sync {
     /// The longest a holder that stopped (crashed, stalled, cut off) keeps its key: the
     /// lease for a TTL-lease backend, the liveness bound for a session lock.
     fn loss_bound(&self) -> Duration;
+
+    /// The instance id the backends of [`backend`](Self::backend) record with their
+    /// grants (their builders' `instance_id`): what
+    /// [`the_holder_is_read_without_taking_the_key`] expects to read back. Default:
+    /// [`default_instance_id`], every builder's default.
+    fn instance_id(&self) -> String {
+        default_instance_id()
+    }
 }
 
 /// The names of the checks [`run_all`] runs, in its order.
-pub const CHECKS: [&str; 8] = [
+pub const CHECKS: [&str; 9] = [
     "one_holder_at_a_time",
     "busy_and_timeout",
     "release_hands_over",
@@ -93,6 +105,7 @@ pub const CHECKS: [&str; 8] = [
     "a_stalled_holder_sees_its_lease_lost",
     "a_crashed_holder_is_taken_over",
     "several_keys_all_or_nothing",
+    "the_holder_is_read_without_taking_the_key",
 ];
 
 /// Runs every check of [`CHECKS`], each on keys of its own.
@@ -105,6 +118,7 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     a_stalled_holder_sees_its_lease_lost(deployment).await;
     a_crashed_holder_is_taken_over(deployment).await;
     several_keys_all_or_nothing(deployment).await;
+    the_holder_is_read_without_taking_the_key(deployment).await;
 }
 
 /// One instance of the application: locks named like the check, on a fresh backend.

@@ -16,6 +16,9 @@ pub(in crate::backend) struct RedisKeys {
     pub(super) fence: String,
     /// Present while some instance waits for the lock: its release must publish.
     pub(super) waiting: String,
+    /// Who was granted the lock last, written by the grant itself: token, grant time,
+    /// fencing token, instance id.
+    pub(in crate::backend) holder: String,
 }
 
 impl RedisKeys {
@@ -26,6 +29,7 @@ impl RedisKeys {
             lock: format!("{tag}:lock").into(),
             fence: format!("{tag}:fence"),
             waiting: format!("{tag}:waiting"),
+            holder: format!("{tag}:holder"),
         }
     }
 

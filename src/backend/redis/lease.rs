@@ -238,11 +238,13 @@ impl Inner {
             .key(&keys.fence)
             .key(&keys.waiting)
             .key(keys.given_back(token))
+            .key(&keys.holder)
             .arg(token)
             .arg(millis(self.config.first_ttl()))
             .arg(fence_ttl)
             .arg(millis(waiting_ttl))
-            .arg(restart_guard);
+            .arg(restart_guard)
+            .arg(&*self.config.instance_id);
         let replicas = self.config.replicas;
         let (outcome, value, acknowledged) = self
             .commands

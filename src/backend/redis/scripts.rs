@@ -1,8 +1,9 @@
 //! The Lua scripts that acquire, renew and release a lock, each one atomic in Redis.
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
-/// mark; `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
-/// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off). Returns `{1, fencing
+/// mark, `KEYS[5]` the holder record; `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]`
+/// fence TTL ms (0: none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]` restart guard ms
+/// (0: off), `ARGV[6]` the instance id. Returns `{1, fencing
 /// token}`, `{0, holder's PTTL}` (-2 when the token was given back), or `{2, ms until
 /// the restart guard lets grants through}`.
 ///
@@ -45,8 +46,13 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
     redis.call('SET', KEYS[2], micros)
     fence = tonumber(micros)
   end
+  local millis = now[1] .. string.sub('00' .. math.floor(now[2] / 1000), -3)
+  local record = ARGV[1] .. '\n' .. millis .. '\n' .. redis.call('GET', KEYS[2]) .. '\n' .. ARGV[6]
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
+    redis.call('SET', KEYS[5], record, 'PX', ARGV[3])
+  else
+    redis.call('SET', KEYS[5], record)
   end
   return {1, fence}
 end
@@ -54,6 +60,22 @@ if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[4]) then
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
 end
 return {0, redis.call('PTTL', KEYS[1])}
+";
+
+/// `KEYS[1]` lock, `KEYS[2]` holder record. `{}` when the key is free, else `{PTTL}`
+/// and, if the record is the current holder's (it starts with the lock's token), the
+/// rest of the record: grant time ms, fencing token, instance id, one per line.
+pub(super) const HOLDER: &str = r"
+local token = redis.call('GET', KEYS[1])
+if not token then
+  return {}
+end
+local pttl = redis.call('PTTL', KEYS[1])
+local record = redis.call('GET', KEYS[2])
+if record and string.sub(record, 1, #token + 1) == token .. '\n' then
+  return {pttl, string.sub(record, #token + 2)}
+end
+return {pttl}
 ";
 
 /// `KEYS[1]` lock; `ARGV[1]` token, `ARGV[2]` lease ms. 1 if still ours and extended.
