@@ -163,7 +163,7 @@ pub use backend::{Lease, LeaseSignal, LockBackend};
 pub use buffer::{BufferRequestBody, BufferRequestBodyLayer};
 pub use distributed::{
     DistributedAcquire, DistributedGuard, DistributedGuards, DistributedLocks,
-    DistributedLocksBuilder, LeaseLost,
+    DistributedLocksBuilder, LeaderElection, LeaderInfo, Leadership, LeaseLost,
 };
 pub use error::LockError;
 #[cfg(feature = "axum")]

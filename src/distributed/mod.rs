@@ -46,10 +46,12 @@
 //! - `acquire.rs`: [`DistributedAcquire`], the wait in this process, then at the backend.
 //! - `guard.rs`: [`DistributedGuard`], the key held in both tiers, and [`LeaseLost`].
 //! - `all.rs`: several keys at once ([`DistributedLocks::lock_all`], [`DistributedGuards`]).
+//! - `leader.rs`: leader election on one key ([`LeaderElection`], [`Leadership`]).
 
 mod acquire;
 mod all;
 mod guard;
+mod leader;
 
 use std::borrow::Cow;
 use std::fmt;
@@ -60,6 +62,7 @@ pub use acquire::DistributedAcquire;
 pub(crate) use acquire::SHARED_LOCKS;
 pub use all::DistributedGuards;
 pub use guard::{DistributedGuard, LeaseLost};
+pub use leader::{LeaderElection, LeaderInfo, Leadership};
 
 use crate::backend::{default_instance_id, Holder, LockBackend};
 use crate::error::LockError;
