@@ -126,6 +126,12 @@ mod inspect {
         crate::support::fixtures::RedisCluster,
         "redis"
     );
+    holder!(postgres, crate::support::fixtures::Postgres, "postgres");
+    holder!(
+        pgbouncer_transaction,
+        crate::support::fixtures::PgBouncerTransaction,
+        "postgres"
+    );
 }
 
 // ------------------------------------------------------------ faults through the proxy

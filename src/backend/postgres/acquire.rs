@@ -16,6 +16,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::SimpleQueryRow;
 
 use super::error::PgError;
+use super::holder::SAVED_NAME;
 use super::session::{last_row, Session};
 use super::Inner;
 use crate::backend::Lease;
@@ -137,9 +138,11 @@ impl Inner {
     /// fencing).
     fn granted(&self, marker: &str) -> String {
         format!(
-            "(SELECT token FROM (SELECT {token} AS token, \
-              set_config('{LEASE_MARKER}', '{marker}', false)) AS granted)",
+            "(SELECT token FROM (SELECT token, \
+              set_config('{LEASE_MARKER}', '{marker}', false), {holder} \
+              FROM (SELECT {token} AS token) AS issued) AS granted)",
             token = self.token_sql(),
+            holder = self.record_holder_sql("token", false),
         )
     }
 
@@ -279,7 +282,9 @@ impl Inner {
     /// process answered (a transaction pooler), which was left alone.
     pub(super) fn unlock_sql(id: i64, pid: i32) -> String {
         format!(
-            "SELECT pg_advisory_unlock({id}), set_config('{LEASE_MARKER}', NULL, false) \
+            "SELECT pg_advisory_unlock({id}), set_config('{LEASE_MARKER}', NULL, false), \
+                    set_config('application_name', \
+                               coalesce(current_setting('{SAVED_NAME}', true), ''), false) \
              WHERE pg_backend_pid() = {pid}"
         )
     }

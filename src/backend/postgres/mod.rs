@@ -211,6 +211,22 @@
 //! another one — every acquisition fails with a [`LockError::Backend`] saying what to
 //! change, until the sequence is altered (no restart needed).
 //!
+//! # Who holds a key
+//!
+//! [`holder`](LockBackend::holder) (and [`DistributedLocks::holder`](crate::DistributedLocks::holder))
+//! reads `pg_locks` for the lock's id and the holding session's `application_name` in
+//! `pg_stat_activity`: one round trip, nothing taken. The statement that grants a lock
+//! writes `tkl <grant time in ms, the server's clock> <fencing token or -> <instance
+//! id>` there ([`instance_id`](PostgresBackend::instance_id)), in the same statement as
+//! the grant; session scope saves the session's own name first and the unlock restores
+//! it, transaction scope sets it with `set_config(.., true)`, so the transaction's end
+//! restores it. `application_name` was chosen over a table: no write of its own per
+//! grant, nothing to clean up after a crash (the name goes with the session, as the
+//! lock does), and readable by every role. So the holding sessions show as `tkl …` in
+//! `pg_stat_activity` while they hold a key. No lease is left to tell: a session lock
+//! lasts as long as its session, so `lease_left` is `None`; a lock taken by another
+//! program (with the same id) shows as held by an unknown instance.
+//!
 //! # Failures
 //!
 //! An unreachable database or a failing statement is [`LockError::Backend`]: 503, or
@@ -226,10 +242,12 @@
 // runs the session lock's try and wait statements, `xact` the transaction lock's,
 // `fencing` checks the sequence, `schema` creates it (and the replay store's table)
 // safely under concurrency, `lease` watches a held lock and releases it, and `error` is
-// the backend's error. This file has the public type and its configuration.
+// the backend's error, `holder` records and reads who holds a lock. This file has the
+// public type and its configuration.
 mod acquire;
 mod error;
 mod fencing;
+mod holder;
 mod lease;
 mod lock_id;
 pub(crate) mod schema;
@@ -249,8 +267,7 @@ use tokio_postgres::NoTls;
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 
 use self::error::PgError;
-use super::{Acquisition, LockBackend};
-#[cfg(doc)]
+use super::{default_instance_id, Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -303,6 +320,8 @@ struct Inner {
     sequence: Arc<str>,
     fencing: Option<Fencing>,
     scope: LockScope,
+    /// The instance id as a SQL literal's content (see `holder::instance_literal`).
+    instance_literal: Arc<str>,
 }
 
 #[derive(Clone)]
@@ -359,6 +378,7 @@ impl PostgresBackend {
                 sequence: DEFAULT_FENCING_SEQUENCE.into(),
                 fencing: None,
                 scope: LockScope::Session,
+                instance_literal: holder::instance_literal(&default_instance_id()).into(),
             }),
         }
     }
@@ -400,6 +420,23 @@ impl PostgresBackend {
             inner.pool = own_pool(config, max);
             inner.pool_without_runtime = Arc::default();
         })
+    }
+
+    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
+    /// recorded by every grant, in the granting statement, as the holding session's
+    /// `application_name` (see [Who holds a key](self#who-holds-a-key)). Printable
+    /// ASCII is kept, other characters become `_`; the record is cut at 63 bytes,
+    /// PostgreSQL's limit, so keep it short.
+    ///
+    /// ```
+    /// # use tower_keyed_lock::backend::postgres::PostgresBackend;
+    /// let backend = PostgresBackend::from_config_str("host=db user=app")
+    ///     .unwrap()
+    ///     .instance_id("billing-7");
+    /// ```
+    pub fn instance_id(self, instance_id: impl Into<String>) -> Self {
+        let literal = holder::instance_literal(&instance_id.into());
+        self.configure(|inner| inner.instance_literal = literal.into())
     }
 
     /// The first part of every lock id (default [`DEFAULT_NAMESPACE`]): applications
@@ -568,6 +605,12 @@ impl LockBackend for PostgresBackend {
     /// Only with [`fencing(true)`](PostgresBackend::fencing).
     fn issues_fencing_tokens(&self) -> bool {
         self.inner.fencing.is_some()
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let id = self.lock_id(name, key.as_str());
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.holder(id).await })
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
