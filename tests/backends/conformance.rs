@@ -132,6 +132,8 @@ mod inspect {
         crate::support::fixtures::PgBouncerTransaction,
         "postgres"
     );
+    holder!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    holder!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 }
 
 // ------------------------------------------------------------ faults through the proxy
