@@ -134,6 +134,7 @@ mod inspect {
     );
     holder!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     holder!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
+    holder!(etcd, crate::support::fixtures::Etcd, "etcd");
 }
 
 // ------------------------------------------------------------ faults through the proxy
