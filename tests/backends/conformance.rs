@@ -135,6 +135,12 @@ mod inspect {
     holder!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     holder!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
     holder!(etcd, crate::support::fixtures::Etcd, "etcd");
+    holder!(redlock, crate::support::fixtures::Redlock, "redis");
+    holder!(
+        azure_blob,
+        crate::support::fixtures::AzureBlob,
+        "azure-blob"
+    );
 }
 
 // ------------------------------------------------------------ faults through the proxy

@@ -210,7 +210,10 @@ impl Inner {
             .expression_attribute_names("#fence", item::FENCE)
             .expression_attribute_names("#instance", holder::INSTANCE)
             .expression_attribute_names("#since", holder::SINCE_MS)
-            .expression_attribute_values(":instance", AttributeValue::S(self.config.instance_id.clone()))
+            .expression_attribute_values(
+                ":instance",
+                AttributeValue::S(self.config.instance_id.clone()),
+            )
             .expression_attribute_values(":since", AttributeValue::N(holder::since_now()))
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .expression_attribute_values(":rvn", AttributeValue::S(fresh_rvn()?))

@@ -144,6 +144,17 @@
 //! starves for longer than the others keep the key busy. For arrival order across
 //! instances, use the PostgreSQL backend.
 //!
+//! # Who holds a key
+//!
+//! The acquire script records the holder when it grants: its token, the server's time
+//! in ms, the fencing token and the instance id
+//! ([`instance_id`](RedisBackendBuilder::instance_id)) in the `:holder` key under the
+//! lock's hash tag. [`holder`](LockBackend::holder) reads the lock, its PTTL
+//! (`lease_left`) and that record in one script, and uses the record only if it is
+//! the current token's. The record keeps the fence counter's TTL (none by default:
+//! one small string per key, like the counter), and is not deleted by a release: a
+//! free key has no lock, and the next grant overwrites it.
+//!
 //! # Redis keys
 //!
 //! A layer named `name` locks request key `key` under
@@ -152,6 +163,9 @@
 //! {<prefix><name>:<key>}:lock     the token of the holder, with the lease as TTL
 //! {<prefix><name>:<key>}:fence    the last fencing token issued (no TTL unless `fence_ttl` is set)
 //! {<prefix><name>:<key>}:waiting  while another instance waits: its release publishes
+//! {<prefix><name>:<key>}:holder   who was granted the lock last: token, grant time (ms,
+//!                                 the server's clock), fencing token, instance id;
+//!                                 written by the acquire script (same TTL as the fence)
 //! {<prefix><name>:<key>}:lock:given-back:<token>
 //!                                 a release found the key not held by <token>
 //!                                 (for a minute, or a lease if longer)

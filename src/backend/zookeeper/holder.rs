@@ -8,8 +8,8 @@ use zookeeper_client as zk;
 use super::acquire::{backend, ZooKeeperLockError};
 use super::keys::{parse_contender, LockPath};
 use super::Inner;
-use crate::backend::Holder;
 use crate::backend::from_unix_millis;
+use crate::backend::Holder;
 use crate::error::LockError;
 
 impl Inner {
@@ -29,7 +29,10 @@ impl Inner {
         };
         // The first contender holds the key; one that left since the listing makes
         // the next one first.
-        let mut queue: Vec<_> = children.iter().filter_map(|name| parse_contender(name)).collect();
+        let mut queue: Vec<_> = children
+            .iter()
+            .filter_map(|name| parse_contender(name))
+            .collect();
         queue.sort_unstable_by_key(|contender| contender.sequence);
         for first in queue {
             match timeout_at(limit, client.get_data(&path.child(first.name))).await {
