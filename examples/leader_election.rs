@@ -23,7 +23,6 @@ const KEY: &str = "leader";
 const NAMES: [&str; 3] = ["candidate-1", "candidate-2", "candidate-3"];
 
 #[cfg(feature = "redis")]
-#[allow(dead_code)] // the tests' launcher: this example uses a few of its functions
 #[path = "../tests/support/redis_server.rs"]
 mod redis_server;
 

@@ -170,15 +170,7 @@ pub fn default_instance_id() -> String {
 }
 
 /// Milliseconds since the Unix epoch, as engines store a grant time.
-#[cfg(any(
-    feature = "redis",
-    feature = "dynamodb",
-    feature = "etcd",
-    feature = "azure-blob",
-    feature = "zookeeper",
-    feature = "mysql",
-    feature = "postgres"
-))]
+#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
 pub(crate) fn unix_millis(time: SystemTime) -> u64 {
     time.duration_since(UNIX_EPOCH).map_or(0, |since| {
         u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
@@ -189,10 +181,8 @@ pub(crate) fn unix_millis(time: SystemTime) -> u64 {
 #[cfg(any(
     feature = "redis",
     feature = "dynamodb",
-    feature = "etcd",
     feature = "azure-blob",
     feature = "zookeeper",
-    feature = "mysql",
     feature = "postgres"
 ))]
 pub(crate) fn from_unix_millis(millis: u64) -> SystemTime {

@@ -58,18 +58,17 @@ mod ttl;
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub mod zookeeper;
 
-pub use holder::{default_instance_id, Holder};
 #[cfg(any(
     feature = "redis",
     feature = "dynamodb",
-    feature = "etcd",
     feature = "azure-blob",
     feature = "zookeeper",
-    feature = "mysql",
     feature = "postgres"
 ))]
-#[allow(unused_imports)] // each engine uses what it needs
-pub(crate) use holder::{from_unix_millis, unix_millis};
+pub(crate) use holder::from_unix_millis;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+pub(crate) use holder::unix_millis;
+pub use holder::{default_instance_id, Holder};
 pub use retry_later::RetryLater;
 
 // Defined at the crate root, which the replay stores and the layer share; re-exported
