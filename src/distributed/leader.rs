@@ -1,36 +1,4 @@
 //! Leader election on any backend: [`LeaderElection`], [`Leadership`].
-//!
-//! The leader is whoever holds one key of a [`DistributedLocks`]: campaigning waits for
-//! the key, stepping down releases it, and a lost lease ends the leadership. So it
-//! works on every backend (and in process) with no engine code of its own.
-//!
-//! ```
-//! use tower_keyed_lock::{DistributedLocks, LeaderElection};
-//!
-//! # #[tokio::main(flavor = "current_thread")] async fn main() {
-//! let locks = DistributedLocks::in_process("scheduler"); // or `new("scheduler", backend)`
-//! let election = LeaderElection::new(locks.clone(), "leader");
-//! let rival = LeaderElection::new(locks, "leader");
-//!
-//! let leadership = election.campaign().await.unwrap();
-//! assert!(rival.try_campaign().await.is_err()); // one leader at a time
-//! println!("the leader: {}", election.leader().await.unwrap().unwrap());
-//!
-//! leadership.step_down().await;
-//! let next = rival.try_campaign().await.unwrap(); // the other takes over
-//! # drop(next);
-//! # }
-//! ```
-//!
-//! # A lost leadership
-//!
-//! A leader whose lease is lost (the engine became unreachable, its runtime stalled
-//! past the lease, its session expired) must stop acting as leader at once: another
-//! candidate may be leader already. [`Leadership::lost`] resolves then, and
-//! [`Leadership::is_lost`] turns true by the clock alone;
-//! [`run_as_leader`](LeaderElection::run_as_leader) drops the leader's work at that
-//! moment. Campaigning again afterwards is the caller's choice: call
-//! [`campaign`](LeaderElection::campaign) again (in a loop, to stay a candidate).
 
 use std::future::Future;
 use std::time::Duration;
@@ -39,8 +7,38 @@ use super::{DistributedGuard, DistributedLocks, LeaseLost};
 use crate::backend::Holder;
 use crate::error::LockError;
 
-/// An election among the instances that share a [`DistributedLocks`]' backend: the
-/// leader is whoever holds `key`. Cheap to clone. See the [module docs](self).
+/// Leader election among the instances that share a [`DistributedLocks`]' backend: the
+/// leader is whoever holds one key. Campaigning waits for the key, stepping down
+/// releases it, and a lost lease ends the leadership; so it works on every backend
+/// (and in process) with no engine code of its own. Cheap to clone.
+///
+/// ```
+/// use tower_keyed_lock::{DistributedLocks, LeaderElection};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let locks = DistributedLocks::in_process("scheduler"); // or `new("scheduler", backend)`
+/// let election = LeaderElection::new(locks.clone(), "leader");
+/// let rival = LeaderElection::new(locks, "leader");
+///
+/// let leadership = election.campaign().await.unwrap();
+/// assert!(rival.try_campaign().await.is_err()); // one leader at a time
+/// println!("the leader: {}", election.leader().await.unwrap().unwrap());
+///
+/// leadership.step_down().await;
+/// let next = rival.try_campaign().await.unwrap(); // the other takes over
+/// # drop(next);
+/// # }
+/// ```
+///
+/// # A lost leadership
+///
+/// A leader whose lease is lost (the engine became unreachable, its runtime stalled
+/// past the lease, its session expired) must stop acting as leader at once: another
+/// candidate may be leader already. [`Leadership::lost`] resolves then, and
+/// [`Leadership::is_lost`] turns true by the clock alone;
+/// [`run_as_leader`](LeaderElection::run_as_leader) drops the leader's work at that
+/// moment. Campaigning again afterwards is the caller's choice: call
+/// [`campaign`](LeaderElection::campaign) again (in a loop, to stay a candidate).
 #[derive(Clone, Debug)]
 pub struct LeaderElection {
     locks: DistributedLocks,

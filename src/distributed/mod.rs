@@ -65,7 +65,6 @@ pub use guard::{DistributedGuard, LeaseLost};
 pub use leader::{LeaderElection, LeaderInfo, Leadership};
 
 use crate::backend::{default_instance_id, Holder, LockBackend};
-use crate::error::LockError;
 use crate::key::{Key, DEFAULT_MAX_KEY_LEN};
 use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder, Mode};
 use crate::metrics::Metrics;
@@ -214,7 +213,7 @@ impl DistributedLocks {
     /// [`Holder`]); a backend that cannot tell fails with
     /// [`LockError::Unsupported`](crate::LockError::Unsupported). In process only, the
     /// local table answers: held or not, and the holder is this process
-    /// ([`default_instance_id`](crate::backend::default_instance_id)); no time, token
+    /// ([`default_instance_id`]); no time, token
     /// or lease.
     ///
     /// ```
@@ -234,8 +233,8 @@ impl DistributedLocks {
     /// # Cancel safety
     ///
     /// Cancel-safe: it only reads.
-    pub async fn holder(&self, key: &str) -> Result<Option<Holder>, LockError> {
-        let key = Key::new(key, self.inner.max_key_len).map_err(LockError::InvalidKey)?;
+    pub async fn holder(&self, key: &str) -> Result<Option<Holder>, crate::LockError> {
+        let key = Key::new(key, self.inner.max_key_len).map_err(crate::LockError::InvalidKey)?;
         match &self.inner.backend {
             Some(backend) => backend.holder(&self.inner.name, &key).await,
             None => Ok(self
