@@ -163,8 +163,9 @@
 //! container that neither exists nor can be created with the credential given.
 
 // One concern per file: `names` maps keys to blob names, `lease` attempts, waits,
-// renews and gives back (Azure's steps of the `backend::ttl` engine). This file has the
-// public types and their configuration.
+// renews and gives back (Azure's steps of the `backend::ttl` engine), `holder` reads
+// the blob's lease state and holder metadata. This file has the public types and their
+// configuration.
 mod holder;
 mod lease;
 mod names;

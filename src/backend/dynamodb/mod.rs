@@ -141,7 +141,8 @@
 
 // One concern per file: `item` lays out the lock item, `lease` acquires, renews and
 // gives back leases, `retry` paces attempts and sorts errors, and `table` checks and
-// creates the table. This file has the public types and their configuration.
+// creates the table, and `holder` reads who holds a key. This file has the public
+// types and their configuration.
 mod holder;
 mod item;
 mod lease;

@@ -173,8 +173,8 @@
 //! delays the takeover of a crashed holder's key, never the holder's own deadline).
 
 // One concern per file: `keys` names the etcd keys, `lease` queues, waits, renews and
-// gives back (etcd's steps of the `backend::ttl` engine). This file has the public
-// types and their configuration.
+// gives back (etcd's steps of the `backend::ttl` engine), `holder` reads the oldest
+// key of a queue. This file has the public types and their configuration.
 mod holder;
 mod keys;
 mod lease;

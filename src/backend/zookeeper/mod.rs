@@ -187,7 +187,8 @@
 
 // One concern per file: `keys` names the nodes, `session` keeps the session heard,
 // `acquire` queues and waits (and gives back a node nobody holds), `lease` follows a
-// held node. This file has the public types and their configuration.
+// held node, `holder` reads the first node of a queue. This file has the public types
+// and their configuration.
 mod acquire;
 mod holder;
 mod keys;
