@@ -163,7 +163,7 @@ pub use backend::{Lease, LeaseSignal, LockBackend};
 pub use buffer::{BufferRequestBody, BufferRequestBodyLayer, BufferedBody};
 pub use distributed::{
     DistributedAcquire, DistributedGuard, DistributedGuards, DistributedLocks,
-    DistributedLocksBuilder, LeaseLost, ShutdownReport,
+    DistributedLocksBuilder, LeaderElection, LeaderInfo, Leadership, LeaseLost, ShutdownReport,
 };
 pub use error::LockError;
 #[cfg(feature = "json")]

@@ -37,6 +37,7 @@ pub mod dynamodb;
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
 pub(crate) mod health;
+mod holder;
 #[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
 mod key_component;
 mod lost;
@@ -67,6 +68,17 @@ mod ttl;
 pub mod zookeeper;
 
 pub use health::{Health, LastError, HEALTH_LOCK_NAME, HEALTH_PROBE_KEY, HEALTH_PROBE_WAIT};
+#[cfg(any(
+    feature = "redis",
+    feature = "dynamodb",
+    feature = "azure-blob",
+    feature = "zookeeper",
+    feature = "postgres"
+))]
+pub(crate) use holder::from_unix_millis;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+pub(crate) use holder::unix_millis;
+pub use holder::{default_instance_id, Holder};
 pub use lost::LostReason;
 pub use mode::LockMode;
 pub use retry_later::RetryLater;
@@ -167,6 +179,15 @@ pub trait LockBackend: Send + Sync + 'static {
     fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
         None
     }
+
+    /// Who holds `key` (namespaced by `name`, as in [`acquire`](Self::acquire)) now,
+    /// read without taking or extending the lock: `None` when the key is free. Fails
+    /// with [`LockError::Unsupported`] (the default) when the backend cannot tell, or
+    /// [`LockError::Backend`] when the engine errs.
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let _ = (name, key);
+        Box::pin(async { Err(LockError::Unsupported("inspecting the holder of a key")) })
+    }
 }
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
@@ -197,6 +218,10 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
 
     fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
         (**self).no_fencing_tokens_reason()
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        (**self).holder(name, key)
     }
 }
 

@@ -73,10 +73,12 @@
 //! - `guard.rs`: [`DistributedGuard`], the key held in both tiers, and [`LeaseLost`].
 //! - `all.rs`: several keys at once ([`DistributedLocks::lock_all`], [`DistributedGuards`]).
 //! - `shutdown.rs`: [`DistributedLocks::shutdown`] and its [`ShutdownReport`].
+//! - `leader.rs`: leader election on one key ([`LeaderElection`], [`Leadership`]).
 
 mod acquire;
 mod all;
 mod guard;
+mod leader;
 mod shutdown;
 
 use std::borrow::Cow;
@@ -87,10 +89,11 @@ use std::time::Duration;
 pub use acquire::DistributedAcquire;
 pub use all::DistributedGuards;
 pub use guard::{DistributedGuard, LeaseLost};
+pub use leader::{LeaderElection, LeaderInfo, Leadership};
 pub use shutdown::ShutdownReport;
 
 use crate::backend::health::LastErrorCell;
-use crate::backend::{Health, LockBackend, LockMode};
+use crate::backend::{default_instance_id, Health, Holder, LockBackend, LockMode};
 use crate::key::{Key, DEFAULT_MAX_KEY_LEN};
 use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder, Mode};
 use crate::metrics::Metrics;
@@ -247,6 +250,44 @@ impl DistributedLocks {
     /// fails with `Busy`; see [`lock_shared`](Self::lock_shared).
     pub fn try_lock_shared(&self, key: &str) -> DistributedAcquire {
         DistributedAcquire::new(self.inner.clone(), key, Some(Duration::ZERO), Mode::Shared)
+    }
+
+    /// Who holds `key` now, read without taking or extending it: `None` when it is
+    /// free. With a backend the engine answers (the holder's instance id, since when,
+    /// its fencing token and lease left, as far as the engine can tell; see
+    /// [`Holder`]); a backend that cannot tell fails with
+    /// [`LockError::Unsupported`](crate::LockError::Unsupported). In process only, the
+    /// local table answers: held or not, and the holder is this process
+    /// ([`default_instance_id`]); no time, token
+    /// or lease.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// use tower_keyed_lock::DistributedLocks;
+    ///
+    /// let jobs = DistributedLocks::in_process("jobs");
+    /// assert_eq!(jobs.holder("nightly").await.unwrap(), None);
+    /// let guard = jobs.lock("nightly").await.unwrap();
+    /// let holder = jobs.holder("nightly").await.unwrap().expect("held");
+    /// println!("skip: nightly is {holder}");
+    /// drop(guard);
+    /// assert_eq!(jobs.holder("nightly").await.unwrap(), None);
+    /// # }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: it only reads.
+    pub async fn holder(&self, key: &str) -> Result<Option<Holder>, crate::LockError> {
+        let key = Key::new(key, self.inner.max_key_len).map_err(crate::LockError::InvalidKey)?;
+        match &self.inner.backend {
+            Some(backend) => backend.holder(&self.inner.name, &key).await,
+            None => Ok(self
+                .inner
+                .local
+                .is_held(&key)
+                .then(|| Holder::new().with_instance(default_instance_id()))),
+        }
     }
 
     /// The name given at construction: the namespace of the keys at the backend.

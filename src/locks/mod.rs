@@ -253,6 +253,16 @@ impl<K: Eq + Hash + Clone + Send + Sync + 'static> KeyedLocks<K> {
         self.inner().release(hold.hash, hold.mode);
     }
 
+    /// Whether `key` has a holder now, read without taking it (and without adding a
+    /// slot for a key not in the table).
+    pub(crate) fn is_held(&self, key: &K) -> bool {
+        let hash = self.inner().table.hash(key);
+        self.inner()
+            .table
+            .with_slot(hash, || false, |slot| slot.is_held())
+            .unwrap_or(false)
+    }
+
     /// Keys that have a holder or a waiter now (exact when no call is in flight).
     pub fn len(&self) -> usize {
         self.inner().table.len()

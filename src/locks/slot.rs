@@ -130,6 +130,11 @@ impl Slot {
         }
     }
 
+    /// Whether someone holds the key now (waiters aside): for read-only inspection.
+    pub(crate) fn is_held(&self) -> bool {
+        self.holders.exclusive > 0 || self.holders.shared > 0
+    }
+
     /// Takes the key in `mode` if it is free for it and nobody waits; otherwise queues
     /// a waiter woken by `waker`, or reports why it did not (`waker` is `None` for a
     /// try-once attempt).

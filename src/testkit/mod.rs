@@ -51,6 +51,7 @@
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
 //! | [`health_answers`] | the health check of a reachable engine is healthy with a round trip, from several instances at once, and leaves nothing held |
+//! | [`the_holder_is_read_without_taking_the_key`] | [`DistributedLocks::holder`] is `None` for a free key, names the holder's instance id and fencing token while held, `None` after the release, and never takes or keeps the key |
 //!
 //! Backends that hold a key shared and count permits ([`LockBackend::supports`]) also
 //! run [`MODE_CHECKS`] ([`run_modes`]):
@@ -66,6 +67,7 @@
 //! | [`dropped_shared_and_permit_acquisitions_leave_nothing_held`] | a cancelled shared or permit acquisition, at any point, leaves the key free |
 
 mod health;
+mod holder;
 mod isolated;
 mod lease;
 mod modes;
@@ -77,6 +79,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use self::health::health_answers;
+pub use self::holder::the_holder_is_read_without_taking_the_key;
 pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_lease_lost};
 pub use self::modes::{
     a_crashed_permit_comes_back, a_waiting_writer_is_not_starved, a_writer_excludes_everyone,
@@ -88,6 +91,7 @@ pub use self::mutual::{
     one_holder_at_a_time, release_hands_over,
 };
 pub use self::several::several_keys_all_or_nothing;
+use crate::backend::default_instance_id;
 use crate::{DistributedLocks, LockBackend};
 
 /// Long enough for anything that should happen on a loaded machine: a check fails
@@ -103,10 +107,18 @@ pub trait Deployment: Send + Sync {
     /// The longest a holder that stopped (crashed, stalled, cut off) keeps its key: the
     /// lease for a TTL-lease backend, the liveness bound for a session lock.
     fn loss_bound(&self) -> Duration;
+
+    /// The instance id the backends of [`backend`](Self::backend) record with their
+    /// grants (their builders' `instance_id`): what
+    /// [`the_holder_is_read_without_taking_the_key`] expects to read back. Default:
+    /// [`default_instance_id`], every builder's default.
+    fn instance_id(&self) -> String {
+        default_instance_id()
+    }
 }
 
 /// The names of the checks [`run_all`] runs, in its order.
-pub const CHECKS: [&str; 9] = [
+pub const CHECKS: [&str; 10] = [
     "one_holder_at_a_time",
     "busy_and_timeout",
     "release_hands_over",
@@ -116,6 +128,7 @@ pub const CHECKS: [&str; 9] = [
     "a_crashed_holder_is_taken_over",
     "several_keys_all_or_nothing",
     "health_answers",
+    "the_holder_is_read_without_taking_the_key",
 ];
 
 /// Runs every check of [`CHECKS`], each on keys of its own.
@@ -152,6 +165,7 @@ pub async fn run_modes<D: Deployment>(deployment: &D) {
     a_crashed_permit_comes_back(deployment).await;
     fencing_tokens_across_modes(deployment).await;
     dropped_shared_and_permit_acquisitions_leave_nothing_held(deployment).await;
+    the_holder_is_read_without_taking_the_key(deployment).await;
 }
 
 /// One instance of the application: locks named like the check, on a fresh backend.

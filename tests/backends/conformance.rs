@@ -19,11 +19,12 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::time::{sleep, sleep_until, Instant};
 use tower_keyed_lock::backend::{
-    Acquisition, BoxFuture, LeaseLostSender, LostReason, ReleaseLease, HEALTH_PROBE_WAIT,
+    default_instance_id, Acquisition, BoxFuture, Holder, LeaseLostSender, LostReason, ReleaseLease,
+    HEALTH_PROBE_WAIT,
 };
 use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
@@ -137,6 +138,41 @@ conformance!(
     "azure-blob"
 );
 conformance!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
+
+/// `holder!(fixture_module, Fixture, "feature")`: the inspection check, for the
+/// engines that can tell who holds a key (RELIABILITY.md marks the others).
+macro_rules! holder {
+    ($module:ident, $fixture:ty, $feature:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            conformance!(@checks $fixture; the_holder_is_read_without_taking_the_key);
+        }
+    };
+}
+
+mod inspect {
+    holder!(redis, crate::support::fixtures::Redis, "redis");
+    holder!(
+        redis_cluster,
+        crate::support::fixtures::RedisCluster,
+        "redis"
+    );
+    holder!(postgres, crate::support::fixtures::Postgres, "postgres");
+    holder!(
+        pgbouncer_transaction,
+        crate::support::fixtures::PgBouncerTransaction,
+        "postgres"
+    );
+    holder!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    holder!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
+    holder!(etcd, crate::support::fixtures::Etcd, "etcd");
+    holder!(redlock, crate::support::fixtures::Redlock, "redis");
+    holder!(
+        azure_blob,
+        crate::support::fixtures::AzureBlob,
+        "azure-blob"
+    );
+}
 
 // ------------------------------------------------------------ faults through the proxy
 
@@ -542,6 +578,8 @@ struct TableService(Arc<Mutex<Table>>);
 struct Table {
     holders: HashMap<String, (u64, Instant)>,
     fences: HashMap<String, u64>,
+    /// When each key's current holder was granted it.
+    granted: HashMap<String, SystemTime>,
     next_owner: u64,
 }
 
@@ -564,6 +602,7 @@ impl TableService {
         table.next_owner += 1;
         let owner = table.next_owner;
         table.holders.insert(key.to_owned(), (owner, now + LEASE));
+        table.granted.insert(key.to_owned(), SystemTime::now());
         let fence = table.fences.entry(key.to_owned()).or_default();
         *fence += 1;
         Some((owner, *fence))
@@ -578,6 +617,22 @@ impl TableService {
             }
             _ => false,
         }
+    }
+
+    /// Who holds `key` now, if anyone (every instance of this test is one process).
+    fn holder(&self, key: &str, now: Instant) -> Option<Holder> {
+        let table = self.0.lock().unwrap();
+        let (_, expires) = table
+            .holders
+            .get(key)
+            .filter(|(_, expires)| now < *expires)?;
+        Some(
+            Holder::new()
+                .with_instance(default_instance_id())
+                .with_since(table.granted[key])
+                .with_fencing_token(table.fences[key])
+                .with_lease_left(*expires - now),
+        )
     }
 
     fn release(&self, key: &str, owner: u64) {
@@ -617,6 +672,13 @@ impl LockBackend for TableBackend {
                 sleep(Duration::from_millis(5).min(deadline - Instant::now())).await;
             }
         })
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let holder = self
+            .0
+            .holder(&format!("{name}:{}", key.as_str()), Instant::now());
+        Box::pin(async move { Ok(holder) })
     }
 }
 
@@ -722,7 +784,8 @@ fn reliability_table_matches_the_suite() {
     for name in names.filter_map(|name| name.strip_prefix("conformance::")) {
         let parts: Vec<&str> = name.split("::").collect();
         match parts.as_slice() {
-            ["faults" | "through_the_layer" | "modes", fixture, check] | [fixture, check] => {
+            ["faults" | "through_the_layer" | "modes" | "inspect", fixture, check]
+            | [fixture, check] => {
                 run.insert((fixture.to_string(), check.to_string()));
             }
             ["a_backend_written_outside_the_crate_conforms"] => {

@@ -50,7 +50,10 @@ fn backend(host_port: &str, instance: &str) -> PostgresBackend {
         .user("postgres")
         .dbname("postgres")
         .application_name(instance);
+    // A holding session's application name is its holder record, which ends with
+    // the instance id: `instance` still finds it (`tkl % <instance>`).
     PostgresBackend::from_config(config)
+        .instance_id(instance)
         .liveness_interval(LIVENESS)
         .network_timeout(NETWORK)
         .fencing(true)
@@ -218,7 +221,8 @@ async fn terminated_holder_is_told_as_soon_as_its_connection_closes() {
         admin
             .execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                 WHERE application_name = 'terminated'",
+                 WHERE application_name = 'terminated' \
+                 OR application_name LIKE 'tkl % terminated'",
                 &[],
             )
             .await
@@ -728,7 +732,8 @@ async fn silent_and_slow_paths_never_grant_a_key_twice() {
     let stranded = || async {
         let sessions: i64 = admin
             .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'cut-off'",
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'cut-off' \
+                 OR application_name LIKE 'tkl % cut-off'",
                 &[],
             )
             .await

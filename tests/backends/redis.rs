@@ -712,14 +712,15 @@ async fn odd_keys_cannot_reach_other_layers_or_prefixes() {
         assert_eq!(backend.lock_key("orders", key), lock_key);
         expected.push(lock_key.clone());
         expected.push(lock_key.replace(":lock", ":fence"));
+        expected.push(lock_key.replace(":lock", ":holder"));
     }
     expected.sort();
     assert_eq!(all_keys(&mut connection).await, expected);
     for key in all_keys(&mut connection).await {
-        // One hash tag of plain characters, then `:lock` or `:fence`.
+        // One hash tag of plain characters, then `:lock`, `:fence` or `:holder`.
         let (tag, suffix) = key.split_once('}').unwrap();
         let tag = tag.strip_prefix('{').unwrap();
-        assert!(suffix == ":lock" || suffix == ":fence", "{key}");
+        assert!([":lock", ":fence", ":holder"].contains(&suffix), "{key}");
         assert!(
             tag.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"-_.:#".contains(&b)),

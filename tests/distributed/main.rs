@@ -1,7 +1,7 @@
 //! `DistributedLocks` between instances, every test body generic over the fixtures of
 //! `support::fixtures` (Redis, a Redis Cluster, PostgreSQL, DynamoDB, in process):
 //! exclusion and hand-over (`instances`), an acquisition dropped at each of its awaits
-//! (`cancel`), the way jobs, workers and caches use it (`jobs`), work that stops when
+//! (`cancel`), leader election (`leader`), the way jobs, workers and caches use it (`jobs`), work that stops when
 //! its lease is lost (`lease`), shared locks (`shared`), several keys at once (`all`) and
 //! the metrics and spans `DistributedLocks` records (`metrics`, `trace`) and graceful
 //! shutdown (`shutdown`).
@@ -14,6 +14,7 @@ mod all;
 mod cancel;
 mod instances;
 mod jobs;
+mod leader;
 mod lease;
 mod metrics;
 mod shared;

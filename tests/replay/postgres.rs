@@ -26,7 +26,10 @@ const NAME: &str = "replay-postgres";
 fn backend(config: &str, instance: &str) -> PostgresBackend {
     let mut config: tokio_postgres::Config = config.parse().unwrap();
     config.application_name(instance);
+    // A holding session's application name is its holder record, ending with the
+    // instance id: `tkl % <instance>` finds it.
     PostgresBackend::from_config(config)
+        .instance_id(instance)
         .liveness_interval(Duration::from_millis(100))
         .fencing(true)
 }
@@ -187,7 +190,8 @@ async fn write_after_a_lost_session_is_fenced() {
     let killed = admin
         .query(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-             WHERE application_name = 'instance-a'",
+             WHERE application_name = 'instance-a' \
+             OR application_name LIKE 'tkl % instance-a'",
             &[],
         )
         .await

@@ -30,6 +30,10 @@ pub const FREED_WITHIN: Duration = Duration::from_millis(500);
 
 /// Where instances meet: a server they share, or one process's table.
 pub trait Fixture: Sized {
+    /// Whether the backend can name a key's holder (`DistributedLocks::holder`): its
+    /// instance id and fencing token. MySQL can only tell held from free.
+    const NAMES_HOLDERS: bool = true;
+
     /// Starts the server (panics with a clear message when it is not installed).
     fn start() -> Self;
 
@@ -366,6 +370,8 @@ mod mysql {
     pub struct MySql(pub MySqlServer);
 
     impl Fixture for MySql {
+        const NAMES_HOLDERS: bool = false;
+
         fn start() -> Self {
             MySql(MySqlServer::start())
         }

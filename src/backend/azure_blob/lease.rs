@@ -220,7 +220,7 @@ impl Inner {
         // Lease calls leave the ETag as it was read; the answer says so if not.
         let etag = acquired.etag()?.or(read);
 
-        let metadata = HashMap::from([(FENCE.to_owned(), fence.to_string())]);
+        let metadata = super::holder::grant_metadata(fence, &self.config.instance_id);
         let write = blob.set_metadata(
             &metadata,
             Some(BlobClientSetMetadataOptions {

@@ -99,6 +99,17 @@
 //! layer answers 503 (or runs the request under its local lock with
 //! [`fail_open`](crate::KeyedLockLayer::fail_open)).
 //!
+//! # Who holds a key
+//!
+//! [`holder`](LockBackend::holder) reads the blob's properties (one call): held while
+//! its lease is `leased` (or `breaking`), by the instance in the `holder` metadata
+//! ([`instance_id`](AzureBlobBackendBuilder::instance_id)) since `since_ms` (the
+//! holder's clock), with the fencing token in `fence`. The holder writes these with the
+//! fencing token, in the one `Set Blob Metadata` under its new lease that completes its
+//! grant; between the lease and that write (one round trip) a reader sees the previous
+//! holder's entries. Azure does not tell how long a lease has left: `lease_left` is
+//! `None`.
+//!
 //! # Timing rules
 //!
 //! | what | when |
@@ -152,8 +163,10 @@
 //! container that neither exists nor can be created with the credential given.
 
 // One concern per file: `names` maps keys to blob names, `lease` attempts, waits,
-// renews and gives back (Azure's steps of the `backend::ttl` engine). This file has the
-// public types and their configuration.
+// renews and gives back (Azure's steps of the `backend::ttl` engine), `holder` reads
+// the blob's lease state and holder metadata. This file has the public types and their
+// configuration.
+mod holder;
 mod lease;
 mod names;
 
@@ -166,8 +179,7 @@ use azure_core::http::{ClientOptions, RetryOptions, StatusCode, Url};
 use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 
 use self::names::{blob_name, with_slash, MAX_PREFIX_LEN};
-use super::{ttl, Acquisition, LockBackend};
-#[cfg(doc)]
+use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -228,6 +240,8 @@ struct Config {
     command_timeout: Duration,
     poll_interval: Duration,
     prefix: String,
+    /// Written with every grant, for [`LockBackend::holder`].
+    instance_id: String,
 }
 
 /// What every clone of a backend shares.
@@ -293,6 +307,7 @@ impl AzureBlobBackend {
                 command_timeout: DEFAULT_COMMAND_TIMEOUT,
                 poll_interval: DEFAULT_POLL_INTERVAL,
                 prefix: DEFAULT_PREFIX.to_owned(),
+                instance_id: default_instance_id(),
             },
         }
     }
@@ -343,6 +358,14 @@ impl fmt::Debug for AzureBlobBackendBuilder {
 }
 
 impl AzureBlobBackendBuilder {
+    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
+    /// written to the blob's `holder` metadata with the fencing token, under the new
+    /// lease, and read back by [`holder`](LockBackend::holder).
+    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
+        self.config.instance_id = instance_id.into();
+        self
+    }
+
     /// How long a holder's blob lease lasts without a renewal (default
     /// [`DEFAULT_LEASE`], 30 s). Azure grants 15 to 60 s in whole seconds: a lease
     /// outside that range is refused by [`build`](Self::build), a fraction of a second
@@ -484,6 +507,15 @@ impl LockBackend for AzureBlobBackend {
         let blob = self.blob_name(name, key.as_str());
         let blob = Arc::new(self.inner.container.blob_client(&blob));
         Box::pin(self.inner.clone().acquire(blob, wait))
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let blob = self
+            .inner
+            .container
+            .blob_client(&self.blob_name(name, key.as_str()));
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.holder(blob).await })
     }
 }
 

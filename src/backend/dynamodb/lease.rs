@@ -12,6 +12,7 @@ use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
 use tokio::time::{sleep, timeout, timeout_at, Instant};
 
+use super::holder;
 use super::item::{self, epoch_micros, epoch_seconds, millis, Holder};
 use super::retry::{is_transient, CommandTimeout};
 use super::Inner;
@@ -203,9 +204,17 @@ impl Inner {
             .update(item)
             .update_expression(
                 "SET #owner = :token, #rvn = :rvn, #lease = :lease, #ttl = :ttl, \
-                 #fence = if_not_exists(#fence, :seed) + :one",
+                 #fence = if_not_exists(#fence, :seed) + :one, \
+                 #instance = :instance, #since = :since",
             )
             .expression_attribute_names("#fence", item::FENCE)
+            .expression_attribute_names("#instance", holder::INSTANCE)
+            .expression_attribute_names("#since", holder::SINCE_MS)
+            .expression_attribute_values(
+                ":instance",
+                AttributeValue::S(self.config.instance_id.clone()),
+            )
+            .expression_attribute_values(":since", AttributeValue::N(holder::since_now()))
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .expression_attribute_values(":rvn", AttributeValue::S(fresh_rvn()?))
             .expression_attribute_values(":lease", AttributeValue::N(millis(self.config.lease)))

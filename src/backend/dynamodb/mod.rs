@@ -108,11 +108,20 @@
 //! lock_rvn       S  random hex               record version, new at every renewal
 //! lock_lease_ms  N  30000                    the holder's lease, how long waiters watch
 //! lock_fence     N  1732360000000123         the fencing token of the latest grant
+//! lock_instance  S  "web-2:4242"             the holder's instance id, set by the grant
+//! lock_since_ms  N  1732360000000            when it was granted (the holder's clock)
 //! ttl            N  epoch seconds            lease + item_ttl after the last write
 //! ```
 //!
-//! The key attributes and the TTL attribute are configurable; the four `lock_*` names
+//! The key attributes and the TTL attribute are configurable; the `lock_*` names
 //! are fixed, so a single-table design must leave them to the lock items.
+//!
+//! [`holder`](LockBackend::holder) reads the item (strongly consistent `GetItem`, one
+//! call): held while `lock_owner` is there, by `lock_instance`
+//! ([`instance_id`](DynamoDbBackendBuilder::instance_id)) since `lock_since_ms`, with
+//! the fencing token `lock_fence`. The grant time is the granting instance's wall
+//! clock (DynamoDB writes no server time); the lease left is `None`: no renewal time
+//! is stored, waiters watch the record version instead.
 //!
 //! The prefix (default `"keyed-lock:"`) gets a trailing `:` if it has none. In the layer
 //! name `%` and `:` are written `%25` and `%3A`, so the first `:` after the prefix ends
@@ -132,7 +141,9 @@
 
 // One concern per file: `item` lays out the lock item, `lease` acquires, renews and
 // gives back leases, `retry` paces attempts and sorts errors, and `table` checks and
-// creates the table. This file has the public types and their configuration.
+// creates the table, and `holder` reads who holds a key. This file has the public
+// types and their configuration.
+mod holder;
 mod item;
 mod lease;
 mod retry;
@@ -149,8 +160,7 @@ use aws_sdk_dynamodb::Client;
 
 use self::item::{partition_value, Layout};
 pub use self::table::SetupError;
-use super::{ttl, Acquisition, LockBackend};
-#[cfg(doc)]
+use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -218,6 +228,8 @@ struct Config {
     poll_interval: Duration,
     /// How long an item outlives its last write, beyond the lease.
     item_ttl: Duration,
+    /// Written with every grant, for [`LockBackend::holder`].
+    instance_id: String,
 }
 
 impl Config {
@@ -253,6 +265,7 @@ impl DynamoDbBackend {
                 command_timeout: DEFAULT_COMMAND_TIMEOUT,
                 poll_interval: DEFAULT_POLL_INTERVAL,
                 item_ttl: DEFAULT_ITEM_TTL,
+                instance_id: default_instance_id(),
             },
         }
     }
@@ -292,6 +305,21 @@ impl fmt::Debug for DynamoDbBackendBuilder {
 }
 
 impl DynamoDbBackendBuilder {
+    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
+    /// written as `lock_instance` by every grant, in the same conditional update, and
+    /// read back by [`holder`](LockBackend::holder).
+    ///
+    /// ```
+    /// # fn f(client: aws_sdk_dynamodb::Client) {
+    /// use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
+    /// let builder = DynamoDbBackend::builder(client, "locks").instance_id("worker-3");
+    /// # }
+    /// ```
+    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
+        self.config.instance_id = instance_id.into();
+        self
+    }
+
     /// How long a grant lasts without renewal (default [`DEFAULT_LEASE`], 30 s): how
     /// long a waiter watches an unchanged record before it takes the key over, so it
     /// bounds how long a crashed instance keeps a key. With renewal on, a live holder
@@ -451,6 +479,15 @@ impl LockBackend for DynamoDbBackend {
             .layout
             .item_key(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(Arc::new(item), wait))
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let item = self
+            .inner
+            .layout
+            .item_key(&self.inner.config.prefix, name, key.as_str());
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.holder(item).await })
     }
 }
 

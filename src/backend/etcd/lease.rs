@@ -162,7 +162,7 @@ impl Inner {
             let queued = Txn::new().and_then([
                 TxnOp::put(
                     contender.key.as_bytes(),
-                    "",
+                    self.config.instance_id.as_bytes(),
                     Some(PutOptions::new().with_lease(contender.lease)),
                 ),
                 TxnOp::get(keys.queue.as_bytes(), Some(oldest())),

@@ -106,6 +106,15 @@
 //! and the layer answers 503 (or runs the request under its local lock with
 //! [`fail_open`](crate::KeyedLockLayer::fail_open)).
 //!
+//! # Who holds a key
+//!
+//! [`holder`](LockBackend::holder) reads the oldest key of the queue (the holder) and
+//! its lease: the key's value is the holder's instance id
+//! ([`instance_id`](EtcdBackendBuilder::instance_id)), put by the transaction that
+//! joined the queue; its create revision is the fencing token; the lease's time to live
+//! (whole seconds, as etcd counts them) is `lease_left`. etcd records no time, so
+//! `since` is `None`.
+//!
 //! # Timing rules
 //!
 //! | what | when |
@@ -164,8 +173,9 @@
 //! delays the takeover of a crashed holder's key, never the holder's own deadline).
 
 // One concern per file: `keys` names the etcd keys, `lease` queues, waits, renews and
-// gives back (etcd's steps of the `backend::ttl` engine). This file has the public
-// types and their configuration.
+// gives back (etcd's steps of the `backend::ttl` engine), `holder` reads the oldest
+// key of a queue. This file has the public types and their configuration.
+mod holder;
 mod keys;
 mod lease;
 
@@ -177,8 +187,7 @@ use etcd_client::{Client, ConnectOptions};
 use tokio::time::timeout;
 
 use self::keys::{with_slash, LockKeys};
-use super::{ttl, Acquisition, LockBackend};
-#[cfg(doc)]
+use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -247,6 +256,8 @@ struct Config {
     command_timeout: Duration,
     poll_interval: Duration,
     prefix: String,
+    /// The value of every contender key, for [`LockBackend::holder`].
+    instance_id: String,
 }
 
 /// What every clone of a backend shares.
@@ -308,6 +319,7 @@ impl EtcdBackend {
                 command_timeout: DEFAULT_COMMAND_TIMEOUT,
                 poll_interval: DEFAULT_POLL_INTERVAL,
                 prefix: DEFAULT_PREFIX.to_owned(),
+                instance_id: default_instance_id(),
             },
         }
     }
@@ -359,6 +371,19 @@ impl fmt::Debug for EtcdBackendBuilder {
 }
 
 impl EtcdBackendBuilder {
+    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
+    /// the value of every key it queues with, put by the transaction that joins the
+    /// queue, and read back by [`holder`](LockBackend::holder).
+    ///
+    /// ```
+    /// use tower_keyed_lock::backend::etcd::EtcdBackend;
+    /// let builder = EtcdBackend::builder(["127.0.0.1:2379"]).instance_id("worker-3");
+    /// ```
+    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
+        self.config.instance_id = instance_id.into();
+        self
+    }
+
     /// How long a holder's etcd lease lasts without a keep-alive (default
     /// [`DEFAULT_LEASE`], 30 s; rounded up to whole seconds for etcd). It bounds how
     /// long a crashed instance keeps a key; a live holder keeps it as long as it runs.
@@ -496,6 +521,12 @@ impl LockBackend for EtcdBackend {
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = LockKeys::new(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(keys, wait))
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let keys = LockKeys::new(&self.inner.config.prefix, name, key.as_str());
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.holder(keys).await })
     }
 }
 

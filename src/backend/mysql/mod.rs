@@ -165,6 +165,16 @@
 //! holder. A Galera node (`wsrep_on = ON`) is refused too: `GET_LOCK` is local to one
 //! node.
 //!
+//! # Who holds a key
+//!
+//! [`holder`](LockBackend::holder) asks `IS_USED_LOCK(<name>)` (one round trip): it
+//! tells whether the key is held, and by which server connection, but a named lock
+//! carries no data, and no other session can read a holder's session variables. So
+//! this backend answers held or free only: `instance`, `since`, `fencing_token` and
+//! `lease_left` are `None`. Recording the holder would take a write of its own per
+//! grant into a table (not atomic with `GET_LOCK`, which is not transactional), which
+//! this backend does not do.
+//!
 //! # Pool size
 //!
 //! **Each key held, or waited for in the server, by this instance pins one
@@ -203,10 +213,11 @@
 // One concern per file: `lock_name` is the stable name of a key, `session` the pool of
 // connections that closes those in an unknown state, `acquire` runs `GET_LOCK` and the
 // round trip after the grant, `server` the first-use checks and the fencing table,
-// `lease` checks a held lock and releases it, and `error` is the backend's error. This
-// file has the public type and its configuration.
+// `lease` checks a held lock and releases it, `holder` tells whether a key is held, and
+// `error` is the backend's error. This file has the public type and its configuration.
 mod acquire;
 mod error;
+mod holder;
 mod lease;
 mod lock_name;
 mod server;
@@ -225,8 +236,7 @@ pub use self::lock_name::{lock_name, MAX_LOCK_NAME_LEN};
 use self::error::MyError;
 use self::lock_name::MAX_NAMESPACE_LEN;
 use self::session::Pool;
-use super::{Acquisition, LockBackend};
-#[cfg(doc)]
+use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -485,6 +495,12 @@ impl LockBackend for MySqlBackend {
     /// Only with [`fencing(true)`](MySqlBackend::fencing).
     fn issues_fencing_tokens(&self) -> bool {
         self.inner.fencing.is_some()
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let name = self.lock_name(name, key.as_str());
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.holder(name).await })
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {

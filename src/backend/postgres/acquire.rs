@@ -16,6 +16,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::SimpleQueryRow;
 
 use super::error::PgError;
+use super::holder::SAVED_NAME;
 use super::session::{last_row, Session};
 use super::Inner;
 use crate::backend::Lease;
@@ -135,17 +136,20 @@ impl Inner {
         Ok(self.hold(session, id, shared, grant.pid, granted.token, since))
     }
 
-    /// The expression, evaluated once the lock is granted, that takes the fencing token
-    /// and marks the session with `marker`; its value is the token (NULL without
-    /// fencing). A shared holder takes no new token: it reads the last one issued.
+    /// The expression, evaluated once the lock is granted, that takes the fencing token,
+    /// marks the session with `marker` and records the holder (see `holder.rs`); its
+    /// value is the token (NULL without fencing). A shared holder takes no new token: it
+    /// reads the last one issued.
     fn granted(&self, marker: &str, shared: bool) -> String {
         let token = match shared {
             true => self.read_token_sql(),
             false => self.token_sql(),
         };
         format!(
-            "(SELECT token FROM (SELECT {token} AS token, \
-              set_config('{LEASE_MARKER}', '{marker}', false)) AS granted)"
+            "(SELECT token FROM (SELECT token, \
+              set_config('{LEASE_MARKER}', '{marker}', false), {holder} \
+              FROM (SELECT {token} AS token) AS issued) AS granted)",
+            holder = self.record_holder_sql("token", false),
         )
     }
 
@@ -290,7 +294,9 @@ impl Inner {
     pub(super) fn unlock_sql(id: i64, shared: bool, pid: i32) -> String {
         let suffix = shared_suffix(shared);
         format!(
-            "SELECT pg_advisory_unlock{suffix}({id}), set_config('{LEASE_MARKER}', NULL, false) \
+            "SELECT pg_advisory_unlock{suffix}({id}), set_config('{LEASE_MARKER}', NULL, false), \
+                    set_config('application_name', \
+                               coalesce(current_setting('{SAVED_NAME}', true), ''), false) \
              WHERE pg_backend_pid() = {pid}"
         )
     }

@@ -237,6 +237,21 @@
 //!
 //! With [`LockScope::Transaction`] only exclusive locks are given: the other modes are
 //! refused when the locks or the layer are built.
+//! # Who holds a key
+//!
+//! [`holder`](LockBackend::holder) (and [`DistributedLocks::holder`](crate::DistributedLocks::holder))
+//! reads `pg_locks` for the lock's id and the holding session's `application_name` in
+//! `pg_stat_activity`: one round trip, nothing taken. The statement that grants a lock
+//! writes `tkl <grant time in ms, the server's clock> <fencing token or -> <instance
+//! id>` there ([`instance_id`](PostgresBackend::instance_id)), in the same statement as
+//! the grant; session scope saves the session's own name first and the unlock restores
+//! it, transaction scope sets it with `set_config(.., true)`, so the transaction's end
+//! restores it. `application_name` was chosen over a table: no write of its own per
+//! grant, nothing to clean up after a crash (the name goes with the session, as the
+//! lock does), and readable by every role. So the holding sessions show as `tkl …` in
+//! `pg_stat_activity` while they hold a key. No lease is left to tell: a session lock
+//! lasts as long as its session, so `lease_left` is `None`; a lock taken by another
+//! program (with the same id) shows as held by an unknown instance.
 //!
 //! # Failures
 //!
@@ -253,10 +268,12 @@
 // runs the session lock's try and wait statements, `xact` the transaction lock's,
 // `fencing` checks the sequence, `schema` creates it (and the replay store's table)
 // safely under concurrency, `lease` watches a held lock and releases it, and `error` is
-// the backend's error. This file has the public type and its configuration.
+// the backend's error, `holder` records and reads who holds a lock. This file has the
+// public type and its configuration.
 mod acquire;
 mod error;
 mod fencing;
+mod holder;
 mod lease;
 mod lock_id;
 mod permits;
@@ -278,7 +295,7 @@ pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
 
 use self::error::PgError;
-use super::{Acquisition, LockBackend, LockMode};
+use super::{default_instance_id, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -331,6 +348,8 @@ struct Inner {
     sequence: Arc<str>,
     fencing: Option<Fencing>,
     scope: LockScope,
+    /// The instance id as a SQL literal's content (see `holder::instance_literal`).
+    instance_literal: Arc<str>,
 }
 
 #[derive(Clone)]
@@ -387,6 +406,7 @@ impl PostgresBackend {
                 sequence: DEFAULT_FENCING_SEQUENCE.into(),
                 fencing: None,
                 scope: LockScope::Session,
+                instance_literal: holder::instance_literal(&default_instance_id()).into(),
             }),
         }
     }
@@ -428,6 +448,23 @@ impl PostgresBackend {
             inner.pool = own_pool(config, max);
             inner.pool_without_runtime = Arc::default();
         })
+    }
+
+    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
+    /// recorded by every grant, in the granting statement, as the holding session's
+    /// `application_name` (see [Who holds a key](self#who-holds-a-key)). Printable
+    /// ASCII is kept, other characters become `_`; the record is cut at 63 bytes,
+    /// PostgreSQL's limit, so keep it short.
+    ///
+    /// ```
+    /// # use tower_keyed_lock::backend::postgres::PostgresBackend;
+    /// let backend = PostgresBackend::from_config_str("host=db user=app")
+    ///     .unwrap()
+    ///     .instance_id("billing-7");
+    /// ```
+    pub fn instance_id(self, instance_id: impl Into<String>) -> Self {
+        let literal = holder::instance_literal(&instance_id.into());
+        self.configure(|inner| inner.instance_literal = literal.into())
     }
 
     /// The first part of every lock id (default [`DEFAULT_NAMESPACE`]): applications
@@ -596,6 +633,12 @@ impl LockBackend for PostgresBackend {
     /// Only with [`fencing(true)`](PostgresBackend::fencing).
     fn issues_fencing_tokens(&self) -> bool {
         self.inner.fencing.is_some()
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let id = self.lock_id(name, key.as_str());
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.holder(id).await })
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {

@@ -24,7 +24,7 @@ impl Inner {
         wait: Duration,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
-        let token = self.token_sql();
+        let token = self.token_recording_holder_sql();
         // A partitioned holder's transaction is ended by the server at this limit;
         // a live holder's liveness checks keep it shorter.
         let limit = self.server_idle_limit().as_millis();

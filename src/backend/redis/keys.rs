@@ -26,6 +26,9 @@ pub(in crate::backend) struct RedisKeys {
     pub(super) intent: String,
     /// How the acquisition these keys were made for holds the key.
     pub(super) mode: LockMode,
+    /// Who was granted the lock last, written by the grant itself: token, grant time,
+    /// fencing token, instance id.
+    pub(in crate::backend) holder: String,
 }
 
 impl RedisKeys {
@@ -39,6 +42,7 @@ impl RedisKeys {
             readers: format!("{tag}:readers"),
             permits: format!("{tag}:permits"),
             intent: format!("{tag}:intent"),
+            holder: format!("{tag}:holder"),
             mode: LockMode::Exclusive,
         }
     }

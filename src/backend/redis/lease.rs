@@ -271,11 +271,13 @@ impl Inner {
             .key(keys.given_back(token))
             .key(holders)
             .key(&keys.intent)
+            .key(&keys.holder)
             .arg(token)
             .arg(millis(self.config.first_ttl()))
             .arg(fence_ttl)
             .arg(millis(waiting_ttl))
-            .arg(restart_guard);
+            .arg(restart_guard)
+            .arg(&*self.config.instance_id);
         if let Some(permits) = permits {
             invocation.arg(permits);
         }

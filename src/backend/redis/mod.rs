@@ -184,6 +184,16 @@
 //!   token, the one of the last writer whose writes it reads (or of a later permit
 //!   holder of the same key), or `None` if the key has none.
 //! - **Cluster.** The sets share the key's hash tag, so every script runs on one slot.
+//! # Who holds a key
+//!
+//! The acquire script records the holder when it grants: its token, the server's time
+//! in ms, the fencing token and the instance id
+//! ([`instance_id`](RedisBackendBuilder::instance_id)) in the `:holder` key under the
+//! lock's hash tag. [`holder`](LockBackend::holder) reads the lock, its PTTL
+//! (`lease_left`) and that record in one script, and uses the record only if it is
+//! the current token's. The record keeps the fence counter's TTL (none by default:
+//! one small string per key, like the counter), and is not deleted by a release: a
+//! free key has no lock, and the next grant overwrites it.
 //!
 //! # Redis keys
 //!
@@ -196,6 +206,9 @@
 //! {<prefix><name>:<key>}:readers  shared holders: tokens scored by expiry (ms)
 //! {<prefix><name>:<key>}:permits  permit holders, the same way
 //! {<prefix><name>:<key>}:intent   writers waiting: tokens scored by expiry (ms)
+//! {<prefix><name>:<key>}:holder   who was granted the lock last: token, grant time (ms,
+//!                                 the server's clock), fencing token, instance id;
+//!                                 written by the acquire script (same TTL as the fence)
 //! {<prefix><name>:<key>}:lock:given-back:<token>
 //!                                 a release found the key not held by <token>
 //!                                 (for a minute, or a lease if longer)
@@ -257,10 +270,12 @@ use tokio::time::Instant;
 pub(crate) use self::connection::Connection;
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
-use self::scripts::{ACQUIRE, ACQUIRE_COUNTED};
+use self::scripts::{ACQUIRE, ACQUIRE_COUNTED, HOLDER};
 use self::subscriber::{Releases, Subscriber};
-use super::{ttl, Acquisition, LockBackend, LockMode};
-#[cfg(doc)]
+use super::{
+    default_instance_id, from_unix_millis, ttl, Acquisition, BoxFuture, Holder, LockBackend,
+    LockMode,
+};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -336,6 +351,8 @@ struct Config {
     restart_guard: bool,
     replicas: Option<Replicas>,
     allow_eviction: bool,
+    /// Recorded with every grant, for [`LockBackend::holder`].
+    instance_id: Arc<str>,
 }
 
 /// How many replicas must acknowledge a grant or renewal, and for how long to wait.
@@ -432,6 +449,7 @@ impl RedisBackend {
                 restart_guard: true,
                 replicas: None,
                 allow_eviction: false,
+                instance_id: default_instance_id().into(),
             },
         }
     }
@@ -496,6 +514,22 @@ impl fmt::Debug for RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
+    /// Who this instance is, recorded with every grant in the same script (a
+    /// `:holder` key under the lock's hash tag) and read back by
+    /// [`holder`](LockBackend::holder). Default:
+    /// [`default_instance_id`] (`<hostname>:<pid>`).
+    ///
+    /// ```
+    /// # fn f(client: redis::Client) {
+    /// use tower_keyed_lock::backend::redis::RedisBackend;
+    /// let builder = RedisBackend::builder(client).instance_id("billing-worker-3");
+    /// # }
+    /// ```
+    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
+        self.config.instance_id = instance_id.into().into();
+        self
+    }
+
     /// How long a grant lasts in Redis without renewal (default [`DEFAULT_LEASE`],
     /// 30 s). It bounds how long a crashed instance keeps a key; with renewal on, a
     /// live holder keeps it as long as it runs.
@@ -779,6 +813,53 @@ impl LockBackend for RedisBackend {
     fn supports(&self, _mode: LockMode) -> bool {
         true
     }
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let script = Script::new(HOLDER);
+            let mut invocation = script.key(&*keys.lock);
+            invocation.key(&keys.holder);
+            let limit = Instant::now() + inner.config.command_timeout;
+            let answer: Vec<redis::Value> = inner
+                .commands
+                .run(limit, true, |mut connection| async move {
+                    invocation.invoke_async(&mut connection).await
+                })
+                .await
+                .map_err(|failure| match failure {
+                    connection::Failure::Redis(error) => LockError::Backend(Box::new(error)),
+                    connection::Failure::TimedOut => {
+                        LockError::Backend(Box::new(timed_out("reading the holder of a key")))
+                    }
+                })?;
+            Ok(parse_holder(answer))
+        })
+    }
+}
+
+/// The answer of the `HOLDER` script as a [`Holder`].
+fn parse_holder(answer: Vec<redis::Value>) -> Option<Holder> {
+    let mut answer = answer.into_iter();
+    let pttl: i64 = redis::from_redis_value(answer.next()?).unwrap_or(-1);
+    let mut holder = Holder::new();
+    if let Ok(left) = u64::try_from(pttl) {
+        holder = holder.with_lease_left(Duration::from_millis(left));
+    }
+    let record: Option<String> = answer.next().and_then(|v| redis::from_redis_value(v).ok());
+    if let Some(record) = record {
+        let mut fields = record.splitn(3, '\n');
+        if let Some(millis) = fields.next().and_then(|m| m.parse().ok()) {
+            holder = holder.with_since(from_unix_millis(millis));
+        }
+        if let Some(token) = fields.next().and_then(|t| t.parse().ok()) {
+            holder = holder.with_fencing_token(token);
+        }
+        if let Some(instance) = fields.next() {
+            holder = holder.with_instance(instance);
+        }
+    }
+    Some(holder)
 }
 
 #[cfg(test)]

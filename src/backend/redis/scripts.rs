@@ -1,11 +1,12 @@
 //! The Lua scripts that acquire, renew and release a lock, each one atomic in Redis.
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
-/// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent; `ARGV[1]` token, `ARGV[2]` lease
-/// ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]`
-/// restart guard ms (0: off). Returns `{1, fencing token}`, `{0, holder's PTTL}` (-2
-/// when the token was given back; a reader's expiry when readers hold the key), or
-/// `{2, ms until the restart guard lets grants through}`.
+/// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent, `KEYS[7]` the holder record;
+/// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
+/// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id.
+/// Returns `{1, fencing token}`, `{0, holder's PTTL}` (-2 when the token was given back;
+/// a reader's expiry when readers hold the key), or `{2, ms until the restart guard
+/// lets grants through}`.
 ///
 /// Given back: an attempt that arrives after its own give-back (it travelled on a
 /// connection since replaced, and the give-back on the fresh one found the key free)
@@ -56,8 +57,13 @@ if redis.call('EXISTS', KEYS[1]) == 0 and reader[1] == nil then
     redis.call('SET', KEYS[2], micros)
     fence = tonumber(micros)
   end
+  local millis = now[1] .. string.sub('00' .. math.floor(now[2] / 1000), -3)
+  local record = ARGV[1] .. '\n' .. millis .. '\n' .. redis.call('GET', KEYS[2]) .. '\n' .. ARGV[6]
   if ARGV[3] ~= '0' then
     redis.call('PEXPIRE', KEYS[2], ARGV[3])
+    redis.call('SET', KEYS[7], record, 'PX', ARGV[3])
+  else
+    redis.call('SET', KEYS[7], record)
   end
   redis.call('ZREM', KEYS[6], ARGV[1])
   return {1, fence}
@@ -73,6 +79,22 @@ if reader[1] ~= nil then
   return {0, tonumber(reader[2]) - now}
 end
 return {0, redis.call('PTTL', KEYS[1])}
+";
+
+/// `KEYS[1]` lock, `KEYS[2]` holder record. `{}` when the key is free, else `{PTTL}`
+/// and, if the record is the current holder's (it starts with the lock's token), the
+/// rest of the record: grant time ms, fencing token, instance id, one per line.
+pub(super) const HOLDER: &str = r"
+local token = redis.call('GET', KEYS[1])
+if not token then
+  return {}
+end
+local pttl = redis.call('PTTL', KEYS[1])
+local record = redis.call('GET', KEYS[2])
+if record and string.sub(record, 1, #token + 1) == token .. '\n' then
+  return {pttl, string.sub(record, #token + 2)}
+end
+return {pttl}
 ";
 
 /// `KEYS[1]` lock; `ARGV[1]` token, `ARGV[2]` lease ms. 1 if still ours and extended.
@@ -108,16 +130,17 @@ return 0
 /// Takes one place among a key's shared or permit holders. `KEYS[1]` lock, `KEYS[2]`
 /// fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back mark, `KEYS[5]` the
 /// holders (readers or permits: tokens scored by expiry, server ms), `KEYS[6]` the
-/// writers' intent; `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0:
-/// none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]`
-/// permits (0: a reader, unbounded but for writers). Answers as `ACQUIRE` does; a
+/// writers' intent (`KEYS[7]`, the exclusive holder record, is not used); `ARGV[1]`
+/// token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark
+/// TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id (not used),
+/// `ARGV[7]` permits (0: a reader, unbounded but for writers). Answers as `ACQUIRE` does; a
 /// reader's fencing token is the key's last one (-1 if none), a permit holder's a new
 /// one.
 ///
 /// Expired holders are pruned first, so a crashed holder's place comes back one lease
 /// after its last grant or renewal. A reader is refused while a writer holds the key
 /// or waits for it (the intent set, pruned the same way); a permit holder while
-/// `ARGV[6]` places are taken. The set's own TTL is only ever extended, to the latest
+/// `ARGV[7]` places are taken. The set's own TTL is only ever extended, to the latest
 /// holder's expiry.
 pub(super) const ACQUIRE_COUNTED: &str = r"
 if redis.call('EXISTS', KEYS[4]) == 1 then
@@ -128,7 +151,7 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
 local busy = nil
-local limit = tonumber(ARGV[6])
+local limit = tonumber(ARGV[7])
 if limit == 0 then
   if redis.call('EXISTS', KEYS[1]) == 1 then
     busy = redis.call('PTTL', KEYS[1])

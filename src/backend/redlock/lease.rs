@@ -171,7 +171,14 @@ impl Inner {
             let (inner, keys, token) = (self.clone(), keys.clone(), token.to_owned());
             async move {
                 inner.masters[master]
-                    .acquire(&keys, &token, ttl_ms, guard_ms, limit)
+                    .acquire(
+                        &keys,
+                        &token,
+                        ttl_ms,
+                        guard_ms,
+                        limit,
+                        &inner.config.instance_id,
+                    )
                     .await
             }
         };

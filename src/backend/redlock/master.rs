@@ -6,7 +6,11 @@ use std::time::Duration;
 use redis::{Client, RedisError, Script};
 use tokio::time::Instant;
 
-use super::scripts::{ACQUIRE, RELEASE};
+use super::scripts::{ACQUIRE, HOLDER, RELEASE};
+
+/// How long a holder record outlives its grant at least (a crashed holder's record
+/// goes by itself; a release deletes it at once).
+const HOLDER_RECORD_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 use crate::backend::redis::connection::{with_tcp_settings, Commands, Failure, Target};
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::redis::scripts::RENEW;
@@ -89,13 +93,17 @@ impl Master {
         ttl_ms: u64,
         restart_guard_ms: u64,
         limit: Instant,
+        instance_id: &str,
     ) -> Vote {
         let mut invocation = self.acquire.key(&*keys.lock);
         invocation
             .key(keys.given_back(token))
+            .key(&keys.holder)
             .arg(token)
             .arg(ttl_ms)
-            .arg(restart_guard_ms);
+            .arg(restart_guard_ms)
+            .arg(instance_id)
+            .arg(HOLDER_RECORD_TTL_MS.max(ttl_ms));
         let answer = self
             .run(limit, |mut connection| async move {
                 invocation.invoke_async::<(i64, i64)>(&mut connection).await
@@ -150,9 +158,10 @@ impl Master {
         let mut command = redis::cmd("EVAL");
         command
             .arg(RELEASE)
-            .arg(2)
+            .arg(3)
             .arg(&*keys.lock)
             .arg(keys.given_back(token))
+            .arg(&keys.holder)
             .arg(token)
             .arg(mark_ms);
         let limit = Instant::now() + self.command_timeout;
@@ -170,6 +179,39 @@ impl Master {
                 Reply::NoAnswer
             }
         }
+    }
+
+    /// This master's view of the lock: `None` when free, else the holder's token, the
+    /// lock's PTTL and, if the record is that token's, the rest of the record (grant
+    /// ms, fencing token, instance id; one per line).
+    pub(super) async fn holder(
+        &self,
+        keys: &RedisKeys,
+    ) -> Result<Option<(String, i64, Option<String>)>, RedisError> {
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(HOLDER)
+            .arg(2)
+            .arg(&*keys.lock)
+            .arg(&keys.holder);
+        let limit = Instant::now() + self.command_timeout;
+        let answer: Vec<redis::Value> = self
+            .run(limit, |mut connection| async move {
+                command.query_async(&mut connection).await
+            })
+            .await?;
+        let mut answer = answer.into_iter();
+        let Some(token) = answer.next() else {
+            return Ok(None);
+        };
+        let token: String = redis::from_redis_value(token)?;
+        let pttl: i64 = answer
+            .next()
+            .map(redis::from_redis_value)
+            .transpose()?
+            .unwrap_or(-1);
+        let rest: Option<String> = answer.next().map(redis::from_redis_value).transpose()?;
+        Ok(Some((token, pttl, rest)))
     }
 
     /// Runs `command` until `limit`; only a whole command timeout counts towards

@@ -126,6 +126,17 @@
 //! `{<prefix><name>:<key>}:lock:given-back:<token>`. There is no fence counter and no
 //! waiting mark. [`RedlockBackend::lock_key`] computes the lock key.
 //!
+//! # Who holds a key
+//!
+//! The script that grants a key on a master also writes `{<prefix><name>:<key>}:holder`
+//! there: the token, the master's time in ms and the instance id
+//! ([`instance_id`](RedlockBackendBuilder::instance_id)); a release deletes it, and it
+//! expires a day after the grant (a crashed holder's, or one held longer than that,
+//! which then reads without instance and time). [`holder`](LockBackend::holder) asks
+//! every master and names the token that a majority has (`None` if none has; a
+//! [`LockError::Backend`] if fewer than a majority answered); `lease_left` is the least
+//! PTTL among them. No fencing token: Redlock issues none.
+//!
 //! # What this backend does not guarantee
 //!
 //! - **Fencing tokens: none, and none can be had.** A fencing token must grow strictly
@@ -158,6 +169,7 @@
 //! - **Operators.** A `FLUSHALL` or a `DEL` of a lock key on a majority, like a majority
 //!   restarted with the guard off, frees a held key.
 
+mod holder;
 mod lease;
 mod master;
 mod quorum;
@@ -170,9 +182,8 @@ use std::time::Duration;
 use redis::{Client, RedisError};
 
 use self::master::Master;
-use super::{ttl, Acquisition, LockBackend};
+use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
 use crate::backend::redis::keys::RedisKeys;
-#[cfg(doc)]
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -227,6 +238,8 @@ struct Config {
     restart_guard: bool,
     allow_eviction: bool,
     fencing: bool,
+    /// Recorded with every grant, for [`LockBackend::holder`].
+    instance_id: String,
 }
 
 struct Inner {
@@ -320,6 +333,7 @@ impl RedlockBackend {
                 restart_guard: true,
                 allow_eviction: false,
                 fencing: false,
+                instance_id: default_instance_id(),
             },
         }
     }
@@ -368,6 +382,14 @@ impl fmt::Debug for RedlockBackendBuilder {
 }
 
 impl RedlockBackendBuilder {
+    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
+    /// recorded on each master by the script that grants it there, and read back by
+    /// [`holder`](LockBackend::holder).
+    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
+        self.config.instance_id = instance_id.into();
+        self
+    }
+
     /// How long a grant lasts on each master without renewal (default
     /// [`DEFAULT_LEASE`], 30 s): it bounds how long a crashed instance keeps a key, and
     /// how long the restart guard keeps a restarted master from voting.
@@ -549,6 +571,11 @@ impl LockBackend for RedlockBackend {
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
+        Box::pin(self.inner.clone().holder(Arc::new(keys)))
     }
 
     fn issues_fencing_tokens(&self) -> bool {

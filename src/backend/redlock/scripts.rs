@@ -1,8 +1,10 @@
 //! The Lua scripts each master runs, each one atomic there. Renewal is the Redis
 //! backend's own compare-and-`PEXPIRE` (`redis::scripts::RENEW`).
 
-/// `KEYS[1]` lock, `KEYS[2]` the token's given-back mark; `ARGV[1]` token, `ARGV[2]`
-/// lease ms, `ARGV[3]` restart guard ms (0: off). `SET lock token NX PX lease`, with
+/// `KEYS[1]` lock, `KEYS[2]` the token's given-back mark, `KEYS[3]` the holder record;
+/// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` restart guard ms (0: off), `ARGV[4]`
+/// instance id, `ARGV[5]` the record's TTL ms. The record (token, grant ms, an empty
+/// fencing token, instance id; one per line) is written with the grant. `SET lock token NX PX lease`, with
 /// two refusals before it. Returns `{1, 0}` when granted, `{0, holder's PTTL}` when
 /// held (-2 when the token was given back), or `{2, ms until this master votes}`.
 ///
@@ -27,19 +29,38 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
     end
   end
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  local now = redis.call('TIME')
+  local millis = now[1] .. string.sub('00' .. math.floor(now[2] / 1000), -3)
+  redis.call('SET', KEYS[3], ARGV[1] .. '\n' .. millis .. '\n\n' .. ARGV[4], 'PX', ARGV[5])
   return {1, 0}
 end
 return {0, redis.call('PTTL', KEYS[1])}
 ";
 
-/// `KEYS[1]` lock, `KEYS[2]` the token's given-back mark; `ARGV[1]` token, `ARGV[2]` the
-/// mark's TTL ms. Deletes the lock only if the token holds it (1); if not, marks the
-/// token given back (see `ACQUIRE`) and returns 0.
+/// `KEYS[1]` lock, `KEYS[2]` the token's given-back mark, `KEYS[3]` the holder record;
+/// `ARGV[1]` token, `ARGV[2]` the mark's TTL ms. Deletes the lock (and its record) only
+/// if the token holds it (1); if not, marks the token given back (see `ACQUIRE`) and
+/// returns 0.
 pub(super) const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[1], KEYS[3])
   return 1
 end
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 return 0
+";
+
+/// `KEYS[1]` lock, `KEYS[2]` holder record. `{}` when free, else `{token, PTTL}` and,
+/// when the record is this token's, the rest of the record.
+pub(super) const HOLDER: &str = r"
+local token = redis.call('GET', KEYS[1])
+if not token then
+  return {}
+end
+local pttl = redis.call('PTTL', KEYS[1])
+local record = redis.call('GET', KEYS[2])
+if record and string.sub(record, 1, #token + 1) == token .. '\n' then
+  return {token, pttl, string.sub(record, #token + 2)}
+end
+return {token, pttl}
 ";

@@ -197,7 +197,12 @@ impl Inner {
         for _ in 0..CREATE_ATTEMPTS {
             let sent = Instant::now();
             in_flight.sent(sent);
-            match timeout_at(limit(sent), client.create(&prefix, b"", &ephemeral)).await {
+            match timeout_at(
+                limit(sent),
+                client.create(&prefix, self.config.instance_id.as_bytes(), &ephemeral),
+            )
+            .await
+            {
                 Ok(Ok((stat, sequence))) => {
                     let _ = contender.node.set(format!("{prefix}{sequence}"));
                     return u64::try_from(stat.czxid).map_err(|_| {

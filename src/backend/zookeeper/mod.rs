@@ -112,6 +112,17 @@
 //! answers 503 (or runs the request under its local lock with
 //! [`fail_open`](crate::KeyedLockLayer::fail_open)).
 //!
+//! # Who holds a key
+//!
+//! [`holder`](LockBackend::holder) lists the key's queue and reads its first node: the
+//! holder. Each contender's node carries its instance id
+//! ([`instance_id`](ZooKeeperBackendBuilder::instance_id)) as its data, written by the
+//! create that joins the queue; its creation zxid is the fencing token. `since` is the
+//! node's `ctime` (the server's clock), when the holder *joined the queue*: for a
+//! holder that waited behind others, earlier than its grant, which ZooKeeper records
+//! nowhere. No lease is left to tell (the lock lasts as long as the session):
+//! `lease_left` is `None`.
+//!
 //! # Timing rules
 //!
 //! | what | when |
@@ -176,8 +187,10 @@
 
 // One concern per file: `keys` names the nodes, `session` keeps the session heard,
 // `acquire` queues and waits (and gives back a node nobody holds), `lease` follows a
-// held node. This file has the public types and their configuration.
+// held node, `holder` reads the first node of a queue. This file has the public types
+// and their configuration.
 mod acquire;
+mod holder;
 mod keys;
 mod lease;
 mod session;
@@ -192,8 +205,7 @@ use zookeeper_client as zk;
 use self::acquire::backend;
 use self::keys::{check_prefix, normalize_prefix, LockPath};
 use self::session::Session;
-use super::{ttl, Acquisition, LockBackend};
-#[cfg(doc)]
+use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -260,6 +272,8 @@ struct Config {
     command_timeout: Duration,
     poll_interval: Duration,
     prefix: String,
+    /// The data of every contender node, for [`LockBackend::holder`].
+    instance_id: String,
 }
 
 /// What every clone of a backend shares.
@@ -325,6 +339,7 @@ impl ZooKeeperBackend {
                 command_timeout: DEFAULT_COMMAND_TIMEOUT,
                 poll_interval: DEFAULT_POLL_INTERVAL,
                 prefix: DEFAULT_PREFIX.to_owned(),
+                instance_id: default_instance_id(),
             },
         }
     }
@@ -367,6 +382,19 @@ impl fmt::Debug for ZooKeeperBackend {
 }
 
 impl ZooKeeperBackendBuilder {
+    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
+    /// the data of every node it queues with, written by the create that joins the
+    /// queue, and read back by [`holder`](LockBackend::holder).
+    ///
+    /// ```
+    /// use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
+    /// let builder = ZooKeeperBackend::builder("127.0.0.1:2181").instance_id("worker-3");
+    /// ```
+    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
+        self.config.instance_id = instance_id.into();
+        self
+    }
+
     /// The session timeout asked of ZooKeeper (default [`DEFAULT_SESSION_TIMEOUT`],
     /// 10 s; the server keeps it between 2 and 20 of its ticks). It bounds how long a
     /// crashed instance keeps a key, and how long a holder cut off from the quorum
@@ -469,6 +497,12 @@ impl LockBackend for ZooKeeperBackend {
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let path = LockPath::new(&self.inner.config.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(path, wait))
+    }
+
+    fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
+        let path = LockPath::new(&self.inner.config.prefix, name, key.as_str());
+        let inner = self.inner.clone();
+        Box::pin(async move { inner.holder(path).await })
     }
 }
 

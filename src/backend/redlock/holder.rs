@@ -1,0 +1,74 @@
+//! Who holds a key (see [Who holds a key](super#who-holds-a-key)): a majority read.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::quorum::ask_all;
+use super::Inner;
+use crate::backend::redis::keys::RedisKeys;
+use crate::backend::{from_unix_millis, Holder};
+use crate::error::LockError;
+
+/// Why a majority read told nothing: fewer than a majority of the masters answered.
+#[derive(Debug)]
+struct NoMajority;
+
+impl std::fmt::Display for NoMajority {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("fewer than a majority of the Redlock masters answered")
+    }
+}
+
+impl std::error::Error for NoMajority {}
+
+impl Inner {
+    /// Asks every master; the holder is the token a majority has. Its record comes from
+    /// one of those masters, its lease left is the least any of them reports.
+    pub(super) async fn holder(
+        self: Arc<Self>,
+        keys: Arc<RedisKeys>,
+    ) -> Result<Option<Holder>, LockError> {
+        let majority = self.masters.len() / 2 + 1;
+        let mut answered = 0;
+        let mut tokens: HashMap<String, (usize, i64, Option<String>)> = HashMap::new();
+        let ask = |master: usize| {
+            let (inner, keys) = (self.clone(), keys.clone());
+            async move { inner.masters[master].holder(&keys).await }
+        };
+        ask_all(self.masters.len(), ask, |answer| {
+            let Ok(view) = answer else { return false };
+            answered += 1;
+            if let Some((token, pttl, rest)) = view {
+                let entry = tokens.entry(token).or_insert((0, i64::MAX, None));
+                entry.0 += 1;
+                entry.1 = entry.1.min(pttl);
+                entry.2 = entry.2.take().or(rest);
+            }
+            false
+        })
+        .await;
+        if answered < majority {
+            return Err(LockError::Backend(Box::new(NoMajority)));
+        }
+        let Some((_, pttl, rest)) = tokens.into_values().find(|(votes, ..)| *votes >= majority)
+        else {
+            return Ok(None);
+        };
+        let mut holder = Holder::new();
+        if let Ok(left) = u64::try_from(pttl) {
+            holder = holder.with_lease_left(Duration::from_millis(left));
+        }
+        if let Some(rest) = rest {
+            let mut fields = rest.splitn(3, '\n');
+            if let Some(millis) = fields.next().and_then(|m| m.parse().ok()) {
+                holder = holder.with_since(from_unix_millis(millis));
+            }
+            let _no_fencing_token = fields.next();
+            if let Some(instance) = fields.next() {
+                holder = holder.with_instance(instance);
+            }
+        }
+        Ok(Some(holder))
+    }
+}
