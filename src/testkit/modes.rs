@@ -10,6 +10,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::isolated::Isolated;
+use super::mutual::eventually_free;
 use super::{within, Deployment, PATIENCE};
 use crate::{DistributedLocks, LockError};
 
@@ -281,9 +282,9 @@ pub async fn dropped_shared_and_permit_acquisitions_leave_nothing_held<D: Deploy
         let writer = a.lock("held").await.unwrap();
         let _ = tokio::time::timeout(cut, b.lock_shared_timeout("held", PATIENCE)).await;
         writer.release().await;
-        writer_eventually(&a, "held", freed_within).await;
+        eventually_free(&a, "held", freed_within).await;
         let _ = tokio::time::timeout(cut, b.lock_shared_timeout("free", PATIENCE)).await;
-        writer_eventually(&a, "free", freed_within).await;
+        eventually_free(&a, "free", freed_within).await;
         // A permit holder cut while both permits are taken, then while they are free.
         let first = permits_a.lock("held").await.unwrap();
         let second = permits_a.lock("held").await.unwrap();
@@ -293,23 +294,6 @@ pub async fn dropped_shared_and_permit_acquisitions_leave_nothing_held<D: Deploy
         both_permits_eventually(&permits_a, "held", freed_within).await;
         let _ = tokio::time::timeout(cut, permits_b.lock_timeout("free", PATIENCE)).await;
         both_permits_eventually(&permits_a, "free", freed_within).await;
-    }
-}
-
-/// Takes `key` exclusively with `try_lock` until it can, failing after `limit`.
-async fn writer_eventually(locks: &DistributedLocks, key: &str, limit: Duration) {
-    let started = Instant::now();
-    loop {
-        match locks.try_lock(key).await {
-            Ok(guard) => return guard.release().await,
-            Err(LockError::Busy) => {}
-            Err(error) => panic!("conformance: try_lock({key:?}) failed: {error}"),
-        }
-        assert!(
-            started.elapsed() < limit,
-            "conformance: {key:?} still held {limit:?} after a cut shared acquisition"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 

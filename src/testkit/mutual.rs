@@ -154,7 +154,7 @@ pub async fn dropped_acquisitions_leave_nothing_held<D: Deployment>(deployment: 
 }
 
 /// Takes `key` with `try_lock` until it is free, failing after `limit`.
-async fn eventually_free(locks: &DistributedLocks, key: &str, limit: Duration) {
+pub(super) async fn eventually_free(locks: &DistributedLocks, key: &str, limit: Duration) {
     let started = Instant::now();
     loop {
         match locks.try_lock(key).await {
