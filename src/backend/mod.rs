@@ -16,6 +16,21 @@
 //! [`LockBackend::supports`], and a mode it lacks is refused when the locks or the
 //! layer are built. Redis and PostgreSQL (session locks) give every mode; the other
 //! engines hold keys exclusively only.
+//!
+//! # Files
+//!
+//! - `mod.rs`: [`LockBackend`], [`Lease`], [`LeaseSignal`] and its sender: what every
+//!   engine implements and hands out.
+//! - `lost.rs`: [`LostReason`], why a lease was lost.
+//! - `mode.rs`: [`LockMode`]: exclusive, shared, or one of `n` permits.
+//! - `health.rs`: [`Health`], the health check every engine gets.
+//! - `holder.rs`: [`Holder`], who holds a key, and the default instance id.
+//! - `retry_later.rs`: [`RetryLater`], an error that says when to come back.
+//! - `key_component.rs`: a key as a path component (etcd, ZooKeeper, Azure Blob).
+//! - `ttl/`: the TTL-lease engine (attempt, renewal, give-back, timing) that the
+//!   lease-based engines share.
+//! - `redis/`, `redlock/`, `postgres/`, `dynamodb/`, `etcd/`, `zookeeper/`, `mysql/`,
+//!   `azure_blob/`: one engine each.
 
 use std::fmt;
 use std::sync::Arc;
