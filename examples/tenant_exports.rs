@@ -10,8 +10,8 @@
 //! and every export done.
 //!
 //! Run it with `cargo run --features redis --example tenant_exports`. It starts its own
-//! `redis-server` on a free port (and stops it at the end); without `redis-server` it
-//! says so and exits.
+//! `redis-server` on a free port (and stops it at the end); `./scripts/test` installs
+//! `redis-server` when it is missing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -33,17 +33,19 @@ struct Running {
     done: HashMap<&'static str, usize>,
 }
 
+// The test suite's launcher (started on a free port, stopped on drop).
+#[path = "../tests/support/redis_server.rs"]
+mod redis_server;
+
 #[tokio::main]
 async fn main() {
-    let Some(redis) = redis_process::RedisProcess::start() else {
-        println!("redis-server is not installed; this example needs it");
-        return;
-    };
-    println!("redis-server started on port {}", redis.port);
+    // A redis-server of the example's own on a free port (`scripts/test` installs it).
+    let redis = redis_server::RedisServer::start();
+    println!("redis-server started on port {}", redis.port());
 
     let mut instances = Vec::new();
     for _ in 0..INSTANCES {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{}/", redis.port)).unwrap();
+        let client = redis.client();
         let backend = RedisBackend::builder(client)
             .lease(Duration::from_secs(2))
             // A Redis this example just started, empty: nothing to guard after a restart.
@@ -110,65 +112,4 @@ async fn main() {
         "acme's 15 exports never used all 3 permits at once"
     );
     assert_eq!(running.most["globex"], PERMITS, "globex waited behind acme");
-}
-
-/// A `redis-server` of the example's own on a free port, stopped on drop.
-mod redis_process {
-    use std::io::{ErrorKind, Read, Write};
-    use std::net::{TcpListener, TcpStream};
-    use std::process::{Child, Command, Stdio};
-    use std::time::{Duration, Instant};
-
-    pub struct RedisProcess {
-        pub port: u16,
-        child: Child,
-    }
-
-    impl RedisProcess {
-        /// `None` when `redis-server` is not installed.
-        pub fn start() -> Option<RedisProcess> {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|listener| listener.local_addr())
-                .expect("a free port")
-                .port();
-            let spawned = Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--save", "", "--appendonly", "no"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn();
-            let child = match spawned {
-                Ok(child) => child,
-                Err(error) if error.kind() == ErrorKind::NotFound => return None,
-                Err(error) => panic!("cannot start redis-server: {error}"),
-            };
-            let mut redis = RedisProcess { port, child };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while !redis.answers_ping() {
-                if let Ok(Some(status)) = redis.child.try_wait() {
-                    panic!("redis-server exited with {status}");
-                }
-                assert!(Instant::now() < deadline, "redis-server did not start");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Some(redis)
-        }
-
-        fn answers_ping(&self) -> bool {
-            let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
-                return false;
-            };
-            let mut reply = [0u8; 7];
-            stream.write_all(b"PING\r\n").is_ok()
-                && stream.read_exact(&mut reply).is_ok()
-                && &reply == b"+PONG\r\n"
-        }
-    }
-
-    impl Drop for RedisProcess {
-        fn drop(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
 }

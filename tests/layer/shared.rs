@@ -5,11 +5,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::routing::get;
+use axum::routing::{get, MethodRouter};
 use axum::Router;
 use http::{Method, Request, StatusCode};
 use tokio::sync::Barrier;
-use tower_keyed_lock::{KeyedLockLayer, LockInfo};
+use tower_keyed_lock::backend::{Acquisition, LockBackend};
+use tower_keyed_lock::{Key, KeyedLockLayer, LockInfo};
 
 use crate::support::{join_all, serve};
 
@@ -39,6 +40,28 @@ impl ReadWrite {
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
         self.writers.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// GET reads and PUT writes `state`; both answer whether the key was held shared.
+fn reads_and_writes(state: Arc<ReadWrite>) -> MethodRouter {
+    let writes = state.clone();
+    get(move |lock: LockInfo| async move {
+        state.read().await;
+        format!("shared={}", lock.is_shared())
+    })
+    .put(move |lock: LockInfo| async move {
+        writes.write().await;
+        format!("shared={}", lock.is_shared())
+    })
+}
+
+/// A backend that holds keys exclusively only (the default modes), and never answers.
+struct Unreachable;
+
+impl LockBackend for Unreachable {
+    fn acquire(&self, _: &str, _: &Key, _: Duration) -> Acquisition {
+        Box::pin(async { Err(tower_keyed_lock::LockError::Backend("unreachable".into())) })
     }
 }
 
@@ -85,28 +108,11 @@ async fn gets_of_one_key_run_together() {
 #[tokio::test]
 async fn a_put_runs_alone_among_gets() {
     let state = Arc::new(ReadWrite::default());
-    let (reads, writes) = (state.clone(), state.clone());
     let layer = KeyedLockLayer::by_path("order_id")
         .shared_methods([Method::GET])
         .wait_timeout(Duration::from_secs(60));
     let app = Router::new()
-        .route(
-            "/orders/{order_id}",
-            get(move |lock: LockInfo| {
-                let state = reads.clone();
-                async move {
-                    state.read().await;
-                    format!("shared={}", lock.is_shared())
-                }
-            })
-            .put(move |lock: LockInfo| {
-                let state = writes.clone();
-                async move {
-                    state.write().await;
-                    format!("shared={}", lock.is_shared())
-                }
-            }),
-        )
+        .route("/orders/{order_id}", reads_and_writes(state.clone()))
         .layer(layer.clone());
     let server = serve(app).await;
     let methods: Vec<Method> = (0..40)
@@ -134,14 +140,6 @@ async fn a_put_runs_alone_among_gets() {
 #[test]
 #[should_panic(expected = "does not support shared locks across instances")]
 fn shared_methods_with_an_exclusive_only_backend_are_refused_when_applied() {
-    use tower_keyed_lock::backend::{Acquisition, LockBackend};
-    use tower_keyed_lock::Key;
-    struct Unreachable;
-    impl LockBackend for Unreachable {
-        fn acquire(&self, _: &str, _: &Key, _: Duration) -> Acquisition {
-            Box::pin(async { Err(tower_keyed_lock::LockError::Backend("unreachable".into())) })
-        }
-    }
     let layer = KeyedLockLayer::by_path("order_id")
         .shared_methods([Method::GET])
         .backend(Unreachable);
@@ -171,25 +169,8 @@ mod across_instances {
             .shared_methods([Method::GET])
             .wait_timeout(Duration::from_secs(60))
             .backend(backend);
-        let (reads, writes) = (state.clone(), state);
         Router::new()
-            .route(
-                "/orders/{order_id}",
-                get(move |lock: LockInfo| {
-                    let state = reads.clone();
-                    async move {
-                        state.read().await;
-                        format!("shared={}", lock.is_shared())
-                    }
-                })
-                .put(move |lock: LockInfo| {
-                    let state = writes.clone();
-                    async move {
-                        state.write().await;
-                        format!("shared={}", lock.is_shared())
-                    }
-                }),
-            )
+            .route("/orders/{order_id}", reads_and_writes(state))
             .route(
                 "/together/{order_id}",
                 get(move || {
@@ -257,14 +238,6 @@ mod across_instances {
     expected = "KeyedLockLayer::permits(3): the custom lock backend does not support 3 permits per key across instances"
 )]
 fn permits_an_exclusive_only_backend_cannot_count_are_refused_when_applied() {
-    use tower_keyed_lock::backend::{Acquisition, LockBackend};
-    use tower_keyed_lock::Key;
-    struct Unreachable;
-    impl LockBackend for Unreachable {
-        fn acquire(&self, _: &str, _: &Key, _: Duration) -> Acquisition {
-            Box::pin(async { Err(tower_keyed_lock::LockError::Backend("unreachable".into())) })
-        }
-    }
     let layer = KeyedLockLayer::by_path("order_id")
         .permits(3)
         .backend(Unreachable);
