@@ -20,6 +20,8 @@
 
 #[path = "../tests/support/mysql_server.rs"]
 mod mysql_server;
+#[path = "../tests/support/ports.rs"]
+mod ports;
 
 use std::time::{Duration, Instant};
 

@@ -24,6 +24,8 @@
 
 #[path = "../tests/support/pg_server.rs"]
 mod pg_server;
+#[path = "../tests/support/ports.rs"]
+mod ports;
 
 use std::time::{Duration, Instant};
 

@@ -16,6 +16,8 @@
 //!    `INFO commandstats` deltas, printed per command. Script calls are the round trips;
 //!    the commands they run inside Redis are listed too.
 
+#[path = "../tests/support/ports.rs"]
+mod ports;
 #[path = "../tests/support/redis_server.rs"]
 mod redis_server;
 

@@ -23,6 +23,9 @@ const KEY: &str = "leader";
 const NAMES: [&str; 3] = ["candidate-1", "candidate-2", "candidate-3"];
 
 #[cfg(feature = "redis")]
+#[path = "../tests/support/ports.rs"]
+mod ports;
+#[cfg(feature = "redis")]
 #[path = "../tests/support/redis_server.rs"]
 mod redis_server;
 

@@ -97,6 +97,35 @@ const AZURE_LEASE: Duration = Duration::from_secs(15);
 #[path = "../tests/support/azurite_server.rs"]
 mod azurite_server;
 
+// Ports below the kernel's ephemeral range: a readiness probe that connects again and
+// again to a port of that range can connect to itself (TCP simultaneous open, as the
+// probe's own source port comes round to it) and then wait for an answer it sent.
+#[path = "../tests/support/ports.rs"]
+mod ports;
+
+/// Sends `request` to a server of the example's own on 127.0.0.1 and reads its answer,
+/// waiting at most a second for each: `None` until it serves.
+fn ask(port: u16, request: &[u8], answer_len: Option<usize>) -> Option<String> {
+    use std::io::{Read, Write};
+    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let limit = Duration::from_secs(1);
+    let mut stream = std::net::TcpStream::connect_timeout(&address, limit).ok()?;
+    stream.set_read_timeout(Some(limit)).ok()?;
+    stream.set_write_timeout(Some(limit)).ok()?;
+    stream.write_all(request).ok()?;
+    let mut answer = Vec::new();
+    match answer_len {
+        Some(len) => {
+            answer.resize(len, 0);
+            stream.read_exact(&mut answer).ok()?;
+        }
+        None => {
+            stream.read_to_end(&mut answer).ok()?;
+        }
+    }
+    String::from_utf8(answer).ok()
+}
+
 /// The ZooKeeper session timeout, and the server's tick: it expires sessions in
 /// buckets of a tick, so a takeover may come up to that much later.
 #[cfg(feature = "zookeeper")]
@@ -462,8 +491,7 @@ fn check(ledger: &Ledger, shared: &Shared) {
 /// A `redis-server` of the example's own on a free port, stopped on drop.
 #[cfg(feature = "redis")]
 mod redis_process {
-    use std::io::{ErrorKind, Read, Write};
-    use std::net::{TcpListener, TcpStream};
+    use std::io::ErrorKind;
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
 
@@ -475,10 +503,7 @@ mod redis_process {
     impl RedisProcess {
         /// `None` when `redis-server` is not installed.
         pub fn start() -> Option<RedisProcess> {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|listener| listener.local_addr())
-                .expect("a free port")
-                .port();
+            let port = super::ports::free_port();
             let spawned = Command::new("redis-server")
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--save", "", "--appendonly", "no"])
@@ -503,13 +528,7 @@ mod redis_process {
         }
 
         fn answers_ping(&self) -> bool {
-            let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
-                return false;
-            };
-            let mut reply = [0u8; 7];
-            stream.write_all(b"PING\r\n").is_ok()
-                && stream.read_exact(&mut reply).is_ok()
-                && &reply == b"+PONG\r\n"
+            super::ask(self.port, b"PING\r\n", Some(7)).is_some_and(|reply| reply == "+PONG\r\n")
         }
     }
 
@@ -524,23 +543,17 @@ mod redis_process {
 /// An `etcd` of the example's own (one member) on free ports, stopped on drop.
 #[cfg(feature = "etcd")]
 mod etcd_process {
-    use std::io::{ErrorKind, Read, Write};
-    use std::net::{TcpListener, TcpStream};
+    use std::io::ErrorKind;
     use std::path::PathBuf;
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
+
+    use super::ports::free_port;
 
     pub struct EtcdProcess {
         pub port: u16,
         child: Child,
         dir: PathBuf,
-    }
-
-    fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port()
     }
 
     impl EtcdProcess {
@@ -584,17 +597,12 @@ mod etcd_process {
 
         /// `GET /health` answers `"health":"true"` once the member has a leader.
         fn is_healthy(&self) -> bool {
-            let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
-                return false;
-            };
             let request = format!(
                 "GET /health HTTP/1.1\r\nHost: 127.0.0.1:{}\r\nConnection: close\r\n\r\n",
                 self.port
             );
-            let mut reply = String::new();
-            stream.write_all(request.as_bytes()).is_ok()
-                && stream.read_to_string(&mut reply).is_ok()
-                && reply.contains("\"health\":\"true\"")
+            super::ask(self.port, request.as_bytes(), None)
+                .is_some_and(|reply| reply.contains("\"health\":\"true\""))
         }
     }
 
@@ -611,8 +619,6 @@ mod etcd_process {
 /// package's jar on the installed Java), stopped on drop.
 #[cfg(feature = "zookeeper")]
 mod zookeeper_process {
-    use std::io::{Read, Write};
-    use std::net::{TcpListener, TcpStream};
     use std::path::{Path, PathBuf};
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
@@ -632,10 +638,7 @@ mod zookeeper_process {
             if !Path::new(&jar).is_file() {
                 return None;
             }
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|listener| listener.local_addr())
-                .expect("a free port")
-                .port();
+            let port = super::ports::free_port();
             let dir = std::env::temp_dir().join(format!(
                 "tower-keyed-lock-example-zookeeper-{}-{port}",
                 std::process::id()
@@ -680,13 +683,7 @@ mod zookeeper_process {
 
         /// `ruok` answers `imok` once the server runs.
         fn is_ok(&self) -> bool {
-            let Ok(mut stream) = TcpStream::connect(("127.0.0.1", self.port)) else {
-                return false;
-            };
-            let mut reply = String::new();
-            stream.write_all(b"ruok").is_ok()
-                && stream.read_to_string(&mut reply).is_ok()
-                && reply == "imok"
+            super::ask(self.port, b"ruok", None).is_some_and(|reply| reply == "imok")
         }
     }
 
@@ -703,7 +700,6 @@ mod zookeeper_process {
 /// `mariadbd` on a free port of 127.0.0.1 (never the system's), removed on drop.
 #[cfg(feature = "mysql")]
 mod mysql_process {
-    use std::net::TcpListener;
     use std::path::PathBuf;
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
@@ -739,10 +735,7 @@ mod mysql_process {
                 installed.is_ok_and(|status| status.success()),
                 "mariadb-install-db failed or is missing: apt-get install mariadb-server"
             );
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|listener| listener.local_addr())
-                .expect("a free port")
-                .port();
+            let port = super::ports::free_port();
             let socket = root.join("mariadb.sock");
             let child = Command::new("/usr/sbin/mariadbd")
                 .arg("--no-defaults")

@@ -3,10 +3,11 @@
 //! member is killed and its data directory removed on drop.
 #![allow(dead_code)]
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::ports::free_port;
 
 /// Raft heartbeat and election timeout of the test cluster. With these, etcd's shortest
 /// lease is (3 × 6 / 2) heartbeats = 900 ms, rounded up to 1 s: a 1 s lease is granted
@@ -44,13 +45,6 @@ fn etcd_binary() -> String {
          `apt-get install etcd-server`; scripts/test installs it), or ETCD_BIN set to one"
     );
     binary
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("no free port")
-        .port()
 }
 
 impl EtcdCluster {

@@ -8,11 +8,12 @@
 #![allow(dead_code)]
 
 use std::fs;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+
+pub use super::ports::free_port;
 
 /// How long a start or stop may take before the test fails.
 const STARTUP_LIMIT: Duration = Duration::from_secs(30);
@@ -331,13 +332,4 @@ pub fn temp_dir() -> PathBuf {
     ));
     fs::create_dir(&dir).expect("cannot create the server dir");
     dir
-}
-
-/// A port nobody listens on now (the OS picks it; PostgreSQL binds it right after).
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }

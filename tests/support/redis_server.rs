@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -76,10 +76,7 @@ impl RedisServer {
         // binds, so try a few.
         let mut last_error = String::new();
         for _ in 0..5 {
-            let port = TcpListener::bind("127.0.0.1:0")
-                .and_then(|listener| listener.local_addr())
-                .expect("no free port")
-                .port();
+            let port = super::ports::free_port();
             let dir = std::env::temp_dir().join(format!(
                 "tower-keyed-lock-redis-{}-{port}",
                 std::process::id()

@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::ports::free_port;
+
 /// ZooKeeper's tick in the test ensemble: sessions may last 2 to 20 ticks (400 ms to
 /// 4 s); a follower that hears nothing from its leader for `SYNC_LIMIT` ticks leaves it.
 pub const TICK: Duration = Duration::from_millis(200);
@@ -57,13 +59,6 @@ fn zookeeper_jar() -> String {
         .is_ok_and(|status| status.success());
     assert!(java, "`java` not found: ZooKeeper needs a Java runtime");
     jar
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("no free port")
-        .port()
 }
 
 impl ZooKeeperEnsemble {
