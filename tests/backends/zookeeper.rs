@@ -34,12 +34,16 @@ async fn probe(ensemble: &ZooKeeperEnsemble) -> zk::Client {
         .expect("a probe connects to ZooKeeper")
 }
 
-/// How many contenders (holder and waiters) the queue of `key` has at ZooKeeper.
+/// How many contenders (holder and waiters) the queue of `key` has at ZooKeeper, after
+/// the probe's server caught up with the leader (`sync`): the probe may be connected to
+/// a follower that has not applied the backend's last create yet.
 async fn queued(probe: &zk::Client, backend: &ZooKeeperBackend, key: &str) -> usize {
-    match probe
-        .list_children(&backend.queue_path(servers::NAME, key))
-        .await
-    {
+    let queue = backend.queue_path(servers::NAME, key);
+    match probe.sync(&queue).await {
+        Ok(()) | Err(zk::Error::NoNode) => {}
+        Err(error) => panic!("ZooKeeper answers: {error}"),
+    }
+    match probe.list_children(&queue).await {
         Ok(children) => children.len(),
         Err(zk::Error::NoNode) => 0,
         Err(error) => panic!("ZooKeeper answers: {error}"),
@@ -410,7 +414,10 @@ async fn a_create_whose_answer_never_came_is_deleted() {
         }
     });
     proxy.hold_existing();
-    let outcome = a.lock_timeout("late", Duration::from_millis(100)).await;
+    // Given up by its caller, before its first attempt's command timeout: that is also
+    // the client's connection timeout, and a create on a connection the client dropped
+    // never arrives, late or not.
+    let outcome = tokio::time::timeout(Duration::from_millis(100), a.lock("late")).await;
     assert!(outcome.is_err(), "granted through a held path: {outcome:?}");
     // Delivered well within the session timeout: the session lives on, and so would
     // the node, but for the guard.

@@ -1,7 +1,7 @@
 //! A loopback TCP proxy that injects network faults between an instance and its server.
 //!
 //! Modes, switchable at any time while connections are open:
-//! - `Forward`: bytes pass through (after `delay`, if set);
+//! - `Forward`: bytes pass through (each `delay` after it was read, if set);
 //! - `Blackhole`: bytes are read and dropped in both directions, nothing is closed, and
 //!   a side that closes is not told to the other — a path that went silent without a
 //!   reset (a partition, a dead NAT entry);
@@ -16,14 +16,15 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
 
 /// What the proxy does with the bytes it reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,6 +53,8 @@ pub struct TcpProxy {
     /// Connections accepted so far; the next one gets this number.
     accepted: Arc<AtomicU64>,
     delivered_late: Arc<AtomicU64>,
+    /// Round trips over every connection: a client's bytes after the server's.
+    round_trips: Arc<AtomicU64>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -73,6 +76,8 @@ impl TcpProxy {
         let numbering = accepted.clone();
         let delivered_late = Arc::new(AtomicU64::new(0));
         let late = delivered_late.clone();
+        let round_trips = Arc::new(AtomicU64::new(0));
+        let counted = round_trips.clone();
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -82,12 +87,16 @@ impl TcpProxy {
                 let watcher = watcher.clone();
                 let open = open.clone();
                 let late = late.clone();
+                let turns = Turns {
+                    server_spoke: Arc::new(AtomicBool::new(true)),
+                    count: counted.clone(),
+                };
                 tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
                     };
                     *open.lock().unwrap() += 1;
-                    pipe(client, server, number, watcher, late).await;
+                    pipe(client, server, number, watcher, (late, turns)).await;
                     *open.lock().unwrap() -= 1;
                 });
             }
@@ -98,8 +107,16 @@ impl TcpProxy {
             connections,
             accepted,
             delivered_late,
+            round_trips,
             accept,
         }
+    }
+
+    /// Round trips made through the proxy so far, over every connection: each time a
+    /// client sent bytes after the server had sent some (or first). A pipelined batch
+    /// is one; so is a request that the network split.
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::SeqCst)
     }
 
     /// `host:port` of the proxy, for connection strings.
@@ -141,7 +158,8 @@ impl TcpProxy {
         self.settings.send_modify(|s| s.mode = Mode::Forward);
     }
 
-    /// Holds every chunk for `delay` before forwarding it.
+    /// Delivers every chunk `delay` after it was read (latency: the chunks behind it
+    /// are not held up by more than that).
     pub fn delay(&self, delay: Duration) {
         self.settings.send_modify(|s| s.delay = delay);
     }
@@ -164,13 +182,33 @@ impl Drop for TcpProxy {
     }
 }
 
+/// Who spoke last on one connection, and the proxy's count of round trips.
+#[derive(Clone)]
+struct Turns {
+    server_spoke: Arc<AtomicBool>,
+    count: Arc<AtomicU64>,
+}
+
+impl Turns {
+    /// Bytes went through toward the server (`up`) or the client.
+    fn passed(&self, up: bool) {
+        match up {
+            true if self.server_spoke.swap(false, Ordering::SeqCst) => {
+                self.count.fetch_add(1, Ordering::SeqCst);
+            }
+            true => {}
+            false => self.server_spoke.store(true, Ordering::SeqCst),
+        }
+    }
+}
+
 /// Copies both directions until either side closes or a reset is asked for.
 async fn pipe(
     client: TcpStream,
     server: TcpStream,
     number: u64,
     mut watcher: watch::Receiver<Settings>,
-    delivered_late: Arc<AtomicU64>,
+    (delivered_late, turns): (Arc<AtomicU64>, Turns),
 ) {
     let generation = watcher.borrow().generation;
     let _ = client.set_nodelay(true);
@@ -180,14 +218,14 @@ async fn pipe(
     let up = copy(
         &mut client_read,
         &mut server_write,
-        number,
+        (number, turns.clone()),
         watcher.clone(),
         Some(delivered_late),
     );
     let down = copy(
         &mut server_read,
         &mut client_write,
-        number,
+        (number, turns),
         watcher.clone(),
         None,
     );
@@ -212,18 +250,73 @@ async fn pipe(
     }
 }
 
+/// A chunk read from one side, on its way to the other.
+struct Chunk {
+    /// When it reaches the other side: read time plus the delay then set.
+    due: Instant,
+    bytes: Vec<u8>,
+    /// Kept while held, delivered on release.
+    late: bool,
+}
+
 /// Copies `from` to `to` per the current settings, until `from` ends (and what it
 /// sent while held is delivered) or a write fails. `held` counts the late deliveries
 /// of the direction that can be held (client to server); `None` for the other.
+///
+/// A delay is latency, not a queue: each chunk is due its delay after it was read,
+/// while later chunks are read and go on their way meanwhile, as on a long link. (One
+/// chunk at a time would add up the delay of every frame of a multiplexed connection.)
 async fn copy(
     from: &mut OwnedReadHalf,
     to: &mut OwnedWriteHalf,
-    number: u64,
-    mut settings: watch::Receiver<Settings>,
+    (number, turns): (u64, Turns),
+    settings: watch::Receiver<Settings>,
     held: Option<Arc<AtomicU64>>,
 ) {
-    let silent = |s: &Settings| s.mode == Mode::Blackhole || number < s.silent_below;
-    let holding = |s: &Settings| held.is_some() && number < s.held_below;
+    let silent = move |s: &Settings| s.mode == Mode::Blackhole || number < s.silent_below;
+    let (queue, mut on_the_way) = mpsc::unbounded_channel::<Chunk>();
+    let read = read_chunks(
+        from,
+        queue,
+        (number, silent),
+        settings.clone(),
+        held.is_some(),
+    );
+    let write = async {
+        while let Some(chunk) = on_the_way.recv().await {
+            tokio::time::sleep_until(chunk.due).await;
+            // A blackhole that began while the chunk was on its way swallows it too.
+            if silent(&settings.borrow()) {
+                continue;
+            }
+            if to.write_all(&chunk.bytes).await.is_err() {
+                // Dropping the queue's receiver stops the reading side.
+                return;
+            }
+            turns.passed(held.is_some());
+            if let (true, Some(held)) = (chunk.late, &held) {
+                held.fetch_add(chunk.bytes.len() as u64, Ordering::SeqCst);
+            }
+        }
+        // A partition swallows the FIN too: the other side hears nothing.
+        if settings.borrow().mode == Mode::Blackhole {
+            return;
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(read, write);
+}
+
+/// Reads `from` into `queue` per the current settings, until `from` ends (and what it
+/// sent while held is queued) or the queue's writing side has stopped.
+async fn read_chunks(
+    from: &mut OwnedReadHalf,
+    queue: mpsc::UnboundedSender<Chunk>,
+    (number, silent): (u64, impl Fn(&Settings) -> bool),
+    mut settings: watch::Receiver<Settings>,
+    can_hold: bool,
+) {
+    let holding = |s: &Settings| can_hold && number < s.held_below;
     let mut buffer = vec![0u8; 16 * 1024];
     // What the client sent while held, in order.
     let mut kept: Vec<u8> = Vec::new();
@@ -231,28 +324,28 @@ async fn copy(
     loop {
         let read = if kept.is_empty() {
             if !open {
-                break;
+                return;
             }
-            from.read(&mut buffer).await
+            tokio::select! {
+                read = from.read(&mut buffer) => read,
+                () = queue.closed() => return,
+            }
         } else {
             let released = async {
                 let _ = settings.wait_for(|s| !holding(s)).await;
             };
-            let read = tokio::select! {
-                read = from.read(&mut buffer), if open => Some(read),
-                () = released => None,
-            };
-            let Some(read) = read else {
-                if to.write_all(&kept).await.is_err() {
-                    return;
+            tokio::select! {
+                read = from.read(&mut buffer), if open => read,
+                () = released => {
+                    let bytes = std::mem::take(&mut kept);
+                    let late = Chunk { due: Instant::now(), bytes, late: true };
+                    if queue.send(late).is_err() {
+                        return;
+                    }
+                    continue;
                 }
-                if let Some(held) = &held {
-                    held.fetch_add(kept.len() as u64, Ordering::SeqCst);
-                }
-                kept.clear();
-                continue;
-            };
-            read
+                () = queue.closed() => return,
+            }
         };
         let n = match read {
             Ok(0) | Err(_) => {
@@ -269,21 +362,13 @@ async fn copy(
             kept.extend_from_slice(&buffer[..n]);
             continue;
         }
-        let delay = now.delay;
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
-        }
-        // A blackhole that began during the delay swallows the chunk too.
-        if silent(&settings.borrow()) {
-            continue;
-        }
-        if to.write_all(&buffer[..n]).await.is_err() {
-            break;
+        let chunk = Chunk {
+            due: Instant::now() + now.delay,
+            bytes: buffer[..n].to_vec(),
+            late: false,
+        };
+        if queue.send(chunk).is_err() {
+            return;
         }
     }
-    // A partition swallows the FIN too: the other side hears nothing.
-    if settings.borrow().mode == Mode::Blackhole {
-        return;
-    }
-    let _ = to.shutdown().await;
 }
