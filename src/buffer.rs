@@ -174,11 +174,16 @@ where
     if content_length.is_some_and(|len| len > limit as u64) {
         return Err(BodyReadError::TooLarge);
     }
-    match tokio::time::timeout(read_timeout, Limited::new(body, limit).collect()).await {
-        Err(_elapsed) => Err(BodyReadError::Timeout),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(error)) if error.is::<LengthLimitError>() => Err(BodyReadError::TooLarge),
-        Ok(Err(_)) => Err(BodyReadError::Broken),
+    // A body already here (buffered by an outer layer, or a whole `Full`) is read
+    // without arming a timer.
+    let collect = Limited::new(body, limit).collect();
+    let Some(read) = crate::within::within(read_timeout, collect).await else {
+        return Err(BodyReadError::Timeout);
+    };
+    match read {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => Err(BodyReadError::TooLarge),
+        Err(_) => Err(BodyReadError::Broken),
     }
 }
 

@@ -130,6 +130,7 @@ mod sync;
 #[cfg(all(feature = "testkit", not(loom)))]
 #[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
+mod within;
 
 /// A boxed, sendable future, as [`LockBackend`] and the replay stores return: their
 /// calls are network round trips, where one allocation is noise.

@@ -26,6 +26,8 @@
 //! - `health.rs`: [`Health`], the health check every engine gets.
 //! - `holder.rs`: [`Holder`], who holds a key, and the default instance id.
 //! - `retry_later.rs`: [`RetryLater`], an error that says when to come back.
+//! - `record.rs`: [`RecordLookup`] and [`Acquired`]: a replay record read in an
+//!   acquisition's own round trip; `RecordWrite`, one written in a release's.
 //! - `key_component.rs`: a key as a path component (etcd, ZooKeeper, Azure Blob).
 //! - `ttl/`: the TTL-lease engine (attempt, renewal, give-back, timing) that the
 //!   lease-based engines share.
@@ -63,6 +65,7 @@ pub mod mysql;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
+mod record;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
@@ -96,6 +99,13 @@ pub(crate) use holder::unix_millis;
 pub use holder::{default_instance_id, Holder};
 pub use lost::LostReason;
 pub use mode::LockMode;
+#[cfg(all(feature = "replay", any(feature = "redis", feature = "postgres")))]
+pub(crate) use record::Place;
+#[cfg(feature = "replay")]
+pub(crate) use record::RecordFound;
+#[cfg(feature = "replay")]
+pub use record::RecordWrite;
+pub use record::{Acquired, RecordLookup};
 pub use retry_later::RetryLater;
 
 // Defined at the crate root, which the replay stores and the layer share; re-exported
@@ -203,6 +213,26 @@ pub trait LockBackend: Send + Sync + 'static {
         let _ = (name, key);
         Box::pin(async { Err(LockError::Unsupported("inspecting the holder of a key")) })
     }
+
+    /// Acquires `key` exclusively as [`acquire`](Self::acquire) does, unless the replay
+    /// record `record` names is stored: then answers with the record and takes nothing.
+    /// Each attempt looks for the record and tries the key in one atomic step, so a
+    /// completed request is replayed in one round trip, and a first request learns
+    /// that it is one without a round trip of its own.
+    ///
+    /// `None` when this backend cannot read the record (the default, and any lookup
+    /// made for another engine or server): the caller acquires as usual and asks the
+    /// replay store once it holds the key.
+    fn acquire_unless_recorded(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+        record: &RecordLookup,
+    ) -> Option<BoxFuture<Result<Acquired, LockError>>> {
+        let _ = (name, key, wait, record);
+        None
+    }
 }
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
@@ -238,6 +268,16 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
         (**self).holder(name, key)
     }
+
+    fn acquire_unless_recorded(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+        record: &RecordLookup,
+    ) -> Option<BoxFuture<Result<Acquired, LockError>>> {
+        (**self).acquire_unless_recorded(name, key, wait, record)
+    }
 }
 
 /// What a backend without shared locks refuses them for.
@@ -254,23 +294,27 @@ pub struct Lease {
     fencing_token: Option<u64>,
     signal: LeaseSignal,
     /// Shared with the locks' shutdown, which may give the lease back at its deadline
-    /// while the holder still runs (see [`CutOff`]); whoever takes it releases.
-    release: Arc<std::sync::Mutex<Option<Box<dyn ReleaseLease>>>>,
+    /// while the holder still runs (see [`CutOff`]), and with a replay store that gives
+    /// it back with its record; whoever takes it releases.
+    release: ReleaseSlot,
 }
 
 /// A shutdown's hold on a lease it may have to cut off: raise the holder's lost signal,
 /// then give the lease back at the backend, while the holder still runs.
 pub(crate) struct CutOff {
     signal: LeaseSignal,
-    release: Arc<std::sync::Mutex<Option<Box<dyn ReleaseLease>>>>,
+    release: ReleaseSlot,
 }
+
+/// A lease's release, in a slot its holders share: whoever takes it out releases.
+pub(crate) type ReleaseSlot = Arc<std::sync::Mutex<Option<Box<dyn ReleaseLease>>>>;
 
 impl CutOff {
     /// Raises the lost signal first (the holder is told before anyone else can be
     /// granted the key), then releases the lease unless its holder already did.
     pub(crate) async fn cut(self) {
         self.signal.raise();
-        let release = take(&self.release);
+        let release = take_release(&self.release);
         if let Some(release) = release {
             release.release().await;
         }
@@ -278,7 +322,7 @@ impl CutOff {
 }
 
 /// Takes the release out of its slot; a poisoned slot still holds a whole value.
-fn take(slot: &std::sync::Mutex<Option<Box<dyn ReleaseLease>>>) -> Option<Box<dyn ReleaseLease>> {
+pub(crate) fn take_release(slot: &ReleaseSlot) -> Option<Box<dyn ReleaseLease>> {
     slot.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .take()
@@ -288,6 +332,24 @@ fn take(slot: &std::sync::Mutex<Option<Box<dyn ReleaseLease>>>) -> Option<Box<dy
 pub trait ReleaseLease: Send + Sync + 'static {
     /// Releases the lease; runs at most until its own network timeout.
     fn release(self: Box<Self>) -> BoxFuture<()>;
+
+    /// Stops renewing the lease, which is still released later (or dropped). Called
+    /// before a step that may give the lease back by other means (a replay store
+    /// writing its record and deleting the lock in one script), so that no renewal
+    /// finds the lock gone and reports the lease lost. Nothing by default.
+    fn stop_renewal(&self) {}
+
+    /// Writes `record` and releases the lease in one round trip to the engine, the
+    /// write first, so the record is durable before the key is free: a future of
+    /// whether the write was done (not refused by a newer fencing token). The lease is
+    /// released whether or not the write succeeds; awaiting the future is not needed
+    /// for either. `None` (the default, and for a record made for another engine) when
+    /// this lease cannot: nothing was done, and the lease is released as usual.
+    #[cfg(feature = "replay")]
+    fn release_writing(&self, record: RecordWrite) -> Option<BoxFuture<Result<bool, LockError>>> {
+        let _ = record;
+        None
+    }
 }
 
 impl Lease {
@@ -302,6 +364,13 @@ impl Lease {
             signal,
             release: Arc::new(std::sync::Mutex::new(Some(Box::new(release)))),
         }
+    }
+
+    /// The slot of this lease's release, for a replay store that gives the lease back
+    /// with its record (see [`ReleaseSlot`]).
+    #[cfg(feature = "replay")]
+    pub(crate) fn release_slot(&self) -> ReleaseSlot {
+        Arc::clone(&self.release)
     }
 
     /// What a shutdown needs to cut this lease off while its holder runs.
@@ -326,7 +395,7 @@ impl Lease {
     /// Releases the lease and waits until the backend has it back (or the release gave
     /// up). Dropping the lease instead releases it in the background.
     pub async fn release(self) {
-        let release = take(&self.release);
+        let release = take_release(&self.release);
         if let Some(release) = release {
             release.release().await;
         }
@@ -335,7 +404,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let Some(release) = take(&self.release) else {
+        let Some(release) = take_release(&self.release) else {
             return;
         };
         // Without a runtime (it is shutting down) the lease runs out by itself.
@@ -608,18 +677,15 @@ impl fmt::Debug for LeaseSignal {
     }
 }
 
-/// Runs `backend.acquire` in a task of its own and waits for it. Dropping the returned
-/// future detaches the task instead of cancelling it mid-round-trip: if it still gets
-/// the lease, tokio drops the unclaimed output, and the lease's drop releases it. So no
-/// cancellation can leave a remote lock held or a locked connection in a pool.
-pub(crate) fn acquire_detached(
-    backend: &Arc<dyn LockBackend>,
-    name: &str,
-    key: &Key,
-    mode: LockMode,
-    wait: Duration,
-) -> Acquisition {
-    let task = tokio::spawn(backend.acquire_mode(name, key, mode, wait));
+/// Runs a backend's acquisition in a task of its own and waits for it. Dropping the
+/// returned future detaches the task instead of cancelling it mid-round-trip: if it
+/// still gets the lease, tokio drops the unclaimed output, and the lease's drop
+/// releases it. So no cancellation can leave a remote lock held or a locked connection
+/// in a pool.
+pub(crate) fn detached<T: Send + 'static>(
+    acquire: BoxFuture<Result<T, LockError>>,
+) -> BoxFuture<Result<T, LockError>> {
+    let task = tokio::spawn(acquire);
     Box::pin(async move {
         match task.await {
             Ok(result) => result,

@@ -8,12 +8,14 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use super::guard::DistributedGuard;
+use super::guard::Looked;
 use super::Inner;
-use crate::backend::{acquire_detached, Acquisition, Lease, LockMode, SHARED_LOCKS};
+use crate::backend::{detached, Acquired, Lease, LockMode, RecordLookup, SHARED_LOCKS};
 use crate::error::LockError;
 use crate::key::Key;
 use crate::locks::{Acquire, KeyGuard, Mode};
 use crate::reject::RejectionKind;
+use crate::BoxFuture;
 
 /// The remote wait of an acquisition without a time limit. Backends add the wait to
 /// `Instant::now()`, which must not overflow; a year is "until it is free".
@@ -40,6 +42,9 @@ pub struct DistributedAcquire {
     /// `keyed_lock.wait` of metered locks (a layer has its own), entered while polled;
     /// its `outcome` is recorded when the acquisition ends.
     span: tracing::Span,
+    /// A replay record the remote acquisition looks for first (the layer's, with
+    /// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay)).
+    lookup: Option<RecordLookup>,
 }
 
 enum State {
@@ -52,7 +57,7 @@ enum State {
     /// Held in this process; waiting at the backend.
     Remote {
         local: Option<KeyGuard<Key>>,
-        remote: Acquisition,
+        remote: BoxFuture<Result<Acquired, LockError>>,
         /// `keyed_lock.remote`, entered while the remote acquisition is polled.
         span: tracing::Span,
     },
@@ -95,13 +100,21 @@ impl DistributedAcquire {
         locks: Arc<Inner>,
         local: KeyGuard<Key>,
         timeout: Option<Duration>,
+        lookup: Option<RecordLookup>,
     ) -> Self {
         if locks.shutdown.is_started() {
             return Self::refused(locks, LockError::ShuttingDown, timeout);
         }
-        let mut this = Self::with_state(locks, State::Done, timeout);
+        let mut this = Self::with_state(locks, State::Done, timeout).looking_up(lookup);
         this.state = this.held_locally(local);
         this
+    }
+
+    /// Looks for `lookup`'s replay record in the remote acquisition, where the backend
+    /// can (before the key is held locally).
+    pub(super) fn looking_up(mut self, lookup: Option<RecordLookup>) -> Self {
+        self.lookup = lookup;
+        self
     }
 
     fn with_state(locks: Arc<Inner>, state: State, timeout: Option<Duration>) -> Self {
@@ -125,6 +138,7 @@ impl DistributedAcquire {
             counted,
             waited: false,
             span,
+            lookup: None,
         }
     }
 
@@ -188,8 +202,19 @@ impl DistributedAcquire {
                     true => LockMode::Shared,
                     false => LockMode::permits(self.locks.permits),
                 };
+                let (name, key) = (&self.locks.name, local.key());
+                let unless_recorded = match (&self.lookup, mode) {
+                    (Some(lookup), LockMode::Exclusive) => {
+                        backend.acquire_unless_recorded(name, key, wait, lookup)
+                    }
+                    _ => None,
+                };
+                let remote = unless_recorded.unwrap_or_else(|| {
+                    let acquire = backend.acquire_mode(name, key, mode, wait);
+                    Box::pin(async move { acquire.await.map(Acquired::Granted) })
+                });
                 State::Remote {
-                    remote: acquire_detached(backend, &self.locks.name, local.key(), mode, wait),
+                    remote: detached(remote),
                     local: Some(local),
                     span,
                 }
@@ -205,6 +230,21 @@ impl DistributedAcquire {
         failed: Option<LockError>,
     ) -> DistributedGuard {
         DistributedGuard::new(self.locks.clone(), local, lease, failed)
+    }
+
+    /// The guard of a remote acquisition's answer: the key held (and whether the
+    /// replay record was found absent with the grant), or held in this process only,
+    /// with the record the acquisition found.
+    fn remote_guard(&self, local: KeyGuard<Key>, acquired: Acquired) -> DistributedGuard {
+        match acquired {
+            Acquired::Granted(lease) => self.guard(local, Some(lease), None),
+            Acquired::NotRecorded(lease) => {
+                self.guard(local, Some(lease), None).looked(Looked::Absent)
+            }
+            Acquired::Recorded(record) => {
+                self.guard(local, None, None).looked(Looked::Stored(record))
+            }
+        }
     }
 }
 
@@ -297,9 +337,12 @@ impl DistributedAcquire {
                 } => {
                     let result = ready!(span.in_scope(|| remote.as_mut().poll(cx)));
                     match &result {
-                        Ok(lease) => {
+                        Ok(Acquired::Granted(lease) | Acquired::NotRecorded(lease)) => {
                             span.record("outcome", "acquired");
                             span.record("fencing_token", lease.fencing_token());
+                        }
+                        Ok(Acquired::Recorded(_)) => {
+                            span.record("outcome", "recorded");
                         }
                         Err(error) => {
                             span.record("outcome", RejectionKind::of(error).as_str());
@@ -311,7 +354,7 @@ impl DistributedAcquire {
                     let local = local.take().expect("polled after completion");
                     this.state = State::Done;
                     return Poll::Ready(match result {
-                        Ok(lease) => Ok(this.guard(local, Some(lease), None)),
+                        Ok(acquired) => Ok(this.remote_guard(local, acquired)),
                         Err(LockError::Timeout) if this.try_once() => Err(LockError::Busy),
                         Err(error @ LockError::Backend(_)) if this.locks.fail_open => {
                             Ok(this.guard(local, None, Some(error)))

@@ -160,7 +160,7 @@ impl DistributedLocks {
         for key in keys {
             let timeout =
                 deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
-            match self.acquire(key, timeout, Mode::Exclusive).await {
+            match self.acquire(key, timeout, Mode::Exclusive, None).await {
                 Ok(guard) => guards.push(guard),
                 // A key reached with no time left is tried once, which says `Busy`.
                 Err(LockError::Busy) if !try_once => return Err(LockError::Timeout),

@@ -33,6 +33,18 @@ pub struct DistributedGuard {
     hold_until: Option<tokio::time::Instant>,
     /// The lease's entry in the shutdown's list of leases it may cut off.
     shutdown_id: Option<u64>,
+    /// What the remote acquisition found of a replay record it looked for; `None` if
+    /// it did not look. Boxed, as the lease is.
+    looked: Option<Box<Looked>>,
+}
+
+/// What the remote acquisition found of the replay record it looked for.
+#[derive(Debug)]
+pub(crate) enum Looked {
+    /// Not stored when the key was granted (nor can it be while the key is held).
+    Absent,
+    /// Stored: its bytes. The key is held in this process only.
+    Stored(#[cfg_attr(not(feature = "replay"), allow(dead_code))] Vec<u8>),
 }
 
 /// The error of [`DistributedGuard::run_while_held`] when the lease was lost first:
@@ -73,6 +85,28 @@ impl DistributedGuard {
             failed: failed.map(Box::new),
             since: Instant::now(),
             hold_until: None,
+            looked: None,
+        }
+    }
+
+    /// The guard, with what its acquisition found of a replay record.
+    pub(super) fn looked(mut self, looked: Looked) -> Self {
+        self.looked = Some(Box::new(looked));
+        self
+    }
+
+    /// What the remote acquisition found of the replay record it looked for, for the
+    /// replay layer: the record, or (none stored) the lease's release, which a store
+    /// may give back with the record it writes. `None` if it did not look.
+    #[cfg(feature = "replay")]
+    pub(crate) fn take_record_found(&mut self) -> Option<crate::backend::RecordFound> {
+        use crate::backend::RecordFound;
+        match *self.looked.take()? {
+            Looked::Stored(record) => Some(RecordFound::Stored(record)),
+            Looked::Absent => {
+                let lease = self.lease.as_deref()?;
+                Some(RecordFound::Absent(lease.release_slot()))
+            }
         }
     }
 

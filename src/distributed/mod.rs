@@ -93,7 +93,7 @@ pub use leader::{LeaderElection, LeaderInfo, Leadership};
 pub use shutdown::ShutdownReport;
 
 use crate::backend::health::LastErrorCell;
-use crate::backend::{default_instance_id, Health, Holder, LockBackend, LockMode};
+use crate::backend::{default_instance_id, Health, Holder, LockBackend, LockMode, RecordLookup};
 use crate::key::{Key, DEFAULT_MAX_KEY_LEN};
 use crate::locks::{KeyGuard, KeyedLocks, KeyedLocksBuilder, Mode};
 use crate::metrics::Metrics;
@@ -412,23 +412,27 @@ impl DistributedLocks {
     }
 
     /// Waits for an already validated key.
+    /// Waits for an already validated key; the remote acquisition looks for `lookup`'s
+    /// replay record first.
     pub(crate) fn acquire(
         &self,
         key: Key,
         timeout: Option<Duration>,
         mode: Mode,
+        lookup: Option<RecordLookup>,
     ) -> DistributedAcquire {
-        DistributedAcquire::for_key(self.inner.clone(), key, timeout, mode)
+        DistributedAcquire::for_key(self.inner.clone(), key, timeout, mode).looking_up(lookup)
     }
 
     /// Goes on from a key already held locally (taken with `local().try_lock`): the
-    /// backend next, if there is one.
+    /// backend next, if there is one, looking for `lookup`'s replay record first.
     pub(crate) fn after_local(
         &self,
         local: KeyGuard<Key>,
         timeout: Option<Duration>,
+        lookup: Option<RecordLookup>,
     ) -> DistributedAcquire {
-        DistributedAcquire::after_local(self.inner.clone(), local, timeout)
+        DistributedAcquire::after_local(self.inner.clone(), local, timeout, lookup)
     }
 }
 

@@ -558,6 +558,17 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         self.locks.has_backend()
     }
 
+    /// The lock around `inner`, looking for each request's replay record before it
+    /// takes the key (see [`KeyedLockLayer::replay`]); on this layer value's table.
+    #[cfg(feature = "replay")]
+    pub(crate) fn layer_looking_up<S>(
+        &self,
+        inner: S,
+        lookup: Arc<crate::replay::LookupFirst>,
+    ) -> KeyedLock<S, E> {
+        KeyedLock::new(inner, self.extractor.clone(), self.shared()).looking_up(lookup)
+    }
+
     /// Whether a distributed backend is configured that issues no fencing tokens.
     #[cfg(feature = "replay")]
     pub(crate) fn lacks_fencing_tokens(&self) -> bool {

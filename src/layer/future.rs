@@ -160,7 +160,10 @@ where
 
 /// The request under its key, ready to ready the inner service: the end of every
 /// successful wait.
-fn start<S, ReqBody>(pending: Pending<S, ReqBody>, guard: DistributedGuard) -> Readying<S, ReqBody>
+fn start<S, ReqBody>(
+    pending: Pending<S, ReqBody>,
+    #[cfg_attr(not(feature = "replay"), allow(unused_mut))] mut guard: DistributedGuard,
+) -> Readying<S, ReqBody>
 where
     S: Service<Request<ReqBody>>,
 {
@@ -169,6 +172,11 @@ where
         mut request,
         mut ticket,
     } = pending;
+    // What the acquisition found of the request's replay record, for the replay layer.
+    #[cfg(feature = "replay")]
+    if let Some(found) = guard.take_record_found() {
+        request.extensions_mut().insert(found);
+    }
     let shared = ticket.shared.clone();
     let waited = ticket.acquired();
     if let Some(error) = guard.failed_open() {

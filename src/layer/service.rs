@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use http::request::Parts;
 use http::{Request, Response};
 use tower_service::Service;
 
@@ -14,6 +15,7 @@ use super::held::HeldKey;
 use super::info::LockInfo;
 use super::shared::Shared;
 use super::trace;
+use crate::backend::RecordLookup;
 use crate::distributed::DistributedAcquire;
 use crate::error::LockError;
 use crate::key::{Key, KeyExtractor};
@@ -25,6 +27,10 @@ pub struct KeyedLock<S, E> {
     inner: S,
     extractor: E,
     shared: Arc<Shared>,
+    /// Names each request's replay record, for the remote acquisition to look for or
+    /// for a look in memory before the key is taken (`KeyedLockLayer::replay`).
+    #[cfg(feature = "replay")]
+    lookup: Option<Arc<crate::replay::LookupFirst>>,
 }
 
 impl<S, E> KeyedLock<S, E> {
@@ -33,7 +39,15 @@ impl<S, E> KeyedLock<S, E> {
             inner,
             extractor,
             shared,
+            #[cfg(feature = "replay")]
+            lookup: None,
         }
+    }
+
+    #[cfg(feature = "replay")]
+    pub(crate) fn looking_up(mut self, lookup: Arc<crate::replay::LookupFirst>) -> Self {
+        self.lookup = Some(lookup);
+        self
     }
 
     inner_service_accessors!();
@@ -97,6 +111,7 @@ where
         }
         let mode = shared.config.mode_for(&parts.method);
         if shared.locks.is_distributed() {
+            let lookup = self.record_lookup(&shared, &mut parts, &key, mode);
             // In the request's mode: the backend then holds it the same way (the layer
             // refused a backend that cannot when it was applied).
             let local = match mode {
@@ -108,21 +123,27 @@ where
                 Ok(local) => {
                     let span = trace::wait_span(&shared, &parts.extensions, &key);
                     let timeout = Some(shared.config.wait_timeout);
-                    let acquire = shared.locks.after_local(local, timeout);
+                    let acquire = shared.locks.after_local(local, timeout, lookup);
                     let request = Request::from_parts(parts, body);
                     self.wait(acquire, request, shared, false, span)
                 }
                 Err(error) => {
-                    self.contended(error, key, mode, Request::from_parts(parts, body), shared)
+                    let request = Request::from_parts(parts, body);
+                    self.contended(error, (key, mode, lookup), request, shared)
                 }
             };
+        }
+        if self.found_in_memory(&shared, &mut parts, &key, mode) {
+            // A completed request, replayed from memory: it needs no key.
+            return self.pass_through(Request::from_parts(parts, body));
         }
         // Uncontended: take the key now and call the inner service at once, with no
         // clock read for the wait, no timer and no service clone.
         let hold = match shared.locks.local().try_hold(&key, mode) {
             Ok(hold) => hold,
             Err(error) => {
-                return self.contended(error, key, mode, Request::from_parts(parts, body), shared)
+                let request = Request::from_parts(parts, body);
+                return self.contended(error, (key, mode, None), request, shared);
             }
         };
         let is_shared = mode == Mode::Shared;
@@ -146,8 +167,7 @@ impl<S, E> KeyedLock<S, E> {
     fn contended<ReqBody, ResBody>(
         &mut self,
         error: LockError,
-        key: Key,
-        mode: Mode,
+        (key, mode, lookup): (Key, Mode, Option<RecordLookup>),
         request: Request<ReqBody>,
         shared: Arc<Shared>,
     ) -> ResponseFuture<S, ReqBody>
@@ -162,9 +182,8 @@ impl<S, E> KeyedLock<S, E> {
             return ResponseFuture::rejected(shared.respond(shared.lock_rejection(&error)));
         }
         let span = trace::wait_span(&shared, request.extensions(), &key);
-        let acquire = shared
-            .locks
-            .acquire(key, Some(shared.config.wait_timeout), mode);
+        let timeout = Some(shared.config.wait_timeout);
+        let acquire = shared.locks.acquire(key, timeout, mode, lookup);
         self.wait(acquire, request, shared, true, span)
     }
 
@@ -186,6 +205,46 @@ impl<S, E> KeyedLock<S, E> {
         let ticket = WaitTicket::new(shared, contended, span);
         let pending = Pending::new(service, request, ticket);
         ResponseFuture::acquiring(acquire, pending)
+    }
+}
+
+#[cfg(feature = "replay")]
+impl<S, E> KeyedLock<S, E> {
+    /// The replay record an exclusive request's remote acquisition looks for first,
+    /// when the layer was stacked with [`replay`](crate::KeyedLockLayer::replay) on a
+    /// store kept on the lock's engine.
+    fn record_lookup(
+        &self,
+        shared: &Shared,
+        parts: &mut Parts,
+        key: &Key,
+        mode: Mode,
+    ) -> Option<RecordLookup> {
+        match (&self.lookup, mode) {
+            (Some(lookup), Mode::Exclusive) => lookup.lookup(parts, shared.name(), key),
+            _ => None,
+        }
+    }
+
+    /// Whether an exclusive request's replay record is in the memory store of the
+    /// replay layer stacked with [`replay`](crate::KeyedLockLayer::replay): then the
+    /// replay layer replays it, and the request takes no key.
+    fn found_in_memory(&self, shared: &Shared, parts: &mut Parts, key: &Key, mode: Mode) -> bool {
+        match (&self.lookup, mode) {
+            (Some(lookup), Mode::Exclusive) => lookup.found_in_memory(parts, shared.name(), key),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(not(feature = "replay"))]
+impl<S, E> KeyedLock<S, E> {
+    fn record_lookup(&self, _: &Shared, _: &mut Parts, _: &Key, _: Mode) -> Option<RecordLookup> {
+        None
+    }
+
+    fn found_in_memory(&self, _: &Shared, _: &mut Parts, _: &Key, _: Mode) -> bool {
+        false
     }
 }
 
@@ -241,6 +300,8 @@ impl<S: Clone, E: Clone> Clone for KeyedLock<S, E> {
             inner: self.inner.clone(),
             extractor: self.extractor.clone(),
             shared: self.shared.clone(),
+            #[cfg(feature = "replay")]
+            lookup: self.lookup.clone(),
         }
     }
 }

@@ -10,12 +10,13 @@ use http::{Extensions, StatusCode};
 use tower_layer::Layer;
 
 use super::fingerprint::fingerprint;
+use super::lookup::LookupFirst;
 use super::record::DEFAULT_REPLAYED_HEADERS;
 use super::service::Replay;
 use super::shared::{Settings, Shared};
-use super::store::ReplayStore;
+use super::store::{MemoryStore, ReplayStore};
 
-use crate::KeyedLockLayer;
+use crate::{KeyedLock, KeyedLockLayer};
 
 /// Why a store that orders its writes by fencing token is refused under a backend that
 /// issues none.
@@ -49,9 +50,15 @@ impl ReplayLayer {
     /// [`DEFAULT_MAX_RESPONSE_BYTES`] stored, 5xx not stored, fail closed (503) when
     /// the store is unreachable.
     pub fn new(store: impl ReplayStore) -> Self {
+        // A store in this process's memory answers at once: the lock layer reads it
+        // before taking the key (`KeyedLockLayer::replay`).
+        let memory = (&store as &dyn std::any::Any)
+            .downcast_ref::<MemoryStore>()
+            .cloned();
         Self {
             settings: Settings {
                 store: Arc::new(store),
+                memory,
                 ttl: DEFAULT_TTL,
                 max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
                 read_timeout: crate::buffer::DEFAULT_READ_TIMEOUT,
@@ -210,13 +217,54 @@ impl ReplayLayer {
 }
 
 /// A [`KeyedLockLayer`] with a [`ReplayLayer`] inside it: what
-/// [`KeyedLockLayer::replay`] returns.
-pub type LockAndReplay<E> = tower_layer::Stack<ReplayLayer, KeyedLockLayer<E>>;
+/// [`KeyedLockLayer::replay`] returns. Its lock is the layer value it was made from
+/// (the same table in this process).
+#[derive(Clone)]
+#[must_use]
+pub struct LockAndReplay<E> {
+    lock: KeyedLockLayer<E>,
+    replay: ReplayLayer,
+    /// Set when the store is kept on the lock's engine or in memory: the lock then
+    /// looks for each request's record before it takes the key.
+    lookup: Option<Arc<LookupFirst>>,
+}
+
+impl<S, E: crate::KeyExtractor> Layer<S> for LockAndReplay<E> {
+    type Service = KeyedLock<Replay<S>, E>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        let replay = self.replay.layer(inner);
+        match &self.lookup {
+            Some(lookup) => self.lock.layer_looking_up(replay, Arc::clone(lookup)),
+            None => self.lock.layer(replay),
+        }
+    }
+}
+
+impl<E: std::fmt::Debug> std::fmt::Debug for LockAndReplay<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LockAndReplay")
+            .field("lock", &self.lock)
+            .field("replay", &self.replay)
+            .field("looks_up_first", &self.lookup.is_some())
+            .finish()
+    }
+}
 
 impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
     /// Stacks `replay` inside this lock, in the one order that works: the key is taken
-    /// first, then the store is read. The same as `.layer(replay).layer(lock)` on an
-    /// axum `Router`.
+    /// first, then the store is read — as `.layer(replay).layer(lock)` on an axum
+    /// `Router` does, and in fewer round trips when the store is kept on the lock's
+    /// engine (the Redis store on its `RedisBackend`, a PostgreSQL store
+    /// [`looked_up_by`](super::PostgresReplayStore::looked_up_by) the backend): the
+    /// lock's acquisition then looks for the request's record in its own round trip
+    /// and takes nothing when it is there, so a completed request is replayed in one
+    /// round trip without its key; on Redis a first request's record is written and its
+    /// lock released in one more (PostgreSQL writes it in one and unlocks after the
+    /// response). With the [`MemoryStore`](super::MemoryStore) the lock reads the store
+    /// before it takes the key, so a completed request's retry is replayed at once,
+    /// whoever holds the key now. The lock keeps this layer value's table: requests
+    /// through it and through this layer value elsewhere exclude each other.
     ///
     /// ```
     /// use axum::{routing::post, Router};
@@ -254,7 +302,16 @@ impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
                 None => panic!("KeyedLockLayer::replay: {NO_FENCING_TOKENS}"),
             }
         }
-        tower_layer::Stack::new(replay, self)
+        // A store kept on the lock's engine is looked up by the lock's own acquisition;
+        // one in this process's memory before the key is taken.
+        let looks_up_first = self.is_distributed() || replay.settings.memory.is_some();
+        let lookup =
+            looks_up_first.then(|| Arc::new(LookupFirst::new(Arc::new(replay.settings.clone()))));
+        LockAndReplay {
+            lock: self,
+            replay,
+            lookup,
+        }
     }
 }
 

@@ -56,6 +56,22 @@
 //! client that trickles its body would hold the key meanwhile: put a
 //! [`BufferRequestBodyLayer`](crate::BufferRequestBodyLayer) outside the lock, as above.
 //!
+//! # Round trips
+//!
+//! Under a distributed lock, stack the layers with
+//! [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay) on a store kept on the
+//! lock's engine, and the lock's own acquisition looks the request's record up:
+//!
+//! | request | Redis store | PostgreSQL store (`looked_up_by`) | stacked by hand |
+//! |---|---|---|---|
+//! | replay of a completed key | 1 round trip, no lock taken | 1, no lock taken | 2, then the release |
+//! | first request, before the handler | 1 (the acquisition) | 1 (the try) | 2 (acquisition, read) |
+//! | first request, after the handler | 1: record written and lock released in one script | 1: the write; the unlock after the response | 1, then the release |
+//!
+//! (Counted by the servers themselves in `tests/replay`: Redis's `MONITOR`, and a proxy
+//! in front of PostgreSQL.) A request that waited for its key (a duplicate in flight)
+//! reads the store once it holds the key on PostgreSQL; on Redis each attempt looks.
+//!
 //! # Stores
 //!
 //! - [`MemoryStore`]: this process only, bounded by bytes and TTL. Under a distributed
@@ -96,6 +112,8 @@
 //! - `service.rs`: [`Replay`]; `future.rs`: [`ReplayFuture`].
 //! - `respond.rs`: one request, step by step: admit, read, look up, replay or run
 //!   and store.
+//! - `lookup.rs`: a request's record named before its key is taken, for the lock's
+//!   acquisition to look for.
 //! - `record.rs`: [`Record`] and its bytes; `fingerprint.rs`: the request fingerprint
 //!   and the record's scope.
 //! - `body.rs`: [`ReplayBody`]; `metrics.rs`: the replay metrics.
@@ -105,6 +123,7 @@ mod body;
 mod fingerprint;
 mod future;
 mod layer;
+mod lookup;
 mod metrics;
 mod record;
 mod respond;
@@ -118,6 +137,7 @@ pub use layer::{
     LockAndReplay, ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_STORE_TIMEOUT, DEFAULT_TTL,
 };
+pub(crate) use lookup::LookupFirst;
 pub use metrics::{REPLAYED_TOTAL, STORED_TOTAL};
 pub use record::{Fingerprint, Record, DEFAULT_REPLAYED_HEADERS};
 pub use respond::IDEMPOTENT_REPLAYED;

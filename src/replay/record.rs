@@ -100,6 +100,11 @@ impl Record {
         &self.body
     }
 
+    /// The status, the kept headers and the body, to build a response from.
+    pub(crate) fn into_parts(self) -> (StatusCode, HeaderMap, Bytes) {
+        (self.status, self.headers, self.body)
+    }
+
     /// About how many bytes the record takes (what the memory store counts).
     pub fn weight(&self) -> usize {
         let headers: usize = self

@@ -2,11 +2,12 @@
 //! its key up, then replay the record or run the request and store its response.
 
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
+use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
@@ -18,11 +19,13 @@ use crate::reject::Rejection;
 
 use super::body::ReplayBody;
 use super::fingerprint::{fingerprint, scope};
+use super::lookup::FoundInMemory;
 use super::metrics::ReplayMetrics;
 use super::record::Fingerprint;
 use super::record::Record;
 use super::shared::{Settings, Shared};
 use super::store::{RecordKey, StoreError, Stored};
+use crate::backend::{RecordFound, ReleaseLease, ReleaseSlot};
 
 /// The header a replayed response carries.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
@@ -47,7 +50,7 @@ pub(crate) async fn respond<S, ReqBody, ResBody>(
     inner: S,
     settings: Arc<Settings>,
     shared: Arc<Shared>,
-    request: Request<ReqBody>,
+    mut request: Request<ReqBody>,
 ) -> Result<Response<ReplayBody<ResBody>>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
@@ -59,25 +62,53 @@ where
     // Without a key (the lock layer let the request through unlocked) there is
     // nothing to replay under.
     let Some(info) = request.extensions().get::<LockInfo>().cloned() else {
-        return run(inner, request).await;
+        return Box::pin(run(inner, request)).await;
     };
+    // Set by the lock's acquisition when it looked for the record (`KeyedLockLayer::
+    // replay` on a store kept on the lock's engine); taken, so that no replay layer
+    // further in reads them as its own.
+    let found = request.extensions_mut().remove::<RecordFound>();
+    let named = request.extensions_mut().remove::<RecordKey>();
     let metrics = shared.metrics(info.layer());
     let principal = match admit(&settings, &shared, &info, &request) {
         Ok(principal) => principal,
         Err(rejection) => return Ok(reject(&metrics, rejection)),
     };
-    let (request, lookup) = match read_request(&settings, &info, principal, request).await {
+    let name = |parts: &Parts| {
+        named.unwrap_or_else(|| {
+            let scope = scope(parts, principal.as_deref());
+            RecordKey::new(info.layer(), info.key(), scope)
+        })
+    };
+    let read = read_request(&settings, name, request).await;
+    let (request, mut lookup) = match read {
         Ok(read) => read,
         Err(rejection) => return Ok(reject(&metrics, rejection)),
     };
-    match look_up(&settings, &info, &lookup).await {
+    let found = match found {
+        Some(RecordFound::Stored(bytes)) => check(&settings, &lookup, Record::from_bytes(&bytes))
+            .map_or_else(Found::Refused, Found::Record),
+        Some(RecordFound::Absent(release)) => {
+            lookup.release = Some(release);
+            Found::Nothing
+        }
+        None => look_up(&settings, &info, &lookup).await,
+    };
+    match found {
         Found::Record(record) => {
             metrics.replayed.increment(1);
             Ok(replay(record))
         }
-        Found::Nothing => run_and_store(inner, request, &settings, &metrics, lookup, &info).await,
+        // Boxed: the replay above is the path to keep small (this future is moved
+        // into its box whole, whatever path it takes).
+        Found::Nothing => {
+            Box::pin(run_and_store(
+                inner, request, &settings, &metrics, lookup, &info,
+            ))
+            .await
+        }
         Found::Refused(rejection) => Ok(reject(&metrics, rejection)),
-        Found::Unknown => run(inner, request).await,
+        Found::Unknown => Box::pin(run(inner, request)).await,
     }
 }
 
@@ -85,6 +116,9 @@ where
 struct Lookup {
     key: RecordKey,
     fingerprint: Option<Fingerprint>,
+    /// The lease's release, when the lock's acquisition found no record: a store may
+    /// give the lease back with the record it writes.
+    release: Option<ReleaseSlot>,
 }
 
 /// What the store had for a request.
@@ -133,15 +167,66 @@ fn admit<B>(
     }
 }
 
+/// A record the lock layer found in memory: replayed if the request's fingerprint
+/// matches.
+pub(crate) async fn replay_found_in_memory<ReqBody, ResBody>(
+    settings: &Settings,
+    shared: &Shared,
+    found: FoundInMemory,
+    request: Request<ReqBody>,
+) -> Response<ReplayBody<ResBody>>
+where
+    ReqBody: Body<Data = Bytes>,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: Body,
+{
+    let metrics = shared.metrics(found.key.layer());
+    let FoundInMemory { key, record } = found;
+    // The request is answered from the record: its body is read for the fingerprint
+    // only, and the request is not put together again.
+    let lookup = match read_fingerprint(settings, request).await {
+        Ok((_, _, fingerprint)) => Lookup {
+            key,
+            release: None,
+            fingerprint,
+        },
+        Err(rejection) => return reject(&metrics, rejection),
+    };
+    match check(settings, &lookup, Ok(record)) {
+        Ok(record) => {
+            metrics.replayed.increment(1);
+            replay(record)
+        }
+        Err(rejection) => reject(&metrics, rejection),
+    }
+}
+
 /// Reads the request body (for the fingerprint), and names the request's record.
 async fn read_request<ReqBody>(
     settings: &Settings,
-    info: &LockInfo,
-    principal: Option<String>,
+    name: impl FnOnce(&Parts) -> RecordKey,
     request: Request<ReqBody>,
 ) -> Result<(Request<ReqBody>, Lookup), Rejection>
 where
     ReqBody: Body<Data = Bytes> + From<Bytes>,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (parts, body, fingerprint) = read_fingerprint(settings, request).await?;
+    let lookup = Lookup {
+        key: name(&parts),
+        release: None,
+        fingerprint,
+    };
+    Ok((Request::from_parts(parts, ReqBody::from(body)), lookup))
+}
+
+/// Reads the request body, and takes its fingerprint if the settings ask for one.
+async fn read_fingerprint<ReqBody>(
+    settings: &Settings,
+    request: Request<ReqBody>,
+) -> Result<(Parts, Bytes, Option<Fingerprint>), Rejection>
+where
+    ReqBody: Body<Data = Bytes>,
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let limit = settings.max_request_bytes;
@@ -150,32 +235,22 @@ where
     let body = read_body(length, body, limit, settings.read_timeout)
         .await
         .map_err(|error| error.rejection(limit))?;
-    let lookup = Lookup {
-        key: RecordKey::new(
-            info.layer(),
-            info.key(),
-            scope(&parts, principal.as_deref()),
-        ),
-        fingerprint: settings
-            .fingerprint
-            .then(|| match &settings.fingerprint_fn {
-                Some(custom) => custom(&parts, &body),
-                None => fingerprint(&parts, &body),
-            }),
-    };
-    Ok((Request::from_parts(parts, ReqBody::from(body)), lookup))
+    let fingerprint = settings
+        .fingerprint
+        .then(|| match &settings.fingerprint_fn {
+            Some(custom) => custom(&parts, &body),
+            None => fingerprint(&parts, &body),
+        });
+    Ok((parts, body, fingerprint))
 }
 
 /// Asks the store for the request's record.
 async fn look_up(settings: &Settings, info: &LockInfo, lookup: &Lookup) -> Found {
     match with_timeout(settings.store_timeout, settings.store.get(&lookup.key)).await {
         Ok(None) => Found::Nothing,
-        Ok(Some(record))
-            if settings.fingerprint && record.fingerprint() != lookup.fingerprint.as_ref() =>
-        {
-            Found::Refused(Rejection::fingerprint_mismatch(settings.mismatch_status))
+        Ok(Some(record)) => {
+            check(settings, lookup, Ok(record)).map_or_else(Found::Refused, Found::Record)
         }
-        Ok(Some(record)) => Found::Record(record),
         Err(error) if settings.fail_open => {
             tracing::warn!(layer = info.layer(), %error, "replay store unreachable, running without replay");
             Found::Unknown
@@ -183,6 +258,29 @@ async fn look_up(settings: &Settings, info: &LockInfo, lookup: &Lookup) -> Found
         Err(error) => {
             tracing::warn!(layer = info.layer(), %error, "replay store unreachable");
             Found::Refused(Rejection::store_unreachable())
+        }
+    }
+}
+
+/// A record found for the request: replayed if it matches the request's fingerprint.
+/// One the lock's acquisition brought that cannot be read is refused whatever
+/// `fail_open` says: the request does not hold its key at the backend, so it must not
+/// run.
+fn check(
+    settings: &Settings,
+    lookup: &Lookup,
+    record: Result<Record, StoreError>,
+) -> Result<Record, Rejection> {
+    match record {
+        Ok(record)
+            if settings.fingerprint && record.fingerprint() != lookup.fingerprint.as_ref() =>
+        {
+            Err(Rejection::fingerprint_mismatch(settings.mismatch_status))
+        }
+        Ok(record) => Ok(record),
+        Err(error) => {
+            tracing::warn!(key = lookup.key.key(), %error, "stored replay record unreadable");
+            Err(Rejection::store_unreachable())
         }
     }
 }
@@ -229,7 +327,18 @@ where
         &settings.replayed_headers,
         body.clone(),
     );
-    store(settings, metrics, &lookup.key, record, info).await;
+    let stored = match lookup.release {
+        Some(release) => store_and_release(settings, &lookup.key, record, info, &release).await,
+        None => store(settings, &lookup.key, record, info).await,
+    };
+    match stored {
+        Some(Stored::Written) => metrics.stored.increment(1),
+        Some(Stored::Fenced) => tracing::warn!(
+            layer = info.layer(),
+            "response not stored: the lease was lost and a later holder owns the key"
+        ),
+        None => {}
+    }
     Ok(Response::from_parts(parts, ReplayBody::full(body)))
 }
 
@@ -239,45 +348,112 @@ fn reject<B: Body>(metrics: &ReplayMetrics, rejection: Rejection) -> Response<Re
     rejection.into_response().map(ReplayBody::full)
 }
 
-/// Writes the record in a task of its own and waits for it.
+/// Writes the record; what the store did (`None`: it failed, and said why in the log).
 async fn store(
     settings: &Settings,
-    metrics: &ReplayMetrics,
     key: &RecordKey,
     record: Record,
     info: &LockInfo,
-) {
+) -> Option<Stored> {
     let put = settings
         .store
         .put(key, record, settings.ttl, info.fencing_token());
-    let put = tokio::spawn(with_timeout(settings.store_timeout, put));
-    match put.await {
-        Ok(Ok(Stored::Written)) => metrics.stored.increment(1),
-        Ok(Ok(Stored::Fenced)) => tracing::warn!(
-            layer = info.layer(),
-            "response not stored: the lease was lost and a later holder owns the key"
-        ),
-        Ok(Err(error)) => tracing::warn!(layer = info.layer(), %error, "response not stored"),
-        Err(error) => tracing::warn!(layer = info.layer(), %error, "response not stored"),
+    finish(info, with_timeout(settings.store_timeout, put)).await
+}
+
+/// Writes the record and gives the request's lease back in one step, where the store
+/// can: the lease's release is taken from the guard first (so it is not released
+/// twice) and its renewal stopped (so that no renewal finds the lock gone). If the
+/// store did not release it, the release runs as usual. Both in a task of their own:
+/// a request dropped meanwhile leaves neither half done.
+async fn store_and_release(
+    settings: &Settings,
+    key: &RecordKey,
+    record: Record,
+    info: &LockInfo,
+    release: &ReleaseSlot,
+) -> Option<Stored> {
+    // A lease cut off by a shutdown meanwhile (its slot empty), or a store that cannot:
+    // a plain write, the lease (if still held) released by the guard after it.
+    let taken = info
+        .fencing_token()
+        .and_then(|token| put_and_release(settings, key, &record, token, release));
+    let Some((put, release)) = taken else {
+        return store(settings, key, record, info).await;
+    };
+    release.stop_renewal();
+    let put = with_timeout(settings.store_timeout, put);
+    finish(info, async move {
+        let stored = put.await;
+        if !matches!(stored, Ok(Stored::Written)) {
+            release.release().await;
+        }
+        stored
+    })
+    .await
+}
+
+/// The store's write that releases the lease too, and the release taken out of its
+/// slot for it; `None` with the slot as it was when the store cannot. Under the slot's
+/// lock, so that a shutdown's cut-off cannot take the release midway; once taken out,
+/// dropping it would unlock.
+fn put_and_release(
+    settings: &Settings,
+    key: &RecordKey,
+    record: &Record,
+    token: u64,
+    slot: &ReleaseSlot,
+) -> Option<(super::store::Put, Box<dyn ReleaseLease>)> {
+    let mut slot = slot.lock().unwrap_or_else(PoisonError::into_inner);
+    let release = slot.take()?;
+    match settings
+        .store
+        .put_and_release(key, record, settings.ttl, token, &*release)
+    {
+        Some(put) => Some((put, release)),
+        None => {
+            *slot = Some(release);
+            None
+        }
     }
 }
 
+/// Runs `write` in a task of its own (a dropped request does not cut it off midway)
+/// and waits for it: what it stored, or `None` (it failed, and the log says why).
+async fn finish(
+    info: &LockInfo,
+    write: impl Future<Output = Result<Stored, StoreError>> + Send + 'static,
+) -> Option<Stored> {
+    match tokio::spawn(write).await {
+        Ok(Ok(stored)) => Some(stored),
+        Ok(Err(error)) => {
+            tracing::warn!(layer = info.layer(), %error, "response not stored");
+            None
+        }
+        Err(error) => {
+            tracing::warn!(layer = info.layer(), %error, "response not stored");
+            None
+        }
+    }
+}
+
+/// A store call within `limit` (a store in memory answers without a timer).
 async fn with_timeout<T>(
     limit: Duration,
     call: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    tokio::time::timeout(limit, call)
+    crate::within::within(limit, call)
         .await
-        .unwrap_or_else(|_| Err(StoreError::timeout(limit)))
+        .unwrap_or_else(|| Err(StoreError::timeout(limit)))
 }
 
 /// The stored response, marked as a replay.
 fn replay<B: Body>(record: Record) -> Response<ReplayBody<B>> {
-    let mut response = Response::new(ReplayBody::full(record.body().clone()));
-    *response.status_mut() = record.status();
-    let headers = response.headers_mut();
-    headers.extend(record.headers().clone());
+    let (status, mut headers, body) = record.into_parts();
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    let mut response = Response::new(ReplayBody::full(body));
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
     response
 }
 

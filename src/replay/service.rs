@@ -10,7 +10,8 @@ use tower_service::Service;
 
 use super::body::ReplayBody;
 use super::future::ReplayFuture;
-use super::respond::respond;
+use super::lookup::FoundInMemory;
+use super::respond::{replay_found_in_memory, respond};
 use super::shared::{Settings, Shared};
 
 /// The service [`ReplayLayer`](super::ReplayLayer) makes.
@@ -50,7 +51,16 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        // Found in memory before the lock layer took the key: replayed without the
+        // inner service (and without its clone).
+        if let Some(found) = request.extensions_mut().remove::<FoundInMemory>() {
+            let settings = Arc::clone(&self.settings);
+            let shared = Arc::clone(&self.shared);
+            return ReplayFuture::new(async move {
+                Ok(replay_found_in_memory(&settings, &shared, found, request).await)
+            });
+        }
         // Call the service that was readied; leave a fresh clone in its place.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);

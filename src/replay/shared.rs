@@ -13,7 +13,7 @@ use http::{Extensions, StatusCode};
 
 use super::metrics::ReplayMetrics;
 use super::record::Fingerprint;
-use super::store::ReplayStore;
+use super::store::{MemoryStore, ReplayStore};
 
 pub(crate) type PrincipalFn = dyn Fn(&Extensions) -> Option<String> + Send + Sync;
 
@@ -25,6 +25,8 @@ pub(crate) type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + S
 #[derive(Clone)]
 pub(crate) struct Settings {
     pub(crate) store: Arc<dyn ReplayStore>,
+    /// The same store, when it is a [`MemoryStore`]: read before the key is taken.
+    pub(crate) memory: Option<MemoryStore>,
     pub(crate) ttl: Duration,
     pub(crate) max_request_bytes: usize,
     pub(crate) read_timeout: Duration,

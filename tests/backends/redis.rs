@@ -1182,3 +1182,101 @@ async fn the_health_check_reports_the_restart_guards_time_left() {
     assert!(health.is_healthy(), "{health}");
     assert_eq!(health.restart_guard_left(), None, "{health}");
 }
+
+/// Issue 33: the hand-off's grant is trimmed (one `TIME`, the intent left only by a
+/// token that may have entered it); a waiter granted on a release still leaves the
+/// writers' intent, takes a larger fencing token, and is the holder on record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiter_granted_on_a_release_leaves_the_intent_and_is_on_record() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let configure = |b: RedisBackendBuilder| b.poll_interval(Duration::from_secs(30));
+    let (a, b) = (
+        connect(&redis, configure).await,
+        connect(&redis, configure).await,
+    );
+    let key = Key::new("k", 256).unwrap();
+    let intent = a.lock_key("handoff", "k").replace(":lock", ":intent");
+    let held = a.acquire("handoff", &key, Duration::ZERO).await.unwrap();
+    let waiter = tokio::spawn({
+        let (b, key) = (b.clone(), key.clone());
+        async move { b.acquire("handoff", &key, Duration::from_secs(20)).await }
+    });
+    until("B's writer intent is entered", || {
+        let (mut connection, intent) = (connection.clone(), intent.clone());
+        async move { exists(&mut connection, &intent).await }
+    })
+    .await;
+    let first = held.fencing_token().unwrap();
+    held.release().await;
+    let granted = within("B's grant", Duration::from_secs(20), waiter)
+        .await
+        .unwrap()
+        .unwrap();
+    let token = granted.fencing_token().unwrap();
+    assert!(token > first, "{token} after {first}");
+    assert!(
+        !exists(&mut connection, &intent).await,
+        "B is still in the intent set"
+    );
+    let holder = a.holder("handoff", &key).await.unwrap().unwrap();
+    assert_eq!(holder.fencing_token(), Some(token));
+    granted.release().await;
+}
+
+/// A writer's acquire no longer prunes the readers' set: an expired reader (one that
+/// crashed) must not hold it off, while an unexpired one does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn only_unexpired_readers_hold_off_a_writer() {
+    let redis = RedisServer::start();
+    let mut connection = connection(&redis).await;
+    let backend = connect(&redis, |b| b).await;
+    let key = Key::new("k", 256).unwrap();
+    let readers = backend
+        .lock_key("readers", "k")
+        .replace(":lock", ":readers");
+    let now_ms = |connection: &mut MultiplexedConnection| {
+        let mut connection = connection.clone();
+        async move {
+            let (secs, micros): (u64, u64) = redis::cmd("TIME")
+                .query_async(&mut connection)
+                .await
+                .unwrap();
+            secs * 1000 + micros / 1000
+        }
+    };
+    let add_reader = |connection: &mut MultiplexedConnection, expiry: u64, token: &str| {
+        let (mut connection, readers, token) =
+            (connection.clone(), readers.clone(), token.to_owned());
+        async move {
+            redis::pipe()
+                .cmd("ZADD")
+                .arg(&readers)
+                .arg(expiry)
+                .arg(token)
+                .cmd("PEXPIRE")
+                .arg(&readers)
+                .arg(60_000)
+                .query_async::<()>(&mut connection)
+                .await
+                .unwrap();
+        }
+    };
+    let now = now_ms(&mut connection).await;
+    add_reader(&mut connection, now - 1, "crashed").await;
+    let lease = backend.acquire("readers", &key, Duration::ZERO).await;
+    lease
+        .expect("an expired reader holds nothing")
+        .release()
+        .await;
+
+    let now = now_ms(&mut connection).await;
+    add_reader(&mut connection, now + 30_000, "alive").await;
+    let refused = backend
+        .acquire("readers", &key, Duration::from_millis(200))
+        .await;
+    assert!(
+        matches!(refused, Err(LockError::Timeout)),
+        "granted past a live reader"
+    );
+}

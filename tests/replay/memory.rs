@@ -17,72 +17,110 @@ use metrics_util::debugging::DebugValue;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
-use tower::{service_fn, ServiceBuilder, ServiceExt};
+use tower::util::BoxCloneSyncService;
+use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
 use tower_keyed_lock::replay::{MemoryStore, ReplayLayer, REPLAYED_TOTAL, STORED_TOTAL};
 use tower_keyed_lock::{BufferRequestBodyLayer, KeyedLockLayer};
 
-use crate::support::replay::{serve, Kit, Probe, PATIENCE};
+use crate::support::replay::{serve, Kit, Probe, Stacking, PATIENCE};
 
-fn kit() -> Kit {
+fn kit_stacked(stacking: Stacking) -> Kit {
     Kit {
         lock: Box::new(|| KeyedLockLayer::by_header("idempotency-key").name("replay-memory")),
         replay: Box::new(|| ReplayLayer::new(MemoryStore::default())),
+        stacking,
     }
 }
 
-#[tokio::test]
-async fn duplicate_after_completion_is_replayed() {
-    crate::support::replay::duplicate_after_completion_is_replayed(&kit()).await;
+fn kit() -> Kit {
+    kit_stacked(Stacking::Replay)
 }
 
-#[tokio::test]
-async fn duplicate_in_flight_waits_then_replays() {
-    crate::support::replay::duplicate_in_flight_waits_then_replays(&kit()).await;
+/// Every row, for the layers stacked both ways: through `KeyedLockLayer::replay` a
+/// stored record is found before the key is taken.
+macro_rules! rows {
+    ($($row:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $row() {
+                crate::support::replay::$row(&kit()).await;
+            }
+        )*
+        mod by_hand {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $row() {
+                    crate::support::replay::$row(&kit_stacked(Stacking::ByHand)).await;
+                }
+            )*
+        }
+    };
 }
 
-#[tokio::test]
-async fn duplicate_in_flight_without_waiting_gets_409() {
-    crate::support::replay::duplicate_in_flight_without_waiting_gets_409(&kit()).await;
-}
+rows!(
+    duplicate_after_completion_is_replayed,
+    duplicate_in_flight_waits_then_replays,
+    duplicate_in_flight_without_waiting_gets_409,
+    different_fingerprint_is_rejected,
+    custom_fingerprint_ignores_what_changes_between_retries,
+    transient_answers_are_not_stored,
+    panic_stores_nothing,
+    cancelled_request_stores_nothing,
+    body_over_the_limit_passes_through,
+    expired_record_is_a_new_request,
+    key_is_scoped_by_route,
+);
 
+/// Through `KeyedLockLayer::replay`, a completed request's retry is answered from
+/// memory while another request holds its key (on another path), and a retry with
+/// another body is refused at once: neither takes the key. Stacked by hand, the
+/// retry waits for the key like any request (and, with no wait, gets 409).
 #[tokio::test]
-async fn different_fingerprint_is_rejected() {
-    crate::support::replay::different_fingerprint_is_rejected(&kit()).await;
-}
-
-#[tokio::test]
-async fn custom_fingerprint_ignores_what_changes_between_retries() {
-    crate::support::replay::custom_fingerprint_ignores_what_changes_between_retries(&kit()).await;
-}
-
-#[tokio::test]
-async fn transient_answers_are_not_stored() {
-    crate::support::replay::transient_answers_are_not_stored(&kit()).await;
-}
-
-#[tokio::test]
-async fn panic_stores_nothing() {
-    crate::support::replay::panic_stores_nothing(&kit()).await;
-}
-
-#[tokio::test]
-async fn cancelled_request_stores_nothing() {
-    crate::support::replay::cancelled_request_stores_nothing(&kit()).await;
-}
-
-#[tokio::test]
-async fn body_over_the_limit_passes_through() {
-    crate::support::replay::body_over_the_limit_passes_through(&kit()).await;
-}
-
-#[tokio::test]
-async fn expired_record_is_a_new_request() {
-    crate::support::replay::expired_record_is_a_new_request(&kit()).await;
-}
-
-#[tokio::test]
-async fn key_is_scoped_by_route() {
-    crate::support::replay::key_is_scoped_by_route(&kit()).await;
+async fn a_replay_from_memory_takes_no_key() {
+    for stacking in [Stacking::Replay, Stacking::ByHand] {
+        let lock = KeyedLockLayer::by_header("idempotency-key")
+            .name("replay-memory")
+            .wait_timeout(Duration::ZERO);
+        let probe = Arc::new(Probe::default());
+        let app = crate::support::replay::app_stacked(
+            stacking,
+            lock,
+            ReplayLayer::new(MemoryStore::default()),
+            Arc::clone(&probe),
+        );
+        let app = Arc::new(serve(app, Arc::clone(&probe)).await);
+        let first = app.post("/orders", "k", "a").await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        // The key held by a request on another path until the gate opens.
+        let slow = tokio::spawn({
+            let app = Arc::clone(&app);
+            async move { app.post("/slow", "k", "").await }
+        });
+        let started = Instant::now();
+        while probe.started() < 2 {
+            assert!(
+                started.elapsed() < PATIENCE,
+                "the slow request never started"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let retry = app.post("/orders", "k", "a").await;
+        let other_body = app.post("/orders", "k", "b").await;
+        match stacking {
+            Stacking::Replay => {
+                assert!(retry.is_replay(), "{stacking:?}: {retry:?}");
+                assert_eq!(retry.body, first.body);
+                assert_eq!(other_body.status, StatusCode::UNPROCESSABLE_ENTITY);
+            }
+            Stacking::ByHand => {
+                assert_eq!(retry.status, StatusCode::CONFLICT, "{retry:?}");
+                assert_eq!(other_body.status, StatusCode::CONFLICT);
+            }
+        }
+        probe.gate.add_permits(1);
+        assert_eq!(slow.await.unwrap().status, StatusCode::OK);
+    }
 }
 
 /// Issue 25: with the fingerprint off, a key reused on another resource (another path,
@@ -127,6 +165,11 @@ impl std::fmt::Display for User {
 
 #[tokio::test]
 async fn key_is_scoped_by_principal() {
+    key_is_scoped_by_principal_when(Stacking::Replay).await;
+    key_is_scoped_by_principal_when(Stacking::ByHand).await;
+}
+
+async fn key_is_scoped_by_principal_when(stacking: Stacking) {
     let calls = Arc::new(AtomicUsize::new(0));
     let handler = {
         let calls = Arc::clone(&calls);
@@ -136,10 +179,13 @@ async fn key_is_scoped_by_principal() {
     };
     let store = MemoryStore::default();
     let app_for = |user: Option<&'static str>| {
-        let router = Router::new()
-            .route("/orders", post(handler.clone()))
-            .layer(ReplayLayer::new(store.clone()).principal::<User>())
-            .layer(KeyedLockLayer::by_header("idempotency-key").name("replay-principal"));
+        let replay = ReplayLayer::new(store.clone()).principal::<User>();
+        let lock = KeyedLockLayer::by_header("idempotency-key").name("replay-principal");
+        let router = Router::new().route("/orders", post(handler.clone()));
+        let router = match stacking {
+            Stacking::Replay => router.layer(lock.replay(replay)),
+            Stacking::ByHand => router.layer(replay).layer(lock),
+        };
         match user {
             Some(user) => router.layer(Extension(User(user))),
             None => router,
@@ -298,6 +344,11 @@ async fn body_over_the_limit_or_too_slow_is_refused() {
 /// free again, and a retry is replayed exactly when the handler ran to its end.
 #[tokio::test]
 async fn cancelled_at_every_await_leaves_the_key_free_and_stores_only_completed() {
+    cancelled_at_every_await_when(Stacking::Replay).await;
+    cancelled_at_every_await_when(Stacking::ByHand).await;
+}
+
+async fn cancelled_at_every_await_when(stacking: Stacking) {
     let completed = Arc::new(AtomicUsize::new(0));
     let handler = {
         let completed = Arc::clone(&completed);
@@ -313,10 +364,16 @@ async fn cancelled_at_every_await_leaves_the_key_free_and_stores_only_completed(
         })
     };
     let lock = KeyedLockLayer::by_header("idempotency-key").name("replay-cancel");
-    let service = ServiceBuilder::new()
-        .layer(lock.clone())
-        .layer(ReplayLayer::new(MemoryStore::default()))
-        .service(handler);
+    let replay = ReplayLayer::new(MemoryStore::default());
+    let service = match stacking {
+        Stacking::Replay => BoxCloneSyncService::new(lock.clone().replay(replay).layer(handler)),
+        Stacking::ByHand => BoxCloneSyncService::new(
+            ServiceBuilder::new()
+                .layer(lock.clone())
+                .layer(replay)
+                .service(handler),
+        ),
+    };
     let request = |key: &str| {
         Request::post("/orders")
             .header("idempotency-key", key)
@@ -363,4 +420,46 @@ async fn cancelled_at_every_await_leaves_the_key_free_and_stores_only_completed(
         finished_at.is_some_and(|polls| polls > 3),
         "{finished_at:?}"
     );
+}
+
+/// `lock.replay(..)` keeps `lock`'s table: a request through it and one through `lock`
+/// on another route, with the same key, exclude each other.
+#[tokio::test]
+async fn replay_keeps_the_lock_layer_table() {
+    let lock = KeyedLockLayer::by_header("idempotency-key").wait_timeout(Duration::ZERO);
+    let probe = Arc::new(Probe::default());
+    let plain = {
+        let probe = Arc::clone(&probe);
+        move || async move {
+            probe.started.fetch_add(1, SeqCst);
+            probe.gate.acquire().await.unwrap().forget();
+            "plain"
+        }
+    };
+    let app = Router::new()
+        .route("/plain", post(plain))
+        .layer(lock.clone())
+        .merge(
+            Router::new()
+                .route("/orders", post(|| async { "ran" }))
+                .layer(lock.replay(ReplayLayer::new(MemoryStore::default()))),
+        );
+    let app = Arc::new(serve(app, Arc::clone(&probe)).await);
+    let held = tokio::spawn({
+        let app = Arc::clone(&app);
+        async move { app.post("/plain", "k", "").await }
+    });
+    let started = Instant::now();
+    while probe.started() < 1 {
+        assert!(
+            started.elapsed() < PATIENCE,
+            "the plain request never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let busy = app.post("/orders", "k", "").await;
+    assert_eq!(busy.status, StatusCode::CONFLICT, "{busy:?}");
+    probe.gate.add_permits(1);
+    assert_eq!(held.await.unwrap().body, "plain");
+    assert_eq!(app.post("/orders", "k", "").await.body, "ran");
 }

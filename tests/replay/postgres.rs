@@ -18,7 +18,7 @@ use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockInfo};
 
 use crate::support::pg_server::PgServer;
-use crate::support::replay::{serve, Kit, Probe};
+use crate::support::replay::{serve, Kit, Probe, Served, Stacking};
 use crate::support::tcp_proxy::TcpProxy;
 
 const NAME: &str = "replay-postgres";
@@ -45,9 +45,15 @@ fn pool(config: &str) -> Pool {
         .unwrap()
 }
 
+/// `KeyedLockLayer::replay` on a store the lock looks up: the record read in the lock's
+/// try.
 fn kit(pg: &PgServer) -> Kit {
+    kit_stacked(pg, Stacking::Replay)
+}
+
+fn kit_stacked(pg: &PgServer, stacking: Stacking) -> Kit {
     let backend = backend(&pg.conn_str(), "instance");
-    let store = PostgresReplayStore::new(pool(&pg.conn_str()));
+    let store = PostgresReplayStore::new(pool(&pg.conn_str())).looked_up_by(&backend);
     Kit {
         lock: Box::new(move || {
             KeyedLockLayer::by_header("idempotency-key")
@@ -55,17 +61,31 @@ fn kit(pg: &PgServer) -> Kit {
                 .backend(backend.clone())
         }),
         replay: Box::new(move || ReplayLayer::new(store.clone())),
+        stacking,
     }
 }
 
+/// Every row, for the layers stacked both ways.
 macro_rules! rows {
-    ($($row:ident),* $(,)?) => {$(
-        #[tokio::test]
-        async fn $row() {
-            let pg = PgServer::start();
-            crate::support::replay::$row(&kit(&pg)).await;
+    ($($row:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $row() {
+                let pg = PgServer::start();
+                crate::support::replay::$row(&kit(&pg)).await;
+            }
+        )*
+        mod by_hand {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $row() {
+                    let pg = PgServer::start();
+                    crate::support::replay::$row(&kit_stacked(&pg, Stacking::ByHand)).await;
+                }
+            )*
         }
-    )*};
+    };
 }
 
 rows!(
@@ -233,6 +253,7 @@ async fn silent_store_fails_closed_with_503() {
         replay: Box::new(move || {
             ReplayLayer::new(store.clone()).store_timeout(Duration::from_millis(300))
         }),
+        stacking: Stacking::ByHand,
     };
     let app = kit.serve().await;
     app.post("/orders", "before", "").await;
@@ -262,6 +283,7 @@ async fn store_without_fencing_tokens_is_refused() {
                 .backend(backend.clone())
         }),
         replay: Box::new(move || ReplayLayer::new(store.clone())),
+        stacking: Stacking::ByHand,
     };
     let app = kit.serve().await;
     for _ in 0..2 {
@@ -417,4 +439,344 @@ async fn expired_records_are_purged_as_the_store_is_used() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Issue 33, counted on the wire: the lock's and the store's connections go through a
+/// proxy that counts each time a client speaks after PostgreSQL has (a round trip).
+/// Through `KeyedLockLayer::replay` on a store looked up by the lock, a first request
+/// makes one round trip before its handler (the try, which reads the record too) and
+/// one after it before the answer (the fenced write and the unlock, pipelined on the
+/// lock's session), none after the answer, and a replay of the completed key makes
+/// one, taking no lock.
+/// Stacked by hand, the record is read after the try: two before the handler, and two
+/// for a replay (with the unlock after it).
+#[tokio::test]
+async fn round_trips_are_counted_on_the_wire() {
+    let pg = PgServer::start();
+    let proxy =
+        Arc::new(TcpProxy::start(format!("127.0.0.1:{}", pg.port()).parse().unwrap()).await);
+    let via_proxy = format!(
+        "host=127.0.0.1 port={} user=postgres dbname=postgres",
+        proxy.addr.port()
+    );
+    // No liveness check falls inside a request.
+    let backend = backend(&via_proxy, "instance").liveness_interval(Duration::from_secs(30));
+    let store = PostgresReplayStore::new(pool(&via_proxy)).looked_up_by(&backend);
+    let counted = Counted::new(&proxy);
+    let app = |stacking: Stacking| {
+        let lock = KeyedLockLayer::by_header("idempotency-key")
+            .name(NAME)
+            .backend(backend.clone());
+        let replay = ReplayLayer::new(store.clone());
+        let routes = Router::new().route("/orders", post(counted.handler()));
+        let routes = match stacking {
+            Stacking::Replay => routes.layer(lock.replay(replay)),
+            Stacking::ByHand => routes.layer(replay).layer(lock),
+        };
+        // Counted as the layers answer: the unlock, spawned as the lock's guard drops,
+        // has not run yet (a count at the client would race it).
+        routes.layer(tower::util::MapResponseLayer::new(counted.at_answer()))
+    };
+    let probe = Arc::new(Probe::default());
+    let looked_up = serve(app(Stacking::Replay), Arc::clone(&probe)).await;
+    let by_hand = serve(app(Stacking::ByHand), probe).await;
+    // The first requests create the table, prepare the store's statements and the
+    // fencing sequence, and confirm a fresh session keeps its lock: once each.
+    for served in [&looked_up, &by_hand] {
+        for key in ["warm-1", "warm-2", "warm-3"] {
+            served.post("/orders", key, "").await;
+            served.post("/orders", key, "").await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    assert_eq!(
+        counted.request(&looked_up, "first").await,
+        [1, 1, 0],
+        "a first request: the write and the unlock in one round trip, nothing after"
+    );
+    assert_eq!(
+        counted.request(&looked_up, "first").await,
+        [1, 0, 0],
+        "a replay"
+    );
+    let holder = backend
+        .holder(NAME, &Key::new("first", 256).unwrap())
+        .await
+        .unwrap();
+    assert!(holder.is_none(), "{holder:?}");
+    assert_eq!(
+        counted.request(&by_hand, "by-hand").await,
+        [2, 1, 1],
+        "a first request, by hand"
+    );
+    assert_eq!(
+        counted.request(&by_hand, "by-hand").await,
+        [2, 0, 1],
+        "a replay, by hand"
+    );
+}
+
+/// Round trips through a proxy at the moments of one request.
+struct Counted {
+    proxy: Arc<TcpProxy>,
+    /// At the handler's start, `usize::MAX` until it runs.
+    at_handler: Arc<AtomicUsize>,
+    at_answer: Arc<AtomicUsize>,
+}
+
+impl Counted {
+    fn new(proxy: &Arc<TcpProxy>) -> Self {
+        Counted {
+            proxy: Arc::clone(proxy),
+            at_handler: Arc::new(AtomicUsize::new(usize::MAX)),
+            at_answer: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn handler(
+        &self,
+    ) -> impl Fn() -> std::future::Ready<&'static str> + Clone + Send + Sync + 'static {
+        let (proxy, at_handler) = (Arc::clone(&self.proxy), Arc::clone(&self.at_handler));
+        move || {
+            at_handler.store(proxy.round_trips() as usize, SeqCst);
+            std::future::ready("done")
+        }
+    }
+
+    fn at_answer(
+        &self,
+    ) -> impl FnMut(axum::response::Response) -> axum::response::Response + Clone + Send + Sync + 'static
+    {
+        let (proxy, at_answer) = (Arc::clone(&self.proxy), Arc::clone(&self.at_answer));
+        move |response| {
+            at_answer.store(proxy.round_trips() as usize, SeqCst);
+            response
+        }
+    }
+
+    /// Round trips before the handler (all until the answer if it did not run), between
+    /// the handler and the answer, and in the 300 ms after the answer.
+    async fn request(&self, app: &Served, key: &str) -> [usize; 3] {
+        self.at_handler.store(usize::MAX, SeqCst);
+        let start = self.proxy.round_trips() as usize;
+        app.post("/orders", key, "").await;
+        let answered = self.at_answer.load(SeqCst);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let later = self.proxy.round_trips() as usize - answered;
+        match self.at_handler.load(SeqCst) {
+            usize::MAX => [answered - start, 0, later],
+            ran => [ran - start, answered - ran, later],
+        }
+    }
+}
+
+/// Keys with quotes, backslashes and dollar-quote tags reach the lock's try as literals:
+/// each is replayed under its own key, and no other's.
+#[tokio::test]
+async fn odd_keys_are_looked_up_as_they_are() {
+    let pg = PgServer::start();
+    let app = kit(&pg).serve().await;
+    let keys = ["o'rder", r"back\slash", "$t0$dollar$t1$", "$$", "a;b--c"];
+    for key in keys {
+        let first = app.post("/orders", key, "").await;
+        assert!(!first.is_replay(), "{key}: {first:?}");
+    }
+    for key in keys {
+        let replayed = app.post("/orders", key, "").await;
+        assert!(replayed.is_replay(), "{key}: {replayed:?}");
+    }
+    assert_eq!(app.probe.completed(), keys.len());
+}
+
+/// The lock's backend, and an app whose store is looked up by it (`KeyedLockLayer::
+/// replay`), its table created by a first request; and an admin connection, which adds
+/// a trigger that runs `action` (PL/pgSQL) when the record of key `key` is written.
+async fn one_step_app(
+    pg: &PgServer,
+    replay: impl FnOnce(ReplayLayer) -> ReplayLayer,
+    (key, action): (&str, &str),
+) -> (PostgresBackend, Served, tokio_postgres::Client) {
+    let backend = backend(&pg.conn_str(), "instance");
+    let store = PostgresReplayStore::new(pool(&pg.conn_str())).looked_up_by(&backend);
+    let lock = KeyedLockLayer::by_header("idempotency-key")
+        .name(NAME)
+        .backend(backend.clone());
+    let probe = Arc::new(Probe::default());
+    let app = crate::support::replay::app_stacked(
+        Stacking::Replay,
+        lock,
+        replay(ReplayLayer::new(store)),
+        Arc::clone(&probe),
+    );
+    let app = serve(app, probe).await;
+    app.post("/orders", "warm", "").await;
+    let (admin, connection) = tokio_postgres::connect(&pg.conn_str(), NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    admin
+        .batch_execute(&format!(
+            "CREATE FUNCTION on_write() RETURNS trigger LANGUAGE plpgsql AS $f$ \
+             BEGIN {action}; RETURN NEW; END $f$; \
+             CREATE TRIGGER on_write BEFORE INSERT OR UPDATE ON keyed_lock_replay \
+             FOR EACH ROW WHEN (NEW.key = '{key}') EXECUTE FUNCTION on_write()"
+        ))
+        .await
+        .unwrap();
+    (backend, app, admin)
+}
+
+/// The rows stored for `key`.
+async fn rows_of(admin: &tokio_postgres::Client, key: &str) -> i64 {
+    admin
+        .query_one(
+            "SELECT count(*) FROM keyed_lock_replay WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn is_held(backend: &PostgresBackend, key: &str) -> bool {
+    let key = Key::new(key, 256).unwrap();
+    backend.holder(NAME, &key).await.unwrap().is_some()
+}
+
+/// The write and the unlock go together, in two messages: a write that fails does not
+/// keep the unlock from running. At the answer the key is free, nothing is stored, and
+/// the retry runs the handler.
+#[tokio::test]
+async fn a_write_that_fails_still_unlocks_in_its_round_trip() {
+    let pg = PgServer::start();
+    let refuse = ("doomed", "RAISE EXCEPTION 'refused by a test trigger'");
+    let (backend, app, admin) = one_step_app(&pg, |replay| replay, refuse).await;
+
+    let first = app.post("/orders", "doomed", "").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.is_replay());
+    assert!(!is_held(&backend, "doomed").await, "held after the answer");
+    assert_eq!(rows_of(&admin, "doomed").await, 0);
+    let retry = app.post("/orders", "doomed", "").await;
+    assert!(!retry.is_replay(), "{retry:?}");
+    assert_eq!(
+        app.probe.completed(),
+        3,
+        "the warm-up, the first and its retry"
+    );
+}
+
+/// The lock's session dies between the write and the unlock (the write's trigger ends
+/// its own server process): the write does not commit and the unlock never runs, and
+/// PostgreSQL frees the key with the session, so nothing is stored and nothing stays
+/// held; the client still gets its answer, and the retry runs.
+#[tokio::test]
+async fn a_session_killed_at_the_write_stores_nothing_and_holds_nothing() {
+    let pg = PgServer::start();
+    let kill = ("killed", "PERFORM pg_terminate_backend(pg_backend_pid())");
+    let (backend, app, admin) = one_step_app(&pg, |replay| replay, kill).await;
+
+    let first = app.post("/orders", "killed", "").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.is_replay());
+    assert_eq!(rows_of(&admin, "killed").await, 0);
+    assert!(
+        !is_held(&backend, "killed").await,
+        "held after its session ended"
+    );
+    let retry = app.post("/orders", "killed", "").await;
+    assert!(!retry.is_replay(), "{retry:?}");
+    assert_eq!(app.probe.completed(), 3);
+}
+
+/// The request stops waiting for its write (the store timeout passes while the write
+/// sleeps in its trigger): the lease's watch task finishes both halves all the same,
+/// and the release the request then waits for is the one it started. The key is free
+/// at the answer, the record is there, and the retry replays it.
+#[tokio::test]
+async fn a_write_given_up_on_is_finished_with_its_unlock() {
+    let pg = PgServer::start();
+    let slow = ("slow-write", "PERFORM pg_sleep(0.3)");
+    let store_timeout = |replay: ReplayLayer| replay.store_timeout(Duration::from_millis(50));
+    let (backend, app, admin) = one_step_app(&pg, store_timeout, slow).await;
+
+    let first = app.post("/orders", "slow-write", "").await;
+    assert!(!first.is_replay());
+    assert!(
+        !is_held(&backend, "slow-write").await,
+        "held after the answer"
+    );
+    assert_eq!(rows_of(&admin, "slow-write").await, 1);
+    let retry = app.post("/orders", "slow-write", "").await;
+    assert!(retry.is_replay(), "{retry:?}");
+}
+
+/// The client goes away while the record is being written: the request's future is
+/// dropped at that await, and the write and the unlock still finish together.
+#[tokio::test]
+async fn a_client_gone_during_the_write_leaves_it_done_and_the_key_free() {
+    use tokio::io::AsyncWriteExt;
+
+    let pg = PgServer::start();
+    let slow = ("slow-write", "PERFORM pg_sleep(0.3)");
+    let (backend, app, admin) = one_step_app(&pg, |replay| replay, slow).await;
+    {
+        let mut stream = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+        let head = "POST /orders HTTP/1.1\r\nhost: t\r\nidempotency-key: slow-write\r\n\
+                    content-length: 0\r\n\r\n";
+        stream.write_all(head.as_bytes()).await.unwrap();
+        crate::support::replay::wait_until(|| app.probe.completed() == 2).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            is_held(&backend, "slow-write").await,
+            "written before the sleep ended"
+        );
+    } // Dropped: the client went away mid-write.
+    let mut polls = 0;
+    while is_held(&backend, "slow-write").await {
+        polls += 1;
+        assert!(polls < 100, "the key stayed held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(rows_of(&admin, "slow-write").await, 1);
+    let retry = app.post("/orders", "slow-write", "").await;
+    assert!(retry.is_replay(), "{retry:?}");
+}
+
+/// The lock's session is killed while the handler runs: the lease is lost, its watch
+/// task has ended, and the write handed to it is not run (on no other connection
+/// either). Nothing is stored, nothing stays held, and the retry runs.
+#[tokio::test]
+async fn a_lease_lost_before_the_write_stores_nothing() {
+    let pg = PgServer::start();
+    let (backend, app, admin) = one_step_app(&pg, |replay| replay, ("-", "NULL")).await;
+    let app = Arc::new(app);
+    let slow = tokio::spawn({
+        let app = Arc::clone(&app);
+        async move { app.post("/slow", "lost", "").await }
+    });
+    crate::support::replay::wait_until(|| app.probe.started() == 2).await;
+    let killed = admin
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE application_name LIKE 'tkl % instance'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(killed.len(), 1);
+    let mut polls = 0;
+    while is_held(&backend, "lost").await {
+        polls += 1;
+        assert!(polls < 100, "the key stayed held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    app.probe.gate.add_permits(2);
+    let late = slow.await.unwrap();
+    assert!(!late.is_replay(), "{late:?}");
+    assert_eq!(rows_of(&admin, "lost").await, 0);
+    assert!(!is_held(&backend, "lost").await);
+    let retry = app.post("/slow", "lost", "").await;
+    assert!(!retry.is_replay(), "{retry:?}");
 }

@@ -14,8 +14,9 @@ use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::replay::{MemoryStore, RedisReplayStore, ReplayLayer};
 use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 
+use crate::support::redis_monitor::Monitor;
 use crate::support::redis_server::RedisServer;
-use crate::support::replay::{serve, Kit, Probe};
+use crate::support::replay::{serve, Kit, Probe, Served, Stacking};
 use crate::support::tcp_proxy::TcpProxy;
 
 const NAME: &str = "replay-redis";
@@ -31,7 +32,7 @@ async fn backend(redis: &RedisServer) -> RedisBackend {
 
 /// Layers as two instances of an application would build them: each `serve` gets a
 /// lock layer of its own on the shared backend, and the one store.
-async fn kit(redis: &RedisServer) -> Kit {
+async fn kit_stacked(redis: &RedisServer, stacking: Stacking) -> Kit {
     let backend = backend(redis).await;
     let store = RedisReplayStore::new(&backend);
     Kit {
@@ -41,17 +42,37 @@ async fn kit(redis: &RedisServer) -> Kit {
                 .backend(backend.clone())
         }),
         replay: Box::new(move || ReplayLayer::new(store.clone())),
+        stacking,
     }
 }
 
+/// `KeyedLockLayer::replay`: the record looked up by the lock's acquisition.
+async fn kit(redis: &RedisServer) -> Kit {
+    kit_stacked(redis, Stacking::Replay).await
+}
+
+/// Every row, for the layers stacked both ways.
 macro_rules! rows {
-    ($($row:ident),* $(,)?) => {$(
-        #[tokio::test]
-        async fn $row() {
-            let redis = RedisServer::start();
-            crate::support::replay::$row(&kit(&redis).await).await;
+    ($($row:ident),* $(,)?) => {
+        $(
+            #[tokio::test]
+            async fn $row() {
+                let redis = RedisServer::start();
+                crate::support::replay::$row(&kit(&redis).await).await;
+            }
+        )*
+        mod by_hand {
+            use super::*;
+            $(
+                #[tokio::test]
+                async fn $row() {
+                    let redis = RedisServer::start();
+                    let kit = kit_stacked(&redis, Stacking::ByHand).await;
+                    crate::support::replay::$row(&kit).await;
+                }
+            )*
         }
-    )*};
+    };
 }
 
 rows!(
@@ -92,6 +113,7 @@ async fn silent_store_fails_closed_with_503_or_open_if_configured() {
         replay: Box::new(move || {
             ReplayLayer::new(store.clone()).store_timeout(Duration::from_millis(300))
         }),
+        stacking: Stacking::ByHand,
     };
     let closed = kit.serve().await;
     let open = kit
@@ -153,6 +175,7 @@ async fn memory_store_under_a_distributed_lock_is_refused() {
             }
         }),
         replay: Box::new(|| ReplayLayer::new(MemoryStore::default())),
+        stacking: Stacking::ByHand,
     };
     let app = kit.serve().await;
     for _ in 0..2 {
@@ -190,6 +213,17 @@ async fn memory_store_under_a_distributed_lock_is_refused_at_build_time() {
 /// runs and stores. A's late write is fenced: the record stays B's.
 #[tokio::test]
 async fn write_after_a_lost_lease_is_fenced() {
+    write_after_a_lost_lease_is_fenced_when(Stacking::ByHand).await;
+}
+
+/// The same through `KeyedLockLayer::replay`: A's write-and-release script finds the
+/// fence moved on and changes nothing (B's lock stays, and its record).
+#[tokio::test]
+async fn write_and_release_after_a_lost_lease_is_fenced() {
+    write_after_a_lost_lease_is_fenced_when(Stacking::Replay).await;
+}
+
+async fn write_after_a_lost_lease_is_fenced_when(stacking: Stacking) {
     let redis = RedisServer::start();
     let short_lease = || async {
         RedisBackend::builder(redis.client())
@@ -202,7 +236,6 @@ async fn write_after_a_lost_lease_is_fenced() {
             .unwrap()
     };
     let (backend_a, backend_b) = (short_lease().await, short_lease().await);
-    let store = RedisReplayStore::new(&backend_a);
     let calls = Arc::new(AtomicUsize::new(0));
     let app = |backend: RedisBackend| {
         let calls = Arc::clone(&calls);
@@ -215,14 +248,16 @@ async fn write_after_a_lost_lease_is_fenced() {
             }
             format!("call {call}")
         };
-        Router::new()
-            .route("/orders", post(handler))
-            .layer(ReplayLayer::new(store.clone()))
-            .layer(
-                KeyedLockLayer::by_header("idempotency-key")
-                    .name(NAME)
-                    .backend(backend),
-            )
+        // Each instance's store on its own backend, as an application builds them.
+        let replay = ReplayLayer::new(RedisReplayStore::new(&backend));
+        let lock = KeyedLockLayer::by_header("idempotency-key")
+            .name(NAME)
+            .backend(backend);
+        let routes = Router::new().route("/orders", post(handler));
+        match stacking {
+            Stacking::ByHand => routes.layer(replay).layer(lock),
+            Stacking::Replay => routes.layer(lock.replay(replay)),
+        }
     };
     let probe = Arc::new(Probe::default());
     let a = Arc::new(serve(app(backend_a), Arc::clone(&probe)).await);
@@ -241,4 +276,321 @@ async fn write_after_a_lost_lease_is_fenced() {
     let replayed = a.post("/orders", "k", "").await;
     assert!(replayed.is_replay());
     assert_eq!(replayed.body, "call 2", "the lost lease's write landed");
+}
+
+/// The app of the round-trip counts: `/orders` behind `lock.replay(replay)` (or the two
+/// stacked by hand), `/plain` behind the lock alone; each handler marks the moment it
+/// runs in Redis's MONITOR stream as `handler-<key>`.
+fn counted_app(backend: &RedisBackend, monitor: &Arc<Monitor>, stacking: Stacking) -> Router {
+    let handler = {
+        let monitor = Arc::clone(monitor);
+        move |headers: http::HeaderMap| async move {
+            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+            monitor.mark(&format!("handler-{key}")).await;
+            format!("done {key}")
+        }
+    };
+    let lock = || {
+        KeyedLockLayer::by_header("idempotency-key")
+            .name(NAME)
+            .backend(backend.clone())
+    };
+    let replay = ReplayLayer::new(RedisReplayStore::new(backend));
+    let orders = Router::new().route("/orders", post(handler.clone()));
+    let orders = match stacking {
+        Stacking::Replay => orders.layer(lock().replay(replay)),
+        Stacking::ByHand => orders.layer(replay).layer(lock()),
+    };
+    let plain = Router::new().route("/plain", post(handler)).layer(lock());
+    orders.merge(plain)
+}
+
+/// What Redis ran for one request: the commands sent before the handler ran (all
+/// until the answer, if it did not run), between the handler and the answer, and in
+/// the 300 ms after the answer.
+async fn count(monitor: &Monitor, app: &Served, path: &str, key: &str) -> [Vec<String>; 3] {
+    let [start, answered, settled] =
+        ["start", "answered", "settled"].map(|m| format!("{m}-{path}-{key}"));
+    monitor.mark(&start).await;
+    app.post(path, key, "{}").await;
+    monitor.mark(&answered).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    monitor.mark(&settled).await;
+    let handler = format!("handler-{key}");
+    let until_answered = monitor.sent_between(&start, &answered).unwrap();
+    let (before, after) = match monitor.sent_between(&start, &handler) {
+        Some(before) if before.len() <= until_answered.len() => {
+            (before, monitor.sent_between(&handler, &answered).unwrap())
+        }
+        // The handler did not run for this request (a replay).
+        _ => (until_answered, Vec::new()),
+    };
+    let later = monitor.sent_between(&answered, &settled).unwrap();
+    [before, after, later]
+}
+
+/// Issue 33, counted by Redis itself (MONITOR): through `KeyedLockLayer::replay` on the
+/// Redis store a first request sends one command before its handler (the acquisition,
+/// which looks for the record too) and one after it (the record written and the lock
+/// released in one script), and nothing once answered; a replay of the completed key
+/// sends one, and takes no lock. A lock without replay sends one before the handler and
+/// releases after the response. The layers stacked by hand pay what they did before:
+/// the record read after the acquisition, the release after the write.
+#[tokio::test]
+async fn round_trips_are_counted_by_redis() {
+    let redis = RedisServer::start();
+    let monitor = Arc::new(Monitor::start(redis.port()).await);
+    let backend = backend(&redis).await;
+    let probe = Arc::new(Probe::default());
+    let app = serve(
+        counted_app(&backend, &monitor, Stacking::Replay),
+        Arc::clone(&probe),
+    )
+    .await;
+    let by_hand = serve(counted_app(&backend, &monitor, Stacking::ByHand), probe).await;
+    // Loads the scripts (a first EVALSHA finds none), on both paths.
+    for (served, key) in [(&app, "warm-up"), (&by_hand, "warm-up-by-hand")] {
+        served.post("/orders", key, "{}").await;
+        served.post("/plain", key, "{}").await;
+    }
+    // Their releases are sent after the answers: let them land before counting.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The release subscription's keep-alive PING runs on its own schedule.
+    let names = |commands: &[String]| -> Vec<String> {
+        let names = commands
+            .iter()
+            .map(|c| c.split(' ').next().unwrap().to_owned());
+        names.filter(|name| name != "PING").collect()
+    };
+
+    let [before, after, later] = count(&monitor, &app, "/orders", "first").await;
+    assert_eq!(
+        names(&before),
+        ["EVALSHA"],
+        "before the handler: {before:?}"
+    );
+    assert_eq!(
+        names(&after),
+        ["EVAL"],
+        "between handler and response: {after:?}"
+    );
+    assert!(later.is_empty(), "after the response: {later:?}");
+
+    let [before, after, later] = count(&monitor, &app, "/orders", "first").await;
+    assert_eq!(names(&before), ["EVALSHA"], "a replay: {before:?}");
+    assert!(after.is_empty() && later.is_empty(), "{after:?} {later:?}");
+    assert!(
+        !redis_key_exists(&redis, &backend.lock_key(NAME, "first")).await,
+        "the replay took the lock"
+    );
+
+    // The release runs beside the response, so it may reach Redis before or after the
+    // client has the answer; it is sent after the handler either way.
+    let [before, after, later] = count(&monitor, &app, "/plain", "plain").await;
+    assert_eq!(names(&before), ["EVALSHA"], "{before:?}");
+    assert_eq!(names(&[after, later].concat()), ["EVAL"], "the release");
+
+    // Stacked by hand: acquire, then GET; after the handler the fenced write, and the
+    // release. A replay: acquire and GET, then the release.
+    let [before, after, later] = count(&monitor, &by_hand, "/orders", "by-hand").await;
+    assert_eq!(names(&before), ["EVALSHA", "GET"], "{before:?}");
+    assert_eq!(names(&[after, later].concat()), ["EVALSHA", "EVAL"]);
+    let sent = count(&monitor, &by_hand, "/orders", "by-hand")
+        .await
+        .concat();
+    assert_eq!(names(&sent), ["EVALSHA", "GET", "EVAL"], "{sent:?}");
+}
+
+async fn redis_key_exists(redis: &RedisServer, key: &str) -> bool {
+    let mut connection = redis
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    redis::cmd("EXISTS")
+        .arg(key)
+        .query_async::<bool>(&mut connection)
+        .await
+        .unwrap()
+}
+
+/// Through `KeyedLockLayer::replay`, a request dropped after 0, 50 µs, 100 µs … 6.4 ms, 1 s
+/// — at the acquisition that looks for the record, the handler, or the write that
+/// releases the lock — leaves the lock free (not held until its lease runs out), and a
+/// retry is replayed exactly when the handler ran to its end.
+#[tokio::test]
+async fn dropped_at_any_moment_leaves_the_lock_free_and_stores_only_completed() {
+    use tower::{Layer, ServiceExt};
+    let redis = RedisServer::start();
+    let backend = backend(&redis).await;
+    let completed = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let completed = Arc::clone(&completed);
+        tower::service_fn(move |_: http::Request<axum::body::Body>| {
+            let completed = Arc::clone(&completed);
+            async move {
+                tokio::time::sleep(Duration::from_micros(300)).await;
+                let call = completed.fetch_add(1, SeqCst) + 1;
+                Ok::<_, std::convert::Infallible>(http::Response::new(format!("call {call}")))
+            }
+        })
+    };
+    let service = KeyedLockLayer::by_header("idempotency-key")
+        .name(NAME)
+        .backend(backend.clone())
+        .replay(ReplayLayer::new(RedisReplayStore::new(&backend)))
+        .layer(handler);
+    let request = |key: &str| {
+        http::Request::post("/orders")
+            .header("idempotency-key", key)
+            .body(axum::body::Body::from("body"))
+            .unwrap()
+    };
+    let mut finished = 0;
+    // 0 µs never finishes (a round trip is needed); a second always does, however
+    // loaded the machine.
+    for (step, micros) in [0, 50, 100, 200, 400, 800, 1600, 3200, 6400, 1_000_000]
+        .into_iter()
+        .enumerate()
+    {
+        let key = format!("dropped-{step}");
+        let before = completed.load(SeqCst);
+        let call = service.clone().oneshot(request(&key));
+        if tokio::time::timeout(Duration::from_micros(micros), call)
+            .await
+            .is_ok()
+        {
+            finished += 1;
+        }
+        // Freed by the write that releases it, or by the lease's own release: both
+        // within moments, never a lease later (30 s).
+        let lock = backend.lock_key(NAME, &key);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while redis_key_exists(&redis, &lock).await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{lock} still held after a drop at {micros} µs"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let ran_to_end = completed.load(SeqCst) > before;
+        let retry = tokio::time::timeout(
+            Duration::from_secs(10),
+            service.clone().oneshot(request(&key)),
+        )
+        .await
+        .expect("answered")
+        .unwrap();
+        let replayed = retry.headers().contains_key("idempotent-replayed");
+        assert_eq!(replayed, ran_to_end, "dropped at {micros} µs");
+    }
+    assert!(
+        finished > 0 && finished < 10,
+        "{finished} of 10 finished: both paths taken"
+    );
+}
+
+/// `lock.replay(..)` on a clone of a lock layer already applied elsewhere still looks
+/// the record up in the acquisition (the lookup belongs to the service `replay`
+/// builds, not to the layer's settings): a replay is one command. (The bench stacks
+/// it so, and first measured the hand-stacked path.)
+#[tokio::test]
+async fn replay_on_a_clone_of_an_applied_lock_still_looks_up() {
+    let redis = RedisServer::start();
+    let monitor = Monitor::start(redis.port()).await;
+    let backend = backend(&redis).await;
+    let lock = KeyedLockLayer::by_header("idempotency-key")
+        .name(NAME)
+        .backend(backend.clone());
+    let plain = Router::new()
+        .route("/plain", post(|| async { "plain" }))
+        .layer(lock.clone());
+    let orders = Router::new()
+        .route("/orders", post(|| async { "order" }))
+        .layer(lock.replay(ReplayLayer::new(RedisReplayStore::new(&backend))));
+    let app = serve(plain.merge(orders), Arc::new(Probe::default())).await;
+    app.post("/plain", "k", "").await;
+    app.post("/orders", "k", "").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    monitor.mark("replay-start").await;
+    assert!(app.post("/orders", "k", "").await.is_replay());
+    monitor.mark("replay-end").await;
+    let sent = monitor.sent_between("replay-start", "replay-end").unwrap();
+    let sent: Vec<_> = sent.iter().filter(|c| !c.starts_with("PING")).collect();
+    assert_eq!(sent.len(), 1, "{sent:?}");
+}
+
+/// Through `KeyedLockLayer::replay`, the lock's own Redis goes silent while the handler
+/// runs: the write that would also release the lock times out within the store
+/// timeout, the client gets its response (not stored), and once the path heals the key
+/// is free again within the lease and a retry runs again (nothing was stored).
+#[tokio::test]
+async fn a_silent_engine_during_the_write_and_release_answers_and_frees_the_key() {
+    let redis = RedisServer::start();
+    let upstream = format!("127.0.0.1:{}", redis.port()).parse().unwrap();
+    let proxy = TcpProxy::start(upstream).await;
+    let client = redis::Client::open(format!("redis://{}/", proxy.addr)).unwrap();
+    let backend = RedisBackend::builder(client)
+        .restart_guard(false)
+        .lease(Duration::from_secs(1))
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .expect("backend connects through the proxy");
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (gate, calls) = (Arc::clone(&gate), Arc::clone(&calls));
+        move || async move {
+            let call = calls.fetch_add(1, SeqCst) + 1;
+            if call == 1 {
+                gate.acquire().await.unwrap().forget();
+            }
+            format!("call {call}")
+        }
+    };
+    let lock = KeyedLockLayer::by_header("idempotency-key")
+        .name(NAME)
+        .backend(backend.clone());
+    let replay =
+        ReplayLayer::new(RedisReplayStore::new(&backend)).store_timeout(Duration::from_millis(300));
+    let app = Router::new()
+        .route("/orders", post(handler))
+        .layer(lock.replay(replay));
+    let app = Arc::new(serve(app, Arc::new(Probe::default())).await);
+
+    let first = tokio::spawn({
+        let app = Arc::clone(&app);
+        async move { app.post("/orders", "k", "").await }
+    });
+    while calls.load(SeqCst) == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.blackhole();
+    let silenced = tokio::time::Instant::now();
+    gate.add_permits(1);
+    let first = first.await.unwrap();
+    assert_eq!(first.body, "call 1");
+    assert!(
+        silenced.elapsed() < Duration::from_secs(2),
+        "answered {:?} after the silence began",
+        silenced.elapsed()
+    );
+
+    proxy.heal();
+    proxy.reset();
+    // Freed by the lease's own release once the path is back, or by its expiry.
+    let retry = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let retry = app.post("/orders", "k", "").await;
+            if retry.status.is_success() {
+                return retry;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the key is free again");
+    assert!(!retry.is_replay(), "{retry:?}");
+    assert_eq!(retry.body, "call 2");
 }

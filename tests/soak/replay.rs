@@ -90,10 +90,10 @@ fn app(
     replay: ReplayLayer,
     effects: Arc<Effects>,
 ) -> Router {
+    // The store on the lock's engine: records are looked up by the lock's acquisition.
     Router::new()
         .route("/webhooks", post(deliver))
-        .layer(replay)
-        .layer(lock)
+        .layer(lock.replay(replay))
         .layer(Extension(effects))
 }
 
@@ -245,11 +245,11 @@ async fn two_instances_sharing_postgres() {
             .max_size(8)
             .build()
             .unwrap();
+        let replay = ReplayLayer::new(PostgresReplayStore::new(pool).looked_up_by(&backend));
         let lock = KeyedLockLayer::by_header("webhook-id")
             .name("soak")
             .wait_timeout(Duration::from_secs(10))
             .backend(backend);
-        let replay = ReplayLayer::new(PostgresReplayStore::new(pool));
         instances.push(serve(app(lock, replay, Arc::clone(&effects))).await);
     }
     soak([instances[0], instances[1]], effects).await;

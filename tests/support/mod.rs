@@ -3,8 +3,10 @@
 //!
 //! - servers each test starts on free ports: `redis_server` (single, Sentinel),
 //!   `redis_cluster`, `pg_server`, `pgbouncer`, `dynamo_server` (moto);
+//!   `redis_monitor`: the commands a Redis server runs, to count round trips;
 //! - `fixtures`: those servers behind one trait (`Fixture`, `Remote`, `Proxied`) and
 //!   `for_each_fixture!`, so a distributed test body is written once;
+//! - `ports`: the ports those servers bind, outside the kernel's ephemeral range;
 //! - `tcp_proxy`: the fault proxy between an instance and its server;
 //! - `recorder` (metrics), `logs` (captured `tracing` output), `soak`, `replay` (the
 //!   replay tests' app, client and semantics rows);
@@ -44,9 +46,12 @@ pub mod logs;
 pub mod pg_server;
 #[cfg(feature = "postgres")]
 pub mod pgbouncer;
+pub mod ports;
 pub mod recorder;
 #[cfg(feature = "redis")]
 pub mod redis_cluster;
+#[cfg(feature = "redis")]
+pub mod redis_monitor;
 #[cfg(feature = "redis")]
 pub mod redis_server;
 #[cfg(feature = "replay")]

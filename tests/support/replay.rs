@@ -30,6 +30,17 @@ pub const PATIENCE: Duration = Duration::from_secs(10);
 pub struct Kit {
     pub lock: Box<dyn Fn() -> KeyedLockLayer<HeaderKey> + Send + Sync>,
     pub replay: Box<dyn Fn() -> ReplayLayer + Send + Sync>,
+    pub stacking: Stacking,
+}
+
+/// How the app puts the replay layer inside the lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stacking {
+    /// `.layer(replay).layer(lock)`: the replay layer asks its store itself.
+    ByHand,
+    /// `.layer(lock.replay(replay))`: a store on the lock's engine is looked up by the
+    /// lock's own acquisition, and written with its release.
+    Replay,
 }
 
 /// What the handlers did.
@@ -67,6 +78,16 @@ impl Probe {
 /// `/big` answers 100 000 bytes; `/panic` panics. The panic is caught outside the
 /// lock, so the lock and replay layers see it unwind.
 pub fn app(lock: KeyedLockLayer<HeaderKey>, replay: ReplayLayer, probe: Arc<Probe>) -> Router {
+    app_stacked(Stacking::ByHand, lock, replay, probe)
+}
+
+/// The app, with the replay layer put inside the lock as `stacking` says.
+pub fn app_stacked(
+    stacking: Stacking,
+    lock: KeyedLockLayer<HeaderKey>,
+    replay: ReplayLayer,
+    probe: Arc<Probe>,
+) -> Router {
     let orders = {
         let probe = Arc::clone(&probe);
         move |body: Bytes| async move {
@@ -119,16 +140,18 @@ pub fn app(lock: KeyedLockLayer<HeaderKey>, replay: ReplayLayer, probe: Arc<Prob
             "fine"
         }
     };
-    Router::new()
+    let routes = Router::new()
         .route("/orders", post(orders))
         .route("/other", post(|| async { "other" }))
         .route("/status/{code}", post(status))
         .route("/slow", post(slow))
         .route("/big", post(big))
-        .route("/panic", post(panics))
-        .layer(replay)
-        .layer(lock)
-        .layer(CatchPanicLayer::new())
+        .route("/panic", post(panics));
+    let routes = match stacking {
+        Stacking::ByHand => routes.layer(replay).layer(lock),
+        Stacking::Replay => routes.layer(lock.replay(replay)),
+    };
+    routes.layer(CatchPanicLayer::new())
 }
 
 /// A served app and a client for it.
@@ -204,7 +227,8 @@ impl Kit {
         replay: impl FnOnce(ReplayLayer) -> ReplayLayer,
     ) -> Served {
         let probe = Arc::new(Probe::default());
-        let app = app(
+        let app = app_stacked(
+            self.stacking,
             lock((self.lock)()),
             replay((self.replay)()),
             Arc::clone(&probe),

@@ -1,17 +1,23 @@
 //! A held lock: the task that watches its connection (closed? still the same server
 //! process?) until release, and the unlock or rollback on release.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 
+#[cfg(feature = "replay")]
+use super::error::PgError;
 use super::error::SHARED_SESSION;
 use super::session::{last_row, Session};
 use super::{Inner, LockScope};
 use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, LostReason, ReleaseLease};
+#[cfg(feature = "replay")]
+use crate::backend::{Place, RecordWrite};
+#[cfg(feature = "replay")]
+use crate::error::LockError;
 
 /// How often a held connection is looked at (no round trip: whether its connection task
 /// ended), so a session that ended raises the lost-lease signal within this period.
@@ -36,14 +42,26 @@ impl Inner {
         // the same instant on the clock, so a holder whose runtime stalls knows it too.
         let (lost, signal) = LeaseSignal::with_deadline(self.valid_until(since));
         let (stop, stopped) = oneshot::channel();
+        #[cfg(feature = "replay")]
+        let writes_records =
+            (self.scope == LockScope::Session && !shared).then(|| self.engine_id());
         let task = tokio::spawn(self.watch(session, (id, shared), pid, since, lost, stopped));
-        Lease::new(token, signal, PgRelease { stop, task })
+        Lease::new(
+            token,
+            signal,
+            PgRelease {
+                stop: Mutex::new(Some(stop)),
+                task,
+                #[cfg(feature = "replay")]
+                writes_records,
+            },
+        )
     }
 
     /// Watches the held connection until the lease is released (or dropped), then
-    /// unlocks. If the runtime drops this task instead, `session`'s drop closes the
-    /// connection, which frees the lock. `lock` is the lock id, and whether it is held
-    /// shared.
+    /// unlocks, after writing a replay record if the release brought one. If the
+    /// runtime drops this task instead, `session`'s drop closes the connection, which
+    /// frees the lock. `lock` is the lock id, and whether it is held shared.
     async fn watch(
         self: Arc<Self>,
         session: Session,
@@ -51,22 +69,32 @@ impl Inner {
         pid: i32,
         since: Instant,
         lost: LeaseLostSender,
-        mut stop: oneshot::Receiver<()>,
+        mut stop: oneshot::Receiver<Stop>,
     ) {
-        if let Err(reason) = self
+        let stop = match self
             .stays_alive(&session, id, pid, since, &lost, &mut stop)
             .await
         {
-            // The session ended (so PostgreSQL freed the lock), went silent, or is not
-            // the one that holds the lock: another instance may hold the key now, or
-            // soon. Dropping `session` closes our end too.
-            lost.lose(reason);
-            return;
-        }
-        let released = match self.scope {
-            LockScope::Session => self.unlock(&session, id, shared, pid).await,
-            // Ending the transaction ends its lock.
-            LockScope::Transaction => self
+            Ok(stop) => stop,
+            Err(reason) => {
+                // The session ended (so PostgreSQL freed the lock), went silent, or is
+                // not the one that holds the lock: another instance may hold the key
+                // now, or soon. Dropping `session` closes our end too; a record write
+                // still in `stop` is dropped with it, which tells its writer.
+                lost.lose(reason);
+                return;
+            }
+        };
+        let released = match (self.scope, stop) {
+            #[cfg(feature = "replay")]
+            (LockScope::Session, Stop::Write(write)) => {
+                self.write_and_unlock(&session, (id, shared, pid), write)
+                    .await
+            }
+            (LockScope::Session, _) => self.unlock(&session, id, shared, pid).await,
+            // Ending the transaction ends its lock (a lease of this scope is never
+            // asked to write a record).
+            (LockScope::Transaction, _) => self
                 .round_trip(session.simple_query("ROLLBACK"))
                 .await
                 .map(drop)
@@ -79,10 +107,10 @@ impl Inner {
         }
     }
 
-    /// Returns `Ok` when `stop` fires (the lease is released), `Err` with the reason
-    /// when the lock is lost. Between liveness checks the connection is looked at every
-    /// [`CLOSED_CHECK_PERIOD`]: a session that ended is noticed at once, not at the
-    /// next check.
+    /// Returns `Ok` with how to release when `stop` fires (the lease is released),
+    /// `Err` with the reason when the lock is lost. Between liveness checks the
+    /// connection is looked at every [`CLOSED_CHECK_PERIOD`]: a session that ended is
+    /// noticed at once, not at the next check.
     async fn stays_alive(
         &self,
         session: &Session,
@@ -90,18 +118,18 @@ impl Inner {
         pid: i32,
         since: Instant,
         lost: &LeaseLostSender,
-        stop: &mut oneshot::Receiver<()>,
-    ) -> Result<(), LostReason> {
+        stop: &mut oneshot::Receiver<Stop>,
+    ) -> Result<Stop, LostReason> {
         let interval = self.liveness_interval;
         let mut checks = tokio::time::interval_at(since + interval, interval);
         checks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut looks = tokio::time::interval(CLOSED_CHECK_PERIOD);
         looks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
-            // `stop` fires on release, and on its sender's drop.
+            // `stop` fires on release, and on its sender's drop (a plain unlock).
             tokio::select! {
                 biased;
-                _ = &mut *stop => return Ok(()),
+                stopped = &mut *stop => return Ok(stopped.unwrap_or(Stop::Unlock)),
                 _ = looks.tick() => {
                     if session.is_closed() {
                         tracing::warn!(lock_id = id, "PostgreSQL lock lost: its connection closed");
@@ -113,7 +141,7 @@ impl Inner {
                     let check = self.round_trip(session.simple_query("SELECT pg_backend_pid()"));
                     let answer = tokio::select! {
                         biased;
-                        _ = &mut *stop => return Ok(()),
+                        stopped = &mut *stop => return Ok(stopped.unwrap_or(Stop::Unlock)),
                         answer = check => answer,
                     };
                     let answered_by = answer.map(|answer| {
@@ -170,18 +198,116 @@ impl Inner {
     }
 }
 
+#[cfg(feature = "replay")]
+impl Inner {
+    /// Writes a replay record and unlocks `(id, shared, pid)` in one round trip: two
+    /// simple queries sent together. Two messages, not one: statements of one message
+    /// share an implicit transaction, and a session lock's unlock takes effect at
+    /// once, before that transaction commits, so the next holder's try could miss the
+    /// record; as two, the write commits before the unlock runs, and a write that
+    /// fails leaves the unlock to run all the same. The writer hears only once both
+    /// answered. `Ok` when the session is known to hold nothing now.
+    async fn write_and_unlock(
+        &self,
+        session: &Session,
+        (id, shared, pid): (i64, bool, i32),
+        write: RecordWriting,
+    ) -> Result<(), ()> {
+        // Both requests are queued by their first poll, the write first.
+        let (written, released) = tokio::join!(
+            self.round_trip(session.simple_query(&write.sql)),
+            self.unlock(session, id, shared, pid),
+        );
+        let written = written
+            .map(|answer| {
+                answer.iter().any(|message| {
+                    matches!(
+                        message,
+                        tokio_postgres::SimpleQueryMessage::CommandComplete(1)
+                    )
+                })
+            })
+            .map_err(PgError::into_lock_error);
+        let _ = write.written.send(written);
+        released
+    }
+}
+
 /// Ends a lease: stops its watch task, which then unlocks.
 struct PgRelease {
-    stop: oneshot::Sender<()>,
+    /// Taken by the release, or by a record's write, which releases too.
+    stop: Mutex<Option<oneshot::Sender<Stop>>>,
     task: JoinHandle<()>,
+    /// The backend (`engine_id`) whose replay store may write its record with the
+    /// unlock: an exclusive session lock's; `None` for the others.
+    #[cfg(feature = "replay")]
+    writes_records: Option<usize>,
+}
+
+/// How the watch task ends a hold.
+enum Stop {
+    /// Unlock (also when the release was dropped unsent).
+    Unlock,
+    /// Write a replay record, then unlock, in one round trip.
+    #[cfg(feature = "replay")]
+    Write(RecordWriting),
+}
+
+/// A replay record's write, run on the held session with its unlock, and who waits
+/// for whether it was done.
+#[cfg(feature = "replay")]
+struct RecordWriting {
+    sql: String,
+    written: oneshot::Sender<Result<bool, LockError>>,
+}
+
+impl PgRelease {
+    fn take_stop(&self) -> Option<oneshot::Sender<Stop>> {
+        self.stop
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
 }
 
 impl ReleaseLease for PgRelease {
     fn release(self: Box<Self>) -> BoxFuture<()> {
-        let PgRelease { stop, task } = *self;
-        let _ = stop.send(());
+        // Already taken by a record's write, which unlocks too: only the wait is left.
+        if let Some(stop) = self.take_stop() {
+            let _ = stop.send(Stop::Unlock);
+        }
+        let task = self.task;
         Box::pin(async move {
             let _ = task.await;
         })
+    }
+
+    /// For a record of the PostgreSQL store looked up by this lease's backend, on an
+    /// exclusive session lock: the write and the unlock are sent together on the lock's
+    /// session (see `write_and_unlock`). The watch task takes it from here: a caller
+    /// that stops waiting leaves neither half undone.
+    #[cfg(feature = "replay")]
+    fn release_writing(&self, record: RecordWrite) -> Option<BoxFuture<Result<bool, LockError>>> {
+        #[allow(irrefutable_let_patterns)]
+        let Place::Postgres { engine, sql } = record.place
+        else {
+            return None;
+        };
+        if self.writes_records != Some(engine) {
+            return None;
+        }
+        let stop = self.take_stop()?;
+        let (written, answer) = oneshot::channel();
+        // A lease lost already has no watch task to take it: the answer's sender is
+        // dropped with the message.
+        let _ = stop.send(Stop::Write(RecordWriting { sql, written }));
+        Some(Box::pin(async move {
+            answer.await.unwrap_or_else(|_| {
+                Err(
+                    PgError::message("the lock was lost before its record was written")
+                        .into_lock_error(),
+                )
+            })
+        }))
     }
 }

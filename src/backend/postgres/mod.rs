@@ -60,7 +60,10 @@
 //! could mishandle.
 //!
 //! Release runs `pg_advisory_unlock(id)` on the same connection, clears the marker,
-//! and returns the connection to the pool. The holding session is
+//! and returns the connection to the pool. A replay record of a
+//! `PostgresReplayStore` looked up by this backend is written in the release's round
+//! trip: its upsert and the unlock are sent together, as two messages, so the write
+//! commits before the unlock runs. The holding session is
 //! the lock's owner token: no other session can unlock it, and a lock has no expiry to
 //! renew — it lasts as long as the session (or, for [`LockScope::Transaction`], the
 //! transaction). A connection whose state is unknown — an error or timeout while
@@ -295,7 +298,9 @@ pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
 
 use self::error::PgError;
-use super::{default_instance_id, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
+use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
+#[cfg(feature = "replay")]
+use super::{Place, RecordLookup};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -625,6 +630,23 @@ impl fmt::Debug for PostgresBackend {
     }
 }
 
+#[cfg(feature = "replay")]
+impl PostgresBackend {
+    /// Which backend this is (its clones included): a replay record lookup is read
+    /// only by the backend it was made for.
+    pub(crate) fn engine_id(&self) -> usize {
+        self.inner.engine_id()
+    }
+}
+
+#[cfg(feature = "replay")]
+impl Inner {
+    /// [`PostgresBackend::engine_id`], from a lease's side.
+    fn engine_id(self: &Arc<Self>) -> usize {
+        Arc::as_ptr(self) as usize
+    }
+}
+
 impl LockBackend for PostgresBackend {
     fn engine(&self) -> &'static str {
         "postgres"
@@ -660,6 +682,44 @@ impl LockBackend for PostgresBackend {
             };
             return Box::pin(async move { Err(LockError::Unsupported(what)) });
         }
+        let acquire = self.acquire_looking_up(name, key, mode, wait, None);
+        Box::pin(async move { acquire.await?.into_lease() })
+    }
+
+    /// Looks for a record of the PostgreSQL replay store made to be looked up by this
+    /// backend (`PostgresReplayStore::looked_up_by`), in the try's own round trip;
+    /// session locks only.
+    #[cfg(feature = "replay")]
+    fn acquire_unless_recorded(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+        record: &RecordLookup,
+    ) -> Option<BoxFuture<Result<Acquired, LockError>>> {
+        #[allow(irrefutable_let_patterns)]
+        let Place::Postgres { engine, sql } = &record.place
+        else {
+            return None;
+        };
+        if *engine != self.engine_id() || self.inner.scope != LockScope::Session {
+            return None;
+        }
+        let sql = Some(sql.clone());
+        Some(self.acquire_looking_up(name, key, LockMode::Exclusive, wait, sql))
+    }
+}
+
+impl PostgresBackend {
+    /// An acquisition in `mode`; an exclusive session lock looks for `record` too.
+    fn acquire_looking_up(
+        &self,
+        name: &str,
+        key: &Key,
+        mode: LockMode,
+        wait: Duration,
+        record: Option<String>,
+    ) -> BoxFuture<Result<Acquired, LockError>> {
         let id = self.lock_id(name, key.as_str());
         let permits = match mode {
             LockMode::Permit { of } => {
@@ -681,13 +741,22 @@ impl LockBackend for PostgresBackend {
                 let deadline = Instant::now() + wait;
                 inner.prepare_fencing(deadline).await?;
                 match inner.scope {
-                    LockScope::Session if !permits.is_empty() => {
-                        inner.clone().acquire_permit(permits, deadline).await
+                    LockScope::Session if !permits.is_empty() => inner
+                        .clone()
+                        .acquire_permit(permits, deadline)
+                        .await
+                        .map(Acquired::Granted),
+                    LockScope::Session => {
+                        let record = record.as_deref();
+                        inner
+                            .clone()
+                            .acquire_unless_recorded(id, shared, deadline, record)
+                            .await
                     }
-                    LockScope::Session => inner.clone().acquire(id, shared, deadline).await,
-                    LockScope::Transaction => {
-                        inner.acquire_in_transaction(id, wait, deadline).await
-                    }
+                    LockScope::Transaction => inner
+                        .acquire_in_transaction(id, wait, deadline)
+                        .await
+                        .map(Acquired::Granted),
                 }
             };
             match timeout(limit, acquire).await {

@@ -29,6 +29,9 @@ pub(in crate::backend) struct RedisKeys {
     /// Who was granted the lock last, written by the grant itself: token, grant time,
     /// fencing token, instance id.
     pub(in crate::backend) holder: String,
+    /// A replay record each attempt looks for first (an exclusive acquisition only):
+    /// when it is stored, the key is not taken.
+    pub(super) record: Option<String>,
 }
 
 impl RedisKeys {
@@ -44,7 +47,22 @@ impl RedisKeys {
             intent: format!("{tag}:intent"),
             holder: format!("{tag}:holder"),
             mode: LockMode::Exclusive,
+            record: None,
         }
+    }
+
+    /// The replay record of `scope` for this lock: beside its keys, in its hash slot.
+    #[cfg(feature = "replay")]
+    pub(in crate::backend) fn record_of(&self, scope: &str) -> String {
+        let tag = self.lock.strip_suffix(":lock").unwrap_or(&self.lock);
+        format!("{tag}:replay:{scope}")
+    }
+
+    /// The same keys, for an exclusive acquisition that looks for `record` first.
+    #[cfg(feature = "replay")]
+    pub(super) fn looking_for(mut self, record: String) -> Self {
+        self.record = Some(record);
+        self
     }
 
     /// The same keys, for an acquisition in `mode`.

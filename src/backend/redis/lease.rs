@@ -17,7 +17,7 @@ use super::Inner;
 use crate::backend::ttl::{
     self, fresh_token, jitter, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
-use crate::backend::{Lease, LockMode, RetryLater};
+use crate::backend::{Acquired, LockMode, RetryLater};
 use crate::LockError;
 
 /// How often a waiter polls while the subscription is down (capped by `poll_interval`).
@@ -82,19 +82,23 @@ enum Attempt {
     Restarted { wait_ms: u64 },
     /// Granted, but acknowledged by too few replicas: to be given back.
     NotReplicated(NotReplicated),
+    /// The replay record looked for is stored: nothing was granted.
+    Recorded(Vec<u8>),
 }
 impl Inner {
     pub(super) async fn acquire(
         self: Arc<Self>,
         keys: Arc<RedisKeys>,
         wait: Duration,
-    ) -> Result<Lease, LockError> {
+    ) -> Result<Acquired, LockError> {
         let deadline = ttl::deadline_after(wait);
         // Registered before the first attempt, so no release after it goes unnoticed.
         let interest = self.releases.register(&keys.lock);
         // One token for every attempt of this acquisition (a reconnection aside).
         let mut in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
         let mut first = true;
+        // Whether an attempt of the current token was sent: it may be in the intent set.
+        let mut token_sent = false;
         let mut reconnected = false;
         loop {
             let mut released = pin!(interest.notify.notified());
@@ -111,13 +115,24 @@ impl Inner {
             in_flight.sent(sent_at);
             // Only a whole command timeout says the connection may be silent.
             let counts = limit == sent_at + self.config.command_timeout;
-            let attempt = self.attempt(&keys, in_flight.token(), limit, counts);
+            let attempt = self.attempt(&keys, in_flight.token(), token_sent, limit, counts);
+            token_sent = true;
             // On an error or timeout `in_flight` stays armed: its drop gives back what
             // the attempt may have been granted.
             let ttl_ms = match attempt.await {
                 Ok(Attempt::Granted { fence }) => {
                     let token = in_flight.granted();
-                    return Ok(ttl::grant(&self, keys, token, fence, sent_at));
+                    // Each attempt looked for the record (when there is one to look for).
+                    let looked = keys.record.is_some();
+                    let lease = ttl::grant(&self, keys, token, fence, sent_at);
+                    return Ok(match looked {
+                        true => Acquired::NotRecorded(lease),
+                        false => Acquired::Granted(lease),
+                    });
+                }
+                Ok(Attempt::Recorded(record)) => {
+                    in_flight.answered();
+                    return Ok(Acquired::Recorded(record));
                 }
                 Ok(Attempt::Held { ttl_ms }) => ttl_ms,
                 // `in_flight` stays armed: its drop gives the grant back.
@@ -147,6 +162,7 @@ impl Inner {
                     // gives that token back, and the retry uses a fresh one.
                     reconnected = true;
                     in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
+                    token_sent = false;
                     continue;
                 }
                 Err(Failure::Redis(error)) => return Err(LockError::Backend(Box::new(error))),
@@ -244,6 +260,7 @@ impl Inner {
         &self,
         keys: &RedisKeys,
         token: &str,
+        sent_before: bool,
         limit: Instant,
         counts: bool,
     ) -> Result<Attempt, Failure> {
@@ -278,14 +295,22 @@ impl Inner {
             .arg(millis(waiting_ttl))
             .arg(restart_guard)
             .arg(&*self.config.instance_id);
-        if let Some(permits) = permits {
-            invocation.arg(permits);
+        match permits {
+            Some(permits) => invocation.arg(permits),
+            None => invocation.arg(u8::from(sent_before)),
+        };
+        if let Some(record) = &keys.record {
+            invocation.key(record);
         }
         let replicas = self.config.replicas;
         let (outcome, value, acknowledged) = self
             .commands
             .run(limit, counts, |mut connection| async move {
-                let (outcome, value): (i64, i64) = invocation.invoke_async(&mut connection).await?;
+                let (outcome, value): (i64, redis::Value) =
+                    invocation.invoke_async(&mut connection).await?;
+                if outcome == 3 {
+                    return Ok((outcome, value, None));
+                }
                 // WAIT on the connection that sent the grant counts its writes.
                 let acknowledged = match (outcome, replicas) {
                     (1, Some(replicas)) => Some(replicas.wait(&mut connection).await?),
@@ -294,6 +319,11 @@ impl Inner {
                 Ok((outcome, value, acknowledged))
             })
             .await?;
+        if outcome == 3 {
+            let record = redis::from_redis_value(value).map_err(|e| Failure::Redis(e.into()))?;
+            return Ok(Attempt::Recorded(record));
+        }
+        let value: i64 = redis::from_redis_value(value).map_err(|e| Failure::Redis(e.into()))?;
         Ok(match outcome {
             1 => match (replicas, acknowledged) {
                 (Some(replicas), Some(acknowledged)) if acknowledged < replicas.count => {

@@ -153,10 +153,10 @@
 //!
 //! - **Holders.** Readers, and permit holders, are members of a sorted set per key
 //!   (`:readers`, `:permits`): each its own random token, scored by its expiry in the
-//!   server's milliseconds (`TIME`). Every acquire script first prunes the members
-//!   whose expiry has passed, so a crashed holder's place comes back one lease after
-//!   its last grant or renewal; the set's own TTL is only ever extended, to the latest
-//!   member's expiry. Renewal moves one's own score (only if still there and
+//!   server's milliseconds (`TIME`). A holder whose expiry has passed counts for
+//!   nothing (the shared and permit acquire scripts prune it; a writer's skips it), so
+//!   a crashed holder's place comes back one lease after its last grant or renewal;
+//!   the set's own TTL is only ever extended, to the latest member's expiry. Renewal moves one's own score (only if still there and
 //!   unexpired: else the lease is lost), release removes one's own token (or marks it
 //!   given back, as for an exclusive lock), and both are one script each, by token.
 //!   The scores are the server's wall clock (`TIME`), as Redis's own key expiry is: a
@@ -276,6 +276,8 @@ use super::{
     default_instance_id, from_unix_millis, ttl, Acquisition, BoxFuture, Holder, LockBackend,
     LockMode,
 };
+#[cfg(feature = "replay")]
+use super::{Acquired, Place, RecordLookup};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -772,6 +774,47 @@ impl RedisBackendBuilder {
 
 #[cfg(feature = "replay")]
 impl RedisBackend {
+    /// Which backend this is (its clones included): a replay record lookup is read
+    /// only by the backend it was made for.
+    pub(crate) fn engine_id(&self) -> usize {
+        Arc::as_ptr(&self.inner) as usize
+    }
+
+    /// Where the replay record of `scope` for `key` of the layer `name` lives.
+    pub(crate) fn record_key(&self, name: &str, key: &str, scope: &str) -> String {
+        RedisKeys::new(&self.inner.config.prefix, name, key).record_of(scope)
+    }
+
+    /// Writes `record` as the replay record of `scope` and releases the lock of `key`,
+    /// in one script, if the lock is still held by the grant of fencing token `token`:
+    /// whether it was. `EVAL`, as a release: one round trip even on a server that lost
+    /// its script cache.
+    pub(crate) async fn put_and_release(
+        &self,
+        (name, key, scope): (&str, &str, &str),
+        token: u64,
+        record: Vec<u8>,
+        ttl_ms: u64,
+    ) -> Result<bool, RedisError> {
+        let keys = RedisKeys::new(&self.inner.config.prefix, name, key);
+        let mut command = redis::cmd("EVAL");
+        command
+            .arg(scripts::PUT_AND_RELEASE)
+            .arg(4)
+            .arg(&*keys.lock)
+            .arg(&keys.fence)
+            .arg(&keys.waiting)
+            .arg(keys.record_of(scope))
+            .arg(token)
+            .arg(record)
+            .arg(ttl_ms)
+            .arg(&self.inner.channel);
+        let written: i64 = self
+            .run(|mut connection| async move { command.query_async(&mut connection).await })
+            .await?;
+        Ok(written == 1)
+    }
+
     /// Runs `command` on the backend's own connection (a single server or a cluster),
     /// within the command timeout: how the Redis replay store reaches the server its
     /// records share with the locks.
@@ -806,7 +849,34 @@ impl LockBackend for RedisBackend {
 
     fn acquire_mode(&self, name: &str, key: &Key, mode: LockMode, wait: Duration) -> Acquisition {
         let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str()).with_mode(mode);
-        Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))
+        let acquire = self.inner.clone().acquire(Arc::new(keys), wait);
+        Box::pin(async move { acquire.await?.into_lease() })
+    }
+
+    /// Looks for a record of the Redis replay store made on this backend (not a clone
+    /// of another one's), in the acquire script itself.
+    #[cfg(feature = "replay")]
+    fn acquire_unless_recorded(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+        record: &RecordLookup,
+    ) -> Option<BoxFuture<Result<Acquired, LockError>>> {
+        #[allow(irrefutable_let_patterns)]
+        let Place::Redis {
+            engine,
+            key: record,
+        } = &record.place
+        else {
+            return None;
+        };
+        if *engine != self.engine_id() {
+            return None;
+        }
+        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str())
+            .looking_for(record.clone());
+        Some(Box::pin(self.inner.clone().acquire(Arc::new(keys), wait)))
     }
 
     /// Every mode: see [Shared locks and permits](self#shared-locks-and-permits).
@@ -840,7 +910,9 @@ impl LockBackend for RedisBackend {
 
 /// The answer of the `HOLDER` script as a [`Holder`].
 fn parse_holder(answer: Vec<redis::Value>) -> Option<Holder> {
-    let mut answer = answer.into_iter();
+    // The token comes first (Redlock compares it across masters); one server's lock
+    // has one holder.
+    let mut answer = answer.into_iter().skip(1);
     let pttl: i64 = redis::from_redis_value(answer.next()?).unwrap_or(-1);
     let mut holder = Holder::new();
     if let Ok(left) = u64::try_from(pttl) {

@@ -1,12 +1,19 @@
 //! The Lua scripts that acquire, renew and release a lock, each one atomic in Redis.
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
-/// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent, `KEYS[7]` the holder record;
+/// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent, `KEYS[7]` the holder record,
+/// optionally `KEYS[8]` a replay record to look for first;
 /// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
-/// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id.
+/// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id,
+/// `ARGV[7]` `1` if an earlier attempt of this token was sent (it may be in the intent
+/// set), else `0`.
 /// Returns `{1, fencing token}`, `{0, holder's PTTL}` (-2 when the token was given back;
-/// a reader's expiry when readers hold the key), or `{2, ms until the restart guard
-/// lets grants through}`.
+/// a reader's expiry when readers hold the key), `{2, ms until the restart guard
+/// lets grants through}`, or `{3, the replay record}`.
+///
+/// Replay record: a completed request's stored response needs no lock to be replayed,
+/// so when `KEYS[8]` exists the key is not taken (and this token leaves the writers'
+/// intent it may have entered on an earlier attempt).
 ///
 /// Given back: an attempt that arrives after its own give-back (it travelled on a
 /// connection since replaced, and the give-back on the fresh one found the key free)
@@ -20,28 +27,39 @@
 ///
 /// Fencing token: `max(counter + 1, server time in µs)`, so tokens keep growing when
 /// the counter expired or went back with lost writes, as long as the server clock
-/// does not step back. The time is kept as text: it has 16 digits, exact in a Lua
-/// number (a double) but not worth risking in a `SET`.
+/// does not step back. It is written as `%d` text: 16 digits, exact in a Lua number
+/// (a double) but not in its default formatting.
 ///
 /// When not granted, the waiting mark tells the holder's release to publish. Its TTL
 /// outlasts the caller's pause before the next attempt (which marks again), and is
 /// only ever extended, so a waiter with a longer pause keeps its mark.
 ///
 /// Readers (shared holders, see `ACQUIRE_COUNTED`) hold the key as much as a writer:
-/// the expired ones are pruned, and while any is left the key is held, until the one
-/// that expires first. A writer refused enters its token in the intent set (scored by
-/// the waiting mark's expiry) and takes it out when granted: while it is there, no new
-/// reader enters.
+/// while an unexpired one is left, the key is held, until the one that expires first
+/// (expired ones are pruned by the scripts of shared holders, and go with the set's
+/// TTL). A writer refused enters its token in the intent set (scored by the waiting
+/// mark's expiry) and takes it out when granted: while it is there, no new reader
+/// enters.
+///
+/// A plain exclusive grant is on the hand-off's path, so it makes few calls: one
+/// `TIME`, `SET NX` for the lock, the fence read and written once, and the intent left
+/// only by a token that may have entered it.
 pub(super) const ACQUIRE: &str = r"
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
 end
+if KEYS[8] then
+  local stored = redis.call('GET', KEYS[8])
+  if stored then
+    redis.call('ZREM', KEYS[6], ARGV[1])
+    return {3, stored}
+  end
+end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
-local reader = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
-if redis.call('EXISTS', KEYS[1]) == 0 and reader[1] == nil then
-  if ARGV[5] ~= '0' then
+local reader = redis.call('ZRANGEBYSCORE', KEYS[5], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+if reader[1] == nil then
+  if ARGV[5] ~= '0' and redis.call('EXISTS', KEYS[1]) == 0 then
     local info = redis.call('INFO', 'server')
     local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
     local early = tonumber(ARGV[5]) + 1000 - uptime * 1000
@@ -49,24 +67,24 @@ if redis.call('EXISTS', KEYS[1]) == 0 and reader[1] == nil then
       return {2, early}
     end
   end
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  local now = redis.call('TIME')
-  local micros = now[1] .. string.sub('00000' .. now[2], -6)
-  local fence = redis.call('INCR', KEYS[2])
-  if fence < tonumber(micros) then
-    redis.call('SET', KEYS[2], micros)
-    fence = tonumber(micros)
+  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    local micros = tonumber(clock[1] .. string.sub('00000' .. clock[2], -6))
+    local fence = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, micros)
+    local text = string.format('%d', fence)
+    local millis = clock[1] .. string.sub('00' .. math.floor(clock[2] / 1000), -3)
+    local record = ARGV[1] .. '\n' .. millis .. '\n' .. text .. '\n' .. ARGV[6]
+    if ARGV[3] ~= '0' then
+      redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
+      redis.call('SET', KEYS[7], record, 'PX', ARGV[3])
+    else
+      redis.call('SET', KEYS[2], text)
+      redis.call('SET', KEYS[7], record)
+    end
+    if ARGV[7] == '1' then
+      redis.call('ZREM', KEYS[6], ARGV[1])
+    end
+    return {1, fence}
   end
-  local millis = now[1] .. string.sub('00' .. math.floor(now[2] / 1000), -3)
-  local record = ARGV[1] .. '\n' .. millis .. '\n' .. redis.call('GET', KEYS[2]) .. '\n' .. ARGV[6]
-  if ARGV[3] ~= '0' then
-    redis.call('PEXPIRE', KEYS[2], ARGV[3])
-    redis.call('SET', KEYS[7], record, 'PX', ARGV[3])
-  else
-    redis.call('SET', KEYS[7], record)
-  end
-  redis.call('ZREM', KEYS[6], ARGV[1])
-  return {1, fence}
 end
 if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[4]) then
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
@@ -81,10 +99,12 @@ end
 return {0, redis.call('PTTL', KEYS[1])}
 ";
 
-/// `KEYS[1]` lock, `KEYS[2]` holder record. `{}` when the key is free, else `{PTTL}`
-/// and, if the record is the current holder's (it starts with the lock's token), the
-/// rest of the record: grant time ms, fencing token, instance id, one per line.
-pub(super) const HOLDER: &str = r"
+/// `KEYS[1]` lock, `KEYS[2]` holder record. `{}` when the key is free, else `{token,
+/// PTTL}` and, if the record is the current holder's (it starts with the lock's
+/// token), the rest of the record: grant time ms, fencing token, instance id, one per
+/// line. Redlock reads it on each master (the token tells which holder a majority
+/// names).
+pub(in crate::backend) const HOLDER: &str = r"
 local token = redis.call('GET', KEYS[1])
 if not token then
   return {}
@@ -92,9 +112,9 @@ end
 local pttl = redis.call('PTTL', KEYS[1])
 local record = redis.call('GET', KEYS[2])
 if record and string.sub(record, 1, #token + 1) == token .. '\n' then
-  return {pttl, string.sub(record, #token + 2)}
+  return {token, pttl, string.sub(record, #token + 2)}
 end
-return {pttl}
+return {token, pttl}
 ";
 
 /// `KEYS[1]` lock; `ARGV[1]` token, `ARGV[2]` lease ms. 1 if still ours and extended.
@@ -124,6 +144,30 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return 1
 end
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+return 0
+";
+
+/// A replay record written and the lock released, in one step. `KEYS[1]` lock,
+/// `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the record; `ARGV[1]` the holder's
+/// fencing token, `ARGV[2]` the record, `ARGV[3]` its TTL ms, `ARGV[4]` release
+/// channel, or empty on a cluster (the lock's shard channel). Only while the lock is
+/// held and no grant came after the holder's (the fence still holds its token): then
+/// writes, deletes the lock, announces the release as `RELEASE` does, and returns 1;
+/// else changes nothing and returns 0.
+#[cfg(feature = "replay")]
+pub(super) const PUT_AND_RELEASE: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('GET', KEYS[2]) == ARGV[1] then
+  redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
+  redis.call('DEL', KEYS[1])
+  if redis.call('DEL', KEYS[3]) == 1 then
+    if ARGV[4] == '' then
+      redis.call('SPUBLISH', KEYS[1], KEYS[1])
+    else
+      redis.call('PUBLISH', ARGV[4], KEYS[1])
+    end
+  end
+  return 1
+end
 return 0
 ";
 

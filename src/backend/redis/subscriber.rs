@@ -210,8 +210,12 @@ impl Subscriber {
     /// Connects within the command timeout and subscribes: to the shared channel of a
     /// single server, or to the shard channel of every lock waited for now on a
     /// cluster (each command bounded by the connection's response timeout).
-    pub(super) async fn subscribe(&self, releases: &Releases) -> Result<Subscription, RedisError> {
-        let (sender, messages) = mpsc::unbounded_channel();
+    pub(super) async fn subscribe(
+        &self,
+        releases: &Arc<Releases>,
+    ) -> Result<Subscription, RedisError> {
+        let (others, messages) = mpsc::unbounded_channel();
+        let sender = wake_on_release(releases.clone(), others);
         let mut shard_channels = HashSet::new();
         let connection = match &self.target {
             Target::Single(client) => {
@@ -268,7 +272,7 @@ impl Subscriber {
         })
     }
 
-    /// Delivers release messages until `stop` resolves (the backend is gone);
+    /// Keeps the subscription up until `stop` resolves (the backend is gone);
     /// resubscribes with backoff whenever the connection fails. `changes` (cluster
     /// only) names the locks whose waiters came or went.
     pub(super) async fn run(
@@ -327,7 +331,8 @@ impl Subscriber {
         }
     }
 
-    /// Wakes waiters until the connection fails (`false`) or `stop` resolves (`true`).
+    /// Watches the connection (release messages wake waiters in its push sender) until
+    /// it fails (`false`) or `stop` resolves (`true`).
     async fn listen(
         &self,
         subscription: Subscription,
@@ -351,12 +356,6 @@ impl Subscriber {
                     None => return false,
                     Some(push) => match push.kind {
                         PushKind::Disconnection => return false,
-                        PushKind::Message | PushKind::SMessage => {
-                            if let Some(lock) = text(push.data.get(1)) {
-                                releases.wake(lock);
-                            }
-                            continue;
-                        }
                         // Not asked for (those leave the set first): the server
                         // dropped the channel because its slot moved to another node.
                         PushKind::SUnsubscribe => match text(push.data.first()) {
@@ -388,6 +387,24 @@ impl Subscriber {
                 return false;
             }
         }
+    }
+}
+
+/// The connection's push sender: a release message wakes its lock's waiters right
+/// where the connection reads it, with no hop through the subscription task (a hop is
+/// a scheduling round on the hand-off's path); every other push goes to that task.
+fn wake_on_release(
+    releases: Arc<Releases>,
+    others: mpsc::UnboundedSender<PushInfo>,
+) -> impl Fn(PushInfo) -> Result<(), mpsc::error::SendError<PushInfo>> + Send + Sync + 'static {
+    move |push: PushInfo| {
+        if matches!(push.kind, PushKind::Message | PushKind::SMessage) {
+            if let Some(lock) = text(push.data.get(1)) {
+                releases.wake(lock);
+            }
+            return Ok(());
+        }
+        others.send(push)
     }
 }
 
@@ -445,6 +462,31 @@ mod tests {
         assert_eq!(releases.waiting.lock().unwrap().len(), 1);
         drop(b);
         assert!(releases.waiting.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_release_message_wakes_its_waiters_where_it_is_read() {
+        let (releases, _) = Releases::shared_channel();
+        let (others, mut forwarded) = mpsc::unbounded_channel();
+        let sender = wake_on_release(releases.clone(), others);
+        let interest = releases.register(&"{t}:lock".into());
+        let mut woken = std::pin::pin!(interest.notify.notified());
+        woken.as_mut().enable();
+        let message = |kind, lock: &str| PushInfo {
+            kind,
+            data: vec![
+                Value::BulkString(b"release".to_vec()),
+                Value::BulkString(lock.as_bytes().to_vec()),
+            ],
+        };
+        sender(message(PushKind::Message, "{t}:lock")).unwrap();
+        // Woken at once, with no task in between; nothing is forwarded.
+        let waker = std::task::Waker::noop();
+        let mut context = std::task::Context::from_waker(waker);
+        assert!(woken.as_mut().poll(&mut context).is_ready());
+        assert!(forwarded.try_recv().is_err());
+        sender(message(PushKind::Subscribe, "release")).unwrap();
+        assert_eq!(forwarded.try_recv().unwrap().kind, PushKind::Subscribe);
     }
 
     #[test]

@@ -6,14 +6,14 @@ use std::time::Duration;
 use redis::{Client, RedisError, Script};
 use tokio::time::Instant;
 
-use super::scripts::{ACQUIRE, HOLDER, RELEASE};
+use super::scripts::{ACQUIRE, RELEASE};
 
 /// How long a holder record outlives its grant at least (a crashed holder's record
 /// goes by itself; a release deletes it at once).
 const HOLDER_RECORD_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 use crate::backend::redis::connection::{with_tcp_settings, Commands, Failure, Target};
 use crate::backend::redis::keys::RedisKeys;
-use crate::backend::redis::scripts::RENEW;
+use crate::backend::redis::scripts::{HOLDER, RENEW};
 
 /// What one master answered to an acquire attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

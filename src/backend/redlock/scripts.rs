@@ -49,18 +49,3 @@ end
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 return 0
 ";
-
-/// `KEYS[1]` lock, `KEYS[2]` holder record. `{}` when free, else `{token, PTTL}` and,
-/// when the record is this token's, the rest of the record.
-pub(super) const HOLDER: &str = r"
-local token = redis.call('GET', KEYS[1])
-if not token then
-  return {}
-end
-local pttl = redis.call('PTTL', KEYS[1])
-local record = redis.call('GET', KEYS[2])
-if record and string.sub(record, 1, #token + 1) == token .. '\n' then
-  return {token, pttl, string.sub(record, #token + 2)}
-end
-return {token, pttl}
-";

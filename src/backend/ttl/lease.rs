@@ -118,6 +118,10 @@ impl<B: TtlBackend> ReleaseLease for TtlRelease<B> {
             give_back(&self.backend, target, token, until, now).await;
         })
     }
+
+    fn stop_renewal(&self) {
+        self.renewal.abort();
+    }
 }
 
 impl<B: TtlBackend> Drop for TtlRelease<B> {

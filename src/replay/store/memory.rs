@@ -64,7 +64,8 @@ impl MemoryStore {
         self.cache.is_empty()
     }
 
-    fn lookup(&self, key: &RecordKey) -> Option<Record> {
+    /// The record under `key`, unless it expired (then it goes).
+    pub(crate) fn find(&self, key: &RecordKey) -> Option<Record> {
         let entry = self.cache.get(key)?;
         if entry.expires_at <= Instant::now() {
             self.cache.remove(key);
@@ -82,7 +83,7 @@ impl Default for MemoryStore {
 
 impl ReplayStore for MemoryStore {
     fn get(&self, key: &RecordKey) -> Get {
-        let found = self.lookup(key);
+        let found = self.find(key);
         Box::pin(async move { Ok(found) })
     }
 

@@ -18,6 +18,7 @@ mod redis;
 
 use std::time::Duration;
 
+use crate::backend::{RecordLookup, ReleaseLease};
 use crate::BoxFuture;
 
 use super::record::Record;
@@ -107,5 +108,36 @@ pub trait ReplayStore: Send + Sync + 'static {
     /// could never store.
     fn needs_fencing_tokens(&self) -> bool {
         false
+    }
+
+    /// Where `key`'s record lives at the lock's engine, for the lock's remote
+    /// acquisition to look for it in its own round trip: a completed request is then
+    /// replayed in one round trip without taking its key, and a first request learns
+    /// that it is one without a [`get`](Self::get). `None` (the default) for a store
+    /// that is not kept on the lock's engine.
+    fn lookup(&self, key: &RecordKey) -> Option<RecordLookup> {
+        let _ = key;
+        None
+    }
+
+    /// Stores `record` under `key` for `ttl` and releases the request's lock in one
+    /// step, if the lock is still held by the grant of fencing token `token`:
+    /// [`put`](Self::put) and the release in one round trip, either by the store itself
+    /// (one atomic script) or through the lease's `release`
+    /// ([`ReleaseLease::release_writing`]). Called only for a request whose acquisition
+    /// looked for this record ([`lookup`](Self::lookup)) and found none, with its
+    /// release taken from the lease. `None` (the default) when the store cannot: the
+    /// record is then put and the lock released as usual. Anything but
+    /// [`Stored::Written`] leaves the lock to `release`, whose release then runs.
+    fn put_and_release(
+        &self,
+        key: &RecordKey,
+        record: &Record,
+        ttl: Duration,
+        token: u64,
+        release: &dyn ReleaseLease,
+    ) -> Option<Put> {
+        let _ = (key, record, ttl, token, release);
+        None
     }
 }

@@ -10,6 +10,7 @@ use tokio::sync::OnceCell;
 use crate::backend::postgres::schema::create_if_missing;
 
 use super::{Get, Put, RecordKey, ReplayStore, StoreError, Stored};
+use crate::backend::{Place, RecordLookup, RecordWrite, ReleaseLease};
 use crate::replay::record::Record;
 
 /// The default table name.
@@ -57,6 +58,8 @@ pub struct PostgresReplayStore {
     created: Arc<OnceCell<()>>,
     /// Writes so far, by every clone: when to purge a batch.
     writes: Arc<AtomicU64>,
+    /// The backend whose acquisitions look records up ([`looked_up_by`](Self::looked_up_by)).
+    looked_up_by: Option<usize>,
 }
 
 struct Statements {
@@ -93,7 +96,53 @@ impl PostgresReplayStore {
             statements: Arc::new(Statements::for_table(table)),
             created: Arc::new(OnceCell::new()),
             writes: Arc::new(AtomicU64::new(0)),
+            looked_up_by: None,
         })
+    }
+
+    /// Has the acquisitions of `backend` (its clones included) look this store's
+    /// records up, under [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay): the
+    /// lock's try reads the request's record in its own round trip and takes nothing
+    /// when it is there, so a completed request is replayed in one round trip, and a
+    /// first request is known as one without a read of its own; its record is then
+    /// written on the lock's own session, sent with the unlock: one round trip after
+    /// the handler, and nothing after the answer. The table must be in `backend`'s
+    /// database; session locks only (the default
+    /// [`LockScope`](crate::backend::postgres::LockScope)).
+    ///
+    /// ```no_run
+    /// use tower_keyed_lock::backend::postgres::PostgresBackend;
+    /// use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
+    /// use tower_keyed_lock::KeyedLockLayer;
+    ///
+    /// # fn run(pool: deadpool_postgres::Pool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let backend = PostgresBackend::from_config_str("host=db user=app")?.fencing(true);
+    /// let store = PostgresReplayStore::new(pool).looked_up_by(&backend);
+    /// let layer = KeyedLockLayer::by_header("idempotency-key")
+    ///     .backend(backend)
+    ///     .replay(ReplayLayer::new(store));
+    /// # let _ = layer;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn looked_up_by(mut self, backend: &crate::backend::postgres::PostgresBackend) -> Self {
+        self.looked_up_by = Some(backend.engine_id());
+        self
+    }
+
+    /// The SQL expression of `key`'s unexpired record (its bytes, or NULL), for the
+    /// lock's try (a simple query: no parameters). The values are literals the primary
+    /// key's index answers (a `convert_from(decode(..))` of hex was a sequential scan
+    /// of the whole table), dollar-quoted so nothing in a key can reach the SQL.
+    fn record_sql(&self, key: &RecordKey) -> String {
+        format!(
+            "(SELECT record FROM {table} WHERE layer = {layer} AND key = {key} \
+              AND scope = {scope} AND expires_at > now())",
+            table = self.statements.table,
+            layer = dollar_quoted(key.layer()),
+            key = dollar_quoted(key.key()),
+            scope = dollar_quoted(key.scope()),
+        )
     }
 
     /// Deletes the expired rows; returns how many. Run it now and then (expired rows
@@ -106,14 +155,42 @@ impl PostgresReplayStore {
             .map_err(StoreError::new)
     }
 
-    /// Deletes up to [`PURGE_EVERY`] expired rows on `client`, off the request's path.
-    fn purge_batch_in_background(&self, client: deadpool_postgres::Object) {
-        let statements = self.statements.clone();
+    /// Counts a write; every [`PURGE_EVERY`]th deletes up to as many expired rows, on
+    /// a pooled connection, off the request's path.
+    fn count_write(&self) {
+        if self.writes.fetch_add(1, Ordering::Relaxed) % PURGE_EVERY != PURGE_EVERY - 1 {
+            return;
+        }
+        let store = self.clone();
         tokio::spawn(async move {
-            if let Err(error) = client.execute(&statements.purge_batch, &[]).await {
+            let purged = match store.pool.get().await {
+                Ok(client) => client.execute(&store.statements.purge_batch, &[]).await,
+                Err(error) => {
+                    return tracing::debug!(%error, "purging expired replay records failed")
+                }
+            };
+            if let Err(error) = purged {
                 tracing::debug!(%error, "purging expired replay records failed");
             }
         });
+    }
+
+    /// The fenced upsert of `record` under `key`, as one simple query (literals only:
+    /// the lease sends it on its session with the unlock); the bytes as hex, which
+    /// reads the same whatever `standard_conforming_strings` says.
+    fn put_sql(&self, key: &RecordKey, fence: i64, record: &[u8], ttl_ms: i64) -> String {
+        let hex: String = record.iter().map(|byte| format!("{byte:02x}")).collect();
+        upsert(
+            &self.statements.table,
+            [
+                &dollar_quoted(key.layer()),
+                &dollar_quoted(key.key()),
+                &dollar_quoted(key.scope()),
+                &fence.to_string(),
+                &format!("decode('{hex}', 'hex')"),
+                &ttl_ms.to_string(),
+            ],
+        )
     }
 
     /// A pooled connection, after the table exists.
@@ -131,6 +208,20 @@ impl PostgresReplayStore {
     }
 }
 
+/// The fenced upsert into `table` of a record: its layer, key, scope, fence, bytes and
+/// TTL in milliseconds, as SQL. It inserts, or replaces a row whose fence is lower.
+fn upsert(table: &str, [layer, key, scope, fence, record, ttl_ms]: [&str; 6]) -> String {
+    format!(
+        "INSERT INTO {table} AS t (layer, key, scope, fence, record, expires_at) \
+         VALUES ({layer}, {key}, {scope}, {fence}, {record}, \
+                 now() + {ttl_ms}::bigint * interval '1 millisecond') \
+         ON CONFLICT (layer, key, scope) DO UPDATE \
+         SET fence = EXCLUDED.fence, record = EXCLUDED.record, \
+             expires_at = EXCLUDED.expires_at \
+         WHERE t.fence < EXCLUDED.fence"
+    )
+}
+
 impl Statements {
     fn for_table(table: &str) -> Self {
         Self {
@@ -145,14 +236,7 @@ impl Statements {
                 "SELECT record FROM {table} \
                  WHERE layer = $1 AND key = $2 AND scope = $3 AND expires_at > now()"
             ),
-            put: format!(
-                "INSERT INTO {table} AS t (layer, key, scope, fence, record, expires_at) \
-                 VALUES ($1, $2, $3, $4, $5, now() + $6::bigint * interval '1 millisecond') \
-                 ON CONFLICT (layer, key, scope) DO UPDATE \
-                 SET fence = EXCLUDED.fence, record = EXCLUDED.record, \
-                     expires_at = EXCLUDED.expires_at \
-                 WHERE t.fence < EXCLUDED.fence"
-            ),
+            put: upsert(table, ["$1", "$2", "$3", "$4", "$5", "$6"]),
             purge: format!("DELETE FROM {table} WHERE expires_at <= now()"),
             purge_batch: format!(
                 "DELETE FROM {table} WHERE ctid = ANY(ARRAY(\
@@ -168,11 +252,13 @@ impl ReplayStore for PostgresReplayStore {
         let key = key.clone();
         Box::pin(async move {
             let client = store.client().await?;
+            // Prepared once per connection: a read is one round trip.
+            let get = client
+                .prepare_cached(&store.statements.get)
+                .await
+                .map_err(StoreError::new)?;
             let row = client
-                .query_opt(
-                    &store.statements.get,
-                    &[&key.layer(), &key.key(), &key.scope()],
-                )
+                .query_opt(&get, &[&key.layer(), &key.key(), &key.scope()])
                 .await
                 .map_err(StoreError::new)?;
             row.map(|row| Record::from_bytes(row.get::<_, &[u8]>(0)))
@@ -187,13 +273,15 @@ impl ReplayStore for PostgresReplayStore {
             let token = token.ok_or_else(|| {
                 StoreError::new("the PostgreSQL replay store needs fencing tokens: PostgresBackend::fencing(true)")
             })?;
-            let fence = i64::try_from(token).map_err(StoreError::new)?;
-            // Capped at 100 years: PostgreSQL intervals overflow long before `i64::MAX` ms.
-            let ttl_ms = i64::try_from(ttl.as_millis()).map_or(MAX_TTL_MS, |ms| ms.min(MAX_TTL_MS));
+            let (fence, ttl_ms) = fence_and_ttl(token, ttl)?;
             let client = store.client().await?;
+            let put = client
+                .prepare_cached(&store.statements.put)
+                .await
+                .map_err(StoreError::new)?;
             let written = client
                 .execute(
-                    &store.statements.put,
+                    &put,
                     &[
                         &key.layer(),
                         &key.key(),
@@ -205,9 +293,8 @@ impl ReplayStore for PostgresReplayStore {
                 )
                 .await
                 .map_err(StoreError::new)?;
-            if store.writes.fetch_add(1, Ordering::Relaxed) % PURGE_EVERY == PURGE_EVERY - 1 {
-                store.purge_batch_in_background(client);
-            }
+            drop(client);
+            store.count_write();
             Ok(if written == 1 {
                 Stored::Written
             } else {
@@ -219,11 +306,85 @@ impl ReplayStore for PostgresReplayStore {
     fn needs_fencing_tokens(&self) -> bool {
         true
     }
+
+    /// With [`looked_up_by`](Self::looked_up_by), on that backend's lease: the fenced
+    /// upsert is handed to the lease, which sends it with the unlock on the lock's own
+    /// session, in one round trip (the write is committed before the unlock runs; a
+    /// write that fails is still followed by the unlock).
+    fn put_and_release(
+        &self,
+        key: &RecordKey,
+        record: &Record,
+        ttl: Duration,
+        token: u64,
+        release: &dyn ReleaseLease,
+    ) -> Option<Put> {
+        let engine = self.looked_up_by?;
+        let (fence, ttl_ms) = fence_and_ttl(token, ttl).ok()?;
+        let sql = self.put_sql(key, fence, &record.to_bytes(), ttl_ms);
+        let written = release.release_writing(RecordWrite {
+            place: Place::Postgres { engine, sql },
+        })?;
+        let store = self.clone();
+        Some(Box::pin(async move {
+            let written = written.await.map_err(StoreError::new)?;
+            store.count_write();
+            Ok(match written {
+                true => Stored::Written,
+                false => Stored::Fenced,
+            })
+        }))
+    }
+
+    /// With [`looked_up_by`](Self::looked_up_by), once the table is known to exist (a
+    /// try that named a missing table would fail).
+    fn lookup(&self, key: &RecordKey) -> Option<RecordLookup> {
+        let engine = self.looked_up_by?;
+        self.created.initialized().then(|| RecordLookup {
+            place: Place::Postgres {
+                engine,
+                sql: self.record_sql(key),
+            },
+        })
+    }
+}
+
+/// A token as the table's `fence`, and `ttl` in milliseconds, capped at 100 years
+/// (PostgreSQL intervals overflow long before `i64::MAX` ms).
+fn fence_and_ttl(token: u64, ttl: Duration) -> Result<(i64, i64), StoreError> {
+    let fence = i64::try_from(token).map_err(StoreError::new)?;
+    let ttl_ms = i64::try_from(ttl.as_millis()).map_or(MAX_TTL_MS, |ms| ms.min(MAX_TTL_MS));
+    Ok((fence, ttl_ms))
+}
+
+/// `value` as a dollar-quoted SQL string constant, `$t<n>$…$t<n>$`, with the first tag
+/// that does not occur in it: taken as it is, whatever its quotes and backslashes and
+/// whatever `standard_conforming_strings` says. (A key has no NUL: control characters
+/// are refused.)
+fn dollar_quoted(value: &str) -> String {
+    let tag = (0..)
+        .map(|n| format!("$t{n}$"))
+        .find(|tag| !value.contains(tag.as_str()))
+        .expect("some tag is not in the value");
+    format!("{tag}{value}{tag}")
 }
 
 impl std::fmt::Debug for PostgresReplayStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PostgresReplayStore")
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dollar_quoted;
+
+    #[test]
+    fn dollar_quoting_picks_a_tag_the_value_does_not_hold() {
+        assert_eq!(dollar_quoted("order-1"), "$t0$order-1$t0$");
+        assert_eq!(dollar_quoted(r"a'b\c"), r"$t0$a'b\c$t0$");
+        assert_eq!(dollar_quoted("x$t0$y"), "$t1$x$t0$y$t1$");
+        assert_eq!(dollar_quoted("$t0$$t1$"), "$t2$$t0$$t1$$t2$");
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 use redis::Script;
 
 use crate::backend::redis::{Connection, RedisBackend};
+use crate::backend::{Place, RecordLookup, ReleaseLease};
 
 use super::{Get, Put, RecordKey, ReplayStore, StoreError, Stored};
 use crate::replay::record::Record;
@@ -67,7 +68,7 @@ impl RedisReplayStore {
         let lock = self.backend.lock_key(key.layer(), key.key());
         let tag = lock.strip_suffix(":lock").unwrap_or(&lock);
         let fence = format!("{tag}:fence");
-        let record = format!("{tag}:replay:{}", key.scope());
+        let record = self.backend.record_key(key.layer(), key.key(), key.scope());
         [lock, fence, record]
     }
 }
@@ -122,6 +123,47 @@ impl ReplayStore for RedisReplayStore {
     /// that issues none (a `RedlockBackend`) nothing could be stored.
     fn needs_fencing_tokens(&self) -> bool {
         true
+    }
+
+    /// The record key, read by the acquire script of this store's own backend (and its
+    /// clones), which grants nothing when the record is there.
+    fn lookup(&self, key: &RecordKey) -> Option<RecordLookup> {
+        let record = self.backend.record_key(key.layer(), key.key(), key.scope());
+        Some(RecordLookup {
+            place: Place::Redis {
+                engine: self.backend.engine_id(),
+                key: record,
+            },
+        })
+    }
+
+    /// One script: written only while the lock exists and the fence counter still
+    /// holds `token`, as a [`put`](ReplayStore::put); then the lock is deleted and its
+    /// release announced.
+    fn put_and_release(
+        &self,
+        key: &RecordKey,
+        record: &Record,
+        ttl: Duration,
+        token: u64,
+        _release: &dyn ReleaseLease,
+    ) -> Option<Put> {
+        let backend = self.backend.clone();
+        let key = key.clone();
+        let bytes = record.to_bytes();
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        Some(Box::pin(async move {
+            let names = (key.layer(), key.key(), key.scope());
+            let written = backend
+                .put_and_release(names, token, bytes, ttl_ms)
+                .await
+                .map_err(StoreError::new)?;
+            Ok(if written {
+                Stored::Written
+            } else {
+                Stored::Fenced
+            })
+        }))
     }
 }
 

@@ -1,0 +1,84 @@
+//! A request's replay record, named before its key is taken: the lock's remote
+//! acquisition looks for it in its own round trip (see `LockBackend::acquire_unless_recorded`),
+//! and a store in this process's memory is read at once, so a completed request is
+//! replayed without taking the key.
+
+use std::sync::Arc;
+
+use http::request::Parts;
+
+use super::fingerprint::scope;
+use super::record::Record;
+use super::shared::Settings;
+use super::store::RecordKey;
+use crate::backend::RecordLookup;
+use crate::key::Key;
+
+/// Names a request's record for the lock layer; made by
+/// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay) when the store is kept on
+/// the lock's engine or in this process's memory.
+pub(crate) struct LookupFirst {
+    settings: Arc<Settings>,
+}
+
+/// A record found in memory before the request took its key: the lock layer passes the
+/// request on without the key, and the replay layer replays the record (or refuses the
+/// request, if its fingerprint differs). A completed request changes nothing, so its
+/// replay need not wait for whoever holds the key now.
+#[derive(Clone)]
+pub(crate) struct FoundInMemory {
+    pub(crate) key: RecordKey,
+    pub(crate) record: Record,
+}
+
+impl LookupFirst {
+    pub(crate) fn new(settings: Arc<Settings>) -> Self {
+        Self { settings }
+    }
+
+    /// Where the record of the request `parts`, under `key` of the layer `layer`, is
+    /// looked for; its [`RecordKey`] goes into the request's extensions for the replay
+    /// layer. `None` when the request has no principal to scope it by (the replay
+    /// layer answers that) or the store cannot be read in the acquisition.
+    pub(crate) fn lookup(&self, parts: &mut Parts, layer: &str, key: &Key) -> Option<RecordLookup> {
+        let record = self.name(parts, layer, key)?;
+        let lookup = self.settings.store.lookup(&record)?;
+        parts.extensions.insert(record);
+        Some(lookup)
+    }
+
+    /// Whether the record of the request `parts` is in the memory store already: then
+    /// it goes into the request's extensions as [`FoundInMemory`], and the request
+    /// needs no key. If not, its [`RecordKey`] goes there, for the replay layer to
+    /// look again once the key is held.
+    pub(crate) fn found_in_memory(&self, parts: &mut Parts, layer: &str, key: &Key) -> bool {
+        let Some(memory) = &self.settings.memory else {
+            return false;
+        };
+        let Some(name) = self.name(parts, layer, key) else {
+            return false;
+        };
+        match memory.find(&name) {
+            Some(record) => {
+                let found = FoundInMemory { key: name, record };
+                parts.extensions.insert(found);
+                true
+            }
+            None => {
+                parts.extensions.insert(name);
+                false
+            }
+        }
+    }
+
+    /// The request's record key; `None` without the principal the records are scoped
+    /// by.
+    fn name(&self, parts: &Parts, layer: &str, key: &Key) -> Option<RecordKey> {
+        let principal = match &self.settings.principal {
+            Some(principal) => Some(principal(&parts.extensions)?),
+            None => None,
+        };
+        let scope = scope(parts, principal.as_deref());
+        Some(RecordKey::new(layer, key.as_str(), scope))
+    }
+}
