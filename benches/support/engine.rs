@@ -126,28 +126,43 @@ pub fn report_hand_off(engine: &str, times: &[Duration]) {
     );
 }
 
+/// Two instances' backends on the Redis server `server` (restart guard off: a server
+/// started for the run).
+pub async fn redis_instances(
+    server: &redis_server::RedisServer,
+) -> (Arc<dyn LockBackend>, Arc<dyn LockBackend>) {
+    let backend = || async {
+        let backend = RedisBackend::builder(server.client())
+            .restart_guard(false)
+            .build()
+            .await
+            .expect("the backend connects to Redis");
+        Arc::new(backend) as Arc<dyn LockBackend>
+    };
+    (backend().await, backend().await)
+}
+
+/// Two instances' backends on the PostgreSQL server `server`, fencing on.
+pub fn postgres_instances(
+    server: &pg_server::PgServer,
+) -> (Arc<dyn LockBackend>, Arc<dyn LockBackend>) {
+    let backend = || {
+        let config = server.conn_str().parse().expect("a connection string");
+        Arc::new(PostgresBackend::from_config(config).fencing(true)) as Arc<dyn LockBackend>
+    };
+    (backend(), backend())
+}
+
 /// The hand-offs users know, for side-by-side figures: two instances on one Redis
 /// (woken by a release message) and on one PostgreSQL (its own lock queue), each on a
 /// server started here.
 pub fn reference_hand_offs(rt: &tokio::runtime::Runtime, rounds: usize, settle: Duration) {
     {
         let server = redis_server::RedisServer::start();
-        let backend = || async {
-            let backend = RedisBackend::builder(server.client())
-                .restart_guard(false)
-                .build()
-                .await
-                .expect("the backend connects to Redis");
-            Arc::new(backend) as Arc<dyn LockBackend>
-        };
-        let (a, b) = rt.block_on(async { (backend().await, backend().await) });
+        let (a, b) = rt.block_on(redis_instances(&server));
         report_hand_off("redis", &rt.block_on(hand_off(a, b, rounds, settle)));
     }
     let server = pg_server::PgServer::start();
-    let backend = || {
-        let config = server.conn_str().parse().expect("a connection string");
-        Arc::new(PostgresBackend::from_config(config).fencing(true)) as Arc<dyn LockBackend>
-    };
-    let times = rt.block_on(hand_off(backend(), backend(), rounds, settle));
-    report_hand_off("postgres", &times);
+    let (a, b) = postgres_instances(&server);
+    report_hand_off("postgres", &rt.block_on(hand_off(a, b, rounds, settle)));
 }

@@ -1,11 +1,16 @@
 //! Helpers shared by the bench binaries: CPU time, quantiles, where results go;
-//! `engine`: measuring a distributed backend.
+//! `engine`: measuring a distributed backend; `round_trips`: counting them on the wire.
 #![allow(dead_code)]
 
 pub mod engine;
+pub mod round_trips;
+#[path = "../../tests/support/tcp_proxy.rs"]
+pub mod tcp_proxy;
 // The tests' server launchers: the reference engines every backend is measured beside.
 #[path = "../../tests/support/pg_server.rs"]
 pub mod pg_server;
+#[path = "../../tests/support/ports.rs"]
+pub mod ports;
 #[path = "../../tests/support/redis_server.rs"]
 pub mod redis_server;
 
@@ -31,11 +36,28 @@ pub fn percentiles_f64<const N: usize>(samples: &mut [f64], qs: [f64; N]) -> [f6
 }
 
 /// Where criterion writes its results: `$CRITERION_HOME`, `$CARGO_TARGET_DIR/criterion`,
-/// else `target/criterion` (cargo runs benchmarks from the package root).
+/// else the workspace's `target/criterion` (cargo runs benchmarks from the package root,
+/// `benches/`, where a relative `target` would be another folder).
 pub fn criterion_dir() -> std::path::PathBuf {
     if let Some(home) = std::env::var_os("CRITERION_HOME") {
         return home.into();
     }
-    let target = std::env::var_os("CARGO_TARGET_DIR").unwrap_or_else(|| "target".into());
+    let workspace_target = concat!(env!("CARGO_MANIFEST_DIR"), "/../target");
+    let target = std::env::var_os("CARGO_TARGET_DIR").unwrap_or_else(|| workspace_target.into());
     std::path::PathBuf::from(target).join("criterion")
+}
+
+/// Writes `lines` (JSON objects) to `<criterion dir>/tkl-custom/<bench>.jsonl`, where
+/// `scripts/bench-charts` reads them; not in test mode (`--test`: figures of one try).
+pub fn write_results(bench: &str, quick: bool, lines: &[String]) {
+    if quick || lines.is_empty() {
+        return;
+    }
+    let dir = criterion_dir().join("tkl-custom");
+    let path = dir.join(format!("{bench}.jsonl"));
+    let text: String = lines.iter().map(|line| format!("{line}\n")).collect();
+    match std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, text)) {
+        Ok(()) => println!("results written to {}", path.display()),
+        Err(error) => eprintln!("could not write {}: {error}", path.display()),
+    }
 }
