@@ -75,19 +75,7 @@ macro_rules! rows {
     };
 }
 
-rows!(
-    duplicate_after_completion_is_replayed,
-    duplicate_in_flight_waits_then_replays,
-    duplicate_in_flight_without_waiting_gets_409,
-    different_fingerprint_is_rejected,
-    custom_fingerprint_ignores_what_changes_between_retries,
-    transient_answers_are_not_stored,
-    panic_stores_nothing,
-    cancelled_request_stores_nothing,
-    body_over_the_limit_passes_through,
-    expired_record_is_a_new_request,
-    key_is_scoped_by_route,
-);
+crate::support::replay::every_row!(rows);
 
 #[tokio::test]
 async fn silent_store_fails_closed_with_503_or_open_if_configured() {

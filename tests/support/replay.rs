@@ -22,6 +22,30 @@ use tower_keyed_lock::key::HeaderKey;
 use tower_keyed_lock::replay::ReplayLayer;
 use tower_keyed_lock::KeyedLockLayer;
 
+/// Calls `$run!` with the name of every row of the semantics table (each a function
+/// of this module), so each store's tests write only how they run a row, and a new
+/// row runs against every store. (Other test binaries include this module too.)
+#[allow(unused_macros)]
+macro_rules! every_row {
+    ($run:ident) => {
+        $run!(
+            duplicate_after_completion_is_replayed,
+            duplicate_in_flight_waits_then_replays,
+            duplicate_in_flight_without_waiting_gets_409,
+            different_fingerprint_is_rejected,
+            custom_fingerprint_ignores_what_changes_between_retries,
+            transient_answers_are_not_stored,
+            panic_stores_nothing,
+            cancelled_request_stores_nothing,
+            body_over_the_limit_passes_through,
+            expired_record_is_a_new_request,
+            key_is_scoped_by_route,
+        );
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use every_row;
+
 /// Long enough for anything that should happen; a test fails instead of hanging.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
