@@ -9,19 +9,36 @@ use std::task::{Context, Poll};
 /// Dropping it at any await (a client that went away) stores nothing unless the
 /// inner service already answered: the store write runs in a task of its own, so a
 /// completed handler's record is not lost to a disconnect in the last round trip.
-pub struct ReplayFuture<T>(Pin<Box<dyn Future<Output = T> + Send>>);
+pub struct ReplayFuture<T>(Step<T>);
+
+enum Step<T> {
+    /// Answered when the service was called (a replay from memory of a whole body):
+    /// no future to box.
+    Ready(Option<T>),
+    Running(Pin<Box<dyn Future<Output = T> + Send>>),
+}
 
 impl<T> ReplayFuture<T> {
     pub(crate) fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
-        Self(Box::pin(future))
+        Self(Step::Running(Box::pin(future)))
+    }
+
+    pub(crate) fn ready(output: T) -> Self {
+        Self(Step::Ready(Some(output)))
     }
 }
+
+// The output is moved out, never pinned: the future may move whatever `T` is.
+impl<T> Unpin for ReplayFuture<T> {}
 
 impl<T> Future for ReplayFuture<T> {
     type Output = T;
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        self.0.as_mut().poll(cx)
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        match &mut self.get_mut().0 {
+            Step::Ready(output) => Poll::Ready(output.take().expect("polled after completion")),
+            Step::Running(future) => future.as_mut().poll(cx),
+        }
     }
 }
 

@@ -13,12 +13,13 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tower_service::Service;
 
-use crate::buffer::{content_length, read_body};
+use crate::buffer::{content_length, read_body, read_now, BodyReadError, ReadNow};
 use crate::layer::LockInfo;
 use crate::reject::Rejection;
 
 use super::body::ReplayBody;
 use super::fingerprint::{fingerprint, scope};
+use super::future::ReplayFuture;
 use super::lookup::FoundInMemory;
 use super::metrics::ReplayMetrics;
 use super::record::Fingerprint;
@@ -168,29 +169,74 @@ fn admit<B>(
 }
 
 /// A record the lock layer found in memory: replayed if the request's fingerprint
-/// matches.
-pub(crate) async fn replay_found_in_memory<ReqBody, ResBody>(
+/// matches. A body that is whole already (buffered, or a `Full`) is read at once and
+/// the answer needs no future; otherwise the rest of it is awaited.
+pub(crate) fn replay_found_in_memory<ReqBody, ResBody, E>(
+    settings: &Arc<Settings>,
+    shared: &Arc<Shared>,
+    found: FoundInMemory,
+    request: Request<ReqBody>,
+) -> ReplayFuture<Result<Response<ReplayBody<ResBody>>, E>>
+where
+    ReqBody: Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResBody: Body + Send + 'static,
+    E: Send + 'static,
+{
+    let limit = settings.max_request_bytes;
+    let length = content_length(&request);
+    // The request is answered from the record: its body is read for the fingerprint
+    // only, and the request is not put together again. Boxed, so that a body read in
+    // part here can move on to the future that reads the rest.
+    let (parts, body) = request.into_parts();
+    let mut body = Box::pin(body);
+    let first = match read_now(body.as_mut(), length, limit) {
+        ReadNow::Whole(bytes) => {
+            return ReplayFuture::ready(Ok(answer_found(
+                settings,
+                shared,
+                found,
+                &parts,
+                Ok(bytes),
+            )))
+        }
+        ReadNow::Failed(error) => {
+            return ReplayFuture::ready(Ok(answer_found(
+                settings,
+                shared,
+                found,
+                &parts,
+                Err(error),
+            )))
+        }
+        ReadNow::Partly(first) => first,
+    };
+    let (settings, shared) = (Arc::clone(settings), Arc::clone(shared));
+    ReplayFuture::new(async move {
+        let rest = read_body(None, body, limit - first.len(), settings.read_timeout).await;
+        let read = rest.map(|rest| joined(first, rest));
+        Ok(answer_found(&settings, &shared, found, &parts, read))
+    })
+}
+
+/// The answer to a request whose record was found in memory, once its body is read.
+fn answer_found<B: Body>(
     settings: &Settings,
     shared: &Shared,
     found: FoundInMemory,
-    request: Request<ReqBody>,
-) -> Response<ReplayBody<ResBody>>
-where
-    ReqBody: Body<Data = Bytes>,
-    ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-    ResBody: Body,
-{
+    parts: &Parts,
+    body: Result<Bytes, BodyReadError>,
+) -> Response<ReplayBody<B>> {
     let metrics = shared.metrics(found.key.layer());
+    let body = match body {
+        Ok(body) => body,
+        Err(error) => return reject(&metrics, error.rejection(settings.max_request_bytes)),
+    };
     let FoundInMemory { key, record } = found;
-    // The request is answered from the record: its body is read for the fingerprint
-    // only, and the request is not put together again.
-    let lookup = match read_fingerprint(settings, request).await {
-        Ok((_, _, fingerprint)) => Lookup {
-            key,
-            release: None,
-            fingerprint,
-        },
-        Err(rejection) => return reject(&metrics, rejection),
+    let lookup = Lookup {
+        key,
+        release: None,
+        fingerprint: fingerprint_of(settings, parts, &body),
     };
     match check(settings, &lookup, Ok(record)) {
         Ok(record) => {
@@ -199,6 +245,17 @@ where
         }
         Err(rejection) => reject(&metrics, rejection),
     }
+}
+
+/// `first` and `rest`, one after the other.
+fn joined(first: Bytes, rest: Bytes) -> Bytes {
+    if first.is_empty() {
+        return rest;
+    }
+    let mut joined = BytesMut::with_capacity(first.len() + rest.len());
+    joined.extend_from_slice(&first);
+    joined.extend_from_slice(&rest);
+    joined.freeze()
 }
 
 /// Reads the request body (for the fingerprint), and names the request's record.
@@ -235,13 +292,18 @@ where
     let body = read_body(length, body, limit, settings.read_timeout)
         .await
         .map_err(|error| error.rejection(limit))?;
-    let fingerprint = settings
+    let fingerprint = fingerprint_of(settings, &parts, &body);
+    Ok((parts, body, fingerprint))
+}
+
+/// The request's fingerprint, if the settings ask for one.
+fn fingerprint_of(settings: &Settings, parts: &Parts, body: &Bytes) -> Option<Fingerprint> {
+    settings
         .fingerprint
         .then(|| match &settings.fingerprint_fn {
-            Some(custom) => custom(&parts, &body),
-            None => fingerprint(&parts, &body),
-        });
-    Ok((parts, body, fingerprint))
+            Some(custom) => custom(parts, body),
+            None => fingerprint(parts, body),
+        })
 }
 
 /// Asks the store for the request's record.

@@ -55,11 +55,7 @@ where
         // Found in memory before the lock layer took the key: replayed without the
         // inner service (and without its clone).
         if let Some(found) = request.extensions_mut().remove::<FoundInMemory>() {
-            let settings = Arc::clone(&self.settings);
-            let shared = Arc::clone(&self.shared);
-            return ReplayFuture::new(async move {
-                Ok(replay_found_in_memory(&settings, &shared, found, request).await)
-            });
+            return replay_found_in_memory(&self.settings, &self.shared, found, request);
         }
         // Call the service that was readied; leave a fresh clone in its place.
         let clone = self.inner.clone();

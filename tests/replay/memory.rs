@@ -325,6 +325,82 @@ async fn body_over_the_limit_or_too_slow_is_refused() {
     assert_eq!(status.unwrap(), 408);
 }
 
+/// A request body that comes in parts: each after its reader waited once.
+struct InParts {
+    parts: std::collections::VecDeque<Bytes>,
+    waited: bool,
+}
+
+impl http_body::Body for InParts {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if !this.waited && !this.parts.is_empty() {
+            this.waited = true;
+            cx.waker().wake_by_ref();
+            return std::task::Poll::Pending;
+        }
+        this.waited = false;
+        std::task::Poll::Ready(
+            this.parts
+                .pop_front()
+                .map(|part| Ok(http_body::Frame::data(part))),
+        )
+    }
+}
+
+/// A replay from memory reads what of the body is there at once and waits for the
+/// rest: the first part, read when the service was called, is not lost (the retry in
+/// parts replays the request sent whole, another second part is refused), and the
+/// limit counts both.
+#[tokio::test]
+async fn a_replay_from_memory_reads_a_body_that_comes_in_parts() {
+    let handler = service_fn(|request: Request<axum::body::Body>| async move {
+        let body = http_body_util::BodyExt::collect(request.into_body()).await;
+        let body = body.expect("the body is read").to_bytes();
+        Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from(body)))
+    });
+    let replay = ReplayLayer::new(MemoryStore::default()).max_request_bytes(6);
+    let service = KeyedLockLayer::by_header("idempotency-key")
+        .replay(replay)
+        .layer(handler);
+    let send = |parts: &[&'static str]| {
+        let body = InParts {
+            parts: parts
+                .iter()
+                .map(|part| Bytes::from_static(part.as_bytes()))
+                .collect(),
+            // The first part is there when the service is called.
+            waited: true,
+        };
+        let request = Request::post("/orders")
+            .header("idempotency-key", "k")
+            .body(axum::body::Body::new(body))
+            .unwrap();
+        let service = service.clone();
+        async move {
+            let response = service.oneshot(request).await.unwrap();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let status = response.status();
+            let body = http_body_util::BodyExt::collect(response.into_body()).await;
+            (status, replayed, body.unwrap().to_bytes())
+        }
+    };
+    let first = send(&["abcd"]).await;
+    assert_eq!(first, (StatusCode::OK, false, Bytes::from_static(b"abcd")));
+    let retry = send(&["ab", "cd"]).await;
+    assert_eq!(retry, (StatusCode::OK, true, Bytes::from_static(b"abcd")));
+    let other = send(&["ab", "xy"]).await;
+    assert_eq!(other.0, StatusCode::UNPROCESSABLE_ENTITY, "{other:?}");
+    let over = send(&["abcd", "efg"]).await;
+    assert_eq!(over.0, StatusCode::PAYLOAD_TOO_LARGE, "{over:?}");
+}
+
 // ------------------------------------------------------------ cancellation
 
 /// Drops a request after each number of polls in turn — so at every await of the
