@@ -28,11 +28,15 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+#[cfg(feature = "replay")]
+use std::task::Waker;
+use std::task::{Context, Poll};
 
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
+#[cfg(feature = "replay")]
+use bytes::BytesMut;
 use http::{header::CONTENT_LENGTH, Request, Response};
 use http_body::Body;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -188,6 +192,7 @@ where
 }
 
 /// What of a body [`read_now`] could read without waiting.
+#[cfg(feature = "replay")]
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum ReadNow {
     /// The whole body.
@@ -203,6 +208,7 @@ pub(crate) enum ReadNow {
 /// is read with no future, no timer, and no copy when it comes in one chunk. It is
 /// polled with a no-op waker; a body that is not over is polled again by its reader,
 /// whose waker it then keeps.
+#[cfg(feature = "replay")]
 pub(crate) fn read_now<B>(
     mut body: Pin<&mut B>,
     content_length: Option<u64>,
@@ -239,12 +245,14 @@ where
 }
 
 /// Chunks read so far: the first kept as it is, copied only when a second comes.
+#[cfg(feature = "replay")]
 #[derive(Default)]
 struct Chunks {
     first: Bytes,
     joined: Option<BytesMut>,
 }
 
+#[cfg(feature = "replay")]
 impl Chunks {
     fn len(&self) -> usize {
         self.joined.as_ref().map_or(self.first.len(), BytesMut::len)
@@ -379,108 +387,115 @@ mod tests {
         assert_eq!(read, Err(BodyReadError::Timeout));
     }
 
-    type Poll1 = Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>>;
+    /// What `read_now` reads, used by the replay layer only.
+    #[cfg(feature = "replay")]
+    mod reading_now {
+        use super::*;
 
-    /// A body that answers each poll from its script, then ends; `Pending` where it
-    /// would wait, after which it wakes its reader at once.
-    struct Scripted(std::collections::VecDeque<Poll1>);
+        type Poll1 = Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>>;
 
-    impl Body for Scripted {
-        type Data = Bytes;
-        type Error = std::io::Error;
+        /// A body that answers each poll from its script, then ends; `Pending` where it
+        /// would wait, after which it wakes its reader at once.
+        struct Scripted(std::collections::VecDeque<Poll1>);
 
-        fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll1 {
-            let next = self.get_mut().0.pop_front().unwrap_or(Poll::Ready(None));
-            if next.is_pending() {
-                cx.waker().wake_by_ref();
+        impl Body for Scripted {
+            type Data = Bytes;
+            type Error = std::io::Error;
+
+            fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll1 {
+                let next = self.get_mut().0.pop_front().unwrap_or(Poll::Ready(None));
+                if next.is_pending() {
+                    cx.waker().wake_by_ref();
+                }
+                next
             }
-            next
         }
-    }
 
-    fn data(bytes: &[u8]) -> Poll1 {
-        Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::copy_from_slice(
-            bytes,
-        )))))
-    }
-
-    fn scripted(polls: impl IntoIterator<Item = Poll1>) -> Scripted {
-        Scripted(polls.into_iter().collect())
-    }
-
-    fn now<B: Body<Data = Bytes> + Unpin>(mut body: B, limit: usize) -> ReadNow {
-        read_now(Pin::new(&mut body), None, limit)
-    }
-
-    #[test]
-    fn a_whole_body_is_read_at_once_and_one_chunk_is_not_copied() {
-        let hello = Bytes::from_static(b"hello");
-        match now(Full::new(hello.clone()), 5) {
-            ReadNow::Whole(read) => assert_eq!(read.as_ptr(), hello.as_ptr()),
-            other => panic!("{other:?}"),
+        fn data(bytes: &[u8]) -> Poll1 {
+            Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::copy_from_slice(
+                bytes,
+            )))))
         }
-        assert_eq!(
-            now(Full::new(Bytes::new()), 5),
-            ReadNow::Whole(Bytes::new())
-        );
-        let trailers = Poll::Ready(Some(Ok(http_body::Frame::trailers(http::HeaderMap::new()))));
-        let chunks = scripted([data(b"he"), data(b"llo"), trailers]);
-        assert_eq!(now(chunks, 5), ReadNow::Whole(hello));
-    }
 
-    #[test]
-    fn a_body_not_over_gives_what_came_so_far() {
-        let partly = now(scripted([data(b"he"), Poll::Pending, data(b"llo")]), 5);
-        assert_eq!(partly, ReadNow::Partly(Bytes::from_static(b"he")));
-        assert_eq!(now(Stalled, 5), ReadNow::Partly(Bytes::new()));
-    }
+        fn scripted(polls: impl IntoIterator<Item = Poll1>) -> Scripted {
+            Scripted(polls.into_iter().collect())
+        }
 
-    #[test]
-    fn limits_and_broken_bodies_fail_as_read_body_does() {
-        let hello = || Full::new(Bytes::from_static(b"hello"));
-        let mut declared = hello();
-        let declared = read_now(Pin::new(&mut declared), Some(6), 5);
-        assert_eq!(declared, ReadNow::Failed(BodyReadError::TooLarge));
-        assert_eq!(now(hello(), 4), ReadNow::Failed(BodyReadError::TooLarge));
-        let over = scripted([data(b"hel"), data(b"lo!")]);
-        assert_eq!(now(over, 5), ReadNow::Failed(BodyReadError::TooLarge));
-        let broken = scripted([
-            data(b"he"),
-            Poll::Ready(Some(Err(std::io::ErrorKind::BrokenPipe.into()))),
-        ]);
-        assert_eq!(now(broken, 5), ReadNow::Failed(BodyReadError::Broken));
-    }
+        fn now<B: Body<Data = Bytes> + Unpin>(mut body: B, limit: usize) -> ReadNow {
+            read_now(Pin::new(&mut body), None, limit)
+        }
 
-    proptest::proptest! {
-        /// What `read_now` reads, then `read_body` for the rest within what is left of
-        /// the limit, is what `read_body` reads alone: the same bytes or the same error.
         #[test]
-        fn reading_now_then_the_rest_is_reading_it_all(
-            script in proptest::collection::vec(
-                proptest::option::of(proptest::collection::vec(proptest::num::u8::ANY, 0..4)),
-                0..8,
-            ),
-            limit in 0usize..12,
-        ) {
-            // `None`: the body waits there.
-            let body = || {
-                scripted(script.iter().map(|step| match step {
-                    Some(bytes) => data(bytes),
-                    None => Poll::Pending,
-                }))
-            };
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-            let timeout = Duration::from_secs(1);
-            let alone = runtime.block_on(read_body(None, body(), limit, timeout));
-            let mut split = body();
-            let in_two = match read_now(Pin::new(&mut split), None, limit) {
-                ReadNow::Whole(bytes) => Ok(bytes),
-                ReadNow::Failed(error) => Err(error),
-                ReadNow::Partly(first) => runtime
-                    .block_on(read_body(None, split, limit - first.len(), timeout))
-                    .map(|rest| [first, rest].concat().into()),
-            };
-            proptest::prop_assert_eq!(in_two, alone);
+        fn a_whole_body_is_read_at_once_and_one_chunk_is_not_copied() {
+            let hello = Bytes::from_static(b"hello");
+            match now(Full::new(hello.clone()), 5) {
+                ReadNow::Whole(read) => assert_eq!(read.as_ptr(), hello.as_ptr()),
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(
+                now(Full::new(Bytes::new()), 5),
+                ReadNow::Whole(Bytes::new())
+            );
+            let trailers =
+                Poll::Ready(Some(Ok(http_body::Frame::trailers(http::HeaderMap::new()))));
+            let chunks = scripted([data(b"he"), data(b"llo"), trailers]);
+            assert_eq!(now(chunks, 5), ReadNow::Whole(hello));
+        }
+
+        #[test]
+        fn a_body_not_over_gives_what_came_so_far() {
+            let partly = now(scripted([data(b"he"), Poll::Pending, data(b"llo")]), 5);
+            assert_eq!(partly, ReadNow::Partly(Bytes::from_static(b"he")));
+            assert_eq!(now(Stalled, 5), ReadNow::Partly(Bytes::new()));
+        }
+
+        #[test]
+        fn limits_and_broken_bodies_fail_as_read_body_does() {
+            let hello = || Full::new(Bytes::from_static(b"hello"));
+            let mut declared = hello();
+            let declared = read_now(Pin::new(&mut declared), Some(6), 5);
+            assert_eq!(declared, ReadNow::Failed(BodyReadError::TooLarge));
+            assert_eq!(now(hello(), 4), ReadNow::Failed(BodyReadError::TooLarge));
+            let over = scripted([data(b"hel"), data(b"lo!")]);
+            assert_eq!(now(over, 5), ReadNow::Failed(BodyReadError::TooLarge));
+            let broken = scripted([
+                data(b"he"),
+                Poll::Ready(Some(Err(std::io::ErrorKind::BrokenPipe.into()))),
+            ]);
+            assert_eq!(now(broken, 5), ReadNow::Failed(BodyReadError::Broken));
+        }
+
+        proptest::proptest! {
+            /// What `read_now` reads, then `read_body` for the rest within what is left of
+            /// the limit, is what `read_body` reads alone: the same bytes or the same error.
+            #[test]
+            fn reading_now_then_the_rest_is_reading_it_all(
+                script in proptest::collection::vec(
+                    proptest::option::of(proptest::collection::vec(proptest::num::u8::ANY, 0..4)),
+                    0..8,
+                ),
+                limit in 0usize..12,
+            ) {
+                // `None`: the body waits there.
+                let body = || {
+                    scripted(script.iter().map(|step| match step {
+                        Some(bytes) => data(bytes),
+                        None => Poll::Pending,
+                    }))
+                };
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+                let timeout = Duration::from_secs(1);
+                let alone = runtime.block_on(read_body(None, body(), limit, timeout));
+                let mut split = body();
+                let in_two = match read_now(Pin::new(&mut split), None, limit) {
+                    ReadNow::Whole(bytes) => Ok(bytes),
+                    ReadNow::Failed(error) => Err(error),
+                    ReadNow::Partly(first) => runtime
+                        .block_on(read_body(None, split, limit - first.len(), timeout))
+                        .map(|rest| [first, rest].concat().into()),
+                };
+                proptest::prop_assert_eq!(in_two, alone);
+            }
         }
     }
 }

@@ -91,15 +91,18 @@ impl LockInfo {
     /// The [`name`](crate::KeyedLockLayer::name) of the layer that holds the key (it
     /// namespaces the key at a distributed backend).
     pub fn layer(&self) -> &str {
-        match &self.layer.name {
-            LayerName::Static(name) => name,
-            LayerName::Shared(name) => name,
-        }
+        self.layer.name.as_str()
     }
 
     /// The key this request holds.
     pub fn key(&self) -> &str {
         self.key.as_str()
+    }
+
+    /// The layer's name and the key, shared rather than copied.
+    #[cfg(feature = "replay")]
+    pub(crate) fn layer_and_key(&self) -> (&LayerName, &Key) {
+        (&self.layer.name, &self.key)
     }
 
     /// Whether the request holds its key shared with others
@@ -204,12 +207,27 @@ pub(crate) struct LayerTag {
 
 /// A layer's name: a `&'static str` is copied, any other shared.
 #[derive(Clone)]
-enum LayerName {
+pub(crate) enum LayerName {
     Static(&'static str),
     Shared(Arc<str>),
 }
 
+impl LayerName {
+    pub(crate) fn as_str(&self) -> &str {
+        match self {
+            LayerName::Static(name) => name,
+            LayerName::Shared(name) => name,
+        }
+    }
+}
+
 impl LayerTag {
+    /// The layer's name.
+    #[cfg(feature = "replay")]
+    pub(crate) fn name(&self) -> &LayerName {
+        &self.name
+    }
+
     pub(crate) fn new(name: Cow<'static, str>) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Self {

@@ -142,6 +142,8 @@ pub use builder::{
 };
 pub use future::ResponseFuture;
 pub use health::HealthCheck;
+#[cfg(feature = "replay")]
+pub(crate) use info::LayerName;
 pub use info::LockInfo;
 pub use service::KeyedLock;
 pub use shutdown::ShutdownHandle;

@@ -221,7 +221,7 @@ impl<S, E> KeyedLock<S, E> {
         mode: Mode,
     ) -> Option<RecordLookup> {
         match (&self.lookup, mode) {
-            (Some(lookup), Mode::Exclusive) => lookup.lookup(parts, shared.name(), key),
+            (Some(lookup), Mode::Exclusive) => lookup.lookup(parts, shared.tag.name(), key),
             _ => None,
         }
     }
@@ -231,7 +231,9 @@ impl<S, E> KeyedLock<S, E> {
     /// replay layer replays it, and the request takes no key.
     fn found_in_memory(&self, shared: &Shared, parts: &mut Parts, key: &Key, mode: Mode) -> bool {
         match (&self.lookup, mode) {
-            (Some(lookup), Mode::Exclusive) => lookup.found_in_memory(parts, shared.name(), key),
+            (Some(lookup), Mode::Exclusive) => {
+                lookup.found_in_memory(parts, shared.tag.name(), key)
+            }
             _ => false,
         }
     }

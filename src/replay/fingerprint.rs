@@ -25,7 +25,7 @@ pub(crate) fn fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
 /// matched route when there is one, else the path), the request's path and query, and
 /// the principal, if any. The path and query are in it whatever the fingerprint
 /// setting, so a key reused on another resource never replays this one's response.
-pub(crate) fn scope(parts: &Parts, principal: Option<&str>) -> String {
+pub(crate) fn scope(parts: &Parts, principal: Option<&str>) -> Scope {
     let mut hasher = Sha256::new();
     push_part(&mut hasher, parts.method.as_str().as_bytes());
     push_part(&mut hasher, route(parts).as_bytes());
@@ -38,7 +38,7 @@ pub(crate) fn scope(parts: &Parts, principal: Option<&str>) -> String {
         }
         None => hasher.update([0]),
     }
-    hex(&hasher.finalize())
+    Scope::hex(&hasher.finalize().into())
 }
 
 #[cfg(feature = "axum")]
@@ -59,14 +59,31 @@ fn push_part(hasher: &mut Sha256, part: &[u8]) {
     hasher.update(part);
 }
 
-fn hex(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for &b in bytes {
-        out.push(char::from(HEX[usize::from(b >> 4)]));
-        out.push(char::from(HEX[usize::from(b & 0xf)]));
+/// A record's scope: a SHA-256 digest in 64 lowercase hex digits, kept inline so that
+/// naming a request's record allocates nothing.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct Scope([u8; 64]);
+
+impl Scope {
+    fn hex(digest: &[u8; 32]) -> Self {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = [0; 64];
+        for (pair, &byte) in out.chunks_exact_mut(2).zip(digest) {
+            pair[0] = HEX[usize::from(byte >> 4)];
+            pair[1] = HEX[usize::from(byte & 0xf)];
+        }
+        Self(out)
     }
-    out
+
+    pub(crate) fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.0).expect("hex digits are ASCII")
+    }
+}
+
+impl std::fmt::Debug for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 #[cfg(test)]
@@ -113,7 +130,23 @@ mod tests {
         ];
         let unique: std::collections::HashSet<_> = scopes.iter().collect();
         assert_eq!(unique.len(), scopes.len());
-        assert_eq!(scopes[0].len(), 64);
+        assert_eq!(scopes[0].as_str().len(), 64);
+    }
+
+    /// Instances sharing a store must name a record alike, whatever their build: the
+    /// scope is SHA-256 over the length-prefixed method, route, path and query, then
+    /// the principal, in lowercase hex (values from Python's `hashlib`).
+    #[test]
+    fn scope_is_the_documented_digest() {
+        let request = parts("POST", "/a?x=1");
+        assert_eq!(
+            scope(&request, None).as_str(),
+            "a7bf71eb486aa520cc4342f5ed2d4da4d823eef1ec0d177d3021ce53c99b10a1"
+        );
+        assert_eq!(
+            scope(&request, Some("alice")).as_str(),
+            "e5d8f89b62697ae02e90c763bd1abb8475c8e54a2b13c811a36a39fe7467f869"
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@ use super::shared::Settings;
 use super::store::RecordKey;
 use crate::backend::RecordLookup;
 use crate::key::Key;
+use crate::layer::LayerName;
 
 /// Names a request's record for the lock layer; made by
 /// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay) when the store is kept on
@@ -40,7 +41,12 @@ impl LookupFirst {
     /// looked for; its [`RecordKey`] goes into the request's extensions for the replay
     /// layer. `None` when the request has no principal to scope it by (the replay
     /// layer answers that) or the store cannot be read in the acquisition.
-    pub(crate) fn lookup(&self, parts: &mut Parts, layer: &str, key: &Key) -> Option<RecordLookup> {
+    pub(crate) fn lookup(
+        &self,
+        parts: &mut Parts,
+        layer: &LayerName,
+        key: &Key,
+    ) -> Option<RecordLookup> {
         let record = self.name(parts, layer, key)?;
         let lookup = self.settings.store.lookup(&record)?;
         parts.extensions.insert(record);
@@ -51,7 +57,7 @@ impl LookupFirst {
     /// it goes into the request's extensions as [`FoundInMemory`], and the request
     /// needs no key. If not, its [`RecordKey`] goes there, for the replay layer to
     /// look again once the key is held.
-    pub(crate) fn found_in_memory(&self, parts: &mut Parts, layer: &str, key: &Key) -> bool {
+    pub(crate) fn found_in_memory(&self, parts: &mut Parts, layer: &LayerName, key: &Key) -> bool {
         let Some(memory) = &self.settings.memory else {
             return false;
         };
@@ -73,12 +79,12 @@ impl LookupFirst {
 
     /// The request's record key; `None` without the principal the records are scoped
     /// by.
-    fn name(&self, parts: &Parts, layer: &str, key: &Key) -> Option<RecordKey> {
+    fn name(&self, parts: &Parts, layer: &LayerName, key: &Key) -> Option<RecordKey> {
         let principal = match &self.settings.principal {
             Some(principal) => Some(principal(&parts.extensions)?),
             None => None,
         };
         let scope = scope(parts, principal.as_deref());
-        Some(RecordKey::new(layer, key.as_str(), scope))
+        Some(RecordKey::new(layer, key, scope))
     }
 }

@@ -78,7 +78,8 @@ where
     let name = |parts: &Parts| {
         named.unwrap_or_else(|| {
             let scope = scope(parts, principal.as_deref());
-            RecordKey::new(info.layer(), info.key(), scope)
+            let (layer, key) = info.layer_and_key();
+            RecordKey::new(layer, key, scope)
         })
     };
     let read = read_request(&settings, name, request).await;

@@ -131,7 +131,10 @@ mod tests {
     }
 
     fn key(key: &str) -> RecordKey {
-        RecordKey::new("test", key, "0".repeat(64))
+        let (request, ()) = http::Request::post("/").body(()).unwrap().into_parts();
+        let scope = crate::replay::fingerprint::scope(&request, None);
+        let key = crate::key::Key::new(key, 256).unwrap();
+        RecordKey::new(&crate::layer::LayerName::Static("test"), &key, scope)
     }
 
     #[tokio::test(start_paused = true)]

@@ -19,8 +19,11 @@ mod redis;
 use std::time::Duration;
 
 use crate::backend::{RecordLookup, ReleaseLease};
+use crate::key::Key;
+use crate::layer::LayerName;
 use crate::BoxFuture;
 
+use super::fingerprint::Scope;
 use super::record::Record;
 
 pub use error::StoreError;
@@ -35,35 +38,64 @@ pub use redis::RedisReplayStore;
 /// Where a record lives: the lock layer's name, the request key, and the scope (a hex
 /// digest of method, route and principal), so one key never replays another endpoint's
 /// response.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+///
+/// Made for every request the replay layer sees, so it copies nothing: the layer's name
+/// is shared with the layer, the key is the lock's, the scope is kept inline.
+#[derive(Clone)]
 pub struct RecordKey {
-    layer: String,
-    key: String,
-    scope: String,
+    layer: LayerName,
+    key: Key,
+    scope: Scope,
 }
 
 impl RecordKey {
-    pub(crate) fn new(layer: &str, key: &str, scope: String) -> Self {
+    pub(crate) fn new(layer: &LayerName, key: &Key, scope: Scope) -> Self {
         Self {
-            layer: layer.to_owned(),
-            key: key.to_owned(),
+            layer: layer.clone(),
+            key: key.clone(),
             scope,
         }
     }
 
     /// The [`name`](crate::KeyedLockLayer::name) of the lock layer.
     pub fn layer(&self) -> &str {
-        &self.layer
+        self.layer.as_str()
     }
 
     /// The request key the lock layer extracted.
     pub fn key(&self) -> &str {
-        &self.key
+        self.key.as_str()
     }
 
     /// The scope: 64 lowercase hex digits.
     pub fn scope(&self) -> &str {
-        &self.scope
+        self.scope.as_str()
+    }
+}
+
+impl PartialEq for RecordKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.scope == other.scope && self.key == other.key && self.layer() == other.layer()
+    }
+}
+
+impl Eq for RecordKey {}
+
+impl std::hash::Hash for RecordKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.layer().hash(state);
+        self.key.hash(state);
+        self.scope.hash(state);
+    }
+}
+
+impl std::fmt::Debug for RecordKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecordKey")
+            .field("layer", &self.layer())
+            .field("key", &self.key)
+            .field("scope", &self.scope)
+            .finish()
     }
 }
 
