@@ -191,33 +191,19 @@ where
     // part here can move on to the future that reads the rest.
     let (parts, body) = request.into_parts();
     let mut body = Box::pin(body);
-    let first = match read_now(body.as_mut(), length, limit) {
-        ReadNow::Whole(bytes) => {
-            return ReplayFuture::ready(Ok(answer_found(
-                settings,
-                shared,
-                found,
-                &parts,
-                Ok(bytes),
-            )))
+    let read = match read_now(body.as_mut(), length, limit) {
+        ReadNow::Whole(bytes) => Ok(bytes),
+        ReadNow::Failed(error) => Err(error),
+        ReadNow::Partly(first) => {
+            let (settings, shared) = (Arc::clone(settings), Arc::clone(shared));
+            return ReplayFuture::new(async move {
+                let rest = read_body(None, body, limit - first.len(), settings.read_timeout);
+                let read = rest.await.map(|rest| joined(first, rest));
+                Ok(answer_found(&settings, &shared, found, &parts, read))
+            });
         }
-        ReadNow::Failed(error) => {
-            return ReplayFuture::ready(Ok(answer_found(
-                settings,
-                shared,
-                found,
-                &parts,
-                Err(error),
-            )))
-        }
-        ReadNow::Partly(first) => first,
     };
-    let (settings, shared) = (Arc::clone(settings), Arc::clone(shared));
-    ReplayFuture::new(async move {
-        let rest = read_body(None, body, limit - first.len(), settings.read_timeout).await;
-        let read = rest.map(|rest| joined(first, rest));
-        Ok(answer_found(&settings, &shared, found, &parts, read))
-    })
+    ReplayFuture::ready(Ok(answer_found(settings, shared, found, &parts, read)))
 }
 
 /// The answer to a request whose record was found in memory, once its body is read.
