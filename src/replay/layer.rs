@@ -259,9 +259,9 @@ impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
     /// [`looked_up_by`](super::PostgresReplayStore::looked_up_by) the backend): the
     /// lock's acquisition then looks for the request's record in its own round trip
     /// and takes nothing when it is there, so a completed request is replayed in one
-    /// round trip without its key; on Redis a first request's record is written and its
-    /// lock released in one more (PostgreSQL writes it in one and unlocks after the
-    /// response). With the [`MemoryStore`](super::MemoryStore) the lock reads the store
+    /// round trip without its key, and a first request's record is written and its
+    /// lock released in one more (on Redis in one script; on PostgreSQL the write and
+    /// the unlock go together on the lock's session). With the [`MemoryStore`](super::MemoryStore) the lock reads the store
     /// before it takes the key, so a completed request's retry is replayed at once,
     /// whoever holds the key now. The lock keeps this layer value's table: requests
     /// through it and through this layer value elsewhere exclude each other.

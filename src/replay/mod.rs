@@ -66,7 +66,7 @@
 //! |---|---|---|---|
 //! | replay of a completed key | 1 round trip, no lock taken | 1, no lock taken | 2, then the release |
 //! | first request, before the handler | 1 (the acquisition) | 1 (the try) | 2 (acquisition, read) |
-//! | first request, after the handler | 1: record written and lock released in one script | 1: the write; the unlock after the response | 1, then the release |
+//! | first request, after the handler | 1: record written and lock released in one script | 1: the write and the unlock sent together on the lock's session | 1, then the release |
 //!
 //! (Counted by the servers themselves in `tests/replay`: Redis's `MONITOR`, and a proxy
 //! in front of PostgreSQL.) A request that waited for its key (a duplicate in flight)
