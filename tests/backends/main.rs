@@ -1,7 +1,7 @@
 //! The distributed backends against real servers each test starts. First the
 //! conformance suite (`conformance`: `tower_keyed_lock::testkit` run for every backend,
 //! plus the fault and HTTP checks every backend passes); then each engine's specifics:
-//! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_sentinel`), PostgreSQL
+//! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_handoff`, `redis_sentinel`), PostgreSQL
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
 //! (`etcd`), MySQL (`mysql`), Redlock (`redlock`), Azure Blob Storage on Azurite
 //! (`azure_blob`), ZooKeeper (`zookeeper`); and
@@ -29,6 +29,7 @@ mod redis;
 mod redis_cluster;
 #[cfg(feature = "axum")]
 mod redis_faults;
+mod redis_handoff;
 mod redis_sentinel;
 mod redlock;
 mod tcp_proxy;

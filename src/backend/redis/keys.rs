@@ -24,6 +24,9 @@ pub(in crate::backend) struct RedisKeys {
     /// Writers waiting for the key, the same way: while one is there, no new reader
     /// enters (writers are not starved).
     pub(super) intent: String,
+    /// Writers among them that take a grant from a release: token → the lease, fence
+    /// TTL and instance id to grant it with.
+    pub(super) queue: String,
     /// How the acquisition these keys were made for holds the key.
     pub(super) mode: LockMode,
     /// Who was granted the lock last, written by the grant itself: token, grant time,
@@ -45,6 +48,7 @@ impl RedisKeys {
             readers: format!("{tag}:readers"),
             permits: format!("{tag}:permits"),
             intent: format!("{tag}:intent"),
+            queue: format!("{tag}:queue"),
             holder: format!("{tag}:holder"),
             mode: LockMode::Exclusive,
             record: None,

@@ -103,6 +103,7 @@ impl Inner {
         loop {
             let mut released = pin!(interest.notify.notified());
             released.as_mut().enable();
+            let mut releases_seen = interest.releases();
 
             let sent_at = Instant::now();
             // The first attempt gets a whole command timeout (a zero wait still tries
@@ -172,51 +173,61 @@ impl Inner {
                     return Err(LockError::Backend(Box::new(timeout)));
                 }
             };
-            in_flight.answered();
+            // A writer refused is in the key's intent set, and may be in its queue:
+            // `in_flight` stays armed, so that a writer that stops waiting (its wait
+            // over, its future dropped) gives the token back. The give-back takes it
+            // out of both, or hands on the key a release granted it meanwhile. Readers
+            // and permits enter neither.
+            if keys.mode != LockMode::Exclusive {
+                in_flight.answered();
+            }
             let now = Instant::now();
             if now >= deadline {
-                self.leave_intent(&keys, in_flight.token());
                 return Err(LockError::Timeout);
             }
-            let pause = self.pause(ttl_ms).min(deadline - now);
+            let mut pause = pin!(sleep(self.pause(ttl_ms).min(deadline - now)));
             // Woken by a release message or the end of the pause, whichever is first.
-            tokio::select! {
-                biased;
-                () = released => {}
-                () = sleep(pause) => {}
+            loop {
+                tokio::select! {
+                    biased;
+                    () = released.as_mut() => {}
+                    () = pause.as_mut() => break,
+                }
+                // A release granted the key to this waiter: the last attempt was
+                // refused, so it ran before the grant, and the lease counts from when
+                // it was sent.
+                if let Some(fence) = interest.take_grant(in_flight.token()) {
+                    let token = in_flight.granted();
+                    let lease = ttl::grant(&self, keys, token, Some(fence), sent_at);
+                    return Ok(Acquired::Granted(lease));
+                }
+                if interest.releases() != releases_seen {
+                    break;
+                }
+                // Only grants to other waiters: the key is held again, and an attempt
+                // now would only move this waiter back in the queue. It tries again
+                // when the grant's lease would be over, if that is sooner.
+                if let Some(until) = interest.granted_until() {
+                    let retry = until + Duration::from_millis(1);
+                    if retry < pause.deadline() {
+                        pause.as_mut().reset(retry);
+                    }
+                }
+                released.set(interest.notify.notified());
+                released.as_mut().enable();
+                releases_seen = interest.releases();
             }
             if Instant::now() >= deadline {
-                self.leave_intent(&keys, in_flight.token());
                 return Err(LockError::Timeout);
             }
         }
     }
 
-    /// A writer that stops waiting takes its token out of the key's intent set (in the
-    /// background, once, within the command timeout), so new readers are let in again
-    /// at once rather than when its entry expires. Nothing for readers and permits,
-    /// which enter no intent.
-    fn leave_intent(self: &Arc<Self>, keys: &Arc<RedisKeys>, token: &str) {
-        if keys.mode != LockMode::Exclusive {
-            return;
-        }
-        let (this, keys, token) = (self.clone(), keys.clone(), token.to_owned());
-        tokio::spawn(async move {
-            let limit = Instant::now() + this.config.command_timeout;
-            let left = this
-                .commands
-                .run(limit, false, |mut connection| async move {
-                    redis::cmd("ZREM")
-                        .arg(&keys.intent)
-                        .arg(&token)
-                        .query_async::<i64>(&mut connection)
-                        .await
-                });
-            if left.await.is_err() {
-                // Its entry expires by itself, a waiting mark's TTL later.
-                tracing::debug!("redis: a writer's intent left to expire");
-            }
-        });
+    /// Whether a waiter for `keys` takes a grant from a release (see `RELEASE`): a
+    /// writer that looks for no replay record (a record stored meanwhile must be
+    /// found, not passed over), on a server whose grants need no replica's `WAIT`.
+    fn takes_grants(&self, keys: &RedisKeys) -> bool {
+        keys.mode == LockMode::Exclusive && keys.record.is_none() && self.config.replicas.is_none()
     }
 
     /// Logs once per guard period (not per request) that the restart guard refuses
@@ -289,6 +300,7 @@ impl Inner {
             .key(holders)
             .key(&keys.intent)
             .key(&keys.holder)
+            .key(&keys.queue)
             .arg(token)
             .arg(millis(self.config.first_ttl()))
             .arg(fence_ttl)
@@ -299,6 +311,7 @@ impl Inner {
             Some(permits) => invocation.arg(permits),
             None => invocation.arg(u8::from(sent_before)),
         };
+        invocation.arg(u8::from(self.takes_grants(keys)));
         if let Some(record) = &keys.record {
             invocation.key(record);
         }
@@ -378,20 +391,32 @@ impl Inner {
             .await
     }
 
-    /// One release attempt: deletes the lock if `token` still holds it and announces
-    /// the release; if not, marks the token given back, so a late attempt of it grants
-    /// nothing. `EVAL`, like the renewal: one round trip even on a server that lost its
+    /// One release attempt: if `token` still holds the lock, hands it to the first
+    /// queued writer or deletes it, and announces that; if not, takes the token out of
+    /// the key's intent and queue and marks it given back, so a late attempt of it
+    /// grants nothing. `EVAL`, like the renewal: one round trip even on a server that lost its
     /// script cache.
     async fn delete_if_ours(&self, keys: &RedisKeys, token: &str) -> GiveBack {
         let mut command = redis::cmd("EVAL");
         match keys.holders() {
-            None => command.arg(RELEASE).arg(3).arg(&*keys.lock),
-            Some(holders) => command.arg(RELEASE_COUNTED).arg(4).arg(holders),
+            None => command
+                .arg(RELEASE)
+                .arg(7)
+                .arg(&*keys.lock)
+                .arg(&keys.waiting)
+                .arg(keys.given_back(token))
+                .arg(&keys.intent)
+                .arg(&keys.queue)
+                .arg(&keys.fence)
+                .arg(&keys.holder),
+            Some(holders) => command
+                .arg(RELEASE_COUNTED)
+                .arg(4)
+                .arg(holders)
+                .arg(&keys.waiting)
+                .arg(keys.given_back(token))
+                .arg(&*keys.lock),
         };
-        command.arg(&keys.waiting).arg(keys.given_back(token));
-        if keys.holders().is_some() {
-            command.arg(&*keys.lock);
-        }
         command
             .arg(token)
             .arg(&self.channel)

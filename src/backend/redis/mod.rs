@@ -43,6 +43,23 @@
 //!   jittered [`poll_interval`](RedisBackendBuilder::poll_interval) capped by the
 //!   holder's remaining TTL, until the request's wait is over. A lost message only costs
 //!   latency: the poll finds the key free.
+//! - **Hand-off.** A refused writer also queues (`:queue`: its token, with the lease,
+//!   fence TTL and instance id to be granted with), and a release hands the key to the
+//!   first writer still waiting, in the release script itself: it grants as the
+//!   acquire script would (fencing token, holder record) and announces `lock`, token,
+//!   fencing token and lease on the channel. That waiter holds the key without a round
+//!   trip of its own; its lease counts from the send time of its last attempt, which
+//!   was refused and so ran before the grant. The other waiters wait on, retrying when
+//!   that lease would be over at the latest. If the message is lost, the waiter's next
+//!   attempt finds the key its own (and extends it from then). A waiter that stops
+//!   waiting (its wait over, its future dropped) gives its token back as for an
+//!   unanswered attempt: that takes it out of the queue, or hands on the key it was
+//!   granted meanwhile. A waiter whose instance dies (or is cut off) while queued
+//!   cannot: a release within its entry's life (`poll_interval` + `command_timeout`
+//!   after its last attempt) grants it the key, which is then free one lease later.
+//!   Waiters that look for a replay record first, and backends that `WAIT` for
+//!   replicas, do not queue: a record stored meanwhile must be found, and a grant
+//!   must be acknowledged; they take the key with an attempt of their own.
 //! - **Validity.** The lease counts as valid until *send time of the last successful
 //!   acquire or renewal + lease − drift margin*, on the monotonic clock. At that instant
 //!   it is declared lost (even if Redis never answers again), as it is at the first
@@ -51,9 +68,9 @@
 //! - **Renewal.** While held, a task renews every lease/3 with a compare-and-`PEXPIRE`
 //!   script, and stops when the lease is released, dropped or lost, or at
 //!   [`max_hold`](RedisBackendBuilder::max_hold).
-//! - **Release.** A compare-and-delete script that also `PUBLISH`es (on a cluster `SPUBLISH`es) the release when a
-//!   waiter marked the key (a failed acquire leaves the mark; an uncontended release
-//!   publishes nothing). If Redis cannot be reached within the command timeout, the
+//! - **Release.** A compare-and-delete script (or hand-off, above) that also
+//!   `PUBLISH`es (on a cluster `SPUBLISH`es) the release when a waiter marked the key
+//!   (a failed acquire leaves the mark; an uncontended release publishes nothing). If Redis cannot be reached within the command timeout, the
 //!   release is retried in the background, and at worst the key expires by its lease.
 //!
 //! Every command is bounded by [`command_timeout`](RedisBackendBuilder::command_timeout):
@@ -167,11 +184,11 @@
 //!   waiting mark's expiry: `poll_interval` + `command_timeout`, refreshed at every
 //!   attempt) and leaves it when granted: while any writer waits, new readers of every
 //!   instance are refused, so a stream of readers cannot starve writers. A writer
-//!   whose wait ends without a grant takes its entry out (a command sent in the
-//!   background); only if that fails, or its last attempt went unanswered, does the
+//!   whose wait ends without a grant, or whose acquisition is dropped, takes its entry
+//!   out (its token's give-back, sent in the background); only if that fails does the
 //!   entry keep new readers out until it expires, `poll_interval` + `command_timeout`
-//!   at most. (A cancelled acquisition's remote attempt runs on, detached, to the end
-//!   of its wait.)
+//!   at most. (A cancelled request's remote acquisition runs on, detached, to the end
+//!   of its wait; a grant it gets is released at once.)
 //! - **Permits.** A permit is granted while fewer than `n` unexpired holders are in
 //!   `:permits`. Every instance must use the same `n`.
 //! - **Wake-ups.** A reader's or permit holder's release publishes like a writer's
@@ -186,7 +203,7 @@
 //! - **Cluster.** The sets share the key's hash tag, so every script runs on one slot.
 //! # Who holds a key
 //!
-//! The acquire script records the holder when it grants: its token, the server's time
+//! The grant (the acquire script, or a release handing the key on) records the holder: its token, the server's time
 //! in ms, the fencing token and the instance id
 //! ([`instance_id`](RedisBackendBuilder::instance_id)) in the `:holder` key under the
 //! lock's hash tag. [`holder`](LockBackend::holder) reads the lock, its PTTL
@@ -206,9 +223,12 @@
 //! {<prefix><name>:<key>}:readers  shared holders: tokens scored by expiry (ms)
 //! {<prefix><name>:<key>}:permits  permit holders, the same way
 //! {<prefix><name>:<key>}:intent   writers waiting: tokens scored by expiry (ms)
+//! {<prefix><name>:<key>}:queue    writers waiting for a grant from a release: token →
+//!                                 lease ms, fence TTL ms, instance id (same TTL as
+//!                                 the intent)
 //! {<prefix><name>:<key>}:holder   who was granted the lock last: token, grant time (ms,
 //!                                 the server's clock), fencing token, instance id;
-//!                                 written by the acquire script (same TTL as the fence)
+//!                                 written by the grant (same TTL as the fence)
 //! {<prefix><name>:<key>}:lock:given-back:<token>
 //!                                 a release found the key not held by <token>
 //!                                 (for a minute, or a lease if longer)
@@ -241,7 +261,8 @@
 //! [`RedisBackend::lock_key`] computes the name of the lock key.
 //!
 //! On one server the release channel is `<prefix>release`; its messages carry the lock
-//! key. On a cluster each lock's shard channel is named like its lock key.
+//! key, and for a hand-off the grant after it (one line each: token, fencing token,
+//! lease ms). On a cluster each lock's shard channel is named like its lock key.
 //!
 //! The subscription uses RESP3 (Redis 6 or newer; on a cluster, Redis 7 for sharded
 //! pub/sub), whatever protocol the commands use.

@@ -2,11 +2,12 @@
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
 /// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent, `KEYS[7]` the holder record,
-/// optionally `KEYS[8]` a replay record to look for first;
+/// `KEYS[8]` the queue, optionally `KEYS[9]` a replay record to look for first;
 /// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
 /// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id,
 /// `ARGV[7]` `1` if an earlier attempt of this token was sent (it may be in the intent
-/// set), else `0`.
+/// set), else `0`, `ARGV[8]` `1` if the caller takes a grant from a release (see
+/// `RELEASE`), else `0`.
 /// Returns `{1, fencing token}`, `{0, holder's PTTL}` (-2 when the token was given back;
 /// a reader's expiry when readers hold the key), `{2, ms until the restart guard
 /// lets grants through}`, or `{3, the replay record}`.
@@ -30,6 +31,10 @@
 /// does not step back. It is written as `%d` text: 16 digits, exact in a Lua number
 /// (a double) but not in its default formatting.
 ///
+/// Queue: a writer refused that takes a grant from a release leaves, in the queue, the
+/// lease, fence TTL and instance id the release grants it with. Once granted so, its
+/// next attempt finds the key its own: the lease then counts from this attempt.
+///
 /// When not granted, the waiting mark tells the holder's release to publish. Its TTL
 /// outlasts the caller's pause before the next attempt (which marks again), and is
 /// only ever extended, so a waiter with a longer pause keeps its mark.
@@ -48,8 +53,8 @@ pub(super) const ACQUIRE: &str = r"
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
 end
-if KEYS[8] then
-  local stored = redis.call('GET', KEYS[8])
+if KEYS[9] then
+  local stored = redis.call('GET', KEYS[9])
   if stored then
     redis.call('ZREM', KEYS[6], ARGV[1])
     return {3, stored}
@@ -82,8 +87,15 @@ if reader[1] == nil then
     end
     if ARGV[7] == '1' then
       redis.call('ZREM', KEYS[6], ARGV[1])
+      if ARGV[8] == '1' then
+        redis.call('HDEL', KEYS[8], ARGV[1])
+      end
     end
     return {1, fence}
+  end
+  if ARGV[8] == '1' and redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1, tonumber(redis.call('GET', KEYS[2]))}
   end
 end
 if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[4]) then
@@ -92,6 +104,12 @@ end
 redis.call('ZADD', KEYS[6], now + tonumber(ARGV[4]), ARGV[1])
 if redis.call('PTTL', KEYS[6]) < tonumber(ARGV[4]) then
   redis.call('PEXPIRE', KEYS[6], ARGV[4])
+end
+if ARGV[8] == '1' then
+  redis.call('HSET', KEYS[8], ARGV[1], ARGV[2] .. '\n' .. ARGV[3] .. '\n' .. ARGV[6])
+  if redis.call('PTTL', KEYS[8]) < tonumber(ARGV[4]) then
+    redis.call('PEXPIRE', KEYS[8], ARGV[4])
+  end
 end
 if reader[1] ~= nil then
   return {0, tonumber(reader[2]) - now}
@@ -125,26 +143,68 @@ end
 return 0
 ";
 
-/// `KEYS[1]` lock, `KEYS[2]` waiting, `KEYS[3]` the token's given-back mark; `ARGV[1]`
-/// token, `ARGV[2]` release channel, or empty on a cluster: there the lock's own shard
-/// channel, named like the lock key; `ARGV[3]` the mark's TTL ms. Deletes the lock only
-/// if it is still ours, and announces it if a waiter marked the key (an uncontended
-/// release publishes nothing). 1 if deleted; if not ours, marks the token given back
-/// (see `ACQUIRE`) and returns 0.
+/// `KEYS[1]` lock, `KEYS[2]` waiting, `KEYS[3]` the token's given-back mark, `KEYS[4]`
+/// writers' intent, `KEYS[5]` the queue, `KEYS[6]` fence, `KEYS[7]` the holder record;
+/// `ARGV[1]` token, `ARGV[2]` release channel, or empty on a cluster: there the lock's
+/// own shard channel, named like the lock key; `ARGV[3]` the mark's TTL ms. 1 if the
+/// lock was still ours; if not, takes the token out of the intent and the queue, marks
+/// it given back (see `ACQUIRE`) and returns 0: so this is also how a waiter leaves.
+///
+/// Released, the lock goes at once to the first writer in the intent set that is still
+/// waiting (its entry not expired) and queued: granted as `ACQUIRE` grants, with the
+/// lease it queued with, and announced as `lock\ntoken\nfencing token\nlease ms`, so the
+/// waiter holds it without a round trip of its own (and the others wait at most that
+/// lease before they try again). No reader can hold the key here: readers
+/// are refused while it is held. Without such a writer the lock is deleted, and the
+/// release announced (the lock key alone) if a waiter marked the key; an uncontended
+/// release publishes nothing.
 pub(super) const RELEASE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  if redis.call('DEL', KEYS[2]) == 1 then
-    if ARGV[2] == '' then
-      redis.call('SPUBLISH', KEYS[1], KEYS[1])
-    else
-      redis.call('PUBLISH', ARGV[2], KEYS[1])
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[5], ARGV[1])
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
+  return 0
+end
+local function announce(message)
+  if ARGV[2] == '' then
+    redis.call('SPUBLISH', KEYS[1], message)
+  else
+    redis.call('PUBLISH', ARGV[2], message)
+  end
+end
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  local clock = redis.call('TIME')
+  local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  local waiters = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. now, '+inf', 'LIMIT', 0, 8)
+  for _, token in ipairs(waiters) do
+    local queued = redis.call('HGET', KEYS[5], token)
+    if queued then
+      local lease, fence_ttl, instance = string.match(queued, '^(%d+)\n(%d+)\n(.*)$')
+      redis.call('SET', KEYS[1], token, 'PX', lease)
+      local micros = tonumber(clock[1] .. string.sub('00000' .. clock[2], -6))
+      local fence = math.max(tonumber(redis.call('GET', KEYS[6]) or '0') + 1, micros)
+      local text = string.format('%d', fence)
+      local millis = clock[1] .. string.sub('00' .. math.floor(clock[2] / 1000), -3)
+      local record = token .. '\n' .. millis .. '\n' .. text .. '\n' .. instance
+      if fence_ttl ~= '0' then
+        redis.call('SET', KEYS[6], text, 'PX', fence_ttl)
+        redis.call('SET', KEYS[7], record, 'PX', fence_ttl)
+      else
+        redis.call('SET', KEYS[6], text)
+        redis.call('SET', KEYS[7], record)
+      end
+      redis.call('ZREM', KEYS[4], token)
+      redis.call('HDEL', KEYS[5], token)
+      announce(KEYS[1] .. '\n' .. token .. '\n' .. text .. '\n' .. lease)
+      return 1
     end
   end
-  return 1
 end
-redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
-return 0
+redis.call('DEL', KEYS[1])
+if redis.call('DEL', KEYS[2]) == 1 then
+  announce(KEYS[1])
+end
+return 1
 ";
 
 /// A replay record written and the lock released, in one step. `KEYS[1]` lock,

@@ -6,7 +6,7 @@
 //! on the shard that owns the key, and this process subscribes (`SSUBSCRIBE`) only to
 //! the locks it waits for, from the first waiter of a lock to the last.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -15,7 +15,7 @@ use redis::cluster::ClusterConfig;
 use redis::cluster_async::ClusterConnection;
 use redis::{AsyncConnectionConfig, Client, PushInfo, PushKind, RedisError, Value};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
-use tokio::time::{sleep, timeout};
+use tokio::time::{sleep, timeout, Instant};
 
 use super::connection::Target;
 use crate::backend::ttl::jitter;
@@ -41,7 +41,20 @@ struct Waiters {
     notify: Arc<Notify>,
     /// How many `Interest`s share `notify`; the entry goes with the last.
     interests: usize,
+    /// Grants announced by releases and not taken yet: token, fencing token. A grant
+    /// for a waiter of another backend in this process is never taken, so only the
+    /// latest few are kept; a waiter whose grant went finds the key its own at its
+    /// next attempt.
+    grants: VecDeque<(Box<str>, u64)>,
+    /// How many times they were woken for the key being free (or maybe free: a new
+    /// subscription), as against for a grant to one of them.
+    releases: u64,
+    /// When the lease of the last grant announced expires, at the latest.
+    granted_until: Option<Instant>,
 }
+
+/// How many untaken grants a lock's waiters keep.
+const GRANTS_KEPT: usize = 8;
 
 /// A waiter's registration; removes the entry with the last one.
 pub(super) struct Interest {
@@ -80,6 +93,9 @@ impl Releases {
             Waiters {
                 notify: Arc::new(Notify::new()),
                 interests: 0,
+                grants: VecDeque::new(),
+                releases: 0,
+                granted_until: None,
             }
         });
         waiters.interests += 1;
@@ -109,8 +125,31 @@ impl Releases {
 
     fn wake(&self, lock: &str) {
         let notify = {
-            let waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-            waiting.get(lock).map(|waiters| waiters.notify.clone())
+            let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+            waiting.get_mut(lock).map(|waiters| {
+                waiters.releases += 1;
+                waiters.notify.clone()
+            })
+        };
+        if let Some(notify) = notify {
+            notify.notify_waiters();
+        }
+    }
+
+    /// A release granted `lock` to `token` for `lease`: kept for its waiter. Wakes the
+    /// lock's waiters: the one it names takes it, the others wait on, at most `lease`.
+    fn grant(&self, lock: &str, token: &str, fence: u64, lease: Duration) {
+        let granted_until = Instant::now() + lease;
+        let notify = {
+            let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+            waiting.get_mut(lock).map(|waiters| {
+                if waiters.grants.len() == GRANTS_KEPT {
+                    waiters.grants.pop_front();
+                }
+                waiters.grants.push_back((token.into(), fence));
+                waiters.granted_until = Some(granted_until);
+                waiters.notify.clone()
+            })
         };
         if let Some(notify) = notify {
             notify.notify_waiters();
@@ -119,15 +158,52 @@ impl Releases {
 
     fn wake_all(&self) {
         let all: Vec<_> = {
-            let waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
             waiting
-                .values()
-                .map(|waiters| waiters.notify.clone())
+                .values_mut()
+                .map(|waiters| {
+                    waiters.releases += 1;
+                    waiters.notify.clone()
+                })
                 .collect()
         };
         for notify in all {
             notify.notify_waiters();
         }
+    }
+}
+
+impl Interest {
+    /// How many times this lock's waiters were woken for a release; a wake-up that
+    /// leaves it unchanged announced only grants.
+    pub(super) fn releases(&self) -> u64 {
+        self.with_waiters(|waiters| waiters.releases).unwrap_or(0)
+    }
+
+    /// When the lease of the last grant announced expires, at the latest.
+    pub(super) fn granted_until(&self) -> Option<Instant> {
+        self.with_waiters(|waiters| waiters.granted_until).flatten()
+    }
+
+    fn with_waiters<T>(&self, read: impl FnOnce(&mut Waiters) -> T) -> Option<T> {
+        let mut waiting = self
+            .releases
+            .waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        waiting.get_mut(&self.lock).map(read)
+    }
+
+    /// The fencing token of a grant of this lock to `token` that a release announced.
+    pub(super) fn take_grant(&self, token: &str) -> Option<u64> {
+        self.with_waiters(|waiters| {
+            let at = waiters
+                .grants
+                .iter()
+                .position(|(granted, _)| &**granted == token)?;
+            waiters.grants.remove(at).map(|(_, fence)| fence)
+        })
+        .flatten()
     }
 }
 
@@ -399,12 +475,52 @@ fn wake_on_release(
 ) -> impl Fn(PushInfo) -> Result<(), mpsc::error::SendError<PushInfo>> + Send + Sync + 'static {
     move |push: PushInfo| {
         if matches!(push.kind, PushKind::Message | PushKind::SMessage) {
-            if let Some(lock) = text(push.data.get(1)) {
-                releases.wake(lock);
+            match text(push.data.get(1)).map(Announced::parse) {
+                Some(Announced::Released(lock)) => releases.wake(lock),
+                Some(Announced::Granted {
+                    lock,
+                    token,
+                    fence,
+                    lease,
+                }) => releases.grant(lock, token, fence, lease),
+                None => {}
             }
             return Ok(());
         }
         others.send(push)
+    }
+}
+
+/// What a release message says (see `scripts::RELEASE`).
+#[derive(Debug, PartialEq, Eq)]
+enum Announced<'a> {
+    /// `lock`: the key is free.
+    Released(&'a str),
+    /// `lock\ntoken\nfencing token\nlease ms`: the key was handed to a queued waiter.
+    /// Split from the right: a token is hex, a fencing token and a lease digits, a lock
+    /// key may be anything.
+    Granted {
+        lock: &'a str,
+        token: &'a str,
+        fence: u64,
+        lease: Duration,
+    },
+}
+
+impl<'a> Announced<'a> {
+    fn parse(message: &'a str) -> Self {
+        let granted = || {
+            let (rest, lease) = message.rsplit_once('\n')?;
+            let (rest, fence) = rest.rsplit_once('\n')?;
+            let (lock, token) = rest.rsplit_once('\n')?;
+            Some(Self::Granted {
+                lock,
+                token,
+                fence: fence.parse().ok()?,
+                lease: Duration::from_millis(lease.parse().ok()?),
+            })
+        };
+        granted().unwrap_or(Self::Released(message))
     }
 }
 
@@ -487,6 +603,61 @@ mod tests {
         assert!(forwarded.try_recv().is_err());
         sender(message(PushKind::Subscribe, "release")).unwrap();
         assert_eq!(forwarded.try_recv().unwrap().kind, PushKind::Subscribe);
+    }
+
+    #[test]
+    fn a_message_is_a_release_or_a_grant() {
+        assert_eq!(
+            Announced::parse("{t}:lock"),
+            Announced::Released("{t}:lock")
+        );
+        assert_eq!(
+            Announced::parse("{a\nb}:lock\n0f3a\n1700000000000001\n30000"),
+            Announced::Granted {
+                lock: "{a\nb}:lock",
+                token: "0f3a",
+                fence: 1_700_000_000_000_001,
+                lease: Duration::from_secs(30),
+            }
+        );
+        // Not a grant unless its last two lines are numbers.
+        for odd in ["{a}:lock\nx\ny\n1", "{a}:lock\nx\n1\ny", "{a}:lock\n1\n1"] {
+            assert_eq!(Announced::parse(odd), Announced::Released(odd));
+        }
+    }
+
+    #[test]
+    fn a_grant_is_taken_by_its_token_only_once() {
+        let (releases, _) = Releases::shared_channel();
+        let lock: Arc<str> = "{t}:lock".into();
+        let interest = releases.register(&lock);
+        let mut woken = std::pin::pin!(interest.notify.notified());
+        woken.as_mut().enable();
+        releases.grant("{t}:lock", "ab", 7, Duration::from_secs(1));
+        releases.grant("{other}:lock", "ab", 8, Duration::from_secs(1));
+        let waker = std::task::Waker::noop();
+        let mut context = std::task::Context::from_waker(waker);
+        assert!(woken.as_mut().poll(&mut context).is_ready());
+        assert_eq!(interest.take_grant("cd"), None);
+        assert_eq!(interest.take_grant("ab"), Some(7));
+        assert_eq!(interest.take_grant("ab"), None);
+        // A grant is not a release: the waiters it does not name wait on.
+        assert_eq!(interest.releases(), 0);
+        releases.wake("{t}:lock");
+        assert_eq!(interest.releases(), 1);
+        releases.wake_all();
+        assert_eq!(interest.releases(), 2);
+        // Only the latest are kept.
+        for fence in 0..20 {
+            releases.grant(
+                "{t}:lock",
+                &format!("t{fence}"),
+                fence,
+                Duration::from_secs(1),
+            );
+        }
+        assert_eq!(interest.take_grant("t0"), None);
+        assert_eq!(interest.take_grant("t19"), Some(19));
     }
 
     #[test]
