@@ -43,14 +43,6 @@ fn layer(backend: RedisBackend) -> Layer {
         .backend(backend)
 }
 
-async fn connection(redis: &RedisServer) -> MultiplexedConnection {
-    redis
-        .client()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
 async fn exists(connection: &mut MultiplexedConnection, key: &str) -> bool {
     redis::cmd("EXISTS")
         .arg(key)
@@ -101,7 +93,7 @@ fn sha256_hex(text: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_held_on_another_instance_times_out_with_409() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let (gate, mut entered) = gate();
     let backend_a = connect(&redis, |b| b).await;
     let lock_key = backend_a.lock_key("orders", "7");
@@ -150,7 +142,7 @@ async fn a_key_held_on_another_instance_times_out_with_409() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn renewal_keeps_a_key_held_past_several_leases() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let lease = Duration::from_millis(300);
     let (gate, mut entered) = gate();
     let backend_a = connect(&redis, |b| b.lease(lease)).await;
@@ -196,7 +188,7 @@ async fn renewal_keeps_a_key_held_past_several_leases() {
 /// within one renewal period.
 async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     // Renewal every 200 ms; the local deadline alone would take 394 ms or more.
     let lease = Duration::from_millis(600);
     let period = lease / 3;
@@ -278,7 +270,7 @@ async fn an_overwritten_key_is_a_lost_lease_within_one_renewal_period() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn abort_on_lease_lost_answers_503() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let (gate, mut entered) = gate();
     let backend = connect(&redis, |b| b.lease(Duration::from_millis(600))).await;
     let lock_key = backend.lock_key("orders", "5");
@@ -319,7 +311,7 @@ async fn abort_on_lease_lost_answers_503() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn max_hold_ends_a_renewed_lease() {
     let redis = RedisServer::start();
-    let connection = connection(&redis).await;
+    let connection = redis.connection().await;
     let (gate, mut entered) = gate();
     let backend = connect(&redis, |b| {
         b.lease(Duration::from_millis(300))
@@ -536,7 +528,7 @@ async fn a_silent_redis_times_out_instead_of_hanging() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_client_that_disconnects_while_holding_leaves_no_key() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let (gate, mut entered) = gate();
     let backend = connect(&redis, |b| b).await;
     let lock_key = backend.lock_key("orders", "5");
@@ -560,7 +552,7 @@ async fn a_client_that_disconnects_while_holding_leaves_no_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn clients_that_disconnect_while_waiting_leave_no_key() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let (gate, mut entered) = gate();
     let backend_a = connect(&redis, |b| b).await;
     let lock_key = backend_a.lock_key("orders", "5");
@@ -609,7 +601,7 @@ async fn clients_that_disconnect_while_waiting_leave_no_key() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_release_wakes_a_waiter_on_another_instance_at_once() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     // Polling alone would take 5–10 s: only the release message can be fast.
     let configure = |b: RedisBackendBuilder| b.poll_interval(Duration::from_secs(10));
     let (gate, mut entered) = gate();
@@ -652,7 +644,7 @@ async fn a_release_wakes_a_waiter_on_another_instance_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn local_waiters_cost_one_remote_contender() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let overlap = Arc::new(Overlap::default());
     let layer = layer(connect(&redis, |b| b).await);
     let server = Arc::new(
@@ -676,7 +668,7 @@ async fn local_waiters_cost_one_remote_contender() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn odd_keys_cannot_reach_other_layers_or_prefixes() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let (gate, mut entered) = gate();
     let long = "k".repeat(100);
     let odd = [
@@ -773,7 +765,7 @@ async fn odd_keys_cannot_reach_other_layers_or_prefixes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fence_counters_persist_by_default_and_expire_with_fence_ttl() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let key = Key::new("order-1", 256).unwrap();
     let wait = Duration::from_secs(1);
 
@@ -821,7 +813,7 @@ async fn fence_counters_persist_by_default_and_expire_with_fence_ttl() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_backend_alone_times_out_and_releases() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let (a, b) = (connect(&redis, |b| b).await, connect(&redis, |b| b).await);
     let key = Key::new("order-2", 256).unwrap();
     let lease = a.acquire("direct", &key, Duration::ZERO).await.unwrap();
@@ -980,7 +972,7 @@ async fn with_the_unsafe_opt_in_an_evicted_lock_is_granted_before_its_holder_is_
     let opt_in = |b: RedisBackendBuilder| b.allow_unsafe_eviction_policy(true).lease(lease);
     let a = connect(&redis, opt_in).await;
     let b = connect(&redis, opt_in).await;
-    let mut direct = connection(&redis).await;
+    let mut direct = redis.connection().await;
     let key = Key::new("evicted", 256).unwrap();
     let lock = a.lock_key("orders", "evicted");
     let held = a.acquire("orders", &key, Duration::ZERO).await.unwrap();
@@ -1049,7 +1041,7 @@ async fn with_the_unsafe_opt_in_an_evicted_lock_is_granted_before_its_holder_is_
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_writer_that_gives_up_lets_new_readers_in_at_once() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let configure = |b: RedisBackendBuilder| b.poll_interval(Duration::from_secs(30));
     let instance = |backend: RedisBackend| {
         tower_keyed_lock::DistributedLocks::builder("reports")
@@ -1189,7 +1181,7 @@ async fn the_health_check_reports_the_restart_guards_time_left() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_granted_on_a_release_leaves_the_intent_and_is_on_record() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let configure = |b: RedisBackendBuilder| b.poll_interval(Duration::from_secs(30));
     let (a, b) = (
         connect(&redis, configure).await,
@@ -1229,7 +1221,7 @@ async fn a_waiter_granted_on_a_release_leaves_the_intent_and_is_on_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn only_unexpired_readers_hold_off_a_writer() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let backend = connect(&redis, |b| b).await;
     let key = Key::new("k", 256).unwrap();
     let readers = backend

@@ -46,14 +46,6 @@ async fn backend(
     configure(builder).build().await.expect("backend connects")
 }
 
-async fn connection(redis: &RedisServer) -> MultiplexedConnection {
-    redis
-        .client()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
 fn key(text: &str) -> Key {
     Key::new(text, 256).unwrap()
 }
@@ -193,7 +185,7 @@ async fn fencing_tokens_never_go_backwards_after_a_restart_from_a_snapshot() {
         grant(&mut last).await;
     }
     let _: () = redis::cmd("SAVE")
-        .query_async(&mut connection(&redis).await)
+        .query_async(&mut redis.connection().await)
         .await
         .unwrap();
     for _ in 0..200 {
@@ -338,7 +330,7 @@ async fn a_holder_cut_off_declares_its_lease_lost_before_the_server_expires_it()
     let drift = Duration::from_millis(50);
     let a = backend(client_via(&proxy), |b| b.lease(lease).drift_margin(drift)).await;
     let b = backend(redis.client(), |b| b.lease(lease)).await;
-    let mut direct = connection(&redis).await;
+    let mut direct = redis.connection().await;
     let key = key("cut");
     let lock = a.lock_key("faults", "cut");
 
@@ -418,7 +410,7 @@ async fn the_restart_guard_fails_short_waits_at_once_and_grants_long_ones() {
     let lock = backend.lock_key("faults", "guarded");
     let held: i64 = redis::cmd("EXISTS")
         .arg(&lock)
-        .query_async(&mut connection(&redis).await)
+        .query_async(&mut redis.connection().await)
         .await
         .unwrap();
     assert_eq!(held, 0, "a refused acquisition left the key held");
@@ -445,7 +437,7 @@ async fn an_attempt_delivered_after_its_give_back_grants_nothing() {
     let proxy = TcpProxy::start(addr(&redis)).await;
     let lease = Duration::from_secs(30);
     let a = Arc::new(backend(client_via(&proxy), |b| b.lease(lease)).await);
-    let mut direct = connection(&redis).await;
+    let mut direct = redis.connection().await;
     let late = key("late");
     let lock = a.lock_key("faults", "late");
     let warm = a.acquire("faults", &key("warm"), Duration::ZERO).await;
@@ -542,7 +534,7 @@ async fn an_attempt_run_after_redis_was_frozen_past_its_lease_is_given_back() {
     let redis = RedisServer::start();
     let lease = Duration::from_secs(1);
     let a = backend(redis.client(), |b| b.lease(lease)).await;
-    let mut direct = connection(&redis).await;
+    let mut direct = redis.connection().await;
     let frozen = key("frozen");
     let lock = a.lock_key("faults", "frozen");
     let warm = a.acquire("faults", &key("warm"), Duration::ZERO).await;

@@ -29,14 +29,6 @@ async fn backend(client: redis::Client, instance: &str, lease: Duration) -> Redi
         .expect("backend connects")
 }
 
-async fn connection(redis: &RedisServer) -> MultiplexedConnection {
-    redis
-        .client()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
 /// The lock's Redis key ending in `suffix` (`:queue`, `:intent`).
 fn lock_key(backend: &RedisBackend, suffix: &str) -> String {
     backend.lock_key(NAME, "k").replace(":lock", suffix)
@@ -66,7 +58,7 @@ async fn attempts(connection: &mut MultiplexedConnection) -> u64 {
 
 /// Waits until `count` writers are queued.
 async fn until_queued(redis: &RedisServer, queue: &str, count: u64) {
-    let connection = connection(redis).await;
+    let connection = redis.connection().await;
     until("the writers are queued", || {
         let (mut connection, queue) = (connection.clone(), queue.to_owned());
         async move { queued(&mut connection, &queue).await == count }
@@ -92,7 +84,7 @@ async fn while_polling<F: Future + Unpin>(future: &mut F, condition: impl Future
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_release_grants_the_key_to_the_queued_writer_in_its_own_round_trip() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let lease = Duration::from_secs(2);
     let a = backend(redis.client(), "a", lease).await;
     let b = backend(redis.client(), "b", lease).await;
@@ -203,7 +195,7 @@ async fn a_waiter_dropped_after_its_grant_hands_the_key_on() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_waiter_that_stops_waiting_leaves_the_queue() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let lease = Duration::from_secs(60);
     let a = backend(redis.client(), "a", lease).await;
     let b = backend(redis.client(), "b", lease).await;
@@ -287,7 +279,7 @@ async fn a_queued_waiter_cut_off_holds_a_granted_key_one_lease_at_most() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_grant_whose_message_is_lost_is_found_by_the_next_attempt() {
     let redis = RedisServer::start();
-    let mut connection = connection(&redis).await;
+    let mut connection = redis.connection().await;
     let a = backend(redis.client(), "a", Duration::from_secs(30)).await;
     let b = RedisBackend::builder(redis.client())
         .restart_guard(false)

@@ -109,6 +109,14 @@ impl RedisServer {
         redis::Client::open(self.url()).unwrap()
     }
 
+    /// A connection of its own, for a test's direct commands.
+    pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        self.client()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
     /// Whether the server process runs (it was not stopped).
     pub fn is_running(&self) -> bool {
         self.child.is_some()
