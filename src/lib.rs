@@ -65,7 +65,8 @@
 //! - `axum` (default): [`KeyedLockLayer::by_path`] for axum path parameters. Nothing else
 //!   in the crate depends on axum.
 //! - `redis`: `RedisBackend`, serializing keys across instances through Redis (leases,
-//!   renewal, fencing tokens, pub/sub wake-ups).
+//!   renewal, fencing tokens, a release handing the key to the first queued writer and
+//!   announcing it on pub/sub).
 //! - `postgres`: `PostgresBackend`, the same through PostgreSQL advisory locks (waiters
 //!   queue inside PostgreSQL; lost sessions are detected; optional fencing tokens).
 //! - `dynamodb`: `DynamoDbBackend`, the same through conditional writes on a DynamoDB

@@ -59,7 +59,10 @@
 //!   after its last attempt) grants it the key, which is then free one lease later.
 //!   Waiters that look for a replay record first, and backends that `WAIT` for
 //!   replicas, do not queue: a record stored meanwhile must be found, and a grant
-//!   must be acknowledged; they take the key with an attempt of their own.
+//!   must be acknowledged; they take the key with an attempt of their own. Neither
+//!   does an instance of an earlier version, which does not read grant messages
+//!   either: during a rolling upgrade it polls while queued writers are handed the
+//!   key, and its releases delete the key as before.
 //! - **Validity.** The lease counts as valid until *send time of the last successful
 //!   acquire or renewal + lease − drift margin*, on the monotonic clock. At that instant
 //!   it is declared lost (even if Redis never answers again), as it is at the first
@@ -153,13 +156,17 @@
 //! # Fairness between instances
 //!
 //! Within an instance, waiters of a key queue in arrival order on the layer's local lock
-//! and only the first contends in Redis. Between instances there is no queue: a release
-//! wakes the one contender of each waiting instance, and the first `SET NX` to reach
-//! Redis wins. The releasing instance's next local waiter contends too, from the moment
-//! the release is acknowledged (about when the others get the release message), so
-//! under constant contention one instance can win several times in a row; nobody
-//! starves for longer than the others keep the key busy. For arrival order across
-//! instances, use the PostgreSQL backend.
+//! and only the first contends in Redis. Between instances, writers queue in Redis
+//! (see *Hand-off* above): a release hands the key to the queued writer whose last
+//! attempt came first, so a contender that has waited longer is not overtaken by one
+//! that just arrived, and the releasing instance's next local waiter, which has not
+//! queued yet, goes behind the others. The order is by each waiter's last attempt, not
+//! its first: a waiter tries again only when its poll runs out (the holder's lease, at
+//! most `poll_interval`) or a plain release is announced, so the queue keeps its order
+//! while the key is handed on. Waiters that do not queue (a replay record looked for,
+//! replicas to wait for, readers and permits) contend with `SET NX` as before, and
+//! queued writers go first. For strict arrival order across instances, use the
+//! PostgreSQL backend.
 //!
 //! # Shared locks and permits
 //!
