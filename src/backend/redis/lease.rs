@@ -101,9 +101,11 @@ impl Inner {
         let mut token_sent = false;
         let mut reconnected = false;
         loop {
+            // Read before the registration: a release between the two is one the
+            // attempt below sees the effect of.
+            let releases_seen = interest.releases();
             let mut released = pin!(interest.notify.notified());
             released.as_mut().enable();
-            let mut releases_seen = interest.releases();
 
             let sent_at = Instant::now();
             // The first attempt gets a whole command timeout (a zero wait still tries
@@ -193,6 +195,10 @@ impl Inner {
                     () = released.as_mut() => {}
                     () = pause.as_mut() => break,
                 }
+                // Registered again before anything is read: a message from now on
+                // wakes this registration, one before it is read below.
+                released.set(interest.notify.notified());
+                released.as_mut().enable();
                 // A release granted the key to this waiter: the last attempt was
                 // refused, so it ran before the grant, and the lease counts from when
                 // it was sent.
@@ -213,9 +219,6 @@ impl Inner {
                         pause.as_mut().reset(retry);
                     }
                 }
-                released.set(interest.notify.notified());
-                released.as_mut().enable();
-                releases_seen = interest.releases();
             }
             if Instant::now() >= deadline {
                 return Err(LockError::Timeout);
