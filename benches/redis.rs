@@ -30,7 +30,7 @@ use axum::Router;
 use criterion::Criterion;
 use http::{Request, StatusCode};
 use redis::aio::{ConnectionManager, MultiplexedConnection};
-use redis_server::RedisServer;
+use redis_server::{command_calls, command_stat, RedisServer};
 use tower::ServiceExt;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend};
@@ -75,7 +75,7 @@ fn main() {
     );
 
     let usec = rt.block_on(async {
-        let mut connection = server_connection(&server).await;
+        let mut connection = server.connection().await;
         command_stat(&mut connection, "usec_per_call").await
     });
     let stat = |name: &str| usec.get(name).copied().unwrap_or(0.0);
@@ -198,7 +198,7 @@ async fn commands_per_request(server: &RedisServer, client: &redis::Client, roun
                 .name("bench")
                 .backend(backend),
         );
-    let mut stats = server_connection(server).await;
+    let mut stats = server.connection().await;
     // Warm-up: loads the scripts.
     send(&app).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -251,37 +251,4 @@ async fn send_owned(app: Router) {
     let request = Request::post("/orders/1").body(Body::empty()).unwrap();
     let response = app.oneshot(request).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
-}
-
-async fn server_connection(server: &RedisServer) -> MultiplexedConnection {
-    server
-        .client()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap()
-}
-
-async fn command_calls(connection: &mut MultiplexedConnection) -> BTreeMap<String, u64> {
-    command_stat(connection, "calls").await
-}
-
-/// One field of `INFO commandstats` (`calls`, `usec_per_call`, …) per command.
-async fn command_stat<T: std::str::FromStr>(
-    connection: &mut MultiplexedConnection,
-    field: &str,
-) -> BTreeMap<String, T> {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(connection)
-        .await
-        .unwrap();
-    info.lines()
-        .filter_map(|line| {
-            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-            let value = stats
-                .split(',')
-                .find_map(|pair| pair.strip_prefix(field)?.strip_prefix('='))?;
-            Some((name.to_owned(), value.parse().ok()?))
-        })
-        .collect()
 }

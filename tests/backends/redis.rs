@@ -3,7 +3,6 @@
 //! instances of one service.
 #![cfg(feature = "redis")]
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +18,7 @@ use crate::support::instances::{
     alternate, gate, gated_router, hold, overlap_router, path_escape, until, within,
 };
 use crate::support::recorder::counter;
-use crate::support::redis_server::RedisServer;
+use crate::support::redis_server::{command_calls, RedisServer};
 use crate::support::{serve, Overlap};
 
 type Layer = KeyedLockLayer<PathParam>;
@@ -60,22 +59,6 @@ async fn all_keys(connection: &mut MultiplexedConnection) -> Vec<String> {
         .unwrap();
     keys.sort();
     keys
-}
-
-/// Calls per command since the server started, from `INFO commandstats`.
-async fn command_calls(connection: &mut MultiplexedConnection) -> HashMap<String, u64> {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(connection)
-        .await
-        .unwrap();
-    info.lines()
-        .filter_map(|line| {
-            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
-            let calls = stats.strip_prefix("calls=")?.split(',').next()?;
-            Some((name.to_owned(), calls.parse().ok()?))
-        })
-        .collect()
 }
 
 async fn script_calls(connection: &mut MultiplexedConnection) -> u64 {

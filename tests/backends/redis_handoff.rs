@@ -12,7 +12,7 @@ use tower_keyed_lock::{Key, LockBackend};
 
 use crate::support::fixtures::within;
 use crate::support::instances::until;
-use crate::support::redis_server::RedisServer;
+use crate::support::redis_server::{command_calls, RedisServer};
 use crate::support::tcp_proxy::TcpProxy;
 
 const NAME: &str = "handoff";
@@ -45,15 +45,8 @@ async fn queued(connection: &mut MultiplexedConnection, queue: &str) -> u64 {
 
 /// Acquire attempts Redis ran (`EVALSHA`; renewals and releases are sent as `EVAL`).
 async fn attempts(connection: &mut MultiplexedConnection) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query_async(connection)
-        .await
-        .unwrap();
-    info.lines()
-        .find_map(|line| line.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|stats| stats.split(',').next()?.parse().ok())
-        .unwrap_or(0)
+    let calls = command_calls(connection).await;
+    calls.get("evalsha").copied().unwrap_or(0)
 }
 
 /// Waits until `count` writers are queued.

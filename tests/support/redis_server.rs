@@ -3,6 +3,7 @@
 //! [`RedisServer::restart_from_snapshot`] of the same server.
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -290,4 +291,32 @@ fn ping(port: u16) -> bool {
     }
     let mut reply = [0u8; 7];
     stream.read_exact(&mut reply).is_ok() && &reply == b"+PONG\r\n"
+}
+
+/// Calls per command since the server started, from `INFO commandstats`.
+pub async fn command_calls(
+    connection: &mut redis::aio::MultiplexedConnection,
+) -> BTreeMap<String, u64> {
+    command_stat(connection, "calls").await
+}
+
+/// One field of `INFO commandstats` (`calls`, `usec_per_call`, …) per command.
+pub async fn command_stat<T: std::str::FromStr>(
+    connection: &mut redis::aio::MultiplexedConnection,
+    field: &str,
+) -> BTreeMap<String, T> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(connection)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let (name, stats) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let value = stats
+                .split(',')
+                .find_map(|pair| pair.strip_prefix(field)?.strip_prefix('='))?;
+            Some((name.to_owned(), value.parse().ok()?))
+        })
+        .collect()
 }
