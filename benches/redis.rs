@@ -29,7 +29,7 @@ use axum::routing::post;
 use axum::Router;
 use criterion::Criterion;
 use http::{Request, StatusCode};
-use redis::aio::{ConnectionManager, MultiplexedConnection};
+use redis::aio::ConnectionManager;
 use redis_server::{command_calls, command_stat, RedisServer};
 use tower::ServiceExt;
 use tower_keyed_lock::backend::redis::RedisBackend;
