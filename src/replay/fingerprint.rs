@@ -2,6 +2,7 @@
 //! builds and machines, so instances sharing a store agree.
 
 use http::request::Parts;
+use http::{Extensions, Method, Uri};
 use sha2::{Digest, Sha256};
 
 use super::record::Fingerprint;
@@ -21,37 +22,126 @@ pub(crate) fn fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
     hasher.finalize().into()
 }
 
-/// The scope of a record, in lowercase hex: SHA-256 over the method, the route (axum's
-/// matched route when there is one, else the path), the request's path and query, and
-/// the principal, if any. The path and query are in it whatever the fingerprint
-/// setting, so a key reused on another resource never replays this one's response.
-pub(crate) fn scope(parts: &Parts, principal: Option<&str>) -> Scope {
-    let mut hasher = Sha256::new();
-    push_part(&mut hasher, parts.method.as_str().as_bytes());
-    push_part(&mut hasher, route(parts).as_bytes());
-    push_part(&mut hasher, parts.uri.path().as_bytes());
-    push_part(&mut hasher, parts.uri.query().unwrap_or("").as_bytes());
-    match principal {
-        Some(principal) => {
-            hasher.update([1]);
-            push_part(&mut hasher, principal.as_bytes());
-        }
-        None => hasher.update([0]),
+/// What a record's scope is taken over: the method, the route (axum's matched route
+/// when there is one, else the path), the request's path and query, and the
+/// principal, if any. The path and query are in it whatever the fingerprint setting,
+/// so a key reused on another resource never replays this one's response.
+///
+/// Two requests have the same scope exactly when these are equal: the memory store
+/// compares them as they are, and the stores shared between instances name records by
+/// their [`digest`](Self::digest).
+#[derive(Clone, Copy, Debug, Eq, Hash)]
+pub(crate) struct ScopeOf<'a> {
+    method: &'a str,
+    route: &'a str,
+    path: &'a str,
+    query: &'a str,
+    principal: Option<&'a str>,
+}
+
+impl PartialEq for ScopeOf<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        same(self.path, other.path)
+            && same(self.query, other.query)
+            && same(self.method, other.method)
+            && same(self.route, other.route)
+            && match (self.principal, other.principal) {
+                (Some(one), Some(other)) => same(one, other),
+                (one, other) => one.is_none() && other.is_none(),
+            }
     }
-    Scope::hex(&hasher.finalize().into())
+}
+
+/// `one == other`, told at once when they are one string (a method's name, a route
+/// or a layer's name shared with the router or the layer) or empty: a record is found
+/// in memory by comparing seven short strings, and a call to `memcmp` for each cost a
+/// tenth of a replay.
+pub(crate) fn same(one: &str, other: &str) -> bool {
+    one.len() == other.len() && (one.as_ptr() == other.as_ptr() || one.is_empty() || one == other)
+}
+
+impl<'a> ScopeOf<'a> {
+    pub(crate) fn new(parts: &'a Parts, principal: Option<&'a str>) -> Self {
+        Self {
+            method: parts.method.as_str(),
+            route: route(&parts.extensions).unwrap_or(parts.uri.path()),
+            path: parts.uri.path(),
+            query: parts.uri.query().unwrap_or(""),
+            principal,
+        }
+    }
+
+    /// How many bytes the parts take.
+    pub(crate) fn bytes(&self) -> usize {
+        let principal = self.principal.map_or(0, str::len);
+        self.method.len() + self.route.len() + self.path.len() + self.query.len() + principal
+    }
+
+    /// SHA-256 over the length-prefixed method, route, path and query, then the
+    /// principal, in lowercase hex.
+    pub(crate) fn digest(&self) -> Scope {
+        let mut hasher = Sha256::new();
+        for part in [self.method, self.route, self.path, self.query] {
+            push_part(&mut hasher, part.as_bytes());
+        }
+        match self.principal {
+            Some(principal) => {
+                hasher.update([1]);
+                push_part(&mut hasher, principal.as_bytes());
+            }
+            None => hasher.update([0]),
+        }
+        Scope::hex(&hasher.finalize().into())
+    }
+}
+
+/// The parts of a request its [`ScopeOf`] reads, owned, for a record key that outlives
+/// the request. Cloning them takes no copy of a string but the principal's.
+#[derive(Clone)]
+pub(crate) struct Head {
+    method: Method,
+    uri: Uri,
+    #[cfg(feature = "axum")]
+    route: Option<axum::extract::MatchedPath>,
+    principal: Option<Box<str>>,
+}
+
+impl Head {
+    pub(crate) fn new(parts: &Parts, principal: Option<&str>) -> Self {
+        Self {
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            #[cfg(feature = "axum")]
+            route: parts.extensions.get().cloned(),
+            principal: principal.map(Box::from),
+        }
+    }
+
+    pub(crate) fn scope(&self) -> ScopeOf<'_> {
+        #[cfg(feature = "axum")]
+        let route = self.route.as_ref().map(axum::extract::MatchedPath::as_str);
+        #[cfg(not(feature = "axum"))]
+        let route = None;
+        ScopeOf {
+            method: self.method.as_str(),
+            route: route.unwrap_or(self.uri.path()),
+            path: self.uri.path(),
+            query: self.uri.query().unwrap_or(""),
+            principal: self.principal.as_deref(),
+        }
+    }
 }
 
 #[cfg(feature = "axum")]
-fn route(parts: &Parts) -> &str {
-    parts
-        .extensions
+fn route(extensions: &Extensions) -> Option<&str> {
+    extensions
         .get::<axum::extract::MatchedPath>()
-        .map_or(parts.uri.path(), axum::extract::MatchedPath::as_str)
+        .map(axum::extract::MatchedPath::as_str)
 }
 
 #[cfg(not(feature = "axum"))]
-fn route(parts: &Parts) -> &str {
-    parts.uri.path()
+fn route(_: &Extensions) -> Option<&str> {
+    None
 }
 
 fn push_part(hasher: &mut Sha256, part: &[u8]) {
@@ -90,6 +180,12 @@ impl std::fmt::Debug for Scope {
 mod tests {
     use super::*;
     use http::Request;
+    use proptest::prelude::*;
+    use std::hash::BuildHasher;
+
+    fn scope(parts: &Parts, principal: Option<&str>) -> Scope {
+        ScopeOf::new(parts, principal).digest()
+    }
 
     fn parts(method: &str, uri: &str) -> Parts {
         Request::builder()
@@ -114,6 +210,34 @@ mod tests {
             fingerprint(&parts("POST", "/a?x=1b"), b"ody"),
         ] {
             assert_ne!(base, other);
+        }
+    }
+
+    /// Records written by one build are checked by another: the fingerprint is SHA-256
+    /// over the length-prefixed method, path, query and body (values from Python's
+    /// `hashlib`).
+    #[test]
+    fn fingerprint_is_the_documented_digest() {
+        let request = parts("POST", "/a?x=1");
+        for (body, digest) in [
+            (
+                &b""[..],
+                "06f60951b6041e39a4eeba0565bf121b50fac02076d2e60639d0949cd0dd025e",
+            ),
+            (
+                &[b'x'; 64],
+                "ea72bb607702c195526714a566936aa8253038f7275253e0c939987b4e0a04a9",
+            ),
+            (
+                &[b'y'; 300],
+                "6ea86e3aee19426af9e626ddc1b4bb9aefcba5149e295216175a000ff41b748a",
+            ),
+        ] {
+            let hex: String = fingerprint(&request, body)
+                .iter()
+                .map(|byte| format!("{byte:02x}"))
+                .collect();
+            assert_eq!(hex, digest, "a body of {} bytes", body.len());
         }
     }
 
@@ -162,5 +286,50 @@ mod tests {
         // `/a` and `/a?` differ only by an empty query: the same resource.
         assert_eq!(unique.len(), scopes.len() - 1);
         assert_eq!(scopes[2], scopes[3]);
+    }
+
+    fn scope_of() -> impl Strategy<Value = ScopeOf<'static>> {
+        let text = |choices: &'static [&'static str]| prop::sample::select(choices);
+        (
+            text(&["GET", "POST", "PUT"]),
+            text(&["/a", "/b", "/{id}", ""]),
+            text(&["/a", "/b", "/a/b"]),
+            text(&["", "x=1", "x=2"]),
+            prop::option::of(text(&["", "alice", "bob"])),
+        )
+            .prop_map(|(method, route, path, query, principal)| ScopeOf {
+                method,
+                route,
+                path,
+                query,
+                principal,
+            })
+    }
+
+    proptest! {
+        /// The memory store tells scopes apart by their parts, the shared stores by
+        /// their digest: both must hold the same requests to be one scope, and equal
+        /// parts must hash alike for the store's table.
+        #[test]
+        fn parts_are_equal_exactly_when_digests_are(one in scope_of(), other in scope_of()) {
+            prop_assert_eq!(one == other, one.digest() == other.digest());
+            if one == other {
+                let state = std::hash::RandomState::new();
+                prop_assert_eq!(state.hash_one(one), state.hash_one(other));
+            }
+        }
+
+        /// A record key keeps its request's scope: its parts, owned, are the request's.
+        #[test]
+        fn a_head_keeps_the_scope_of_its_request(
+            method in prop::sample::select(&["GET", "POST", "PATCH"][..]),
+            uri in prop::sample::select(&["/a", "/a?", "/a?x=1", "/b/c?y"][..]),
+            principal in prop::option::of(prop::sample::select(&["", "alice"][..])),
+        ) {
+            let request = parts(method, uri);
+            let head = Head::new(&request, principal);
+            prop_assert!(head.scope() == ScopeOf::new(&request, principal));
+            prop_assert_eq!(head.scope().digest(), scope(&request, principal));
+        }
     }
 }

@@ -5,12 +5,14 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
+
 use http::request::Parts;
 
-use super::fingerprint::scope;
+use super::fingerprint::{Head, ScopeOf};
 use super::record::Record;
 use super::shared::Settings;
-use super::store::RecordKey;
+use super::store::{RecordKey, RecordPlace};
 use crate::backend::RecordLookup;
 use crate::key::Key;
 use crate::layer::LayerName;
@@ -25,11 +27,15 @@ pub(crate) struct LookupFirst {
 /// A record found in memory before the request took its key: the lock layer passes the
 /// request on without the key, and the replay layer replays the record (or refuses the
 /// request, if its fingerprint differs). A completed request changes nothing, so its
-/// replay need not wait for whoever holds the key now.
+/// replay need not wait for whoever holds the key now. Small, as it goes through the
+/// request's extensions: the lock layer's name (for the metrics), and the record and
+/// request body the store holds.
 #[derive(Clone)]
 pub(crate) struct FoundInMemory {
-    pub(crate) key: RecordKey,
-    pub(crate) record: Record,
+    pub(crate) layer: LayerName,
+    pub(crate) record: Arc<Record>,
+    /// The body of the request that made the record, if the store kept it.
+    pub(crate) request_body: Option<Bytes>,
 }
 
 impl LookupFirst {
@@ -61,16 +67,22 @@ impl LookupFirst {
         let Some(memory) = &self.settings.memory else {
             return false;
         };
-        let Some(name) = self.name(parts, layer, key) else {
+        let Some(principal) = self.principal(parts) else {
             return false;
         };
-        match memory.find(&name) {
-            Some(record) => {
-                let found = FoundInMemory { key: name, record };
+        let scope = ScopeOf::new(parts, principal.as_deref());
+        match memory.find(&RecordPlace::new(layer, key, scope)) {
+            Some(found) => {
+                let found = FoundInMemory {
+                    layer: layer.clone(),
+                    record: found.record,
+                    request_body: found.request_body,
+                };
                 parts.extensions.insert(found);
                 true
             }
             None => {
+                let name = RecordKey::new(layer, key, Head::new(parts, principal.as_deref()));
                 parts.extensions.insert(name);
                 false
             }
@@ -80,11 +92,20 @@ impl LookupFirst {
     /// The request's record key; `None` without the principal the records are scoped
     /// by.
     fn name(&self, parts: &Parts, layer: &LayerName, key: &Key) -> Option<RecordKey> {
-        let principal = match &self.settings.principal {
-            Some(principal) => Some(principal(&parts.extensions)?),
-            None => None,
-        };
-        let scope = scope(parts, principal.as_deref());
-        Some(RecordKey::new(layer, key, scope))
+        let principal = self.principal(parts)?;
+        Some(RecordKey::new(
+            layer,
+            key,
+            Head::new(parts, principal.as_deref()),
+        ))
+    }
+
+    /// The principal records are scoped by: `Some(None)` when they are not, `None` when
+    /// the request carries none.
+    fn principal(&self, parts: &Parts) -> Option<Option<String>> {
+        match &self.settings.principal {
+            Some(principal) => Some(Some(principal(&parts.extensions)?)),
+            None => Some(None),
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue};
 use http::request::Parts;
-use http::{Request, Response, StatusCode};
+use http::{HeaderMap, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tower_service::Service;
@@ -18,7 +18,7 @@ use crate::layer::LockInfo;
 use crate::reject::Rejection;
 
 use super::body::ReplayBody;
-use super::fingerprint::{fingerprint, scope};
+use super::fingerprint::{fingerprint, Head};
 use super::future::ReplayFuture;
 use super::lookup::FoundInMemory;
 use super::metrics::ReplayMetrics;
@@ -77,9 +77,8 @@ where
     };
     let name = |parts: &Parts| {
         named.unwrap_or_else(|| {
-            let scope = scope(parts, principal.as_deref());
             let (layer, key) = info.layer_and_key();
-            RecordKey::new(layer, key, scope)
+            RecordKey::new(layer, key, Head::new(parts, principal.as_deref()))
         })
     };
     let read = read_request(&settings, name, request).await;
@@ -99,7 +98,8 @@ where
     match found {
         Found::Record(record) => {
             metrics.replayed.increment(1);
-            Ok(replay(record))
+            let (status, headers, body) = record.into_parts();
+            Ok(replay(status, headers, body))
         }
         // Boxed: the replay above is the path to keep small (this future is moved
         // into its box whole, whatever path it takes).
@@ -118,6 +118,9 @@ where
 struct Lookup {
     key: RecordKey,
     fingerprint: Option<Fingerprint>,
+    /// The request body, for a memory store to keep beside the record (see
+    /// `MemoryStore::keep`): with the built-in fingerprint only.
+    request_body: Option<Bytes>,
     /// The lease's release, when the lock's acquisition found no record: a store may
     /// give the lease back with the record it writes.
     release: Option<ReleaseSlot>,
@@ -214,23 +217,35 @@ fn answer_found<B: Body>(
     parts: &Parts,
     body: Result<Bytes, BodyReadError>,
 ) -> Response<ReplayBody<B>> {
-    let metrics = shared.metrics(found.key.layer());
+    let metrics = shared.metrics(found.layer.as_str());
     let body = match body {
         Ok(body) => body,
         Err(error) => return reject(&metrics, error.rejection(settings.max_request_bytes)),
     };
-    let FoundInMemory { key, record } = found;
-    let lookup = Lookup {
-        key,
-        release: None,
-        fingerprint: fingerprint_of(settings, parts, &body),
-    };
-    match check(settings, &lookup, Ok(record)) {
-        Ok(record) => {
-            metrics.replayed.increment(1);
-            replay(record)
-        }
-        Err(rejection) => reject(&metrics, rejection),
+    if !found_matches(settings, &found, parts, &body) {
+        let rejection = Rejection::fingerprint_mismatch(settings.mismatch_status);
+        return reject(&metrics, rejection);
+    }
+    metrics.replayed.increment(1);
+    let record = &found.record;
+    replay(
+        record.status(),
+        record.headers().clone(),
+        record.body().clone(),
+    )
+}
+
+/// Whether the record found in memory answers the request `parts` with `body`.
+fn found_matches(settings: &Settings, found: &FoundInMemory, parts: &Parts, body: &Bytes) -> bool {
+    match &found.request_body {
+        // In the same scope, so with the same method, path and query: the built-in
+        // fingerprint matches exactly when the bodies do.
+        Some(stored) if settings.fingerprint && settings.fingerprint_fn.is_none() => stored == body,
+        _ => matches(
+            settings,
+            &found.record,
+            fingerprint_of(settings, parts, body).as_ref(),
+        ),
     }
 }
 
@@ -256,10 +271,13 @@ where
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (parts, body, fingerprint) = read_fingerprint(settings, request).await?;
+    let kept =
+        settings.memory.is_some() && settings.fingerprint && settings.fingerprint_fn.is_none();
     let lookup = Lookup {
         key: name(&parts),
         release: None,
         fingerprint,
+        request_body: kept.then(|| body.clone()),
     };
     Ok((Request::from_parts(parts, ReqBody::from(body)), lookup))
 }
@@ -321,9 +339,7 @@ fn check(
     record: Result<Record, StoreError>,
 ) -> Result<Record, Rejection> {
     match record {
-        Ok(record)
-            if settings.fingerprint && record.fingerprint() != lookup.fingerprint.as_ref() =>
-        {
+        Ok(record) if !matches(settings, &record, lookup.fingerprint.as_ref()) => {
             Err(Rejection::fingerprint_mismatch(settings.mismatch_status))
         }
         Ok(record) => Ok(record),
@@ -332,6 +348,12 @@ fn check(
             Err(Rejection::store_unreachable())
         }
     }
+}
+
+/// Whether `record` answers a request with `fingerprint` (always, with fingerprints
+/// off).
+fn matches(settings: &Settings, record: &Record, fingerprint: Option<&Fingerprint>) -> bool {
+    !settings.fingerprint || record.fingerprint() == fingerprint
 }
 
 /// Runs the request without replay and without storing.
@@ -376,9 +398,16 @@ where
         &settings.replayed_headers,
         body.clone(),
     );
-    let stored = match lookup.release {
-        Some(release) => store_and_release(settings, &lookup.key, record, info, &release).await,
-        None => store(settings, &lookup.key, record, info).await,
+    let stored = match (lookup.release, &settings.memory) {
+        (Some(release), _) => {
+            store_and_release(settings, &lookup.key, record, info, &release).await
+        }
+        // Kept with the request body, which a retry's is compared with.
+        (None, Some(memory)) => {
+            memory.keep(&lookup.key, record, settings.ttl, lookup.request_body);
+            Some(Stored::Written)
+        }
+        (None, None) => store(settings, &lookup.key, record, info).await,
     };
     match stored {
         Some(Stored::Written) => metrics.stored.increment(1),
@@ -497,8 +526,11 @@ async fn with_timeout<T>(
 }
 
 /// The stored response, marked as a replay.
-fn replay<B: Body>(record: Record) -> Response<ReplayBody<B>> {
-    let (status, mut headers, body) = record.into_parts();
+fn replay<B: Body>(
+    status: StatusCode,
+    mut headers: HeaderMap,
+    body: Bytes,
+) -> Response<ReplayBody<B>> {
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     let mut response = Response::new(ReplayBody::full(body));
     *response.status_mut() = status;

@@ -480,8 +480,10 @@ async fn cancelled_at_every_await_when(stacking: Stacking) {
             break;
         }
     }
+    // The handler alone takes four polls (it yields three times); the memory store
+    // writes without an await of its own.
     assert!(
-        finished_at.is_some_and(|polls| polls > 3),
+        finished_at.is_some_and(|polls| polls >= 3),
         "{finished_at:?}"
     );
 }

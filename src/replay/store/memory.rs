@@ -1,13 +1,20 @@
 //! The in-process store: a `quick_cache` bounded by total bytes, with a TTL per record.
+//! Records are keyed by what their scope is taken over, not by its digest: a request
+//! finds its record without hashing its head with SHA-256.
 
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use quick_cache::sync::Cache;
-use quick_cache::Weighter;
+use quick_cache::{Equivalent, Weighter};
 use tokio::time::Instant;
 
 use super::{Get, Put, RecordKey, ReplayStore, Stored};
+use crate::key::Key;
+use crate::layer::LayerName;
+use crate::replay::fingerprint::{same, Head, ScopeOf};
 use crate::replay::record::Record;
 
 /// The default [`MemoryStore::new`] capacity: 64 MiB of records.
@@ -21,21 +28,97 @@ pub const DEFAULT_MEMORY_CAPACITY: u64 = 64 * 1024 * 1024;
 /// store there.
 #[derive(Clone)]
 pub struct MemoryStore {
-    cache: Arc<Cache<RecordKey, Entry, ByteWeight>>,
+    cache: Arc<Cache<MemoryKey, Found, ByteWeight>>,
 }
 
+/// A record's place: a [`RecordKey`] with the scope's inputs in place of its digest.
 #[derive(Clone)]
-struct Entry {
-    record: Arc<Record>,
+struct MemoryKey {
+    layer: LayerName,
+    key: Key,
+    head: Head,
+}
+
+/// A record's place as a request names it, borrowed from the request.
+#[derive(Eq, Hash)]
+pub(crate) struct RecordPlace<'a> {
+    layer: &'a str,
+    key: &'a str,
+    scope: ScopeOf<'a>,
+}
+
+impl PartialEq for RecordPlace<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        same(self.key, other.key) && same(self.layer, other.layer) && self.scope == other.scope
+    }
+}
+
+impl<'a> RecordPlace<'a> {
+    pub(crate) fn new(layer: &'a LayerName, key: &'a Key, scope: ScopeOf<'a>) -> Self {
+        Self {
+            layer: layer.as_str(),
+            key: key.as_str(),
+            scope,
+        }
+    }
+}
+
+impl MemoryKey {
+    fn place(&self) -> RecordPlace<'_> {
+        RecordPlace::new(&self.layer, &self.key, self.head.scope())
+    }
+}
+
+impl From<&RecordKey> for MemoryKey {
+    fn from(key: &RecordKey) -> Self {
+        Self {
+            layer: key.layer_name().clone(),
+            key: key.lock_key().clone(),
+            head: key.head().clone(),
+        }
+    }
+}
+
+// Hashed and compared as its place, so that a place finds it.
+impl Hash for MemoryKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.place().hash(state);
+    }
+}
+
+impl PartialEq for MemoryKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.place() == other.place()
+    }
+}
+
+impl Eq for MemoryKey {}
+
+impl Equivalent<MemoryKey> for RecordPlace<'_> {
+    fn equivalent(&self, key: &MemoryKey) -> bool {
+        *self == key.place()
+    }
+}
+
+/// A record, and the body of the request that made it when the replay layer kept it:
+/// with the built-in fingerprint, a retry in the same scope (so the same method, path
+/// and query) matches exactly when its body is the same, and the bodies are compared
+/// in place of the digests.
+#[derive(Clone)]
+pub(crate) struct Found {
+    pub(crate) record: Arc<Record>,
+    pub(crate) request_body: Option<Bytes>,
     expires_at: Instant,
 }
 
 #[derive(Clone)]
 struct ByteWeight;
 
-impl Weighter<RecordKey, Entry> for ByteWeight {
-    fn weight(&self, key: &RecordKey, entry: &Entry) -> u64 {
-        (key.key().len() + key.scope().len() + entry.record.weight()) as u64
+impl Weighter<MemoryKey, Found> for ByteWeight {
+    fn weight(&self, key: &MemoryKey, found: &Found) -> u64 {
+        let place = key.key.as_str().len() + key.head.scope().bytes();
+        let request = found.request_body.as_ref().map_or(0, Bytes::len);
+        (place + request + found.record.weight()) as u64
     }
 }
 
@@ -64,14 +147,33 @@ impl MemoryStore {
         self.cache.is_empty()
     }
 
-    /// The record under `key`, unless it expired (then it goes).
-    pub(crate) fn find(&self, key: &RecordKey) -> Option<Record> {
-        let entry = self.cache.get(key)?;
-        if entry.expires_at <= Instant::now() {
-            self.cache.remove(key);
+    /// The record at `place`, unless it expired (then it goes): shared with the cache,
+    /// so a replay copies only what its response needs.
+    pub(crate) fn find(&self, place: &RecordPlace<'_>) -> Option<Found> {
+        let found = self.cache.get(place)?;
+        if found.expires_at <= Instant::now() {
+            self.cache.remove(place);
             return None;
         }
-        Some(Record::clone(&entry.record))
+        Some(found)
+    }
+
+    /// Stores `record` under `key` for `ttl`, with the body of the request that made
+    /// it (see [`Found`]).
+    pub(crate) fn keep(
+        &self,
+        key: &RecordKey,
+        record: Record,
+        ttl: Duration,
+        request_body: Option<Bytes>,
+    ) {
+        let found = Found {
+            record: Arc::new(record),
+            request_body,
+            expires_at: Instant::now() + ttl,
+        };
+        // A record heavier than the whole capacity is not kept by the cache.
+        self.cache.insert(MemoryKey::from(key), found);
     }
 }
 
@@ -83,19 +185,15 @@ impl Default for MemoryStore {
 
 impl ReplayStore for MemoryStore {
     fn get(&self, key: &RecordKey) -> Get {
-        let found = self.find(key);
+        let place = RecordPlace::new(key.layer_name(), key.lock_key(), key.head().scope());
+        let found = self.find(&place).map(|found| Record::clone(&found.record));
         Box::pin(async move { Ok(found) })
     }
 
     /// Writes at once: in process the lock table itself fences, as the request still
     /// holds its key while the layer stores.
     fn put(&self, key: &RecordKey, record: Record, ttl: Duration, _token: Option<u64>) -> Put {
-        let entry = Entry {
-            record: Arc::new(record),
-            expires_at: Instant::now() + ttl,
-        };
-        // A record heavier than the whole capacity is not kept by the cache.
-        self.cache.insert(key.clone(), entry);
+        self.keep(key, record, ttl, None);
         Box::pin(async { Ok(Stored::Written) })
     }
 
@@ -132,9 +230,8 @@ mod tests {
 
     fn key(key: &str) -> RecordKey {
         let (request, ()) = http::Request::post("/").body(()).unwrap().into_parts();
-        let scope = crate::replay::fingerprint::scope(&request, None);
-        let key = crate::key::Key::new(key, 256).unwrap();
-        RecordKey::new(&crate::layer::LayerName::Static("test"), &key, scope)
+        let key = Key::new(key, 256).unwrap();
+        RecordKey::new(&LayerName::Static("test"), &key, Head::new(&request, None))
     }
 
     #[tokio::test(start_paused = true)]
@@ -164,5 +261,103 @@ mod tests {
         assert!(store.cache.weight() <= 64 * 1024, "{store:?}");
         assert!(store.len() < 64, "{store:?}");
         assert_eq!(store.get(&key("999")).await.unwrap(), Some(record(body)));
+    }
+
+    fn record_key(
+        layer: &'static str,
+        key: &str,
+        method: &str,
+        uri: &str,
+        principal: Option<&str>,
+    ) -> RecordKey {
+        let request = http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .body(())
+            .unwrap();
+        let key = Key::new(key, 256).unwrap();
+        let head = Head::new(&request.into_parts().0, principal);
+        RecordKey::new(&LayerName::Static(layer), &key, head)
+    }
+
+    /// What the layer keeps is found by a request's place and by its record key, and
+    /// what is put through `ReplayStore` by its place: one table, keyed by the scope's
+    /// parts, whichever way in.
+    #[tokio::test]
+    async fn a_record_is_found_by_the_request_and_by_its_key() {
+        let store = MemoryStore::default();
+        let ttl = Duration::from_secs(60);
+        let kept = record_key("orders", "k", "POST", "/orders/1?x=1", Some("alice"));
+        store.keep(
+            &kept,
+            record(b"kept"),
+            ttl,
+            Some(Bytes::from_static(b"request")),
+        );
+        let put = record_key("orders", "k", "POST", "/orders/2", None);
+        store.put(&put, record(b"put"), ttl, None).await.unwrap();
+
+        let place = |key: &RecordKey| {
+            let place = RecordPlace::new(key.layer_name(), key.lock_key(), key.head().scope());
+            store
+                .find(&place)
+                .map(|found| (found.record.body().clone(), found.request_body))
+        };
+        assert_eq!(
+            place(&kept),
+            Some((
+                Bytes::from_static(b"kept"),
+                Some(Bytes::from_static(b"request"))
+            ))
+        );
+        assert_eq!(place(&put), Some((Bytes::from_static(b"put"), None)));
+        assert_eq!(store.get(&kept).await.unwrap(), Some(record(b"kept")));
+    }
+
+    /// A request that differs in any part of its record's place finds nothing.
+    #[test]
+    fn a_request_in_another_place_finds_nothing() {
+        let store = MemoryStore::default();
+        let stored = record_key("orders", "k", "POST", "/orders/1?x=1", Some("alice"));
+        store.keep(&stored, record(b"x"), Duration::from_secs(60), None);
+        let finds = |key: RecordKey| {
+            let place = RecordPlace::new(key.layer_name(), key.lock_key(), key.head().scope());
+            store.find(&place).is_some()
+        };
+        assert!(finds(record_key(
+            "orders",
+            "k",
+            "POST",
+            "/orders/1?x=1",
+            Some("alice")
+        )));
+        for other in [
+            record_key("refunds", "k", "POST", "/orders/1?x=1", Some("alice")),
+            record_key("orders", "k2", "POST", "/orders/1?x=1", Some("alice")),
+            record_key("orders", "k", "PUT", "/orders/1?x=1", Some("alice")),
+            record_key("orders", "k", "POST", "/orders/2?x=1", Some("alice")),
+            record_key("orders", "k", "POST", "/orders/1?x=2", Some("alice")),
+            record_key("orders", "k", "POST", "/orders/1", Some("alice")),
+            record_key("orders", "k", "POST", "/orders/1?x=1", Some("bob")),
+            record_key("orders", "k", "POST", "/orders/1?x=1", None),
+        ] {
+            assert!(!finds(other.clone()), "{other:?}");
+        }
+    }
+
+    /// The request body kept beside a record counts against the capacity.
+    #[test]
+    fn a_kept_request_body_counts_in_the_weight() {
+        let store = MemoryStore::default();
+        let ttl = Duration::from_secs(60);
+        store.keep(&key("a"), record(b"x"), ttl, None);
+        let without = store.cache.weight();
+        store.keep(
+            &key("a"),
+            record(b"x"),
+            ttl,
+            Some(Bytes::from(vec![0; 1000])),
+        );
+        assert_eq!(store.cache.weight(), without + 1000);
     }
 }

@@ -23,10 +23,11 @@ use crate::key::Key;
 use crate::layer::LayerName;
 use crate::BoxFuture;
 
-use super::fingerprint::Scope;
+use super::fingerprint::{Head, Scope};
 use super::record::Record;
 
 pub use error::StoreError;
+pub(crate) use memory::RecordPlace;
 pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -39,22 +40,41 @@ pub use redis::RedisReplayStore;
 /// digest of method, route and principal), so one key never replays another endpoint's
 /// response.
 ///
-/// Made for every request the replay layer sees, so it copies nothing: the layer's name
-/// is shared with the layer, the key is the lock's, the scope is kept inline.
+/// Made for every request the replay layer looks up, so it copies no string but the
+/// principal: the layer's name is shared with the layer, the key is the lock's, the
+/// scope is kept inline, and the request's method, route and URI are shared with the
+/// request (the [`MemoryStore`] compares those in place of the digest).
 #[derive(Clone)]
 pub struct RecordKey {
     layer: LayerName,
     key: Key,
     scope: Scope,
+    head: Head,
 }
 
 impl RecordKey {
-    pub(crate) fn new(layer: &LayerName, key: &Key, scope: Scope) -> Self {
+    pub(crate) fn new(layer: &LayerName, key: &Key, head: Head) -> Self {
         Self {
             layer: layer.clone(),
             key: key.clone(),
-            scope,
+            scope: head.scope().digest(),
+            head,
         }
+    }
+
+    /// The layer's name, as the lock layer shares it.
+    pub(crate) fn layer_name(&self) -> &LayerName {
+        &self.layer
+    }
+
+    /// The request key, as the lock layer took it.
+    pub(crate) fn lock_key(&self) -> &Key {
+        &self.key
+    }
+
+    /// What the scope is a digest of.
+    pub(crate) fn head(&self) -> &Head {
+        &self.head
     }
 
     /// The [`name`](crate::KeyedLockLayer::name) of the lock layer.
