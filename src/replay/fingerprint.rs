@@ -2,7 +2,7 @@
 //! builds and machines, so instances sharing a store agree.
 
 use http::request::Parts;
-use http::{Extensions, Method, Uri};
+use http::{Extensions, Method};
 use sha2::{Digest, Sha256};
 
 use super::record::Fingerprint;
@@ -96,37 +96,43 @@ impl<'a> ScopeOf<'a> {
 }
 
 /// The parts of a request its [`ScopeOf`] reads, owned, for a record key that outlives
-/// the request. Cloning them takes no copy of a string but the principal's.
+/// the request. The path and query are copied: hyper's are slices of the connection's
+/// read buffer, which a record kept in memory must not keep alive.
 #[derive(Clone)]
 pub(crate) struct Head {
     method: Method,
-    uri: Uri,
     #[cfg(feature = "axum")]
     route: Option<axum::extract::MatchedPath>,
+    /// The path, then the query.
+    path_and_query: Box<str>,
+    path_len: usize,
     principal: Option<Box<str>>,
 }
 
 impl Head {
     pub(crate) fn new(parts: &Parts, principal: Option<&str>) -> Self {
+        let (path, query) = (parts.uri.path(), parts.uri.query().unwrap_or(""));
         Self {
             method: parts.method.clone(),
-            uri: parts.uri.clone(),
             #[cfg(feature = "axum")]
             route: parts.extensions.get().cloned(),
+            path_and_query: [path, query].concat().into(),
+            path_len: path.len(),
             principal: principal.map(Box::from),
         }
     }
 
     pub(crate) fn scope(&self) -> ScopeOf<'_> {
+        let (path, query) = self.path_and_query.split_at(self.path_len);
         #[cfg(feature = "axum")]
         let route = self.route.as_ref().map(axum::extract::MatchedPath::as_str);
         #[cfg(not(feature = "axum"))]
         let route = None;
         ScopeOf {
             method: self.method.as_str(),
-            route: route.unwrap_or(self.uri.path()),
-            path: self.uri.path(),
-            query: self.uri.query().unwrap_or(""),
+            route: route.unwrap_or(path),
+            path,
+            query,
             principal: self.principal.as_deref(),
         }
     }

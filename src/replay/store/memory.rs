@@ -158,8 +158,9 @@ impl MemoryStore {
         Some(found)
     }
 
-    /// Stores `record` under `key` for `ttl`, with the body of the request that made
-    /// it (see [`Found`]).
+    /// Stores `record` under `key` for `ttl`, with a copy of the body of the request
+    /// that made it (see [`Found`]): a copy, as hyper's body is a slice of the
+    /// connection's read buffer.
     pub(crate) fn keep(
         &self,
         key: &RecordKey,
@@ -169,7 +170,7 @@ impl MemoryStore {
     ) {
         let found = Found {
             record: Arc::new(record),
-            request_body,
+            request_body: request_body.map(|body| Bytes::copy_from_slice(&body)),
             expires_at: Instant::now() + ttl,
         };
         // A record heavier than the whole capacity is not kept by the cache.
@@ -359,5 +360,42 @@ mod tests {
             Some(Bytes::from(vec![0; 1000])),
         );
         assert_eq!(store.cache.weight(), without + 1000);
+    }
+
+    /// hyper hands a request its URI and body as slices of the connection's read
+    /// buffer: a record kept for hours must not keep that buffer alive with them.
+    #[test]
+    fn a_kept_record_holds_no_buffer_of_its_request() {
+        let read_buffer = Bytes::from(format!("/orders/1?x=1{}", " ".repeat(64 * 1024)));
+        let uri = http::Uri::from_maybe_shared(read_buffer.slice(..13)).unwrap();
+        let (parts, ()) = http::Request::post(uri).body(()).unwrap().into_parts();
+        let key = Key::new("k", 256).unwrap();
+        let record_key = RecordKey::new(&LayerName::Static("test"), &key, Head::new(&parts, None));
+        drop(parts);
+        let store = MemoryStore::default();
+        let body = read_buffer.slice(1..7);
+        store.keep(
+            &record_key,
+            record(b"x"),
+            Duration::from_secs(60),
+            Some(body),
+        );
+        drop(record_key);
+        assert!(
+            read_buffer.is_unique(),
+            "the store keeps the request's read buffer"
+        );
+        let place_key = Key::new("k", 256).unwrap();
+        let (parts, ()) = http::Request::post("/orders/1?x=1")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let layer = LayerName::Static("test");
+        let found = store.find(&RecordPlace::new(
+            &layer,
+            &place_key,
+            ScopeOf::new(&parts, None),
+        ));
+        assert_eq!(found.unwrap().request_body.unwrap(), "orders");
     }
 }

@@ -40,10 +40,10 @@ pub use redis::RedisReplayStore;
 /// digest of method, route and principal), so one key never replays another endpoint's
 /// response.
 ///
-/// Made for every request the replay layer looks up, so it copies no string but the
-/// principal: the layer's name is shared with the layer, the key is the lock's, the
-/// scope is kept inline, and the request's method, route and URI are shared with the
-/// request (the [`MemoryStore`] compares those in place of the digest).
+/// Made for every request the replay layer looks up in a shared store, so it copies
+/// little: the layer's name is shared with the layer, the key is the lock's, the scope
+/// is kept inline, and beside it the method, route, path, query and principal it is a
+/// digest of (the [`MemoryStore`] compares those in place of the digest).
 #[derive(Clone)]
 pub struct RecordKey {
     layer: LayerName,
