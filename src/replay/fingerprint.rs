@@ -1,5 +1,6 @@
 //! The fingerprint of a request and the scope of a record, both SHA-256: stable across
-//! builds and machines, so instances sharing a store agree.
+//! builds and machines, so instances sharing a store agree. The scope's parts
+//! themselves ([`ScopeOf`], owned in a [`Head`]) key the memory store.
 
 use http::request::Parts;
 use http::{Extensions, Method};

@@ -46,7 +46,11 @@
 //! a different request (422). A sender that changes part of the body between retries
 //! of one event (a delivery timestamp) gets its own comparison with
 //! [`fingerprint_with`](ReplayLayer::fingerprint_with), which picks what of the body
-//! counts; the scope stays the same.
+//! counts; the scope stays the same. The Redis and PostgreSQL stores name a record by
+//! the SHA-256 digest of its scope; the [`MemoryStore`] compares the scope's parts
+//! themselves, and, with the built-in fingerprint, the request bodies (a retry in the
+//! same scope has the same method, path and query), so a replay from memory takes no
+//! digest. The same requests match either way.
 //!
 //! Replayed headers are an allow-list ([`DEFAULT_REPLAYED_HEADERS`], extended with
 //! [`replay_header`](ReplayLayer::replay_header)); multi-valued headers keep every
@@ -114,8 +118,8 @@
 //!   and store.
 //! - `lookup.rs`: a request's record named before its key is taken, for the lock's
 //!   acquisition to look for.
-//! - `record.rs`: [`Record`] and its bytes; `fingerprint.rs`: the request fingerprint
-//!   and the record's scope.
+//! - `record.rs`: [`Record`] and its bytes; `fingerprint.rs`: the request fingerprint,
+//!   and the record's scope: its parts and their digest.
 //! - `body.rs`: [`ReplayBody`]; `metrics.rs`: the replay metrics.
 //! - `store/`: [`ReplayStore`] and the memory, Redis and PostgreSQL stores.
 

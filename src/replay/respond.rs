@@ -240,7 +240,7 @@ fn found_matches(settings: &Settings, found: &FoundInMemory, parts: &Parts, body
     match &found.request_body {
         // In the same scope, so with the same method, path and query: the built-in
         // fingerprint matches exactly when the bodies do.
-        Some(stored) if settings.fingerprint && settings.fingerprint_fn.is_none() => stored == body,
+        Some(stored) if settings.builtin_fingerprint() => stored == body,
         _ => matches(
             settings,
             &found.record,
@@ -271,8 +271,7 @@ where
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (parts, body, fingerprint) = read_fingerprint(settings, request).await?;
-    let kept =
-        settings.memory.is_some() && settings.fingerprint && settings.fingerprint_fn.is_none();
+    let kept = settings.memory.is_some() && settings.builtin_fingerprint();
     let lookup = Lookup {
         key: name(&parts),
         release: None,

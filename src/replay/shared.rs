@@ -42,6 +42,14 @@ pub(crate) struct Settings {
     pub(crate) principal: Option<Arc<PrincipalFn>>,
 }
 
+impl Settings {
+    /// Whether requests are told apart by the built-in fingerprint (over method, path,
+    /// query and the whole body): then, within one scope, by their bodies alone.
+    pub(crate) fn builtin_fingerprint(&self) -> bool {
+        self.fingerprint && self.fingerprint_fn.is_none()
+    }
+}
+
 /// State every clone of one layer shares.
 #[derive(Default)]
 pub(crate) struct Shared {

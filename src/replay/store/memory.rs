@@ -1,20 +1,15 @@
 //! The in-process store: a `quick_cache` bounded by total bytes, with a TTL per record.
-//! Records are keyed by what their scope is taken over, not by its digest: a request
-//! finds its record without hashing its head with SHA-256.
+//! A request finds its record by its parts ([`RecordPlace`]), without a digest.
 
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use quick_cache::sync::Cache;
-use quick_cache::{Equivalent, Weighter};
+use quick_cache::Weighter;
 use tokio::time::Instant;
 
-use super::{Get, Put, RecordKey, ReplayStore, Stored};
-use crate::key::Key;
-use crate::layer::LayerName;
-use crate::replay::fingerprint::{same, Head, ScopeOf};
+use super::{Get, Put, RecordKey, RecordPlace, ReplayStore, Stored};
 use crate::replay::record::Record;
 
 /// The default [`MemoryStore::new`] capacity: 64 MiB of records.
@@ -23,81 +18,16 @@ pub const DEFAULT_MEMORY_CAPACITY: u64 = 64 * 1024 * 1024;
 /// Records in this process's memory, at most `capacity` bytes in all (the least
 /// recently used go first, by `quick_cache`'s CLOCK-Pro policy), each until its TTL.
 ///
+/// With the built-in fingerprint the replay layer keeps a copy of each record's request
+/// body beside it (a retry's body is compared with it, in place of a digest); the copy
+/// counts against the capacity.
+///
 /// Per instance: with a distributed lock backend it is refused (500), since a duplicate
 /// that reaches another instance would not find the record. Use the Redis or PostgreSQL
 /// store there.
 #[derive(Clone)]
 pub struct MemoryStore {
-    cache: Arc<Cache<MemoryKey, Found, ByteWeight>>,
-}
-
-/// A record's place: a [`RecordKey`] with the scope's inputs in place of its digest.
-#[derive(Clone)]
-struct MemoryKey {
-    layer: LayerName,
-    key: Key,
-    head: Head,
-}
-
-/// A record's place as a request names it, borrowed from the request.
-#[derive(Eq, Hash)]
-pub(crate) struct RecordPlace<'a> {
-    layer: &'a str,
-    key: &'a str,
-    scope: ScopeOf<'a>,
-}
-
-impl PartialEq for RecordPlace<'_> {
-    fn eq(&self, other: &Self) -> bool {
-        same(self.key, other.key) && same(self.layer, other.layer) && self.scope == other.scope
-    }
-}
-
-impl<'a> RecordPlace<'a> {
-    pub(crate) fn new(layer: &'a LayerName, key: &'a Key, scope: ScopeOf<'a>) -> Self {
-        Self {
-            layer: layer.as_str(),
-            key: key.as_str(),
-            scope,
-        }
-    }
-}
-
-impl MemoryKey {
-    fn place(&self) -> RecordPlace<'_> {
-        RecordPlace::new(&self.layer, &self.key, self.head.scope())
-    }
-}
-
-impl From<&RecordKey> for MemoryKey {
-    fn from(key: &RecordKey) -> Self {
-        Self {
-            layer: key.layer_name().clone(),
-            key: key.lock_key().clone(),
-            head: key.head().clone(),
-        }
-    }
-}
-
-// Hashed and compared as its place, so that a place finds it.
-impl Hash for MemoryKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.place().hash(state);
-    }
-}
-
-impl PartialEq for MemoryKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.place() == other.place()
-    }
-}
-
-impl Eq for MemoryKey {}
-
-impl Equivalent<MemoryKey> for RecordPlace<'_> {
-    fn equivalent(&self, key: &MemoryKey) -> bool {
-        *self == key.place()
-    }
+    cache: Arc<Cache<RecordKey, Found, ByteWeight>>,
 }
 
 /// A record, and the body of the request that made it when the replay layer kept it:
@@ -114,11 +44,10 @@ pub(crate) struct Found {
 #[derive(Clone)]
 struct ByteWeight;
 
-impl Weighter<MemoryKey, Found> for ByteWeight {
-    fn weight(&self, key: &MemoryKey, found: &Found) -> u64 {
-        let place = key.key.as_str().len() + key.head.scope().bytes();
+impl Weighter<RecordKey, Found> for ByteWeight {
+    fn weight(&self, key: &RecordKey, found: &Found) -> u64 {
         let request = found.request_body.as_ref().map_or(0, Bytes::len);
-        (place + request + found.record.weight()) as u64
+        (key.weight() + request + found.record.weight()) as u64
     }
 }
 
@@ -174,7 +103,7 @@ impl MemoryStore {
             expires_at: Instant::now() + ttl,
         };
         // A record heavier than the whole capacity is not kept by the cache.
-        self.cache.insert(MemoryKey::from(key), found);
+        self.cache.insert(key.clone(), found);
     }
 }
 
@@ -186,8 +115,9 @@ impl Default for MemoryStore {
 
 impl ReplayStore for MemoryStore {
     fn get(&self, key: &RecordKey) -> Get {
-        let place = RecordPlace::new(key.layer_name(), key.lock_key(), key.head().scope());
-        let found = self.find(&place).map(|found| Record::clone(&found.record));
+        let found = self
+            .find(&key.place())
+            .map(|found| Record::clone(&found.record));
         Box::pin(async move { Ok(found) })
     }
 
@@ -216,6 +146,9 @@ impl std::fmt::Debug for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::key::Key;
+    use crate::layer::LayerName;
+    use crate::replay::fingerprint::{Head, ScopeOf};
     use bytes::Bytes;
     use http::{HeaderMap, StatusCode};
 
@@ -299,10 +232,8 @@ mod tests {
         store.put(&put, record(b"put"), ttl, None).await.unwrap();
 
         let place = |key: &RecordKey| {
-            let place = RecordPlace::new(key.layer_name(), key.lock_key(), key.head().scope());
-            store
-                .find(&place)
-                .map(|found| (found.record.body().clone(), found.request_body))
+            let found = store.find(&key.place());
+            found.map(|found| (found.record.body().clone(), found.request_body))
         };
         assert_eq!(
             place(&kept),
@@ -321,10 +252,7 @@ mod tests {
         let store = MemoryStore::default();
         let stored = record_key("orders", "k", "POST", "/orders/1?x=1", Some("alice"));
         store.keep(&stored, record(b"x"), Duration::from_secs(60), None);
-        let finds = |key: RecordKey| {
-            let place = RecordPlace::new(key.layer_name(), key.lock_key(), key.head().scope());
-            store.find(&place).is_some()
-        };
+        let finds = |key: RecordKey| store.find(&key.place()).is_some();
         assert!(finds(record_key(
             "orders",
             "k",

@@ -23,11 +23,10 @@ use crate::key::Key;
 use crate::layer::LayerName;
 use crate::BoxFuture;
 
-use super::fingerprint::{Head, Scope};
+use super::fingerprint::{same, Head, Scope, ScopeOf};
 use super::record::Record;
 
 pub use error::StoreError;
-pub(crate) use memory::RecordPlace;
 pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
@@ -43,7 +42,9 @@ pub use redis::RedisReplayStore;
 /// Made for every request the replay layer looks up in a shared store, so it copies
 /// little: the layer's name is shared with the layer, the key is the lock's, the scope
 /// is kept inline, and beside it the method, route, path, query and principal it is a
-/// digest of (the [`MemoryStore`] compares those in place of the digest).
+/// digest of. Keys are compared and hashed by those (two keys' parts are equal exactly
+/// when their digests are): the [`MemoryStore`] finds a record by a request's parts,
+/// with no digest taken.
 #[derive(Clone)]
 pub struct RecordKey {
     layer: LayerName,
@@ -62,21 +63,6 @@ impl RecordKey {
         }
     }
 
-    /// The layer's name, as the lock layer shares it.
-    pub(crate) fn layer_name(&self) -> &LayerName {
-        &self.layer
-    }
-
-    /// The request key, as the lock layer took it.
-    pub(crate) fn lock_key(&self) -> &Key {
-        &self.key
-    }
-
-    /// What the scope is a digest of.
-    pub(crate) fn head(&self) -> &Head {
-        &self.head
-    }
-
     /// The [`name`](crate::KeyedLockLayer::name) of the lock layer.
     pub fn layer(&self) -> &str {
         self.layer.as_str()
@@ -91,11 +77,21 @@ impl RecordKey {
     pub fn scope(&self) -> &str {
         self.scope.as_str()
     }
+
+    /// Where the record lives, as a request names it.
+    pub(crate) fn place(&self) -> RecordPlace<'_> {
+        RecordPlace::new(&self.layer, &self.key, self.head.scope())
+    }
+
+    /// About how many bytes the key's strings take.
+    pub(crate) fn weight(&self) -> usize {
+        self.key().len() + self.head.scope().bytes()
+    }
 }
 
 impl PartialEq for RecordKey {
     fn eq(&self, other: &Self) -> bool {
-        self.scope == other.scope && self.key == other.key && self.layer() == other.layer()
+        self.place() == other.place()
     }
 }
 
@@ -103,9 +99,38 @@ impl Eq for RecordKey {}
 
 impl std::hash::Hash for RecordKey {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        self.layer().hash(state);
-        self.key.hash(state);
-        self.scope.hash(state);
+        self.place().hash(state);
+    }
+}
+
+/// Where a record lives, borrowed from a request: what a [`RecordKey`] is compared and
+/// hashed by, so that a request finds its record in memory without making a key.
+#[derive(Eq, Hash)]
+pub(crate) struct RecordPlace<'a> {
+    layer: &'a str,
+    key: &'a str,
+    scope: ScopeOf<'a>,
+}
+
+impl<'a> RecordPlace<'a> {
+    pub(crate) fn new(layer: &'a LayerName, key: &'a Key, scope: ScopeOf<'a>) -> Self {
+        Self {
+            layer: layer.as_str(),
+            key: key.as_str(),
+            scope,
+        }
+    }
+}
+
+impl PartialEq for RecordPlace<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        same(self.key, other.key) && same(self.layer, other.layer) && self.scope == other.scope
+    }
+}
+
+impl quick_cache::Equivalent<RecordKey> for RecordPlace<'_> {
+    fn equivalent(&self, key: &RecordKey) -> bool {
+        *self == key.place()
     }
 }
 
