@@ -125,17 +125,23 @@ impl Head {
 
     pub(crate) fn scope(&self) -> ScopeOf<'_> {
         let (path, query) = self.path_and_query.split_at(self.path_len);
-        #[cfg(feature = "axum")]
-        let route = self.route.as_ref().map(axum::extract::MatchedPath::as_str);
-        #[cfg(not(feature = "axum"))]
-        let route = None;
         ScopeOf {
             method: self.method.as_str(),
-            route: route.unwrap_or(path),
+            route: self.route().unwrap_or(path),
             path,
             query,
             principal: self.principal.as_deref(),
         }
+    }
+
+    #[cfg(feature = "axum")]
+    fn route(&self) -> Option<&str> {
+        self.route.as_ref().map(axum::extract::MatchedPath::as_str)
+    }
+
+    #[cfg(not(feature = "axum"))]
+    fn route(&self) -> Option<&str> {
+        None
     }
 }
 
