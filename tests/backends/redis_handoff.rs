@@ -319,3 +319,37 @@ async fn a_grant_whose_message_is_lost_is_found_by_the_next_attempt() {
     granted.release().await;
     assert!(a.holder(NAME, &key).await.unwrap().is_none());
 }
+
+/// A writer that does not wait (`try_lock`, a zero wait) is refused and gone: it must
+/// not queue, or the holder's release would grant it the key, held by no one until its
+/// give-back hands it on. Found under load: the conformance suite's holder check read
+/// such a grant right after a release, when the give-back ran late. Redis's own count
+/// of `HSET` (the queue's only writer) shows whether the refused attempt queued,
+/// whatever the give-back's timing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_writer_that_does_not_wait_is_not_queued() {
+    let redis = RedisServer::start();
+    let mut connection = redis.connection().await;
+    let lease = Duration::from_secs(30);
+    let a = backend(redis.client(), "a", lease).await;
+    let b = backend(redis.client(), "b", lease).await;
+    let key = Key::new("k", 256).unwrap();
+    let held = a.acquire(NAME, &key, Duration::ZERO).await.unwrap();
+
+    let queue_writes = |calls: std::collections::BTreeMap<String, u64>| calls.get("hset").copied();
+    let before = queue_writes(command_calls(&mut connection).await);
+    for _ in 0..3 {
+        let refused = b.acquire(NAME, &key, Duration::ZERO).await;
+        assert!(
+            matches!(refused, Err(tower_keyed_lock::LockError::Timeout)),
+            "{refused:?}"
+        );
+    }
+    assert_eq!(queue_writes(command_calls(&mut connection).await), before);
+
+    // Released at once, the key is free: no one was granted it.
+    held.release().await;
+    assert!(a.holder(NAME, &key).await.unwrap().is_none());
+    let again = b.acquire(NAME, &key, Duration::ZERO).await;
+    assert!(again.is_ok(), "{:?}", again.err());
+}

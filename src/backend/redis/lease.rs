@@ -118,7 +118,10 @@ impl Inner {
             in_flight.sent(sent_at);
             // Only a whole command timeout says the connection may be silent.
             let counts = limit == sent_at + self.config.command_timeout;
-            let attempt = self.attempt(&keys, in_flight.token(), token_sent, limit, counts);
+            // Queued for a grant only if it waits after a refusal: one that does not
+            // (a zero wait) would be granted the key after it is gone.
+            let queues = sent_at < deadline && self.takes_grants(&keys);
+            let attempt = self.attempt(&keys, in_flight.token(), token_sent, limit, counts, queues);
             token_sent = true;
             // On an error or timeout `in_flight` stays armed: its drop gives back what
             // the attempt may have been granted.
@@ -277,6 +280,7 @@ impl Inner {
         sent_before: bool,
         limit: Instant,
         counts: bool,
+        queues: bool,
     ) -> Result<Attempt, Failure> {
         let fence_ttl = self
             .config
@@ -314,7 +318,7 @@ impl Inner {
             Some(permits) => invocation.arg(permits),
             None => invocation.arg(u8::from(sent_before)),
         };
-        invocation.arg(u8::from(self.takes_grants(keys)));
+        invocation.arg(u8::from(queues));
         if let Some(record) = &keys.record {
             invocation.key(record);
         }
