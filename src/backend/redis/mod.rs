@@ -57,8 +57,9 @@
 //!   granted meanwhile. A waiter whose instance dies (or is cut off) while queued
 //!   cannot: a release within its entry's life (`poll_interval` + `command_timeout`
 //!   after its last attempt) grants it the key, which is then free one lease later.
-//!   Waiters that look for a replay record first, and backends that `WAIT` for
-//!   replicas, do not queue: a record stored meanwhile must be found, and a grant
+//!   A writer that does not wait (`try_lock`, a zero wait) never queues: a grant
+//!   would find it gone. Waiters that look for a replay record first, and backends
+//!   that `WAIT` for replicas, do not queue either: a record stored meanwhile must be found, and a grant
 //!   must be acknowledged; they take the key with an attempt of their own. Neither
 //!   does an instance of an earlier version, which does not read grant messages
 //!   either: during a rolling upgrade it polls while queued writers are handed the
