@@ -59,8 +59,9 @@
 //!   after its last attempt) grants it the key, which is then free one lease later.
 //!   A writer that does not wait (`try_lock`, a zero wait) never queues: a grant
 //!   would find it gone. Waiters that look for a replay record first, and backends
-//!   that `WAIT` for replicas, do not queue either: a record stored meanwhile must be found, and a grant
-//!   must be acknowledged; they take the key with an attempt of their own. Neither
+//!   that `WAIT` for replicas, do not queue either: a record stored meanwhile must be
+//!   found, and a grant must be acknowledged; they take the key with an attempt of
+//!   their own. Neither
 //!   does an instance of an earlier version, which does not read grant messages
 //!   either: during a rolling upgrade it polls while queued writers are handed the
 //!   key, and its releases delete the key as before.

@@ -39,8 +39,8 @@ pub use redis::RedisReplayStore;
 /// digest of method, route and principal), so one key never replays another endpoint's
 /// response.
 ///
-/// Made for every request the replay layer looks up in a shared store, so it copies
-/// little: the layer's name is shared with the layer, the key is the lock's, the scope
+/// Made for every request the replay layer looks up in a shared store (and for a first
+/// request in memory), so it copies little: the layer's name is shared with the layer, the key is the lock's, the scope
 /// is kept inline, and beside it the method, route, path, query and principal it is a
 /// digest of. Keys are compared and hashed by those (two keys' parts are equal exactly
 /// when their digests are): the [`MemoryStore`] finds a record by a request's parts,
