@@ -61,10 +61,9 @@
 //!   would find it gone. Waiters that look for a replay record first, and backends
 //!   that `WAIT` for replicas, do not queue either: a record stored meanwhile must be
 //!   found, and a grant must be acknowledged; they take the key with an attempt of
-//!   their own. Neither
-//!   does an instance of an earlier version, which does not read grant messages
-//!   either: during a rolling upgrade it polls while queued writers are handed the
-//!   key, and its releases delete the key as before.
+//!   their own. Neither does an instance of an earlier version, which does not read
+//!   grant messages either: during a rolling upgrade it polls while queued writers
+//!   are handed the key, and its releases delete the key as before.
 //! - **Validity.** The lease counts as valid until *send time of the last successful
 //!   acquire or renewal + lease − drift margin*, on the monotonic clock. At that instant
 //!   it is declared lost (even if Redis never answers again), as it is at the first
