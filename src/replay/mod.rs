@@ -48,9 +48,10 @@
 //! [`fingerprint_with`](ReplayLayer::fingerprint_with), which picks what of the body
 //! counts; the scope stays the same. The Redis and PostgreSQL stores name a record by
 //! the SHA-256 digest of its scope; the [`MemoryStore`] compares the scope's parts
-//! themselves, and, with the built-in fingerprint, the request bodies (a retry in the
-//! same scope has the same method, path and query), so a replay from memory takes no
-//! digest. The same requests match either way.
+//! themselves, and, with the built-in fingerprint, the request bodies up to 4 KiB (a
+//! retry in the same scope has the same method, path and query), so a replay from
+//! memory takes no digest; a longer body is compared by its digest. The same requests
+//! match either way.
 //!
 //! Replayed headers are an allow-list ([`DEFAULT_REPLAYED_HEADERS`], extended with
 //! [`replay_header`](ReplayLayer::replay_header)); multi-valued headers keep every

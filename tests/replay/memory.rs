@@ -354,6 +354,61 @@ impl http_body::Body for InParts {
     }
 }
 
+/// Short bodies are kept beside their record and compared byte for byte, long ones
+/// (over 4 KiB) compared by their digest: either way a retry with the same body is
+/// replayed and one with another body of the same length refused, through both
+/// stackings.
+#[tokio::test]
+async fn retries_with_short_and_long_bodies_are_told_apart() {
+    for stacking in [Stacking::Replay, Stacking::ByHand] {
+        let handler = service_fn(|_: Request<axum::body::Body>| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::from("done")))
+        });
+        let lock = KeyedLockLayer::by_header("idempotency-key");
+        let replay = ReplayLayer::new(MemoryStore::default());
+        let service = match stacking {
+            Stacking::Replay => BoxCloneSyncService::new(lock.replay(replay).layer(handler)),
+            Stacking::ByHand => BoxCloneSyncService::new(
+                ServiceBuilder::new()
+                    .layer(lock)
+                    .layer(replay)
+                    .service(handler),
+            ),
+        };
+        for len in [64, 4 * 1024, 4 * 1024 + 1, 64 * 1024] {
+            let send = |byte: u8| {
+                let request = Request::post("/orders")
+                    .header("idempotency-key", format!("{len}"))
+                    .body(axum::body::Body::from(vec![byte; len]))
+                    .unwrap();
+                let service = service.clone();
+                async move {
+                    let response = service.oneshot(request).await.unwrap();
+                    (
+                        response.status(),
+                        response.headers().contains_key("idempotent-replayed"),
+                    )
+                }
+            };
+            assert_eq!(
+                send(b'a').await,
+                (StatusCode::OK, false),
+                "{stacking:?}, {len} bytes"
+            );
+            assert_eq!(
+                send(b'a').await,
+                (StatusCode::OK, true),
+                "{stacking:?}, {len} bytes"
+            );
+            assert_eq!(
+                send(b'b').await.0,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "{stacking:?}, {len} bytes"
+            );
+        }
+    }
+}
+
 /// A replay from memory reads what of the body is there at once and waits for the
 /// rest: the first part, read when the service was called, is not lost (the retry in
 /// parts replays the request sent whole, another second part is refused), and the

@@ -12,6 +12,11 @@ use tokio::time::Instant;
 use super::{Get, Put, RecordKey, RecordPlace, ReplayStore, Stored};
 use crate::replay::record::Record;
 
+/// The longest request body kept beside its record: a retry's body is compared with it
+/// byte for byte. A longer one is compared by the fingerprint's digest, so that a
+/// record costs at most this much more than its response.
+const KEPT_BODY_LIMIT: usize = 4 * 1024;
+
 /// The default [`MemoryStore::new`] capacity: 64 MiB of records.
 pub const DEFAULT_MEMORY_CAPACITY: u64 = 64 * 1024 * 1024;
 
@@ -19,8 +24,8 @@ pub const DEFAULT_MEMORY_CAPACITY: u64 = 64 * 1024 * 1024;
 /// recently used go first, by `quick_cache`'s CLOCK-Pro policy), each until its TTL.
 ///
 /// With the built-in fingerprint the replay layer keeps a copy of each record's request
-/// body beside it (a retry's body is compared with it, in place of a digest); the copy
-/// counts against the capacity.
+/// body beside it, up to 4 KiB (a retry's body is compared with it, in place of a
+/// digest); the copy counts against the capacity.
 ///
 /// Per instance: with a distributed lock backend it is refused (500), since a duplicate
 /// that reaches another instance would not find the record. Use the Redis or PostgreSQL
@@ -88,8 +93,8 @@ impl MemoryStore {
     }
 
     /// Stores `record` under `key` for `ttl`, with a copy of the body of the request
-    /// that made it (see [`Found`]): a copy, as hyper's body is a slice of the
-    /// connection's read buffer.
+    /// that made it (see [`Found`]) if it is at most [`KEPT_BODY_LIMIT`] bytes: a copy,
+    /// as hyper's body is a slice of the connection's read buffer.
     pub(crate) fn keep(
         &self,
         key: &RecordKey,
@@ -99,7 +104,9 @@ impl MemoryStore {
     ) {
         let found = Found {
             record: Arc::new(record),
-            request_body: request_body.map(|body| Bytes::copy_from_slice(&body)),
+            request_body: request_body
+                .filter(|body| body.len() <= KEPT_BODY_LIMIT)
+                .map(|body| Bytes::copy_from_slice(&body)),
             expires_at: Instant::now() + ttl,
         };
         // A record heavier than the whole capacity is not kept by the cache.
@@ -271,6 +278,23 @@ mod tests {
             record_key("orders", "k", "POST", "/orders/1?x=1", None),
         ] {
             assert!(!finds(other.clone()), "{other:?}");
+        }
+    }
+
+    /// A request body over the limit is not kept: its retry is compared by digest.
+    #[test]
+    fn a_request_body_over_the_limit_is_not_kept() {
+        let store = MemoryStore::default();
+        let ttl = Duration::from_secs(60);
+        for (len, kept) in [(KEPT_BODY_LIMIT, true), (KEPT_BODY_LIMIT + 1, false)] {
+            store.keep(
+                &key("a"),
+                record(b"x"),
+                ttl,
+                Some(Bytes::from(vec![0; len])),
+            );
+            let found = store.find(&key("a").place()).unwrap();
+            assert_eq!(found.request_body.is_some(), kept, "a body of {len} bytes");
         }
     }
 
