@@ -55,8 +55,8 @@ impl PartialEq for ScopeOf<'_> {
 
 /// `one == other`, told at once when they are one string (a method's name, a route
 /// or a layer's name shared with the router or the layer) or empty: a record is found
-/// in memory by comparing seven short strings, and a call to `memcmp` for each cost a
-/// tenth of a replay.
+/// in memory by comparing seven short strings, and a call to `memcmp` for each was 7 %
+/// of a replay.
 pub(crate) fn same(one: &str, other: &str) -> bool {
     one.len() == other.len() && (one.as_ptr() == other.as_ptr() || one.is_empty() || one == other)
 }
