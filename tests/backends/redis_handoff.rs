@@ -2,6 +2,8 @@
 //! without a round trip of its own, and a waiter that stops waiting, or vanishes,
 //! never keeps the key past one lease.
 
+#![cfg(feature = "redis")]
+
 use std::future::Future;
 use std::time::Duration;
 
