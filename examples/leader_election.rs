@@ -223,7 +223,10 @@ impl Engine {
         let expected = match self {
             #[cfg(feature = "redis")]
             Engine::Redis(_) => name.to_owned(),
-            Engine::InProcess(_) => tower_keyed_lock::backend::default_instance_id(),
+            Engine::InProcess(_) => {
+                let _ = name;
+                tower_keyed_lock::backend::default_instance_id()
+            }
         };
         assert_eq!(leader.instance(), Some(expected.as_str()));
         assert_eq!(leader.fencing_token(), leadership.fencing_token());

@@ -7,6 +7,9 @@
 //! grant, or for a session lock whose connection was reset, within the bound its
 //! backend documents (`Proxied::reset_notice`), unless it left by then.
 
+// The model runs against Redis and PostgreSQL: with neither engine there is nothing to run.
+#![cfg(any(feature = "redis", feature = "postgres"))]
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
