@@ -1,7 +1,8 @@
 //! What the etcd backend promises beyond the conformance suite, on a real 3-member
-//! cluster: waiters served in arrival order across instances, a hold that survives the
-//! leader's death or a member's restart (or is signalled lost before anyone else is
-//! granted), and the key mapping seen from etcd.
+//! cluster: waiters served in arrival order across instances, and granted before their
+//! wait ends through a leader's death; a hold that survives the leader's death or a
+//! member's restart (or is signalled lost before anyone else is granted), and the key
+//! mapping seen from etcd.
 #![cfg(feature = "etcd")]
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,7 +12,8 @@ use crate::support::fixtures::{self as servers, locks_on, Fixture, Remote, PATIE
 use crate::support::hold::hold_through;
 use tokio::time::{sleep, Instant};
 use tower_keyed_lock::backend::etcd::EtcdBackend;
-use tower_keyed_lock::DistributedLocks;
+use tower_keyed_lock::backend::LeaseSignal;
+use tower_keyed_lock::{DistributedGuard, DistributedLocks};
 
 const LEASE: Duration = Duration::from_secs(1);
 
@@ -273,4 +275,143 @@ async fn a_majority_down_is_a_lost_lease_then_recovers() {
     })
     .await;
     again.release().await;
+}
+
+/// Who holds a key now, as the contenders themselves say: each one that is granted
+/// checks that the one before it released or was told its lease was lost, so a grant
+/// while another still counts itself holder is caught (an unsignalled overlap).
+#[derive(Default)]
+struct Exclusion {
+    holder: Mutex<Option<(&'static str, LeaseSignal)>>,
+    overlaps: Mutex<Vec<String>>,
+}
+
+impl Exclusion {
+    fn granted(&self, name: &'static str, guard: &DistributedGuard) {
+        let signal = guard.lease().expect("a remote lease").clone();
+        let mut holder = self.holder.lock().unwrap();
+        if let Some((before, lease)) = holder.as_ref() {
+            if !lease.is_lost() {
+                self.overlaps
+                    .lock()
+                    .unwrap()
+                    .push(format!("{name} granted while {before} held, not told"));
+            }
+        }
+        *holder = Some((name, signal));
+    }
+
+    /// Called before the release is sent: from here on, another may be granted.
+    fn releasing(&self, name: &'static str) {
+        let mut holder = self.holder.lock().unwrap();
+        if holder.as_ref().is_some_and(|(current, _)| *current == name) {
+            *holder = None;
+        }
+    }
+
+    fn assert_no_overlap(&self) {
+        let overlaps = self.overlaps.lock().unwrap();
+        assert!(overlaps.is_empty(), "mutual exclusion broken: {overlaps:?}");
+    }
+}
+
+/// How long the waiters of the fault tests may wait: far longer than any fault lasts,
+/// so that only an error (never the wait) can end one early.
+const LONG_WAIT: Duration = Duration::from_secs(30);
+
+/// A holder and five waiters, each on an instance of its own, queue for one key; the
+/// leader is killed while they wait (their reads, watches and keep-alives on that member
+/// break, and the others elect), then started again. Only the wait bounds the waiting:
+/// every waiter is granted before its 30 s wait ends, in the order they queued, one at
+/// a time, and no contender key is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_queued_through_a_leader_kill_are_all_granted() {
+    let mut cluster = EtcdCluster::start();
+    let probe = backend(&cluster).await;
+    let key = "leader-kill";
+    let holder = locks_on(Arc::new(backend(&cluster).await));
+    let guard = holder.lock(key).await.unwrap();
+    let exclusion = Arc::new(Exclusion::default());
+    exclusion.granted("holder", &guard);
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let names = ["w1", "w2", "w3", "w4", "w5"];
+    let mut waiters = Vec::new();
+    for (n, name) in names.into_iter().enumerate() {
+        let locks = locks_on(Arc::new(backend(&cluster).await));
+        let (order, exclusion) = (order.clone(), exclusion.clone());
+        waiters.push(tokio::spawn(async move {
+            let started = Instant::now();
+            let outcome = locks.lock_timeout(key, LONG_WAIT).await;
+            let waited = started.elapsed();
+            let guard = match outcome {
+                Ok(guard) => guard,
+                Err(error) => {
+                    return Err(format!(
+                        "{name} failed after {waited:?} of its {LONG_WAIT:?} wait: {error}"
+                    ))
+                }
+            };
+            exclusion.granted(name, &guard);
+            order
+                .lock()
+                .unwrap()
+                .push((name, guard.fencing_token().unwrap()));
+            sleep(Duration::from_millis(20)).await;
+            exclusion.releasing(name);
+            guard.release().await;
+            Ok(())
+        }));
+        // The next waiter arrives only once this one is in the queue.
+        until_queued(&probe, key, n + 2).await;
+    }
+
+    let leader = cluster.leader().expect("a leader");
+    cluster.kill(leader);
+    let killed = Instant::now();
+    cluster
+        .wait_for_leader(PATIENCE)
+        .expect("the two others elect a leader");
+    eprintln!(
+        "leader {leader} killed; a new one after {:?}",
+        killed.elapsed()
+    );
+    // Long enough for every waiter's keep-alive and look to have met the dead member.
+    sleep(2 * LEASE).await;
+    cluster.restart(leader);
+    exclusion.releasing("holder");
+    guard.release().await;
+
+    let mut failures = Vec::new();
+    for waiter in waiters {
+        if let Err(failure) = servers::within("every waiter ends", LONG_WAIT + PATIENCE, waiter)
+            .await
+            .unwrap()
+        {
+            failures.push(failure);
+        }
+    }
+    assert!(failures.is_empty(), "waits ended early: {failures:?}");
+    exclusion.assert_no_overlap();
+    let order = order.lock().unwrap().clone();
+    let served: Vec<&str> = order.iter().map(|(name, _)| *name).collect();
+    assert_eq!(served, names, "not FIFO: {order:?}");
+    assert!(
+        order.windows(2).all(|pair| pair[0].1 < pair[1].1),
+        "fencing tokens out of order: {order:?}"
+    );
+    servers::within("the queue empties", PATIENCE, async {
+        // The probe's client may still meet the restarted member before it serves.
+        let mut client = probe.client().clone();
+        let prefix = probe.queue_prefix(servers::NAME, key);
+        let count_only = etcd_client::GetOptions::new()
+            .with_prefix()
+            .with_count_only();
+        loop {
+            match client.get(prefix.as_str(), Some(count_only.clone())).await {
+                Ok(found) if found.count() == 0 => break,
+                _ => sleep(Duration::from_millis(20)).await,
+            }
+        }
+    })
+    .await;
 }

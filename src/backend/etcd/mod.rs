@@ -75,7 +75,8 @@
 //!   lock once no older key is left. Keys pass in FIFO order across instances. A watch
 //!   that breaks, and a jittered [`poll_interval`](EtcdBackendBuilder::poll_interval),
 //!   make the waiter look again too: a lost watch only costs latency. Only the request's
-//!   wait bounds the waiting, never a number of attempts; at its end the waiter's lease
+//!   wait bounds the waiting, never a number of attempts nor a failure that can pass
+//!   (see [Transient failures](self#transient-failures)); at its end the waiter's lease
 //!   is revoked, which removes its key from the queue.
 //! - **Fencing token.** The holder key's create revision
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): strictly
@@ -101,10 +102,22 @@
 //!   future dropped at any await). A grant whose answer never came leaves a lease with no
 //!   key attached, which expires by itself and blocks nobody.
 //!
-//! Every request is bounded by [`command_timeout`](EtcdBackendBuilder::command_timeout):
-//! when etcd is down or silent, acquisitions fail with [`LockError::Backend`] promptly
-//! and the layer answers 503 (or runs the request under its local lock with
-//! [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//! # Transient failures
+//!
+//! Every request is bounded by [`command_timeout`](EtcdBackendBuilder::command_timeout).
+//! One that fails for a reason that can pass — no answer in time, a member down,
+//! restarting or unreachable, a connection reset or broken, a leader election or no
+//! leader, etcd overloaded — is sent again after a short jittered pause (the client
+//! then picks a member that answers), and a waiter whose look at the queue failed looks
+//! again after a jittered pause growing from 25–50 ms to the poll interval, keeping its
+//! lease alive meanwhile: it keeps its place for as long as etcd keeps its lease. A
+//! definite answer (the lease not found, a request etcd refuses) ends the step at once;
+//! a waiter whose lease etcd no longer has queues again with a new one, behind those
+//! who queued meanwhile. Only the wait ends the waiting: when etcd stays down or silent,
+//! an acquisition fails with [`LockError::Backend`] at the end of its wait (a zero wait
+//! after one command timeout), and the layer answers 503 (or runs the request under its
+//! local lock with [`fail_open`](crate::KeyedLockLayer::fail_open)); it fails with
+//! [`LockError::Timeout`] if etcd answered its last look.
 //!
 //! # Who holds a key
 //!
@@ -124,6 +137,8 @@
 //! | etcd frees a stopped holder's key | one granted TTL after the leader last heard of it; a new leader adds up to an election timeout |
 //! | one request (grant, transaction, read, keep-alive, revoke) | at most the command timeout (default 1 s) |
 //! | a waiter looks again without a watch event | after a jittered poll interval (default 1 s) |
+//! | a request that failed for a transient reason | sent again after 2.5–5 ms, the pause doubling up to 50–100 ms, within its step |
+//! | a waiter's look at the queue that failed | tried again after 25–50 ms, the pause doubling up to the poll interval, until the wait ends |
 //!
 //! # Failures of the cluster
 //!
@@ -173,8 +188,10 @@
 //! delays the takeover of a crashed holder's key, never the holder's own deadline).
 
 // One concern per file: `keys` names the etcd keys, `lease` queues, waits, renews and
-// gives back (etcd's steps of the `backend::ttl` engine), `holder` reads the oldest
-// key of a queue. This file has the public types and their configuration.
+// gives back (etcd's steps of the `backend::ttl` engine), `failure` says which
+// failures are tried again and runs one step, `holder` reads the oldest key of a
+// queue. This file has the public types and their configuration.
+mod failure;
 mod holder;
 mod keys;
 mod lease;
@@ -191,7 +208,7 @@ use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBacken
 use crate::error::LockError;
 use crate::key::Key;
 
-pub use self::lease::EtcdLockError;
+pub use self::failure::EtcdLockError;
 
 /// The default [`EtcdBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -409,9 +426,10 @@ impl EtcdBackendBuilder {
     }
 
     /// The longest one request to etcd may take (default [`DEFAULT_COMMAND_TIMEOUT`],
-    /// 1 s). Past it the acquisition fails with [`LockError::Backend`], a keep-alive
-    /// counts as unanswered, and a release goes on in the background. Also the connect
-    /// timeout.
+    /// 1 s). Past it an acquisition sends the request again while its wait lasts (a
+    /// zero wait tries for one command timeout, then fails with
+    /// [`LockError::Backend`]), a keep-alive counts as unanswered, and a release goes on
+    /// in the background. Also the connect timeout.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.config.command_timeout = timeout.max(Duration::from_millis(1));
         self
