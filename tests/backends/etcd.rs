@@ -1,8 +1,8 @@
 //! What the etcd backend promises beyond the conformance suite, on a real 3-member
 //! cluster: waiters served in arrival order across instances, and granted before their
-//! wait ends through a leader's death; a hold that survives the leader's death or a
-//! member's restart (or is signalled lost before anyone else is granted), and the key
-//! mapping seen from etcd.
+//! wait ends through a leader's death; a hold that survives the leader's death, stall
+//! or a member's restart (or is signalled lost before anyone else is granted, also when
+//! its key is deleted behind its back); and the key mapping seen from etcd.
 #![cfg(feature = "etcd")]
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,7 +12,7 @@ use crate::support::fixtures::{self as servers, locks_on, Fixture, Remote, PATIE
 use crate::support::hold::hold_through;
 use tokio::time::{sleep, Instant};
 use tower_keyed_lock::backend::etcd::EtcdBackend;
-use tower_keyed_lock::backend::LeaseSignal;
+use tower_keyed_lock::backend::{LeaseSignal, LostReason};
 use tower_keyed_lock::{DistributedGuard, DistributedLocks};
 
 const LEASE: Duration = Duration::from_secs(1);
@@ -414,4 +414,142 @@ async fn waiters_queued_through_a_leader_kill_are_all_granted() {
         }
     })
     .await;
+}
+
+/// How a holder's key is taken from it behind its back.
+#[derive(Clone, Copy, Debug)]
+enum Removal {
+    /// A plain delete of the key (`etcdctl del`).
+    DeleteKey,
+    /// A revocation of the lease the key is attached to (`etcdctl lease revoke`).
+    RevokeLease,
+}
+
+/// A holds a key and B waits for it; another client removes A's key. B's watch fires
+/// and B is granted at once, so A must be told first — by its own watch on its key, not
+/// at its next renewal (up to lease/3 later) — and told that another may hold the key.
+async fn removed_behind_its_back(removal: Removal) {
+    let cluster = EtcdCluster::start();
+    let probe = backend(&cluster).await;
+    let key = "behind-its-back";
+    let a = locks_on(Arc::new(backend(&cluster).await));
+    let b = locks_on(Arc::new(backend(&cluster).await));
+    let guard = a.lock(key).await.unwrap();
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+    let waiter = tokio::spawn(async move {
+        let guard = b.lock_timeout(key, LONG_WAIT).await;
+        (Instant::now(), guard)
+    });
+    until_queued(&probe, key, 2).await;
+
+    // A's key is the oldest of the queue.
+    let mut client = probe.client().clone();
+    let oldest = etcd_client::GetOptions::new()
+        .with_prefix()
+        .with_sort(
+            etcd_client::SortTarget::Create,
+            etcd_client::SortOrder::Ascend,
+        )
+        .with_limit(1);
+    let found = client
+        .get(probe.queue_prefix(servers::NAME, key), Some(oldest))
+        .await
+        .unwrap();
+    let holder_key = found.kvs()[0].clone();
+    let sent = Instant::now();
+    match removal {
+        Removal::DeleteKey => {
+            client.delete(holder_key.key(), None).await.unwrap();
+        }
+        Removal::RevokeLease => {
+            client.lease_revoke(holder_key.lease()).await.unwrap();
+        }
+    }
+    let removed = Instant::now();
+
+    let (granted, taken) = servers::within("B is granted", PATIENCE, waiter)
+        .await
+        .unwrap();
+    let taken = taken.expect("B is granted once A's key is gone");
+    let told = servers::within("A is told", PATIENCE, told).await.unwrap();
+    assert!(
+        told <= granted,
+        "unsignalled overlap: B was granted {:?} before A was told its key was gone \
+         ({removal:?})",
+        told - granted
+    );
+    assert_eq!(guard.lost_reason(), Some(LostReason::NotOwner));
+    let returned = match told.checked_duration_since(removed) {
+        Some(after) => format!("{after:?} after it returned"),
+        None => format!("{:?} before it returned", removed - told),
+    };
+    eprintln!(
+        "{removal:?}: A told {:?} after the removal was sent ({returned}); B granted {:?} \
+         after A was told",
+        told - sent,
+        granted - told
+    );
+    taken.release().await;
+    drop(guard);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_whose_key_is_deleted_is_told_before_the_next_is_granted() {
+    removed_behind_its_back(Removal::DeleteKey).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_whose_lease_is_revoked_is_told_before_the_next_is_granted() {
+    removed_behind_its_back(Removal::RevokeLease).await;
+}
+
+/// The leader stalls (SIGSTOP) for longer than the holder's lease of 3 s, then runs
+/// again. Meanwhile the others elect a new leader, which extends every lease, and the
+/// holder renews through it. A resumed leader that lacks etcd's fix can still revoke,
+/// before it steps down, the leases it saw expire while it stood still: the holder's
+/// key is then deleted and the waiter granted at once. Whatever happens, no
+/// unsignalled overlap: the holder is told (by its watch on its own key) before the
+/// waiter is granted. Holder and waiter talk to one follower, so both hear of a
+/// deletion on the same member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stalled_leader_resumed_leaves_no_unsignalled_overlap() {
+    const STALL: Duration = Duration::from_secs(4);
+    let cluster = EtcdCluster::start();
+    let mut revoked = 0;
+    for key in ["stalled-1", "stalled-2", "stalled-3"] {
+        cluster
+            .wait_for_leader(PATIENCE)
+            .expect("the cluster has a leader");
+        let leader = cluster.leader().expect("a leader");
+        let follower = cluster.endpoint((leader + 1) % cluster.size());
+        let a = on_endpoints(vec![follower.clone()], 3 * LEASE).await;
+        let b = on_endpoints(vec![follower], 3 * LEASE).await;
+        let cluster = &cluster;
+        let survived = hold_through(&a, b, key, 2 * LEASE, async move {
+            cluster.pause(leader);
+            sleep(STALL).await;
+            cluster.resume(leader);
+        })
+        .await;
+        if !survived {
+            revoked += 1;
+        }
+        eprintln!("{key}: leader {leader} stalled {STALL:?}; the hold survived: {survived}");
+    }
+    eprintln!("holds lost to a resumed leader: {revoked} of 3");
+}
+
+/// Locks on a backend on `endpoints` only, with `lease`.
+async fn on_endpoints(endpoints: Vec<String>, lease: Duration) -> DistributedLocks {
+    let backend = EtcdBackend::builder(endpoints)
+        .lease(lease)
+        .command_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("the backend connects to etcd");
+    locks_on(Arc::new(backend))
 }

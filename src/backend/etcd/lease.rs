@@ -5,7 +5,6 @@
 //! guard) is the engine's (`backend::ttl`).
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
@@ -13,7 +12,7 @@ use etcd_client::{
     Client, EventType, GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
     SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
 };
-use tokio::sync::Mutex as AsyncMutex;
+use tokio::sync::{watch, Mutex as AsyncMutex};
 use tokio::task::AbortHandle;
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 
@@ -42,9 +41,9 @@ pub(super) struct Contender {
     /// after a failed one (a late answer on a stream dropped is never counted for a
     /// later send).
     keeper: AsyncMutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
-    /// Set when the watch on the holder's own key sees it deleted (by hand, or the
-    /// lease ran out): the next renewal says "not ours".
-    deleted: AtomicBool,
+    /// Set when the watch on the holder's own key sees it deleted (by hand, or its
+    /// lease revoked or run out): the lease is lost at once (see `TtlBackend::gone`).
+    deleted: watch::Sender<bool>,
     /// The task watching the holder's own key; stops with the contender.
     watch: Mutex<Option<AbortHandle>>,
 }
@@ -55,18 +54,27 @@ impl Contender {
             lease,
             key,
             keeper: AsyncMutex::new(None),
-            deleted: AtomicBool::new(false),
+            deleted: watch::Sender::new(false),
             watch: Mutex::new(None),
         }
     }
 
     /// Whether the watch on the holder's own key saw it deleted.
     fn is_deleted(&self) -> bool {
-        self.deleted.load(SeqCst)
+        *self.deleted.borrow()
     }
 
     fn mark_deleted(&self) {
-        self.deleted.store(true, SeqCst);
+        self.deleted.send_replace(true);
+    }
+
+    /// Resolves once the holder's key is seen deleted.
+    async fn deletion(&self) {
+        let mut deleted = self.deleted.subscribe();
+        if deleted.wait_for(|deleted| *deleted).await.is_err() {
+            // Never: the sender lives as long as the contender.
+            std::future::pending::<()>().await;
+        }
     }
 }
 
@@ -424,7 +432,7 @@ impl Inner {
     }
 
     /// Watches the holder's own key from its creation on, and marks the contender
-    /// when it is deleted: the next renewal then says the lease is not ours.
+    /// when it is deleted: its lease is lost at once.
     fn watch_own_key(&self, contender: &Arc<Contender>, place: i64) {
         let task = tokio::spawn(watch_key(
             self.client.clone(),
@@ -579,6 +587,13 @@ impl TtlBackend for Inner {
         limit: Instant,
     ) -> Renewal {
         self.keep_alive(contender, limit).await
+    }
+
+    /// The watch on the holder's own key saw it deleted: by hand, or with its lease
+    /// (revoked, expired, or revoked by a stale leader). The next waiter may hold the
+    /// key already.
+    async fn gone(&self, contender: &Arc<Contender>) {
+        contender.deletion().await;
     }
 
     async fn try_give_back(&self, contender: &Arc<Contender>, _token: &str) -> GiveBack {

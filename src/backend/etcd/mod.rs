@@ -92,8 +92,9 @@
 //!   keep-alive every lease/3 on one keep-alive stream kept open for the lease (one
 //!   message each way; a stream that failed or timed out is dropped and a new one
 //!   opened, so a late answer never counts for a later send). A holder also watches
-//!   its own key: a deletion by hand marks it, and the next renewal declares the lease
-//!   lost. Renewal stops when the lease is released, dropped or lost.
+//!   its own key: when it is deleted (by hand, or with its lease revoked), the lease is
+//!   declared lost at once, not at the next renewal. Renewal stops when the lease is
+//!   released, dropped or lost.
 //! - **Release.** The lease is revoked, which deletes the key with it: the next waiter's
 //!   watch fires. If etcd cannot be reached within the command timeout, the revocation
 //!   is retried in the background until the lease would have expired anyway.
@@ -133,7 +134,7 @@
 //! | what | when |
 //! |---|---|
 //! | keep-alive (holders and waiters) | every lease/3 after the last answered one; retried every lease/12 while unanswered |
-//! | a holder counts its lease lost | send time of the last answered grant or keep-alive + lease − drift margin (default 1% of the lease + 2 ms), or at the first "lease not found" / its key seen deleted |
+//! | a holder counts its lease lost | send time of the last answered grant or keep-alive + lease − drift margin (default 1% of the lease + 2 ms), or at the first "lease not found", or at once when its watch sees its key deleted |
 //! | etcd frees a stopped holder's key | one granted TTL after the leader last heard of it; a new leader adds up to an election timeout |
 //! | one request (grant, transaction, read, keep-alive, revoke) | at most the command timeout (default 1 s) |
 //! | a waiter looks again without a watch event | after a jittered poll interval (default 1 s) |
@@ -166,10 +167,11 @@
 //!   from an older revision and can issue tokens issued before. Restoring also brings
 //!   back the contender keys of that moment, whose leases are gone: they are deleted
 //!   when etcd expires those leases.
-//! - **Keys deleted by hand.** An operator's `etcdctl del` of a holder's key grants the
-//!   lock to the next waiter at once; the holder learns it at its next renewal, up to
-//!   lease/3 later. Keep the prefix away from other writers (etcd's role-based access
-//!   control can).
+//! - **Keys deleted by hand.** An operator's `etcdctl del` of a holder's key (or
+//!   `etcdctl lease revoke` of its lease) grants the lock to the next waiter at once;
+//!   the holder learns it from its watch on its key at the same time, normally first
+//!   (the waiter reads the queue again before it holds), but not by a guarantee. Keep
+//!   the prefix away from other writers (etcd's role-based access control can).
 //! - **Shared holders and permits.** The reader/writer and n-permit recipes fit this
 //!   queue (a reader waits only for older writers; a permit holder for the n-th older
 //!   key), but are not built yet: one holder per key.
