@@ -2,7 +2,8 @@
 //! cluster: waiters served in arrival order across instances, and granted before their
 //! wait ends through a leader's death; a hold that survives the leader's death, stall
 //! or a member's restart (or is signalled lost before anyone else is granted, also when
-//! its key is deleted behind its back); and the key mapping seen from etcd.
+//! its key is deleted behind its back); the key mapping seen from etcd; and what
+//! building the backend says about unreachable endpoints and unfixed servers.
 #![cfg(feature = "etcd")]
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,8 +11,10 @@ use std::time::Duration;
 use crate::support::etcd_server::{EtcdCluster, ELECTION_TIMEOUT};
 use crate::support::fixtures::{self as servers, locks_on, Fixture, Remote, PATIENCE};
 use crate::support::hold::hold_through;
+use crate::support::logs::Captured;
+use crate::support::ports::free_port;
 use tokio::time::{sleep, Instant};
-use tower_keyed_lock::backend::etcd::EtcdBackend;
+use tower_keyed_lock::backend::etcd::{EtcdBackend, SetupError};
 use tower_keyed_lock::backend::{LeaseSignal, LostReason};
 use tower_keyed_lock::{DistributedGuard, DistributedLocks};
 
@@ -552,4 +555,132 @@ async fn on_endpoints(endpoints: Vec<String>, lease: Duration) -> DistributedLoc
         .await
         .expect("the backend connects to etcd");
     locks_on(Arc::new(backend))
+}
+
+/// The installed etcd's version, from `etcd --version` (`etcd Version: 3.4.23`).
+fn installed_etcd_version() -> String {
+    let binary = std::env::var("ETCD_BIN").unwrap_or_else(|_| "etcd".to_owned());
+    let output = std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .expect("etcd runs");
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    text.lines()
+        .find_map(|line| line.strip_prefix("etcd Version: "))
+        .unwrap_or_else(|| panic!("no version in {text:?}"))
+        .trim()
+        .to_owned()
+}
+
+/// A server that lets a resumed stale leader revoke live leases (etcd before 3.4.31,
+/// 3.5.13, 3.6.0) is named in a warning when the backend is built, with its version
+/// and the versions that fix it; refused if the application asks for that. A fixed
+/// server is neither.
+#[tokio::test]
+async fn a_server_without_the_stale_leader_fix_is_named_at_build() {
+    let cluster = EtcdCluster::start();
+    let version = installed_etcd_version();
+    let (major, minor, patch) = {
+        let parts: Vec<u32> = version.split('.').map(|p| p.parse().unwrap()).collect();
+        (parts[0], parts[1], parts[2])
+    };
+    let fixed = (major, minor) >= (3, 6)
+        || (major, minor) == (3, 5) && patch >= 13
+        || (major, minor) == (3, 4) && patch >= 31;
+    let logs = Captured::default();
+    let warned = {
+        let _capture = logs.install();
+        EtcdBackend::builder(cluster.endpoints())
+            .build()
+            .await
+            .expect("a warning, not a refusal, by default");
+        logs.text()
+    };
+    let refused = EtcdBackend::builder(cluster.endpoints())
+        .refuse_stale_leader_revocation(true)
+        .build()
+        .await;
+    if fixed {
+        assert!(!warned.contains("stale leader"), "{warned}");
+        refused.expect("a fixed server is accepted");
+        return;
+    }
+    assert!(
+        warned.contains("WARN") && warned.contains(&version) && warned.contains("stale leader"),
+        "no warning naming etcd {version}: {warned}"
+    );
+    assert!(
+        ["3.4.31", "3.5.13", "3.6.0"]
+            .iter()
+            .all(|fix| warned.contains(fix)),
+        "the warning does not name the fixed versions: {warned}"
+    );
+    eprintln!(
+        "{}",
+        warned
+            .lines()
+            .find(|line| line.contains("WARN") && line.contains("stale leader"))
+            .unwrap()
+    );
+    match refused {
+        Err(SetupError::Unsafe(why)) => assert!(
+            why.contains(&version) && why.contains("refuse_stale_leader_revocation"),
+            "{why}"
+        ),
+        other => panic!("etcd {version} not refused: {other:?}"),
+    }
+}
+
+/// Building against an endpoint nobody listens on, or one that never answers, fails
+/// with an error that names etcd and the endpoint, then the cause; credentials (in the
+/// URL or the connect options) never appear.
+#[tokio::test]
+async fn an_unreachable_endpoint_is_named_with_its_cause() {
+    let closed = format!("http://127.0.0.1:{}", free_port());
+    let error = EtcdBackend::builder([closed.clone()])
+        .command_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect_err("nobody listens");
+    let text = error.to_string();
+    assert!(
+        text.starts_with(&format!("cannot connect to etcd at {closed}: ")),
+        "{text}"
+    );
+    assert!(text.to_lowercase().contains("refused"), "no cause: {text}");
+    eprintln!("{text}");
+
+    // Accepts connections, never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_url = format!("http://{}", silent.local_addr().unwrap());
+    let with_password = format!(
+        "http://admin:hunter2@{}",
+        closed.trim_start_matches("http://")
+    );
+    let error = EtcdBackend::builder([with_password, silent_url.clone()])
+        .connect_options(etcd_client::ConnectOptions::new().with_user("root", "s3cret"))
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .expect_err("nobody answers");
+    let text = error.to_string();
+    assert!(text.contains("etcd"), "{text}");
+    assert!(
+        text.contains(&closed),
+        "the first endpoint is not named: {text}"
+    );
+    assert!(
+        text.contains(&silent_url),
+        "the second endpoint is not named: {text}"
+    );
+    assert!(text.contains("no answer within 300ms"), "no cause: {text}");
+    eprintln!("{text}");
+    for secret in ["hunter2", "admin", "s3cret", "root"] {
+        assert!(!text.contains(secret), "a credential in the error: {text}");
+        assert!(
+            !format!("{error:?}").contains(secret),
+            "a credential in {error:?}"
+        );
+    }
+    drop(silent);
 }

@@ -150,7 +150,19 @@
 //! A holder cut off from the quorum (a partitioned member, a majority down) cannot
 //! renew; it is told at its local deadline, before etcd (whose TTL counts later) frees
 //! its key. A member restarted rejoins with its data; the client sends requests to the
-//! members that answer.
+//! members that answer. Waiters keep their places through all this (see
+//! [Transient failures](self#transient-failures)).
+//!
+//! A leader that stalls (a long pause, a slow disk, CPU starvation) while the others
+//! elect a successor can, in etcd before 3.4.31, 3.5.13 and 3.6.0, revoke as it resumes
+//! the leases it saw expire while it stood still, although its successor kept them
+//! alive: a holder's key is deleted and the next waiter is granted at once. The holder
+//! is told as soon as its watch sees the deletion (within a few milliseconds on a
+//! loopback cluster), normally before the waiter, which must read the queue again
+//! first; but both watches see the same deletion, so that order is not guaranteed.
+//! [`build`](EtcdBackendBuilder::build) names such a server in a warning, with its
+//! version; [`refuse_stale_leader_revocation`](EtcdBackendBuilder::refuse_stale_leader_revocation)
+//! refuses it.
 //!
 //! # What this backend does not guarantee
 //!
@@ -183,7 +195,16 @@
 //!
 //! - endpoints that belong to different etcd clusters (two cluster ids): each cluster
 //!   would grant the same key;
-//! - a drift margin of half the lease or more (no validity would be left).
+//! - a drift margin of half the lease or more (no validity would be left);
+//! - with [`refuse_stale_leader_revocation`](EtcdBackendBuilder::refuse_stale_leader_revocation),
+//!   a member whose etcd lets a stale leader revoke live leases (see
+//!   [Failures of the cluster](self#failures-of-the-cluster)); without it, such a
+//!   member is named in a warning.
+//!
+//! An endpoint that does not answer within the command timeout is named in a warning;
+//! if none answers, [`SetupError::Connect`] names each one (without credentials) with
+//! why, as in `cannot connect to etcd at http://etcd-0:2379: Unavailable: tcp connect
+//! error: Connection refused (os error 111)`.
 //!
 //! etcd decides the rest itself: the quorum, linearizable reads (this backend never
 //! asks for serializable ones), and a shortest lease (a longer TTL than asked only
@@ -192,18 +213,19 @@
 // One concern per file: `keys` names the etcd keys, `lease` queues, waits, renews and
 // gives back (etcd's steps of the `backend::ttl` engine), `failure` says which
 // failures are tried again and runs one step, `holder` reads the oldest key of a
-// queue. This file has the public types and their configuration.
+// queue, `setup` checks the endpoints when the backend is built. This file has the
+// public types and their configuration.
 mod failure;
 mod holder;
 mod keys;
 mod lease;
+mod setup;
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
-use tokio::time::timeout;
 
 use self::keys::{with_slash, LockKeys};
 use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
@@ -211,6 +233,7 @@ use crate::error::LockError;
 use crate::key::Key;
 
 pub use self::failure::EtcdLockError;
+pub use self::setup::{SetupError, Unreachable};
 
 /// The default [`EtcdBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -266,6 +289,7 @@ pub struct EtcdBackendBuilder {
     endpoints: Vec<String>,
     options: ConnectOptions,
     config: Config,
+    refuse_stale_leader: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -288,37 +312,6 @@ struct Inner {
     ttl: i64,
 }
 
-/// Why [`EtcdBackendBuilder::build`] failed.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SetupError {
-    /// No endpoint could be reached, or the client could not be built.
-    Connect(etcd_client::Error),
-    /// No endpoint answered within the command timeout.
-    TimedOut,
-    /// A setup that breaks a guarantee of the lock, named.
-    Unsafe(String),
-}
-
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SetupError::Connect(error) => write!(f, "cannot connect to etcd: {error}"),
-            SetupError::TimedOut => f.write_str("no etcd endpoint answered in time"),
-            SetupError::Unsafe(why) => write!(f, "unsafe etcd lock setup refused: {why}"),
-        }
-    }
-}
-
-impl std::error::Error for SetupError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            SetupError::Connect(error) => Some(error),
-            _ => None,
-        }
-    }
-}
-
 impl Config {
     fn drift(&self) -> Duration {
         self.drift.unwrap_or_else(|| ttl::default_drift(self.lease))
@@ -332,6 +325,7 @@ impl EtcdBackend {
         EtcdBackendBuilder {
             endpoints: endpoints.into_iter().map(Into::into).collect(),
             options: ConnectOptions::new(),
+            refuse_stale_leader: false,
             config: Config {
                 lease: DEFAULT_LEASE,
                 drift: None,
@@ -382,8 +376,14 @@ impl fmt::Debug for EtcdBackend {
 
 impl fmt::Debug for EtcdBackendBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let endpoints: Vec<String> = self
+            .endpoints
+            .iter()
+            .map(|endpoint| setup::without_credentials(endpoint))
+            .collect();
         f.debug_struct("EtcdBackendBuilder")
-            .field("endpoints", &self.endpoints)
+            .field("endpoints", &endpoints)
+            .field("refuse_stale_leader_revocation", &self.refuse_stale_leader)
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -431,7 +431,8 @@ impl EtcdBackendBuilder {
     /// 1 s). Past it an acquisition sends the request again while its wait lasts (a
     /// zero wait tries for one command timeout, then fails with
     /// [`LockError::Backend`]), a keep-alive counts as unanswered, and a release goes on
-    /// in the background. Also the connect timeout.
+    /// in the background. Also the connect timeout, and how long
+    /// [`build`](Self::build) waits for each endpoint.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.config.command_timeout = timeout.max(Duration::from_millis(1));
         self
@@ -460,14 +461,25 @@ impl EtcdBackendBuilder {
         self
     }
 
+    /// Whether [`build`](Self::build) refuses an etcd server that lets a leader that
+    /// stalled and resumed revoke leases its successor kept alive (etcd before 3.4.31,
+    /// 3.5.13 and 3.6.0; see [Failures of the cluster](self#failures-of-the-cluster)).
+    /// Default `false`: such a server is named in a warning.
+    pub fn refuse_stale_leader_revocation(mut self, refuse: bool) -> Self {
+        self.refuse_stale_leader = refuse;
+        self
+    }
+
     /// Connects, and checks the setup (see [Unsafe setups refused](self#unsafe-setups-refused)):
     /// every endpoint that answers within the command timeout must report the same
-    /// cluster id, and at least one must answer.
+    /// cluster id, and at least one must answer; an error names every endpoint that
+    /// did not (without credentials) and why.
     pub async fn build(self) -> Result<EtcdBackend, SetupError> {
         let Self {
             endpoints,
             options,
             config,
+            refuse_stale_leader,
         } = self;
         let drift = config.drift();
         if drift >= config.lease / 2 {
@@ -488,39 +500,19 @@ impl EtcdBackendBuilder {
             // A member without a leader fails requests at once instead of holding them.
             .with_require_leader(true);
 
-        let mut cluster_ids = Vec::new();
-        for endpoint in &endpoints {
-            let probe = async {
-                let mut client = Client::connect([endpoint], Some(options.clone())).await?;
-                client.status().await
-            };
-            match timeout(limit, probe).await {
-                Ok(Ok(status)) => {
-                    if let Some(header) = status.header() {
-                        cluster_ids.push((endpoint.clone(), header.cluster_id()));
-                    }
-                }
-                Ok(Err(error)) => tracing::warn!(%endpoint, %error, "etcd endpoint unreachable"),
-                Err(_) => tracing::warn!(%endpoint, "etcd endpoint did not answer in time"),
-            }
-        }
-        if cluster_ids.is_empty() {
-            return Err(SetupError::TimedOut);
-        }
-        if cluster_ids.iter().any(|(_, id)| *id != cluster_ids[0].1) {
-            let ids: Vec<String> = cluster_ids
-                .iter()
-                .map(|(endpoint, id)| format!("{endpoint} is in cluster {id:x}"))
-                .collect();
-            return Err(SetupError::Unsafe(format!(
-                "the endpoints belong to different etcd clusters ({}); each would grant \
-                 the same key",
-                ids.join(", ")
-            )));
-        }
+        setup::check_endpoints(&endpoints, &options, limit, refuse_stale_leader).await?;
         let client = Client::connect(&endpoints, Some(options))
             .await
-            .map_err(SetupError::Connect)?;
+            .map_err(|error| {
+                let shown: Vec<String> = endpoints
+                    .iter()
+                    .map(|endpoint| setup::without_credentials(endpoint))
+                    .collect();
+                SetupError::Connect(vec![Unreachable {
+                    endpoint: shown.join(", "),
+                    cause: Box::new(error),
+                }])
+            })?;
         let ttl = i64::try_from(config.lease.as_millis().div_ceil(1000)).unwrap_or(i64::MAX);
         Ok(EtcdBackend {
             inner: Arc::new(Inner {
