@@ -1,5 +1,5 @@
 //! A real 3-member etcd cluster (`etcd` from the Debian package `etcd-server`) on free
-//! ports of 127.0.0.1: start, stop, kill or restart one member, find the leader. Every
+//! ports of 127.0.0.1: start, stop, kill, pause or restart one member, find the leader. Every
 //! member is killed and its data directory removed on drop.
 #![allow(dead_code)]
 
@@ -161,6 +161,27 @@ impl EtcdCluster {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Stops member `index` (SIGSTOP): it keeps its sockets and state but does nothing,
+    /// like a process stalled by the scheduler or a slow disk, until [`resume`](Self::resume).
+    pub fn pause(&self, index: usize) {
+        self.signal(index, "-STOP");
+    }
+
+    /// Lets a member stopped by [`pause`](Self::pause) run again (SIGCONT).
+    pub fn resume(&self, index: usize) {
+        self.signal(index, "-CONT");
+    }
+
+    fn signal(&self, index: usize, signal: &str) {
+        let child = self.members[index].child.as_ref().expect("the member runs");
+        let sent = Command::new("kill")
+            .arg(signal)
+            .arg(child.id().to_string())
+            .status()
+            .is_ok_and(|status| status.success());
+        assert!(sent, "`kill {signal}` failed for etcd member {index}");
     }
 
     /// Kills every member.

@@ -6,8 +6,8 @@
 use etcd_client::{GetOptions, SortOrder, SortTarget};
 use tokio::time::timeout;
 
+use super::failure::EtcdLockError;
 use super::keys::LockKeys;
-use super::lease::EtcdLockError;
 use super::Inner;
 use crate::backend::Holder;
 use crate::error::LockError;

@@ -5,7 +5,6 @@
 //! guard) is the engine's (`backend::ttl`).
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
@@ -13,11 +12,11 @@ use etcd_client::{
     Client, EventType, GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
     SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
 };
-use tokio::sync::Mutex as AsyncMutex;
+use tokio::sync::{watch, Mutex as AsyncMutex};
 use tokio::task::AbortHandle;
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
-use tonic::Code;
 
+use super::failure::{backend, lease_not_found, step, EtcdLockError, Failure};
 use super::keys::LockKeys;
 use super::Inner;
 use crate::backend::ttl::{self, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend};
@@ -28,9 +27,9 @@ use crate::LockError;
 /// again, so a failing member is not hammered; the wait's deadline still bounds it.
 const REWATCH_PAUSE: Duration = Duration::from_millis(50);
 
-/// The pauses before a request refused as unavailable is sent again.
-const UNAVAILABLE_PAUSE_MIN: Duration = Duration::from_millis(5);
-const UNAVAILABLE_PAUSE_MAX: Duration = Duration::from_millis(100);
+/// The first pause before a contender that lost its place queues again (growing to
+/// the poll interval).
+const REQUEUE_PAUSE: Duration = Duration::from_millis(5);
 
 /// One contender: its etcd lease, the key attached to it, the keep-alive stream and
 /// the watch on its own key.
@@ -42,9 +41,9 @@ pub(super) struct Contender {
     /// after a failed one (a late answer on a stream dropped is never counted for a
     /// later send).
     keeper: AsyncMutex<Option<(LeaseKeeper, LeaseKeepAliveStream)>>,
-    /// Set when the watch on the holder's own key sees it deleted (by hand, or the
-    /// lease ran out): the next renewal says "not ours".
-    deleted: AtomicBool,
+    /// Set when the watch on the holder's own key sees it deleted (by hand, or its
+    /// lease revoked or run out): the lease is lost at once (see `TtlBackend::gone`).
+    deleted: watch::Sender<bool>,
     /// The task watching the holder's own key; stops with the contender.
     watch: Mutex<Option<AbortHandle>>,
 }
@@ -55,8 +54,26 @@ impl Contender {
             lease,
             key,
             keeper: AsyncMutex::new(None),
-            deleted: AtomicBool::new(false),
+            deleted: watch::Sender::new(false),
             watch: Mutex::new(None),
+        }
+    }
+
+    /// Whether the watch on the holder's own key saw it deleted.
+    fn is_deleted(&self) -> bool {
+        *self.deleted.borrow()
+    }
+
+    fn mark_deleted(&self) {
+        self.deleted.send_replace(true);
+    }
+
+    /// Resolves once the holder's key is seen deleted.
+    async fn deletion(&self) {
+        let mut deleted = self.deleted.subscribe();
+        if deleted.wait_for(|deleted| *deleted).await.is_err() {
+            // Never: the sender lives as long as the contender.
+            std::future::pending::<()>().await;
         }
     }
 }
@@ -79,59 +96,73 @@ impl Drop for Contender {
     }
 }
 
-/// Why an acquisition failed at etcd (inside [`LockError::Backend`]).
-#[derive(Debug)]
-pub enum EtcdLockError {
-    /// etcd did not answer a step within the command timeout.
-    TimedOut(&'static str),
-    /// The waiter's own lease ran out while it queued (its keep-alives did not get
-    /// through): its place in the queue is gone.
-    LeaseLostWhileQueued,
-    /// An answer that the lock recipe cannot use.
-    Unexpected(&'static str),
-}
-
-impl fmt::Display for EtcdLockError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            EtcdLockError::TimedOut(step) => {
-                write!(f, "etcd did not answer within the command timeout ({step})")
-            }
-            EtcdLockError::LeaseLostWhileQueued => {
-                f.write_str("the waiter's etcd lease ran out while it queued")
-            }
-            EtcdLockError::Unexpected(what) => write!(f, "unexpected etcd answer: {what}"),
-        }
-    }
-}
-
-impl std::error::Error for EtcdLockError {}
-
-fn backend(error: impl std::error::Error + Send + Sync + 'static) -> LockError {
-    LockError::Backend(Box::new(error))
-}
-
 /// What one look at the queue found.
 enum Queue {
     /// No older contender: the lock is ours.
     First,
     /// The newest older contender's key, and the revision the look was made at.
-    Behind { predecessor: Vec<u8>, revision: i64 },
+    Behind { key: Vec<u8>, revision: i64 },
+}
+
+/// What one round of contention (one lease, one place in the queue) came to.
+enum Round {
+    Granted(Lease),
+    /// The contender's place is gone (its lease ran out at etcd, or joining the queue
+    /// failed): join again with a new lease if the wait allows, else fail with this.
+    Requeue(LockError),
+}
+
+/// What a wait that ends now returns: the failure of the last look if none was
+/// answered since (etcd could not be read), else a timeout.
+fn out_of_time(failing: Option<LockError>) -> LockError {
+    failing.unwrap_or(LockError::Timeout)
 }
 
 impl Inner {
+    /// Queues for the lock until granted or the wait ends. A contender whose place is
+    /// gone (its lease ran out at etcd, or joining the queue failed) joins again with a
+    /// new lease, behind those queued meanwhile, as long as the wait lasts.
     pub(super) async fn acquire(
         self: Arc<Self>,
         keys: LockKeys,
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let deadline = ttl::deadline_after(wait);
+        // The first round's lease and queue requests may run a command timeout past a
+        // shorter wait (a zero wait still tries once); a later round's end with it.
+        let mut budget = deadline.max(Instant::now() + self.config.command_timeout);
+        let mut backoff = Backoff::new(REQUEUE_PAUSE, self.config.poll_interval);
+        loop {
+            match self.contend(&keys, deadline, budget).await? {
+                Round::Granted(lease) => return Ok(lease),
+                Round::Requeue(why) => {
+                    let pause = backoff.pause();
+                    if Instant::now() + pause >= deadline {
+                        return Err(why);
+                    }
+                    tracing::debug!(error = %why, "etcd contender lost its place; queueing again");
+                    sleep(pause).await;
+                    budget = deadline;
+                }
+            }
+        }
+    }
+
+    /// One round: a lease, a place in the queue, and the wait for every older
+    /// contender to leave. Requests of the lease and the queue end by `budget`; the
+    /// wait ends at `deadline`.
+    async fn contend(
+        self: &Arc<Self>,
+        keys: &LockKeys,
+        deadline: Instant,
+        budget: Instant,
+    ) -> Result<Round, LockError> {
         let command_timeout = self.config.command_timeout;
 
         // 1. A lease of this contender's own. A grant whose answer never comes leaves a
         // lease with no key attached, which expires by itself.
         let granted_at = Instant::now();
-        let grant = step(granted_at + command_timeout, || {
+        let grant = step(budget, command_timeout, || {
             let mut leases = self.client.lease_client();
             let ttl = self.ttl;
             async move { leases.grant(ttl, None).await }
@@ -156,8 +187,10 @@ impl Inner {
         // 2. Join the queue: the key, attached to the lease, and in the same
         // transaction the oldest contender and the key itself. The key's create
         // revision is its place in the queue and the fencing token. A retried
-        // transaction puts the same key again: its create revision stays.
-        let answer = step(Instant::now() + command_timeout, || {
+        // transaction puts the same key again: its create revision stays. Retried only
+        // while the lease is surely alive (nothing renews it yet).
+        let join_until = budget.min(self.valid_until(confirmed));
+        let joined = step(join_until, command_timeout, || {
             let mut kv = self.client.kv_client();
             let queued = Txn::new().and_then([
                 TxnOp::put(
@@ -173,83 +206,103 @@ impl Inner {
             ]);
             async move { kv.txn(queued).await }
         })
-        .await
-        .map_err(|failure| failure.into_error("joining the queue"))?;
+        .await;
+        let answer = match joined {
+            Ok(answer) => answer,
+            // The lease ran out before the key was put: a new one, a new place.
+            Err(Failure::Etcd(error)) if lease_not_found(&error) => {
+                return Ok(Round::Requeue(backend(EtcdLockError::LeaseLostWhileQueued)))
+            }
+            Err(failure) if failure.transient() && Instant::now() < deadline => {
+                return Ok(Round::Requeue(failure.into_error("joining the queue")))
+            }
+            Err(failure) => return Err(failure.into_error("joining the queue")),
+        };
         let (_, place) = first_key(&answer, 2)
             .ok_or_else(|| backend(EtcdLockError::Unexpected("the key just put is not there")))?;
-        let oldest = first_key(&answer, 1).map(|(key, _)| key);
-        let mut queue = if oldest.as_deref() == Some(contender.key.as_bytes()) {
-            Queue::First
-        } else {
-            Queue::Behind {
-                predecessor: Vec::new(),
-                revision: 0,
-            }
-        };
+        let mut first =
+            first_key(&answer, 1).map(|(key, _)| key).as_deref() == Some(contender.key.as_bytes());
 
         // 3. Wait for every older contender to leave: watch the newest older one's
         // key, look again when it is deleted (or the backstop poll fires), keep this
-        // waiter's lease alive meanwhile, and stop at the deadline.
+        // waiter's lease alive meanwhile, and stop at the deadline. A look that fails
+        // for a transient reason is tried again after a jittered pause: only the wait
+        // bounds the waiting, and only etcd's word that the lease is gone ends the
+        // place.
         let period = self.config.lease / 3;
         let mut next_keep_alive = confirmed + period;
+        let mut retry = Backoff::new(REWATCH_PAUSE, self.config.poll_interval);
+        // Why the last look failed, if none was answered since: what the wait ends
+        // with if it ends now (else a timeout).
+        let mut failing: Option<LockError> = None;
         loop {
-            if let Queue::Behind { .. } = queue {
-                if Instant::now() >= deadline {
-                    return Err(LockError::Timeout);
+            let mut predecessor = None;
+            if !first {
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(out_of_time(failing));
                 }
-                let limit = (Instant::now() + command_timeout).min(deadline);
-                queue = match self.look(&keys, &contender, place, limit).await {
-                    Ok(found) => found,
-                    Err(Failure::Gone) => return Err(backend(EtcdLockError::LeaseLostWhileQueued)),
-                    Err(Failure::TimedOut) if limit == deadline => return Err(LockError::Timeout),
-                    Err(Failure::TimedOut) => {
-                        return Err(backend(EtcdLockError::TimedOut("reading the queue")))
+                let limit = (now + command_timeout).min(deadline);
+                match self.look(keys, &contender, place, limit).await {
+                    Ok(Queue::First) => first = true,
+                    Ok(Queue::Behind { key, revision }) => {
+                        failing = None;
+                        retry = Backoff::new(REWATCH_PAUSE, self.config.poll_interval);
+                        predecessor = Some((key, revision));
                     }
-                    Err(Failure::Etcd(error)) => return Err(backend(error)),
-                };
+                    Err(Failure::Gone) => {
+                        return Ok(Round::Requeue(backend(EtcdLockError::LeaseLostWhileQueued)))
+                    }
+                    Err(failure) if failure.transient() => {
+                        tracing::debug!("etcd queue read failed; looking again");
+                        failing = Some(failure.into_error("reading the queue"));
+                    }
+                    Err(failure) => return Err(failure.into_error("reading the queue")),
+                }
             }
-            let (predecessor, revision) = match &queue {
-                Queue::First => {
-                    if Instant::now() >= self.valid_until(confirmed) {
-                        // The place was ours, but too late to count on the lease.
-                        return Err(backend(EtcdLockError::LeaseLostWhileQueued));
-                    }
+            if first {
+                if Instant::now() < self.valid_until(confirmed) {
                     in_flight.granted();
                     self.watch_own_key(&contender, place);
                     let fence = u64::try_from(place).ok();
-                    return Ok(ttl::grant(
-                        &self,
+                    return Ok(Round::Granted(ttl::grant(
+                        self,
                         contender,
                         String::new(),
                         fence,
                         confirmed,
-                    ));
+                    )));
                 }
-                Queue::Behind {
-                    predecessor,
-                    revision,
-                } => (predecessor.clone(), *revision),
-            };
+                // The place is ours, but the lease is not known to live long enough:
+                // renew it now, then look again.
+                first = false;
+                next_keep_alive = Instant::now();
+            }
 
             // Events after the look: the predecessor's deletion cannot slip between.
-            let options = WatchOptions::new()
-                .with_start_revision(revision + 1)
-                .with_filters([WatchFilterType::NoPut]);
-            let watch_limit = (Instant::now() + command_timeout).min(deadline);
-            let watch = step(watch_limit, || {
-                let mut watches = self.client.watch_client();
-                let (predecessor, options) = (predecessor.clone(), options.clone());
-                async move { watches.watch(predecessor, Some(options)).await }
-            });
-            let mut stream = match watch.await {
-                Ok(stream) => Some(stream),
-                // The backstop poll below looks again; the keep-alive goes on.
-                Err(_) => {
-                    tracing::debug!("etcd watch failed; polling");
-                    None
+            let mut stream = None;
+            if let Some((key, revision)) = predecessor {
+                let options = WatchOptions::new()
+                    .with_start_revision(revision + 1)
+                    .with_filters([WatchFilterType::NoPut]);
+                let watch_limit = (Instant::now() + command_timeout).min(deadline);
+                let watch = step(watch_limit, command_timeout, || {
+                    let mut watches = self.client.watch_client();
+                    let (key, options) = (key.clone(), options.clone());
+                    async move { watches.watch(key, Some(options)).await }
+                });
+                match watch.await {
+                    Ok(watching) => stream = Some(watching),
+                    // The backstop below looks again; the keep-alive goes on.
+                    Err(_) => tracing::debug!("etcd watch failed; polling"),
                 }
-            };
-            let backstop = Instant::now() + jitter(self.config.poll_interval);
+            }
+            // Without a watch (it failed, or the look did), look again soon.
+            let backstop = Instant::now()
+                + match stream {
+                    Some(_) => jitter(self.config.poll_interval),
+                    None => retry.pause(),
+                };
             loop {
                 let message = async {
                     match stream.as_mut() {
@@ -259,10 +312,10 @@ impl Inner {
                 };
                 tokio::select! {
                     biased;
-                    () = sleep_until(deadline) => return Err(LockError::Timeout),
+                    () = sleep_until(deadline) => return Err(out_of_time(failing)),
                     () = sleep_until(next_keep_alive) => {
                         let sent = Instant::now();
-                        let limit = (sent + command_timeout).min(self.valid_until(confirmed));
+                        let limit = (sent + command_timeout).min(deadline);
                         match self.keep_alive(&contender, limit).await {
                             Renewal::Renewed => {
                                 confirmed = sent;
@@ -270,14 +323,13 @@ impl Inner {
                                 next_keep_alive = sent + period;
                             }
                             Renewal::NotOurs => {
-                                return Err(backend(EtcdLockError::LeaseLostWhileQueued))
+                                return Ok(Round::Requeue(backend(
+                                    EtcdLockError::LeaseLostWhileQueued,
+                                )))
                             }
-                            Renewal::Unknown => {
-                                if Instant::now() >= self.valid_until(confirmed) {
-                                    return Err(backend(EtcdLockError::LeaseLostWhileQueued));
-                                }
-                                next_keep_alive = Instant::now() + period / 4;
-                            }
+                            // A waiter holds nothing: it keeps its place for as long
+                            // as etcd keeps its lease, and asks again.
+                            Renewal::Unknown => next_keep_alive = Instant::now() + period / 4,
                         }
                     }
                     () = sleep_until(backstop) => break,
@@ -330,7 +382,7 @@ impl Inner {
                 Some(GetOptions::new().with_keys_only()),
             ),
         ]);
-        let answer = step(limit, || {
+        let answer = step(limit, self.config.command_timeout, || {
             let mut kv = self.client.kv_client();
             let look = look.clone();
             async move { kv.txn(look).await }
@@ -345,10 +397,7 @@ impl Inner {
             .ok_or(Failure::TimedOut)?;
         Ok(match first_key(&answer, 0) {
             None => Queue::First,
-            Some((predecessor, _)) => Queue::Behind {
-                predecessor,
-                revision,
-            },
+            Some((key, _)) => Queue::Behind { key, revision },
         })
     }
 
@@ -356,7 +405,7 @@ impl Inner {
     /// stream (opened by the first renewal). "Not ours" when etcd answers that the
     /// lease is gone, or the watch on the holder's key saw it deleted.
     async fn keep_alive(&self, contender: &Contender, limit: Instant) -> Renewal {
-        if contender.deleted.load(SeqCst) {
+        if contender.is_deleted() {
             return Renewal::NotOurs;
         }
         let mut slot = contender.keeper.lock().await;
@@ -365,11 +414,7 @@ impl Inner {
         let renewal = match answer {
             Ok(Ok(true)) => Renewal::Renewed,
             Ok(Ok(false)) => Renewal::NotOurs,
-            Ok(Err(etcd_client::Error::LeaseKeepAliveError(message)))
-                if message.contains("lease not found") =>
-            {
-                Renewal::NotOurs
-            }
+            Ok(Err(error)) if lease_not_found(&error) => Renewal::NotOurs,
             Ok(Err(error)) => {
                 tracing::debug!(%error, "etcd lease keep-alive failed");
                 Renewal::Unknown
@@ -380,14 +425,14 @@ impl Inner {
             // A late answer on this stream must not count for a later send.
             *slot = None;
         }
-        if contender.deleted.load(SeqCst) {
+        if contender.is_deleted() {
             return Renewal::NotOurs;
         }
         renewal
     }
 
     /// Watches the holder's own key from its creation on, and marks the contender
-    /// when it is deleted: the next renewal then says the lease is not ours.
+    /// when it is deleted: its lease is lost at once.
     fn watch_own_key(&self, contender: &Arc<Contender>, place: i64) {
         let task = tokio::spawn(watch_key(
             self.client.clone(),
@@ -409,9 +454,7 @@ impl Inner {
         let limit = Instant::now() + self.config.command_timeout;
         match timeout_at(limit, leases.revoke(contender.lease)).await {
             Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(etcd_client::Error::GRpcStatus(status))) if status.code() == Code::NotFound => {
-                GiveBack::NotOurs
-            }
+            Ok(Err(error)) if lease_not_found(&error) => GiveBack::NotOurs,
             Ok(Err(error)) => {
                 tracing::debug!(%error, "etcd lease revoke failed");
                 GiveBack::NoAnswer
@@ -420,25 +463,6 @@ impl Inner {
                 tracing::debug!("etcd lease revoke timed out");
                 GiveBack::NoAnswer
             }
-        }
-    }
-}
-
-/// Why a step failed.
-enum Failure {
-    /// The contender's key is gone: its lease expired.
-    Gone,
-    TimedOut,
-    Etcd(etcd_client::Error),
-}
-
-impl Failure {
-    /// The error of an acquisition whose step `what` failed (before its deadline).
-    fn into_error(self, what: &'static str) -> LockError {
-        match self {
-            Failure::Gone => backend(EtcdLockError::LeaseLostWhileQueued),
-            Failure::TimedOut => backend(EtcdLockError::TimedOut(what)),
-            Failure::Etcd(error) => backend(error),
         }
     }
 }
@@ -461,37 +485,6 @@ fn first_key(answer: &TxnResponse, index: usize) -> Option<(Vec<u8>, i64)> {
             .first()
             .map(|kv| (kv.key().to_vec(), kv.create_revision())),
         _ => None,
-    }
-}
-
-/// Whether etcd refused a request as unavailable (no connection to that member, no
-/// leader): sent again, it may reach a member that serves.
-fn unavailable(error: &etcd_client::Error) -> bool {
-    matches!(error, etcd_client::Error::GRpcStatus(status) if status.code() == Code::Unavailable)
-}
-
-/// Runs one request until it is answered, or `limit` passes; a request refused as
-/// unavailable is sent again after a short jittered pause (the client's balancer then
-/// picks another member). Every step is safe to repeat: a lease granted twice leaves
-/// one without a key, which expires; the queue's put writes the same key again.
-async fn step<T, Fut>(limit: Instant, mut request: impl FnMut() -> Fut) -> Result<T, Failure>
-where
-    Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
-{
-    let mut backoff = Backoff::new(UNAVAILABLE_PAUSE_MIN, UNAVAILABLE_PAUSE_MAX);
-    loop {
-        match timeout_at(limit, request()).await {
-            Err(_) => return Err(Failure::TimedOut),
-            Ok(Ok(answer)) => return Ok(answer),
-            Ok(Err(error)) if unavailable(&error) => {
-                let pause = backoff.pause();
-                if Instant::now() + pause >= limit {
-                    return Err(Failure::Etcd(error));
-                }
-                sleep(pause).await;
-            }
-            Ok(Err(error)) => return Err(Failure::Etcd(error)),
-        }
     }
 }
 
@@ -545,7 +538,7 @@ async fn watch_key(
                     .any(|event| event.event_type() == EventType::Delete)
                 {
                     if let Some(contender) = contender.upgrade() {
-                        contender.deleted.store(true, SeqCst);
+                        contender.mark_deleted();
                     }
                     return;
                 }
@@ -564,7 +557,7 @@ async fn watch_key(
         if let Ok(Ok(found)) = tokio::time::timeout(command_timeout, look).await {
             if found.kvs().is_empty() {
                 if let Some(contender) = contender.upgrade() {
-                    contender.deleted.store(true, SeqCst);
+                    contender.mark_deleted();
                 }
                 return;
             }
@@ -594,6 +587,13 @@ impl TtlBackend for Inner {
         limit: Instant,
     ) -> Renewal {
         self.keep_alive(contender, limit).await
+    }
+
+    /// The watch on the holder's own key saw it deleted: by hand, or with its lease
+    /// (revoked, expired, or revoked by a stale leader). The next waiter may hold the
+    /// key already.
+    async fn gone(&self, contender: &Arc<Contender>) {
+        contender.deletion().await;
     }
 
     async fn try_give_back(&self, contender: &Arc<Contender>, _token: &str) -> GiveBack {

@@ -75,7 +75,8 @@
 //!   lock once no older key is left. Keys pass in FIFO order across instances. A watch
 //!   that breaks, and a jittered [`poll_interval`](EtcdBackendBuilder::poll_interval),
 //!   make the waiter look again too: a lost watch only costs latency. Only the request's
-//!   wait bounds the waiting, never a number of attempts; at its end the waiter's lease
+//!   wait bounds the waiting, never a number of attempts nor a failure that can pass
+//!   (see [Transient failures](self#transient-failures)); at its end the waiter's lease
 //!   is revoked, which removes its key from the queue.
 //! - **Fencing token.** The holder key's create revision
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): strictly
@@ -91,8 +92,9 @@
 //!   keep-alive every lease/3 on one keep-alive stream kept open for the lease (one
 //!   message each way; a stream that failed or timed out is dropped and a new one
 //!   opened, so a late answer never counts for a later send). A holder also watches
-//!   its own key: a deletion by hand marks it, and the next renewal declares the lease
-//!   lost. Renewal stops when the lease is released, dropped or lost.
+//!   its own key: when it is deleted (by hand, or with its lease revoked), the lease is
+//!   declared lost at once, not at the next renewal. Renewal stops when the lease is
+//!   released, dropped or lost.
 //! - **Release.** The lease is revoked, which deletes the key with it: the next waiter's
 //!   watch fires. If etcd cannot be reached within the command timeout, the revocation
 //!   is retried in the background until the lease would have expired anyway.
@@ -101,10 +103,22 @@
 //!   future dropped at any await). A grant whose answer never came leaves a lease with no
 //!   key attached, which expires by itself and blocks nobody.
 //!
-//! Every request is bounded by [`command_timeout`](EtcdBackendBuilder::command_timeout):
-//! when etcd is down or silent, acquisitions fail with [`LockError::Backend`] promptly
-//! and the layer answers 503 (or runs the request under its local lock with
-//! [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//! # Transient failures
+//!
+//! Every request is bounded by [`command_timeout`](EtcdBackendBuilder::command_timeout).
+//! One that fails for a reason that can pass — no answer in time, a member down,
+//! restarting or unreachable, a connection reset or broken, a leader election or no
+//! leader, etcd overloaded — is sent again after a short jittered pause (the client
+//! then picks a member that answers), and a waiter whose look at the queue failed looks
+//! again after a jittered pause growing from 25–50 ms to the poll interval, keeping its
+//! lease alive meanwhile: it keeps its place for as long as etcd keeps its lease. A
+//! definite answer (the lease not found, a request etcd refuses) ends the step at once;
+//! a waiter whose lease etcd no longer has queues again with a new one, behind those
+//! who queued meanwhile. Only the wait ends the waiting: when etcd stays down or silent,
+//! an acquisition fails with [`LockError::Backend`] at the end of its wait (a zero wait
+//! after one command timeout), and the layer answers 503 (or runs the request under its
+//! local lock with [`fail_open`](crate::KeyedLockLayer::fail_open)); it fails with
+//! [`LockError::Timeout`] if etcd answered its last look.
 //!
 //! # Who holds a key
 //!
@@ -120,10 +134,12 @@
 //! | what | when |
 //! |---|---|
 //! | keep-alive (holders and waiters) | every lease/3 after the last answered one; retried every lease/12 while unanswered |
-//! | a holder counts its lease lost | send time of the last answered grant or keep-alive + lease − drift margin (default 1% of the lease + 2 ms), or at the first "lease not found" / its key seen deleted |
+//! | a holder counts its lease lost | send time of the last answered grant or keep-alive + lease − drift margin (default 1% of the lease + 2 ms), or at the first "lease not found", or at once when its watch sees its key deleted |
 //! | etcd frees a stopped holder's key | one granted TTL after the leader last heard of it; a new leader adds up to an election timeout |
 //! | one request (grant, transaction, read, keep-alive, revoke) | at most the command timeout (default 1 s) |
 //! | a waiter looks again without a watch event | after a jittered poll interval (default 1 s) |
+//! | a request that failed for a transient reason | sent again after 2.5–5 ms, the pause doubling up to 50–100 ms, within its step |
+//! | a waiter's look at the queue that failed | tried again after 25–50 ms, the pause doubling up to the poll interval, until the wait ends |
 //!
 //! # Failures of the cluster
 //!
@@ -134,7 +150,19 @@
 //! A holder cut off from the quorum (a partitioned member, a majority down) cannot
 //! renew; it is told at its local deadline, before etcd (whose TTL counts later) frees
 //! its key. A member restarted rejoins with its data; the client sends requests to the
-//! members that answer.
+//! members that answer. Waiters keep their places through all this (see
+//! [Transient failures](self#transient-failures)).
+//!
+//! A leader that stalls (a long pause, a slow disk, CPU starvation) while the others
+//! elect a successor can, in etcd before 3.4.31, 3.5.13 and 3.6.0, revoke as it resumes
+//! the leases it saw expire while it stood still, although its successor kept them
+//! alive: a holder's key is deleted and the next waiter is granted at once. The holder
+//! is told as soon as its watch sees the deletion (within a few milliseconds on a
+//! loopback cluster), normally before the waiter, which must read the queue again
+//! first; but both watches see the same deletion, so that order is not guaranteed.
+//! [`build`](EtcdBackendBuilder::build) names such a server in a warning, with its
+//! version; [`refuse_stale_leader_revocation`](EtcdBackendBuilder::refuse_stale_leader_revocation)
+//! refuses it.
 //!
 //! # What this backend does not guarantee
 //!
@@ -151,10 +179,11 @@
 //!   from an older revision and can issue tokens issued before. Restoring also brings
 //!   back the contender keys of that moment, whose leases are gone: they are deleted
 //!   when etcd expires those leases.
-//! - **Keys deleted by hand.** An operator's `etcdctl del` of a holder's key grants the
-//!   lock to the next waiter at once; the holder learns it at its next renewal, up to
-//!   lease/3 later. Keep the prefix away from other writers (etcd's role-based access
-//!   control can).
+//! - **Keys deleted by hand.** An operator's `etcdctl del` of a holder's key (or
+//!   `etcdctl lease revoke` of its lease) grants the lock to the next waiter at once;
+//!   the holder learns it from its watch on its key at the same time, normally first
+//!   (the waiter reads the queue again before it holds), but not by a guarantee. Keep
+//!   the prefix away from other writers (etcd's role-based access control can).
 //! - **Shared holders and permits.** The reader/writer and n-permit recipes fit this
 //!   queue (a reader waits only for older writers; a permit holder for the n-th older
 //!   key), but are not built yet: one holder per key.
@@ -166,32 +195,45 @@
 //!
 //! - endpoints that belong to different etcd clusters (two cluster ids): each cluster
 //!   would grant the same key;
-//! - a drift margin of half the lease or more (no validity would be left).
+//! - a drift margin of half the lease or more (no validity would be left);
+//! - with [`refuse_stale_leader_revocation`](EtcdBackendBuilder::refuse_stale_leader_revocation),
+//!   a member whose etcd lets a stale leader revoke live leases (see
+//!   [Failures of the cluster](self#failures-of-the-cluster)); without it, such a
+//!   member is named in a warning.
+//!
+//! An endpoint that does not answer within the command timeout is named in a warning;
+//! if none answers, [`SetupError::Connect`] names each one (without credentials) with
+//! why, as in `cannot connect to etcd at http://etcd-0:2379: Unavailable: tcp connect
+//! error: Connection refused (os error 111)`.
 //!
 //! etcd decides the rest itself: the quorum, linearizable reads (this backend never
 //! asks for serializable ones), and a shortest lease (a longer TTL than asked only
 //! delays the takeover of a crashed holder's key, never the holder's own deadline).
 
 // One concern per file: `keys` names the etcd keys, `lease` queues, waits, renews and
-// gives back (etcd's steps of the `backend::ttl` engine), `holder` reads the oldest
-// key of a queue. This file has the public types and their configuration.
+// gives back (etcd's steps of the `backend::ttl` engine), `failure` says which
+// failures are tried again and runs one step, `holder` reads the oldest key of a
+// queue, `setup` checks the endpoints when the backend is built. This file has the
+// public types and their configuration.
+mod failure;
 mod holder;
 mod keys;
 mod lease;
+mod setup;
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
-use tokio::time::timeout;
 
 use self::keys::{with_slash, LockKeys};
 use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
-pub use self::lease::EtcdLockError;
+pub use self::failure::EtcdLockError;
+pub use self::setup::{SetupError, Unreachable};
 
 /// The default [`EtcdBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -247,6 +289,7 @@ pub struct EtcdBackendBuilder {
     endpoints: Vec<String>,
     options: ConnectOptions,
     config: Config,
+    refuse_stale_leader: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -269,37 +312,6 @@ struct Inner {
     ttl: i64,
 }
 
-/// Why [`EtcdBackendBuilder::build`] failed.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SetupError {
-    /// No endpoint could be reached, or the client could not be built.
-    Connect(etcd_client::Error),
-    /// No endpoint answered within the command timeout.
-    TimedOut,
-    /// A setup that breaks a guarantee of the lock, named.
-    Unsafe(String),
-}
-
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SetupError::Connect(error) => write!(f, "cannot connect to etcd: {error}"),
-            SetupError::TimedOut => f.write_str("no etcd endpoint answered in time"),
-            SetupError::Unsafe(why) => write!(f, "unsafe etcd lock setup refused: {why}"),
-        }
-    }
-}
-
-impl std::error::Error for SetupError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            SetupError::Connect(error) => Some(error),
-            _ => None,
-        }
-    }
-}
-
 impl Config {
     fn drift(&self) -> Duration {
         self.drift.unwrap_or_else(|| ttl::default_drift(self.lease))
@@ -313,6 +325,7 @@ impl EtcdBackend {
         EtcdBackendBuilder {
             endpoints: endpoints.into_iter().map(Into::into).collect(),
             options: ConnectOptions::new(),
+            refuse_stale_leader: false,
             config: Config {
                 lease: DEFAULT_LEASE,
                 drift: None,
@@ -363,8 +376,14 @@ impl fmt::Debug for EtcdBackend {
 
 impl fmt::Debug for EtcdBackendBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let endpoints: Vec<String> = self
+            .endpoints
+            .iter()
+            .map(|endpoint| setup::without_credentials(endpoint))
+            .collect();
         f.debug_struct("EtcdBackendBuilder")
-            .field("endpoints", &self.endpoints)
+            .field("endpoints", &endpoints)
+            .field("refuse_stale_leader_revocation", &self.refuse_stale_leader)
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -409,9 +428,11 @@ impl EtcdBackendBuilder {
     }
 
     /// The longest one request to etcd may take (default [`DEFAULT_COMMAND_TIMEOUT`],
-    /// 1 s). Past it the acquisition fails with [`LockError::Backend`], a keep-alive
-    /// counts as unanswered, and a release goes on in the background. Also the connect
-    /// timeout.
+    /// 1 s). Past it an acquisition sends the request again while its wait lasts (a
+    /// zero wait tries for one command timeout, then fails with
+    /// [`LockError::Backend`]), a keep-alive counts as unanswered, and a release goes on
+    /// in the background. Also the connect timeout, and how long
+    /// [`build`](Self::build) waits for each endpoint.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.config.command_timeout = timeout.max(Duration::from_millis(1));
         self
@@ -440,14 +461,25 @@ impl EtcdBackendBuilder {
         self
     }
 
+    /// Whether [`build`](Self::build) refuses an etcd server that lets a leader that
+    /// stalled and resumed revoke leases its successor kept alive (etcd before 3.4.31,
+    /// 3.5.13 and 3.6.0; see [Failures of the cluster](self#failures-of-the-cluster)).
+    /// Default `false`: such a server is named in a warning.
+    pub fn refuse_stale_leader_revocation(mut self, refuse: bool) -> Self {
+        self.refuse_stale_leader = refuse;
+        self
+    }
+
     /// Connects, and checks the setup (see [Unsafe setups refused](self#unsafe-setups-refused)):
     /// every endpoint that answers within the command timeout must report the same
-    /// cluster id, and at least one must answer.
+    /// cluster id, and at least one must answer; an error names every endpoint that
+    /// did not (without credentials) and why.
     pub async fn build(self) -> Result<EtcdBackend, SetupError> {
         let Self {
             endpoints,
             options,
             config,
+            refuse_stale_leader,
         } = self;
         let drift = config.drift();
         if drift >= config.lease / 2 {
@@ -468,39 +500,19 @@ impl EtcdBackendBuilder {
             // A member without a leader fails requests at once instead of holding them.
             .with_require_leader(true);
 
-        let mut cluster_ids = Vec::new();
-        for endpoint in &endpoints {
-            let probe = async {
-                let mut client = Client::connect([endpoint], Some(options.clone())).await?;
-                client.status().await
-            };
-            match timeout(limit, probe).await {
-                Ok(Ok(status)) => {
-                    if let Some(header) = status.header() {
-                        cluster_ids.push((endpoint.clone(), header.cluster_id()));
-                    }
-                }
-                Ok(Err(error)) => tracing::warn!(%endpoint, %error, "etcd endpoint unreachable"),
-                Err(_) => tracing::warn!(%endpoint, "etcd endpoint did not answer in time"),
-            }
-        }
-        if cluster_ids.is_empty() {
-            return Err(SetupError::TimedOut);
-        }
-        if cluster_ids.iter().any(|(_, id)| *id != cluster_ids[0].1) {
-            let ids: Vec<String> = cluster_ids
-                .iter()
-                .map(|(endpoint, id)| format!("{endpoint} is in cluster {id:x}"))
-                .collect();
-            return Err(SetupError::Unsafe(format!(
-                "the endpoints belong to different etcd clusters ({}); each would grant \
-                 the same key",
-                ids.join(", ")
-            )));
-        }
+        setup::check_endpoints(&endpoints, &options, limit, refuse_stale_leader).await?;
         let client = Client::connect(&endpoints, Some(options))
             .await
-            .map_err(SetupError::Connect)?;
+            .map_err(|error| {
+                let shown: Vec<String> = endpoints
+                    .iter()
+                    .map(|endpoint| setup::without_credentials(endpoint))
+                    .collect();
+                SetupError::Connect(vec![Unreachable {
+                    endpoint: shown.join(", "),
+                    cause: Box::new(error),
+                }])
+            })?;
         let ttl = i64::try_from(config.lease.as_millis().div_ceil(1000)).unwrap_or(i64::MAX);
         Ok(EtcdBackend {
             inner: Arc::new(Inner {

@@ -40,8 +40,8 @@ pub(crate) fn grant<B: TtlBackend>(
 }
 
 /// Keeps a lease acquired at `acquired_at` alive, and raises `lost` at its local
-/// deadline or at the first answer saying it is not ours. Aborted when the lease is
-/// released or dropped.
+/// deadline, at the first answer saying it is not ours, or as soon as the backend shows
+/// the hold gone. Aborted when the lease is released or dropped.
 async fn keep<B: TtlBackend>(
     backend: Arc<B>,
     target: B::Target,
@@ -56,18 +56,20 @@ async fn keep<B: TtlBackend>(
     // `valid_until`; the signal holds the same deadline.
     let mut valid_until = timing.valid_until(acquired_at, timing.first_ttl());
     let mut next = acquired_at + period;
+    let gone = backend.gone(&target);
+    tokio::pin!(gone);
     loop {
         let renew = timing.renewal && hold_end.is_none_or(|end| next < end);
-        if !renew {
-            sleep_until(valid_until).await;
-            break;
-        }
         // The deadline first: once it has passed, the lease is lost even if it is also
         // time to renew.
         tokio::select! {
             biased;
             () = sleep_until(valid_until) => break,
-            () = sleep_until(next) => {}
+            () = &mut gone => {
+                lost.lose(LostReason::NotOwner);
+                return;
+            }
+            () = sleep_until(next), if renew => {}
         }
         let sent = Instant::now();
         let ttl = hold_end
@@ -77,7 +79,12 @@ async fn keep<B: TtlBackend>(
             .max(Duration::from_millis(1));
         // An answer after the deadline comes too late to count.
         let limit = (sent + timing.command_timeout).min(valid_until);
-        match backend.renew(&target, &token, ttl, sent, limit).await {
+        let renewal = tokio::select! {
+            biased;
+            () = &mut gone => Renewal::NotOurs,
+            renewal = backend.renew(&target, &token, ttl, sent, limit) => renewal,
+        };
+        match renewal {
             Renewal::Renewed => {
                 valid_until = timing.valid_until(sent, ttl);
                 if !lost.extend(valid_until) {

@@ -155,6 +155,14 @@ pub(crate) trait TtlBackend: Send + Sync + 'static {
         limit: Instant,
     ) -> impl Future<Output = Renewal> + Send;
 
+    /// Resolves when the engine shows, before any renewal would, that the hold on
+    /// `target` is gone (etcd: a watch saw the holder's key deleted); the lease is then
+    /// lost at once. Never, by default.
+    fn gone(&self, target: &Self::Target) -> impl Future<Output = ()> + Send {
+        let _ = target;
+        std::future::pending()
+    }
+
     /// Clears `target` if `token` holds it; one try, bounded by the command timeout.
     fn try_give_back(
         &self,
