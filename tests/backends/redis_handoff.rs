@@ -12,8 +12,7 @@ use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{Key, LockBackend};
 
-use crate::support::fixtures::within;
-use crate::support::instances::until;
+use crate::support::fixtures::{until, within};
 use crate::support::redis_server::{command_calls, RedisServer};
 use crate::support::tcp_proxy::TcpProxy;
 

@@ -836,6 +836,15 @@ impl LockBackend for Counting {
     }
 }
 
+/// Waits until the async `condition` holds, failing the test after 5 s.
+pub async fn until<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !condition().await {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Fails the test instead of hanging it.
 pub async fn within<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
     tokio::time::timeout(limit, future)

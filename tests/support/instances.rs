@@ -18,14 +18,7 @@ use tower_keyed_lock::LockInfo;
 pub use super::fixtures::within;
 use super::{Answer, Overlap, Server};
 
-/// Waits until the async `condition` holds, failing the test after 5 s.
-pub async fn until<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !condition().await {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
+pub use super::fixtures::until;
 
 /// Handlers that report when they hold their key and finish when told to.
 pub struct Gate {
