@@ -222,43 +222,76 @@ struct Tally {
     /// Backend errors that name the transaction pooler and the fix.
     refused: u64,
     timeouts: u64,
+    /// Backend errors of any other kind, and the first one's message.
+    other_errors: u64,
+    first_other_error: Option<String>,
     /// A grant while another holder of the key had not been told it lost its lease.
     unsignalled_overlaps: u64,
     /// A fencing token not above the key's last one.
     token_regressions: u64,
 }
 
-/// Two instances, 16 tasks, 4 keys, for `run`: every acquisition's outcome, and every
-/// grant checked against the key's other holders.
-async fn hammer(a: PostgresBackend, b: PostgresBackend, run: Duration) -> Tally {
+/// The shape of a [`hammer`] run.
+#[derive(Clone, Copy, Debug)]
+struct Workload {
+    /// Tasks in all, every other one on the second instance.
+    tasks: u64,
+    keys: u64,
+    wait: Duration,
+    /// Holds run from 0 to this, in five steps.
+    longest_hold: Duration,
+    run: Duration,
+}
+
+/// Two instances, 16 tasks, 4 keys, waits of 300 ms, holds of 0-40 ms.
+fn two_instances_on_four_keys(run: Duration) -> Workload {
+    Workload {
+        tasks: 16,
+        keys: 4,
+        wait: Duration::from_millis(300),
+        longest_hold: Duration::from_millis(40),
+        run,
+    }
+}
+
+/// Whether a backend error names the transaction pooler and the fix.
+fn names_the_pooler_and_the_fix(message: &str) -> bool {
+    message.contains("pool_mode=transaction") && message.contains("LockScope::Transaction")
+}
+
+/// Two instances run `workload`: every acquisition's outcome, and every grant checked
+/// against the key's other holders.
+async fn hammer(a: PostgresBackend, b: PostgresBackend, workload: Workload) -> Tally {
     type Holders = Vec<(u64, tower_keyed_lock::LeaseSignal)>;
     let keys: Arc<Vec<Mutex<(Holders, u64)>>> =
-        Arc::new((0..4).map(|_| Mutex::default()).collect());
+        Arc::new((0..workload.keys).map(|_| Mutex::default()).collect());
     let tally = Arc::new(Mutex::new(Tally::default()));
-    let until = Instant::now() + run;
+    let until = Instant::now() + workload.run;
     let mut tasks = Vec::new();
-    for task in 0..16u64 {
+    for task in 0..workload.tasks {
         let backend = if task % 2 == 0 { a.clone() } else { b.clone() };
         let (keys, tally) = (keys.clone(), tally.clone());
         tasks.push(tokio::spawn(async move {
             let mut round = task;
             while Instant::now() < until {
                 round += 1;
-                let index = (round % 4) as usize;
+                let index = (round % workload.keys) as usize;
                 let name = format!("reset-{index}");
                 let acquired = backend
-                    .acquire("orders", &key(&name), Duration::from_millis(300))
+                    .acquire("orders", &key(&name), workload.wait)
                     .await;
                 let lease = match acquired {
                     Ok(lease) => lease,
                     Err(LockError::Backend(error)) => {
                         let message = error.to_string();
-                        assert!(
-                            message.contains("pool_mode=transaction")
-                                && message.contains("LockScope::Transaction"),
-                            "unclear error: {message}"
-                        );
-                        tally.lock().unwrap().refused += 1;
+                        let mut tally = tally.lock().unwrap();
+                        if names_the_pooler_and_the_fix(&message) {
+                            tally.refused += 1;
+                        } else {
+                            tally.other_errors += 1;
+                            tally.first_other_error.get_or_insert(message);
+                        }
+                        drop(tally);
                         // Refused at once: do not spin.
                         tokio::time::sleep(Duration::from_millis(5)).await;
                         continue;
@@ -282,7 +315,7 @@ async fn hammer(a: PostgresBackend, b: PostgresBackend, run: Duration) -> Tally 
                     *last = token;
                     holders.push((token, lease.signal().clone()));
                 }
-                tokio::time::sleep(Duration::from_millis(round % 5 * 10)).await;
+                tokio::time::sleep(workload.longest_hold * (round % 5) as u32 / 4).await;
                 keys[index]
                     .lock()
                     .unwrap()
@@ -312,12 +345,87 @@ async fn session_locks_through_a_resetting_transaction_pooler_are_refused() {
     for pool_size in [1, 4] {
         let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, pool_size, RESET_ALWAYS);
         let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Session).fencing(true);
-        let tally = hammer(instance("a"), instance("b"), Duration::from_secs(2)).await;
+        let tally = hammer(
+            instance("a"),
+            instance("b"),
+            two_instances_on_four_keys(Duration::from_secs(2)),
+        )
+        .await;
         println!("reset always, pool of {pool_size}, session scope: {tally:?}");
         assert_eq!(tally.unsignalled_overlaps, 0, "{tally:?}");
         assert_eq!(tally.token_regressions, 0, "{tally:?}");
         assert_eq!(tally.grants, 0, "a session lock was granted: {tally:?}");
         assert!(tally.refused > 0, "{tally:?}");
+    }
+}
+
+/// PgBouncer's default reset behaviour in transaction pooling: `DISCARD ALL` is set
+/// but runs only when a session-pooled client leaves (`server_reset_query_always = 0`),
+/// so a server session keeps its settings, and its session locks, from one client's
+/// transaction to the next client's.
+const RESET_ON_SESSION_END: &[(&str, &str)] = &[
+    ("server_reset_query", "DISCARD ALL"),
+    ("server_reset_query_always", "0"),
+];
+
+/// An instance as the pooler checks below configure it: session scope, fencing on,
+/// liveness checks every 100 ms, a network timeout of 300 ms.
+fn checked_instance(conn: &str, name: &str) -> PostgresBackend {
+    backend(conn, name, LockScope::Session)
+        .network_timeout(Duration::from_millis(300))
+        .fencing(true)
+}
+
+/// How long each pool size of [`session_scope_behind_a_transaction_pooler_never_grants`]
+/// runs its workload (`PG_POOLER_SECONDS`, default 2).
+fn pooler_run() -> Duration {
+    let seconds = std::env::var("PG_POOLER_SECONDS")
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(2);
+    Duration::from_secs(seconds)
+}
+
+/// Transaction pooling with PgBouncer's default reset behaviour, pools of 1, 2 and 4
+/// server connections: two session-scope instances, 8 tasks on 4 keys (waits of 1 s,
+/// holds of 0-20 ms). The runtime checks caught the pooler only when an acquisition
+/// happened to land on a server session that another client's lock had marked, so
+/// some acquisitions were granted, some waits ran out behind a lock stranded on a
+/// server session, and locks were still held on the server after every client had
+/// ended. Session scope must be refused there every time: no grant, no lock left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_scope_behind_a_transaction_pooler_never_grants() {
+    let pg = PgServer::start();
+    let admin = connect(&pg.conn_str()).await;
+    for pool_size in [1, 2, 4] {
+        let bouncer = PgBouncer::start_with(
+            &pg,
+            PoolMode::Transaction,
+            pool_size,
+            RESET_ON_SESSION_END,
+        );
+        let workload = Workload {
+            tasks: 8,
+            keys: 4,
+            wait: Duration::from_secs(1),
+            longest_hold: Duration::from_millis(20),
+            run: pooler_run(),
+        };
+        let (a, b) = (
+            checked_instance(&bouncer.conn_str(), "a"),
+            checked_instance(&bouncer.conn_str(), "b"),
+        );
+        let tally = hammer(a, b, workload).await;
+        // Every client has ended: what do the server sessions still hold?
+        let left = advisory_locks(&admin).await;
+        println!("transaction pooling, pool of {pool_size}, session scope: {tally:?}, {left} locks left");
+        assert_eq!(tally.unsignalled_overlaps, 0, "{tally:?}");
+        assert_eq!(tally.token_regressions, 0, "{tally:?}");
+        assert_eq!(tally.grants, 0, "a session lock was granted: {tally:?}");
+        assert_eq!(tally.timeouts, 0, "{tally:?}");
+        assert_eq!(tally.other_errors, 0, "{tally:?}");
+        assert!(tally.refused > 0, "{tally:?}");
+        assert_eq!(left, 0, "locks left on the server after every client ended");
     }
 }
 
@@ -328,7 +436,12 @@ async fn transaction_locks_through_a_resetting_transaction_pooler_serialize() {
     let pg = PgServer::start();
     let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, 20, RESET_ALWAYS);
     let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Transaction).fencing(true);
-    let tally = hammer(instance("a"), instance("b"), Duration::from_secs(2)).await;
+    let tally = hammer(
+            instance("a"),
+            instance("b"),
+            two_instances_on_four_keys(Duration::from_secs(2)),
+        )
+        .await;
     println!("reset always, transaction scope: {tally:?}");
     assert_eq!(tally.unsignalled_overlaps, 0, "{tally:?}");
     assert_eq!(tally.token_regressions, 0, "{tally:?}");
