@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
+use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend, SetupError};
 use tower_keyed_lock::{Key, LockBackend, LockError};
 
 use crate::support::pg_server::PgServer;
@@ -105,50 +105,52 @@ async fn assert_serialized(a: PostgresBackend, b: PostgresBackend) {
 /// PgBouncer in transaction pooling hands one server session to every client in turn:
 /// a session lock taken by one instance then looks held by the next client that lands
 /// on that session, and `pg_try_advisory_lock` (re-entrant) grants it again. Before the
-/// backend checked for this, instance B was granted the key A held.
+/// backend checked for this, instance B was granted the key A held. Now neither
+/// instance is granted anything: the first acquisition of each checks the sessions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn session_locks_through_transaction_pooling_are_refused() {
     let pg = PgServer::start();
     let bouncer = PgBouncer::start(&pg, PoolMode::Transaction, 1);
     let a = backend(&bouncer.conn_str(), "a", LockScope::Session);
     let b = backend(&bouncer.conn_str(), "b", LockScope::Session);
-
-    let held = a
-        .acquire("orders", &key("1"), Duration::ZERO)
-        .await
-        .expect("the first grant");
-    for other_key in ["1", "2"] {
-        match b.acquire("orders", &key(other_key), Duration::ZERO).await {
-            Ok(lease) => panic!(
-                "key {other_key} granted to B on A's server session (A holds key 1): {lease:?}"
-            ),
+    for (instance, backend, key_name) in [("A", &a, "1"), ("B", &b, "1"), ("B", &b, "2")] {
+        match backend
+            .acquire("orders", &key(key_name), Duration::ZERO)
+            .await
+        {
+            Ok(lease) => panic!("key {key_name} granted to {instance}: {lease:?}"),
             Err(LockError::Backend(error)) => {
                 let message = error.to_string();
                 assert!(
-                    message.contains("pool_mode=transaction")
-                        && message.contains("LockScope::Transaction"),
+                    names_the_pooler_and_the_fix(&message),
                     "unclear error: {message}"
                 );
             }
             Err(other) => panic!("expected a clear backend error, got {other:?}"),
         }
     }
-    held.release().await;
 }
 
-/// A holder whose liveness check lands on another server process (the transaction
-/// pooler gave its server session to someone else) is told its lease is lost; the lock
-/// it left on the old session is freed when that session sits idle past its limit.
+/// A holder whose liveness check lands on another server process (the pooler was
+/// switched to transaction pooling after the backend was checked, and gave the
+/// holder's server session to someone else) is told its lease is lost; the lock it
+/// left on the old session is freed when that session sits idle past its limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn holder_moved_to_another_server_process_is_told_lost() {
     let pg = PgServer::start();
     let admin = connect(&pg.conn_str()).await;
-    let bouncer = PgBouncer::start(&pg, PoolMode::Transaction, 2);
-    let a = backend(&bouncer.conn_str(), "a", LockScope::Session);
+    let bouncer = PgBouncer::start(&pg, PoolMode::Session, 2);
+    let a = backend(&bouncer.conn_str(), "a", LockScope::Session)
+        .build()
+        .await
+        .expect("session pooling is accepted");
     let lease = a
         .acquire("orders", &key("1"), Duration::ZERO)
         .await
         .unwrap();
+    bouncer.set_pool_mode(PoolMode::Transaction);
+    // The holder's connection is released at the end of its next check.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let holder: i32 = admin
         .query_one(
             "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted",
@@ -277,9 +279,7 @@ async fn hammer(a: PostgresBackend, b: PostgresBackend, workload: Workload) -> T
                 round += 1;
                 let index = (round % workload.keys) as usize;
                 let name = format!("reset-{index}");
-                let acquired = backend
-                    .acquire("orders", &key(&name), workload.wait)
-                    .await;
+                let acquired = backend.acquire("orders", &key(&name), workload.wait).await;
                 let lease = match acquired {
                     Ok(lease) => lease,
                     Err(LockError::Backend(error)) => {
@@ -400,12 +400,8 @@ async fn session_scope_behind_a_transaction_pooler_never_grants() {
     let admin = connect(&pg.conn_str()).await;
     let mut runs = Vec::new();
     for pool_size in [1, 2, 4] {
-        let bouncer = PgBouncer::start_with(
-            &pg,
-            PoolMode::Transaction,
-            pool_size,
-            RESET_ON_SESSION_END,
-        );
+        let bouncer =
+            PgBouncer::start_with(&pg, PoolMode::Transaction, pool_size, RESET_ON_SESSION_END);
         let workload = Workload {
             tasks: 8,
             keys: 4,
@@ -434,7 +430,116 @@ async fn session_scope_behind_a_transaction_pooler_never_grants() {
         assert_eq!(tally.timeouts, 0, "{run}");
         assert_eq!(tally.other_errors, 0, "{run}");
         assert!(tally.refused > 0, "{run}");
-        assert_eq!(left, 0, "locks left on the server after every client ended: {run}");
+        assert_eq!(
+            left, 0,
+            "locks left on the server after every client ended: {run}"
+        );
+    }
+}
+
+/// How many times each pooler setup of the build checks below is built.
+const BUILDS: usize = 10;
+
+/// A client of the pooler that runs one short statement after another until dropped:
+/// other traffic on the pooler's server sessions while a backend is built.
+struct Traffic(tokio::task::JoinHandle<()>);
+
+impl Traffic {
+    async fn start(conn: &str) -> Traffic {
+        let client = connect(conn).await;
+        Traffic(tokio::spawn(async move {
+            while client.simple_query("SELECT 1").await.is_ok() {}
+        }))
+    }
+}
+
+impl Drop for Traffic {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Session scope is refused when the backend is built behind a transaction or
+/// statement pooler, every time: pools of 1, 2 and 4 server connections, PgBouncer's
+/// default reset behaviour and a reset after every transaction, with and without other
+/// clients using the pooler's server sessions meanwhile. The error names the pooler
+/// mode and the fix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_scope_behind_a_transaction_pooler_is_refused_at_build_every_time() {
+    let pg = PgServer::start();
+    let setups: [(PoolMode, usize, &[(&str, &str)]); 7] = [
+        (PoolMode::Transaction, 1, RESET_ON_SESSION_END),
+        (PoolMode::Transaction, 2, RESET_ON_SESSION_END),
+        (PoolMode::Transaction, 4, RESET_ON_SESSION_END),
+        (PoolMode::Transaction, 1, RESET_ALWAYS),
+        (PoolMode::Transaction, 4, RESET_ALWAYS),
+        (PoolMode::Statement, 1, RESET_ON_SESSION_END),
+        (PoolMode::Statement, 4, RESET_ON_SESSION_END),
+    ];
+    for (mode, pool_size, settings) in setups {
+        let bouncer = PgBouncer::start_with(&pg, mode, pool_size, settings);
+        let mut slowest = Duration::ZERO;
+        for build in 0..BUILDS {
+            // Half of the builds while two other clients keep the sessions busy.
+            let _traffic = match build % 2 {
+                0 => vec![],
+                _ => vec![
+                    Traffic::start(&bouncer.conn_str()).await,
+                    Traffic::start(&bouncer.conn_str()).await,
+                ],
+            };
+            let started = Instant::now();
+            let built = checked_instance(&bouncer.conn_str(), "a").build().await;
+            slowest = slowest.max(started.elapsed());
+            match built {
+                Ok(_) => panic!("{mode:?} pooling, pool of {pool_size}: build {build} accepted"),
+                Err(error @ SetupError::Unsafe(_)) => {
+                    let message = error.to_string();
+                    assert!(
+                        names_the_pooler_and_the_fix(&message)
+                            && message.contains("pool_mode=statement"),
+                        "unclear error: {message}"
+                    );
+                }
+                Err(other) => panic!("{mode:?}, pool of {pool_size}: {other}"),
+            }
+        }
+        println!(
+            "{mode:?} pooling, pool of {pool_size}, {settings:?}: {BUILDS} of {BUILDS} \
+             builds refused, the slowest in {slowest:?}"
+        );
+    }
+}
+
+/// The check refuses nothing that gives each client its own session: a direct
+/// connection, and PgBouncer in session pooling (pools of 1 and 4), each built many
+/// times, and the backends then serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn session_scope_direct_and_through_session_pooling_is_accepted_at_build() {
+    let pg = PgServer::start();
+    let session_pool_1 = PgBouncer::start_with(&pg, PoolMode::Session, 1, RESET_ON_SESSION_END);
+    let session_pool_4 = PgBouncer::start_with(&pg, PoolMode::Session, 4, RESET_ON_SESSION_END);
+    for (setup, conn) in [
+        ("direct", pg.conn_str()),
+        ("session pooling, pool of 1", session_pool_1.conn_str()),
+        ("session pooling, pool of 4", session_pool_4.conn_str()),
+    ] {
+        let mut slowest = Duration::ZERO;
+        for build in 0..BUILDS {
+            let started = Instant::now();
+            let backend = checked_instance(&conn, "a")
+                .max_connections(1)
+                .build()
+                .await
+                .unwrap_or_else(|error| panic!("{setup}: build {build} refused: {error}"));
+            slowest = slowest.max(started.elapsed());
+            let lease = backend
+                .acquire("orders", &key("1"), PATIENCE)
+                .await
+                .unwrap_or_else(|error| panic!("{setup}: not granted after the build: {error}"));
+            lease.release().await;
+        }
+        println!("{setup}: {BUILDS} of {BUILDS} builds accepted, the slowest in {slowest:?}");
     }
 }
 
@@ -446,11 +551,11 @@ async fn transaction_locks_through_a_resetting_transaction_pooler_serialize() {
     let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, 20, RESET_ALWAYS);
     let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Transaction).fencing(true);
     let tally = hammer(
-            instance("a"),
-            instance("b"),
-            two_instances_on_four_keys(Duration::from_secs(2)),
-        )
-        .await;
+        instance("a"),
+        instance("b"),
+        two_instances_on_four_keys(Duration::from_secs(2)),
+    )
+    .await;
     println!("reset always, transaction scope: {tally:?}");
     assert_eq!(tally.unsignalled_overlaps, 0, "{tally:?}");
     assert_eq!(tally.token_regressions, 0, "{tally:?}");

@@ -280,8 +280,10 @@ mod holder;
 mod lease;
 mod lock_id;
 mod permits;
+mod pooler;
 pub(crate) mod schema;
 mod session;
+mod setup;
 mod xact;
 
 use std::fmt;
@@ -296,6 +298,7 @@ use tokio_postgres::NoTls;
 
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
+pub use self::setup::SetupError;
 
 use self::error::PgError;
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
@@ -355,6 +358,11 @@ struct Inner {
     scope: LockScope,
     /// The instance id as a SQL literal's content (see `holder::instance_literal`).
     instance_literal: Arc<str>,
+    /// Where the pool connects (`host:port`), when the backend built it: for errors.
+    address: Option<Arc<str>>,
+    /// Whether this pool's sessions are the client's own (see `pooler.rs`): probed once,
+    /// by `build` or the first session-scope acquisition; shared by clones.
+    sessions: Arc<OnceCell<pooler::Sessions>>,
 }
 
 #[derive(Clone)]
@@ -412,6 +420,8 @@ impl PostgresBackend {
                 fencing: None,
                 scope: LockScope::Session,
                 instance_literal: holder::instance_literal(&default_instance_id()).into(),
+                address: None,
+                sessions: Arc::default(),
             }),
         }
     }
@@ -425,7 +435,9 @@ impl PostgresBackend {
             config.application_name("tower-keyed-lock");
         }
         let mut backend = Self::new(own_pool(config.clone(), DEFAULT_MAX_CONNECTIONS));
-        Arc::make_mut(&mut backend.inner).pool_config = Some(config);
+        let inner = Arc::make_mut(&mut backend.inner);
+        inner.address = Some(setup::address(&config).into());
+        inner.pool_config = Some(config);
         backend
     }
 
@@ -452,6 +464,7 @@ impl PostgresBackend {
             );
             inner.pool = own_pool(config, max);
             inner.pool_without_runtime = Arc::default();
+            inner.sessions = Arc::default();
         })
     }
 
@@ -737,6 +750,13 @@ impl PostgresBackend {
         // whatever PostgreSQL granted it is freed.
         let limit = wait + inner.network_timeout;
         Box::pin(async move {
+            // Once per backend, outside the wait (up to four network timeouts).
+            if inner.scope == LockScope::Session {
+                inner
+                    .check_own_sessions()
+                    .await
+                    .map_err(SetupError::into_lock_error)?;
+            }
             let acquire = async {
                 let deadline = Instant::now() + wait;
                 inner.prepare_fencing(deadline).await?;
