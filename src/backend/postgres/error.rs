@@ -97,10 +97,19 @@ impl fmt::Display for PgError {
         if let Some(address) = &self.at {
             write!(f, " at {address}")?;
         }
-        match &self.source {
-            Some(source) => write!(f, ": {source}"),
-            None => Ok(()),
+        // The whole chain of causes: a connect error's own text is only "error
+        // connecting to server"; why ("Connection refused") is its source's.
+        let mut shown = String::new();
+        let mut cause = self.source.as_deref().map(|e| e as &(dyn Error + 'static));
+        while let Some(error) = cause {
+            let text = error.to_string();
+            if !shown.contains(&text) {
+                write!(f, ": {text}")?;
+                shown.push_str(&text);
+            }
+            cause = error.source();
         }
+        Ok(())
     }
 }
 

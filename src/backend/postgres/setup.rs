@@ -42,9 +42,7 @@ impl fmt::Display for SetupError {
 impl Error for SetupError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         match self {
-            SetupError::Connect(error) | SetupError::Statement(error) => {
-                error.source().or(Some(&**error as &(dyn Error + 'static)))
-            }
+            SetupError::Connect(error) | SetupError::Statement(error) => Some(&**error),
             SetupError::Unsafe(_) => None,
         }
     }
