@@ -489,7 +489,12 @@ async fn session_scope_behind_a_transaction_pooler_is_refused_at_build_every_tim
                 ],
             };
             let started = Instant::now();
-            let built = checked_instance(&bouncer.conn_str(), "a").build().await;
+            // The default network timeout: the test is about the pooler, not the
+            // speed of this machine's round trips.
+            let built = checked_instance(&bouncer.conn_str(), "a")
+                .network_timeout(Duration::from_secs(2))
+                .build()
+                .await;
             slowest = slowest.max(started.elapsed());
             match built {
                 Ok(_) => panic!("{mode:?} pooling, pool of {pool_size}: build {build} accepted"),
@@ -528,6 +533,7 @@ async fn session_scope_direct_and_through_session_pooling_is_accepted_at_build()
         for build in 0..BUILDS {
             let started = Instant::now();
             let backend = checked_instance(&conn, "a")
+                .network_timeout(Duration::from_secs(2))
                 .max_connections(1)
                 .build()
                 .await

@@ -188,10 +188,14 @@ impl Inner {
         let sent = Instant::now();
         let answer = match self.round_trip(session.simple_query(&first)).await {
             Ok(answer) => answer,
-            // A pooled connection whose session had ended, or one the pooler closed
-            // as it linked it to a session that ended: nothing learned.
-            Err(error) if error.closed || session.is_closed() => return Ok(Probed::Inconclusive),
-            Err(error) => return Err(SetupError::Statement(Box::new(error))),
+            // PostgreSQL refused the statement: say why.
+            Err(error) if error.code.is_some() && !session.is_closed() => {
+                return Err(SetupError::Statement(Box::new(error)))
+            }
+            // A pooled connection whose session had ended, one the pooler closed as it
+            // linked it to a session that ended, or no answer in time (the dropped
+            // session is closed): nothing learned.
+            Err(_) => return Ok(Probed::Inconclusive),
         };
         if let Some(slow) = slower_than(sent, idle_limit) {
             return Ok(Probed::Slow(slow));
