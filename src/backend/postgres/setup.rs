@@ -116,7 +116,7 @@ impl PostgresBackend {
     ///   connection alone: a transaction or statement pooler in between (PgBouncer
     ///   `pool_mode=transaction` or `statement`) is refused with
     ///   [`SetupError::Unsafe`], whatever its pool size and reset settings (see
-    ///   [Lock scopes and poolers](self#lock-scopes-and-poolers));
+    ///   [Lock scopes and poolers](super#lock-scopes-and-poolers));
     /// - with [`fencing`](Self::fencing), the sequence exists (it is created if
     ///   missing) and issues increasing tokens.
     ///
