@@ -437,6 +437,9 @@ async fn session_scope_behind_a_transaction_pooler_never_grants() {
     }
 }
 
+/// More `[pgbouncer]` settings, as `PgBouncer::start_with` takes them.
+type PoolerSettings = &'static [(&'static str, &'static str)];
+
 /// How many times each pooler setup of the build checks below is built.
 const BUILDS: usize = 10;
 
@@ -467,7 +470,7 @@ impl Drop for Traffic {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn session_scope_behind_a_transaction_pooler_is_refused_at_build_every_time() {
     let pg = PgServer::start();
-    let setups: [(PoolMode, usize, &[(&str, &str)]); 7] = [
+    let setups: [(PoolMode, usize, PoolerSettings); 7] = [
         (PoolMode::Transaction, 1, RESET_ON_SESSION_END),
         (PoolMode::Transaction, 2, RESET_ON_SESSION_END),
         (PoolMode::Transaction, 4, RESET_ON_SESSION_END),
