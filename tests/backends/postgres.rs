@@ -13,7 +13,9 @@ use axum::Router;
 use http::StatusCode;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::{lock_id, PostgresBackend, LOCK_ID_SQL};
+use tower_keyed_lock::backend::postgres::{
+    lock_id, LockScope, PostgresBackend, SetupError, LOCK_ID_SQL,
+};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo};
 
 use crate::support::pg_server::PgServer;
@@ -756,6 +758,68 @@ async fn unreachable_database_answers_503_promptly() {
     assert!(answer.body.contains("backend"), "{}", answer.body);
     assert!(started.elapsed() < Duration::from_secs(1));
     assert_eq!(send(&open, "/orders/1").await.status, StatusCode::OK);
+}
+
+/// What an error about an unreachable server at `port` must say: PostgreSQL and the
+/// address, then the cause; never the password.
+fn assert_names_postgres_and_the_address(message: &str, port: u16) {
+    let named = format!("cannot connect to PostgreSQL at 127.0.0.1:{port}: ");
+    assert!(message.contains(&named), "no engine or address: {message}");
+    let cause = &message[message.find(&named).unwrap() + named.len()..];
+    assert!(
+        cause.contains("refused"),
+        "no cause after the address: {message}"
+    );
+    assert!(
+        !message.contains("hunter2"),
+        "the password is shown: {message}"
+    );
+}
+
+/// An acquisition against an unreachable server fails with an error that names
+/// PostgreSQL and its address (never the password), then the cause; both scopes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unreachable_server_acquisition_error_names_postgres_and_the_address() {
+    let port = crate::support::pg_server::free_port();
+    let conn = format!("host=127.0.0.1 port={port} user=app password=hunter2 dbname=app");
+    for scope in [LockScope::Session, LockScope::Transaction] {
+        let backend = PostgresBackend::from_config_str(&conn)
+            .unwrap()
+            .lock_scope(scope);
+        match backend
+            .acquire("orders", &Key::new("1", 64).unwrap(), Duration::ZERO)
+            .await
+        {
+            Err(error @ LockError::Backend(_)) => {
+                assert_names_postgres_and_the_address(&error.to_string(), port)
+            }
+            other => panic!("{scope:?}: expected a backend error, got {other:?}"),
+        }
+    }
+}
+
+/// Building against an unreachable server fails with [`SetupError::Connect`], whose
+/// message names PostgreSQL and the address (never the password), then the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unreachable_server_build_error_names_postgres_and_the_address() {
+    let port = crate::support::pg_server::free_port();
+    let conn = format!("postgresql://app:hunter2@127.0.0.1:{port}/app");
+    for scope in [LockScope::Session, LockScope::Transaction] {
+        let built = PostgresBackend::from_config_str(&conn)
+            .unwrap()
+            .lock_scope(scope)
+            .build()
+            .await;
+        match built {
+            Err(error @ SetupError::Connect(_)) => {
+                println!("{scope:?}: {error}");
+                assert_names_postgres_and_the_address(&error.to_string(), port);
+                assert!(std::error::Error::source(&error).is_some(), "no cause");
+            }
+            Err(other) => panic!("{scope:?}: expected a connect error, got {other}"),
+            Ok(_) => panic!("{scope:?}: built against nothing"),
+        }
+    }
 }
 
 /// A server process stopped with SIGSTOP until dropped, even if the test fails.

@@ -19,6 +19,17 @@ use super::pg_server::{chown_to, free_port, is_root, temp_dir, PgServer};
 pub enum PoolMode {
     Session,
     Transaction,
+    Statement,
+}
+
+impl PoolMode {
+    fn ini_value(self) -> &'static str {
+        match self {
+            PoolMode::Session => "session",
+            PoolMode::Transaction => "transaction",
+            PoolMode::Statement => "statement",
+        }
+    }
 }
 
 pub struct PgBouncer {
@@ -46,10 +57,7 @@ impl PgBouncer {
         let root = temp_dir();
         let run_as = is_root().then_some("postgres");
         let port = free_port();
-        let mode = match mode {
-            PoolMode::Session => "session",
-            PoolMode::Transaction => "transaction",
-        };
+        let mode = mode.ini_value();
         fs::write(root.join("users.txt"), "\"postgres\" \"\"\n").unwrap();
         let extra: String = settings
             .iter()
@@ -97,6 +105,39 @@ impl PgBouncer {
         let mut bouncer = PgBouncer { root, port, child };
         bouncer.wait_ready();
         bouncer
+    }
+
+    /// Switches the running PgBouncer to `mode` (the ini rewritten, then `SIGHUP`):
+    /// clients connected now are pooled the new way from their next transaction on.
+    /// Returns once the log shows the reload.
+    pub fn set_pool_mode(&self, mode: PoolMode) {
+        let ini = self.root.join("pgbouncer.ini");
+        let config = fs::read_to_string(&ini).unwrap();
+        let config: String = config
+            .lines()
+            .map(|line| match line.starts_with("pool_mode = ") {
+                true => format!("pool_mode = {}\n", mode.ini_value()),
+                false => format!("{line}\n"),
+            })
+            .collect();
+        fs::write(&ini, config).unwrap();
+        let reloads = || self.log().matches("got SIGHUP, re-reading config").count();
+        let before = reloads();
+        let pid = fs::read_to_string(self.root.join("pgbouncer.pid")).unwrap();
+        let status = Command::new("kill")
+            .args(["-HUP", pid.trim()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "cannot signal pgbouncer");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while reloads() == before {
+            assert!(
+                Instant::now() < deadline,
+                "pgbouncer did not reload in 10 s:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// A connection string for the `postgres` user through PgBouncer.

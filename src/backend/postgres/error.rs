@@ -2,6 +2,7 @@
 
 use std::error::Error;
 use std::fmt;
+use std::sync::Arc;
 
 use tokio_postgres::error::SqlState;
 
@@ -15,13 +16,23 @@ pub(super) const SHARED_SESSION: &str = "the PostgreSQL session is shared with o
     PgBouncer in pool_mode=transaction is in between. Session locks need a direct \
     connection or session pooling; behind a transaction pooler use LockScope::Transaction";
 
+/// What a failure to connect says (then where, then why).
+pub(super) const CONNECT: &str = "cannot connect to PostgreSQL";
+
+/// What a fencing sequence that could issue tokens out of order is refused with.
+pub(super) const UNSAFE_SEQUENCE: &str = "the fencing sequence can issue tokens out of order: \
+    it needs CACHE 1, NO CYCLE, a positive INCREMENT and MINVALUE >= 0 \
+    (ALTER SEQUENCE ... CACHE 1 NO CYCLE)";
+
 /// A backend failure: what failed, and the PostgreSQL or pool error behind it.
 #[derive(Debug)]
 pub(super) struct PgError {
-    what: &'static str,
+    pub(super) what: &'static str,
     pub(super) code: Option<SqlState>,
     /// Whether the connection was found closed.
     pub(super) closed: bool,
+    /// The server's address, for errors about reaching it.
+    at: Option<Arc<str>>,
     source: Option<Box<dyn Error + Send + Sync>>,
 }
 
@@ -36,6 +47,7 @@ impl PgError {
             what,
             code,
             closed,
+            at: None,
             source: Some(source),
         }
     }
@@ -45,8 +57,15 @@ impl PgError {
             what,
             code: None,
             closed: false,
+            at: None,
             source: None,
         }
+    }
+
+    /// The same error, naming the server's `address` after what failed (when known).
+    pub(super) fn at(mut self, address: Option<Arc<str>>) -> Self {
+        self.at = address;
+        self
     }
 
     /// The session's statements ran on two server processes, or the session was found
@@ -74,10 +93,23 @@ impl PgError {
 
 impl fmt::Display for PgError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.source {
-            Some(source) => write!(f, "{}: {source}", self.what),
-            None => f.write_str(self.what),
+        f.write_str(self.what)?;
+        if let Some(address) = &self.at {
+            write!(f, " at {address}")?;
         }
+        // The whole chain of causes: a connect error's own text is only "error
+        // connecting to server"; why ("Connection refused") is its source's.
+        let mut shown = String::new();
+        let mut cause = self.source.as_deref().map(|e| e as &(dyn Error + 'static));
+        while let Some(error) = cause {
+            let text = error.to_string();
+            if !shown.contains(&text) {
+                write!(f, ": {text}")?;
+                shown.push_str(&text);
+            }
+            cause = error.source();
+        }
+        Ok(())
     }
 }
 

@@ -5,7 +5,7 @@
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 
-use super::error::PgError;
+use super::error::{PgError, UNSAFE_SEQUENCE};
 use super::schema::create_if_missing;
 use super::session::last_row;
 use super::Inner;
@@ -83,12 +83,7 @@ impl Inner {
                     "refusing the fencing sequence: its tokens could go backwards; \
                      ALTER SEQUENCE ... CACHE 1 NO CYCLE INCREMENT BY 1 MINVALUE 0"
                 );
-                return Err(PgError::message(
-                    "the fencing sequence can issue tokens out of order: it needs CACHE 1, \
-                     NO CYCLE, a positive INCREMENT and MINVALUE >= 0 \
-                     (ALTER SEQUENCE ... CACHE 1 NO CYCLE)",
-                )
-                .into_lock_error());
+                return Err(PgError::message(UNSAFE_SEQUENCE).into_lock_error());
             }
             session.give_back();
             Ok(())

@@ -75,15 +75,34 @@
 //!
 //! A session lock needs **a direct connection or session pooling** (PgBouncer
 //! `pool_mode=session`): it lives in a server session, and a transaction pooler
-//! (PgBouncer `pool_mode=transaction`, and the like) hands that session to another
-//! client after every transaction. That client would find the lock already held by
-//! "its" session, and `pg_try_advisory_lock` is re-entrant: a second grant, silently.
-//! The backend refuses instead: a session found with another client's marker set, or
-//! a statement answered by another server process than the one that granted the lock
-//! (the pid is compared at the wait, at every liveness check and at the unlock), fails
-//! the acquisition with a [`LockError::Backend`] that names the cause, or raises the
-//! lost-lease signal of a holder. A lock left behind on a pooler's server session that
-//! way stays until that session has been idle for the server-side limit.
+//! (PgBouncer `pool_mode=transaction` or `statement`, and the like) hands that session
+//! to another client after every transaction. That client would find the lock already
+//! held by "its" session, and `pg_try_advisory_lock` is re-entrant: a second grant,
+//! silently.
+//!
+//! So with [`LockScope::Session`] the backend checks, once, that each server session
+//! belongs to its client connection alone: when it is built
+//! ([`build`](PostgresBackend::build), which then fails with
+//! [`SetupError::Unsafe`] naming the pooler mode and the fix), or else on its first
+//! acquisition (every acquisition then fails with a [`LockError::Backend`] carrying that
+//! error). The check ends a session of its own from the server's side while the client
+//! is idle (`idle_session_timeout`): a session of its own takes the client connection
+//! with it, a pooled one does not, and the client's next statement then lands on a
+//! session without the check's marker. It refuses a transaction or statement pooler
+//! every time, whatever the pool size and `server_reset_query_always`; a direct
+//! connection or session pooling is never refused (it may take a few round trips on a
+//! loaded server, at most four network timeouts). The reasoning, and why a slow round
+//! trip restarts the check instead of deciding it, is in `pooler.rs`. PostgreSQL before
+//! 14 has no `idle_session_timeout`: the check is skipped with a warning.
+//!
+//! The checks made while acquiring and holding stay, for a pooler put in between
+//! later (a changed address, a pooler switched to transaction pooling): a session found
+//! with another client's marker set, or a statement answered by another server process
+//! than the one that granted the lock (the pid is compared at the wait, at every
+//! liveness check and at the unlock), fails the acquisition with a
+//! [`LockError::Backend`] that names the cause, or raises the lost-lease signal of a
+//! holder. A lock left behind on a pooler's server session that way stays until that
+//! session has been idle for the server-side limit.
 //!
 //! A pooler may also reset every server session after each transaction (PgBouncer's
 //! `server_reset_query = DISCARD ALL` with `server_reset_query_always = 1`): the reset
@@ -260,10 +279,16 @@
 //!
 //! An unreachable database or a failing statement is [`LockError::Backend`]: 503, or
 //! the request runs under the in-process lock alone with
-//! [`fail_open`](crate::KeyedLockLayer::fail_open). An acquisition takes at most the
+//! [`fail_open`](crate::KeyedLockLayer::fail_open). A connection that fails says
+//! `cannot connect to PostgreSQL at <host:port>: ` and the whole cause (the address of
+//! a backend made with [`from_config`](PostgresBackend::from_config); never a user or
+//! password); [`build`](PostgresBackend::build) fails with it as
+//! [`SetupError::Connect`]. An acquisition takes at most the
 //! request's remaining wait plus one [`network_timeout`](PostgresBackend::network_timeout)
-//! in all, however many round trips were slow; an unlock or a liveness check at most
-//! one network timeout. After an outage the pool reconnects by itself: connections that
+//! in all, however many round trips were slow (the first ones of a session-scope
+//! backend not [built](PostgresBackend::build), up to four network timeouts more, for
+//! the [session check](self#lock-scopes-and-poolers)); an unlock or a liveness check at
+//! most one network timeout. After an outage the pool reconnects by itself: connections that
 //! died are dropped when next taken from the pool.
 
 // One concern per file: `lock_id` is the stable hash of a key and its SQL form,
@@ -271,8 +296,9 @@
 // runs the session lock's try and wait statements, `xact` the transaction lock's,
 // `fencing` checks the sequence, `schema` creates it (and the replay store's table)
 // safely under concurrency, `lease` watches a held lock and releases it, and `error` is
-// the backend's error, `holder` records and reads who holds a lock. This file has the
-// public type and its configuration.
+// the backend's error, `holder` records and reads who holds a lock, `pooler` checks that
+// sessions are the client's own, `setup` builds the backend (and `SetupError`). This
+// file has the public type and its configuration.
 mod acquire;
 mod error;
 mod fencing;
@@ -280,8 +306,10 @@ mod holder;
 mod lease;
 mod lock_id;
 mod permits;
+mod pooler;
 pub(crate) mod schema;
 mod session;
+mod setup;
 mod xact;
 
 use std::fmt;
@@ -296,6 +324,7 @@ use tokio_postgres::NoTls;
 
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
+pub use self::setup::SetupError;
 
 use self::error::PgError;
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
@@ -355,6 +384,11 @@ struct Inner {
     scope: LockScope,
     /// The instance id as a SQL literal's content (see `holder::instance_literal`).
     instance_literal: Arc<str>,
+    /// Where the pool connects (`host:port`), when the backend built it: for errors.
+    address: Option<Arc<str>>,
+    /// Whether this pool's sessions are the client's own (see `pooler.rs`): probed once,
+    /// by `build` or the first session-scope acquisition; shared by clones.
+    sessions: Arc<OnceCell<pooler::Sessions>>,
 }
 
 #[derive(Clone)]
@@ -412,6 +446,8 @@ impl PostgresBackend {
                 fencing: None,
                 scope: LockScope::Session,
                 instance_literal: holder::instance_literal(&default_instance_id()).into(),
+                address: None,
+                sessions: Arc::default(),
             }),
         }
     }
@@ -425,7 +461,9 @@ impl PostgresBackend {
             config.application_name("tower-keyed-lock");
         }
         let mut backend = Self::new(own_pool(config.clone(), DEFAULT_MAX_CONNECTIONS));
-        Arc::make_mut(&mut backend.inner).pool_config = Some(config);
+        let inner = Arc::make_mut(&mut backend.inner);
+        inner.address = Some(setup::address(&config).into());
+        inner.pool_config = Some(config);
         backend
     }
 
@@ -452,6 +490,7 @@ impl PostgresBackend {
             );
             inner.pool = own_pool(config, max);
             inner.pool_without_runtime = Arc::default();
+            inner.sessions = Arc::default();
         })
     }
 
@@ -539,8 +578,9 @@ impl PostgresBackend {
     }
 
     /// How long a lock lasts in PostgreSQL (default [`LockScope::Session`]); see
-    /// [Lock scopes](self#lock-scopes). Behind PgBouncer in `pool_mode=transaction`,
-    /// use [`LockScope::Transaction`].
+    /// [Lock scopes and poolers](self#lock-scopes-and-poolers). Behind PgBouncer in
+    /// `pool_mode=transaction` or `statement`, use [`LockScope::Transaction`]: session
+    /// scope is refused there.
     pub fn lock_scope(self, scope: LockScope) -> Self {
         self.configure(|inner| inner.scope = scope)
     }
@@ -737,6 +777,13 @@ impl PostgresBackend {
         // whatever PostgreSQL granted it is freed.
         let limit = wait + inner.network_timeout;
         Box::pin(async move {
+            // Once per backend, outside the wait (up to four network timeouts).
+            if inner.scope == LockScope::Session {
+                inner
+                    .check_own_sessions()
+                    .await
+                    .map_err(SetupError::into_lock_error)?;
+            }
             let acquire = async {
                 let deadline = Instant::now() + wait;
                 inner.prepare_fencing(deadline).await?;

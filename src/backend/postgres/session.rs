@@ -9,7 +9,7 @@ use deadpool_postgres::{Object, PoolError, TimeoutType, Timeouts};
 use tokio::time::{timeout, Instant};
 use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
-use super::error::PgError;
+use super::error::{PgError, CONNECT};
 use super::Inner;
 use crate::error::LockError;
 
@@ -87,9 +87,9 @@ impl Inner {
         match got {
             Ok(object) => Ok(Session(Some(object))),
             Err(PoolError::Timeout(TimeoutType::Wait)) => Err(LockError::Timeout),
-            Err(error) => {
-                Err(PgError::new("cannot connect to PostgreSQL", error).into_lock_error())
-            }
+            Err(error) => Err(PgError::new(CONNECT, error)
+                .at(self.address.clone())
+                .into_lock_error()),
         }
     }
 

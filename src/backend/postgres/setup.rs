@@ -1,0 +1,197 @@
+//! Building a backend: connect, check what its lock scope needs (a session of its own
+//! for session locks, a fencing sequence that only increases), and [`SetupError`], which
+//! says what is wrong, naming the server's address (never the password) when it cannot
+//! be reached.
+
+use std::error::Error;
+use std::fmt;
+
+use tokio::time::Instant;
+use tokio_postgres::config::Host;
+
+use super::error::{PgError, CONNECT, UNSAFE_SEQUENCE};
+use super::{LockScope, PostgresBackend};
+use crate::error::LockError;
+
+/// Why [`PostgresBackend::build`] refused to build (also the source of the
+/// [`LockError::Backend`] of the first acquisitions of a backend used without it).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SetupError {
+    /// PostgreSQL could not be reached: the error says `cannot connect to PostgreSQL at
+    /// <host:port>` (when the backend built its pool; the password never), then why.
+    Connect(Box<dyn Error + Send + Sync>),
+    /// A statement of the checks failed or went unanswered.
+    Statement(Box<dyn Error + Send + Sync>),
+    /// The setup would break a guarantee: the message names what and the fix (a
+    /// transaction pooler in front of session locks, a fencing sequence that could go
+    /// backwards).
+    Unsafe(String),
+}
+
+impl fmt::Display for SetupError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SetupError::Connect(error) => write!(f, "{error}"),
+            SetupError::Statement(error) => write!(f, "PostgreSQL setup check failed: {error}"),
+            SetupError::Unsafe(why) => write!(f, "unsafe PostgreSQL lock setup refused: {why}"),
+        }
+    }
+}
+
+impl Error for SetupError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        match self {
+            SetupError::Connect(error) | SetupError::Statement(error) => Some(&**error),
+            SetupError::Unsafe(_) => None,
+        }
+    }
+}
+
+impl SetupError {
+    /// A [`LockError`] of an acquisition: the check runs on first use too.
+    pub(super) fn into_lock_error(self) -> LockError {
+        LockError::Backend(Box::new(self))
+    }
+
+    /// A failure of a step that reports a [`LockError`]: not reachable, or failed.
+    pub(super) fn from_lock_error(error: LockError) -> Self {
+        match error {
+            LockError::Backend(error) if is_connect(&*error) => SetupError::Connect(error),
+            LockError::Backend(error) => SetupError::Statement(error),
+            LockError::Timeout => SetupError::Connect(Box::new(PgError::message(
+                "no pooled connection to PostgreSQL came within the network timeout",
+            ))),
+            other => SetupError::Statement(Box::new(other)),
+        }
+    }
+}
+
+/// Whether `error` is the backend's failure to connect.
+fn is_connect(error: &(dyn Error + Send + Sync + 'static)) -> bool {
+    error
+        .downcast_ref::<PgError>()
+        .is_some_and(|error| error.what == CONNECT)
+}
+
+/// Where `config` connects to, for errors: `host:port` for each host (`[v6]:port`, a
+/// socket path for a Unix socket), `hostaddr`s when no host is named; never a user or
+/// password.
+pub(super) fn address(config: &tokio_postgres::Config) -> String {
+    let ports = config.get_ports();
+    let port = |index: usize| ports.get(index).or(ports.first()).copied().unwrap_or(5432);
+    let tcp = |host: &str, port: u16| match host.contains(':') {
+        true => format!("[{host}]:{port}"),
+        false => format!("{host}:{port}"),
+    };
+    let mut named: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(index, host)| match host {
+            Host::Tcp(host) => tcp(host, port(index)),
+            #[cfg(unix)]
+            Host::Unix(dir) => format!("{}/.s.PGSQL.{}", dir.display(), port(index)),
+        })
+        .collect();
+    if named.is_empty() {
+        named = config
+            .get_hostaddrs()
+            .iter()
+            .enumerate()
+            .map(|(index, addr)| tcp(&addr.to_string(), port(index)))
+            .collect();
+    }
+    match named.is_empty() {
+        true => "an unnamed host".to_owned(),
+        false => named.join(", "),
+    }
+}
+
+impl PostgresBackend {
+    /// Connects now and checks the setup, instead of at the first acquisition:
+    ///
+    /// - PostgreSQL is reachable (else [`SetupError::Connect`], naming its address);
+    /// - with [`LockScope::Session`] (the default), each session belongs to its client
+    ///   connection alone: a transaction or statement pooler in between (PgBouncer
+    ///   `pool_mode=transaction` or `statement`) is refused with
+    ///   [`SetupError::Unsafe`], whatever its pool size and reset settings (see
+    ///   [Lock scopes and poolers](super#lock-scopes-and-poolers));
+    /// - with [`fencing`](Self::fencing), the sequence exists (it is created if
+    ///   missing) and issues increasing tokens.
+    ///
+    /// Takes up to four [`network_timeout`](Self::network_timeout)s. A backend used
+    /// without it runs the same checks on its first acquisitions, and fails them with
+    /// the same error.
+    ///
+    /// ```no_run
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_keyed_lock::backend::postgres::PostgresBackend;
+    ///
+    /// let backend = PostgresBackend::from_config_str("host=db.internal user=app dbname=app")?
+    ///     .fencing(true)
+    ///     .build()
+    ///     .await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub async fn build(self) -> Result<PostgresBackend, SetupError> {
+        let inner = &self.inner;
+        let deadline = Instant::now() + inner.network_timeout;
+        match inner.scope {
+            LockScope::Session => inner.check_own_sessions().await?,
+            // Only reachable: one round trip on a pooled connection.
+            LockScope::Transaction => {
+                let session = inner
+                    .session(deadline)
+                    .await
+                    .map_err(SetupError::from_lock_error)?;
+                inner
+                    .round_trip(session.simple_query("SELECT 1"))
+                    .await
+                    .map_err(|error| SetupError::Statement(Box::new(error)))?;
+                session.give_back();
+            }
+        }
+        inner
+            .prepare_fencing(Instant::now() + inner.network_timeout)
+            .await
+            .map_err(|error| match error {
+                LockError::Backend(error)
+                    if error
+                        .downcast_ref::<PgError>()
+                        .is_some_and(|error| error.what == UNSAFE_SEQUENCE) =>
+                {
+                    SetupError::Unsafe(error.to_string())
+                }
+                error => SetupError::from_lock_error(error),
+            })?;
+        Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_name_hosts_and_ports_never_credentials() {
+        let named = |config: &str| address(&config.parse().unwrap());
+        assert_eq!(
+            named("host=db.internal port=6432 user=app password=secret"),
+            "db.internal:6432"
+        );
+        assert_eq!(named("host=db user=app"), "db:5432");
+        assert_eq!(
+            named("postgresql://app:secret@10.0.0.1:6543/app"),
+            "10.0.0.1:6543"
+        );
+        assert_eq!(named("host=a,b port=1,2"), "a:1, b:2");
+        assert_eq!(named("host=::1 port=7"), "[::1]:7");
+        assert_eq!(
+            named("host=/run/postgresql port=5433"),
+            "/run/postgresql/.s.PGSQL.5433"
+        );
+        assert!(!named("postgresql://app:secret@db/app").contains("secret"));
+    }
+}
