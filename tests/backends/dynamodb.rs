@@ -17,7 +17,8 @@ use tower_keyed_lock::backend::LostReason;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, PathParam};
 
 use crate::support::dynamo_server::DynamoServer;
-use crate::support::instances::{gate, gated_router, hold, path_escape, until, within};
+use crate::support::fixtures::until;
+use crate::support::instances::{gate, gated_router, hold, path_escape, within};
 use crate::support::recorder::counter;
 use crate::support::serve;
 

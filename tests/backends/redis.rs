@@ -14,8 +14,9 @@ use tower_keyed_lock::backend::redis::{RedisBackend, RedisBackendBuilder};
 use tower_keyed_lock::backend::LostReason;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, PathParam};
 
+use crate::support::fixtures::until;
 use crate::support::instances::{
-    alternate, gate, gated_router, hold, overlap_router, path_escape, until, within,
+    alternate, gate, gated_router, hold, overlap_router, path_escape, within,
 };
 use crate::support::recorder::counter;
 use crate::support::redis_server::{command_calls, RedisServer};

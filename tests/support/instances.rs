@@ -2,7 +2,6 @@
 //! gated handler that reports when it holds its key and finishes when told, a handler
 //! that counts overlaps, and requests alternating between the instances.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,8 +16,6 @@ use tower_keyed_lock::LockInfo;
 
 pub use super::fixtures::within;
 use super::{Answer, Overlap, Server};
-
-pub use super::fixtures::until;
 
 /// Handlers that report when they hold their key and finish when told to.
 pub struct Gate {
