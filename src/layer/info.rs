@@ -142,6 +142,15 @@ impl LockInfo {
     }
 }
 
+/// Put in the request extensions, instead of a [`LockInfo`], when the layer lets a
+/// request through without a key
+/// ([`allow_missing_key`](crate::KeyedLockLayer::allow_missing_key)): a replay layer
+/// inside then runs the request unreplayed, while a request that carries neither never
+/// passed a lock layer (a replay layer stacked outside the lock, which cannot work).
+#[cfg(feature = "replay")]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PassedWithoutKey;
+
 /// A handler behind the layer can take `LockInfo` as an argument. On a route that is
 /// not behind a lock layer that is a server misconfiguration: 500, with a
 /// `problem+json` body. Where a request may pass unlocked (with

@@ -145,5 +145,7 @@ pub use health::HealthCheck;
 #[cfg(feature = "replay")]
 pub(crate) use info::LayerName;
 pub use info::LockInfo;
+#[cfg(feature = "replay")]
+pub(crate) use info::PassedWithoutKey;
 pub use service::KeyedLock;
 pub use shutdown::ShutdownHandle;

@@ -89,6 +89,9 @@ where
         let key = match self.extractor.extract_key(&mut parts, shared.max_key_len) {
             Ok(key) => key,
             Err(error) if error.is_absent() && shared.config.allow_missing_key => {
+                // Tells a replay layer inside that a lock layer let it through.
+                #[cfg(feature = "replay")]
+                parts.extensions.insert(super::info::PassedWithoutKey);
                 return self.pass_through(Request::from_parts(parts, body));
             }
             Err(error) => {

@@ -35,7 +35,11 @@ pub const DEFAULT_MAX_REQUEST_BYTES: usize = 1024 * 1024;
 pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Replays the stored response of a completed request to later requests with the same
-/// key; goes *inside* a [`KeyedLockLayer`](crate::KeyedLockLayer). See the
+/// key; goes *inside* a [`KeyedLockLayer`](crate::KeyedLockLayer):
+/// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay), or
+/// `.layer(replay).layer(lock)` on an axum `Router`. Stacked outside the lock (or with
+/// no lock layer), where no request holds its key yet, it answers every routed request
+/// 500 problem+json (reason `misconfigured`) and logs one `error`. See the
 /// [module docs](super).
 #[derive(Clone)]
 #[must_use]

@@ -36,7 +36,8 @@
 //! | response body over [`max_response_bytes`](ReplayLayer::max_response_bytes) | passed through as it streams, **not stored** |
 //! | store unreachable | 503 with `Retry-After` (fail closed), or [`fail_open`](ReplayLayer::fail_open) |
 //! | record older than its [`ttl`](ReplayLayer::ttl) (default 24 h) | a new request |
-//! | no `LockInfo` (the lock layer let the request through without a key) | runs, nothing stored |
+//! | the lock layer let the request through without a key ([`allow_missing_key`](crate::KeyedLockLayer::allow_missing_key)), or no route matched it | runs, nothing stored |
+//! | no lock layer took a key first (the replay layer stacked outside the lock, or without one) | 500 problem+json, reason `misconfigured`, one `error` log per layer; the handler is not called |
 //!
 //! A record is scoped by the lock layer's name, the request key, the method, the matched
 //! route (axum's `MatchedPath`, else the path), the request's path and query, and

@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use tower_service::Service;
 
 use crate::buffer::{content_length, read_body, read_now, BodyReadError, ReadNow};
-use crate::layer::LockInfo;
+use crate::layer::{LockInfo, PassedWithoutKey};
 use crate::reject::Rejection;
 
 use super::body::ReplayBody;
@@ -60,10 +60,13 @@ where
     ReqBody::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
     ResBody: Body<Data = Bytes> + Send + 'static,
 {
-    // Without a key (the lock layer let the request through unlocked) there is
-    // nothing to replay under.
     let Some(info) = request.extensions().get::<LockInfo>().cloned() else {
-        return Box::pin(run(inner, request)).await;
+        let (mut parts, body) = request.into_parts();
+        if !let_through_unlocked(&mut parts) {
+            return Ok(outside_the_lock(&shared));
+        }
+        // Without a key there is nothing to replay under.
+        return Box::pin(run(inner, Request::from_parts(parts, body))).await;
     };
     // Set by the lock's acquisition when it looked for the record (`KeyedLockLayer::
     // replay` on a store kept on the lock's engine); taken, so that no replay layer
@@ -136,6 +139,39 @@ enum Found {
     Refused(Rejection),
     /// The store could not be read and the layer fails open: run without replay.
     Unknown,
+}
+
+/// Whether a request that holds no key was let through by a lock layer on purpose: one
+/// without a key ([`allow_missing_key`](crate::KeyedLockLayer::allow_missing_key)), or
+/// one no route matched (it keeps the fallback's answer). It then runs unreplayed.
+fn let_through_unlocked(parts: &mut Parts) -> bool {
+    if parts.extensions.get::<PassedWithoutKey>().is_some() {
+        return true;
+    }
+    #[cfg(feature = "axum")]
+    if crate::key::is_unrouted(parts) {
+        return true;
+    }
+    false
+}
+
+/// The answer to a request that reached the replay layer before any lock layer took
+/// its key: the replay layer is stacked outside the lock (or without one), where a
+/// duplicate in flight would run beside the first and nothing could be stored under a
+/// held key. 500, and one `error` log per layer. Not counted: without a lock layer
+/// there is no layer name to count it under.
+fn outside_the_lock<B: Body>(shared: &Shared) -> Response<ReplayBody<B>> {
+    if shared.first_misconfiguration() {
+        tracing::error!(
+            "replay layer misconfigured: a request reached it holding no key of a lock \
+             layer; stack it inside the lock (`KeyedLockLayer::replay`, or \
+             `.layer(replay).layer(lock)` on an axum Router); answering 500 (logged once \
+             per layer)"
+        );
+    }
+    Rejection::misconfigured("the replay layer does not run under a lock layer's key")
+        .into_response()
+        .map(ReplayBody::full)
 }
 
 /// Whether the layers are set up so that replay can work for this request; its

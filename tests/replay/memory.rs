@@ -22,6 +22,7 @@ use tower::{service_fn, Layer, ServiceBuilder, ServiceExt};
 use tower_keyed_lock::replay::{MemoryStore, ReplayLayer, REPLAYED_TOTAL, STORED_TOTAL};
 use tower_keyed_lock::{BufferRequestBodyLayer, KeyedLockLayer};
 
+use crate::support::logs::Captured;
 use crate::support::replay::{serve, Kit, Probe, Stacking, PATIENCE};
 
 fn kit_stacked(stacking: Stacking) -> Kit {
@@ -229,15 +230,95 @@ async fn replays_and_rejections_are_counted_without_keys() {
     assert_eq!(counters[mismatch], 1, "{counters:?}");
 }
 
+/// The replay layer stacked outside the lock (`.layer(lock).layer(replay)`) reads a
+/// request before any key is held: it cannot replay, and must not run the handler
+/// twice as if it could. Every request for a route gets 500 problem+json without
+/// running the handler, with one `error` log for the layer; a request no route
+/// matched keeps the fallback's 404.
 #[tokio::test]
-async fn requests_without_a_lock_pass_through() {
+async fn replay_stacked_outside_the_lock_is_a_server_error_logged_once() {
+    let captured = Captured::default();
+    let _logs = captured.install();
+    let probe = Arc::new(Probe::default());
+    let app = crate::support::replay::app_with_replay_outside(
+        KeyedLockLayer::by_header("idempotency-key").name("replay-outside"),
+        ReplayLayer::new(MemoryStore::default()),
+        Arc::clone(&probe),
+    );
+    let app = serve(app, Arc::clone(&probe)).await;
+    for _ in 0..3 {
+        let answer = app.post("/orders", "k", "a").await;
+        assert_eq!(
+            answer.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{answer:?}"
+        );
+        assert_eq!(answer.reason(), "misconfigured");
+        assert!(!answer.is_replay());
+    }
+    assert_eq!(app.probe.started(), 0, "the handler ran without replay");
+    let unrouted = app.post("/nowhere", "k", "").await;
+    assert_eq!(unrouted.status, StatusCode::NOT_FOUND, "{unrouted:?}");
+    let logs = captured.text();
+    let errors: Vec<_> = logs.lines().filter(|l| l.contains("ERROR")).collect();
+    assert_eq!(errors.len(), 1, "{logs}");
+    assert!(errors[0].contains("inside the lock"), "{logs}");
+}
+
+/// With no lock layer at all the replay layer has no key either: the same 500.
+#[tokio::test]
+async fn replay_without_a_lock_is_a_server_error() {
     let app = Router::new()
         .route("/orders", post(|| async { "ran" }))
         .layer(ReplayLayer::new(MemoryStore::default()));
     let app = serve(app, Arc::new(Probe::default())).await;
-    let first = app.post("/orders", "k", "").await;
-    let second = app.post("/orders", "k", "").await;
-    assert_eq!((first.body.as_str(), second.is_replay()), ("ran", false));
+    let answer = app.post("/orders", "k", "").await;
+    assert_eq!(
+        answer.status,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "{answer:?}"
+    );
+    assert_eq!(answer.reason(), "misconfigured");
+}
+
+/// A request the lock layer lets through without a key (`allow_missing_key`) runs,
+/// unreplayed and unstored, under both supported stackings; no error is logged. A
+/// request with a key is still replayed, and one no route matched gets the 404.
+#[tokio::test]
+async fn a_request_let_through_without_a_key_runs_unreplayed() {
+    for stacking in [Stacking::Replay, Stacking::ByHand] {
+        let captured = Captured::default();
+        let _logs = captured.install();
+        let probe = Arc::new(Probe::default());
+        let app = crate::support::replay::app_stacked(
+            stacking,
+            KeyedLockLayer::by_header("idempotency-key")
+                .name("replay-keyless")
+                .allow_missing_key(),
+            ReplayLayer::new(MemoryStore::default()),
+            Arc::clone(&probe),
+        );
+        let app = serve(app, Arc::clone(&probe)).await;
+        for call in 1..=2 {
+            let answer = app.post_without_key("/orders", "a").await;
+            assert_eq!(
+                answer.status,
+                StatusCode::CREATED,
+                "{stacking:?}: {answer:?}"
+            );
+            assert_eq!(answer.body, format!("call {call} for a"), "{stacking:?}");
+            assert!(!answer.is_replay(), "{stacking:?}");
+        }
+        app.post("/orders", "k", "a").await;
+        assert!(
+            app.post("/orders", "k", "a").await.is_replay(),
+            "{stacking:?}"
+        );
+        let unrouted = app.post("/nowhere", "k", "").await;
+        assert_eq!(unrouted.status, StatusCode::NOT_FOUND, "{stacking:?}");
+        let logs = captured.text();
+        assert!(!logs.contains("ERROR"), "{stacking:?}: {logs}");
+    }
 }
 
 // ------------------------------------------------------------ reading the body first

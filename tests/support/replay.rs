@@ -112,6 +112,16 @@ pub fn app_stacked(
     replay: ReplayLayer,
     probe: Arc<Probe>,
 ) -> Router {
+    let routes = routes(probe);
+    let routes = match stacking {
+        Stacking::ByHand => routes.layer(replay).layer(lock),
+        Stacking::Replay => routes.layer(lock.replay(replay)),
+    };
+    routes.layer(CatchPanicLayer::new())
+}
+
+/// The routes of [`app`], without layers.
+fn routes(probe: Arc<Probe>) -> Router {
     let orders = {
         let probe = Arc::clone(&probe);
         move |body: Bytes| async move {
@@ -164,18 +174,26 @@ pub fn app_stacked(
             "fine"
         }
     };
-    let routes = Router::new()
+    Router::new()
         .route("/orders", post(orders))
         .route("/other", post(|| async { "other" }))
         .route("/status/{code}", post(status))
         .route("/slow", post(slow))
         .route("/big", post(big))
-        .route("/panic", post(panics));
-    let routes = match stacking {
-        Stacking::ByHand => routes.layer(replay).layer(lock),
-        Stacking::Replay => routes.layer(lock.replay(replay)),
-    };
-    routes.layer(CatchPanicLayer::new())
+        .route("/panic", post(panics))
+}
+
+/// The app with the layers stacked the wrong way round, `.layer(lock).layer(replay)`:
+/// the replay layer outside the lock, where a request holds no key yet.
+pub fn app_with_replay_outside(
+    lock: KeyedLockLayer<HeaderKey>,
+    replay: ReplayLayer,
+    probe: Arc<Probe>,
+) -> Router {
+    routes(probe)
+        .layer(lock)
+        .layer(replay)
+        .layer(CatchPanicLayer::new())
 }
 
 /// A served app and a client for it.
@@ -229,6 +247,19 @@ impl Served {
             .header("idempotency-key", key)
             .body(Full::new(Bytes::from(body.to_owned())))
             .unwrap();
+        self.send(request).await
+    }
+
+    /// POSTs `body` to `path` without a key.
+    pub async fn post_without_key(&self, path: &str, body: &str) -> Reply {
+        let request = Request::post(format!("http://{}{path}", self.addr))
+            .body(Full::new(Bytes::from(body.to_owned())))
+            .unwrap();
+        self.send(request).await
+    }
+
+    /// Sends `request` and reads the whole response.
+    async fn send(&self, request: Request<Full<Bytes>>) -> Reply {
         let response = tokio::time::timeout(PATIENCE, self.client.request(request))
             .await
             .expect("answered in time")

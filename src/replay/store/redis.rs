@@ -33,6 +33,16 @@ return 0
 /// request's own lock token is not checked (the layer does not see it); the fence
 /// counter grows with every grant, which covers the same case.
 ///
+/// A record expires with the replay [`ttl`](crate::replay::ReplayLayer::ttl); the
+/// lock's fence counter and holder record of its key stay unless the backend's
+/// [`fence_ttl`](crate::backend::redis::RedisBackendBuilder::fence_ttl) is set (about
+/// 290 bytes per key, as Redis counts them). Keys that come from clients, one per
+/// request, then grow Redis without bound: set `fence_ttl`, and nothing of a completed
+/// request is left once its record and the fence expired. Set it longer than the
+/// longest hold: the renewal of a lease does not extend the fence, and a request that
+/// holds its key past the fence's TTL finds no fence to write under — its response is
+/// not stored, and a retry runs again.
+///
 /// ```no_run
 /// use tower_keyed_lock::backend::redis::RedisBackend;
 /// use tower_keyed_lock::replay::{RedisReplayStore, ReplayLayer};
