@@ -202,7 +202,6 @@ use std::time::Duration;
 use tokio::sync::Mutex as AsyncMutex;
 use zookeeper_client as zk;
 
-use self::acquire::backend;
 use self::keys::{check_prefix, normalize_prefix, LockPath};
 use self::session::Session;
 use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
@@ -289,8 +288,14 @@ struct Inner {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum SetupError {
-    /// No session could be opened.
-    Connect(zk::Error),
+    /// No session could be opened with the ensemble at `servers` (the connect string,
+    /// without credentials).
+    Connect {
+        /// The connect string.
+        servers: String,
+        /// Why.
+        error: zk::Error,
+    },
     /// A setup that breaks a guarantee of the lock, named.
     Unsafe(String),
 }
@@ -298,7 +303,9 @@ pub enum SetupError {
 impl fmt::Display for SetupError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SetupError::Connect(error) => write!(f, "cannot connect to ZooKeeper: {error}"),
+            SetupError::Connect { servers, error } => {
+                write!(f, "cannot connect to ZooKeeper at {servers}: {error}")
+            }
             SetupError::Unsafe(why) => write!(f, "unsafe ZooKeeper lock setup refused: {why}"),
         }
     }
@@ -307,7 +314,7 @@ impl fmt::Display for SetupError {
 impl std::error::Error for SetupError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            SetupError::Connect(error) => Some(error),
+            SetupError::Connect { error, .. } => Some(error),
             SetupError::Unsafe(_) => None,
         }
     }
@@ -317,6 +324,19 @@ impl Config {
     fn drift(&self) -> Duration {
         self.drift
             .unwrap_or_else(|| ttl::default_drift(self.session_timeout))
+    }
+
+    /// The connect string as errors show it: any `user:password@` before a host left
+    /// out (ZooKeeper's connect strings carry none, but a pasted URL might).
+    fn shown_servers(&self) -> String {
+        self.servers
+            .split(',')
+            .map(|server| match server.split_once('@') {
+                Some((user, host)) if !user.contains('/') => host,
+                _ => server,
+            })
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// How long opening a session may take: the command timeout per server.
@@ -449,7 +469,12 @@ impl ZooKeeperBackendBuilder {
             )));
         }
         config.drift = Some(asked);
-        let session = Session::open(&config).await.map_err(SetupError::Connect)?;
+        let session = Session::open(&config)
+            .await
+            .map_err(|error| SetupError::Connect {
+                servers: config.shown_servers(),
+                error,
+            })?;
         let negotiated = session.timeout();
         if config.drift.unwrap_or(asked) >= negotiated / 2 {
             return Err(SetupError::Unsafe(format!(
@@ -475,15 +500,19 @@ impl ZooKeeperBackendBuilder {
 
 impl Inner {
     /// The session in use, or a new one if it is lost (or none was open).
-    async fn session(&self) -> Result<Arc<Session>, crate::LockError> {
+    async fn session(&self) -> Result<Arc<Session>, ZooKeeperLockError> {
         let mut slot = self.session.lock().await;
         if let Some(session) = slot.as_ref().filter(|session| !session.is_lost()) {
             return Ok(session.clone());
         }
         *slot = None;
-        let session = Session::open(&self.config)
-            .await
-            .map_err(|error| backend(ZooKeeperLockError::ZooKeeper(error)))?;
+        let session =
+            Session::open(&self.config)
+                .await
+                .map_err(|error| ZooKeeperLockError::Unreachable {
+                    servers: self.config.shown_servers(),
+                    error,
+                })?;
         *slot = Some(session.clone());
         Ok(session)
     }

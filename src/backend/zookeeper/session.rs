@@ -131,7 +131,7 @@ impl Session {
     }
 
     /// Marks the session lost and closes it (once the requests in flight end).
-    fn lose(&self) {
+    pub(super) fn lose(&self) {
         self.health
             .send_if_modified(|health| !std::mem::replace(&mut health.lost, true));
         let client = self
