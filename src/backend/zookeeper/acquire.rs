@@ -1,6 +1,7 @@
 //! Joining a lock's queue and waiting for the turn: the contender's node (ephemeral,
 //! sequential, named with the acquisition's token), a watch on its predecessor only,
-//! and the give-back of a node nobody will hold (ZooKeeper's steps of the
+//! transient failures tried again within the wait (the node kept, a lost session's
+//! contender queued again), and the give-back of a node nobody will hold (ZooKeeper's steps of the
 //! `backend::ttl` engine's in-flight guard and background give-back).
 
 use std::fmt;
@@ -153,9 +154,10 @@ impl Failure {
 struct Attempt {
     deadline: Instant,
     command_timeout: Duration,
-    /// Whether a request was sent yet: the first gets a whole command timeout, so that
-    /// a wait of zero still tries once.
-    sent_one: bool,
+    /// Whether ZooKeeper answered a read of the queue yet: until then every request
+    /// gets a whole command timeout, so that a wait of zero still tries once (joins and
+    /// looks).
+    looked: bool,
     backoff: Backoff,
     failing: Option<ZooKeeperLockError>,
 }
@@ -165,7 +167,7 @@ impl Attempt {
         Attempt {
             deadline: ttl::deadline_after(wait),
             command_timeout,
-            sent_one: false,
+            looked: false,
             backoff: Self::backoff(command_timeout),
             failing: None,
         }
@@ -176,10 +178,10 @@ impl Attempt {
     }
 
     /// When the next request must be answered: a command timeout from now, cut short
-    /// by the end of the wait (except the first request).
-    fn limit(&mut self) -> Instant {
+    /// by the end of the wait once the queue was read.
+    fn limit(&self) -> Instant {
         let limit = Instant::now() + self.command_timeout;
-        if std::mem::replace(&mut self.sent_one, true) {
+        if self.looked {
             limit.min(self.deadline)
         } else {
             limit
@@ -197,6 +199,7 @@ impl Attempt {
 
     /// ZooKeeper answered a read of the queue: the failures before are over.
     fn heard(&mut self) {
+        self.looked = true;
         self.failing = None;
         self.backoff = Self::backoff(self.command_timeout);
     }
@@ -243,8 +246,10 @@ impl Inner {
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let mut attempt = Attempt::new(wait, self.config.command_timeout);
+        let mut first = true;
         loop {
-            let failure = match self.session_within(&mut attempt).await {
+            let session = self.session_within(&attempt, std::mem::take(&mut first));
+            let failure = match session.await {
                 Ok(session) => match self.clone().queue(&path, session, &mut attempt).await {
                     Ok(lease) => return Ok(lease),
                     Err(failure) => failure,
@@ -265,20 +270,21 @@ impl Inner {
         }
     }
 
-    /// The session to queue on: the first acquisition's connect gets its whole connect
-    /// timeout, a later one ends with the wait.
-    async fn session_within(&self, attempt: &mut Attempt) -> Result<Arc<Session>, Failure> {
-        let first = !attempt.sent_one;
-        let limit = attempt.limit();
-        let session = if first {
-            self.session().await
-        } else {
-            match timeout_at(limit, self.session()).await {
-                Ok(session) => session,
-                Err(_) => return Err(attempt.timed_out(limit, "opening a session")),
-            }
-        };
-        session.map_err(Failure::Transient)
+    /// The session to queue on: the acquisition's first connect gets its whole connect
+    /// timeout (so that a wait of zero still tries once), a later one ends with the
+    /// wait.
+    async fn session_within(
+        &self,
+        attempt: &Attempt,
+        first: bool,
+    ) -> Result<Arc<Session>, Failure> {
+        if first {
+            return self.session().await.map_err(Failure::Transient);
+        }
+        match timeout_at(attempt.deadline, self.session()).await {
+            Ok(session) => session.map_err(Failure::Transient),
+            Err(_) => Err(Failure::WaitOver),
+        }
     }
 
     /// One contender on `session`: its node, then its turn.

@@ -79,8 +79,16 @@
 //!   predecessor only: one release wakes one waiter, no herd) and reads the queue again
 //!   when the watch fires, or after a jittered
 //!   [`poll_interval`](ZooKeeperBackendBuilder::poll_interval) (a backstop: a lost
-//!   watch only costs latency). Keys pass in FIFO order across instances. Only the
-//!   request's wait bounds the waiting.
+//!   watch only costs latency). Keys pass in FIFO order across instances.
+//! - **Only the wait bounds the waiting.** A step that fails for a while — no answer
+//!   within the command timeout, the connection lost (a server died, the leader
+//!   changed, the path was reset), the server throttling — is tried again after a
+//!   jittered pause (10–20 ms, doubling up to the command timeout, at most 1 s) within
+//!   the request's wait, and the waiter keeps its node, so its place. A create whose
+//!   answer never came is looked for by its token before another is sent. A session
+//!   lost during the wait took the waiter's node with it: the waiter queues again on a
+//!   new session (at the back), still within its wait. Only the server's own refusals
+//!   (no such node, not authorized, …) end a wait early.
 //! - **Fencing token.** The holder node's creation zxid
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): one counter for the
 //!   whole ensemble, raised by every write and by every new leader's epoch, so strictly
@@ -108,9 +116,11 @@
 //!
 //! Every request is bounded by
 //! [`command_timeout`](ZooKeeperBackendBuilder::command_timeout): when ZooKeeper is down
-//! or silent, acquisitions fail with [`LockError::Backend`] promptly and the layer
-//! answers 503 (or runs the request under its local lock with
-//! [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//! or silent, an acquisition fails with [`LockError::Backend`] (the last failure) when
+//! its wait ends — at once for a try without a wait — and the layer answers 503 (or runs
+//! the request under its local lock with
+//! [`fail_open`](crate::KeyedLockLayer::fail_open)). An acquisition whose wait ends
+//! while ZooKeeper answers gets [`LockError::Timeout`].
 //!
 //! # Who holds a key
 //!
@@ -133,13 +143,15 @@
 //! | one request (create, read, watch, delete, heartbeat) | at most the command timeout (default 1 s) |
 //! | opening a session | at most the command timeout per server in the connect string |
 //! | a waiter looks again without a watch event | after a jittered poll interval (default 1 s) |
+//! | a step that failed for a while is tried again | after 10–20 ms, each pause doubling up to the command timeout (at most 1 s), jittered; within the wait |
 //!
 //! # Failures of the ensemble
 //!
 //! Creates, deletes and `sync` need a quorum. When the leader dies, the ensemble elects
 //! another (within a few ticks) and every session's timeout starts again; the client
 //! reconnects to another server of the connect string within the session, and the
-//! heartbeats get through again. A holder cut off from the quorum (its server in a
+//! heartbeats get through again. Waiters keep their place meanwhile: their reads and
+//! watches that fail during the election are tried again. A holder cut off from the quorum (its server in a
 //! minority partition, a majority of servers down, the link silent) cannot get a
 //! heartbeat answered; it is told at its local deadline, before the leader (whose count
 //! starts later) expires the session and deletes its node. A server restarted rejoins
@@ -433,9 +445,10 @@ impl ZooKeeperBackendBuilder {
     }
 
     /// The longest one request to ZooKeeper may take (default
-    /// [`DEFAULT_COMMAND_TIMEOUT`], 1 s). Past it the acquisition fails with
-    /// [`LockError::Backend`], a heartbeat counts as unanswered, and a release goes on
-    /// in the background. Opening a session may take it once per server.
+    /// [`DEFAULT_COMMAND_TIMEOUT`], 1 s). Past it a waiting acquisition tries again
+    /// within its wait (and fails with [`LockError::Backend`] if the wait ends first),
+    /// a heartbeat counts as unanswered, and a release goes on in the background.
+    /// Opening a session may take it once per server.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.config.command_timeout = timeout.max(Duration::from_millis(1));
         self
