@@ -1,8 +1,9 @@
 //! Joining a lock's queue and waiting for the turn: the contender's node (ephemeral,
 //! sequential, named with the acquisition's token), a watch on its predecessor only,
-//! transient failures tried again within the wait (the node kept, a lost session's
-//! contender queued again), and the give-back of a node nobody will hold (ZooKeeper's steps of the
-//! `backend::ttl` engine's in-flight guard and background give-back).
+//! transient failures tried again within the wait (the node kept; the contender of a
+//! session ZooKeeper expired queued again), and the give-back of a node nobody will
+//! hold (ZooKeeper's steps of the `backend::ttl` engine's in-flight guard and
+//! background give-back).
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -11,7 +12,7 @@ use std::time::Duration;
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 use zookeeper_client as zk;
 
-use super::keys::{parse_contender, LockPath};
+use super::keys::{self, parse_contender, LockPath};
 use super::lease;
 use super::session::Session;
 use super::Inner;
@@ -120,8 +121,14 @@ enum Failure {
     /// leader changed, a path reset) or the server throttled: worth another try within
     /// the wait. The contender keeps its node, and so its place.
     Transient(ZooKeeperLockError),
-    /// The session ended (expired, closed, or unheard past its local deadline): the
-    /// contender's node went with it. A new session may queue again within the wait.
+    /// The session ended while ZooKeeper could be reached (it said the session
+    /// expired, or this process stalled past the session's deadline with no heartbeat
+    /// unanswered): the contender's node went with it. A new session may queue again
+    /// within the wait.
+    SessionExpired,
+    /// The session ended with ZooKeeper out of reach (unheard past its local deadline,
+    /// its heartbeats unanswered; or closed): the acquisition fails, closed or open,
+    /// rather than wait on an ensemble that is gone.
     SessionLost,
     /// The wait ended.
     WaitOver,
@@ -139,10 +146,8 @@ impl Failure {
             | zk::Error::Timeout
             | zk::Error::Throttled
             | zk::Error::Custom(_) => Failure::Transient(ZooKeeperLockError::ZooKeeper(error)),
-            zk::Error::SessionExpired
-            | zk::Error::SessionMoved
-            | zk::Error::ClientClosed
-            | zk::Error::NoHosts => Failure::SessionLost,
+            zk::Error::SessionExpired | zk::Error::SessionMoved => Failure::SessionExpired,
+            zk::Error::ClientClosed | zk::Error::NoHosts => Failure::SessionLost,
             error => Failure::Definite(backend(ZooKeeperLockError::ZooKeeper(error))),
         }
     }
@@ -177,10 +182,11 @@ impl Attempt {
         Backoff::new(RETRY_FIRST, command_timeout.clamp(RETRY_FIRST, RETRY_MAX))
     }
 
-    /// When the next request must be answered: a command timeout from now, cut short
-    /// by the end of the wait once the queue was read.
-    fn limit(&self) -> Instant {
-        let limit = Instant::now() + self.command_timeout;
+    /// When the next request on `session` must be answered: a command timeout from
+    /// now, cut short by the session's deadline (past it, the session is lost whatever
+    /// the answer), and by the end of the wait once the queue was read.
+    fn limit(&self, session: &Session) -> Instant {
+        let limit = (Instant::now() + self.command_timeout).min(session.health().valid_until);
         if self.looked {
             limit.min(self.deadline)
         } else {
@@ -228,6 +234,15 @@ impl Attempt {
     }
 }
 
+/// How long opening a session may take.
+#[derive(Clone, Copy)]
+enum Connect {
+    /// The acquisition's first: the whole connect timeout.
+    First,
+    /// After the session ended with ZooKeeper in reach: within the wait.
+    Again,
+}
+
 /// What one look at the queue found.
 enum Turn {
     /// No older contender: the lock is ours.
@@ -238,29 +253,40 @@ enum Turn {
 
 impl Inner {
     /// Queues for `path` until granted or the wait ends. A transient failure is tried
-    /// again (the node, and so its place, kept); a session lost meanwhile took the node
-    /// along, and the acquisition queues again on a new session, at the back.
+    /// again (the node, and so its place, kept) as long as the session lives; a session
+    /// that ended with ZooKeeper in reach took the node along: the acquisition queues
+    /// again on a new session, at the back (or fails if none can be opened). A session
+    /// lost with ZooKeeper out of reach fails the acquisition.
     pub(super) async fn acquire(
         self: Arc<Self>,
         path: LockPath,
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let mut attempt = Attempt::new(wait, self.config.command_timeout);
-        let mut first = true;
+        let mut connect = Connect::First;
         loop {
-            let session = self.session_within(&attempt, std::mem::take(&mut first));
-            let failure = match session.await {
-                Ok(session) => match self.clone().queue(&path, session, &mut attempt).await {
-                    Ok(lease) => return Ok(lease),
-                    Err(failure) => failure,
-                },
-                Err(failure) => failure,
+            // No session to be had: the ensemble is out of reach, whatever the wait
+            // left.
+            let session = match self.session_within(&attempt, connect).await {
+                Ok(session) => session,
+                Err(Failure::Transient(error)) => return Err(backend(error)),
+                Err(Failure::WaitOver) => return Err(attempt.wait_over()),
+                Err(Failure::Definite(error)) => return Err(error),
+                Err(Failure::SessionLost | Failure::SessionExpired) => {
+                    return Err(backend(ZooKeeperLockError::SessionLost))
+                }
             };
-            let error = match failure {
-                Failure::Transient(error) => error,
-                Failure::SessionLost => ZooKeeperLockError::SessionLost,
-                Failure::WaitOver => return Err(attempt.wait_over()),
-                Failure::Definite(error) => return Err(error),
+            let error = match self.clone().queue(&path, session, &mut attempt).await {
+                Ok(lease) => return Ok(lease),
+                // Queue again on a new session, if ZooKeeper can be reached again.
+                Err(Failure::SessionExpired) => {
+                    connect = Connect::Again;
+                    ZooKeeperLockError::SessionLost
+                }
+                Err(Failure::SessionLost) => return Err(backend(ZooKeeperLockError::SessionLost)),
+                Err(Failure::Transient(error)) => error,
+                Err(Failure::WaitOver) => return Err(attempt.wait_over()),
+                Err(Failure::Definite(error)) => return Err(error),
             };
             match attempt.pause(error).await {
                 Ok(()) => {}
@@ -270,20 +296,19 @@ impl Inner {
         }
     }
 
-    /// The session to queue on: the acquisition's first connect gets its whole connect
-    /// timeout (so that a wait of zero still tries once), a later one ends with the
-    /// wait.
+    /// The session to queue on, bounded as `connect` says.
     async fn session_within(
         &self,
         attempt: &Attempt,
-        first: bool,
+        connect: Connect,
     ) -> Result<Arc<Session>, Failure> {
-        if first {
-            return self.session().await.map_err(Failure::Transient);
-        }
-        match timeout_at(attempt.deadline, self.session()).await {
-            Ok(session) => session.map_err(Failure::Transient),
-            Err(_) => Err(Failure::WaitOver),
+        match connect {
+            // Its whole connect timeout, so that a wait of zero still tries once.
+            Connect::First => self.session().await.map_err(Failure::Transient),
+            Connect::Again => match timeout_at(attempt.deadline, self.session()).await {
+                Ok(session) => session.map_err(Failure::Transient),
+                Err(_) => Err(Failure::WaitOver),
+            },
         }
     }
 
@@ -314,10 +339,20 @@ impl Inner {
                 in_flight.granted();
                 Ok(lease)
             }
-            Err(Failure::SessionLost) => {
-                // Never used again: the next try opens a new session.
+            Err(failure @ (Failure::SessionLost | Failure::SessionExpired)) => {
+                // Never used again: the next try opens a new session. ZooKeeper was in
+                // reach if it said the session expired, or if no heartbeat went
+                // unanswered (the deadline passed while this process stalled).
+                let health = session.health();
+                let in_reach = matches!(failure, Failure::SessionExpired)
+                    || health.expired
+                    || (health.lost && !health.unanswered);
                 session.lose();
-                Err(Failure::SessionLost)
+                Err(if in_reach {
+                    Failure::SessionExpired
+                } else {
+                    Failure::SessionLost
+                })
             }
             Err(failure) => Err(failure),
         }
@@ -388,6 +423,9 @@ impl Inner {
         let mut unanswered = false;
         let mut queue_made = 0;
         loop {
+            if contender.session.is_lost() {
+                return Err(Failure::SessionLost);
+            }
             if unanswered {
                 match self.find(contender, &client, attempt).await {
                     Ok(Some((node, fence))) => {
@@ -402,7 +440,7 @@ impl Inner {
                     Err(failure) => return Err(failure),
                 }
             }
-            let limit = attempt.limit();
+            let limit = attempt.limit(&contender.session);
             in_flight.sent(Instant::now());
             let created = timeout_at(
                 limit,
@@ -449,7 +487,7 @@ impl Inner {
         attempt: &mut Attempt,
     ) -> Result<(), Failure> {
         let queue = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
-        let limit = attempt.limit();
+        let limit = attempt.limit(&contender.session);
         match timeout_at(limit, client.mkdir(&contender.path.queue, &queue)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(error)) => Err(Failure::of(error)),
@@ -466,7 +504,7 @@ impl Inner {
         client: &zk::Client,
         attempt: &mut Attempt,
     ) -> Result<Option<(String, u64)>, Failure> {
-        let limit = attempt.limit();
+        let limit = attempt.limit(&contender.session);
         let step = "looking for the node of an unanswered create";
         let children = match timeout_at(limit, client.list_children(&contender.path.queue)).await {
             Ok(Ok(children)) => children,
@@ -495,7 +533,7 @@ impl Inner {
     /// Reads the queue: whether the contender is first, or the node just older.
     async fn look(&self, contender: &Contender, attempt: &mut Attempt) -> Result<Turn, Failure> {
         let client = contender.session.client().ok_or(Failure::SessionLost)?;
-        let limit = attempt.limit();
+        let limit = attempt.limit(&contender.session);
         let node_gone = || {
             if contender.session.is_lost() {
                 Failure::SessionLost
@@ -514,19 +552,24 @@ impl Inner {
             .filter_map(|name| parse_contender(name))
             .collect();
         queue.sort_unstable_by_key(|contender| contender.sequence);
-        let Some(place) = queue.iter().position(|c| c.token == contender.token) else {
-            return Err(node_gone());
+        // The contender's node: the one its create was answered with, or found by its
+        // token.
+        let mine = |c: &&keys::Contender<'_>| match contender.node() {
+            Some(node) => node.rsplit('/').next() == Some(c.name),
+            None => c.token == contender.token,
         };
-        // A create retried after its answer was lost may have made a second node: it
-        // would hold up everyone behind it.
-        let extra: Vec<String> = queue[place + 1..]
-            .iter()
-            .filter(|c| c.token == contender.token)
-            .map(|c| contender.path.child(c.name))
-            .collect();
-        for node in extra {
-            let _ = timeout_at(limit, client.delete(&node, None)).await;
+        if !queue.iter().any(|c| mine(&c)) {
+            return Err(node_gone());
         }
+        // A create retried after its answer was lost may have made a second node of the
+        // token: it would hold up everyone behind it, so it goes.
+        let (extra, queue): (Vec<_>, Vec<_>) = queue
+            .into_iter()
+            .partition(|c| c.token == contender.token && !mine(&c));
+        for node in extra {
+            let _ = timeout_at(limit, client.delete(&contender.path.child(node.name), None)).await;
+        }
+        let place = queue.iter().position(|c| mine(&c)).unwrap_or_default();
         Ok(match place.checked_sub(1) {
             None => Turn::Ours,
             Some(before) => Turn::Behind(contender.path.child(queue[before].name)),
@@ -541,7 +584,7 @@ impl Inner {
         attempt: &mut Attempt,
     ) -> Result<Option<zk::OneshotWatcher>, Failure> {
         let client = contender.session.client().ok_or(Failure::SessionLost)?;
-        let limit = attempt.limit();
+        let limit = attempt.limit(&contender.session);
         match timeout_at(limit, client.check_and_watch_stat(predecessor)).await {
             Ok(Ok((Some(_), watcher))) => Ok(Some(watcher)),
             Ok(Ok((None, _))) => Ok(None),

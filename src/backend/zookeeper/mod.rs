@@ -86,9 +86,13 @@
 //!   jittered pause (10–20 ms, doubling up to the command timeout, at most 1 s) within
 //!   the request's wait, and the waiter keeps its node, so its place. A create whose
 //!   answer never came is looked for by its token before another is sent. A session
-//!   lost during the wait took the waiter's node with it: the waiter queues again on a
-//!   new session (at the back), still within its wait. Only the server's own refusals
-//!   (no such node, not authorized, …) end a wait early.
+//!   that ended while ZooKeeper could be reached (expired by ZooKeeper, or past its
+//!   local deadline while this process stalled) took the waiter's node with it: the
+//!   waiter queues again on a new session (at the back), still within its wait. What
+//!   ends a wait early is the ensemble out of reach — the session lost with its
+//!   heartbeats unanswered, or no session to be opened, so that a request without a
+//!   wait limit is failed closed (or open) rather than kept waiting — and the server's
+//!   own refusals (no such node, not authorized, …).
 //! - **Fencing token.** The holder node's creation zxid
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): one counter for the
 //!   whole ensemble, raised by every write and by every new leader's epoch, so strictly
@@ -117,8 +121,10 @@
 //! Every request is bounded by
 //! [`command_timeout`](ZooKeeperBackendBuilder::command_timeout): when ZooKeeper is down
 //! or silent, an acquisition fails with [`LockError::Backend`] (the last failure) when
-//! its wait ends — at once for a try without a wait — and the layer answers 503 (or runs
-//! the request under its local lock with
+//! its wait ends or its session is lost unheard, whichever is first (at once for a try
+//! without a wait; within a session timeout for a wait without limit), and the layer
+//! answers
+//! 503 (or runs the request under its local lock with
 //! [`fail_open`](crate::KeyedLockLayer::fail_open)). An acquisition whose wait ends
 //! while ZooKeeper answers gets [`LockError::Timeout`].
 //!
@@ -143,7 +149,7 @@
 //! | one request (create, read, watch, delete, heartbeat) | at most the command timeout (default 1 s) |
 //! | opening a session | at most the command timeout per server in the connect string |
 //! | a waiter looks again without a watch event | after a jittered poll interval (default 1 s) |
-//! | a step that failed for a while is tried again | after 10–20 ms, each pause doubling up to the command timeout (at most 1 s), jittered; within the wait |
+//! | a step that failed for a while is tried again | after 10–20 ms, each pause doubling up to the command timeout (at most 1 s), jittered; within the wait, while the session lives |
 //!
 //! # Failures of the ensemble
 //!
@@ -446,7 +452,8 @@ impl ZooKeeperBackendBuilder {
 
     /// The longest one request to ZooKeeper may take (default
     /// [`DEFAULT_COMMAND_TIMEOUT`], 1 s). Past it a waiting acquisition tries again
-    /// within its wait (and fails with [`LockError::Backend`] if the wait ends first),
+    /// within its wait while ZooKeeper can be reached (and fails with
+    /// [`LockError::Backend`] if the wait ends or the ensemble is out of reach first),
     /// a heartbeat counts as unanswered, and a release goes on in the background.
     /// Opening a session may take it once per server.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {

@@ -24,6 +24,9 @@ pub(super) struct Health {
     /// A heartbeat went unanswered since the last one answered: should the deadline
     /// pass now, ZooKeeper was out of reach.
     pub(super) unanswered: bool,
+    /// ZooKeeper said the session expired: it could be reached, and the session's nodes
+    /// are gone.
+    pub(super) expired: bool,
 }
 
 /// One ZooKeeper session and its heartbeat.
@@ -57,6 +60,7 @@ impl Session {
             valid_until: valid_until(started, timeout, config.drift()),
             lost: false,
             unanswered: false,
+            expired: false,
         });
         let session = Arc::new_cyclic(|weak: &Weak<Session>| {
             let task = tokio::spawn(keep_heard(
@@ -130,6 +134,12 @@ impl Session {
         self.timeout
     }
 
+    /// Records that ZooKeeper said the session expired (see [`Health::expired`]).
+    pub(super) fn expired(&self) {
+        self.health
+            .send_if_modified(|health| !std::mem::replace(&mut health.expired, true));
+    }
+
     /// Marks the session lost and closes it (once the requests in flight end).
     pub(super) fn lose(&self) {
         self.health
@@ -147,6 +157,13 @@ impl Drop for Session {
     fn drop(&mut self) {
         // Dropping the client closes the session: its nodes go with it.
         self.heartbeat.abort();
+    }
+}
+
+/// Records that ZooKeeper said `session` expired, if it is still there.
+fn expired(session: &Weak<Session>) {
+    if let Some(live) = session.upgrade() {
+        live.expired();
     }
 }
 
@@ -214,6 +231,9 @@ async fn keep_heard(
             () = sleep_until(deadline.valid_until) => break,
             changed = state.changed() => {
                 if changed.is_terminated() {
+                    if changed == zk::SessionState::Expired {
+                        expired(&session);
+                    }
                     break;
                 }
                 continue;
@@ -240,7 +260,10 @@ async fn keep_heard(
             Ok(Err(error))
                 if error == zk::Error::SessionExpired || error == zk::Error::ClientClosed =>
             {
-                break
+                if error == zk::Error::SessionExpired {
+                    live.expired();
+                }
+                break;
             }
             _ => {
                 live.health
