@@ -692,3 +692,50 @@ impl TtlBackend for Inner {
         sent_at + self.give_back_horizon()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_servers_refusals_are_definite() {
+        let transient = [
+            zk::Error::ConnectionLoss,
+            zk::Error::Timeout,
+            zk::Error::Throttled,
+        ];
+        for error in transient {
+            assert!(
+                matches!(Failure::of(error.clone()), Failure::Transient(_)),
+                "{error}"
+            );
+        }
+        for error in [zk::Error::SessionExpired, zk::Error::SessionMoved] {
+            assert!(
+                matches!(Failure::of(error.clone()), Failure::SessionExpired),
+                "{error}"
+            );
+        }
+        for error in [zk::Error::ClientClosed, zk::Error::NoHosts] {
+            assert!(
+                matches!(Failure::of(error.clone()), Failure::SessionLost),
+                "{error}"
+            );
+        }
+        for error in [zk::Error::NoNode, zk::Error::NoAuth, zk::Error::InvalidAcl] {
+            assert!(
+                matches!(Failure::of(error.clone()), Failure::Definite(_)),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_wait_fails_with_what_it_was_going_through() {
+        let mut attempt = Attempt::new(Duration::ZERO, Duration::from_millis(500));
+        assert!(matches!(attempt.wait_over(), LockError::Timeout));
+        attempt.failing = Some(ZooKeeperLockError::TimedOut("reading the queue"));
+        let error = attempt.wait_over().to_string();
+        assert!(error.contains("reading the queue"), "{error}");
+    }
+}

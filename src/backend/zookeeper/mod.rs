@@ -592,6 +592,12 @@ mod tests {
     }
 
     #[test]
+    fn errors_show_the_servers_without_credentials() {
+        let builder = ZooKeeperBackend::builder("user:secret@a:1,b:2/chroot@x");
+        assert_eq!(builder.config.shown_servers(), "a:1,b:2/chroot@x");
+    }
+
+    #[test]
     fn the_connect_timeout_is_one_command_timeout_per_server() {
         let builder =
             ZooKeeperBackend::builder("a:1,b:2,c:3").command_timeout(Duration::from_millis(300));
