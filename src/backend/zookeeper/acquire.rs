@@ -122,13 +122,15 @@ enum Failure {
     /// the wait. The contender keeps its node, and so its place.
     Transient(ZooKeeperLockError),
     /// The session ended while ZooKeeper could be reached (it said the session
-    /// expired, or this process stalled past the session's deadline with no heartbeat
-    /// unanswered): the contender's node went with it. A new session may queue again
-    /// within the wait.
+    /// expired, the client was connected again when the session was declared lost, or
+    /// this process stalled past the session's deadline with no heartbeat unanswered):
+    /// the contender's node went with it. A new session may queue again within the
+    /// wait.
     SessionExpired,
     /// The session ended with ZooKeeper out of reach (unheard past its local deadline,
-    /// its heartbeats unanswered; or closed): the acquisition fails, closed or open,
-    /// rather than wait on an ensemble that is gone.
+    /// its heartbeats unanswered; or closed): the acquisition queues again only if a
+    /// new session opens within one command timeout, and fails (closed or open)
+    /// otherwise, rather than wait on an ensemble that is gone.
     SessionLost,
     /// The wait ended.
     WaitOver,
@@ -241,6 +243,8 @@ enum Connect {
     First,
     /// After the session ended with ZooKeeper in reach: within the wait.
     Again,
+    /// After the session was lost unheard: one command timeout, within the wait.
+    AfterLoss,
 }
 
 /// What one look at the queue found.
@@ -254,9 +258,9 @@ enum Turn {
 impl Inner {
     /// Queues for `path` until granted or the wait ends. A transient failure is tried
     /// again (the node, and so its place, kept) as long as the session lives; a session
-    /// that ended with ZooKeeper in reach took the node along: the acquisition queues
-    /// again on a new session, at the back (or fails if none can be opened). A session
-    /// lost with ZooKeeper out of reach fails the acquisition.
+    /// that ended took the node along: the acquisition queues again on a new session,
+    /// at the back, or fails if none can be opened (within one command timeout when
+    /// the session was lost with ZooKeeper out of reach).
     pub(super) async fn acquire(
         self: Arc<Self>,
         path: LockPath,
@@ -283,7 +287,11 @@ impl Inner {
                     connect = Connect::Again;
                     ZooKeeperLockError::SessionLost
                 }
-                Err(Failure::SessionLost) => return Err(backend(ZooKeeperLockError::SessionLost)),
+                // Unheard: queue again only if the ensemble answers at once.
+                Err(Failure::SessionLost) => {
+                    connect = Connect::AfterLoss;
+                    ZooKeeperLockError::SessionLost
+                }
                 Err(Failure::Transient(error)) => error,
                 Err(Failure::WaitOver) => return Err(attempt.wait_over()),
                 Err(Failure::Definite(error)) => return Err(error),
@@ -309,6 +317,18 @@ impl Inner {
                 Ok(session) => session.map_err(Failure::Transient),
                 Err(_) => Err(Failure::WaitOver),
             },
+            // One command timeout, so that a wait without limit fails (closed or open)
+            // when the ensemble is gone rather than keep waiting.
+            Connect::AfterLoss => {
+                let limit = attempt
+                    .deadline
+                    .min(Instant::now() + self.config.command_timeout);
+                match timeout_at(limit, self.session()).await {
+                    Ok(session) => session.map_err(Failure::Transient),
+                    Err(_) if limit == attempt.deadline => Err(Failure::WaitOver),
+                    Err(_) => Err(Failure::SessionLost),
+                }
+            }
         }
     }
 
@@ -341,13 +361,15 @@ impl Inner {
             }
             Err(failure @ (Failure::SessionLost | Failure::SessionExpired)) => {
                 // Never used again: the next try opens a new session. ZooKeeper was in
-                // reach if it said the session expired, or if no heartbeat went
+                // reach if it said the session expired, if the client was connected
+                // again when the session was declared lost, or if no heartbeat went
                 // unanswered (the deadline passed while this process stalled).
+                session.lose();
                 let health = session.health();
                 let in_reach = matches!(failure, Failure::SessionExpired)
                     || health.expired
-                    || (health.lost && !health.unanswered);
-                session.lose();
+                    || health.connected_when_lost
+                    || !health.unanswered;
                 Err(if in_reach {
                     Failure::SessionExpired
                 } else {

@@ -88,11 +88,12 @@
 //!   answer never came is looked for by its token before another is sent. A session
 //!   that ended while ZooKeeper could be reached (expired by ZooKeeper, or past its
 //!   local deadline while this process stalled) took the waiter's node with it: the
-//!   waiter queues again on a new session (at the back), still within its wait. What
-//!   ends a wait early is the ensemble out of reach — the session lost with its
-//!   heartbeats unanswered, or no session to be opened, so that a request without a
-//!   wait limit is failed closed (or open) rather than kept waiting — and the server's
-//!   own refusals (no such node, not authorized, …).
+//!   waiter queues again on a new session (at the back), still within its wait; so
+//!   does one whose session was lost with its heartbeats unanswered, if a new session
+//!   opens within one command timeout. What ends a wait early is the ensemble out of
+//!   reach — no session to be opened (then), so that a request without a wait limit is
+//!   failed closed (or open) rather than kept waiting — and the server's own refusals
+//!   (no such node, not authorized, …).
 //! - **Fencing token.** The holder node's creation zxid
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): one counter for the
 //!   whole ensemble, raised by every write and by every new leader's epoch, so strictly
@@ -121,9 +122,9 @@
 //! Every request is bounded by
 //! [`command_timeout`](ZooKeeperBackendBuilder::command_timeout): when ZooKeeper is down
 //! or silent, an acquisition fails with [`LockError::Backend`] (the last failure) when
-//! its wait ends or its session is lost unheard, whichever is first (at once for a try
-//! without a wait; within a session timeout for a wait without limit), and the layer
-//! answers
+//! its wait ends or its session is lost unheard and no new one opens, whichever is
+//! first (at once for a try without a wait; within a session timeout and a command
+//! timeout for a wait without limit), and the layer answers
 //! 503 (or runs the request under its local lock with
 //! [`fail_open`](crate::KeyedLockLayer::fail_open)). An acquisition whose wait ends
 //! while ZooKeeper answers gets [`LockError::Timeout`].

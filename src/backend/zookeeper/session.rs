@@ -27,6 +27,9 @@ pub(super) struct Health {
     /// ZooKeeper said the session expired: it could be reached, and the session's nodes
     /// are gone.
     pub(super) expired: bool,
+    /// When the session was declared lost, its client was connected: ZooKeeper could
+    /// be reached again (the path healed just too late).
+    pub(super) connected_when_lost: bool,
 }
 
 /// One ZooKeeper session and its heartbeat.
@@ -61,6 +64,7 @@ impl Session {
             lost: false,
             unanswered: false,
             expired: false,
+            connected_when_lost: false,
         });
         let session = Arc::new_cyclic(|weak: &Weak<Session>| {
             let task = tokio::spawn(keep_heard(
@@ -142,13 +146,22 @@ impl Session {
 
     /// Marks the session lost and closes it (once the requests in flight end).
     pub(super) fn lose(&self) {
-        self.health
-            .send_if_modified(|health| !std::mem::replace(&mut health.lost, true));
         let client = self
             .client
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        let connected = client
+            .as_ref()
+            .is_some_and(|client| client.state() == zk::SessionState::SyncConnected);
+        self.health.send_if_modified(|health| {
+            if health.lost {
+                return false;
+            }
+            health.lost = true;
+            health.connected_when_lost = connected;
+            true
+        });
         drop(client);
     }
 }
