@@ -188,6 +188,7 @@ macro_rules! faults {
                 a_slow_path_keeps_the_lease,
                 a_reset_connection_is_a_lost_lease_and_recovers,
                 the_health_check_fails_on_a_silent_path_and_recovers,
+                a_dropped_path_does_not_end_a_wait,
             );
         }
     };
@@ -565,6 +566,96 @@ async fn a_reset_connection_is_a_lost_lease_and_recovers<F: Proxied>(fixture: &F
     })
     .await;
     again.release().await;
+}
+
+/// The only path of an instance is dropped while its waiters queue: instance `a`
+/// (direct) holds a key, four waiters on `b` (through the proxy) queue for it with waits
+/// of 30 s, one after another; every connection of `b` is reset, then its path goes
+/// silent for a network timeout and heals; `a` releases. Every waiter is granted before
+/// its wait ends, in the order it arrived (`b`'s own queue is FIFO whatever the engine),
+/// one at a time, none before `a` released: a broken connection or an unanswered
+/// command during a wait is tried again within the wait, never the end of it.
+async fn a_dropped_path_does_not_end_a_wait<F: Proxied>(fixture: &F) {
+    use crate::support::fixtures::poll_once;
+    const WAIT: Duration = Duration::from_secs(30);
+    let proxy = TcpProxy::start(fixture.upstream()).await;
+    let a = fixture.instance("a").await;
+    let b = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
+    // A connection in use before the fault.
+    b.lock("warm").await.unwrap().release().await;
+    let guard = a.lock("dropped").await.unwrap();
+    let overlap = Arc::new(crate::support::Overlap::default());
+    let grants = Arc::new(Mutex::new(Vec::new()));
+    let before = proxy.round_trips();
+    let mut waiters = Vec::new();
+    for n in 0..4 {
+        let started = Instant::now();
+        let mut acquire = b.lock_timeout("dropped", WAIT);
+        // Polled once, it has its place in `b`'s queue: the next one arrives after it.
+        assert!(
+            poll_once(&mut acquire).is_pending(),
+            "waiter {n} was not queued"
+        );
+        let (overlap, grants) = (overlap.clone(), grants.clone());
+        waiters.push(tokio::spawn(async move {
+            let outcome = acquire.await;
+            let granted = Instant::now();
+            let guard = outcome.map_err(|error| {
+                format!(
+                    "waiter {n} failed after {:?} of its {WAIT:?} wait: {error}",
+                    granted - started
+                )
+            })?;
+            {
+                let _inside = overlap.enter();
+                grants.lock().unwrap().push((n, granted, started + WAIT));
+                sleep(Duration::from_millis(20)).await;
+            }
+            guard.release().await;
+            Ok::<(), String>(())
+        }));
+    }
+    // The first waiter is at the engine: it has sent the server a request since (a
+    // blocking lock call is one round trip for as long as it waits).
+    within("the first waiter reaches the server", PATIENCE, async {
+        while proxy.round_trips() <= before {
+            sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    proxy.reset();
+    sleep(fixture.network_timeout()).await;
+    proxy.blackhole();
+    sleep(fixture.network_timeout()).await;
+    proxy.heal();
+    sleep(fixture.network_timeout()).await;
+    let released = Instant::now();
+    guard.release().await;
+    let mut failures = Vec::new();
+    for waiter in waiters {
+        if let Err(failure) = within("every waiter ends", 2 * WAIT, waiter).await.unwrap() {
+            failures.push(failure);
+        }
+    }
+    assert!(failures.is_empty(), "waits ended early: {failures:#?}");
+    let grants = grants.lock().unwrap().clone();
+    let order: Vec<usize> = grants.iter().map(|(n, _, _)| *n).collect();
+    assert_eq!(order, [0, 1, 2, 3], "not in arrival order");
+    for (n, granted, wait_ends) in &grants {
+        assert!(
+            granted < wait_ends,
+            "waiter {n} granted after its wait ended"
+        );
+        assert!(
+            *granted >= released,
+            "waiter {n} granted before the holder released"
+        );
+    }
+    assert_eq!(overlap.max(), 1, "two waiters held the key at once");
+    eprintln!(
+        "dropped path: 4 waiters granted in order, the last {:?} after the release",
+        grants[3].1 - released
+    );
 }
 
 // ------------------------------------------------- a backend written outside the crate

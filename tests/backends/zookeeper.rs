@@ -104,6 +104,107 @@ async fn waiters_are_served_in_arrival_order_across_instances() {
     until_queued(&probe, &paths, "fifo", 0).await;
 }
 
+/// A holder and five waiters, each on an instance of its own, with waits of 30 s; the
+/// leader is killed while they queue, and the holder releases once a new one leads.
+/// Every waiter is granted before its wait ends, in the order it arrived, one at a time:
+/// a read of the queue or a watch that fails during the election (the connection lost,
+/// no answer within the command timeout) is tried again within the wait, and the
+/// waiter keeps its node and so its place. The waiters read their queue every 50 ms, so
+/// that some of them are mid-read when the leader dies. The ensemble's tick is 500 ms,
+/// so that a session of 10 s outlives an election on a loaded machine (a session lost
+/// would send its waiter to the back of the queue, which is allowed but not FIFO).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waiters_keep_their_place_through_the_leaders_death() {
+    const WAIT: Duration = Duration::from_secs(30);
+    let mut ensemble = ZooKeeperEnsemble::start_with_tick(Duration::from_millis(500));
+    let connect = ensemble.connect_string();
+    let instance = || async {
+        let backend = ZooKeeperBackend::builder(&connect)
+            .session_timeout(Duration::from_secs(10))
+            .command_timeout(Duration::from_millis(500))
+            .poll_interval(Duration::from_millis(50))
+            .build()
+            .await
+            .expect("the backend connects to ZooKeeper");
+        locks_on(Arc::new(backend))
+    };
+    let probe = probe(&ensemble).await;
+    let paths = backend(&ensemble).await;
+    let holder = instance().await;
+    let guard = holder.lock("election").await.unwrap();
+    let overlap = Arc::new(crate::support::Overlap::default());
+    let grants = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for n in 0..5 {
+        let locks = instance().await;
+        let (overlap, grants) = (overlap.clone(), grants.clone());
+        waiters.push(tokio::spawn(async move {
+            let started = Instant::now();
+            let outcome = locks.lock_timeout("election", WAIT).await;
+            let granted = Instant::now();
+            let guard = outcome.map_err(|error| {
+                format!(
+                    "waiter {n} failed after {:?} of its {WAIT:?} wait: {error}",
+                    granted - started
+                )
+            })?;
+            {
+                let _inside = overlap.enter();
+                grants.lock().unwrap().push((n, granted, started + WAIT));
+                sleep(Duration::from_millis(20)).await;
+            }
+            guard.release().await;
+            Ok::<(), String>(())
+        }));
+        // The next waiter arrives only once this one is in the queue.
+        until_queued(&probe, &paths, "election", n + 2).await;
+    }
+    drop(probe);
+    let leader = ensemble.leader().expect("a leader");
+    ensemble.kill(leader);
+    let killed = Instant::now();
+    ensemble
+        .wait_for_leader(3 * PATIENCE)
+        .expect("the two others elect a leader");
+    eprintln!(
+        "leader {leader} killed; a new one leads after {:?}",
+        killed.elapsed()
+    );
+    // Long enough for every waiter to have read its queue through the election.
+    sleep(Duration::from_millis(500)).await;
+    let holder_lost = guard.is_lost();
+    let released = Instant::now();
+    guard.release().await;
+    let mut failures = Vec::new();
+    for waiter in waiters {
+        if let Err(failure) = servers::within("every waiter ends", 2 * WAIT, waiter)
+            .await
+            .unwrap()
+        {
+            failures.push(failure);
+        }
+    }
+    assert!(failures.is_empty(), "waits ended early: {failures:#?}");
+    let grants = grants.lock().unwrap().clone();
+    let order: Vec<usize> = grants.iter().map(|(n, _, _)| *n).collect();
+    assert_eq!(order, [0, 1, 2, 3, 4], "not FIFO");
+    for (n, granted, wait_ends) in &grants {
+        assert!(
+            granted < wait_ends,
+            "waiter {n} granted after its wait ended"
+        );
+    }
+    assert_eq!(overlap.max(), 1, "two waiters held the key at once");
+    assert!(
+        holder_lost || grants[0].1 >= released,
+        "a waiter was granted while the holder held the key, unsignalled"
+    );
+    eprintln!(
+        "through the election: 5 waiters granted in order, the last {:?} after the release",
+        grants[4].1 - released
+    );
+}
+
 /// Locks on a backend with `session_timeout` on `servers` (a connect string).
 async fn with_session(servers: &str, session_timeout: Duration) -> DistributedLocks {
     let backend = ZooKeeperBackend::builder(servers)
@@ -484,4 +585,28 @@ async fn odd_keys_map_to_one_queue_each() {
     for key in keys {
         until_queued(&probe, &backend, key, 0).await;
     }
+}
+
+/// Building a backend against an address nobody listens on fails with an error that
+/// names the engine and the address, then the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_ensemble_is_named_in_the_setup_error() {
+    let servers = format!("127.0.0.1:{}", crate::support::ports::free_port());
+    let refused = ZooKeeperBackend::builder(&servers)
+        .command_timeout(Duration::from_millis(300))
+        .build()
+        .await
+        .expect_err("built against an address nobody listens on");
+    let shown = refused.to_string();
+    let cause = std::error::Error::source(&refused)
+        .expect("the cause is kept")
+        .to_string();
+    assert!(
+        shown.contains("ZooKeeper") && shown.contains(&servers),
+        "the engine or the address is missing: {shown}"
+    );
+    assert!(
+        shown.ends_with(&cause),
+        "the cause does not follow: {shown}"
+    );
 }

@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 
 use super::ports::free_port;
 
-/// ZooKeeper's tick in the test ensemble: sessions may last 2 to 20 ticks (400 ms to
-/// 4 s); a follower that hears nothing from its leader for `SYNC_LIMIT` ticks leaves it.
+/// ZooKeeper's tick in the test ensemble (unless started with one of its own): sessions
+/// may last 2 to 20 ticks (400 ms to 4 s); a follower that hears nothing from its leader
+/// for `SYNC_LIMIT` ticks leaves it.
 pub const TICK: Duration = Duration::from_millis(200);
 const SYNC_LIMIT: u32 = 5;
 const INIT_LIMIT: u32 = 20;
@@ -33,6 +34,8 @@ pub struct ZooKeeperEnsemble {
     /// `links[from][to]`: the relays server `from` reaches server `to` through (quorum
     /// and election ports), when partitionable.
     links: Vec<Vec<Option<[Relay; 2]>>>,
+    /// The servers' tick.
+    tick: Duration,
 }
 
 struct Server {
@@ -65,16 +68,21 @@ impl ZooKeeperEnsemble {
     /// Starts three servers and waits until they have a leader; panics if ZooKeeper is
     /// not installed or the ensemble does not come up.
     pub fn start() -> Self {
-        Self::start_with(false)
+        Self::start_with(false, TICK)
+    }
+
+    /// The same with a tick of its own: sessions may then last up to 20 of them.
+    pub fn start_with_tick(tick: Duration) -> Self {
+        Self::start_with(false, tick)
     }
 
     /// The same, with every link between servers through a relay that
     /// [`partition`](Self::partition) can cut.
     pub fn start_partitionable() -> Self {
-        Self::start_with(true)
+        Self::start_with(true, TICK)
     }
 
-    fn start_with(partitionable: bool) -> Self {
+    fn start_with(partitionable: bool, tick: Duration) -> Self {
         let jar = zookeeper_jar();
         let mut last_error = String::new();
         // Ports are free when we look; a clash shows as a server that does not start,
@@ -118,6 +126,7 @@ impl ZooKeeperEnsemble {
                 servers,
                 dir,
                 links,
+                tick,
             };
             for index in 0..3 {
                 ensemble.configure(index);
@@ -143,7 +152,7 @@ impl ZooKeeperEnsemble {
              dataDir={}\nclientPort={}\nclientPortAddress=127.0.0.1\n\
              admin.enableServer=false\n4lw.commands.whitelist=srvr\n\
              maxClientCnxns=0\npreAllocSize=1024\n",
-            TICK.as_millis(),
+            self.tick.as_millis(),
             data.display(),
             me.client_port,
         );

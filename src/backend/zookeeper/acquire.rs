@@ -1,7 +1,9 @@
 //! Joining a lock's queue and waiting for the turn: the contender's node (ephemeral,
 //! sequential, named with the acquisition's token), a watch on its predecessor only,
-//! and the give-back of a node nobody will hold (ZooKeeper's steps of the
-//! `backend::ttl` engine's in-flight guard and background give-back).
+//! transient failures tried again within the wait (the node kept; the contender of a
+//! session ZooKeeper expired queued again), and the give-back of a node nobody will
+//! hold (ZooKeeper's steps of the `backend::ttl` engine's in-flight guard and
+//! background give-back).
 
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -10,12 +12,12 @@ use std::time::Duration;
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 use zookeeper_client as zk;
 
-use super::keys::{parse_contender, LockPath};
+use super::keys::{self, parse_contender, LockPath};
 use super::lease;
 use super::session::Session;
 use super::Inner;
 use crate::backend::ttl::{
-    self, fresh_token, jitter, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
 use crate::backend::Lease;
 use crate::LockError;
@@ -63,6 +65,14 @@ pub enum ZooKeeperLockError {
     NodeGone,
     /// ZooKeeper refused a step.
     ZooKeeper(zk::Error),
+    /// No session could be opened with the ensemble at `servers` (the connect string,
+    /// without credentials).
+    Unreachable {
+        /// The connect string.
+        servers: String,
+        /// Why.
+        error: zk::Error,
+    },
 }
 
 impl fmt::Display for ZooKeeperLockError {
@@ -79,6 +89,9 @@ impl fmt::Display for ZooKeeperLockError {
                 f.write_str("the waiter's ZooKeeper node disappeared while it queued")
             }
             ZooKeeperLockError::ZooKeeper(error) => write!(f, "ZooKeeper: {error}"),
+            ZooKeeperLockError::Unreachable { servers, error } => {
+                write!(f, "cannot reach ZooKeeper at {servers}: {error}")
+            }
         }
     }
 }
@@ -86,7 +99,8 @@ impl fmt::Display for ZooKeeperLockError {
 impl std::error::Error for ZooKeeperLockError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            ZooKeeperLockError::ZooKeeper(error) => Some(error),
+            ZooKeeperLockError::ZooKeeper(error)
+            | ZooKeeperLockError::Unreachable { error, .. } => Some(error),
             _ => None,
         }
     }
@@ -94,6 +108,143 @@ impl std::error::Error for ZooKeeperLockError {
 
 pub(super) fn backend(error: ZooKeeperLockError) -> LockError {
     LockError::Backend(Box::new(error))
+}
+
+/// The first pause after a transient failure; pauses double from it (jittered) up to
+/// the command timeout, and at most [`RETRY_MAX`].
+const RETRY_FIRST: Duration = Duration::from_millis(20);
+const RETRY_MAX: Duration = Duration::from_secs(1);
+
+/// Why a step of an acquisition did not go on.
+enum Failure {
+    /// No answer within the command timeout, the connection lost (a server died, the
+    /// leader changed, a path reset) or the server throttled: worth another try within
+    /// the wait. The contender keeps its node, and so its place.
+    Transient(ZooKeeperLockError),
+    /// The session ended while ZooKeeper could be reached (it said the session
+    /// expired, the client was connected again when the session was declared lost, or
+    /// this process stalled past the session's deadline with no heartbeat unanswered):
+    /// the contender's node went with it. A new session may queue again within the
+    /// wait.
+    SessionExpired,
+    /// The session ended with ZooKeeper out of reach (unheard past its local deadline,
+    /// its heartbeats unanswered; or closed): the acquisition queues again only if a
+    /// new session opens within one command timeout, and fails (closed or open)
+    /// otherwise, rather than wait on an ensemble that is gone.
+    SessionLost,
+    /// The wait ended.
+    WaitOver,
+    /// Anything else: the acquisition fails with it.
+    Definite(LockError),
+}
+
+impl Failure {
+    /// Sorts ZooKeeper's answer: only what the server said about the request itself
+    /// is definite.
+    fn of(error: zk::Error) -> Self {
+        match error {
+            // `Custom` carries the connection's own failures (a reset, no answer on it).
+            zk::Error::ConnectionLoss
+            | zk::Error::Timeout
+            | zk::Error::Throttled
+            | zk::Error::Custom(_) => Failure::Transient(ZooKeeperLockError::ZooKeeper(error)),
+            zk::Error::SessionExpired | zk::Error::SessionMoved => Failure::SessionExpired,
+            zk::Error::ClientClosed | zk::Error::NoHosts => Failure::SessionLost,
+            error => Failure::Definite(backend(ZooKeeperLockError::ZooKeeper(error))),
+        }
+    }
+}
+
+/// One acquisition's budget: its wait, the pauses between its tries, and the last
+/// transient failure (what it fails with if the wait ends before ZooKeeper answers
+/// again).
+struct Attempt {
+    deadline: Instant,
+    command_timeout: Duration,
+    /// Whether ZooKeeper answered a read of the queue yet: until then every request
+    /// gets a whole command timeout, so that a wait of zero still tries once (joins and
+    /// looks).
+    looked: bool,
+    backoff: Backoff,
+    failing: Option<ZooKeeperLockError>,
+}
+
+impl Attempt {
+    fn new(wait: Duration, command_timeout: Duration) -> Self {
+        Attempt {
+            deadline: ttl::deadline_after(wait),
+            command_timeout,
+            looked: false,
+            backoff: Self::backoff(command_timeout),
+            failing: None,
+        }
+    }
+
+    fn backoff(command_timeout: Duration) -> Backoff {
+        Backoff::new(RETRY_FIRST, command_timeout.clamp(RETRY_FIRST, RETRY_MAX))
+    }
+
+    /// When the next request on `session` must be answered: a command timeout from
+    /// now, cut short by the session's deadline (past it, the session is lost whatever
+    /// the answer), and by the end of the wait once the queue was read.
+    fn limit(&self, session: &Session) -> Instant {
+        let limit = (Instant::now() + self.command_timeout).min(session.health().valid_until);
+        if self.looked {
+            limit.min(self.deadline)
+        } else {
+            limit
+        }
+    }
+
+    /// A request whose `limit` passed unanswered.
+    fn timed_out(&self, limit: Instant, step: &'static str) -> Failure {
+        if limit == self.deadline {
+            Failure::WaitOver
+        } else {
+            Failure::Transient(ZooKeeperLockError::TimedOut(step))
+        }
+    }
+
+    /// ZooKeeper answered a read of the queue: the failures before are over.
+    fn heard(&mut self) {
+        self.looked = true;
+        self.failing = None;
+        self.backoff = Self::backoff(self.command_timeout);
+    }
+
+    fn wait_is_over(&self) -> bool {
+        Instant::now() >= self.deadline
+    }
+
+    /// Pauses (jittered, growing) before another try after `error`; when no time is
+    /// left for one, fails with it at once, before the wait ends.
+    async fn pause(&mut self, error: ZooKeeperLockError) -> Result<(), Failure> {
+        let pause = self.backoff.pause();
+        if Instant::now() + pause >= self.deadline {
+            return Err(Failure::Definite(backend(error)));
+        }
+        tracing::debug!(%error, ?pause, "ZooKeeper step failed; tried again within the wait");
+        self.failing = Some(error);
+        sleep(pause).await;
+        Ok(())
+    }
+
+    /// What an acquisition whose wait ended fails with: the transient failure it was
+    /// going through, if any; else a plain timeout.
+    fn wait_over(&mut self) -> LockError {
+        self.failing.take().map_or(LockError::Timeout, backend)
+    }
+}
+
+/// How long opening a session may take.
+#[derive(Clone, Copy)]
+enum Connect {
+    /// The acquisition's first: the whole connect timeout.
+    First,
+    /// After the session ended with ZooKeeper in reach: within the wait.
+    Again,
+    /// After the session was lost unheard: one command timeout, within the wait.
+    AfterLoss,
 }
 
 /// What one look at the queue found.
@@ -105,17 +256,93 @@ enum Turn {
 }
 
 impl Inner {
+    /// Queues for `path` until granted or the wait ends. A transient failure is tried
+    /// again (the node, and so its place, kept) as long as the session lives; a session
+    /// that ended took the node along: the acquisition queues again on a new session,
+    /// at the back, or fails if none can be opened (within one command timeout when
+    /// the session was lost with ZooKeeper out of reach).
     pub(super) async fn acquire(
         self: Arc<Self>,
         path: LockPath,
         wait: Duration,
     ) -> Result<Lease, LockError> {
-        let deadline = ttl::deadline_after(wait);
-        let session = self.session().await?;
-        let token = fresh_token()?;
+        let mut attempt = Attempt::new(wait, self.config.command_timeout);
+        let mut connect = Connect::First;
+        loop {
+            // No session to be had: the ensemble is out of reach, whatever the wait
+            // left.
+            let session = match self.session_within(&attempt, connect).await {
+                Ok(session) => session,
+                Err(Failure::Transient(error)) => return Err(backend(error)),
+                Err(Failure::WaitOver) => return Err(attempt.wait_over()),
+                Err(Failure::Definite(error)) => return Err(error),
+                Err(Failure::SessionLost | Failure::SessionExpired) => {
+                    return Err(backend(ZooKeeperLockError::SessionLost))
+                }
+            };
+            let error = match self.clone().queue(&path, session, &mut attempt).await {
+                Ok(lease) => return Ok(lease),
+                // Queue again on a new session, if ZooKeeper can be reached again.
+                Err(Failure::SessionExpired) => {
+                    connect = Connect::Again;
+                    ZooKeeperLockError::SessionLost
+                }
+                // Unheard: queue again only if the ensemble answers at once.
+                Err(Failure::SessionLost) => {
+                    connect = Connect::AfterLoss;
+                    ZooKeeperLockError::SessionLost
+                }
+                Err(Failure::Transient(error)) => error,
+                Err(Failure::WaitOver) => return Err(attempt.wait_over()),
+                Err(Failure::Definite(error)) => return Err(error),
+            };
+            match attempt.pause(error).await {
+                Ok(()) => {}
+                Err(Failure::Definite(error)) => return Err(error),
+                Err(_) => return Err(attempt.wait_over()),
+            }
+        }
+    }
+
+    /// The session to queue on, bounded as `connect` says.
+    async fn session_within(
+        &self,
+        attempt: &Attempt,
+        connect: Connect,
+    ) -> Result<Arc<Session>, Failure> {
+        match connect {
+            // Its whole connect timeout, so that a wait of zero still tries once.
+            Connect::First => self.session().await.map_err(Failure::Transient),
+            Connect::Again => match timeout_at(attempt.deadline, self.session()).await {
+                Ok(session) => session.map_err(Failure::Transient),
+                Err(_) => Err(Failure::WaitOver),
+            },
+            // One command timeout, so that a wait without limit fails (closed or open)
+            // when the ensemble is gone rather than keep waiting.
+            Connect::AfterLoss => {
+                let limit = attempt
+                    .deadline
+                    .min(Instant::now() + self.config.command_timeout);
+                match timeout_at(limit, self.session()).await {
+                    Ok(session) => session.map_err(Failure::Transient),
+                    Err(_) if limit == attempt.deadline => Err(Failure::WaitOver),
+                    Err(_) => Err(Failure::SessionLost),
+                }
+            }
+        }
+    }
+
+    /// One contender on `session`: its node, then its turn.
+    async fn queue(
+        self: Arc<Self>,
+        path: &LockPath,
+        session: Arc<Session>,
+        attempt: &mut Attempt,
+    ) -> Result<Lease, Failure> {
+        let token = fresh_token().map_err(Failure::Definite)?;
         let contender = Arc::new(Contender {
             session: session.clone(),
-            path,
+            path: path.clone(),
             token: token.clone(),
             node: OnceLock::new(),
         });
@@ -123,57 +350,77 @@ impl Inner {
         // dropped at any await) deletes the contender's node, found by its token if the
         // create's answer never came.
         let mut in_flight = InFlight::new(self.clone(), contender.clone(), token);
-        let fence = self.join(&contender, &mut in_flight).await?;
+        let outcome = self.wait_turn(&contender, &mut in_flight, attempt).await;
+        match outcome {
+            Ok(fence) => {
+                let Some(lease) = lease::grant(&self, contender, fence) else {
+                    return Err(Failure::SessionLost);
+                };
+                in_flight.granted();
+                Ok(lease)
+            }
+            Err(failure @ (Failure::SessionLost | Failure::SessionExpired)) => {
+                // Never used again: the next try opens a new session. ZooKeeper was in
+                // reach if it said the session expired, if the client was connected
+                // again when the session was declared lost, or if no heartbeat went
+                // unanswered (the deadline passed while this process stalled).
+                session.lose();
+                let health = session.health();
+                let in_reach = matches!(failure, Failure::SessionExpired)
+                    || health.expired
+                    || health.connected_when_lost
+                    || !health.unanswered;
+                Err(if in_reach {
+                    Failure::SessionExpired
+                } else {
+                    Failure::SessionLost
+                })
+            }
+            Err(failure) => Err(failure),
+        }
+    }
 
-        let command_timeout = self.config.command_timeout;
-        let mut first = true;
+    /// Joins the queue and waits until no contender is older; returns the fencing
+    /// token. Transient failures are tried again here, keeping the node.
+    async fn wait_turn(
+        &self,
+        contender: &Contender,
+        in_flight: &mut InFlight<Inner>,
+        attempt: &mut Attempt,
+    ) -> Result<u64, Failure> {
+        let session = &contender.session;
+        let fence = self.join(contender, in_flight, attempt).await?;
         loop {
             if session.is_lost() {
-                return Err(backend(ZooKeeperLockError::SessionLost));
+                return Err(Failure::SessionLost);
             }
-            // The first look gets a whole command timeout, so that a wait of zero
-            // still tries once; later ones end with the wait.
-            let limit = if first {
-                Instant::now() + command_timeout
-            } else {
-                (Instant::now() + command_timeout).min(deadline)
-            };
-            first = false;
-            let predecessor = match self.look(&contender, limit, deadline).await? {
-                Turn::Ours => {
-                    let Some(lease) = lease::grant(&self, contender, fence) else {
-                        return Err(backend(ZooKeeperLockError::SessionLost));
-                    };
-                    in_flight.granted();
-                    return Ok(lease);
+            let predecessor = match self.look(contender, attempt).await {
+                Ok(Turn::Ours) => return Ok(fence),
+                Ok(Turn::Behind(predecessor)) => predecessor,
+                Err(Failure::Transient(error)) => {
+                    attempt.pause(error).await?;
+                    continue;
                 }
-                Turn::Behind(predecessor) => predecessor,
+                Err(failure) => return Err(failure),
             };
-            if Instant::now() >= deadline {
-                return Err(LockError::Timeout);
+            attempt.heard();
+            if attempt.wait_is_over() {
+                return Err(Failure::WaitOver);
             }
-            let limit = (Instant::now() + command_timeout).min(deadline);
-            let Some(client) = session.client() else {
-                return Err(backend(ZooKeeperLockError::SessionLost));
-            };
-            let watched = timeout_at(limit, client.check_and_watch_stat(&predecessor));
-            let watcher = match watched.await {
-                Ok(Ok((Some(_), watcher))) => watcher,
+            let watcher = match self.watch(contender, &predecessor, attempt).await {
+                Ok(Some(watcher)) => watcher,
                 // Gone already: look again.
-                Ok(Ok((None, _))) => continue,
-                Ok(Err(error)) => return Err(backend(ZooKeeperLockError::ZooKeeper(error))),
-                Err(_) if limit == deadline => return Err(LockError::Timeout),
-                Err(_) => {
-                    return Err(backend(ZooKeeperLockError::TimedOut(
-                        "watching the predecessor",
-                    )))
+                Ok(None) => continue,
+                Err(Failure::Transient(error)) => {
+                    attempt.pause(error).await?;
+                    continue;
                 }
+                Err(failure) => return Err(failure),
             };
-            drop(client);
             tokio::select! {
                 biased;
-                () = sleep_until(deadline) => return Err(LockError::Timeout),
-                () = session.lost() => return Err(backend(ZooKeeperLockError::SessionLost)),
+                () = sleep_until(attempt.deadline) => return Err(Failure::WaitOver),
+                () = session.lost() => return Err(Failure::SessionLost),
                 // Deleted (released, its session ended), or any other event: look again.
                 _ = watcher.changed() => {}
                 // The backstop for a watch that never fires.
@@ -183,89 +430,199 @@ impl Inner {
     }
 
     /// Creates the contender's node (and the queue's nodes if missing); returns its
-    /// fencing token, the node's creation zxid.
+    /// fencing token, the node's creation zxid. After a create whose answer never
+    /// came, the node is looked for by its token before another create, so that a
+    /// contender has one node.
     async fn join(
         &self,
         contender: &Contender,
         in_flight: &mut InFlight<Inner>,
-    ) -> Result<u64, LockError> {
-        let lost = || backend(ZooKeeperLockError::SessionLost);
-        let client = contender.session.client().ok_or_else(lost)?;
+        attempt: &mut Attempt,
+    ) -> Result<u64, Failure> {
+        let client = contender.session.client().ok_or(Failure::SessionLost)?;
         let ephemeral = zk::CreateMode::EphemeralSequential.with_acls(zk::Acls::anyone_all());
         let prefix = contender.path.contender_prefix(&contender.token);
-        let limit = |sent: Instant| sent + self.config.command_timeout;
-        for _ in 0..CREATE_ATTEMPTS {
-            let sent = Instant::now();
-            in_flight.sent(sent);
-            match timeout_at(
-                limit(sent),
+        let mut unanswered = false;
+        let mut queue_made = 0;
+        loop {
+            if contender.session.is_lost() {
+                return Err(Failure::SessionLost);
+            }
+            if unanswered {
+                match self.find(contender, &client, attempt).await {
+                    Ok(Some((node, fence))) => {
+                        let _ = contender.node.set(node);
+                        return Ok(fence);
+                    }
+                    Ok(None) => {}
+                    Err(Failure::Transient(error)) => {
+                        attempt.pause(error).await?;
+                        continue;
+                    }
+                    Err(failure) => return Err(failure),
+                }
+            }
+            let limit = attempt.limit(&contender.session);
+            in_flight.sent(Instant::now());
+            let created = timeout_at(
+                limit,
                 client.create(&prefix, self.config.instance_id.as_bytes(), &ephemeral),
             )
-            .await
-            {
+            .await;
+            let failure = match created {
                 Ok(Ok((stat, sequence))) => {
                     let _ = contender.node.set(format!("{prefix}{sequence}"));
-                    return u64::try_from(stat.czxid).map_err(|_| {
-                        backend(ZooKeeperLockError::ZooKeeper(zk::Error::UnexpectedError(
-                            "a node created without a zxid".to_owned(),
-                        )))
-                    });
+                    return fence_of(&stat);
                 }
-                Ok(Err(zk::Error::NoNode)) => {
-                    // Definitely not created: make the queue and try again.
+                Ok(Err(zk::Error::NoNode)) if queue_made < CREATE_ATTEMPTS => {
+                    // Definitely not created: make the queue (the server deletes an
+                    // empty one by itself, possibly in between) and try again.
                     in_flight.answered();
-                    let queue = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
-                    let sent = Instant::now();
-                    match timeout_at(limit(sent), client.mkdir(&contender.path.queue, &queue)).await
-                    {
-                        Ok(Ok(())) => {}
-                        Ok(Err(error)) => {
-                            return Err(backend(ZooKeeperLockError::ZooKeeper(error)))
-                        }
-                        Err(_) => {
-                            return Err(backend(ZooKeeperLockError::TimedOut("creating the queue")))
-                        }
+                    unanswered = false;
+                    queue_made += 1;
+                    match self.make_queue(contender, &client, attempt).await {
+                        Ok(()) => continue,
+                        Err(failure) => failure,
                     }
                 }
-                Ok(Err(error)) => return Err(backend(ZooKeeperLockError::ZooKeeper(error))),
-                Err(_) => return Err(backend(ZooKeeperLockError::TimedOut("joining the queue"))),
+                Ok(Err(error)) => {
+                    unanswered = true;
+                    Failure::of(error)
+                }
+                Err(_) => {
+                    unanswered = true;
+                    attempt.timed_out(limit, "joining the queue")
+                }
+            };
+            match failure {
+                Failure::Transient(error) => attempt.pause(error).await?,
+                failure => return Err(failure),
             }
         }
-        Err(backend(ZooKeeperLockError::ZooKeeper(zk::Error::NoNode)))
+    }
+
+    /// Creates the queue's nodes (containers).
+    async fn make_queue(
+        &self,
+        contender: &Contender,
+        client: &zk::Client,
+        attempt: &mut Attempt,
+    ) -> Result<(), Failure> {
+        let queue = zk::CreateMode::Container.with_acls(zk::Acls::anyone_all());
+        let limit = attempt.limit(&contender.session);
+        match timeout_at(limit, client.mkdir(&contender.path.queue, &queue)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(Failure::of(error)),
+            Err(_) => Err(attempt.timed_out(limit, "creating the queue")),
+        }
+    }
+
+    /// The node a create of the contender made although its answer never came, with
+    /// its fencing token: the oldest of its token (a later one, if any, is deleted by
+    /// [`look`](Self::look)). Read on the session that sent the create, so after it.
+    async fn find(
+        &self,
+        contender: &Contender,
+        client: &zk::Client,
+        attempt: &mut Attempt,
+    ) -> Result<Option<(String, u64)>, Failure> {
+        let limit = attempt.limit(&contender.session);
+        let step = "looking for the node of an unanswered create";
+        let children = match timeout_at(limit, client.list_children(&contender.path.queue)).await {
+            Ok(Ok(children)) => children,
+            Ok(Err(zk::Error::NoNode)) => return Ok(None),
+            Ok(Err(error)) => return Err(Failure::of(error)),
+            Err(_) => return Err(attempt.timed_out(limit, step)),
+        };
+        let Some(mine) = children
+            .iter()
+            .filter_map(|name| parse_contender(name))
+            .filter(|c| c.token == contender.token)
+            .min_by_key(|c| c.sequence)
+        else {
+            return Ok(None);
+        };
+        let node = contender.path.child(mine.name);
+        match timeout_at(limit, client.check_stat(&node)).await {
+            Ok(Ok(Some(stat))) => Ok(Some((node, fence_of(&stat)?))),
+            // Only this contender deletes its node: none left means none made.
+            Ok(Ok(None)) => Ok(None),
+            Ok(Err(error)) => Err(Failure::of(error)),
+            Err(_) => Err(attempt.timed_out(limit, step)),
+        }
     }
 
     /// Reads the queue: whether the contender is first, or the node just older.
-    async fn look(
-        &self,
-        contender: &Contender,
-        limit: Instant,
-        deadline: Instant,
-    ) -> Result<Turn, LockError> {
-        let client = contender
-            .session
-            .client()
-            .ok_or_else(|| backend(ZooKeeperLockError::SessionLost))?;
+    async fn look(&self, contender: &Contender, attempt: &mut Attempt) -> Result<Turn, Failure> {
+        let client = contender.session.client().ok_or(Failure::SessionLost)?;
+        let limit = attempt.limit(&contender.session);
+        let node_gone = || {
+            if contender.session.is_lost() {
+                Failure::SessionLost
+            } else {
+                Failure::Definite(backend(ZooKeeperLockError::NodeGone))
+            }
+        };
         let children = match timeout_at(limit, client.list_children(&contender.path.queue)).await {
             Ok(Ok(children)) => children,
-            Ok(Err(zk::Error::NoNode)) => return Err(backend(ZooKeeperLockError::NodeGone)),
-            Ok(Err(error)) => return Err(backend(ZooKeeperLockError::ZooKeeper(error))),
-            // Cut short by the wait (never the first look, which gets its own limit).
-            Err(_) if limit == deadline => return Err(LockError::Timeout),
-            Err(_) => return Err(backend(ZooKeeperLockError::TimedOut("reading the queue"))),
+            Ok(Err(zk::Error::NoNode)) => return Err(node_gone()),
+            Ok(Err(error)) => return Err(Failure::of(error)),
+            Err(_) => return Err(attempt.timed_out(limit, "reading the queue")),
         };
         let mut queue: Vec<_> = children
             .iter()
             .filter_map(|name| parse_contender(name))
             .collect();
         queue.sort_unstable_by_key(|contender| contender.sequence);
-        let Some(place) = queue.iter().position(|c| c.token == contender.token) else {
-            return Err(backend(ZooKeeperLockError::NodeGone));
+        // The contender's node: the one its create was answered with, or found by its
+        // token.
+        let mine = |c: &&keys::Contender<'_>| match contender.node() {
+            Some(node) => node.rsplit('/').next() == Some(c.name),
+            None => c.token == contender.token,
         };
+        if !queue.iter().any(|c| mine(&c)) {
+            return Err(node_gone());
+        }
+        // A create retried after its answer was lost may have made a second node of the
+        // token: it would hold up everyone behind it, so it goes.
+        let (extra, queue): (Vec<_>, Vec<_>) = queue
+            .into_iter()
+            .partition(|c| c.token == contender.token && !mine(&c));
+        for node in extra {
+            let _ = timeout_at(limit, client.delete(&contender.path.child(node.name), None)).await;
+        }
+        let place = queue.iter().position(|c| mine(&c)).unwrap_or_default();
         Ok(match place.checked_sub(1) {
             None => Turn::Ours,
             Some(before) => Turn::Behind(contender.path.child(queue[before].name)),
         })
     }
+
+    /// Watches `predecessor`: `None` if it is gone already.
+    async fn watch(
+        &self,
+        contender: &Contender,
+        predecessor: &str,
+        attempt: &mut Attempt,
+    ) -> Result<Option<zk::OneshotWatcher>, Failure> {
+        let client = contender.session.client().ok_or(Failure::SessionLost)?;
+        let limit = attempt.limit(&contender.session);
+        match timeout_at(limit, client.check_and_watch_stat(predecessor)).await {
+            Ok(Ok((Some(_), watcher))) => Ok(Some(watcher)),
+            Ok(Ok((None, _))) => Ok(None),
+            Ok(Err(error)) => Err(Failure::of(error)),
+            Err(_) => Err(attempt.timed_out(limit, "watching the predecessor")),
+        }
+    }
+}
+
+/// The fencing token of a contender's node: its creation zxid.
+fn fence_of(stat: &zk::Stat) -> Result<u64, Failure> {
+    u64::try_from(stat.czxid).map_err(|_| {
+        Failure::Definite(backend(ZooKeeperLockError::ZooKeeper(
+            zk::Error::UnexpectedError("a node created without a zxid".to_owned()),
+        )))
+    })
 }
 
 impl Inner {
@@ -355,5 +712,52 @@ impl TtlBackend for Inner {
 
     fn give_back_until(&self, sent_at: Instant) -> Instant {
         sent_at + self.give_back_horizon()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_servers_refusals_are_definite() {
+        let transient = [
+            zk::Error::ConnectionLoss,
+            zk::Error::Timeout,
+            zk::Error::Throttled,
+        ];
+        for error in transient {
+            assert!(
+                matches!(Failure::of(error.clone()), Failure::Transient(_)),
+                "{error}"
+            );
+        }
+        for error in [zk::Error::SessionExpired, zk::Error::SessionMoved] {
+            assert!(
+                matches!(Failure::of(error.clone()), Failure::SessionExpired),
+                "{error}"
+            );
+        }
+        for error in [zk::Error::ClientClosed, zk::Error::NoHosts] {
+            assert!(
+                matches!(Failure::of(error.clone()), Failure::SessionLost),
+                "{error}"
+            );
+        }
+        for error in [zk::Error::NoNode, zk::Error::NoAuth, zk::Error::InvalidAcl] {
+            assert!(
+                matches!(Failure::of(error.clone()), Failure::Definite(_)),
+                "{error}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_wait_fails_with_what_it_was_going_through() {
+        let mut attempt = Attempt::new(Duration::ZERO, Duration::from_millis(500));
+        assert!(matches!(attempt.wait_over(), LockError::Timeout));
+        attempt.failing = Some(ZooKeeperLockError::TimedOut("reading the queue"));
+        let error = attempt.wait_over().to_string();
+        assert!(error.contains("reading the queue"), "{error}");
     }
 }

@@ -15,7 +15,7 @@ use crate::error::LockError;
 impl Inner {
     /// Reads the queue of `path` and its first node; two reads, nothing written.
     pub(super) async fn holder(&self, path: LockPath) -> Result<Option<Holder>, LockError> {
-        let session = self.session().await?;
+        let session = self.session().await.map_err(backend)?;
         let client = session
             .client()
             .ok_or_else(|| backend(ZooKeeperLockError::SessionLost))?;

@@ -79,8 +79,21 @@
 //!   predecessor only: one release wakes one waiter, no herd) and reads the queue again
 //!   when the watch fires, or after a jittered
 //!   [`poll_interval`](ZooKeeperBackendBuilder::poll_interval) (a backstop: a lost
-//!   watch only costs latency). Keys pass in FIFO order across instances. Only the
-//!   request's wait bounds the waiting.
+//!   watch only costs latency). Keys pass in FIFO order across instances.
+//! - **Only the wait bounds the waiting.** A step that fails for a while — no answer
+//!   within the command timeout, the connection lost (a server died, the leader
+//!   changed, the path was reset), the server throttling — is tried again after a
+//!   jittered pause (10–20 ms, doubling up to the command timeout, at most 1 s) within
+//!   the request's wait, and the waiter keeps its node, so its place. A create whose
+//!   answer never came is looked for by its token before another is sent. A session
+//!   that ended while ZooKeeper could be reached (expired by ZooKeeper, or past its
+//!   local deadline while this process stalled) took the waiter's node with it: the
+//!   waiter queues again on a new session (at the back), still within its wait; so
+//!   does one whose session was lost with its heartbeats unanswered, if a new session
+//!   opens within one command timeout. What ends a wait early is the ensemble out of
+//!   reach — no session to be opened (then), so that a request without a wait limit is
+//!   failed closed (or open) rather than kept waiting — and the server's own refusals
+//!   (no such node, not authorized, …).
 //! - **Fencing token.** The holder node's creation zxid
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): one counter for the
 //!   whole ensemble, raised by every write and by every new leader's epoch, so strictly
@@ -108,9 +121,13 @@
 //!
 //! Every request is bounded by
 //! [`command_timeout`](ZooKeeperBackendBuilder::command_timeout): when ZooKeeper is down
-//! or silent, acquisitions fail with [`LockError::Backend`] promptly and the layer
-//! answers 503 (or runs the request under its local lock with
-//! [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//! or silent, an acquisition fails with [`LockError::Backend`] (the last failure) when
+//! its wait ends or its session is lost unheard and no new one opens, whichever is
+//! first (at once for a try without a wait; within a session timeout and a command
+//! timeout for a wait without limit), and the layer answers
+//! 503 (or runs the request under its local lock with
+//! [`fail_open`](crate::KeyedLockLayer::fail_open)). An acquisition whose wait ends
+//! while ZooKeeper answers gets [`LockError::Timeout`].
 //!
 //! # Who holds a key
 //!
@@ -133,13 +150,15 @@
 //! | one request (create, read, watch, delete, heartbeat) | at most the command timeout (default 1 s) |
 //! | opening a session | at most the command timeout per server in the connect string |
 //! | a waiter looks again without a watch event | after a jittered poll interval (default 1 s) |
+//! | a step that failed for a while is tried again | after 10–20 ms, each pause doubling up to the command timeout (at most 1 s), jittered; within the wait, while the session lives |
 //!
 //! # Failures of the ensemble
 //!
 //! Creates, deletes and `sync` need a quorum. When the leader dies, the ensemble elects
 //! another (within a few ticks) and every session's timeout starts again; the client
 //! reconnects to another server of the connect string within the session, and the
-//! heartbeats get through again. A holder cut off from the quorum (its server in a
+//! heartbeats get through again. Waiters keep their place meanwhile: their reads and
+//! watches that fail during the election are tried again. A holder cut off from the quorum (its server in a
 //! minority partition, a majority of servers down, the link silent) cannot get a
 //! heartbeat answered; it is told at its local deadline, before the leader (whose count
 //! starts later) expires the session and deletes its node. A server restarted rejoins
@@ -202,7 +221,6 @@ use std::time::Duration;
 use tokio::sync::Mutex as AsyncMutex;
 use zookeeper_client as zk;
 
-use self::acquire::backend;
 use self::keys::{check_prefix, normalize_prefix, LockPath};
 use self::session::Session;
 use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
@@ -289,8 +307,14 @@ struct Inner {
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum SetupError {
-    /// No session could be opened.
-    Connect(zk::Error),
+    /// No session could be opened with the ensemble at `servers` (the connect string,
+    /// without credentials).
+    Connect {
+        /// The connect string.
+        servers: String,
+        /// Why.
+        error: zk::Error,
+    },
     /// A setup that breaks a guarantee of the lock, named.
     Unsafe(String),
 }
@@ -298,7 +322,9 @@ pub enum SetupError {
 impl fmt::Display for SetupError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SetupError::Connect(error) => write!(f, "cannot connect to ZooKeeper: {error}"),
+            SetupError::Connect { servers, error } => {
+                write!(f, "cannot connect to ZooKeeper at {servers}: {error}")
+            }
             SetupError::Unsafe(why) => write!(f, "unsafe ZooKeeper lock setup refused: {why}"),
         }
     }
@@ -307,7 +333,7 @@ impl fmt::Display for SetupError {
 impl std::error::Error for SetupError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            SetupError::Connect(error) => Some(error),
+            SetupError::Connect { error, .. } => Some(error),
             SetupError::Unsafe(_) => None,
         }
     }
@@ -317,6 +343,19 @@ impl Config {
     fn drift(&self) -> Duration {
         self.drift
             .unwrap_or_else(|| ttl::default_drift(self.session_timeout))
+    }
+
+    /// The connect string as errors show it: any `user:password@` before a host left
+    /// out (ZooKeeper's connect strings carry none, but a pasted URL might).
+    fn shown_servers(&self) -> String {
+        self.servers
+            .split(',')
+            .map(|server| match server.split_once('@') {
+                Some((user, host)) if !user.contains('/') => host,
+                _ => server,
+            })
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// How long opening a session may take: the command timeout per server.
@@ -413,9 +452,11 @@ impl ZooKeeperBackendBuilder {
     }
 
     /// The longest one request to ZooKeeper may take (default
-    /// [`DEFAULT_COMMAND_TIMEOUT`], 1 s). Past it the acquisition fails with
-    /// [`LockError::Backend`], a heartbeat counts as unanswered, and a release goes on
-    /// in the background. Opening a session may take it once per server.
+    /// [`DEFAULT_COMMAND_TIMEOUT`], 1 s). Past it a waiting acquisition tries again
+    /// within its wait while ZooKeeper can be reached (and fails with
+    /// [`LockError::Backend`] if the wait ends or the ensemble is out of reach first),
+    /// a heartbeat counts as unanswered, and a release goes on in the background.
+    /// Opening a session may take it once per server.
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.config.command_timeout = timeout.max(Duration::from_millis(1));
         self
@@ -449,7 +490,12 @@ impl ZooKeeperBackendBuilder {
             )));
         }
         config.drift = Some(asked);
-        let session = Session::open(&config).await.map_err(SetupError::Connect)?;
+        let session = Session::open(&config)
+            .await
+            .map_err(|error| SetupError::Connect {
+                servers: config.shown_servers(),
+                error,
+            })?;
         let negotiated = session.timeout();
         if config.drift.unwrap_or(asked) >= negotiated / 2 {
             return Err(SetupError::Unsafe(format!(
@@ -475,15 +521,19 @@ impl ZooKeeperBackendBuilder {
 
 impl Inner {
     /// The session in use, or a new one if it is lost (or none was open).
-    async fn session(&self) -> Result<Arc<Session>, crate::LockError> {
+    async fn session(&self) -> Result<Arc<Session>, ZooKeeperLockError> {
         let mut slot = self.session.lock().await;
         if let Some(session) = slot.as_ref().filter(|session| !session.is_lost()) {
             return Ok(session.clone());
         }
         *slot = None;
-        let session = Session::open(&self.config)
-            .await
-            .map_err(|error| backend(ZooKeeperLockError::ZooKeeper(error)))?;
+        let session =
+            Session::open(&self.config)
+                .await
+                .map_err(|error| ZooKeeperLockError::Unreachable {
+                    servers: self.config.shown_servers(),
+                    error,
+                })?;
         *slot = Some(session.clone());
         Ok(session)
     }
@@ -540,6 +590,12 @@ mod tests {
                 "{prefix}: {refused:?}"
             );
         }
+    }
+
+    #[test]
+    fn errors_show_the_servers_without_credentials() {
+        let builder = ZooKeeperBackend::builder("user:secret@a:1,b:2/chroot@x");
+        assert_eq!(builder.config.shown_servers(), "a:1,b:2/chroot@x");
     }
 
     #[test]

@@ -24,6 +24,12 @@ pub(super) struct Health {
     /// A heartbeat went unanswered since the last one answered: should the deadline
     /// pass now, ZooKeeper was out of reach.
     pub(super) unanswered: bool,
+    /// ZooKeeper said the session expired: it could be reached, and the session's nodes
+    /// are gone.
+    pub(super) expired: bool,
+    /// When the session was declared lost, its client was connected: ZooKeeper could
+    /// be reached again (the path healed just too late).
+    pub(super) connected_when_lost: bool,
 }
 
 /// One ZooKeeper session and its heartbeat.
@@ -57,6 +63,8 @@ impl Session {
             valid_until: valid_until(started, timeout, config.drift()),
             lost: false,
             unanswered: false,
+            expired: false,
+            connected_when_lost: false,
         });
         let session = Arc::new_cyclic(|weak: &Weak<Session>| {
             let task = tokio::spawn(keep_heard(
@@ -130,15 +138,30 @@ impl Session {
         self.timeout
     }
 
-    /// Marks the session lost and closes it (once the requests in flight end).
-    fn lose(&self) {
+    /// Records that ZooKeeper said the session expired (see [`Health::expired`]).
+    pub(super) fn expired(&self) {
         self.health
-            .send_if_modified(|health| !std::mem::replace(&mut health.lost, true));
+            .send_if_modified(|health| !std::mem::replace(&mut health.expired, true));
+    }
+
+    /// Marks the session lost and closes it (once the requests in flight end).
+    pub(super) fn lose(&self) {
         let client = self
             .client
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        let connected = client
+            .as_ref()
+            .is_some_and(|client| client.state() == zk::SessionState::SyncConnected);
+        self.health.send_if_modified(|health| {
+            if health.lost {
+                return false;
+            }
+            health.lost = true;
+            health.connected_when_lost = connected;
+            true
+        });
         drop(client);
     }
 }
@@ -147,6 +170,13 @@ impl Drop for Session {
     fn drop(&mut self) {
         // Dropping the client closes the session: its nodes go with it.
         self.heartbeat.abort();
+    }
+}
+
+/// Records that ZooKeeper said `session` expired, if it is still there.
+fn expired(session: &Weak<Session>) {
+    if let Some(live) = session.upgrade() {
+        live.expired();
     }
 }
 
@@ -214,6 +244,9 @@ async fn keep_heard(
             () = sleep_until(deadline.valid_until) => break,
             changed = state.changed() => {
                 if changed.is_terminated() {
+                    if changed == zk::SessionState::Expired {
+                        expired(&session);
+                    }
                     break;
                 }
                 continue;
@@ -240,7 +273,10 @@ async fn keep_heard(
             Ok(Err(error))
                 if error == zk::Error::SessionExpired || error == zk::Error::ClientClosed =>
             {
-                break
+                if error == zk::Error::SessionExpired {
+                    live.expired();
+                }
+                break;
             }
             _ => {
                 live.health
