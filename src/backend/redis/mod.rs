@@ -422,7 +422,9 @@ impl Config {
 }
 
 struct Inner {
-    commands: Commands,
+    commands: Arc<Commands>,
+    /// What may evict lock keys, re-read while the backend runs.
+    eviction: eviction::EvictionState,
     config: Config,
     drift: Duration,
     acquire: Script,
@@ -765,6 +767,12 @@ impl RedisBackendBuilder {
                 connection::Failure::TimedOut => timed_out("reading maxmemory-policy"),
             });
         eviction::check(policies, config.allow_eviction)?;
+        let commands = Arc::new(commands);
+        let eviction = eviction::watch(
+            &commands,
+            eviction::recheck_interval(config.lease),
+            config.allow_eviction,
+        );
 
         let shared_channel = format!("{}release", config.prefix);
         let (releases, changes, channel) = match &target {
@@ -787,6 +795,7 @@ impl RedisBackendBuilder {
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 commands,
+                eviction,
                 config,
                 drift,
                 acquire: Script::new(ACQUIRE),
