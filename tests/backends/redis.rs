@@ -1097,6 +1097,38 @@ async fn an_evicting_policy_set_after_build_tells_holders_and_refuses_grants() {
     held.release().await;
 }
 
+/// Redis down when the backend is built: the error names the engine and the address
+/// (never the password in the URL), then the cause, not a bare "Connection refused
+/// (os error 111)".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unreachable_server_at_build_is_named_with_its_address_and_cause() {
+    // A port that nothing listens on: bound, then freed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("redis://locks:s3cret-word@127.0.0.1:{port}/");
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let built = RedisBackend::builder(client)
+        .command_timeout(Duration::from_secs(5))
+        .build()
+        .await;
+    let message = match built {
+        Ok(_) => panic!("built with nothing listening on port {port}"),
+        Err(error) => error.to_string(),
+    };
+    println!("{message}");
+    let address = format!("127.0.0.1:{port}");
+    for needed in ["Redis", address.as_str(), "refused"] {
+        assert!(message.contains(needed), "{needed:?} not in: {message}");
+    }
+    assert!(
+        !message.contains("s3cret"),
+        "the password leaked: {message}"
+    );
+}
+
 /// A writer that stops waiting for readers takes its intent back at once: with a 30 s
 /// poll interval its entry would keep new readers out for over 30 s, and here a new
 /// reader of a third instance gets in well within that (10 s of patience), and the

@@ -73,6 +73,25 @@ impl ConnectionLike for Connection {
 }
 
 impl Target {
+    /// The engine and where it is, for errors: `Redis at host:port` (never the
+    /// credentials of the URL), or `Redis Cluster` (its client does not tell its nodes).
+    pub(in crate::backend) fn describe(&self) -> String {
+        match self {
+            Self::Single(client) => format!("Redis at {}", client.get_connection_info().addr()),
+            Self::Cluster(_) => "Redis Cluster".to_owned(),
+        }
+    }
+
+    /// `error` of a first contact with this target, with the engine and address
+    /// before the cause; its kind is kept.
+    pub(in crate::backend) fn unreachable(&self, error: &RedisError) -> RedisError {
+        RedisError::from((
+            error.kind(),
+            "could not connect",
+            format!("{}: {error}", self.describe()),
+        ))
+    }
+
     /// A connection that connects on its first command (no await here).
     fn connect_lazily(&self, timeout: Duration) -> Result<Connection, RedisError> {
         match self {

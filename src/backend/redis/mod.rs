@@ -755,8 +755,8 @@ impl RedisBackendBuilder {
             redis::cmd("PING").query_async::<()>(&mut connection).await
         });
         ping.await.map_err(|failure| match failure {
-            connection::Failure::Redis(error) => error,
-            connection::Failure::TimedOut => timed_out("connecting to Redis"),
+            connection::Failure::Redis(error) => target.unreachable(&error),
+            connection::Failure::TimedOut => target.unreachable(&timed_out("no answer to PING")),
         })?;
         // CONFIG GET, or INFO where CONFIG is not allowed: two command timeouts at most.
         let policies = commands
