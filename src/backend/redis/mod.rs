@@ -252,7 +252,20 @@
 //! primary) and refuses anything but `noeviction`, unless
 //! [`allow_unsafe_eviction_policy`](RedisBackendBuilder::allow_unsafe_eviction_policy)
 //! accepts the risk. A Redis used as a cache with eviction should not hold locks; give
-//! the locks a Redis of their own. What no setting can refuse: `FLUSHALL`, `FLUSHDB`,
+//! the locks a Redis of their own.
+//!
+//! The policy can change after the build (`CONFIG SET`, a restart with another
+//! configuration), so a running backend reads it again in the background: every
+//! lease/3, at most every 5 s, and at once after its connection broke or was replaced
+//! — one `CONFIG GET` per backend, not per lock. Once it reads an evicting policy,
+//! it logs a warning, declares every lease it holds lost
+//! ([`LostReason::NotOwner`](crate::backend::LostReason::NotOwner)), refuses new
+//! acquisitions with [`LockError::Backend`] naming the policy (so the health check
+//! reports it), until a read finds `noeviction` again. A key evicted between the
+//! change and that read (a window of the re-read interval plus the read's own limit,
+//! two command timeouts) can still be granted elsewhere before its holder is told.
+//! With the opt-in, the change is only logged. A read that gets no answer changes
+//! nothing, and is tried again within a second. What no setting can refuse: `FLUSHALL`, `FLUSHDB`,
 //! or a `DEL` of a lock key by an operator or another application acts the same (the
 //! holder is told at its next renewal, after the key may already have been granted
 //! again); keep them from the lock server (`rename-command`, or ACLs).
@@ -713,8 +726,10 @@ impl RedisBackendBuilder {
     /// among them; another instance is then granted the key while its holder still
     /// counts its lease as valid, and learns otherwise only at its next renewal (up to
     /// lease/3 later). [`build`](Self::build) reads the policy (of every primary of a
-    /// cluster) and refuses anything but `noeviction`; with this on, it only logs a
-    /// warning. Turn it on only if the lock keys' overlap is acceptable, or if memory
+    /// cluster) and refuses anything but `noeviction`, and the running backend reads
+    /// it again (every lease/3, at most 5 s): a policy changed to an evicting one then
+    /// ends every lease held and refuses grants until `noeviction` is back. With this
+    /// on, both only log a warning. Turn it on only if the lock keys' overlap is acceptable, or if memory
     /// can never run short. See [Redis keys](self#redis-keys).
     pub fn allow_unsafe_eviction_policy(mut self, allow: bool) -> Self {
         self.config.allow_eviction = allow;
