@@ -186,7 +186,10 @@ impl Shared {
             Shared::InProcess(_) => true,
             #[cfg(feature = "mysql")]
             Shared::MySql(_) => true,
-            #[allow(unreachable_patterns, reason = "the only arm without an engine feature")]
+            #[allow(
+                unreachable_patterns,
+                reason = "the only arm without an engine feature"
+            )]
             _ => false,
         }
     }

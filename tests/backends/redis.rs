@@ -1018,6 +1018,118 @@ async fn with_the_unsafe_opt_in_an_evicted_lock_is_granted_before_its_holder_is_
     granted.release().await;
 }
 
+/// Built under `noeviction`, then switched to an evicting policy at run time (`CONFIG
+/// SET`): before the periodic re-read, a held key could be evicted and granted to
+/// another instance while its holder was never told (an overlap of 489 ms was seen).
+/// The backend re-reads the policy every lease/3 (at most 5 s): within that interval
+/// plus the read's own limit (two command timeouts) the holder is told its lease is
+/// lost, new acquisitions are refused with an error naming the policy, and the health
+/// check reports it; back under `noeviction`, grants resume within the same bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicting_policy_set_after_build_tells_holders_and_refuses_grants() {
+    let redis = RedisServer::start();
+    // A lease far longer than the bound: a holder told within it was told by the
+    // policy check, not by its deadline or a renewal.
+    let lease = Duration::from_secs(30);
+    let command_timeout = Duration::from_secs(2);
+    let interval = (lease / 3).min(Duration::from_secs(5));
+    let bound = interval + 2 * command_timeout;
+    let backend = connect(&redis, |b| b.lease(lease).command_timeout(command_timeout)).await;
+    let mut direct = redis.connection().await;
+    let key = Key::new("policy", 256).unwrap();
+    let held = backend
+        .acquire("orders", &key, Duration::ZERO)
+        .await
+        .unwrap();
+    let signal = held.signal().clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
+
+    let set_policy = |policy: &'static str| {
+        let mut command = redis::cmd("CONFIG");
+        command.arg("SET").arg("maxmemory-policy").arg(policy);
+        command
+    };
+    let _: () = set_policy("volatile-ttl")
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    let changed_at = Instant::now();
+    let told = within("the holder is told", bound, told).await.unwrap();
+    assert_eq!(held.signal().lost_reason(), Some(LostReason::NotOwner));
+    println!(
+        "holder told {:?} after the policy changed (bound {bound:?})",
+        told - changed_at
+    );
+
+    let other = Key::new("policy-other", 256).unwrap();
+    let refused = match backend.acquire("orders", &other, Duration::ZERO).await {
+        Ok(_) => panic!("granted under volatile-ttl"),
+        Err(error) => error,
+    };
+    let message = format!("{refused}: {:?}", std::error::Error::source(&refused));
+    for needed in ["volatile-ttl", "noeviction"] {
+        assert!(message.contains(needed), "{needed:?} not in: {message}");
+    }
+    let health = backend.health().await;
+    assert!(!health.is_healthy(), "healthy under volatile-ttl: {health}");
+    assert!(health.to_string().contains("volatile-ttl"), "{health}");
+
+    let _: () = set_policy("noeviction")
+        .query_async(&mut direct)
+        .await
+        .unwrap();
+    let restored_at = Instant::now();
+    let granted = loop {
+        match backend.acquire("orders", &other, Duration::ZERO).await {
+            Ok(granted) => break granted,
+            Err(error) => assert!(
+                restored_at.elapsed() < bound,
+                "still refused {:?} after noeviction came back: {error}",
+                restored_at.elapsed()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(backend.health().await.is_healthy());
+    granted.release().await;
+    held.release().await;
+}
+
+/// Redis down when the backend is built: the error names the engine and the address
+/// (never the password in the URL), then the cause, not a bare "Connection refused
+/// (os error 111)".
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unreachable_server_at_build_is_named_with_its_address_and_cause() {
+    // A port that nothing listens on: bound, then freed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("redis://locks:s3cret-word@127.0.0.1:{port}/");
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let built = RedisBackend::builder(client)
+        .command_timeout(Duration::from_secs(5))
+        .build()
+        .await;
+    let message = match built {
+        Ok(_) => panic!("built with nothing listening on port {port}"),
+        Err(error) => error.to_string(),
+    };
+    println!("{message}");
+    let address = format!("127.0.0.1:{port}");
+    for needed in ["Redis", address.as_str(), "refused"] {
+        assert!(message.contains(needed), "{needed:?} not in: {message}");
+    }
+    assert!(
+        !message.contains("s3cret"),
+        "the password leaked: {message}"
+    );
+}
+
 /// A writer that stops waiting for readers takes its intent back at once: with a 30 s
 /// poll interval its entry would keep new readers out for over 30 s, and here a new
 /// reader of a third instance gets in well within that (10 s of patience), and the

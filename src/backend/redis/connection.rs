@@ -10,7 +10,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -19,6 +19,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::{socket2::TcpKeepalive, TcpSettings};
 use redis::ErrorKind;
 use redis::{Client, Cmd, Pipeline, RedisError, RedisFuture, Value};
+use tokio::sync::Notify;
 use tokio::time::{timeout_at, Instant};
 
 /// Consecutive command timeouts after which the connection is replaced. One slow
@@ -72,6 +73,25 @@ impl ConnectionLike for Connection {
 }
 
 impl Target {
+    /// The engine and where it is, for errors: `Redis at host:port` (never the
+    /// credentials of the URL), or `Redis Cluster` (its client does not tell its nodes).
+    pub(in crate::backend) fn describe(&self) -> String {
+        match self {
+            Self::Single(client) => format!("Redis at {}", client.get_connection_info().addr()),
+            Self::Cluster(_) => "Redis Cluster".to_owned(),
+        }
+    }
+
+    /// `error` of a first contact with this target, with the engine and address
+    /// before the cause; its kind is kept.
+    pub(in crate::backend) fn unreachable(&self, error: &RedisError) -> RedisError {
+        RedisError::from((
+            error.kind(),
+            "could not connect",
+            format!("{}: {error}", self.describe()),
+        ))
+    }
+
     /// A connection that connects on its first command (no await here).
     fn connect_lazily(&self, timeout: Duration) -> Result<Connection, RedisError> {
         match self {
@@ -112,6 +132,9 @@ pub(in crate::backend) struct Commands {
     /// When the last answer came, in µs since `since`.
     last_answer: AtomicU64,
     since: Instant,
+    /// Notified when the connection broke or was replaced: what was read of the
+    /// server before (its eviction policy) may have changed with the reconnection.
+    trouble: Arc<Notify>,
 }
 
 /// Why a command failed.
@@ -137,7 +160,18 @@ impl Commands {
             timeouts: AtomicU32::new(0),
             last_answer: AtomicU64::new(0),
             since: Instant::now(),
+            trouble: Arc::new(Notify::new()),
         })
+    }
+
+    /// The command timeout.
+    pub(in crate::backend) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Notified (one stored permit) when the connection broke or was replaced.
+    pub(in crate::backend) fn trouble(&self) -> Arc<Notify> {
+        self.trouble.clone()
     }
 
     /// Runs `command` on the current connection until `limit`. A timeout counts
@@ -175,7 +209,15 @@ impl Commands {
                 self.replace(number, "answered out of turn");
                 return Err(Failure::Redis(error));
             }
-            Ok(Err(error)) if !error.is_timeout() => return Err(Failure::Redis(error)),
+            Ok(Err(error)) if !error.is_timeout() => {
+                if error.is_io_error()
+                    || error.is_connection_dropped()
+                    || error.is_connection_refusal()
+                {
+                    self.trouble.notify_one();
+                }
+                return Err(Failure::Redis(error));
+            }
             // Our limit, or the connection's own response timeout.
             Ok(Err(_)) | Err(_) => {}
         }
@@ -220,6 +262,7 @@ impl Commands {
                 self.timeouts.store(0, Ordering::Relaxed);
                 // The fresh connection gets its own grace before it can be silent.
                 self.last_answer.store(self.micros_now(), Ordering::Relaxed);
+                self.trouble.notify_one();
                 tracing::debug!("redis connection {why}; replaced");
             }
             Err(error) => tracing::debug!(%error, "replacing the redis connection failed"),

@@ -1,13 +1,31 @@
-//! The eviction check, run when a backend is built: under any `maxmemory-policy` but
-//! `noeviction`, Redis may drop a held lock key under memory pressure and grant it to
-//! another instance before its holder is told.
+//! The eviction check: under any `maxmemory-policy` but `noeviction`, Redis may drop a
+//! held lock key under memory pressure and grant it to another instance before its
+//! holder is told. Run when a backend is built, and again while it runs (`watch`): a
+//! policy changed later (`CONFIG SET`, a restart with another configuration) is
+//! noticed within one re-read interval, or soon after a reconnection.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{Cmd, ErrorKind, RedisError, Value};
+use tokio::sync::watch;
+use tokio::time::{sleep, Instant};
 
-use super::connection::Connection;
+use super::connection::{Commands, Connection};
+
+/// The longest between two re-reads of the policy while a backend runs (lease/3 if
+/// shorter): the window in which a policy changed to an evicting one goes unnoticed.
+/// One `CONFIG GET` per backend per interval, whatever the number of locks.
+pub(in crate::backend) const MAX_RECHECK_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How soon a re-read that got no answer (Redis down, reconnecting) is tried again.
+const RETRY_UNREAD: Duration = Duration::from_secs(1);
+
+/// What the last read of the policies found: `None` while every server runs
+/// `noeviction`, else what may evict (for logs, errors and the health check).
+pub(in crate::backend) type EvictionState = watch::Receiver<Option<Arc<str>>>;
 
 /// The only policy under which Redis never drops a key before its TTL.
 const NOEVICTION: &str = "noeviction";
@@ -55,20 +73,10 @@ pub(in crate::backend) fn check(
     allowed: bool,
 ) -> Result<(), RedisError> {
     let problem = match read {
-        Ok(policies) => {
-            let evicting: Vec<String> = policies
-                .into_iter()
-                .filter(|(_, policy)| policy != NOEVICTION)
-                .map(|(node, policy)| match node {
-                    Some(node) => format!("maxmemory-policy {policy} on primary {node}"),
-                    None => format!("maxmemory-policy {policy}"),
-                })
-                .collect();
-            if evicting.is_empty() {
-                return Ok(());
-            }
-            format!("Redis runs with {}", evicting.join(", "))
-        }
+        Ok(policies) => match problem(policies) {
+            None => return Ok(()),
+            Some(problem) => problem,
+        },
         Err(error) => format!("the maxmemory-policy of Redis could not be read ({error})"),
     };
     if allowed {
@@ -79,7 +87,25 @@ pub(in crate::backend) fn check(
         );
         return Ok(());
     }
-    Err(RedisError::from((
+    Err(refusal(&problem))
+}
+
+/// What may evict among `policies`, or `None` if every one is `noeviction`.
+fn problem(policies: Vec<(Option<String>, String)>) -> Option<String> {
+    let evicting: Vec<String> = policies
+        .into_iter()
+        .filter(|(_, policy)| policy != NOEVICTION)
+        .map(|(node, policy)| match node {
+            Some(node) => format!("maxmemory-policy {policy} on primary {node}"),
+            None => format!("maxmemory-policy {policy}"),
+        })
+        .collect();
+    (!evicting.is_empty()).then(|| format!("Redis runs with {}", evicting.join(", ")))
+}
+
+/// The error of a build, or of an acquisition, refused because of `problem`.
+pub(in crate::backend) fn refusal(problem: &str) -> RedisError {
+    RedisError::from((
         ErrorKind::InvalidClientConfig,
         "Redis may evict lock keys",
         format!(
@@ -89,7 +115,91 @@ pub(in crate::backend) fn check(
              of its own for locks, if a cache needs eviction), or accept the risk \
              with RedisBackendBuilder::allow_unsafe_eviction_policy(true)"
         ),
-    )))
+    ))
+}
+
+/// How often a running backend with leases of `lease` re-reads the policy.
+pub(in crate::backend) fn recheck_interval(lease: Duration) -> Duration {
+    (lease / 3).min(MAX_RECHECK_INTERVAL)
+}
+
+/// Starts re-reading the policy of the servers behind `commands` every `interval`,
+/// and at once after the connection broke or was replaced (a reconnection may reach a
+/// server restarted with another configuration). Begins from what the build found
+/// (nothing, unless the risk was `allowed`). A read that gets no answer changes
+/// nothing (an unreachable Redis is the leases' deadlines' business) and is tried
+/// again within [`RETRY_UNREAD`]. Ends with the backend (`commands` is only
+/// borrowed between reads).
+pub(in crate::backend) fn watch(
+    commands: &Arc<Commands>,
+    interval: Duration,
+    allowed: bool,
+) -> EvictionState {
+    let (state, receiver) = watch::channel(None);
+    let trouble = commands.trouble();
+    let commands = Arc::downgrade(commands);
+    tokio::spawn(async move {
+        let mut pause = interval;
+        // After a read that got no answer, only the pause: the failed read itself
+        // notified `trouble`.
+        let mut answered = true;
+        loop {
+            tokio::select! {
+                () = sleep(pause) => {}
+                () = trouble.notified(), if answered => {}
+                () = state.closed() => return,
+            }
+            let Some(read) = read_again(&commands).await else {
+                return;
+            };
+            let found = match read {
+                Ok(policies) => problem(policies),
+                Err(error) => {
+                    tracing::debug!(%error, "re-reading the redis maxmemory-policy failed");
+                    pause = interval.min(RETRY_UNREAD);
+                    answered = false;
+                    continue;
+                }
+            };
+            (pause, answered) = (interval, true);
+            let changed = state.borrow().as_deref() != found.as_deref();
+            if changed {
+                match (&found, allowed) {
+                    (Some(problem), false) => tracing::warn!(
+                        "{problem}: a held lock key may be evicted under memory pressure; \
+                         every lease of this backend is declared lost and no lock is \
+                         granted until every server runs maxmemory-policy noeviction"
+                    ),
+                    (Some(problem), true) => tracing::warn!(
+                        "{problem}: a held lock key may be evicted under memory pressure \
+                         and granted to another instance before its holder is told \
+                         (allow_unsafe_eviction_policy is on)"
+                    ),
+                    (None, _) => tracing::info!(
+                        "Redis runs with maxmemory-policy noeviction again: locks are granted"
+                    ),
+                }
+                state.send_replace(found.map(Arc::from));
+            }
+        }
+    });
+    receiver
+}
+
+/// One read of the policies through `commands`, within two command timeouts (`CONFIG
+/// GET`, then `INFO` where `CONFIG` is not allowed); `None` once the backend is gone.
+async fn read_again(
+    commands: &Weak<Commands>,
+) -> Option<Result<Vec<(Option<String>, String)>, RedisError>> {
+    let commands = commands.upgrade()?;
+    let limit = Instant::now() + commands.timeout() * 2;
+    let read = commands.run(limit, false, policies).await;
+    Some(read.map_err(|failure| match failure {
+        super::connection::Failure::Redis(error) => error,
+        super::connection::Failure::TimedOut => {
+            RedisError::from((ErrorKind::Io, "timed out reading maxmemory-policy"))
+        }
+    }))
 }
 
 fn config_get() -> Cmd {

@@ -3,6 +3,7 @@
 //! Lua scripts. The life cycle around them is the engine's (`backend::ttl`).
 
 use std::fmt;
+use std::future::Future;
 use std::pin::pin;
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
@@ -11,6 +12,7 @@ use redis::RedisError;
 use tokio::time::{sleep, Instant};
 
 use super::connection::Failure;
+use super::eviction;
 use super::keys::RedisKeys;
 use super::scripts::{RELEASE, RELEASE_COUNTED, RENEW, RENEW_COUNTED};
 use super::Inner;
@@ -101,6 +103,10 @@ impl Inner {
         let mut token_sent = false;
         let mut reconnected = false;
         loop {
+            // No command of its own: the backend re-reads the policy in the background.
+            if let Some(refusal) = self.eviction_refusal() {
+                return Err(LockError::Backend(Box::new(refusal)));
+            }
             // Read before the registration: a release between the two is one the
             // attempt below sees the effect of.
             let releases_seen = interest.releases();
@@ -227,6 +233,16 @@ impl Inner {
                 return Err(LockError::Timeout);
             }
         }
+    }
+
+    /// Why no lock may be granted now: a server may evict lock keys (and the risk was
+    /// not accepted).
+    fn eviction_refusal(&self) -> Option<RedisError> {
+        if self.config.allow_eviction {
+            return None;
+        }
+        let problem = self.eviction.borrow();
+        problem.as_deref().map(eviction::refusal)
     }
 
     /// Whether a waiter for `keys` takes a grant from a release (see `RELEASE`): a
@@ -471,6 +487,20 @@ impl TtlBackend for Inner {
             Ok(false) => Renewal::NotOurs,
             // Renewed but acknowledged by too few replicas, or no answer.
             Err(_) => Renewal::Unknown,
+        }
+    }
+
+    /// When a server may evict lock keys (its policy changed since the build), unless
+    /// the risk was accepted: an evicted key could be granted to another instance
+    /// before a renewal finds it gone.
+    fn gone(&self, _keys: &Arc<RedisKeys>) -> impl Future<Output = ()> + Send {
+        let mut state = self.eviction.clone();
+        let allowed = self.config.allow_eviction;
+        async move {
+            // A closed state (the backend is gone) proves nothing: never, then.
+            if allowed || state.wait_for(Option::is_some).await.is_err() {
+                std::future::pending::<()>().await;
+            }
         }
     }
 

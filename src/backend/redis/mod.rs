@@ -252,7 +252,20 @@
 //! primary) and refuses anything but `noeviction`, unless
 //! [`allow_unsafe_eviction_policy`](RedisBackendBuilder::allow_unsafe_eviction_policy)
 //! accepts the risk. A Redis used as a cache with eviction should not hold locks; give
-//! the locks a Redis of their own. What no setting can refuse: `FLUSHALL`, `FLUSHDB`,
+//! the locks a Redis of their own.
+//!
+//! The policy can change after the build (`CONFIG SET`, a restart with another
+//! configuration), so a running backend reads it again in the background: every
+//! lease/3, at most every 5 s, and at once after its connection broke or was replaced
+//! — one `CONFIG GET` per backend, not per lock. Once it reads an evicting policy,
+//! it logs a warning, declares every lease it holds lost
+//! ([`LostReason::NotOwner`](crate::backend::LostReason::NotOwner)), refuses new
+//! acquisitions with [`LockError::Backend`] naming the policy (so the health check
+//! reports it), until a read finds `noeviction` again. A key evicted between the
+//! change and that read (a window of the re-read interval plus the read's own limit,
+//! two command timeouts) can still be granted elsewhere before its holder is told.
+//! With the opt-in, the change is only logged. A read that gets no answer changes
+//! nothing, and is tried again within a second. What no setting can refuse: `FLUSHALL`, `FLUSHDB`,
 //! or a `DEL` of a lock key by an operator or another application acts the same (the
 //! holder is told at its next renewal, after the key may already have been granted
 //! again); keep them from the lock server (`rename-command`, or ACLs).
@@ -422,7 +435,9 @@ impl Config {
 }
 
 struct Inner {
-    commands: Commands,
+    commands: Arc<Commands>,
+    /// What may evict lock keys, re-read while the backend runs.
+    eviction: eviction::EvictionState,
     config: Config,
     drift: Duration,
     acquire: Script,
@@ -711,8 +726,10 @@ impl RedisBackendBuilder {
     /// among them; another instance is then granted the key while its holder still
     /// counts its lease as valid, and learns otherwise only at its next renewal (up to
     /// lease/3 later). [`build`](Self::build) reads the policy (of every primary of a
-    /// cluster) and refuses anything but `noeviction`; with this on, it only logs a
-    /// warning. Turn it on only if the lock keys' overlap is acceptable, or if memory
+    /// cluster) and refuses anything but `noeviction`, and the running backend reads
+    /// it again (every lease/3, at most 5 s): a policy changed to an evicting one then
+    /// ends every lease held and refuses grants until `noeviction` is back. With this
+    /// on, both only log a warning. Turn it on only if the lock keys' overlap is acceptable, or if memory
     /// can never run short. See [Redis keys](self#redis-keys).
     pub fn allow_unsafe_eviction_policy(mut self, allow: bool) -> Self {
         self.config.allow_eviction = allow;
@@ -753,8 +770,8 @@ impl RedisBackendBuilder {
             redis::cmd("PING").query_async::<()>(&mut connection).await
         });
         ping.await.map_err(|failure| match failure {
-            connection::Failure::Redis(error) => error,
-            connection::Failure::TimedOut => timed_out("connecting to Redis"),
+            connection::Failure::Redis(error) => target.unreachable(&error),
+            connection::Failure::TimedOut => target.unreachable(&timed_out("no answer to PING")),
         })?;
         // CONFIG GET, or INFO where CONFIG is not allowed: two command timeouts at most.
         let policies = commands
@@ -765,6 +782,12 @@ impl RedisBackendBuilder {
                 connection::Failure::TimedOut => timed_out("reading maxmemory-policy"),
             });
         eviction::check(policies, config.allow_eviction)?;
+        let commands = Arc::new(commands);
+        let eviction = eviction::watch(
+            &commands,
+            eviction::recheck_interval(config.lease),
+            config.allow_eviction,
+        );
 
         let shared_channel = format!("{}release", config.prefix);
         let (releases, changes, channel) = match &target {
@@ -787,6 +810,7 @@ impl RedisBackendBuilder {
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 commands,
+                eviction,
                 config,
                 drift,
                 acquire: Script::new(ACQUIRE),
