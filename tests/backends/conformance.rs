@@ -211,8 +211,18 @@ mod faults {
     faults!(redis, crate::support::fixtures::Redis, "redis");
     faults!(postgres, crate::support::fixtures::Postgres, "postgres");
     faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
-    faults!(etcd, crate::support::fixtures::Etcd, "etcd", [a_dropped_path_does_not_end_a_wait]);
-    faults!(mysql, crate::support::fixtures::MySql, "mysql", [a_dropped_path_does_not_end_a_wait]);
+    faults!(
+        etcd,
+        crate::support::fixtures::Etcd,
+        "etcd",
+        [a_dropped_path_does_not_end_a_wait]
+    );
+    faults!(
+        mysql,
+        crate::support::fixtures::MySql,
+        "mysql",
+        [a_dropped_path_does_not_end_a_wait]
+    );
     faults!(
         azure_blob,
         crate::support::fixtures::AzureBlob,

@@ -12,15 +12,20 @@
 
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::routing::post;
-use axum::Router;
+#[cfg(feature = "axum")]
+use axum::{body::Body, routing::post, Router};
+#[cfg(feature = "axum")]
 use http::{Request, StatusCode};
+#[cfg(feature = "axum")]
 use http_body_util::BodyExt;
+#[cfg(feature = "axum")]
 use tokio::sync::Semaphore;
+#[cfg(feature = "axum")]
 use tower::ServiceExt;
 use tower_keyed_lock::backend::LostReason;
-use tower_keyed_lock::{KeyedLockLayer, LockError, LockInfo};
+use tower_keyed_lock::LockError;
+#[cfg(feature = "axum")]
+use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 
 use crate::support::fixtures::{
     poll_once, wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE,
@@ -35,9 +40,19 @@ for_each_fixture!(
         a_holder_past_the_deadline_is_cut_off_and_another_instance_takes_the_key,
         a_dropped_shutdown_leaves_the_locks_shut_and_frees_leases_by_drop,
         a_shutdown_dropped_while_cutting_off_still_gives_the_lease_back,
-        a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over,
     ],
 );
+
+/// Through the HTTP layer: the `axum` feature too.
+#[cfg(feature = "axum")]
+mod layer {
+    use super::a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over;
+
+    for_each_fixture!(
+        all: [],
+        remote: [a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over],
+    );
+}
 
 /// A holder, a waiter queued behind it, then the shutdown: a new acquisition fails at
 /// once with `ShuttingDown`, the waiter is refused while the holder still holds (woken
@@ -177,6 +192,7 @@ async fn a_shutdown_dropped_while_cutting_off_still_gives_the_lease_back<F: Remo
 /// The layer on a real backend: a request in flight when the shutdown begins holds its
 /// key past the deadline and hears that its lease was lost; a new request gets 503 with
 /// `Retry-After` (reason `shutting_down`); another instance then takes the key at once.
+#[cfg(feature = "axum")]
 async fn a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over<F: Remote>() {
     let fixture = F::start();
     let gate = std::sync::Arc::new(Semaphore::new(0));
