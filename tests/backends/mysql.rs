@@ -638,7 +638,10 @@ async fn a_killed_holder_is_told_no_later_than_the_next_grant() {
     let guard = a.lock("k").await.unwrap();
     let id = holder(&server, &lock_name(DEFAULT_NAMESPACE, NAME, "k")).expect("held");
     let waiter = tokio::spawn(async move {
-        let taken = b.lock_timeout("k", PATIENCE).await.expect("the key is free");
+        let taken = b
+            .lock_timeout("k", PATIENCE)
+            .await
+            .expect("the key is free");
         let granted = Instant::now();
         taken.release().await;
         granted
