@@ -660,3 +660,30 @@ async fn a_killed_holder_is_told_no_later_than_the_next_grant() {
         told - granted
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_is_named_with_its_address_and_cause() {
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let locks = locks(&format!("mysql://locker:s3cret-pw@127.0.0.1:{port}/test"));
+    let error = locks
+        .try_lock("k")
+        .await
+        .map(|_| ())
+        .expect_err("nothing listens there");
+    let message = error.to_string();
+    eprintln!("unreachable: {message}");
+    assert!(message.contains("MySQL"), "{message}");
+    assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
+    assert!(
+        !message.contains("s3cret-pw"),
+        "the password leaked: {message}"
+    );
+    // The cause follows the address.
+    let address_end = message.find(&format!("{port}")).unwrap() + port.to_string().len();
+    assert!(message.len() > address_end + 2, "no cause: {message}");
+}
