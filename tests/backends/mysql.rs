@@ -623,3 +623,67 @@ async fn a_release_during_a_liveness_check_never_desyncs_the_connection() {
         }
     }
 }
+
+/// A holds, B waits, A's session is killed by its connection id: A must be told its
+/// lease is lost no later than B is granted (no unsignalled overlap).
+///
+/// Reproduces a known defect: the holder learns of its session's end only at its next
+/// liveness check, after B may already hold the key. Ignored until the holding
+/// connection keeps a statement pending (see the report of this change).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "reproduces a known defect: a killed holder is told after the next holder's grant"]
+async fn a_killed_holder_is_told_no_later_than_the_next_grant() {
+    let server = MySqlServer::start();
+    let (a, b) = (locks(&server.url()), locks(&server.url()));
+    let guard = a.lock("k").await.unwrap();
+    let id = holder(&server, &lock_name(DEFAULT_NAMESPACE, NAME, "k")).expect("held");
+    let waiter = tokio::spawn(async move {
+        let taken = b
+            .lock_timeout("k", PATIENCE)
+            .await
+            .expect("the key is free");
+        let granted = Instant::now();
+        taken.release().await;
+        granted
+    });
+    // Let B's GET_LOCK reach the server and wait there.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.admin(&format!("KILL {id}"));
+    tokio::time::timeout(PATIENCE, guard.lost())
+        .await
+        .expect("the holder of a killed session was never told");
+    let told = Instant::now();
+    let granted = waiter.await.unwrap();
+    assert!(
+        told <= granted,
+        "unsignalled overlap: B was granted {:?} before A was told",
+        told - granted
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_is_named_with_its_address_and_cause() {
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let locks = locks(&format!("mysql://locker:s3cret-pw@127.0.0.1:{port}/test"));
+    let error = locks
+        .try_lock("k")
+        .await
+        .map(|_| ())
+        .expect_err("nothing listens there");
+    let message = error.to_string();
+    eprintln!("unreachable: {message}");
+    assert!(message.contains("MySQL"), "{message}");
+    assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
+    assert!(
+        !message.contains("s3cret-pw"),
+        "the password leaked: {message}"
+    );
+    // The cause follows the address.
+    let address_end = message.find(&format!("{port}")).unwrap() + port.to_string().len();
+    assert!(message.len() > address_end + 2, "no cause: {message}");
+}

@@ -1,5 +1,6 @@
 //! The backend's error: what failed, with the driver error behind it.
 
+use std::borrow::Cow;
 use std::error::Error;
 use std::fmt;
 
@@ -17,36 +18,36 @@ pub(super) const SHARED_SESSION: &str = "the MySQL session is shared with other 
 /// A backend failure: what failed, and the driver error behind it.
 #[derive(Debug)]
 pub(super) struct MyError {
-    what: &'static str,
+    what: Cow<'static, str>,
     /// The server's error code, if the server answered with an error.
     pub(super) code: Option<u16>,
     source: Option<Box<dyn Error + Send + Sync>>,
 }
 
 impl MyError {
-    pub(super) fn new(what: &'static str, source: mysql_async::Error) -> Self {
+    pub(super) fn new(what: impl Into<Cow<'static, str>>, source: mysql_async::Error) -> Self {
         let code = match &source {
             mysql_async::Error::Server(error) => Some(error.code),
             _ => None,
         };
         Self {
-            what,
+            what: what.into(),
             code,
             source: Some(Box::new(source)),
         }
     }
 
-    pub(super) fn message(what: &'static str) -> Self {
+    pub(super) fn message(what: impl Into<Cow<'static, str>>) -> Self {
         Self {
-            what,
+            what: what.into(),
             code: None,
             source: None,
         }
     }
 
-    pub(super) fn with_detail(what: &'static str, detail: String) -> Self {
+    pub(super) fn with_detail(what: impl Into<Cow<'static, str>>, detail: String) -> Self {
         Self {
-            what,
+            what: what.into(),
             code: None,
             source: Some(detail.into()),
         }
@@ -73,7 +74,7 @@ impl fmt::Display for MyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.source {
             Some(source) => write!(f, "{}: {source}", self.what),
-            None => f.write_str(self.what),
+            None => f.write_str(&self.what),
         }
     }
 }

@@ -73,6 +73,11 @@ impl Pool {
         }
     }
 
+    /// The server's address for errors: host and port, never the credentials.
+    fn address(&self) -> String {
+        format!("{}:{}", self.opts.ip_or_hostname(), self.opts.tcp_port())
+    }
+
     pub(super) fn opts(&self) -> &Opts {
         &self.opts
     }
@@ -140,8 +145,16 @@ impl Pool {
                 close_within: network_timeout,
                 _permit: permit,
             }),
-            Ok(Err(error)) => Err(MyError::new("cannot connect to MySQL", error).into()),
-            Err(_) => Err(MyError::message("MySQL did not accept a connection in time").into()),
+            Ok(Err(error)) => Err(MyError::new(
+                format!("cannot connect to MySQL at {}", self.address()),
+                error,
+            )
+            .into()),
+            Err(_) => Err(MyError::message(format!(
+                "MySQL at {} did not accept a connection in time",
+                self.address()
+            ))
+            .into()),
         }
     }
 }
