@@ -172,7 +172,7 @@ async fn dropped_at_any_moment<F: Fixture>() {
                 holder.release().await;
             }
             release.await.unwrap();
-            wait_free(&b, "job", FREED_WITHIN).await;
+            wait_free(&b, "job", fixture.freed_within()).await;
             eventually("the table is empty", || a.is_empty() && b.is_empty()).await;
         }
     }

@@ -39,6 +39,12 @@ pub trait Fixture: Sized {
 
     /// The locks of one instance: its own backend connections, the shared server.
     fn instance(&self, name: &str) -> impl Future<Output = DistributedLocks>;
+
+    /// How long a key may stay held after its guard or acquisition was dropped
+    /// ([`FREED_WITHIN`] unless the engine needs longer and a leak would still show).
+    fn freed_within(&self) -> Duration {
+        FREED_WITHIN
+    }
 }
 
 /// A fixture with a real server that instances reach over the network.
@@ -737,6 +743,14 @@ pub mod zookeeper {
 
         async fn instance(&self, name: &str) -> DistributedLocks {
             locks_on(self.backend(name).await)
+        }
+
+        /// A dropped acquisition's give-back may first look its unanswered create up by
+        /// its token (two round trips in a task of its own, slow on a loaded machine);
+        /// a node left behind would stay for the backend's whole session, so a longer
+        /// bound still catches a leak.
+        fn freed_within(&self) -> Duration {
+            Duration::from_secs(3)
         }
     }
 
