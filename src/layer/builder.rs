@@ -424,7 +424,9 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     }
 
     /// The `name` label of this layer's metrics (default `"default"`), and the
-    /// namespace of its keys at a distributed backend. A `&'static str` or a `String`.
+    /// namespace of its keys at a distributed backend: with a [`backend`](Self::backend),
+    /// one name per layer (a second layer under it on the same backend is refused when
+    /// applied). A `&'static str` or a `String`.
     ///
     /// ```
     /// use tower_keyed_lock::KeyedLockLayer;
@@ -527,7 +529,12 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// Serializes keys across every instance that shares `backend` (Redis,
     /// PostgreSQL, or your own [`LockBackend`]), on top of the in-process lock: requests
     /// queue locally first and only the local winner contends remotely. The remote key
-    /// is namespaced by [`name`](Self::name), so give each layer its own name.
+    /// is namespaced by [`name`](Self::name): a layer meets the layers of the same name
+    /// on other instances, never another layer of its own instance. So give each layer
+    /// its own name: two layers under one name on one backend (clones of a backend
+    /// included; see [`LockBackend::identity`]) are refused with a panic when the second
+    /// is applied, since in process they would not exclude each other. One layer value
+    /// applied to several routes is one layer.
     ///
     /// The [`wait_timeout`](Self::wait_timeout) covers both tiers. When the backend
     /// cannot be reached the request gets 503 with `Retry-After` (fail closed) unless
