@@ -57,6 +57,8 @@ pub struct Health {
     answer: Option<Result<Duration, String>>,
     restart_guard_left: Option<Duration>,
     last_error: Option<LastError>,
+    /// The locks' graceful shutdown has begun: they grant no key any more.
+    shutting_down: bool,
 }
 
 /// The last backend error some locks met: when, and what it said.
@@ -91,14 +93,30 @@ impl Health {
             answer,
             restart_guard_left: None,
             last_error: None,
+            shutting_down: false,
         }
     }
 
-    /// Whether the engine answered the check (or nothing was to be checked). The
+    /// The locks are shutting down ([`DistributedLocks::shutdown`](crate::DistributedLocks::shutdown)
+    /// began): unhealthy whatever the engine would answer, so that a readiness probe
+    /// takes the instance out of rotation while it drains. The engine is not asked.
+    pub fn shutting_down(engine: &'static str) -> Self {
+        let mut health = Self::with(engine, None);
+        health.shutting_down = true;
+        health
+    }
+
+    /// Whether the engine answered the check (or nothing was to be checked), and the
+    /// locks are not shutting down. The
     /// restart guard and the last error are reported beside it, not counted: a guard
     /// delays grants on every instance alike, and an old error is history.
     pub fn is_healthy(&self) -> bool {
-        !matches!(self.answer, Some(Err(_)))
+        !self.shutting_down && !matches!(self.answer, Some(Err(_)))
+    }
+
+    /// Whether the locks' graceful shutdown has begun (then never healthy).
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down
     }
 
     /// The engine's short name (`"redis"`, `"postgres"`, …).
@@ -137,6 +155,7 @@ impl Health {
 impl fmt::Display for Health {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.answer {
+            _ if self.shutting_down => write!(f, "{}: shutting down", self.engine)?,
             Some(Ok(round_trip)) => write!(f, "{}: answered in {round_trip:?}", self.engine)?,
             Some(Err(error)) => write!(f, "{}: unreachable: {error}", self.engine)?,
             None => write!(f, "{}: not checked", self.engine)?,
@@ -213,11 +232,12 @@ impl axum::response::IntoResponse for Health {
 }
 
 impl Health {
-    /// The JSON body of the health response: `{"status":"ok"|"unavailable"|"unchecked",
-    /// "engine":…, "round_trip_ms":…, "error":…, "restart_guard_left_ms":…,
-    /// "last_error":…}` (absent fields left out).
+    /// The JSON body of the health response: `{"status":"ok"|"unavailable"|"unchecked"|
+    /// "shutting_down", "engine":…, "round_trip_ms":…, "error":…,
+    /// "restart_guard_left_ms":…, "last_error":…}` (absent fields left out).
     pub fn to_json(&self) -> String {
         let status = match &self.answer {
+            _ if self.shutting_down => "shutting_down",
             Some(Ok(_)) => "ok",
             Some(Err(_)) => "unavailable",
             None => "unchecked",

@@ -39,7 +39,8 @@ pub enum LostReason {
     /// it, a pooler moved the session).
     NotOwner,
     /// This process's graceful shutdown gave the lease back at its deadline, while the
-    /// key was still held (see [`DistributedLocks::shutdown`](crate::DistributedLocks::shutdown)).
+    /// key was still held (see [`DistributedLocks::shutdown`](crate::DistributedLocks::shutdown));
+    /// a leadership's as the shutdown began ([`LeaderElection`](crate::LeaderElection)).
     ShutDown,
 }
 

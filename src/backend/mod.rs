@@ -233,6 +233,17 @@ pub trait LockBackend: Send + Sync + 'static {
         let _ = (name, key, wait, record);
         None
     }
+
+    /// Which backend value this is ([`BackendIdentity::of`] the state its clones
+    /// share), so that two layers under one name on one backend are refused when
+    /// applied: in process two layers never exclude each other, so they must not
+    /// through the backend either (give each its own
+    /// [`name`](crate::KeyedLockLayer::name)). `None` (the default): the backend
+    /// cannot tell; shared as one `Arc<dyn LockBackend>` it is still told apart by
+    /// that `Arc`.
+    fn identity(&self) -> Option<BackendIdentity> {
+        None
+    }
 }
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
@@ -277,6 +288,35 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
         record: &RecordLookup,
     ) -> Option<BoxFuture<Result<Acquired, LockError>>> {
         (**self).acquire_unless_recorded(name, key, wait, record)
+    }
+
+    /// The shared backend's own identity, or else this `Arc`'s: every clone of one
+    /// `Arc<dyn LockBackend>` is one backend.
+    fn identity(&self) -> Option<BackendIdentity> {
+        (**self)
+            .identity()
+            .or_else(|| Some(BackendIdentity::of(self)))
+    }
+}
+
+/// Which backend value a [`LockBackend`] is: equal for a backend and its clones (they
+/// share its connections: one instance's way to the engine), different for backends
+/// built separately. See [`LockBackend::identity`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackendIdentity(usize);
+
+impl BackendIdentity {
+    /// The identity of the backend whose state every clone shares in `state`.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tower_keyed_lock::backend::BackendIdentity;
+    ///
+    /// let state = Arc::new(());
+    /// assert_eq!(BackendIdentity::of(&state), BackendIdentity::of(&state.clone()));
+    /// ```
+    pub fn of<T: ?Sized>(state: &Arc<T>) -> Self {
+        Self(Arc::as_ptr(state).cast::<()>() as usize)
     }
 }
 

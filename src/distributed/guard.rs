@@ -150,6 +150,14 @@ impl DistributedGuard {
         }
     }
 
+    /// The locks' shutdown cuts this guard's lease off as it begins, not at its
+    /// deadline (a leadership steps down at once).
+    pub(super) fn cut_off_when_shutdown_begins(&self) {
+        if let Some(id) = self.shutdown_id {
+            self.locks.shutdown.cut_off_at_start(id);
+        }
+    }
+
     /// Takes the lease off the shutdown's list: its guard gives it back itself.
     fn unregister(&mut self) {
         if let Some(id) = self.shutdown_id.take() {

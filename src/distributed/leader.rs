@@ -39,6 +39,41 @@ use crate::error::LockError;
 /// [`run_as_leader`](LeaderElection::run_as_leader) drops the leader's work at that
 /// moment. Campaigning again afterwards is the caller's choice: call
 /// [`campaign`](LeaderElection::campaign) again (in a loop, to stay a candidate).
+///
+/// # Shutdown
+///
+/// When the locks' [`shutdown`](DistributedLocks::shutdown) begins, the leader steps
+/// down at once: its lease is given back and its leadership lost
+/// ([`LostReason::ShutDown`](crate::backend::LostReason::ShutDown)), so a candidate on
+/// another instance is elected while this one drains, instead of at the shutdown's
+/// deadline. The leader's work, told through [`Leadership::lost`] (or dropped by
+/// [`run_as_leader`](LeaderElection::run_as_leader)), should stop then. In process there
+/// is no lease to give back, and no other instance to hand over to.
+///
+/// # Failover after a crash, and choosing the lease
+///
+/// A leader that stops without stepping down — its process killed, its host gone —
+/// gives nothing back: the next candidate is elected when the engine lets its lease go.
+/// On a lease-based engine (Redis, DynamoDB, etcd, Azure Blob) that is when the lease
+/// runs out: up to one lease after the leader's last renewal (renewals run every
+/// lease/3, so between two thirds of a lease and a whole lease after the crash). On a
+/// session engine it is when the engine sees the session end: at once when the dead
+/// process's connection is closed by its operating system (PostgreSQL, MySQL); for a
+/// host that vanished, within the server-side idle limit of PostgreSQL (a liveness
+/// interval plus two network timeouts; see its module docs) and the session timeout of
+/// ZooKeeper. That bound plays the lease's part below. A graceful
+/// [`shutdown`](DistributedLocks::shutdown) or [`step_down`](Leadership::step_down)
+/// hands over at once.
+///
+/// So the lease is the longest time without a leader after a crash. Shorter is faster
+/// failover but more renewal traffic, and a leader whose process stalls (a GC-like
+/// pause, CPU starvation, a slow network) longer than the lease loses its leadership —
+/// a lost signal, never two leaders at once, but a wasted term. Choose a lease a few
+/// times the longest stall you expect from the leader's process and the engine's round
+/// trip (seconds to tens of seconds: 10 s to 30 s is common), and no longer than the
+/// time without a leader the work can bear. The [fencing token](Leadership::fencing_token)
+/// protects what the leader writes from a predecessor that did not yet notice it was
+/// replaced.
 #[derive(Clone, Debug)]
 pub struct LeaderElection {
     locks: DistributedLocks,
@@ -76,21 +111,21 @@ impl LeaderElection {
     /// [`DistributedLocks::lock`].
     pub async fn campaign(&self) -> Result<Leadership, LockError> {
         let guard = self.locks.lock(&self.key).await?;
-        Ok(Leadership { guard })
+        Ok(Leadership::new(guard))
     }
 
     /// Waits at most `timeout` to become the leader, then fails with
     /// [`LockError::Timeout`].
     pub async fn campaign_timeout(&self, timeout: Duration) -> Result<Leadership, LockError> {
         let guard = self.locks.lock_timeout(&self.key, timeout).await?;
-        Ok(Leadership { guard })
+        Ok(Leadership::new(guard))
     }
 
     /// Becomes the leader only if there is none now; else fails with
     /// [`LockError::Busy`].
     pub async fn try_campaign(&self) -> Result<Leadership, LockError> {
         let guard = self.locks.try_lock(&self.key).await?;
-        Ok(Leadership { guard })
+        Ok(Leadership::new(guard))
     }
 
     /// The current leader as the backend sees it, `None` when there is none: see
@@ -153,6 +188,13 @@ impl LeaderInfo {
 }
 
 impl Leadership {
+    /// The leadership of the election's key, held by `guard`: cut off as soon as the
+    /// locks' shutdown begins, not at its deadline.
+    fn new(guard: DistributedGuard) -> Self {
+        guard.cut_off_when_shutdown_begins();
+        Self { guard }
+    }
+
     /// The election's key.
     pub fn key(&self) -> &str {
         self.guard.key()

@@ -316,7 +316,8 @@ impl DistributedLocks {
 
     /// Checks the backend ([`LockBackend::health`]) and adds the last backend error
     /// these locks met (a failed acquisition, a lost lease); in process, unchecked
-    /// and healthy.
+    /// and healthy. Once [`shutdown`](Self::shutdown) began, unhealthy
+    /// ([`Health::is_shutting_down`]) without asking the backend.
     ///
     /// ```
     /// use tower_keyed_lock::DistributedLocks;
@@ -329,6 +330,10 @@ impl DistributedLocks {
     /// # }
     /// ```
     pub async fn health(&self) -> Health {
+        if self.is_shutting_down() {
+            let engine = (self.inner.backend.as_ref()).map_or("in-process", |b| b.engine());
+            return Health::shutting_down(engine).and_last_error(self.inner.last_error.get());
+        }
         let health = match &self.inner.backend {
             Some(backend) => backend.health().await,
             None => Health::unchecked("in-process"),

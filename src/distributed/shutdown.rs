@@ -1,6 +1,7 @@
 //! Graceful shutdown: no new key, a drain of the holders up to a deadline, then every
 //! remote lease still held cut off (its holder told, the lease given back), so the next
-//! instance takes the keys at once instead of after the lease's expiry.
+//! instance takes the keys at once instead of after the lease's expiry. A leadership
+//! ([`LeaderElection`](super::LeaderElection)) is cut off as the shutdown begins.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -45,7 +46,15 @@ impl fmt::Display for ShutdownReport {
 pub(crate) struct Shutdown {
     started: AtomicBool,
     next_id: AtomicU64,
-    leases: Mutex<HashMap<u64, CutOff>>,
+    leases: Mutex<HashMap<u64, Held>>,
+}
+
+/// A remote lease the shutdown may cut off.
+struct Held {
+    cut_off: CutOff,
+    /// Cut off as the shutdown begins, not at its deadline: a leadership, which has no
+    /// end of its own to wait for and should pass to another instance at once.
+    at_start: bool,
 }
 
 impl Shutdown {
@@ -62,8 +71,28 @@ impl Shutdown {
     /// Registers a remote lease held now; the guard unregisters it with the id.
     pub(crate) fn register(&self, cut_off: CutOff) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.leases().insert(id, cut_off);
+        let held = Held {
+            cut_off,
+            at_start: false,
+        };
+        self.leases().insert(id, held);
         id
+    }
+
+    /// Lease `id` is cut off as the shutdown begins, not at its deadline; at once if it
+    /// already began.
+    pub(crate) fn cut_off_at_start(&self, id: u64) {
+        if let Some(held) = self.leases().get_mut(&id) {
+            held.at_start = true;
+        }
+        // Marked before this look: a shutdown that began since either found the mark
+        // (and took the lease out of the map) or is seen here. Whoever takes the lease
+        // out of the map cuts it off, once.
+        if self.is_started() {
+            if let Some(held) = self.leases().remove(&id) {
+                tokio::spawn(held.cut_off.cut());
+            }
+        }
     }
 
     /// The guard of lease `id` gives it back itself.
@@ -73,7 +102,32 @@ impl Shutdown {
 
     /// Cuts off every remote lease still held; returns how many.
     pub(crate) async fn cut_off_all(&self) -> usize {
-        let leases: Vec<CutOff> = self.leases().drain().map(|(_, lease)| lease).collect();
+        let leases: Vec<CutOff> = self
+            .leases()
+            .drain()
+            .map(|(_, held)| held.cut_off)
+            .collect();
+        Self::cut(leases).await
+    }
+
+    /// Cuts off the leases marked to be cut off as the shutdown begins; returns how many.
+    async fn cut_off_marked(&self) -> usize {
+        let leases: Vec<CutOff> = {
+            let mut held = self.leases();
+            let marked: Vec<u64> = (held.iter())
+                .filter(|(_, held)| held.at_start)
+                .map(|(id, _)| *id)
+                .collect();
+            (marked.iter())
+                .filter_map(|id| held.remove(id))
+                .map(|held| held.cut_off)
+                .collect()
+        };
+        Self::cut(leases).await
+    }
+
+    /// Cuts `leases` off in parallel; returns how many.
+    async fn cut(leases: Vec<CutOff>) -> usize {
         let count = leases.len();
         // One task per lease, so that a dropped shutdown future does not stop a release
         // half-way, and the leases are given back in parallel.
@@ -87,7 +141,7 @@ impl Shutdown {
         count
     }
 
-    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<u64, CutOff>> {
+    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Held>> {
         // Entries are only inserted and removed whole: a poisoned map is consistent.
         self.leases.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -102,12 +156,14 @@ pub(crate) async fn drain(
 ) -> ShutdownReport {
     shutdown.start();
     let at_start = held();
+    // Leaderships step down now: another instance is elected while this one drains.
+    let stepped_down = shutdown.cut_off_marked().await;
     let until = tokio::time::Instant::now() + deadline;
     while held() > 0 && tokio::time::Instant::now() < until {
         tokio::time::sleep(DRAIN_POLL.min(until - tokio::time::Instant::now())).await;
     }
     let left = held();
-    let leases_released = shutdown.cut_off_all().await;
+    let leases_released = stepped_down + shutdown.cut_off_all().await;
     ShutdownReport {
         finished: at_start.saturating_sub(left),
         cut_off: left.min(at_start),

@@ -2,6 +2,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -51,7 +52,14 @@ pub const DEFAULT_NAME: &str = "default";
 ///
 /// Configuration is fixed before the layer is applied. Every clone of a configured layer,
 /// and every route it is applied to, shares one lock table; a builder method called
-/// afterwards makes a new layer value with a table of its own.
+/// after it was applied makes a new layer value with a table of its own. A builder
+/// method called after a [`shutdown_handle`](Self::shutdown_handle) or a
+/// [`health_check`](Self::health_check) was taken panics instead: the handle would not
+/// see the layer it makes.
+///
+/// With a [`backend`](Self::backend), two layers under one [`name`](Self::name) on one
+/// backend are refused when the second is applied: in process two layers never exclude
+/// each other, so they must not through the backend either. Give each its own name.
 #[derive(Clone)]
 #[must_use]
 pub struct KeyedLockLayer<E> {
@@ -61,7 +69,16 @@ pub struct KeyedLockLayer<E> {
     /// The layer's own settings.
     config: Config,
     /// The table and settings, made once when the layer is first applied.
-    shared: Arc<OnceLock<Arc<Shared>>>,
+    table: Arc<Table>,
+}
+
+/// A configured layer value's table, made when it is first applied or a handle is
+/// taken; shared by its clones.
+#[derive(Default)]
+struct Table {
+    shared: OnceLock<Arc<Shared>>,
+    /// Whether a shutdown handle or health check was taken: then no setting may change.
+    handed_out: AtomicBool,
 }
 
 #[cfg(feature = "axum")]
@@ -241,32 +258,51 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
                 shared_methods: Box::new([]),
                 trace_keys: false,
             },
-            shared: Arc::default(),
+            table: Arc::default(),
         }
     }
 
     /// Changes the layer's own settings; the result is a new layer value with its own
     /// table.
+    #[track_caller]
     fn configure(mut self, change: impl FnOnce(&mut Config)) -> Self {
+        self.detach();
         change(&mut self.config);
-        self.shared = Arc::default();
         self
     }
 
     /// Changes the lock's settings; the result is a new layer value with its own table.
+    #[track_caller]
     fn configure_locks(
         mut self,
         change: impl FnOnce(DistributedLocksBuilder) -> DistributedLocksBuilder,
     ) -> Self {
+        self.detach();
         self.locks = change(self.locks);
-        self.shared = Arc::default();
         self
+    }
+
+    /// Gives this value a table of its own, before a setting changes.
+    ///
+    /// # Panics
+    /// If a shutdown handle or health check was taken from it (or a clone): the handle
+    /// would keep working on the old table and silently miss the new layer.
+    #[track_caller]
+    fn detach(&mut self) {
+        assert!(
+            !self.table.handed_out.load(Ordering::Acquire),
+            "KeyedLockLayer: a setting was changed after `shutdown_handle()` or \
+             `health_check()` was taken; the handle would shut down and check the layer \
+             it was taken from, not this new one. Take handles after the last setting"
+        );
+        self.table = Arc::default();
     }
 
     /// How long a request waits for its key before it is rejected with
     /// [`timeout_status`](Self::timeout_status). Default [`DEFAULT_WAIT_TIMEOUT`] (5 s).
     /// `Duration::ZERO` tries once and never waits: "a request for this key is already
     /// in progress".
+    #[track_caller]
     pub fn wait_timeout(self, timeout: Duration) -> Self {
         self.configure(|c| c.wait_timeout = timeout)
     }
@@ -284,6 +320,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     ///
     /// let layer = KeyedLockLayer::by_header("x-user").timeout_status(StatusCode::TOO_MANY_REQUESTS);
     /// ```
+    #[track_caller]
     pub fn timeout_status(self, status: StatusCode) -> Self {
         assert!(
             status.is_client_error() || status.is_server_error(),
@@ -294,12 +331,14 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
 
     /// The `Retry-After` of timeout, queue-full and table-full rejections
     /// (default 1 s, rounded up to whole seconds).
+    #[track_caller]
     pub fn retry_after(self, after: Duration) -> Self {
         self.configure(|c| c.retry_after = after)
     }
 
     /// Requests allowed to wait per key (default [`DEFAULT_MAX_WAITERS`], 1024); one
     /// beyond it gets 429 at once. `usize::MAX` lets the queue grow without bound.
+    #[track_caller]
     pub fn max_waiters(self, max_waiters: usize) -> Self {
         self.configure_locks(|locks| locks.max_waiters(max_waiters))
     }
@@ -315,6 +354,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     ///     .max_key_len(64)
     ///     .max_keys(100_000);
     /// ```
+    #[track_caller]
     pub fn max_keys(self, max_keys: usize) -> Self {
         self.configure_locks(|locks| locks.max_keys(max_keys))
     }
@@ -344,6 +384,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// When the layer is applied with a backend that cannot hold a key shared
     /// ([`LockBackend::supports`](crate::LockBackend::supports)), naming it: such
     /// requests must not run exclusively or under this process's lock only instead.
+    #[track_caller]
     pub fn shared_methods(self, methods: impl IntoIterator<Item = http::Method>) -> Self {
         let methods: Box<[http::Method]> = methods.into_iter().collect();
         self.configure(|c| c.shared_methods = methods)
@@ -358,6 +399,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// `name` and the `route` template, never the key, which comes from the client —
     /// unless this is on: then a `key` field with its first 16 characters, escaped.
     /// A subscriber that does not enable them costs next to nothing (BENCHMARKS.md).
+    #[track_caller]
     pub fn trace_keys(self, on: bool) -> Self {
         self.configure(|c| c.trace_keys = on)
     }
@@ -369,18 +411,22 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// # Panics
     /// If `permits` is 0; and when the layer is applied, if it is more than 1 and the
     /// backend cannot count permits (only Redis and PostgreSQL with session locks can).
+    #[track_caller]
     pub fn permits(self, permits: usize) -> Self {
         self.configure_locks(|locks| locks.permits(permits))
     }
 
     /// The longest key accepted, in bytes (default [`DEFAULT_MAX_KEY_LEN`](crate::DEFAULT_MAX_KEY_LEN), 256);
     /// longer keys get 400.
+    #[track_caller]
     pub fn max_key_len(self, max_len: usize) -> Self {
         self.configure_locks(|locks| locks.max_key_len(max_len))
     }
 
     /// The `name` label of this layer's metrics (default `"default"`), and the
-    /// namespace of its keys at a distributed backend. A `&'static str` or a `String`.
+    /// namespace of its keys at a distributed backend: with a [`backend`](Self::backend),
+    /// one name per layer (a second layer under it on the same backend is refused when
+    /// applied). A `&'static str` or a `String`.
     ///
     /// ```
     /// use tower_keyed_lock::KeyedLockLayer;
@@ -388,6 +434,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// let tenant = "acme";
     /// let layer = KeyedLockLayer::by_path("order_id").name(format!("{tenant}-orders"));
     /// ```
+    #[track_caller]
     pub fn name(self, name: impl Into<Cow<'static, str>>) -> Self {
         self.configure_locks(|locks| locks.rename(name.into()))
     }
@@ -418,6 +465,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     ///     .route("/deliveries", post(deliver))
     ///     .layer(KeyedLockLayer::by_header("idempotency-key").allow_missing_key());
     /// ```
+    #[track_caller]
     pub fn allow_missing_key(self) -> Self {
         self.configure(|c| c.allow_missing_key = true)
     }
@@ -432,6 +480,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// // An export streamed to the client is part of the critical section.
     /// let layer = KeyedLockLayer::by_path("report_id").hold_until_body_end(true);
     /// ```
+    #[track_caller]
     pub fn hold_until_body_end(self, enabled: bool) -> Self {
         self.configure(|c| c.hold_until_body_end = enabled)
     }
@@ -441,6 +490,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     ///
     /// The check runs whenever the held request makes progress and when it releases the
     /// key, so a hold is reported at the latest when it ends; no timer is set per request.
+    #[track_caller]
     pub fn warn_long_hold(self, threshold: Duration) -> Self {
         self.configure(|c| c.long_hold = Some(threshold))
     }
@@ -465,6 +515,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     ///     (rejection.status(), [("x-rejected", rejection.kind().as_str())], message).into_response()
     /// });
     /// ```
+    #[track_caller]
     pub fn on_rejection<F, B>(self, handler: F) -> Self
     where
         F: Fn(Rejection) -> Response<B> + Send + Sync + 'static,
@@ -478,11 +529,17 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// Serializes keys across every instance that shares `backend` (Redis,
     /// PostgreSQL, or your own [`LockBackend`]), on top of the in-process lock: requests
     /// queue locally first and only the local winner contends remotely. The remote key
-    /// is namespaced by [`name`](Self::name), so give each layer its own name.
+    /// is namespaced by [`name`](Self::name): a layer meets the layers of the same name
+    /// on other instances, never another layer of its own instance. So give each layer
+    /// its own name: two layers under one name on one backend (clones of a backend
+    /// included; see [`LockBackend::identity`]) are refused with a panic when the second
+    /// is applied, since in process they would not exclude each other. One layer value
+    /// applied to several routes is one layer.
     ///
     /// The [`wait_timeout`](Self::wait_timeout) covers both tiers. When the backend
     /// cannot be reached the request gets 503 with `Retry-After` (fail closed) unless
     /// [`fail_open`](Self::fail_open) is set.
+    #[track_caller]
     pub fn backend(self, backend: impl LockBackend) -> Self {
         self.configure_locks(|locks| locks.backend(backend))
     }
@@ -490,6 +547,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// When the backend fails, run the request under the in-process lock only (counted
     /// as `keyed_lock_rejected_total{reason="backend"}` and logged) instead of
     /// answering 503 (`false`, the default).
+    #[track_caller]
     pub fn fail_open(self, fail_open: bool) -> Self {
         self.configure_locks(|locks| locks.fail_open(fail_open))
     }
@@ -497,14 +555,16 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// When a request's distributed lease is lost while it runs, drop the inner future
     /// and answer 503, instead of only raising [`LockInfo::is_lease_lost`](crate::LockInfo::is_lease_lost)
     /// (`false`, the default).
+    #[track_caller]
     pub fn abort_on_lease_lost(self, abort: bool) -> Self {
         self.configure(|c| c.abort_on_lease_lost = abort)
     }
 
     /// A handle that shuts this layer's lock table down gracefully (see
     /// [`ShutdownHandle`](crate::layer::ShutdownHandle)), kept before `Router::layer`
-    /// consumes the layer. It fixes the configuration, as applying the layer does:
-    /// call it after the last setting.
+    /// consumes the layer. It fixes the configuration, as applying the layer does: call
+    /// it after the last setting (a setting changed afterwards panics, rather than
+    /// leave the handle on a table no route uses).
     ///
     /// ```
     /// use tower_keyed_lock::KeyedLockLayer;
@@ -514,7 +574,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// assert!(!shutdown.is_shutting_down());
     /// ```
     pub fn shutdown_handle(&self) -> super::ShutdownHandle {
-        super::ShutdownHandle::new(self.shared().locks.clone())
+        super::ShutdownHandle::new(self.handed_out().locks.clone())
     }
 
     /// Keys with a holder or a waiter now, in this layer's table.
@@ -530,12 +590,15 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// assert_eq!(layer.active_keys(), 0);
     /// ```
     pub fn active_keys(&self) -> usize {
-        self.shared.get().map_or(0, |shared| shared.locks.len())
+        (self.table.shared.get()).map_or(0, |shared| shared.locks.len())
     }
 
-    /// A handle on the backend's health check (see [`Health`](crate::backend::Health)),
-    /// for a readiness probe or a health route; take it before the layer is applied.
-    /// Once applied, it also reports the last backend error the layer's requests met.
+    /// A handle on the layer's health check (see [`Health`](crate::backend::Health)),
+    /// for a readiness probe or a health route; take it before the layer is applied,
+    /// after the last setting (it fixes the configuration, as
+    /// [`shutdown_handle`](Self::shutdown_handle) does). It checks the backend, reports
+    /// the last backend error the layer's requests met, and turns unhealthy (503) as
+    /// soon as the layer's shutdown begins.
     ///
     /// ```
     /// use axum::{routing::{get, post}, Router};
@@ -549,7 +612,7 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     ///     .route("/ready", get(move || async move { health.check().await }));
     /// ```
     pub fn health_check(&self) -> crate::HealthCheck {
-        crate::HealthCheck::new(self.locks.backend_handle(), self.shared.clone())
+        crate::HealthCheck::new(self.handed_out().locks.clone())
     }
 
     /// Whether a distributed backend is configured.
@@ -582,9 +645,17 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     }
 
     fn shared(&self) -> Arc<Shared> {
-        self.shared
+        (self.table.shared)
             .get_or_init(|| Arc::new(Shared::new(self.locks.clone(), self.config.clone())))
             .clone()
+    }
+
+    /// The table, for a handle that must see it whatever comes later: no setting may
+    /// change from now on.
+    fn handed_out(&self) -> Arc<Shared> {
+        let shared = self.shared();
+        self.table.handed_out.store(true, Ordering::Release);
+        shared
     }
 }
 

@@ -1,46 +1,37 @@
-//! [`HealthCheck`]: a layer's backend health check, for a readiness probe or a health
-//! route (see [`Health`]).
+//! [`HealthCheck`]: a layer's health check, for a readiness probe or a health route
+//! (see [`Health`]).
 
-use std::sync::{Arc, OnceLock};
+use crate::backend::Health;
+use crate::distributed::DistributedLocks;
 
-use super::shared::Shared;
-use crate::backend::{Health, LockBackend};
-
-/// Checks the backend of a [`KeyedLockLayer`](crate::KeyedLockLayer) and reports the
-/// last backend error its requests met; made by
-/// [`KeyedLockLayer::health_check`](crate::KeyedLockLayer::health_check) before the
-/// layer is applied, and cheap to clone into a handler.
+/// Checks the backend of a [`KeyedLockLayer`](crate::KeyedLockLayer), reports the last
+/// backend error its requests met, and turns unhealthy once the layer's shutdown began;
+/// made by [`KeyedLockLayer::health_check`](crate::KeyedLockLayer::health_check) before
+/// the layer is applied, and cheap to clone into a handler.
 #[derive(Clone)]
 pub struct HealthCheck {
-    backend: Option<Arc<dyn LockBackend>>,
-    shared: Arc<OnceLock<Arc<Shared>>>,
+    /// The layer's own locks: every handle taken from the layer value sees them.
+    locks: DistributedLocks,
 }
 
 impl HealthCheck {
-    pub(super) fn new(
-        backend: Option<Arc<dyn LockBackend>>,
-        shared: Arc<OnceLock<Arc<Shared>>>,
-    ) -> Self {
-        Self { backend, shared }
+    pub(super) fn new(locks: DistributedLocks) -> Self {
+        Self { locks }
     }
 
-    /// Runs the check (see [`LockBackend::health`]); in process, unchecked and healthy.
+    /// Runs the check (see [`DistributedLocks::health`]): the backend's (in process,
+    /// unchecked and healthy) with the last error the layer's requests met; unhealthy,
+    /// without asking the backend, once the layer's shutdown began (a readiness probe
+    /// then takes the instance out of rotation, as the layer already answers 503).
     pub async fn check(&self) -> Health {
-        // Once applied, the layer's locks also know the last error its requests met.
-        if let Some(shared) = self.shared.get() {
-            return shared.locks.health().await;
-        }
-        match &self.backend {
-            Some(backend) => backend.health().await,
-            None => Health::unchecked("in-process"),
-        }
+        self.locks.health().await
     }
 }
 
 impl std::fmt::Debug for HealthCheck {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HealthCheck")
-            .field("distributed", &self.backend.is_some())
+            .field("distributed", &self.locks.is_distributed())
             .finish()
     }
 }

@@ -114,6 +114,8 @@
 //! - `builder.rs`: [`KeyedLockLayer`], its settings and their defaults.
 //! - `shared.rs`: the state every service of one layer value shares (table, settings,
 //!   metric handles); every other file here reads it.
+//! - `names.rs`: the names layers hold on their backends: two layers under one name on
+//!   one backend are refused.
 //! - `service.rs`: [`KeyedLock`], which takes the key from the request and starts the wait.
 //! - `future.rs`: [`ResponseFuture`], which waits for the key, readies the inner service
 //!   and runs it under the key.
@@ -130,6 +132,7 @@ mod future;
 mod health;
 mod held;
 mod info;
+mod names;
 mod rejected;
 mod service;
 pub(crate) mod shared;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use http::StatusCode;
 
 use super::info::LayerTag;
+use super::names::NameClaim;
 use super::rejected::{RejectionHandler, RejectionResponse};
 use crate::backend::{LockMode, LostReason};
 use crate::distributed::{DistributedLocks, DistributedLocksBuilder};
@@ -58,13 +59,16 @@ pub(crate) struct Shared {
     metrics: OnceLock<Metrics>,
     /// A misconfiguration is logged once per layer, not once per request.
     misconfiguration_logged: AtomicBool,
+    /// The layer's name at its backend, held while the table lives.
+    _name: Option<NameClaim>,
 }
 
 impl Shared {
     /// # Panics
     /// If `shared_methods` is set and the backend cannot hold a key shared (or
     /// `permits` is more than 1 and it cannot count them): a request must not be
-    /// served exclusively or locally instead.
+    /// served exclusively or locally instead. If another live layer has this name on
+    /// the same backend (see `names.rs`).
     pub(crate) fn new(locks: DistributedLocksBuilder, config: Config) -> Self {
         if !config.shared_methods.is_empty() {
             if let Some(refusal) = locks.refuses(LockMode::Shared) {
@@ -75,7 +79,18 @@ impl Shared {
         if let Some(refusal) = locks.refuses(LockMode::permits(permits)) {
             panic!("KeyedLockLayer::permits({permits}): {refusal}");
         }
+        let identity = locks
+            .backend_handle()
+            .and_then(|backend| backend.identity());
+        let name = identity.map(|identity| {
+            NameClaim::claim(
+                identity,
+                locks.name().clone(),
+                describe_mode(permits, &config),
+            )
+        });
         Self {
+            _name: name,
             tag: LayerTag::new(locks.name().clone()),
             max_key_len: locks.key_len_limit(),
             locks: locks.unmetered().build(),
@@ -141,4 +156,17 @@ impl Shared {
             None => RejectionResponse::ready(rejection),
         }
     }
+}
+
+/// How a layer holds its keys, for the refusal of a second layer under its name.
+fn describe_mode(permits: usize, config: &Config) -> String {
+    let mut mode = match permits {
+        1 => "exclusively".to_owned(),
+        n => format!("with {n} permits"),
+    };
+    if !config.shared_methods.is_empty() {
+        let methods: Vec<&str> = config.shared_methods.iter().map(|m| m.as_str()).collect();
+        mode += &format!(" (shared for {})", methods.join(", "));
+    }
+    mode
 }

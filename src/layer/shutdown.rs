@@ -13,7 +13,12 @@ use crate::distributed::{DistributedLocks, ShutdownReport};
 /// After [`shutdown`](Self::shutdown) begins, every request that needs a key gets 503
 /// with `Retry-After` (reason `shutting_down`), including those already waiting;
 /// requests that hold their key run on until the deadline, when their remote leases
-/// are given back and their lost signal raised.
+/// are given back and their lost signal raised. The layer's
+/// [`HealthCheck`](crate::HealthCheck) answers 503 (`shutting_down`) from the moment it
+/// begins, so a readiness probe takes the instance out of rotation while it drains.
+///
+/// Every handle and health check taken from one layer value (after its last setting:
+/// a setting changed afterwards panics) sees the same table and the same shutdown.
 ///
 /// ```
 /// use std::time::Duration;

@@ -1,6 +1,7 @@
 //! `LeaderElection` on every fixture: one leader at a time, a step-down elects the
 //! next candidate, a cut-off leader is told before another is elected, `leader()`
-//! names the leader, and a campaign dropped at any moment leaves nothing held.
+//! names the leader, a campaign dropped at any moment leaves nothing held, and a
+//! shutdown steps the leader down as it begins.
 
 #![cfg_attr(
     not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
@@ -12,11 +13,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
-use tower_keyed_lock::backend::default_instance_id;
+use tower_keyed_lock::backend::{default_instance_id, LostReason};
 use tower_keyed_lock::{LeaderElection, LockError};
 
 use crate::support::fixtures::{
-    locks_on, wait_free, within, Fixture, Proxied, FREED_WITHIN, PATIENCE,
+    locks_on, wait_free, within, Fixture, Proxied, Remote, FREED_WITHIN, PATIENCE,
 };
 use crate::support::tcp_proxy::TcpProxy;
 
@@ -29,7 +30,7 @@ for_each_fixture!(
         a_dropped_campaign_leaves_nothing_held,
         leader_names_the_current_leader,
     ],
-    remote: [],
+    remote: [a_shutdown_steps_the_leader_down_at_once],
 );
 
 /// `leader_cut_off!(module, Fixture, "feature")`: the leader's connection goes silent.
@@ -220,4 +221,57 @@ impl Drop for StopProbe {
     fn drop(&mut self) {
         *self.0.lock().unwrap() = Some(Instant::now());
     }
+}
+
+/// The leader's instance shuts down with a deadline longer than the test waits: the
+/// leader steps down as the shutdown begins — told first (reason `ShutDown`), its lease
+/// given back — so the candidate waiting on another instance is elected while the
+/// shutdown still drains, not at its deadline. The old leader's work then ends, and the
+/// drain with it.
+async fn a_shutdown_steps_the_leader_down_at_once<F: Remote>() {
+    let fixture = F::start();
+    let a = fixture.instance("a").await;
+    let leadership = LeaderElection::new(a.clone(), KEY)
+        .campaign()
+        .await
+        .unwrap();
+    let rival = LeaderElection::new(fixture.instance("b").await, KEY);
+    let waiting = tokio::spawn(async move { rival.campaign().await });
+    // Time to queue at the backend (setup only).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!waiting.is_finished(), "one leader at a time");
+
+    let deadline = 3 * PATIENCE;
+    let draining = tokio::spawn({
+        let a = a.clone();
+        async move { a.shutdown(deadline).await }
+    });
+    within(
+        "the leader is told as the shutdown begins",
+        PATIENCE,
+        leadership.lost(),
+    )
+    .await;
+    assert_eq!(leadership.guard().lost_reason(), Some(LostReason::ShutDown));
+    let next = within("the rival is elected", PATIENCE, waiting)
+        .await
+        .unwrap()
+        .expect("elected");
+    assert!(
+        !draining.is_finished(),
+        "elected while the old leader's instance still drains (deadline {deadline:?})"
+    );
+    if let (Some(before), Some(after)) = (leadership.fencing_token(), next.fencing_token()) {
+        assert!(after > before, "{after} after {before}");
+    }
+
+    // The old leader's work sees `lost` and ends: the drain ends with it.
+    drop(leadership);
+    let report = within("the drain ends", PATIENCE, draining).await.unwrap();
+    assert_eq!(
+        (report.finished, report.cut_off, report.leases_released),
+        (1, 0, 1),
+        "{report}"
+    );
+    next.step_down().await;
 }

@@ -3,8 +3,8 @@
 //! exclusion and hand-over (`instances`), an acquisition dropped at each of its awaits
 //! (`cancel`), leader election (`leader`), the way jobs, workers and caches use it (`jobs`), work that stops when
 //! its lease is lost (`lease`), shared locks (`shared`), several keys at once (`all`) and
-//! the metrics and spans `DistributedLocks` records (`metrics`, `trace`) and graceful
-//! shutdown (`shutdown`).
+//! the metrics and spans `DistributedLocks` records (`metrics`, `trace`), graceful
+//! shutdown (`shutdown`) and layer names at a backend (`names`).
 
 #[macro_use]
 #[path = "../support/mod.rs"]
@@ -17,6 +17,8 @@ mod jobs;
 mod leader;
 mod lease;
 mod metrics;
+#[cfg(feature = "axum")]
+mod names;
 mod shared;
 mod shutdown;
 mod trace;

@@ -35,6 +35,7 @@ for_each_fixture!(
     all: [
         a_shutdown_refuses_new_and_waiting_acquisitions_and_counts_finished_holders,
         a_second_shutdown_is_harmless,
+        health_turns_unhealthy_as_a_shutdown_begins,
     ],
     remote: [
         a_holder_past_the_deadline_is_cut_off_and_another_instance_takes_the_key,
@@ -46,11 +47,17 @@ for_each_fixture!(
 /// Through the HTTP layer: the `axum` feature too.
 #[cfg(feature = "axum")]
 mod layer {
-    use super::a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over;
+    use super::{
+        a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over,
+        a_layers_readiness_turns_503_as_its_shutdown_begins,
+    };
 
     for_each_fixture!(
         all: [],
-        remote: [a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over],
+        remote: [
+            a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over,
+            a_layers_readiness_turns_503_as_its_shutdown_begins,
+        ],
     );
 }
 
@@ -275,4 +282,117 @@ async fn a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over<F
     );
     let taken = other.try_lock("order-1").await;
     assert!(taken.is_ok(), "{taken:?}");
+}
+
+/// `DistributedLocks::health` while a holder drains (a deadline longer than the test
+/// waits): healthy before, unhealthy and `shutting_down` from the moment the shutdown
+/// begins, without waiting for the drain.
+async fn health_turns_unhealthy_as_a_shutdown_begins<F: Fixture>() {
+    let fixture = F::start();
+    let locks = fixture.instance("a").await;
+    let before = locks.health().await;
+    assert!(before.is_healthy(), "{before}");
+    let holder = locks.lock("order-1").await.unwrap();
+    let draining = tokio::spawn({
+        let locks = locks.clone();
+        async move { locks.shutdown(3 * PATIENCE).await }
+    });
+    within("the shutdown begins", PATIENCE, async {
+        while !locks.is_shutting_down() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    let during = locks.health().await;
+    assert!(!during.is_healthy(), "{during}");
+    assert!(
+        during.to_json().contains(r#""status":"shutting_down""#),
+        "{}",
+        during.to_json()
+    );
+    assert!(!draining.is_finished(), "the holder still runs");
+    drop(holder);
+    let report = within("the drain ends", PATIENCE, draining).await.unwrap();
+    assert_eq!((report.finished, report.cut_off), (1, 0), "{report}");
+}
+
+/// A layer on a backend, its health check taken before it is applied: the readiness
+/// route answers 200 (the engine answered) until the shutdown begins, then 503
+/// `shutting_down` while the request holding its key still runs — as the layer itself
+/// answers 503 `shutting_down` to a new request.
+#[cfg(feature = "axum")]
+async fn a_layers_readiness_turns_503_as_its_shutdown_begins<F: Remote>() {
+    use axum::response::IntoResponse;
+
+    let fixture = F::start();
+    let gate = std::sync::Arc::new(Semaphore::new(0));
+    let entered = std::sync::Arc::new(Semaphore::new(0));
+    let layer = KeyedLockLayer::by_header("idempotency-key")
+        .name(crate::support::fixtures::NAME)
+        .backend(fixture.backend("a").await);
+    let health = layer.health_check();
+    let shutdown = layer.shutdown_handle();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post({
+                let (gate, entered) = (gate.clone(), entered.clone());
+                move || async move {
+                    entered.add_permits(1);
+                    gate.acquire().await.unwrap().forget();
+                    "paid"
+                }
+            }),
+        )
+        .layer(layer);
+    let send = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let request = Request::post("/pay")
+                .header("idempotency-key", key)
+                .body(Body::empty())
+                .unwrap();
+            app.oneshot(request).await.unwrap().status()
+        }
+    };
+    let readiness = || async { health.check().await.into_response().status() };
+    assert_eq!(
+        readiness().await,
+        StatusCode::OK,
+        "{}",
+        health.check().await
+    );
+
+    let in_flight = tokio::spawn(send("order-1"));
+    within("the request holds its key", PATIENCE, entered.acquire())
+        .await
+        .unwrap()
+        .forget();
+    let draining = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { shutdown.shutdown(3 * PATIENCE).await }
+    });
+    within("the shutdown begins", PATIENCE, async {
+        while !shutdown.is_shutting_down() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    assert_eq!(send("order-2").await, StatusCode::SERVICE_UNAVAILABLE);
+    let during = health.check().await;
+    assert_eq!(
+        readiness().await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{during}"
+    );
+    assert!(
+        during.to_json().contains(r#""status":"shutting_down""#),
+        "{during}"
+    );
+    assert!(!draining.is_finished(), "the request still holds its key");
+
+    gate.add_permits(1);
+    assert_eq!(in_flight.await.unwrap(), StatusCode::OK);
+    let report = within("the drain ends", PATIENCE, draining).await.unwrap();
+    assert_eq!((report.finished, report.cut_off), (1, 0), "{report}");
 }

@@ -17,6 +17,7 @@ use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockInfo};
 
+use crate::support::fixtures::AnotherInstance;
 use crate::support::pg_server::PgServer;
 use crate::support::replay::{serve, Kit, Probe, Served, Stacking};
 use crate::support::tcp_proxy::TcpProxy;
@@ -58,7 +59,7 @@ fn kit_stacked(pg: &PgServer, stacking: Stacking) -> Kit {
         lock: Box::new(move || {
             KeyedLockLayer::by_header("idempotency-key")
                 .name(NAME)
-                .backend(backend.clone())
+                .backend(AnotherInstance(backend.clone()))
         }),
         replay: Box::new(move || ReplayLayer::new(store.clone())),
         stacking,
@@ -236,7 +237,7 @@ async fn silent_store_fails_closed_with_503() {
         lock: Box::new(move || {
             KeyedLockLayer::by_header("idempotency-key")
                 .name(NAME)
-                .backend(backend.clone())
+                .backend(AnotherInstance(backend.clone()))
         }),
         replay: Box::new(move || {
             ReplayLayer::new(store.clone()).store_timeout(Duration::from_millis(300))
@@ -268,7 +269,7 @@ async fn store_without_fencing_tokens_is_refused() {
         lock: Box::new(move || {
             KeyedLockLayer::by_header("idempotency-key")
                 .name(NAME)
-                .backend(backend.clone())
+                .backend(AnotherInstance(backend.clone()))
         }),
         replay: Box::new(move || ReplayLayer::new(store.clone())),
         stacking: Stacking::ByHand,
@@ -454,7 +455,7 @@ async fn round_trips_are_counted_on_the_wire() {
     let app = |stacking: Stacking| {
         let lock = KeyedLockLayer::by_header("idempotency-key")
             .name(NAME)
-            .backend(backend.clone());
+            .backend(AnotherInstance(backend.clone()));
         let replay = ReplayLayer::new(store.clone());
         let routes = Router::new().route("/orders", post(counted.handler()));
         let routes = match stacking {

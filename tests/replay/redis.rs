@@ -14,6 +14,7 @@ use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::replay::{MemoryStore, RedisReplayStore, ReplayLayer, STORED_TOTAL};
 use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 
+use crate::support::fixtures::AnotherInstance;
 use crate::support::redis_monitor::Monitor;
 use crate::support::redis_server::RedisServer;
 use crate::support::replay::{serve, Kit, Probe, Served, Stacking, PATIENCE};
@@ -39,7 +40,7 @@ async fn kit_stacked(redis: &RedisServer, stacking: Stacking) -> Kit {
         lock: Box::new(move || {
             KeyedLockLayer::by_header("idempotency-key")
                 .name(NAME)
-                .backend(backend.clone())
+                .backend(AnotherInstance(backend.clone()))
         }),
         replay: Box::new(move || ReplayLayer::new(store.clone())),
         stacking,
@@ -96,7 +97,7 @@ async fn silent_store_fails_closed_with_503_or_open_if_configured() {
         lock: Box::new(move || {
             KeyedLockLayer::by_header("idempotency-key")
                 .name(NAME)
-                .backend(backend.clone())
+                .backend(AnotherInstance(backend.clone()))
         }),
         replay: Box::new(move || {
             ReplayLayer::new(store.clone()).store_timeout(Duration::from_millis(300))
@@ -281,7 +282,7 @@ fn counted_app(backend: &RedisBackend, monitor: &Arc<Monitor>, stacking: Stackin
     let lock = || {
         KeyedLockLayer::by_header("idempotency-key")
             .name(NAME)
-            .backend(backend.clone())
+            .backend(AnotherInstance(backend.clone()))
     };
     let replay = ReplayLayer::new(RedisReplayStore::new(backend));
     let orders = Router::new().route("/orders", post(handler.clone()));

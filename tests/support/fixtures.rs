@@ -88,6 +88,73 @@ pub fn locks_on(backend: Arc<dyn LockBackend>) -> DistributedLocks {
         .build()
 }
 
+/// `backend` as another instance of the application holds it: every call forwarded,
+/// but an identity of its own ([`LockBackend::identity`]), so that a test playing
+/// several instances in one process can give each a layer under one name on one
+/// backend value. Within one real instance the layer refuses that (two layers never
+/// exclude each other in process; see `tests/distributed/names.rs`).
+pub struct AnotherInstance<B>(pub B);
+
+impl<B: LockBackend> LockBackend for AnotherInstance<B> {
+    fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
+        self.0.acquire(name, key, wait)
+    }
+
+    fn acquire_mode(
+        &self,
+        name: &str,
+        key: &Key,
+        mode: tower_keyed_lock::backend::LockMode,
+        wait: Duration,
+    ) -> Acquisition {
+        self.0.acquire_mode(name, key, mode, wait)
+    }
+
+    fn supports(&self, mode: tower_keyed_lock::backend::LockMode) -> bool {
+        self.0.supports(mode)
+    }
+
+    fn health(&self) -> tower_keyed_lock::backend::BoxFuture<tower_keyed_lock::backend::Health> {
+        self.0.health()
+    }
+
+    fn issues_fencing_tokens(&self) -> bool {
+        self.0.issues_fencing_tokens()
+    }
+
+    fn engine(&self) -> &'static str {
+        self.0.engine()
+    }
+
+    fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
+        self.0.no_fencing_tokens_reason()
+    }
+
+    fn holder(
+        &self,
+        name: &str,
+        key: &Key,
+    ) -> tower_keyed_lock::backend::BoxFuture<
+        Result<Option<tower_keyed_lock::backend::Holder>, LockError>,
+    > {
+        self.0.holder(name, key)
+    }
+
+    fn acquire_unless_recorded(
+        &self,
+        name: &str,
+        key: &Key,
+        wait: Duration,
+        record: &tower_keyed_lock::backend::RecordLookup,
+    ) -> Option<
+        tower_keyed_lock::backend::BoxFuture<
+            Result<tower_keyed_lock::backend::Acquired, LockError>,
+        >,
+    > {
+        self.0.acquire_unless_recorded(name, key, wait, record)
+    }
+}
+
 /// Every instance is a clone of one in-process table: the locks without a backend.
 pub struct InProcess(DistributedLocks);
 

@@ -499,6 +499,11 @@ async fn ensure_container(
 }
 
 impl LockBackend for AzureBlobBackend {
+    /// Clones share one client: one backend.
+    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
+        Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
     fn engine(&self) -> &'static str {
         "azure-blob"
     }

@@ -469,6 +469,11 @@ impl DynamoDbBackendBuilder {
 }
 
 impl LockBackend for DynamoDbBackend {
+    /// Clones share one client: one backend.
+    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
+        Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
     fn engine(&self) -> &'static str {
         "dynamodb"
     }

@@ -526,6 +526,11 @@ impl EtcdBackendBuilder {
 }
 
 impl LockBackend for EtcdBackend {
+    /// Clones share one client: one backend.
+    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
+        Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
     fn engine(&self) -> &'static str {
         "etcd"
     }

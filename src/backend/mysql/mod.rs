@@ -488,6 +488,11 @@ impl fmt::Debug for MySqlBackend {
 }
 
 impl LockBackend for MySqlBackend {
+    /// Clones share one client: one backend.
+    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
+        Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
     fn engine(&self) -> &'static str {
         "mysql"
     }

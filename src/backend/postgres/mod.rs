@@ -688,6 +688,11 @@ impl Inner {
 }
 
 impl LockBackend for PostgresBackend {
+    /// Clones share one client: one backend.
+    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
+        Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
     fn engine(&self) -> &'static str {
         "postgres"
     }

@@ -892,6 +892,11 @@ fn timed_out(what: &'static str) -> RedisError {
 }
 
 impl LockBackend for RedisBackend {
+    /// Clones share one client: one backend.
+    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
+        Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
     fn engine(&self) -> &'static str {
         "redis"
     }

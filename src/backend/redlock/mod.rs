@@ -564,6 +564,11 @@ impl RedlockBackendBuilder {
 }
 
 impl LockBackend for RedlockBackend {
+    /// Clones share one client: one backend.
+    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
+        Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
     fn engine(&self) -> &'static str {
         "redlock"
     }

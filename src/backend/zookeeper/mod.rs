@@ -540,6 +540,11 @@ impl Inner {
 }
 
 impl LockBackend for ZooKeeperBackend {
+    /// Clones share one client: one backend.
+    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
+        Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
     fn engine(&self) -> &'static str {
         "zookeeper"
     }
