@@ -21,6 +21,8 @@ use azure_storage_blob::BlobClient;
 use tokio::time::{sleep, timeout, timeout_at, Instant};
 
 use super::Inner;
+pub(super) use crate::backend::located::with_cause;
+use crate::backend::located::Located;
 use crate::backend::ttl::{
     self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
@@ -62,47 +64,6 @@ impl fmt::Display for AzureBlobLockError {
 }
 
 impl std::error::Error for AzureBlobLockError {}
-
-/// An acquisition's failure as the application sees it: the engine and the container's
-/// address (never its SAS token) first, then what failed and its deepest cause.
-#[derive(Debug)]
-struct Failed {
-    container: Arc<str>,
-    error: BoxError,
-}
-
-impl fmt::Display for Failed {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} at {}: {}",
-            super::ENGINE,
-            self.container,
-            with_cause(&*self.error)
-        )
-    }
-}
-
-impl std::error::Error for Failed {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&*self.error)
-    }
-}
-
-/// `error`, followed by its deepest source if that says something else ("failed to
-/// execute request: Connection refused (os error 111)"). The sources in between are
-/// left out: the HTTP client's names the request's URL, SAS token included.
-pub(super) fn with_cause(error: &(dyn std::error::Error + 'static)) -> String {
-    let shown = error.to_string();
-    let mut deepest = error.source();
-    while let Some(next) = deepest.and_then(|e| e.source()) {
-        deepest = Some(next);
-    }
-    match deepest.map(|cause| cause.to_string()) {
-        Some(cause) if !shown.contains(&cause) => format!("{shown}: {cause}"),
-        _ => shown,
-    }
-}
 
 /// Azure's error code of a refusal (`x-ms-error-code`, such as `ContainerNotFound`).
 fn error_code(error: &azure_core::Error) -> Option<&str> {
@@ -223,10 +184,11 @@ impl Inner {
 
     /// `error` inside [`LockError::Backend`], after the engine and the container.
     pub(super) fn named(&self, error: BoxError) -> LockError {
-        LockError::Backend(Box::new(Failed {
-            container: self.address.clone(),
+        LockError::Backend(Box::new(Located::new(
+            super::ENGINE,
+            self.address.clone(),
             error,
-        }))
+        )))
     }
 
     /// What an acquisition whose wait is over fails with: the transient failure it was

@@ -240,6 +240,8 @@ impl Config {
 
 struct Inner {
     client: Client,
+    /// Where the client sends its requests, for errors.
+    endpoint: Arc<table::Endpoint>,
     layout: Layout,
     config: Config,
     drift: Duration,
@@ -420,7 +422,9 @@ impl DynamoDbBackendBuilder {
     /// until it is active. For tests and local use; production tables belong in your
     /// infrastructure code.
     pub async fn create_table(&self) -> Result<(), SetupError> {
-        table::create(&self.client, &self.layout, self.config.command_timeout).await
+        let (client, endpoint) = table::Endpoint::record(&self.client);
+        let limit = self.config.command_timeout;
+        table::create(&client, &endpoint, &self.layout, limit).await
     }
 
     /// Checks that the table exists with the configured keys (one `DescribeTable`,
@@ -455,9 +459,11 @@ impl DynamoDbBackendBuilder {
                 .timeout_config(timeouts)
                 .build(),
         );
-        table::check(&client, &layout, limit).await?;
+        let (client, endpoint) = table::Endpoint::record(&client);
+        table::check(&client, &endpoint, &layout, limit).await?;
         Ok(DynamoDbBackend {
             inner: Arc::new(Inner {
+                endpoint,
                 client,
                 layout,
                 config,
