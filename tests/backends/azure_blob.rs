@@ -469,3 +469,47 @@ async fn an_unreachable_container_is_named_with_its_address_and_cause() {
     eprintln!("unreachable at acquire: {message}");
     check(&message, port);
 }
+
+/// The container is deleted while a key is held (Azure deletes a container whatever
+/// its blobs' leases): the key is free at once, as with a lease broken at once, and the
+/// holder is told at its next renewal (within lease/3 and a command timeout), whether
+/// or not another instance took the key meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_whose_container_is_deleted_is_told_at_its_next_renewal() {
+    let (fixture, probe) = start().await;
+    let holder = fixture.instance("holder").await;
+    let other = fixture.instance("other").await;
+    let guard = holder.lock("deleted-held").await.unwrap();
+    let deleted = Instant::now();
+    probe
+        .container()
+        .delete(None)
+        .await
+        .expect("a container with a leased blob can be deleted");
+    let taken = within(
+        "another instance takes the key",
+        PATIENCE,
+        other.lock_timeout("deleted-held", PATIENCE),
+    )
+    .await
+    .expect("the key is free once its container is gone");
+    let granted = deleted.elapsed();
+    assert!(
+        taken.fencing_token() > guard.fencing_token(),
+        "the token went back: {:?} after {:?}",
+        taken.fencing_token(),
+        guard.fencing_token()
+    );
+    within("the holder is told", LEASE, guard.lost()).await;
+    let told = deleted.elapsed();
+    eprintln!(
+        "container deleted mid-hold: another instance granted after {granted:?}, the \
+         holder told after {told:?}"
+    );
+    assert!(
+        told < LEASE / 3 + Duration::from_millis(500) + Duration::from_secs(1),
+        "told {told:?} after the deletion, later than its next renewal"
+    );
+    drop(guard);
+    taken.release().await;
+}
