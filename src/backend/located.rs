@@ -54,10 +54,30 @@ pub(crate) fn with_cause(error: &(dyn Error + 'static)) -> String {
     while let Some(next) = deepest.and_then(|e| e.source()) {
         deepest = Some(next);
     }
-    match deepest.map(|cause| cause.to_string()) {
+    let said = match deepest.map(|cause| cause.to_string()) {
         Some(cause) if !shown.contains(&cause) => format!("{shown}: {cause}"),
         _ => shown,
+    };
+    without_signatures(&said)
+}
+
+/// `text` with the value of every `sig=` (a SAS token's signature, should a URL with
+/// its query reach an error's text) replaced by `REDACTED`.
+fn without_signatures(text: &str) -> String {
+    const SIG: &str = "sig=";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(SIG) {
+        out.push_str(&rest[..at + SIG.len()]);
+        rest = &rest[at + SIG.len()..];
+        let end = rest
+            .find(|c: char| matches!(c, '&' | ')' | ' ' | '"' | '\'' | '\n'))
+            .unwrap_or(rest.len());
+        out.push_str("REDACTED");
+        rest = &rest[end..];
     }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
@@ -90,5 +110,17 @@ mod tests {
         assert!(error.source().is_some());
         let plain = Located::new("Engine", "host:1".into(), "no answer".into());
         assert_eq!(plain.to_string(), "Engine at host:1: no answer");
+    }
+
+    #[test]
+    fn sas_signatures_never_show() {
+        let leaky = "error sending request for url (http://h/a/c?sv=1&sig=abc%2Bdef&se=2)";
+        let error = Located::new("Engine", "host:1".into(), leaky.into());
+        assert_eq!(
+            error.to_string(),
+            "Engine at host:1: error sending request for url \
+             (http://h/a/c?sv=1&sig=REDACTED&se=2)"
+        );
+        assert_eq!(without_signatures("sig=x"), "sig=REDACTED");
     }
 }

@@ -80,7 +80,11 @@
 //!   [`command_timeout`](DynamoDbBackendBuilder::command_timeout): an unreachable or
 //!   silent endpoint fails the acquisition with [`LockError::Backend`] promptly, and the
 //!   layer answers 503 (or runs the request under its local lock with
-//!   [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//!   [`fail_open`](crate::KeyedLockLayer::fail_open)). Errors name the engine and where
+//!   the client sends its requests (the scheme and host of its last request, read by an
+//!   interceptor the backend adds to its copy of the client; the region before any),
+//!   then the cause: `DynamoDB at http://127.0.0.1:8000: unhandled error: Connection
+//!   refused (os error 111)`.
 //!
 //! # Fencing tokens
 //!
