@@ -71,7 +71,7 @@ fn without_signatures(text: &str) -> String {
         out.push_str(&rest[..at + SIG.len()]);
         rest = &rest[at + SIG.len()..];
         let end = rest
-            .find(|c: char| matches!(c, '&' | ')' | ' ' | '"' | '\'' | '\n'))
+            .find(['&', ')', ' ', '"', '\'', '\n'])
             .unwrap_or(rest.len());
         out.push_str("REDACTED");
         rest = &rest[end..];
