@@ -57,6 +57,8 @@ pub(crate) mod health;
 mod holder;
 #[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
 mod key_component;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "redis"))]
+mod located;
 mod lost;
 mod mode;
 #[cfg(feature = "mysql")]

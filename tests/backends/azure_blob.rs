@@ -313,3 +313,203 @@ async fn odd_keys_map_to_one_blob_each() {
         guard.release().await;
     }
 }
+
+/// The container is deleted (by hand, or an in-memory Azurite restarted empty) while a
+/// loop acquires and releases one key with a wait of 2 s each: every acquisition
+/// succeeds within its wait (the container is made again), and the tokens still
+/// strictly increase across the deletion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_container_is_made_again_within_the_wait() {
+    const WAIT: Duration = Duration::from_secs(2);
+    let (fixture, probe) = start().await;
+    let locks = fixture.instance("loop").await;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let looping = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            // (started, ended, the token or the error)
+            let mut outcomes = Vec::new();
+            while !stop.load(SeqCst) {
+                let started = Instant::now();
+                let outcome = match locks.lock_timeout("container", WAIT).await {
+                    Ok(guard) => {
+                        let token = guard.fencing_token().unwrap();
+                        guard.release().await;
+                        Ok(token)
+                    }
+                    Err(error) => Err(error.to_string()),
+                };
+                outcomes.push((started, Instant::now(), outcome));
+            }
+            outcomes
+        })
+    };
+    sleep(Duration::from_millis(500)).await;
+    let deleted = Instant::now();
+    probe
+        .container()
+        .delete(None)
+        .await
+        .expect("the container can be deleted");
+    sleep(3 * WAIT).await;
+    stop.store(true, SeqCst);
+    let outcomes = within("the loop ends", PATIENCE, looping).await.unwrap();
+    let before = outcomes.iter().filter(|(_, end, _)| *end < deleted).count();
+    let after: Vec<_> = outcomes
+        .iter()
+        .filter(|(_, end, _)| *end >= deleted)
+        .collect();
+    let failures: Vec<&String> = after
+        .iter()
+        .filter_map(|(_, _, outcome)| outcome.as_ref().err())
+        .collect();
+    let first_grant = after
+        .iter()
+        .find(|(_, _, outcome)| outcome.is_ok())
+        .map(|(_, end, _)| end.saturating_duration_since(deleted));
+    eprintln!(
+        "deleted container: {before} acquisitions before the deletion, {} after, {} \
+         failed, the first grant {first_grant:?} after it; first failure: {:?}",
+        after.len(),
+        failures.len(),
+        failures.first()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {} acquisitions failed after the container was deleted, e.g. {}",
+        failures.len(),
+        after.len(),
+        failures[0]
+    );
+    assert!(first_grant.is_some(), "nothing granted after the deletion");
+    let tokens: Vec<u64> = outcomes
+        .iter()
+        .filter_map(|(_, _, outcome)| outcome.as_ref().ok().copied())
+        .collect();
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "tokens went backwards across a deleted container: {tokens:?}"
+    );
+}
+
+/// A holder's token `t1`, then the whole container deleted: the next holder of the key,
+/// in a container made again without the blob or its counter, gets a token above
+/// `t1`, from this instance and from another one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokens_increase_across_a_deleted_container() {
+    let (fixture, probe) = start().await;
+    let a = fixture.instance("a").await;
+    let b = fixture.instance("b").await;
+    let guard = a.lock("gone").await.unwrap();
+    let t1 = guard.fencing_token().unwrap();
+    guard.release().await;
+    probe
+        .container()
+        .delete(None)
+        .await
+        .expect("the container can be deleted");
+    let mut tokens = vec![t1];
+    for locks in [&a, &b] {
+        let guard = within(
+            "a grant in a container made again",
+            PATIENCE,
+            locks.lock("gone"),
+        )
+        .await
+        .expect("granted once the container is made again");
+        tokens.push(guard.fencing_token().unwrap());
+        guard.release().await;
+    }
+    eprintln!("tokens across a deleted container: {tokens:?}");
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "tokens went backwards across a deleted container: {tokens:?}"
+    );
+    assert_eq!(blob_fence(&probe, "gone").await, tokens.last().copied());
+}
+
+/// A container nothing answers for, at build and at an acquisition: the error names
+/// the engine and the container's address, then the cause; never the SAS token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_container_is_named_with_its_address_and_cause() {
+    fn check(message: &str, port: u16) {
+        assert!(message.contains("Azure Blob Storage"), "{message}");
+        let address = format!("127.0.0.1:{port}/devstoreaccount1/locks");
+        assert!(message.contains(&address), "{message}");
+        assert!(!message.contains("sig="), "the SAS token leaked: {message}");
+        // The cause follows the address.
+        let address_end = message.find(&address).unwrap() + address.len();
+        assert!(message.len() > address_end + 2, "no cause: {message}");
+    }
+    // A port nothing listens on: bound, then closed.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = crate::support::azurite_server::container_url(&format!("127.0.0.1:{port}"), "locks");
+    let error = AzureBlobBackend::builder(url)
+        .build()
+        .await
+        .expect_err("nothing listens there");
+    let message = error.to_string();
+    eprintln!("unreachable at build: {message}");
+    check(&message, port);
+
+    let mut fixture = servers::AzureBlob::start();
+    let locks = fixture.instance("cut-off").await;
+    let port = fixture.0.port();
+    fixture.0.kill();
+    let error = locks
+        .try_lock("k")
+        .await
+        .map(|_| ())
+        .expect_err("Azurite is down");
+    let message = error.to_string();
+    eprintln!("unreachable at acquire: {message}");
+    check(&message, port);
+}
+
+/// The container is deleted while a key is held (Azure deletes a container whatever
+/// its blobs' leases): the key is free at once, as with a lease broken at once, and the
+/// holder is told at its next renewal (within lease/3 and a command timeout), whether
+/// or not another instance took the key meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_holder_whose_container_is_deleted_is_told_at_its_next_renewal() {
+    let (fixture, probe) = start().await;
+    let holder = fixture.instance("holder").await;
+    let other = fixture.instance("other").await;
+    let guard = holder.lock("deleted-held").await.unwrap();
+    let deleted = Instant::now();
+    probe
+        .container()
+        .delete(None)
+        .await
+        .expect("a container with a leased blob can be deleted");
+    let taken = within(
+        "another instance takes the key",
+        PATIENCE,
+        other.lock_timeout("deleted-held", PATIENCE),
+    )
+    .await
+    .expect("the key is free once its container is gone");
+    let granted = deleted.elapsed();
+    assert!(
+        taken.fencing_token() > guard.fencing_token(),
+        "the token went back: {:?} after {:?}",
+        taken.fencing_token(),
+        guard.fencing_token()
+    );
+    within("the holder is told", LEASE, guard.lost()).await;
+    let told = deleted.elapsed();
+    eprintln!(
+        "container deleted mid-hold: another instance granted after {granted:?}, the \
+         holder told after {told:?}"
+    );
+    assert!(
+        told < LEASE / 3 + Duration::from_millis(500) + Duration::from_secs(1),
+        "told {told:?} after the deletion, later than its next renewal"
+    );
+    drop(guard);
+    taken.release().await;
+}

@@ -204,7 +204,8 @@ macro_rules! faults {
 }
 
 // `a_dropped_path_does_not_end_a_wait` runs on the engines whose waits retry a broken
-// connection or an unanswered command within the wait. Redis, PostgreSQL and DynamoDB
+// connection or an unanswered command within the wait (etcd, MySQL, Azure Blob,
+// ZooKeeper). Redis, PostgreSQL and DynamoDB
 // still end a wait on the first such failure (with `LockError::Backend`): the shared
 // acquire loop is where they get it; RELIABILITY.md's table leaves their cells empty.
 mod faults {
@@ -226,7 +227,8 @@ mod faults {
     faults!(
         azure_blob,
         crate::support::fixtures::AzureBlob,
-        "azure-blob"
+        "azure-blob",
+        [a_dropped_path_does_not_end_a_wait]
     );
     faults!(
         zookeeper,

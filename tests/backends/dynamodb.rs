@@ -886,7 +886,7 @@ async fn a_single_table_design_with_a_sort_key_and_its_own_names() {
         .build()
         .await;
     assert!(
-        matches!(missing, Err(SetupError::DynamoDb(_))),
+        matches!(missing, Err(SetupError::DynamoDb { .. })),
         "{missing:?}"
     );
 }
@@ -904,12 +904,45 @@ async fn an_unreachable_endpoint_fails_setup_promptly() {
         .command_timeout(Duration::from_millis(300))
         .build()
         .await;
-    assert!(result.is_err());
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "{:?}",
         started.elapsed()
     );
+    let message = result
+        .map(|_| ())
+        .expect_err("nothing listens there")
+        .to_string();
+    eprintln!("unreachable at build: {message}");
+    named_with_cause(&message, port);
+}
+
+/// `message` names DynamoDB and `127.0.0.1:port`, then a cause.
+fn named_with_cause(message: &str, port: u16) {
+    assert!(message.contains("DynamoDB"), "{message}");
+    let address = format!("127.0.0.1:{port}");
+    assert!(message.contains(&address), "{message}");
+    let address_end = message.find(&address).unwrap() + address.len();
+    assert!(message.len() > address_end + 2, "no cause: {message}");
+}
+
+/// DynamoDB gone after the build: an acquisition's error names the engine and the
+/// endpoint, then the cause (not the SDK's bare "dispatch failure").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_endpoint_is_named_with_its_address_and_cause() {
+    use crate::support::fixtures::Fixture;
+    let mut fixture = crate::support::fixtures::DynamoDb::start();
+    let locks = fixture.instance("cut-off").await;
+    let port = fixture.0.port();
+    fixture.0.stop();
+    let error = locks
+        .try_lock("k")
+        .await
+        .map(|_| ())
+        .expect_err("DynamoDB is down");
+    let message = error.to_string();
+    eprintln!("unreachable at acquire: {message}");
+    named_with_cause(&message, port);
 }
 
 // ---------------------------------------------------------------- throttling

@@ -422,3 +422,51 @@ async fn one_evicting_primary_refuses_the_backend() {
         .await
         .expect("the opt-in builds");
 }
+
+/// No node of the cluster listens when the backend is built: the error names Redis
+/// Cluster and its nodes (never the password of their URLs), then the cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unreachable_nodes_at_build_are_named_with_their_addresses_and_cause() {
+    // Ports nothing listens on: bound, then closed.
+    let nodes: Vec<String> = (0..3)
+        .map(|_| {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            format!("127.0.0.1:{port}")
+        })
+        .collect();
+    let urls: Vec<String> = nodes
+        .iter()
+        .map(|node| format!("redis://locks:s3cret-word@{node}/"))
+        .collect();
+    let client = redis::cluster::ClusterClientBuilder::new(urls)
+        .use_protocol(redis::ProtocolVersion::RESP3)
+        .build()
+        .unwrap();
+    let message = RedisBackend::cluster_builder(client)
+        .command_timeout(COMMAND_TIMEOUT)
+        .build()
+        .await
+        .map(|_| ())
+        .expect_err("no node listens")
+        .to_string();
+    eprintln!("unreachable cluster at build: {message}");
+    assert!(message.contains("Redis Cluster"), "{message}");
+    for node in &nodes {
+        assert!(message.contains(node.as_str()), "{node} not in: {message}");
+    }
+    assert!(
+        !message.contains("s3cret"),
+        "the password leaked: {message}"
+    );
+    // The cause follows the nodes.
+    let nodes_end = nodes
+        .iter()
+        .map(|node| message.find(node.as_str()).unwrap() + node.len())
+        .max()
+        .unwrap();
+    assert!(message.len() > nodes_end + 2, "no cause: {message}");
+}

@@ -684,3 +684,64 @@ async fn a_fenced_replay_store_stacked_by_hand_is_refused_per_request() {
     assert!(answer.body.contains("RedlockBackend"), "{}", answer.body);
     assert_eq!(ran.load(SeqCst), 0);
 }
+
+/// `message` names Redlock and each of `masters` (`host:port`), each followed by a
+/// cause in parentheses.
+fn names_every_master(message: &str, masters: &[String]) {
+    assert!(message.contains("Redlock"), "{message}");
+    for master in masters {
+        assert!(
+            message.contains(&format!("{master} (")),
+            "{master} not named with a cause: {message}"
+        );
+    }
+}
+
+/// Masters nothing listens on, at build and at an acquisition: the "no majority" error
+/// names Redlock and every master that did not answer, with its cause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unreachable_masters_are_named_with_their_addresses_and_causes() {
+    // Ports nothing listens on: bound, then closed.
+    let closed: Vec<String> = (0..3)
+        .map(|_| {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            format!("127.0.0.1:{port}")
+        })
+        .collect();
+    let urls: Vec<String> = closed.iter().map(|at| format!("redis://{at}")).collect();
+    let error = RedlockBackend::builder(urls)
+        .build()
+        .await
+        .map(|_| ())
+        .expect_err("no master listens");
+    let message = error.to_string();
+    eprintln!("unreachable at build: {message}");
+    assert!(matches!(error, SetupError::NoMajority { .. }), "{error:?}");
+    names_every_master(&message, &closed);
+
+    let mut masters = Redlock::start();
+    let locks = instance(&masters).await;
+    let stopped: Vec<String> = masters.urls()[..3]
+        .iter()
+        .map(|url| {
+            url.trim_start_matches("redis://")
+                .trim_end_matches('/')
+                .to_owned()
+        })
+        .collect();
+    for master in &mut masters.0[..3] {
+        master.stop();
+    }
+    let error = locks
+        .try_lock("k")
+        .await
+        .map(|_| ())
+        .expect_err("no majority answers");
+    let message = error.to_string();
+    eprintln!("unreachable at acquire: {message}");
+    names_every_master(&message, &stopped);
+}

@@ -8,7 +8,7 @@ use azure_storage_blob::models::{BlobClientGetPropertiesResultHeaders, LeaseStat
 use azure_storage_blob::BlobClient;
 use tokio::time::timeout;
 
-use super::lease::FENCE;
+use super::lease::{AzureBlobLockError, FENCE};
 use super::Inner;
 use crate::backend::{from_unix_millis, unix_millis, Holder};
 use crate::error::LockError;
@@ -33,13 +33,16 @@ pub(super) fn grant_metadata(fence: u64, instance_id: &str) -> HashMap<String, S
 impl Inner {
     /// One `Get Blob Properties`: nothing leased, nothing written.
     pub(super) async fn holder(&self, blob: BlobClient) -> Result<Option<Holder>, LockError> {
-        let failed = |error: azure_core::Error| LockError::Backend(Box::new(error));
+        let failed = |error: azure_core::Error| self.named(Box::new(error));
         let properties = match timeout(self.config.command_timeout, blob.get_properties(None)).await
         {
             Ok(Ok(properties)) => properties,
             Ok(Err(error)) if error.http_status() == Some(StatusCode::NotFound) => return Ok(None),
             Ok(Err(error)) => return Err(failed(error)),
-            Err(elapsed) => return Err(LockError::Backend(Box::new(elapsed))),
+            Err(_) => {
+                let limit = self.config.command_timeout;
+                return Err(self.named(Box::new(AzureBlobLockError::CommandTimeout(limit))));
+            }
         };
         if !matches!(
             properties.lease_state().map_err(failed)?,

@@ -6,9 +6,11 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use azure_core::error::ErrorKind;
 use azure_core::http::StatusCode;
 use azure_storage_blob::models::{
     AppendBlobClientCreateOptions, BlobClientAcquireLeaseOptions,
@@ -19,6 +21,8 @@ use azure_storage_blob::BlobClient;
 use tokio::time::{sleep, timeout, timeout_at, Instant};
 
 use super::Inner;
+pub(super) use crate::backend::located::with_cause;
+use crate::backend::located::Located;
 use crate::backend::ttl::{
     self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
@@ -61,6 +65,42 @@ impl fmt::Display for AzureBlobLockError {
 
 impl std::error::Error for AzureBlobLockError {}
 
+/// Azure's error code of a refusal (`x-ms-error-code`, such as `ContainerNotFound`).
+fn error_code(error: &azure_core::Error) -> Option<&str> {
+    match error.kind() {
+        ErrorKind::HttpResponse { error_code, .. } => error_code.as_deref(),
+        _ => None,
+    }
+}
+
+/// Whether Azure refused because the container is being deleted (it cannot be made
+/// again, nor hold blobs, until the deletion is over: up to about 30 s on Azure).
+fn being_deleted(error: &azure_core::Error) -> bool {
+    error_code(error) == Some("ContainerBeingDeleted")
+}
+
+/// Whether another attempt later may succeed: no connection or no full answer, Azure
+/// busy or failing (408, 429, 5xx), or the blob or container gone or being deleted (the
+/// next attempt makes them again).
+fn is_transient(error: &azure_core::Error) -> bool {
+    match error.kind() {
+        ErrorKind::Connection | ErrorKind::Io => true,
+        ErrorKind::HttpResponse { status, .. } => {
+            matches!(
+                *status,
+                StatusCode::NotFound
+                    | StatusCode::RequestTimeout
+                    | StatusCode::TooManyRequests
+                    | StatusCode::InternalServerError
+                    | StatusCode::BadGateway
+                    | StatusCode::ServiceUnavailable
+                    | StatusCode::GatewayTimeout
+            ) || being_deleted(error)
+        }
+        _ => false,
+    }
+}
+
 /// What one acquire attempt found.
 enum Attempt {
     /// The lease is ours, sent at `sent_at`, with this fencing token written under it.
@@ -97,14 +137,19 @@ fn is_conflict(error: &azure_core::Error) -> bool {
 }
 
 /// The token after the one in `metadata`; a blob without one (new, or deleted and made
-/// again) starts from the clock in microseconds, as DynamoDB's counter does.
-pub(super) fn next_fence(metadata: &HashMap<String, String>) -> Result<u64, AzureBlobLockError> {
+/// again, or in a container made again) starts from the clock in microseconds, as
+/// DynamoDB's counter does, or from `floor` (the highest token this process has seen)
+/// if that is higher.
+pub(super) fn next_fence(
+    metadata: &HashMap<String, String>,
+    floor: u64,
+) -> Result<u64, AzureBlobLockError> {
     match metadata.get(FENCE) {
         Some(value) => value
             .parse::<u64>()
             .map(|fence| fence.saturating_add(1))
             .map_err(|_| AzureBlobLockError::UnreadableFence(value.clone())),
-        None => Ok(epoch_micros().saturating_add(1)),
+        None => Ok(epoch_micros().max(floor).saturating_add(1)),
     }
 }
 
@@ -132,6 +177,31 @@ impl Inner {
         }
     }
 
+    /// `error` as the application gets it, with the engine and the container named.
+    fn failed(&self, error: AttemptError) -> LockError {
+        self.named(error.into_boxed())
+    }
+
+    /// `error` inside [`LockError::Backend`], after the engine and the container.
+    pub(super) fn named(&self, error: BoxError) -> LockError {
+        LockError::Backend(Box::new(Located::new(
+            super::ENGINE,
+            self.address.clone(),
+            error,
+        )))
+    }
+
+    /// What an acquisition whose wait is over fails with: the transient failure it was
+    /// going through, if any; else a plain timeout.
+    fn wait_over(&self, failing: Option<AttemptError>) -> LockError {
+        failing.map_or(LockError::Timeout, |error| self.failed(error))
+    }
+
+    /// Records a token read or written, for [`next_fence`]'s floor.
+    fn saw_fence(&self, fence: u64) {
+        self.fence_floor.fetch_max(fence, Ordering::Relaxed);
+    }
+
     pub(super) async fn acquire(
         self: Arc<Self>,
         blob: Arc<BlobClient>,
@@ -139,6 +209,8 @@ impl Inner {
     ) -> Result<Lease, LockError> {
         let deadline = ttl::deadline_after(wait);
         let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
+        // The last attempt's failure, if it was transient (tried again within the wait).
+        let mut failing: Option<AttemptError> = None;
         loop {
             // An attempt ends with the wait, or one command timeout after it started if
             // that is later (a zero wait still tries once): no acquisition outlives its
@@ -154,18 +226,27 @@ impl Inner {
                     let token = in_flight.granted();
                     return Ok(ttl::grant(&self, blob, token, Some(fence), sent_at));
                 }
-                Ok(Attempt::Held) => {}
-                Err(AttemptError::WaitOver) => return Err(LockError::Timeout),
-                Err(error) => return Err(LockError::Backend(error.into_boxed())),
+                Ok(Attempt::Held) => failing = None,
+                Err(AttemptError::WaitOver) => return Err(self.wait_over(failing)),
+                // No answer, Azure busy, or the container gone (made again by the next
+                // attempt): tried again within the wait.
+                Err(error) if error.transient() => {
+                    tracing::debug!(
+                        error = %error.describe(),
+                        "azure blob acquire attempt failed; tried again within the wait"
+                    );
+                    failing = Some(error);
+                }
+                Err(error) => return Err(self.failed(error)),
             }
             drop(in_flight);
             let now = Instant::now();
             if now >= deadline {
-                return Err(LockError::Timeout);
+                return Err(self.wait_over(failing));
             }
             sleep(backoff.pause().min(deadline - now)).await;
             if Instant::now() >= deadline {
-                return Err(LockError::Timeout);
+                return Err(self.wait_over(failing));
             }
         }
     }
@@ -193,7 +274,11 @@ impl Inner {
             return Ok(Attempt::Held);
         }
         let read = properties.etag()?;
-        let fence = next_fence(&properties.metadata()?)?;
+        let metadata = properties.metadata()?;
+        let fence = next_fence(&metadata, self.fence_floor.load(Ordering::Relaxed))?;
+        if metadata.contains_key(FENCE) {
+            self.saw_fence(fence - 1);
+        }
 
         let sent_at = Instant::now();
         in_flight.sent(sent_at);
@@ -230,7 +315,10 @@ impl Inner {
             }),
         );
         match self.bounded(cap, write).await? {
-            Ok(_) => Ok(Attempt::Granted { fence, sent_at }),
+            Ok(_) => {
+                self.saw_fence(fence);
+                Ok(Attempt::Granted { fence, sent_at })
+            }
             // Broken or changed in between: the grant does not count, and the guard
             // gives back the lease if it is still ours.
             Err(error) if is_conflict(&error) => Ok(Attempt::Held),
@@ -238,16 +326,49 @@ impl Inner {
         }
     }
 
-    /// Creates the empty lock blob, never over an existing one (`If-None-Match: *`).
+    /// Creates the empty lock blob, never over an existing one (`If-None-Match: *`);
+    /// if the container is gone, makes it again first.
     async fn create(&self, blob: &BlobClient, cap: Instant) -> Result<(), AttemptError> {
         let append = blob.append_blob_client();
-        let create = append.create(Some(
-            AppendBlobClientCreateOptions::default().if_not_exists(),
-        ));
-        match self.bounded(cap, create).await? {
-            Ok(_) => Ok(()),
+        let create = || {
+            append.create(Some(
+                AppendBlobClientCreateOptions::default().if_not_exists(),
+            ))
+        };
+        match self.bounded(cap, create()).await? {
+            Ok(_) => return Ok(()),
+            // The container is being deleted: the attempt fails, the wait goes on.
+            Err(error) if being_deleted(&error) => return Err(error.into()),
             // Made by another instance meanwhile.
+            Err(error) if is_conflict(&error) => return Ok(()),
+            // The container is gone (deleted, or an emulator restarted empty).
+            Err(error) if status(&error) == Some(StatusCode::NotFound) => {}
+            Err(error) => return Err(error.into()),
+        }
+        self.make_container(cap).await?;
+        match self.bounded(cap, create()).await? {
+            Ok(_) => Ok(()),
+            Err(error) if being_deleted(&error) => Err(error.into()),
             Err(error) if is_conflict(&error) => Ok(()),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Makes the lost container again, as `build` made it. Its blobs, and so their
+    /// counters, are gone: the next tokens start from the clock or from the highest
+    /// token this process has seen, whichever is higher (see [`next_fence`]).
+    async fn make_container(&self, cap: Instant) -> Result<(), AttemptError> {
+        match self.bounded(cap, self.container.create(None)).await? {
+            Ok(_) => {
+                tracing::warn!(
+                    container = %self.address,
+                    "the lock container was gone; made it again"
+                );
+                Ok(())
+            }
+            Err(error) if being_deleted(&error) => Err(error.into()),
+            // Made again by another instance meanwhile.
+            Err(error) if status(&error) == Some(StatusCode::Conflict) => Ok(()),
             Err(error) => Err(error.into()),
         }
     }
@@ -261,6 +382,24 @@ enum AttemptError {
 }
 
 impl AttemptError {
+    /// Whether another attempt within the wait may succeed.
+    fn transient(&self) -> bool {
+        match self {
+            Self::Lock(AzureBlobLockError::CommandTimeout(_)) => true,
+            Self::Lock(_) | Self::WaitOver => false,
+            Self::Azure(error) => is_transient(error),
+        }
+    }
+
+    /// The error and its deepest cause, for a log line.
+    fn describe(&self) -> String {
+        match self {
+            Self::Lock(error) => error.to_string(),
+            Self::Azure(error) => with_cause(error),
+            Self::WaitOver => LockError::Timeout.to_string(),
+        }
+    }
+
     fn into_boxed(self) -> BoxError {
         match self {
             Self::Lock(error) => Box::new(error),

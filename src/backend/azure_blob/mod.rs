@@ -68,6 +68,13 @@
 //!   `If-Match` on the ETag read, then write the next fencing token to the blob's
 //!   metadata with that lease id and the ETag again. Only when that write succeeded
 //!   is the lock granted; a refusal anywhere means another holder got in between.
+//! - **A lost container.** If the blob cannot be made because the container is gone
+//!   (deleted, an account emptied, an in-memory Azurite restarted), the attempt makes
+//!   the container again, as [`build`](AzureBlobBackendBuilder::build) does (another
+//!   instance making it first is fine), then the blob. While Azure still deletes the
+//!   old one (`ContainerBeingDeleted`, up to about 30 s on Azure) the attempt fails and
+//!   the wait goes on. Tokens in the new container still go up (see
+//!   [what a deletion does](#blobs-deleted-by-hand)).
 //! - **Fencing token.** The metadata counter plus one: written under the new lease in
 //!   one conditional request, so the tokens of one blob strictly increase from holder
 //!   to holder (a holder whose write failed or went unanswered never uses its token;
@@ -77,7 +84,11 @@
 //!   a jittered pause that doubles from 10 ms up to the
 //!   [`poll_interval`](AzureBlobBackendBuilder::poll_interval), until the request's
 //!   wait is over — never a number of attempts. Instances do not queue: whoever polls
-//!   first after a release wins.
+//!   first after a release wins. An attempt that failed for a transient reason (no
+//!   connection or no answer within the command timeout, Azure busy or failing: 408,
+//!   429, 5xx; the blob or container gone or being deleted) is tried again the same
+//!   way within the wait; the acquisition fails with that error only when the wait is
+//!   over. Any other refusal (a credential refused, a foreign `fence`) ends it at once.
 //! - **Validity.** The lease counts as valid until *send time of the acquire, or of the
 //!   last renewal that was answered, + lease − drift margin*, on the monotonic clock;
 //!   Azure counts the same lease from when it received the request, later. At that
@@ -95,9 +106,13 @@
 //!
 //! Every call is bounded by [`command_timeout`](AzureBlobBackendBuilder::command_timeout),
 //! and the SDK's own retries are off (the lock polls and renews by itself): when Azure
-//! is down or silent, acquisitions fail with [`LockError::Backend`] promptly and the
-//! layer answers 503 (or runs the request under its local lock with
-//! [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//! is down or silent, acquisitions keep trying until their wait is over, then fail with
+//! [`LockError::Backend`] (a zero wait tries once) and the layer answers 503 (or runs
+//! the request under its local lock with
+//! [`fail_open`](crate::KeyedLockLayer::fail_open)). Errors name the engine and the
+//! container's URL without its query (never the SAS token), then the cause:
+//! `Azure Blob Storage at http://127.0.0.1:10000/devstoreaccount1/locks: failed to
+//! execute `reqwest` request: Connection refused (os error 111)`.
 //!
 //! # Who holds a key
 //!
@@ -119,7 +134,8 @@
 //! | a holder counts its lease lost | send time of the last answered acquire or renewal + lease − drift margin (default 1% of the lease + 2 ms), or at the first renewal refused |
 //! | Azure frees a stopped holder's blob | one lease after it received the last acquire or renewal |
 //! | one call (read, create, acquire, metadata write, renew, release) | at most the command timeout (default 2 s); an attempt is three calls (five the first time a key is used) |
-//! | one acquisition | ends with its wait, or one command timeout after its last attempt started if that is later (a zero wait tries once) |
+//! | one acquisition | ends with its wait, or one command timeout after its last attempt started if that is later (a zero wait tries once); transient failures tried again within it |
+//! | a lost container | made again by the next attempt (two more calls); while Azure still deletes it, attempts fail and the wait goes on |
 //! | a waiter looks again | after a jittered pause doubling from 10 ms up to the poll interval (default 500 ms) |
 //!
 //! # What this backend does not guarantee
@@ -141,18 +157,33 @@
 //!   tells it (up to lease/3 later). A break with the default period (the rest of the
 //!   lease) keeps the blob until the lease would have ended, after the holder's own
 //!   deadline: the holder is told first.
+//! - **A container deleted while keys are held.** Azure deletes a container whatever
+//!   its blobs' leases: every key in it is free at once, and the next attempt makes
+//!   the container again and is granted (about 40 ms on Azurite) while the holders are
+//!   told only at their next renewal (up to lease/3 later; measured: 4.8 to 5.0 s with
+//!   a 15 s lease). As with a lease broken at once, use the fencing token (higher for
+//!   the new holder) where that overlap matters, and never delete the lock container
+//!   while it is in use.
 //! - <a id="blobs-deleted-by-hand"></a>**Blobs deleted by hand.** Deleting a blob
 //!   (Azure refuses while it is leased, unless the lease id is given) takes its
 //!   counter with it. The next grant makes the blob again and starts the counter from
 //!   the clock in microseconds, which is above every token issued before as long as
 //!   the old counter had not run ahead of the clock (fewer than a million grants per
 //!   second of the old blob's life) and the instances' clocks agree to within the time
-//!   since the old blob was made. The same holds for an account or container emptied
-//!   or restored from a backup. Keep the container for locks only.
+//!   since the old blob was made. The same holds for an account or container emptied,
+//!   deleted (the next attempt makes it again) or restored from a backup. On top of the
+//!   clock, a blob without a counter starts above the highest token this process has
+//!   read or written on any blob since it started: within one process tokens never go
+//!   back, even if its clock is stepped back. Keep the container for locks only.
 //! - **Azurite is not Azure.** The tests run against Azurite, Microsoft's emulator
 //!   (its lease rules and conditional headers); Azure's own latency, throttling (503
-//!   "server busy", which fails an acquisition with [`LockError::Backend`]) and
-//!   failovers are not exercised.
+//!   "server busy", tried again within the wait) and failovers are not exercised.
+//!   Azurite run with `--location` (state on disk) forgets leases across a graceful
+//!   restart: blobs come back unleased, so instance B was granted a key while A still
+//!   counted itself its holder (until A's next renewal was refused). That is Azurite's
+//!   behaviour, not Azure's (Azure keeps a lease for its whole duration); run Azurite
+//!   in memory, or restart it only with no lock held. An in-memory Azurite restarted
+//!   comes back without the container: it is made again (see above).
 //! - **Shared holders and permits.** One holder per key.
 //!
 //! # Setups refused
@@ -171,6 +202,7 @@ mod lease;
 mod names;
 
 use std::fmt;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -247,10 +279,16 @@ struct Config {
 /// What every clone of a backend shares.
 struct Inner {
     container: BlobContainerClient,
+    /// The container's URL as errors show it (no query: never the SAS token).
+    address: Arc<str>,
     config: Config,
     drift: Duration,
     /// The lease asked of Azure, in whole seconds.
     lease_secs: i32,
+    /// The highest fencing token this process has read or written, on any blob: a
+    /// blob without a counter (new, deleted, or in a container made again) starts
+    /// above it as well as above the clock.
+    fence_floor: AtomicU64,
 }
 
 /// Why [`AzureBlobBackendBuilder::build`] failed.
@@ -259,21 +297,38 @@ struct Inner {
 pub enum SetupError {
     /// A setting Azure or the lock cannot work with, named.
     Invalid(String),
-    /// The container does not exist and could not be created.
-    Container(azure_core::Error),
+    /// The container does not exist and could not be created (or Azure could not be
+    /// reached).
+    Container {
+        /// The container's URL without its query (never the SAS token).
+        container: String,
+        /// What Azure (or the connection to it) answered.
+        error: azure_core::Error,
+    },
     /// Azure did not answer within [`SETUP_TIMEOUT`] (or the command timeout if
     /// longer).
-    TimedOut,
+    TimedOut {
+        /// The container's URL without its query (never the SAS token).
+        container: String,
+        /// How long it was given.
+        limit: Duration,
+    },
 }
 
 impl fmt::Display for SetupError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             SetupError::Invalid(why) => write!(f, "azure blob lock setup refused: {why}"),
-            SetupError::Container(error) => {
-                write!(f, "the lock container is not usable: {error}")
+            SetupError::Container { container, error } => {
+                write!(
+                    f,
+                    "{ENGINE} at {container}: the lock container is not usable: {}",
+                    lease::with_cause(error)
+                )
             }
-            SetupError::TimedOut => f.write_str("azure blob storage did not answer in time"),
+            SetupError::TimedOut { container, limit } => {
+                write!(f, "{ENGINE} at {container} did not answer within {limit:?}")
+            }
         }
     }
 }
@@ -281,10 +336,23 @@ impl fmt::Display for SetupError {
 impl std::error::Error for SetupError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            SetupError::Container(error) => Some(error),
+            SetupError::Container { error, .. } => Some(error),
             _ => None,
         }
     }
+}
+
+/// How errors name the engine.
+const ENGINE: &str = "Azure Blob Storage";
+
+/// `url` as errors show it: without its query (a SAS token), fragment or user info.
+fn shown(url: &Url) -> String {
+    let mut shown = url.clone();
+    shown.set_query(None);
+    shown.set_fragment(None);
+    let _ = shown.set_username("");
+    let _ = shown.set_password(None);
+    shown.to_string()
 }
 
 impl Config {
@@ -459,16 +527,24 @@ impl AzureBlobBackendBuilder {
             },
             ..Default::default()
         };
+        let address: Arc<str> = shown(&url).into();
         let container = BlobContainerClient::new(url, credential, Some(options))
             .map_err(|error| SetupError::Invalid(error.to_string()))?;
-        ensure_container(&container, config.command_timeout.max(SETUP_TIMEOUT)).await?;
+        ensure_container(
+            &container,
+            &address,
+            config.command_timeout.max(SETUP_TIMEOUT),
+        )
+        .await?;
         let lease_secs = i32::try_from(config.lease.as_millis().div_ceil(1000)).unwrap_or(60);
         Ok(AzureBlobBackend {
             inner: Arc::new(Inner {
                 container,
+                address,
                 config,
                 drift,
                 lease_secs,
+                fence_floor: AtomicU64::new(0),
             }),
         })
     }
@@ -478,23 +554,32 @@ impl AzureBlobBackendBuilder {
 /// fine if it can see the container.
 async fn ensure_container(
     container: &BlobContainerClient,
+    address: &str,
     limit: Duration,
 ) -> Result<(), SetupError> {
+    let failed = |error| SetupError::Container {
+        container: address.to_owned(),
+        error,
+    };
+    let timed_out = |_| SetupError::TimedOut {
+        container: address.to_owned(),
+        limit,
+    };
     let created = tokio::time::timeout(limit, container.create(None))
         .await
-        .map_err(|_| SetupError::TimedOut)?;
+        .map_err(timed_out)?;
     match created {
         Ok(_) => Ok(()),
         Err(error) if error.http_status() == Some(StatusCode::Conflict) => Ok(()),
         Err(error) if error.http_status() == Some(StatusCode::Forbidden) => {
             match tokio::time::timeout(limit, container.exists()).await {
                 Ok(Ok(true)) => Ok(()),
-                Ok(Ok(false)) => Err(SetupError::Container(error)),
-                Ok(Err(error)) => Err(SetupError::Container(error)),
-                Err(_) => Err(SetupError::TimedOut),
+                Ok(Ok(false)) => Err(failed(error)),
+                Ok(Err(error)) => Err(failed(error)),
+                Err(elapsed) => Err(timed_out(elapsed)),
             }
         }
-        Err(error) => Err(SetupError::Container(error)),
+        Err(error) => Err(failed(error)),
     }
 }
 
@@ -569,10 +654,18 @@ mod tests {
     fn the_fence_counts_on_or_starts_from_the_clock() {
         use std::collections::HashMap;
         let stored = HashMap::from([(lease::FENCE.to_owned(), "41".to_owned())]);
-        assert_eq!(lease::next_fence(&stored).unwrap(), 42);
-        let fresh = lease::next_fence(&HashMap::new()).unwrap();
+        assert_eq!(lease::next_fence(&stored, 0).unwrap(), 42);
+        // A counter counts on, whatever the floor.
+        assert_eq!(lease::next_fence(&stored, u64::MAX / 2).unwrap(), 42);
+        let fresh = lease::next_fence(&HashMap::new(), 0).unwrap();
         assert!(fresh > 1_700_000_000_000_000, "{fresh}");
+        // A blob without a counter starts above the floor if the clock is behind it.
+        let ahead = u64::MAX / 2;
+        assert_eq!(
+            lease::next_fence(&HashMap::new(), ahead).unwrap(),
+            ahead + 1
+        );
         let garbage = HashMap::from([(lease::FENCE.to_owned(), "x".to_owned())]);
-        assert!(lease::next_fence(&garbage).is_err());
+        assert!(lease::next_fence(&garbage, 0).is_err());
     }
 }

@@ -34,8 +34,11 @@ impl Inner {
             .send();
         let output = match tokio::time::timeout(self.config.command_timeout, read).await {
             Ok(Ok(output)) => output,
-            Ok(Err(error)) => return Err(LockError::Backend(Box::new(error))),
-            Err(elapsed) => return Err(LockError::Backend(Box::new(elapsed))),
+            Ok(Err(error)) => return Err(self.named(Box::new(error))),
+            Err(_) => {
+                let limit = super::retry::CommandTimeout(self.config.command_timeout);
+                return Err(self.named(Box::new(limit)));
+            }
         };
         Ok(output.item().and_then(from_item))
     }

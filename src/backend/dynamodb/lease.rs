@@ -16,6 +16,7 @@ use super::holder;
 use super::item::{self, epoch_micros, epoch_seconds, millis, Holder};
 use super::retry::{is_transient, CommandTimeout};
 use super::Inner;
+use crate::backend::located::Located;
 use crate::backend::ttl::{
     self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
@@ -77,9 +78,9 @@ fn is_refused(error: &SdkError<UpdateItemError>) -> bool {
 /// How a wait that reached its deadline ends: [`LockError::Timeout`] if the key was
 /// held, [`LockError::Backend`] if DynamoDB's last answer was a failure (throttled
 /// until the end, failing on its side): the layer then answers 503, not 409.
-fn out_of_time(last_failure: Option<BoxError>) -> LockError {
+fn out_of_time(inner: &Inner, last_failure: Option<BoxError>) -> LockError {
     match last_failure {
-        Some(error) => LockError::Backend(error),
+        Some(error) => inner.named(error),
         None => LockError::Timeout,
     }
 }
@@ -92,6 +93,15 @@ fn is_condition_failed(error: &SdkError<UpdateItemError>) -> bool {
 }
 
 impl Inner {
+    /// `error` inside [`LockError::Backend`], after the engine and its endpoint.
+    pub(super) fn named(&self, error: BoxError) -> LockError {
+        LockError::Backend(Box::new(Located::new(
+            super::table::ENGINE,
+            self.endpoint.describe().into(),
+            error,
+        )))
+    }
+
     pub(super) async fn acquire(
         self: Arc<Self>,
         item: ItemKey,
@@ -148,18 +158,18 @@ impl Inner {
                     if !error.maybe_applied {
                         in_flight.answered();
                     }
-                    return Err(LockError::Backend(error.error));
+                    return Err(self.named(error.error));
                 }
-                Err(_) if limit == deadline => return Err(out_of_time(last_failure)),
+                Err(_) if limit == deadline => return Err(out_of_time(&self, last_failure)),
                 Err(_) => {
                     let timeout = CommandTimeout(self.config.command_timeout);
-                    return Err(LockError::Backend(Box::new(timeout)));
+                    return Err(self.named(Box::new(timeout)));
                 }
             }
             drop(in_flight);
             let now = Instant::now();
             if now >= deadline {
-                return Err(out_of_time(last_failure));
+                return Err(out_of_time(&self, last_failure));
             }
             let mut pause = backoff.pause().min(deadline - now);
             if let Some(stale_at) = stale_at.filter(|stale_at| now < *stale_at) {
@@ -167,7 +177,7 @@ impl Inner {
             }
             sleep(pause).await;
             if Instant::now() >= deadline {
-                return Err(out_of_time(last_failure));
+                return Err(out_of_time(&self, last_failure));
             }
         }
     }

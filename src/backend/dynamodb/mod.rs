@@ -80,7 +80,11 @@
 //!   [`command_timeout`](DynamoDbBackendBuilder::command_timeout): an unreachable or
 //!   silent endpoint fails the acquisition with [`LockError::Backend`] promptly, and the
 //!   layer answers 503 (or runs the request under its local lock with
-//!   [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//!   [`fail_open`](crate::KeyedLockLayer::fail_open)). Errors name the engine and where
+//!   the client sends its requests (the scheme and host of its last request, read by an
+//!   interceptor the backend adds to its copy of the client; the region before any),
+//!   then the cause: `DynamoDB at http://127.0.0.1:8000: unhandled error: Connection
+//!   refused (os error 111)`.
 //!
 //! # Fencing tokens
 //!
@@ -240,6 +244,8 @@ impl Config {
 
 struct Inner {
     client: Client,
+    /// Where the client sends its requests, for errors.
+    endpoint: Arc<table::Endpoint>,
     layout: Layout,
     config: Config,
     drift: Duration,
@@ -420,7 +426,9 @@ impl DynamoDbBackendBuilder {
     /// until it is active. For tests and local use; production tables belong in your
     /// infrastructure code.
     pub async fn create_table(&self) -> Result<(), SetupError> {
-        table::create(&self.client, &self.layout, self.config.command_timeout).await
+        let (client, endpoint) = table::Endpoint::record(&self.client);
+        let limit = self.config.command_timeout;
+        table::create(&client, &endpoint, &self.layout, limit).await
     }
 
     /// Checks that the table exists with the configured keys (one `DescribeTable`,
@@ -455,9 +463,11 @@ impl DynamoDbBackendBuilder {
                 .timeout_config(timeouts)
                 .build(),
         );
-        table::check(&client, &layout, limit).await?;
+        let (client, endpoint) = table::Endpoint::record(&client);
+        table::check(&client, &endpoint, &layout, limit).await?;
         Ok(DynamoDbBackend {
             inner: Arc::new(Inner {
+                endpoint,
                 client,
                 layout,
                 config,

@@ -3,8 +3,11 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
+use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
+use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType, TableStatus,
     TimeToLiveSpecification,
@@ -13,6 +16,9 @@ use aws_sdk_dynamodb::Client;
 use tokio::time::{sleep, timeout, Instant};
 
 use super::item::Layout;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use crate::backend::located::with_cause;
 
 /// How long [`create_table`](super::DynamoDbBackendBuilder::create_table) waits for a
 /// new table to become active.
@@ -23,9 +29,19 @@ const ACTIVE_WITHIN: Duration = Duration::from_secs(60);
 #[non_exhaustive]
 pub enum SetupError {
     /// DynamoDB answered with an error, or could not be reached.
-    DynamoDb(Box<aws_sdk_dynamodb::Error>),
+    DynamoDb {
+        /// The client's endpoint URL, or its region if it has none.
+        endpoint: String,
+        /// What the SDK said.
+        error: Box<aws_sdk_dynamodb::Error>,
+    },
     /// DynamoDB did not answer within the command timeout.
-    TimedOut(Duration),
+    TimedOut {
+        /// The client's endpoint URL, or its region if it has none.
+        endpoint: String,
+        /// The command timeout.
+        limit: Duration,
+    },
     /// The table's key schema is not the configured one, or it did not become active.
     Table(String),
 }
@@ -33,8 +49,12 @@ pub enum SetupError {
 impl fmt::Display for SetupError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::DynamoDb(error) => write!(f, "dynamodb: {error}"),
-            Self::TimedOut(limit) => write!(f, "dynamodb did not answer within {limit:?}"),
+            Self::DynamoDb { endpoint, error } => {
+                write!(f, "{ENGINE} at {endpoint}: {}", with_cause(&**error))
+            }
+            Self::TimedOut { endpoint, limit } => {
+                write!(f, "{ENGINE} at {endpoint} did not answer within {limit:?}")
+            }
             Self::Table(problem) => write!(f, "dynamodb lock table: {problem}"),
         }
     }
@@ -43,14 +63,93 @@ impl fmt::Display for SetupError {
 impl std::error::Error for SetupError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::DynamoDb(error) => Some(error),
+            Self::DynamoDb { error, .. } => Some(error),
             _ => None,
         }
     }
 }
 
-/// Runs one call within `limit`, mapping its error into a [`SetupError`].
+/// How errors name the engine.
+pub(super) const ENGINE: &str = "DynamoDB";
+
+/// Where the client sends its requests, for errors: the scheme and host of the last
+/// request it was about to send (the resolved endpoint: AWS's regional one, a local
+/// DynamoDB, a proxy), read by an interceptor since the SDK's config does not tell it;
+/// before any request, `region <name>`.
+#[derive(Debug)]
+pub(super) struct Endpoint {
+    seen: std::sync::Mutex<Option<String>>,
+    region: Option<String>,
+}
+
+impl Endpoint {
+    /// `client` with this recorder added to its interceptors, and the recorder.
+    pub(super) fn record(client: &Client) -> (Client, Arc<Endpoint>) {
+        let endpoint = Arc::new(Endpoint {
+            seen: std::sync::Mutex::new(None),
+            region: client.config().region().map(|region| region.to_string()),
+        });
+        let config = client
+            .config()
+            .to_builder()
+            .interceptor(Recorder(endpoint.clone()))
+            .build();
+        (Client::from_conf(config), endpoint)
+    }
+
+    /// `scheme://host[:port]` of the last request, or the region before any.
+    pub(super) fn describe(&self) -> String {
+        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        match (seen, &self.region) {
+            (Some(endpoint), _) => endpoint,
+            (None, Some(region)) => format!("region {region}"),
+            (None, None) => "(no endpoint or region)".to_owned(),
+        }
+    }
+}
+
+/// The interceptor that fills an [`Endpoint`].
+#[derive(Debug)]
+struct Recorder(Arc<Endpoint>);
+
+impl Intercept for Recorder {
+    fn name(&self) -> &'static str {
+        "tower_keyed_lock::EndpointRecorder"
+    }
+
+    fn read_before_transmit(
+        &self,
+        context: &BeforeTransmitInterceptorContextRef<'_>,
+        _components: &RuntimeComponents,
+        _cfg: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        let uri = context.request().uri();
+        // The scheme and authority only: never a path or a query.
+        let end = uri
+            .find("://")
+            .map(|scheme| scheme + 3)
+            .and_then(|start| uri[start..].find(['/', '?']).map(|end| start + end))
+            .unwrap_or(uri.len());
+        let authority = &uri[..end];
+        // Credentials in the authority (`user:pass@host`) are left out.
+        let authority = match (authority.find("://"), authority.rfind('@')) {
+            (Some(scheme), Some(at)) => {
+                format!("{}{}", &authority[..scheme + 3], &authority[at + 1..])
+            }
+            _ => authority.to_owned(),
+        };
+        let mut seen = self.0.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.as_deref() != Some(&*authority) {
+            *seen = Some(authority);
+        }
+        Ok(())
+    }
+}
+
+/// Runs one call within `limit`, mapping its error into a [`SetupError`] that names
+/// `endpoint`.
 async fn call<T, E>(
+    endpoint: &Endpoint,
     limit: Duration,
     call: impl Future<Output = Result<T, E>>,
 ) -> Result<T, SetupError>
@@ -58,8 +157,14 @@ where
     aws_sdk_dynamodb::Error: From<E>,
 {
     match timeout(limit, call).await {
-        Ok(result) => result.map_err(|error| SetupError::DynamoDb(Box::new(error.into()))),
-        Err(_) => Err(SetupError::TimedOut(limit)),
+        Ok(result) => result.map_err(|error| SetupError::DynamoDb {
+            endpoint: endpoint.describe(),
+            error: Box::new(error.into()),
+        }),
+        Err(_) => Err(SetupError::TimedOut {
+            endpoint: endpoint.describe(),
+            limit,
+        }),
     }
 }
 
@@ -67,10 +172,12 @@ where
 /// its sort key if and only if one is configured.
 pub(super) async fn check(
     client: &Client,
+    endpoint: &Endpoint,
     layout: &Layout,
     limit: Duration,
 ) -> Result<(), SetupError> {
     let described = call(
+        endpoint,
         limit,
         client.describe_table().table_name(&layout.table).send(),
     )
@@ -101,6 +208,7 @@ pub(super) async fn check(
 /// it is active, and turns on its TTL attribute.
 pub(super) async fn create(
     client: &Client,
+    endpoint: &Endpoint,
     layout: &Layout,
     limit: Duration,
 ) -> Result<(), SetupError> {
@@ -125,15 +233,15 @@ pub(super) async fn create(
             .map_err(|error| SetupError::Table(error.to_string()))?;
         create = create.attribute_definitions(definition).key_schema(element);
     }
-    if let Err(error) = call(limit, create.send()).await {
+    if let Err(error) = call(endpoint, limit, create.send()).await {
         // A table that exists already (made earlier, or by another instance) will do.
-        if table_status(client, layout, limit).await.is_err() {
+        if table_status(client, endpoint, layout, limit).await.is_err() {
             return Err(error);
         }
     }
 
     let give_up = Instant::now() + ACTIVE_WITHIN;
-    while table_status(client, layout, limit).await? != Some(TableStatus::Active) {
+    while table_status(client, endpoint, layout, limit).await? != Some(TableStatus::Active) {
         if Instant::now() > give_up {
             return Err(SetupError::Table(format!(
                 "table {:?} not active within {ACTIVE_WITHIN:?}",
@@ -149,6 +257,7 @@ pub(super) async fn create(
         .build()
         .map_err(|error| SetupError::Table(error.to_string()))?;
     let described = call(
+        endpoint,
         limit,
         client
             .describe_time_to_live()
@@ -161,6 +270,7 @@ pub(super) async fn create(
         .and_then(|description| description.attribute_name());
     if enabled != Some(&*layout.ttl_attribute) {
         call(
+            endpoint,
             limit,
             client
                 .update_time_to_live()
@@ -175,10 +285,12 @@ pub(super) async fn create(
 
 async fn table_status(
     client: &Client,
+    endpoint: &Endpoint,
     layout: &Layout,
     limit: Duration,
 ) -> Result<Option<TableStatus>, SetupError> {
     let described = call(
+        endpoint,
         limit,
         client.describe_table().table_name(&layout.table).send(),
     )

@@ -72,13 +72,49 @@ impl ConnectionLike for Connection {
     }
 }
 
+/// The initial nodes of a cluster client (`host:port`, or a socket path), read from its
+/// `Debug` form: the client has no accessor for them. Only the addresses are taken
+/// (its passwords are redacted there anyway); empty if that form ever changes, and the
+/// cluster is then named without them.
+fn cluster_nodes(client: &ClusterClient) -> Vec<String> {
+    let debug = format!("{client:?}");
+    let port_of = |text: &str| -> Option<String> {
+        let port: String = text.chars().take_while(char::is_ascii_digit).collect();
+        (!port.is_empty()).then_some(port)
+    };
+    let mut nodes = Vec::new();
+    let mut rest = debug.as_str();
+    while let Some(at) = rest.find("addr: ") {
+        rest = &rest[at + "addr: ".len()..];
+        let node = if let Some(tcp) = rest.strip_prefix("Tcp(\"") {
+            tcp.split_once("\", ")
+                .and_then(|(host, after)| Some(format!("{host}:{}", port_of(after)?)))
+        } else if let Some(tls) = rest.strip_prefix("TcpTls { host: \"") {
+            tls.split_once('"').and_then(|(host, after)| {
+                let (_, port) = after.split_once("port: ")?;
+                Some(format!("{host}:{}", port_of(port)?))
+            })
+        } else if let Some(unix) = rest.strip_prefix("Unix(\"") {
+            unix.split_once('"').map(|(path, _)| path.to_owned())
+        } else {
+            None
+        };
+        nodes.extend(node);
+    }
+    nodes
+}
+
 impl Target {
-    /// The engine and where it is, for errors: `Redis at host:port` (never the
-    /// credentials of the URL), or `Redis Cluster` (its client does not tell its nodes).
+    /// The engine and where it is, for errors: `Redis at host:port`, or `Redis Cluster
+    /// at host:port, host:port, ...` (its initial nodes); never the credentials of the
+    /// URLs.
     pub(in crate::backend) fn describe(&self) -> String {
         match self {
             Self::Single(client) => format!("Redis at {}", client.get_connection_info().addr()),
-            Self::Cluster(_) => "Redis Cluster".to_owned(),
+            Self::Cluster(client) => match cluster_nodes(client).as_slice() {
+                [] => "Redis Cluster".to_owned(),
+                nodes => format!("Redis Cluster at {}", nodes.join(", ")),
+            },
         }
     }
 

@@ -4,23 +4,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::lease::NoMajority;
 use super::quorum::ask_all;
 use super::Inner;
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::{from_unix_millis, Holder};
 use crate::error::LockError;
-
-/// Why a majority read told nothing: fewer than a majority of the masters answered.
-#[derive(Debug)]
-struct NoMajority;
-
-impl std::fmt::Display for NoMajority {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("fewer than a majority of the Redlock masters answered")
-    }
-}
-
-impl std::error::Error for NoMajority {}
 
 impl Inner {
     /// Asks every master; the holder is the token a majority has. Its record comes from
@@ -31,13 +20,20 @@ impl Inner {
     ) -> Result<Option<Holder>, LockError> {
         let majority = self.masters.len() / 2 + 1;
         let mut answered = 0;
+        let mut failed = Vec::new();
         let mut tokens: HashMap<String, (usize, i64, Option<String>)> = HashMap::new();
         let ask = |master: usize| {
             let (inner, keys) = (self.clone(), keys.clone());
-            async move { inner.masters[master].holder(&keys).await }
+            async move { (master, inner.masters[master].holder(&keys).await) }
         };
-        ask_all(self.masters.len(), ask, |answer| {
-            let Ok(view) = answer else { return false };
+        ask_all(self.masters.len(), ask, |(master, answer)| {
+            let view = match answer {
+                Ok(view) => view,
+                Err(error) => {
+                    failed.push((self.masters[master].address.clone(), error.to_string()));
+                    return false;
+                }
+            };
             answered += 1;
             if let Some((token, pttl, rest)) = view {
                 let entry = tokens.entry(token).or_insert((0, i64::MAX, None));
@@ -49,7 +45,12 @@ impl Inner {
         })
         .await;
         if answered < majority {
-            return Err(LockError::Backend(Box::new(NoMajority)));
+            let error = NoMajority {
+                answered,
+                masters: self.masters.len(),
+                failed,
+            };
+            return Err(LockError::Backend(Box::new(error)));
         }
         let Some((_, pttl, rest)) = tokens.into_values().find(|(votes, ..)| *votes >= majority)
         else {

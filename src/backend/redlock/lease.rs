@@ -11,7 +11,7 @@ use std::time::Duration;
 use tokio::time::{sleep, Instant};
 
 use super::master::Reply;
-use super::quorum::{ask_all, majority, Replies, Votes};
+use super::quorum::{ask_all, failed_masters, majority, Replies, Votes};
 use super::Inner;
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::ttl::{
@@ -31,22 +31,28 @@ const SPLIT_RETRY: Duration = Duration::from_millis(10);
 /// for the Redis backend.
 const GIVEN_BACK_MARK: Duration = Duration::from_secs(60);
 
-/// Too few masters answered for any majority.
+/// Too few masters answered for any majority: which did not, and why.
 #[derive(Debug)]
-struct NoMajority {
-    answered: usize,
-    masters: usize,
+pub(super) struct NoMajority {
+    pub(super) answered: usize,
+    pub(super) masters: usize,
+    /// `(host:port, cause)` of every master that gave no answer.
+    pub(super) failed: Vec<(String, String)>,
 }
 
 impl fmt::Display for NoMajority {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "redlock: {} of {} Redis masters answered in time, {} needed for a majority",
+            "Redlock: {} of {} Redis masters answered in time, {} needed for a majority",
             self.answered,
             self.masters,
             majority(self.masters)
-        )
+        )?;
+        if !self.failed.is_empty() {
+            write!(f, "; no answer from {}", failed_masters(&self.failed))?;
+        }
+        Ok(())
     }
 }
 
@@ -79,7 +85,7 @@ impl Inner {
                 limit = limit.min(split_deadline);
             }
             in_flight.sent(sent_at);
-            let votes = self.attempt(&keys, in_flight.token(), limit).await;
+            let (votes, failed) = self.attempt(&keys, in_flight.token(), limit).await;
             // The validity budget: the lease minus the time the majority took, minus
             // the drift margin. A majority reached after it is worth nothing.
             if votes.won() && Instant::now() < timing.valid_until(sent_at, timing.first_ttl()) {
@@ -97,6 +103,7 @@ impl Inner {
                 let error = NoMajority {
                     answered,
                     masters: self.masters.len(),
+                    failed,
                 };
                 return Err(LockError::Backend(Box::new(error)));
             }
@@ -160,17 +167,19 @@ impl Inner {
         keys: &Arc<RedisKeys>,
         token: &str,
         limit: Instant,
-    ) -> Votes {
+    ) -> (Votes, Vec<(String, String)>) {
         let ttl_ms = millis(self.timing().first_ttl());
         let guard_ms = match self.config.restart_guard {
             true => millis(self.config.lease),
             false => 0,
         };
         let mut votes = Votes::new(self.masters.len());
+        // The masters that gave no vote, and why (for the error if no majority answers).
+        let mut failed = Vec::new();
         let ask = |master: usize| {
             let (inner, keys, token) = (self.clone(), keys.clone(), token.to_owned());
             async move {
-                inner.masters[master]
+                let (vote, error) = inner.masters[master]
                     .acquire(
                         &keys,
                         &token,
@@ -179,11 +188,18 @@ impl Inner {
                         limit,
                         &inner.config.instance_id,
                     )
-                    .await
+                    .await;
+                (master, vote, error)
             }
         };
-        ask_all(self.masters.len(), ask, |vote| votes.count(vote)).await;
-        votes
+        ask_all(self.masters.len(), ask, |(master, vote, error)| {
+            if let Some(error) = error {
+                failed.push((self.masters[master].address.clone(), error.to_string()));
+            }
+            votes.count(vote)
+        })
+        .await;
+        (votes, failed)
     }
 }
 

@@ -85,7 +85,7 @@ impl Master {
         crate::backend::redis::eviction::check(policies, allowed)
     }
 
-    /// One acquire attempt on this master.
+    /// One acquire attempt on this master; the error, if it gave no vote.
     pub(super) async fn acquire(
         &self,
         keys: &RedisKeys,
@@ -94,7 +94,7 @@ impl Master {
         restart_guard_ms: u64,
         limit: Instant,
         instance_id: &str,
-    ) -> Vote {
+    ) -> (Vote, Option<RedisError>) {
         let mut invocation = self.acquire.key(&*keys.lock);
         invocation
             .key(keys.given_back(token))
@@ -110,16 +110,17 @@ impl Master {
             })
             .await;
         match answer {
-            Ok((1, _)) => Vote::Granted,
-            Ok((2, wait_ms)) => Vote::Restarted {
-                wait_ms: u64::try_from(wait_ms).unwrap_or_default(),
-            },
-            Ok((_, ttl_ms)) => Vote::Held { ttl_ms },
+            Ok((1, _)) => (Vote::Granted, None),
+            Ok((2, wait_ms)) => {
+                let wait_ms = u64::try_from(wait_ms).unwrap_or_default();
+                (Vote::Restarted { wait_ms }, None)
+            }
+            Ok((_, ttl_ms)) => (Vote::Held { ttl_ms }, None),
             // Refused: the master is down, and the attempt never left this process.
-            Err(error) if error.is_connection_refusal() => Vote::Refused,
+            Err(error) if error.is_connection_refusal() => (Vote::Refused, Some(error)),
             Err(error) => {
                 tracing::debug!(master = %self.address, %error, "redlock attempt unanswered");
-                Vote::NoAnswer
+                (Vote::NoAnswer, Some(error))
             }
         }
     }

@@ -274,6 +274,8 @@ pub enum SetupError {
         answered: usize,
         /// How many there are.
         masters: usize,
+        /// `(host:port, cause)` of every master that did not answer.
+        failed: Vec<(String, String)>,
     },
 }
 
@@ -292,11 +294,21 @@ impl fmt::Display for SetupError {
             Self::NoFencingTokens => f.write_str(NO_FENCING_TOKENS),
             Self::Timing(problem) => write!(f, "Redlock timing: {problem}"),
             Self::Master { master, error } => write!(f, "Redis master {master}: {error}"),
-            Self::NoMajority { answered, masters } => write!(
-                f,
-                "only {answered} of {masters} Redis masters answered, {} needed",
-                quorum::majority(*masters)
-            ),
+            Self::NoMajority {
+                answered,
+                masters,
+                failed,
+            } => {
+                write!(
+                    f,
+                    "Redlock: only {answered} of {masters} Redis masters answered, {} needed",
+                    quorum::majority(*masters)
+                )?;
+                if !failed.is_empty() {
+                    write!(f, "; no answer from {}", quorum::failed_masters(failed))?;
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -530,15 +542,19 @@ impl RedlockBackendBuilder {
             });
         }
         let mut answered = 0;
+        let mut failed = Vec::new();
         while let Some(check) = checks.join_next().await {
             let Ok((index, check)) = check else { continue };
             match check {
                 Ok(Ok(())) => answered += 1,
-                Ok(Err(error)) => tracing::warn!(
-                    master = %masters[index].address,
-                    %error,
-                    "redlock master did not answer at start; used when it does"
-                ),
+                Ok(Err(error)) => {
+                    tracing::warn!(
+                        master = %masters[index].address,
+                        %error,
+                        "redlock master did not answer at start; used when it does"
+                    );
+                    failed.push((masters[index].address.clone(), error.to_string()));
+                }
                 Err(error) => {
                     return Err(SetupError::Master {
                         master: masters[index].address.clone(),
@@ -548,9 +564,11 @@ impl RedlockBackendBuilder {
             }
         }
         if answered < quorum::majority(masters.len()) {
+            failed.sort();
             return Err(SetupError::NoMajority {
                 answered,
                 masters: masters.len(),
+                failed,
             });
         }
         Ok(RedlockBackend {

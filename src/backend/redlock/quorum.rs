@@ -7,6 +7,16 @@ use tokio::task::JoinSet;
 
 use super::master::{Reply, Vote};
 
+/// The masters that gave no answer and why, for errors: `host:port (cause)`, `; `
+/// between them.
+pub(super) fn failed_masters(failed: &[(String, String)]) -> String {
+    failed
+        .iter()
+        .map(|(master, why)| format!("{master} ({why})"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// The majority of `masters`: more than half.
 pub(super) fn majority(masters: usize) -> usize {
     masters / 2 + 1
