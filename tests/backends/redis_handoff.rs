@@ -10,7 +10,7 @@ use std::time::Duration;
 use redis::aio::MultiplexedConnection;
 use tokio::time::Instant;
 use tower_keyed_lock::backend::redis::RedisBackend;
-use tower_keyed_lock::{Key, LockBackend};
+use tower_keyed_lock::{Key, LockBackend, LockError};
 
 use crate::support::fixtures::{until, within};
 use crate::support::redis_server::{command_calls, RedisServer};
@@ -353,4 +353,37 @@ async fn a_writer_that_does_not_wait_is_not_queued() {
     assert!(a.holder(NAME, &key).await.unwrap().is_none());
     let again = b.acquire(NAME, &key, Duration::ZERO).await;
     assert!(again.is_ok(), "{:?}", again.err());
+}
+
+/// A wait that ends has left the queue by the time its caller hears it: a release right
+/// after frees the key instead of granting it to the waiter that gave up (whose
+/// give-back then came later, so that a `try_lock` right after a 409 found the key
+/// held). A current-thread runtime and a blocking look at Redis: no task of the backend
+/// runs between the wait's end and the look.
+#[tokio::test(flavor = "current_thread")]
+async fn a_wait_that_ends_has_left_the_queue_when_it_returns() {
+    let redis = RedisServer::start();
+    let lease = Duration::from_secs(60);
+    let a = backend(redis.client(), "a", lease).await;
+    let b = backend(redis.client(), "b", lease).await;
+    let key = Key::new("k", 256).unwrap();
+    let queue = lock_key(&a, ":queue");
+    let held = a.acquire(NAME, &key, Duration::ZERO).await.unwrap();
+
+    let timed_out = b.acquire(NAME, &key, Duration::from_millis(300)).await;
+    assert!(
+        matches!(timed_out, Err(LockError::Timeout)),
+        "{timed_out:?}"
+    );
+    let mut blocking = redis.client().get_connection().unwrap();
+    let queued: u64 = redis::cmd("HLEN").arg(&queue).query(&mut blocking).unwrap();
+    assert_eq!(queued, 0, "B was still queued when its wait returned");
+
+    held.release().await;
+    let again = b.acquire(NAME, &key, Duration::ZERO).await;
+    assert!(
+        again.is_ok(),
+        "the key is free after the release: {again:?}"
+    );
+    again.unwrap().release().await;
 }

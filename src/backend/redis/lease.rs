@@ -194,6 +194,7 @@ impl Inner {
             }
             let now = Instant::now();
             if now >= deadline {
+                in_flight.give_back().await;
                 return Err(LockError::Timeout);
             }
             let mut pause = pin!(sleep(self.pause(ttl_ms).min(deadline - now)));
@@ -230,6 +231,7 @@ impl Inner {
                 }
             }
             if Instant::now() >= deadline {
+                in_flight.give_back().await;
                 return Err(LockError::Timeout);
             }
         }

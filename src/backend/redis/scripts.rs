@@ -43,8 +43,9 @@
 /// while an unexpired one is left, the key is held, until the one that expires first
 /// (expired ones are pruned by the scripts of shared holders, and go with the set's
 /// TTL). A writer refused enters its token in the intent set (scored by the waiting
-/// mark's expiry) and takes it out when granted: while it is there, no new reader
-/// enters.
+/// mark's expiry, in ms with the µs of `TIME` as a fraction: the release grants in
+/// this order, and two writers refused within one ms must keep theirs) and takes it
+/// out when granted: while it is there, no new reader enters.
 ///
 /// A plain exclusive grant is on the hand-off's path, so it makes few calls: one
 /// `TIME`, `SET NX` for the lock, the fence read and written once, and the intent left
@@ -101,7 +102,8 @@ end
 if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[4]) then
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
 end
-redis.call('ZADD', KEYS[6], now + tonumber(ARGV[4]), ARGV[1])
+local order = now + tonumber(ARGV[4]) + (tonumber(clock[2]) % 1000) / 1000
+redis.call('ZADD', KEYS[6], string.format('%.3f', order), ARGV[1])
 if redis.call('PTTL', KEYS[6]) < tonumber(ARGV[4]) then
   redis.call('PEXPIRE', KEYS[6], ARGV[4])
 end

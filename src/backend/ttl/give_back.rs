@@ -29,11 +29,7 @@ pub(crate) async fn give_back<B: TtlBackend>(
     until: Instant,
     settled: Instant,
 ) {
-    let done = move |outcome: GiveBack| match outcome {
-        GiveBack::Cleared => true,
-        GiveBack::NotOurs => Instant::now() >= settled,
-        GiveBack::NoAnswer => false,
-    };
+    let done = move |outcome| is_settled(outcome, settled);
     if done(backend.try_give_back(&target, &token).await) {
         return;
     }
@@ -56,6 +52,16 @@ pub(crate) async fn give_back<B: TtlBackend>(
             "lock release failed; the record expires by its lease"
         );
     });
+}
+
+/// Whether a give-back that had `outcome` is over: no record of the token can be left
+/// or still land after `settled`.
+fn is_settled(outcome: GiveBack, settled: Instant) -> bool {
+    match outcome {
+        GiveBack::Cleared => true,
+        GiveBack::NotOurs => Instant::now() >= settled,
+        GiveBack::NoAnswer => false,
+    }
 }
 
 /// An acquisition's token, armed while an attempt may have been granted without us
@@ -94,6 +100,21 @@ impl<B: TtlBackend> InFlight<B> {
     /// Disarms the guard: the attempt's answer is known, and granted nothing.
     pub(crate) fn answered(&mut self) {
         self.sent_at = None;
+    }
+
+    /// Gives back now what the token may hold, one try awaited, before the caller hears
+    /// that its wait is over: a waiter still queued at the engine would be granted the
+    /// next release, and the key would stay blocked (for this instance's next
+    /// `try_lock` too) until a background give-back ran. Disarmed once settled; if not
+    /// (no answer, or dropped mid-try), the drop retries in the background as before.
+    pub(crate) async fn give_back(&mut self) {
+        let Some(sent_at) = self.sent_at else {
+            return;
+        };
+        let outcome = self.backend.try_give_back(&self.target, &self.token).await;
+        if is_settled(outcome, self.backend.settles_at(sent_at)) {
+            self.sent_at = None;
+        }
     }
 
     /// Disarms the guard and hands over the token: the attempt was granted.
