@@ -13,17 +13,10 @@ use super::fingerprint::fingerprint;
 use super::lookup::LookupFirst;
 use super::record::DEFAULT_REPLAYED_HEADERS;
 use super::service::Replay;
-use super::shared::{Settings, Shared};
+use super::shared::{Settings, Shared, NO_FENCING_TOKENS};
 use super::store::{MemoryStore, ReplayStore};
 
 use crate::{KeyedLock, KeyedLockLayer};
-
-/// Why a store that orders its writes by fencing token is refused under a backend that
-/// issues none.
-pub(crate) const NO_FENCING_TOKENS: &str = "the replay store needs fencing tokens (it \
-    writes only with a token above the stored one) and the lock backend issues none, so \
-    nothing would ever be stored: use PostgresBackend::fencing(true) (a RedlockBackend \
-    never issues them: it cannot do so safely)";
 
 /// The default [`ttl`](ReplayLayer::ttl): 24 hours.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 60 * 60);

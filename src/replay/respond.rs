@@ -198,7 +198,7 @@ fn admit<B>(
         && info.fencing_token().is_none()
         && settings.store.needs_fencing_tokens()
     {
-        return Err(misconfigured(super::layer::NO_FENCING_TOKENS));
+        return Err(misconfigured(super::shared::NO_FENCING_TOKENS));
     }
     match &settings.principal {
         Some(principal) => principal(request.extensions())

@@ -17,6 +17,13 @@ use super::store::{MemoryStore, ReplayStore};
 
 pub(crate) type PrincipalFn = dyn Fn(&Extensions) -> Option<String> + Send + Sync;
 
+/// Why a store that orders its writes by fencing token is refused under a backend that
+/// issues none.
+pub(crate) const NO_FENCING_TOKENS: &str = "the replay store needs fencing tokens (it \
+    writes only with a token above the stored one) and the lock backend issues none, so \
+    nothing would ever be stored: use PostgresBackend::fencing(true) (a RedlockBackend \
+    never issues them: it cannot do so safely)";
+
 /// A request's fingerprint from its head and buffered body: the built-in one, or one
 /// over what [`fingerprint_with`](super::ReplayLayer::fingerprint_with) chose.
 pub(crate) type FingerprintFn = dyn Fn(&Parts, &Bytes) -> Fingerprint + Send + Sync;

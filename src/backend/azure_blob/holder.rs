@@ -1,34 +1,16 @@
 //! Who holds a key (see [Who holds a key](super#who-holds-a-key)): the blob's lease
 //! state, and the metadata the holder wrote under its new lease with the fencing token.
 
-use std::collections::HashMap;
-
 use azure_core::http::StatusCode;
 use azure_storage_blob::models::{BlobClientGetPropertiesResultHeaders, LeaseState};
 use azure_storage_blob::BlobClient;
 use tokio::time::timeout;
 
-use super::lease::{AzureBlobLockError, FENCE};
+use super::lease::AzureBlobLockError;
+use super::metadata::{FENCE, INSTANCE, SINCE_MS};
 use super::Inner;
-use crate::backend::{from_unix_millis, unix_millis, Holder};
+use crate::backend::{from_unix_millis, Holder};
 use crate::error::LockError;
-
-/// The metadata entry with the holder's instance id.
-pub(super) const INSTANCE: &str = "holder";
-/// The metadata entry with the grant time, ms since the epoch (the holder's clock).
-pub(super) const SINCE_MS: &str = "since_ms";
-
-/// The metadata written with a grant: the fencing token, instance id and grant time.
-pub(super) fn grant_metadata(fence: u64, instance_id: &str) -> HashMap<String, String> {
-    HashMap::from([
-        (FENCE.to_owned(), fence.to_string()),
-        (INSTANCE.to_owned(), instance_id.to_owned()),
-        (
-            SINCE_MS.to_owned(),
-            unix_millis(std::time::SystemTime::now()).to_string(),
-        ),
-    ])
-}
 
 impl Inner {
     /// One `Get Blob Properties`: nothing leased, nothing written.

@@ -20,6 +20,7 @@ use azure_storage_blob::models::{
 use azure_storage_blob::BlobClient;
 use tokio::time::{sleep, timeout, timeout_at, Instant};
 
+use super::metadata::{grant_metadata, FENCE};
 use super::Inner;
 pub(super) use crate::backend::located::with_cause;
 use crate::backend::located::Located;
@@ -28,9 +29,6 @@ use crate::backend::ttl::{
 };
 use crate::backend::Lease;
 use crate::LockError;
-
-/// The blob metadata entry that holds the last fencing token issued for the key.
-pub(super) const FENCE: &str = "fence";
 
 /// The first pause of a waiter; pauses double from here up to `poll_interval`.
 const FIRST_POLL: Duration = Duration::from_millis(10);
@@ -305,7 +303,7 @@ impl Inner {
         // Lease calls leave the ETag as it was read; the answer says so if not.
         let etag = acquired.etag()?.or(read);
 
-        let metadata = super::holder::grant_metadata(fence, &self.config.instance_id);
+        let metadata = grant_metadata(fence, &self.config.instance_id);
         let write = blob.set_metadata(
             &metadata,
             Some(BlobClientSetMetadataOptions {

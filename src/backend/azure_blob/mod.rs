@@ -199,6 +199,7 @@
 // configuration.
 mod holder;
 mod lease;
+mod metadata;
 mod names;
 
 use std::fmt;

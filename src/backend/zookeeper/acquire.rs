@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 use zookeeper_client as zk;
 
+use super::contender::Contender;
 use super::keys::{self, parse_contender, LockPath};
 use super::lease;
 use super::session::Session;
@@ -25,31 +26,6 @@ use crate::LockError;
 /// How many times a create that found no queue node makes it and tries again: the
 /// server deletes an empty queue (a container node) by itself, possibly in between.
 const CREATE_ATTEMPTS: usize = 3;
-
-/// One acquisition at ZooKeeper: its session, its queue, its token, and its node once
-/// the create was answered.
-pub(super) struct Contender {
-    pub(super) session: Arc<Session>,
-    path: LockPath,
-    pub(super) token: String,
-    node: OnceLock<String>,
-}
-
-impl Contender {
-    /// The path of the contender's node, if its create was answered.
-    pub(super) fn node(&self) -> Option<&str> {
-        self.node.get().map(String::as_str)
-    }
-}
-
-impl fmt::Debug for Contender {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Contender")
-            .field("queue", &self.path.queue)
-            .field("node", &self.node.get())
-            .finish_non_exhaustive()
-    }
-}
 
 /// Why an acquisition failed at ZooKeeper (inside [`LockError::Backend`]).
 #[derive(Debug)]

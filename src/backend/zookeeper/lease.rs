@@ -9,7 +9,7 @@ use tokio::task::AbortHandle;
 use tokio::time::{timeout_at, Instant};
 use zookeeper_client as zk;
 
-use super::acquire::Contender;
+use super::contender::Contender;
 use super::session::{Health, Session};
 use super::Inner;
 use crate::backend::ttl::give_back;

@@ -209,6 +209,7 @@
 // held node, `holder` reads the first node of a queue. This file has the public types
 // and their configuration.
 mod acquire;
+mod contender;
 mod holder;
 mod keys;
 mod lease;
