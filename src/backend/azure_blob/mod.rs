@@ -654,7 +654,7 @@ mod tests {
     #[test]
     fn the_fence_counts_on_or_starts_from_the_clock() {
         use std::collections::HashMap;
-        let stored = HashMap::from([(lease::FENCE.to_owned(), "41".to_owned())]);
+        let stored = HashMap::from([(metadata::FENCE.to_owned(), "41".to_owned())]);
         assert_eq!(lease::next_fence(&stored, 0).unwrap(), 42);
         // A counter counts on, whatever the floor.
         assert_eq!(lease::next_fence(&stored, u64::MAX / 2).unwrap(), 42);
@@ -666,7 +666,7 @@ mod tests {
             lease::next_fence(&HashMap::new(), ahead).unwrap(),
             ahead + 1
         );
-        let garbage = HashMap::from([(lease::FENCE.to_owned(), "x".to_owned())]);
+        let garbage = HashMap::from([(metadata::FENCE.to_owned(), "x".to_owned())]);
         assert!(lease::next_fence(&garbage, 0).is_err());
     }
 }
