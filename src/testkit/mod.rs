@@ -142,6 +142,7 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     a_crashed_holder_is_taken_over(deployment).await;
     several_keys_all_or_nothing(deployment).await;
     health_answers(deployment).await;
+    the_holder_is_read_without_taking_the_key(deployment).await;
 }
 
 /// The names of the checks [`run_modes`] runs, in its order: for backends that hold
@@ -165,7 +166,6 @@ pub async fn run_modes<D: Deployment>(deployment: &D) {
     a_crashed_permit_comes_back(deployment).await;
     fencing_tokens_across_modes(deployment).await;
     dropped_shared_and_permit_acquisitions_leave_nothing_held(deployment).await;
-    the_holder_is_read_without_taking_the_key(deployment).await;
 }
 
 /// One instance of the application: locks named like the check, on a fresh backend.
@@ -180,5 +180,29 @@ async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
     match tokio::time::timeout(PATIENCE, future).await {
         Ok(output) => output,
         Err(_) => panic!("conformance: {what} did not happen within {PATIENCE:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{CHECKS, MODE_CHECKS};
+
+    /// A check listed is a check run: each runner calls exactly the checks its list
+    /// names, in its order (the RELIABILITY table is checked against the lists).
+    #[test]
+    fn every_listed_check_is_run() {
+        let source = include_str!("mod.rs");
+        for (runner, listed) in [("run_all", &CHECKS[..]), ("run_modes", &MODE_CHECKS[..])] {
+            let body = source
+                .split(&format!("pub async fn {runner}<"))
+                .nth(1)
+                .and_then(|rest| rest.split("\n}\n").next())
+                .expect("the runner is defined here");
+            let run: Vec<&str> = body
+                .lines()
+                .filter_map(|line| line.trim().strip_suffix("(deployment).await;"))
+                .collect();
+            assert_eq!(run, listed, "{runner} runs what its list names, in order");
+        }
     }
 }
