@@ -795,14 +795,14 @@ impl PostgresBackend {
                 match inner.scope {
                     LockScope::Session if !permits.is_empty() => inner
                         .clone()
-                        .acquire_permit(permits, deadline)
+                        .acquire_permit(id, permits, deadline)
                         .await
                         .map(Acquired::Granted),
                     LockScope::Session => {
                         let record = record.as_deref();
                         inner
                             .clone()
-                            .acquire_unless_recorded(id, shared, deadline, record)
+                            .acquire_unless_recorded(id, shared, None, deadline, record)
                             .await
                     }
                     LockScope::Transaction => inner
