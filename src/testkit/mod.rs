@@ -65,6 +65,7 @@
 //! | [`a_crashed_permit_comes_back`] | a crashed holder's permit is free again after the loss bound |
 //! | [`fencing_tokens_across_modes`] | writer tokens increase across modes; a reader's is at least the last writer's and below the next |
 //! | [`dropped_shared_and_permit_acquisitions_leave_nothing_held`] | a cancelled shared or permit acquisition, at any point, leaves the key free |
+//! | [`exclusive_and_permits_exclude_each_other`] | an exclusive instance and a permit instance under one name exclude each other on a key |
 
 mod health;
 mod holder;
@@ -84,7 +85,7 @@ pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_
 pub use self::modes::{
     a_crashed_permit_comes_back, a_waiting_writer_is_not_starved, a_writer_excludes_everyone,
     at_most_n_permit_holders, dropped_shared_and_permit_acquisitions_leave_nothing_held,
-    fencing_tokens_across_modes, readers_hold_together,
+    exclusive_and_permits_exclude_each_other, fencing_tokens_across_modes, readers_hold_together,
 };
 pub use self::mutual::{
     busy_and_timeout, dropped_acquisitions_leave_nothing_held, fencing_tokens_increase,
@@ -147,7 +148,7 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
 
 /// The names of the checks [`run_modes`] runs, in its order: for backends that hold
 /// keys shared and count permits.
-pub const MODE_CHECKS: [&str; 7] = [
+pub const MODE_CHECKS: [&str; 8] = [
     "readers_hold_together",
     "a_writer_excludes_everyone",
     "a_waiting_writer_is_not_starved",
@@ -155,6 +156,7 @@ pub const MODE_CHECKS: [&str; 7] = [
     "a_crashed_permit_comes_back",
     "fencing_tokens_across_modes",
     "dropped_shared_and_permit_acquisitions_leave_nothing_held",
+    "exclusive_and_permits_exclude_each_other",
 ];
 
 /// Runs every check of [`MODE_CHECKS`], each on keys of its own.
@@ -166,6 +168,7 @@ pub async fn run_modes<D: Deployment>(deployment: &D) {
     a_crashed_permit_comes_back(deployment).await;
     fencing_tokens_across_modes(deployment).await;
     dropped_shared_and_permit_acquisitions_leave_nothing_held(deployment).await;
+    exclusive_and_permits_exclude_each_other(deployment).await;
 }
 
 /// One instance of the application: locks named like the check, on a fresh backend.

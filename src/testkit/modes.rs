@@ -316,3 +316,63 @@ async fn both_permits_eventually(locks: &DistributedLocks, key: &str, limit: Dur
         guard.release().await;
     }
 }
+
+/// Two instances under one name, one exclusive and one with 2 permits (two
+/// configurations that cannot be refused when built, being in different processes):
+/// they exclude each other on a key. While the writer holds it, the permit holder is
+/// `Busy` and a waiting one gets it only after the release; while a permit is held,
+/// the writer is `Busy` and a waiting one gets it only after the permit's release;
+/// the second permit stays free beside the first.
+pub async fn exclusive_and_permits_exclude_each_other<D: Deployment>(deployment: &D) {
+    let writer = counted(deployment, "conformance-mixed-modes", 1).await;
+    let permits = counted(deployment, "conformance-mixed-modes", 2).await;
+    let other = counted(deployment, "conformance-mixed-modes", 2).await;
+
+    let held = within("a writer", writer.lock("k")).await.unwrap();
+    assert!(
+        matches!(permits.try_lock("k").await, Err(LockError::Busy)),
+        "conformance: a permit holder got the key while a writer of another instance \
+         held it under the same name"
+    );
+    let waiting = tokio::spawn(async move { permits.lock_timeout("k", PATIENCE).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !waiting.is_finished(),
+        "conformance: a permit holder did not wait for the writer"
+    );
+    held.release().await;
+    let permit = within("the permit after the writer", waiting)
+        .await
+        .unwrap()
+        .expect("conformance: the waiting permit holder did not get the key after the writer");
+
+    let second = within("the second permit beside the first", other.try_lock("k"))
+        .await
+        .expect("conformance: the second permit was refused beside the first");
+    assert!(
+        matches!(writer.try_lock("k").await, Err(LockError::Busy)),
+        "conformance: a writer got the key while permit holders of another instance held \
+         it under the same name"
+    );
+    second.release().await;
+    assert!(
+        matches!(writer.try_lock("k").await, Err(LockError::Busy)),
+        "conformance: a writer got the key while a permit holder still held it"
+    );
+    let waiting = tokio::spawn(async move { writer.lock_timeout("k", PATIENCE).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !waiting.is_finished(),
+        "conformance: a writer did not wait for the permit holder"
+    );
+    permit.release().await;
+    let alone = within("the writer after the permit", waiting)
+        .await
+        .unwrap()
+        .expect("conformance: the waiting writer did not get the key after the permit");
+    assert!(
+        matches!(other.try_lock("k").await, Err(LockError::Busy)),
+        "conformance: a permit holder got the key while the writer held it"
+    );
+    alone.release().await;
+}

@@ -108,6 +108,7 @@ macro_rules! modes {
                 a_crashed_permit_comes_back,
                 fencing_tokens_across_modes,
                 dropped_shared_and_permit_acquisitions_leave_nothing_held,
+                exclusive_and_permits_exclude_each_other,
             );
         }
     };

@@ -1,7 +1,10 @@
 //! Shared, exclusive and permit locks from several instances (each its own backend
 //! client) against a real Redis and PostgreSQL, checked against a simple model: random
 //! sequences of acquire/hold/release, and at no instant does a writer overlap anyone,
-//! nor do more than `PERMITS` permit holders exist. Through the fault proxy (one
+//! nor do more than `PERMITS` permit holders exist. Mixed modes under one name are in
+//! the plans too: an instance's permit lock named like the read/write locks (as two
+//! processes configured differently would be) holds against writers of that name, at
+//! most `PERMITS` at once, beside readers. Through the fault proxy (one
 //! instance's path delayed, blackholed or reset mid-run) an overlap may happen, but only
 //! signalled: the holder it overlaps has been told its lease is lost — before the other
 //! grant, or for a session lock whose connection was reset, within the bound its
@@ -35,6 +38,8 @@ enum Step {
     Read(u64),
     Write(u64),
     Permit(u64),
+    /// A permit of the permit lock named like the read/write locks.
+    Mixed(u64),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -42,6 +47,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (0u64..4).prop_map(Step::Read),
         2 => (0u64..4).prop_map(Step::Write),
         2 => (0u64..4).prop_map(Step::Permit),
+        2 => (0u64..4).prop_map(Step::Mixed),
     ]
 }
 
@@ -63,6 +69,8 @@ struct Holders {
     readers: Vec<(usize, LeaseSignal)>,
     writers: Vec<(usize, LeaseSignal)>,
     permits: Vec<(usize, LeaseSignal)>,
+    /// Permit holders under the read/write locks' name.
+    mixed: Vec<(usize, LeaseSignal)>,
     next: usize,
     /// How long after another grant an overlapped holder may be told (0: before it).
     notice: Duration,
@@ -90,10 +98,14 @@ impl Holders {
         let (live, allowed) = match step {
             Step::Read(_) => (live(&self.writers), live(&self.writers) == 0),
             Step::Write(_) => {
-                let live = live(&self.writers) + live(&self.readers);
+                let live = live(&self.writers) + live(&self.readers) + live(&self.mixed);
                 (live, live == 0)
             }
             Step::Permit(_) => (live(&self.permits), live(&self.permits) < PERMITS),
+            Step::Mixed(_) => (
+                live(&self.writers) + live(&self.mixed),
+                live(&self.writers) == 0 && live(&self.mixed) < PERMITS,
+            ),
         };
         if !allowed && !self.notice.is_zero() {
             // A session lock freed with its reset connection: the holders in the way
@@ -101,8 +113,14 @@ impl Holders {
             let deadline = Instant::now() + self.notice;
             let in_the_way: Vec<(usize, LeaseSignal)> = match step {
                 Step::Read(_) => self.writers.clone(),
-                Step::Write(_) => [self.writers.clone(), self.readers.clone()].concat(),
+                Step::Write(_) => [
+                    self.writers.clone(),
+                    self.readers.clone(),
+                    self.mixed.clone(),
+                ]
+                .concat(),
                 Step::Permit(_) => self.permits.clone(),
+                Step::Mixed(_) => [self.writers.clone(), self.mixed.clone()].concat(),
             };
             for (id, signal) in in_the_way.into_iter().filter(|(_, s)| !s.is_lost()) {
                 let told = tokio::spawn(async move {
@@ -115,10 +133,11 @@ impl Holders {
         } else if !allowed {
             return Err(Unsignalled(format!(
                 "{step:?} granted beside {live} live conflicting holders \
-                 (readers {}, writers {}, permits {})",
+                 (readers {}, writers {}, permits {}, permits under the writers' name {})",
                 self.readers.len(),
                 self.writers.len(),
-                self.permits.len()
+                self.permits.len(),
+                self.mixed.len()
             )));
         }
         self.next += 1;
@@ -127,13 +146,19 @@ impl Holders {
             Step::Read(_) => self.readers.push(entry),
             Step::Write(_) => self.writers.push(entry),
             Step::Permit(_) => self.permits.push(entry),
+            Step::Mixed(_) => self.mixed.push(entry),
         }
         Ok(self.next)
     }
 
     fn leave(&mut self, id: usize) {
         self.left.insert(id, Instant::now());
-        for list in [&mut self.readers, &mut self.writers, &mut self.permits] {
+        for list in [
+            &mut self.readers,
+            &mut self.writers,
+            &mut self.permits,
+            &mut self.mixed,
+        ] {
             list.retain(|(entry, _)| *entry != id);
         }
     }
@@ -157,10 +182,12 @@ impl Holders {
     }
 }
 
-/// One instance: read/write locks and permit locks on one backend client of its own.
+/// One instance: read/write locks, permit locks, and permit locks under the read/write
+/// locks' name, on one backend client of its own.
 struct Instance {
     rw: DistributedLocks,
     permits: DistributedLocks,
+    mixed: DistributedLocks,
 }
 
 impl Instance {
@@ -168,6 +195,10 @@ impl Instance {
         Instance {
             rw: DistributedLocks::builder("model-rw")
                 .shared_backend(backend.clone())
+                .build(),
+            mixed: DistributedLocks::builder("model-rw")
+                .shared_backend(backend.clone())
+                .permits(PERMITS)
                 .build(),
             permits: DistributedLocks::builder("model-permits")
                 .shared_backend(backend)
@@ -193,6 +224,7 @@ async fn run(
                     Step::Read(ms) => (instance.rw.lock_shared_timeout("k", WAIT), ms),
                     Step::Write(ms) => (instance.rw.lock_timeout("k", WAIT), ms),
                     Step::Permit(ms) => (instance.permits.lock_timeout("k", WAIT), ms),
+                    Step::Mixed(ms) => (instance.mixed.lock_timeout("k", WAIT), ms),
                 };
                 let guard: DistributedGuard = match acquire.await {
                     Ok(guard) => guard,

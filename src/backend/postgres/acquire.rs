@@ -76,14 +76,16 @@ impl Grant {
 
 impl Inner {
     /// Takes the session lock `id` (`shared` beside other shared holders, else alone),
-    /// waiting until `deadline` (fencing prepared).
+    /// and with it `key` (a permit's key lock id, see `permits.rs`) in shared mode,
+    /// both or neither; waiting until `deadline` (fencing prepared).
     pub(super) async fn acquire(
         self: Arc<Self>,
         id: i64,
         shared: bool,
+        key: Option<i64>,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
-        self.acquire_unless_recorded(id, shared, deadline, None)
+        self.acquire_unless_recorded(id, shared, key, deadline, None)
             .await?
             .into_lease()
     }
@@ -95,14 +97,28 @@ impl Inner {
     /// whose writer released the lock after the try's snapshot but before its lock is
     /// seen too (the lock the try took then is given back). A stored record is
     /// answered. A grant after a wait has not looked: [`Acquired::Granted`].
+    ///
+    /// With `key` (a permit), the try takes `key` in shared mode first, then `id`, and
+    /// gives `key` back if `id` was taken: both or neither, in the try's one statement
+    /// (`CASE` evaluates its branches in order).
     pub(super) async fn acquire_unless_recorded(
         self: Arc<Self>,
         id: i64,
         shared: bool,
+        key: Option<i64>,
         deadline: Instant,
         record: Option<&str>,
     ) -> Result<Acquired, LockError> {
         let suffix = shared_suffix(shared);
+        let try_lock = match key {
+            None => format!("pg_try_advisory_lock{suffix}({id})"),
+            Some(key) => format!(
+                "CASE WHEN pg_try_advisory_lock_shared({key}) \
+                      THEN CASE WHEN pg_try_advisory_lock{suffix}({id}) THEN true \
+                                ELSE NOT pg_advisory_unlock_shared({key}) END \
+                      ELSE false END"
+            ),
+        };
         let marker = format!("{id}/{:016x}", nonce());
         // A record stored already is seen by the try, which then takes nothing.
         let recorded = match record {
@@ -115,7 +131,7 @@ impl Inner {
              FROM (SELECT pg_backend_pid() AS pid, \
                    CASE WHEN coalesce(current_setting('{LEASE_MARKER}', true), '') <> '' \
                         THEN NULL {recorded} \
-                        ELSE pg_try_advisory_lock{suffix}({id}) END AS locked) AS try",
+                        ELSE {try_lock} END AS locked) AS try",
             granted = self.granted(&marker, shared),
             limits = limits_sql(&format!("'{}ms'", self.server_idle_limit().as_millis())),
         );
@@ -183,7 +199,7 @@ impl Inner {
             false => self.confirm(&session, id, grant.pid, &marker).await?,
         };
         let waited = granted.waited;
-        let lease = self.hold(session, id, shared, grant.pid, granted.token, since);
+        let lease = self.hold(session, (id, shared, key), grant.pid, granted.token, since);
         Ok(match (stored, record.is_some() && !waited) {
             // Written and released just before the try: the lease is dropped, which
             // gives the lock back off the request's path.
@@ -352,15 +368,20 @@ impl Inner {
         Ok(row.get(0) == Some("t"))
     }
 
-    /// The statement that unlocks `id` on server process `pid` and clears the session's
-    /// marker: its row says whether the lock was held; no row means another server
-    /// process answered (a transaction pooler), which was left alone.
-    pub(super) fn unlock_sql(id: i64, shared: bool, pid: i32) -> String {
+    /// The statement that unlocks `id` (and a permit's `key`, held shared beside it) on
+    /// server process `pid` and clears the session's marker: its row says whether the
+    /// lock was held; no row means another server process answered (a transaction
+    /// pooler), which was left alone.
+    pub(super) fn unlock_sql(id: i64, shared: bool, key: Option<i64>, pid: i32) -> String {
         let suffix = shared_suffix(shared);
+        let key = match key {
+            Some(key) => format!(", pg_advisory_unlock_shared({key})"),
+            None => String::new(),
+        };
         format!(
             "SELECT pg_advisory_unlock{suffix}({id}), set_config('{LEASE_MARKER}', NULL, false), \
                     set_config('application_name', \
-                               coalesce(current_setting('{SAVED_NAME}', true), ''), false) \
+                               coalesce(current_setting('{SAVED_NAME}', true), ''), false){key} \
              WHERE pg_backend_pid() = {pid}"
         )
     }

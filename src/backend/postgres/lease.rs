@@ -29,11 +29,12 @@ impl Inner {
     /// the server's idle limit was sent (it answered within the network timeout): the
     /// liveness checks count from there, so the holder is told a network timeout
     /// before that limit can run out.
+    /// `lock` is the lock id, whether it is held shared, and a permit's key lock id
+    /// held shared beside it.
     pub(super) fn hold(
         self: Arc<Self>,
         session: Session,
-        id: i64,
-        shared: bool,
+        (id, shared, key): (i64, bool, Option<i64>),
         pid: i32,
         token: Option<u64>,
         since: Instant,
@@ -45,7 +46,8 @@ impl Inner {
         #[cfg(feature = "replay")]
         let writes_records =
             (self.scope == LockScope::Session && !shared).then(|| self.engine_id());
-        let task = tokio::spawn(self.watch(session, (id, shared), pid, since, lost, stopped));
+        let lock = (id, shared, key);
+        let task = tokio::spawn(self.watch(session, lock, pid, since, lost, stopped));
         Lease::new(
             token,
             signal,
@@ -61,11 +63,12 @@ impl Inner {
     /// Watches the held connection until the lease is released (or dropped), then
     /// unlocks, after writing a replay record if the release brought one. If the
     /// runtime drops this task instead, `session`'s drop closes the connection, which
-    /// frees the lock. `lock` is the lock id, and whether it is held shared.
+    /// frees the lock. `lock` is the lock id, whether it is held shared, and a permit's
+    /// key lock id held shared beside it.
     async fn watch(
         self: Arc<Self>,
         session: Session,
-        (id, shared): (i64, bool),
+        (id, shared, key): (i64, bool, Option<i64>),
         pid: i32,
         since: Instant,
         lost: LeaseLostSender,
@@ -88,10 +91,10 @@ impl Inner {
         let released = match (self.scope, stop) {
             #[cfg(feature = "replay")]
             (LockScope::Session, Stop::Write(write)) => {
-                self.write_and_unlock(&session, (id, shared, pid), write)
+                self.write_and_unlock(&session, (id, shared, key, pid), write)
                     .await
             }
-            (LockScope::Session, _) => self.unlock(&session, id, shared, pid).await,
+            (LockScope::Session, _) => self.unlock(&session, (id, shared, key), pid).await,
             // Ending the transaction ends its lock (a lease of this scope is never
             // asked to write a record).
             (LockScope::Transaction, _) => self
@@ -176,9 +179,14 @@ impl Inner {
     }
 
     /// Unlocks a session lock; `Ok` when the session is known to hold nothing now.
-    async fn unlock(&self, session: &Session, id: i64, shared: bool, pid: i32) -> Result<(), ()> {
+    async fn unlock(
+        &self,
+        session: &Session,
+        (id, shared, key): (i64, bool, Option<i64>),
+        pid: i32,
+    ) -> Result<(), ()> {
         let answer = self
-            .round_trip(session.simple_query(&Inner::unlock_sql(id, shared, pid)))
+            .round_trip(session.simple_query(&Inner::unlock_sql(id, shared, key, pid)))
             .await;
         match answer.as_deref().map(last_row) {
             Ok(Some(row)) if row.get(0) == Some("t") => Ok(()),
@@ -200,7 +208,7 @@ impl Inner {
 
 #[cfg(feature = "replay")]
 impl Inner {
-    /// Writes a replay record and unlocks `(id, shared, pid)` in one round trip: two
+    /// Writes a replay record and unlocks `(id, shared, key, pid)` in one round trip: two
     /// simple queries sent together. Two messages, not one: statements of one message
     /// share an implicit transaction, and a session lock's unlock takes effect at
     /// once, before that transaction commits, so the next holder's try could miss the
@@ -210,13 +218,13 @@ impl Inner {
     async fn write_and_unlock(
         &self,
         session: &Session,
-        (id, shared, pid): (i64, bool, i32),
+        (id, shared, key, pid): (i64, bool, Option<i64>, i32),
         write: RecordWriting,
     ) -> Result<(), ()> {
         // Both requests are queued by their first poll, the write first.
         let (written, released) = tokio::join!(
             self.round_trip(session.simple_query(&write.sql)),
-            self.unlock(session, id, shared, pid),
+            self.unlock(session, (id, shared, key), pid),
         );
         let written = written
             .map(|answer| {

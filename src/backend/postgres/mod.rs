@@ -249,7 +249,16 @@
 //!   of [`PERMIT_POLL`] and all of it before the next round, until its wait is over.
 //!   PostgreSQL queues a waiter on one lock, not on "any of n", so permit waiters are
 //!   served in no particular order. A crashed holder's permit comes back when its
-//!   session ends (the [lost locks](self#lost-locks) bound).
+//!   session ends (the [lost locks](self#lost-locks) bound). A permit holder also
+//!   holds the key's own lock id in shared mode, taken first in the try's statement
+//!   and given back there if no permit was free (both or neither; the release unlocks
+//!   both in its one statement): so an instance configured with permits and one
+//!   configured exclusive under the same name — in two processes, where the mismatch
+//!   cannot be refused when built — exclude each other on a key, and a writer waiting
+//!   in PostgreSQL's queue keeps new permit holders out, as it keeps readers out.
+//!   Readers and permit holders do not exclude each other. Each acquirer counts
+//!   against its own `n` (its own `n` lock ids): instances configured with different
+//!   `n` under one name do not share their permits.
 //! - **Fencing** (with [`fencing`](PostgresBackend::fencing)): writers and permit
 //!   holders take `nextval` of the sequence, so writers' tokens keep increasing across
 //!   shared and exclusive grants. A reader takes none: its token is the sequence's last
@@ -795,14 +804,14 @@ impl PostgresBackend {
                 match inner.scope {
                     LockScope::Session if !permits.is_empty() => inner
                         .clone()
-                        .acquire_permit(permits, deadline)
+                        .acquire_permit(id, permits, deadline)
                         .await
                         .map(Acquired::Granted),
                     LockScope::Session => {
                         let record = record.as_deref();
                         inner
                             .clone()
-                            .acquire_unless_recorded(id, shared, deadline, record)
+                            .acquire_unless_recorded(id, shared, None, deadline, record)
                             .await
                     }
                     LockScope::Transaction => inner

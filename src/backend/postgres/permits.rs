@@ -1,5 +1,14 @@
 //! N permits per key: `n` session advisory locks per key, one per permit, tried in
-//! turn; a holder holds one of them, as it would hold the key alone.
+//! turn; a holder holds one of them, as it would hold the key alone, and the key's own
+//! lock in shared mode beside it, taken first in the same statement (both or neither).
+//! So a writer of the key (an instance configured exclusive under the same name, in
+//! another process where the mismatch cannot be refused when built), which takes the
+//! key's lock exclusively, and permit holders exclude each other; permit holders, like
+//! readers, do not wait behind each other on the key's lock, and a waiting writer keeps
+//! new ones out (PostgreSQL refuses a try that conflicts with a queued request). Each
+//! acquirer counts against its own `n`: its own `n` lock ids, so instances configured
+//! with different `n` under one name share the key's lock against writers but not
+//! their permits (up to the sum of their `n` hold at once).
 //!
 //! PostgreSQL queues a waiter on one lock id, not on "any of n": so a permit waiter
 //! tries every id once (`pg_try_advisory_lock`, one round trip each), then sleeps a
@@ -35,9 +44,11 @@ pub(super) fn permit_ids(namespace: &str, name: &str, key: &str, permits: usize)
 
 impl Inner {
     /// Holds one of the locks `ids` (tried from a random place, so instances spread
-    /// over them), waiting until `deadline`.
+    /// over them) and `key`, the key's lock id, in shared mode, waiting until
+    /// `deadline`.
     pub(super) async fn acquire_permit(
         self: Arc<Self>,
+        key: i64,
         ids: Vec<i64>,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
@@ -46,7 +57,11 @@ impl Inner {
             for place in 0..ids.len() {
                 let id = ids[(start + place) % ids.len()];
                 // A try: no wait in PostgreSQL's queue for this one id.
-                match self.clone().acquire(id, false, Instant::now()).await {
+                match self
+                    .clone()
+                    .acquire(id, false, Some(key), Instant::now())
+                    .await
+                {
                     Ok(lease) => return Ok(lease),
                     Err(LockError::Timeout) => {}
                     Err(error) => return Err(error),

@@ -75,7 +75,7 @@ impl Inner {
             true => sent,
             false => self.confirm_in_transaction(&session, id, grant.pid).await?,
         };
-        Ok(self.hold(session, id, false, grant.pid, grant.token, since))
+        Ok(self.hold(session, (id, false, None), grant.pid, grant.token, since))
     }
 
     /// Confirms within the network timeout that the transaction holding `id` is still

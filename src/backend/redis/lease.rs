@@ -311,7 +311,7 @@ impl Inner {
             false => 0,
         };
         // Shared and permit holders go through their own script (a sorted set of
-        // holders); the exclusive one also waits for the readers.
+        // holders); the exclusive one also waits for the readers and permit holders.
         let (script, holders, permits) = match keys.mode {
             LockMode::Exclusive => (&self.acquire, &keys.readers, None),
             LockMode::Shared => (&self.acquire_counted, &keys.readers, Some(0)),
@@ -326,6 +326,7 @@ impl Inner {
             .key(&keys.intent)
             .key(&keys.holder)
             .key(&keys.queue)
+            .key(&keys.permits)
             .arg(token)
             .arg(millis(self.config.first_ttl()))
             .arg(fence_ttl)

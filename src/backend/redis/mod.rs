@@ -198,7 +198,16 @@
 //!   at most. (A cancelled request's remote acquisition runs on, detached, to the end
 //!   of its wait; a grant it gets is released at once.)
 //! - **Permits.** A permit is granted while fewer than `n` unexpired holders are in
-//!   `:permits`. Every instance must use the same `n`.
+//!   `:permits`, no writer holds `:lock` and no writer waits; a writer is granted only
+//!   when no unexpired permit holder is left either (one more `ZRANGEBYSCORE` in its
+//!   script, sent only when no reader holds the key). So an instance configured with
+//!   permits and one configured exclusive under the same name — in two processes, where
+//!   the mismatch cannot be refused when built — exclude each other on a key, and a
+//!   writer waiting for permit holders keeps new ones out as it keeps readers out.
+//!   Each acquirer counts against its own `n`: instances configured with different
+//!   `n` share the one set, and none enters while as many holders as its own `n` hold
+//!   (the smaller `n` sees the key full sooner). Readers and permit holders do not
+//!   exclude each other: both hold the key against writers only.
 //! - **Wake-ups.** A reader's or permit holder's release publishes like a writer's
 //!   (on the lock key's name) when a waiter marked the key, so waiters of every mode
 //!   wake as for an exclusive lock; the poll is the backstop.

@@ -2,18 +2,19 @@
 
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
 /// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent, `KEYS[7]` the holder record,
-/// `KEYS[8]` the queue, optionally `KEYS[9]` a replay record to look for first;
+/// `KEYS[8]` the queue, `KEYS[9]` permit holders, optionally `KEYS[10]` a replay record
+/// to look for first;
 /// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
 /// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id,
 /// `ARGV[7]` `1` if an earlier attempt of this token was sent (it may be in the intent
 /// set), else `0`, `ARGV[8]` `1` if the caller takes a grant from a release (see
 /// `RELEASE`), else `0`.
 /// Returns `{1, fencing token}`, `{0, holder's PTTL}` (-2 when the token was given back;
-/// a reader's expiry when readers hold the key), `{2, ms until the restart guard
-/// lets grants through}`, or `{3, the replay record}`.
+/// a reader's or permit holder's expiry when they hold the key), `{2, ms until the
+/// restart guard lets grants through}`, or `{3, the replay record}`.
 ///
 /// Replay record: a completed request's stored response needs no lock to be replayed,
-/// so when `KEYS[8]` exists the key is not taken (and this token leaves the writers'
+/// so when `KEYS[10]` exists the key is not taken (and this token leaves the writers'
 /// intent it may have entered on an earlier attempt).
 ///
 /// Given back: an attempt that arrives after its own give-back (it travelled on a
@@ -47,15 +48,21 @@
 /// this order, and two writers refused within one ms must keep theirs) and takes it
 /// out when granted: while it is there, no new reader enters.
 ///
+/// Permit holders (`ACQUIRE_COUNTED` with permits) hold the key against writers as
+/// readers do: an instance configured with permits and one exclusive under the same
+/// name exclude each other. Their set is read (one `ZRANGEBYSCORE`) only when no
+/// reader holds the key; a writer refused by them enters the intent as above, and
+/// while it is there no new permit holder enters either.
+///
 /// A plain exclusive grant is on the hand-off's path, so it makes few calls: one
-/// `TIME`, `SET NX` for the lock, the fence read and written once, and the intent left
-/// only by a token that may have entered it.
+/// `TIME`, the readers and permit holders looked at, `SET NX` for the lock, the fence
+/// read and written once, and the intent left only by a token that may have entered it.
 pub(super) const ACQUIRE: &str = r"
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
 end
-if KEYS[9] then
-  local stored = redis.call('GET', KEYS[9])
+if KEYS[10] then
+  local stored = redis.call('GET', KEYS[10])
   if stored then
     redis.call('ZREM', KEYS[6], ARGV[1])
     return {3, stored}
@@ -64,6 +71,9 @@ end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local reader = redis.call('ZRANGEBYSCORE', KEYS[5], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+if reader[1] == nil then
+  reader = redis.call('ZRANGEBYSCORE', KEYS[9], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+end
 if reader[1] == nil then
   if ARGV[5] ~= '0' and redis.call('EXISTS', KEYS[1]) == 0 then
     local info = redis.call('INFO', 'server')
@@ -156,8 +166,10 @@ return 0
 /// waiting (its entry not expired) and queued: granted as `ACQUIRE` grants, with the
 /// lease it queued with, and announced as `lock\ntoken\nfencing token\nlease ms`, so the
 /// waiter holds it without a round trip of its own (and the others wait at most that
-/// lease before they try again). No reader can hold the key here: readers
-/// are refused while it is held. Without such a writer the lock is deleted, and the
+/// lease before they try again). No reader or permit holder can hold the key here:
+/// `ACQUIRE` grants the lock only when no unexpired one is left, `ACQUIRE_COUNTED`
+/// refuses both while the lock is held, and a renewal never brings an expired one
+/// back; so the hand-off needs no look at their sets. Without such a writer the lock is deleted, and the
 /// release announced (the lock key alone) if a waiter marked the key; an uncontended
 /// release publishes nothing.
 pub(super) const RELEASE: &str = r"
@@ -236,7 +248,8 @@ return 0
 /// Takes one place among a key's shared or permit holders. `KEYS[1]` lock, `KEYS[2]`
 /// fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back mark, `KEYS[5]` the
 /// holders (readers or permits: tokens scored by expiry, server ms), `KEYS[6]` the
-/// writers' intent (`KEYS[7]`, the exclusive holder record, is not used); `ARGV[1]`
+/// writers' intent (`KEYS[7]`, the exclusive holder record, `KEYS[8]` and `KEYS[9]`
+/// are not used); `ARGV[1]`
 /// token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark
 /// TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id (not used),
 /// `ARGV[7]` permits (0: a reader, unbounded but for writers). Answers as `ACQUIRE` does; a
@@ -244,10 +257,15 @@ return 0
 /// one.
 ///
 /// Expired holders are pruned first, so a crashed holder's place comes back one lease
-/// after its last grant or renewal. A reader is refused while a writer holds the key
-/// or waits for it (the intent set, pruned the same way); a permit holder while
-/// `ARGV[7]` places are taken. The set's own TTL is only ever extended, to the latest
-/// holder's expiry.
+/// after its last grant or renewal. A reader or a permit holder is refused while a
+/// writer holds the key or waits for it (the intent set, pruned the same way): an
+/// instance with permits and an exclusive one under the same name exclude each other,
+/// and a stream of permit holders cannot starve the writer. A permit holder is also
+/// refused while `ARGV[7]` places are taken: each acquirer counts against its own `n`,
+/// so instances configured with different `n` share one set of holders and none
+/// enters while as many as its own `n` hold. Readers and permit holders do not
+/// exclude each other (both hold the key against writers only). The set's own TTL is
+/// only ever extended, to the latest holder's expiry.
 pub(super) const ACQUIRE_COUNTED: &str = r"
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
@@ -258,16 +276,15 @@ redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
 redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
 local busy = nil
 local limit = tonumber(ARGV[7])
-if limit == 0 then
-  if redis.call('EXISTS', KEYS[1]) == 1 then
-    busy = redis.call('PTTL', KEYS[1])
-  else
-    local writer = redis.call('ZRANGE', KEYS[6], 0, 0, 'WITHSCORES')
-    if writer[1] ~= nil then
-      busy = tonumber(writer[2]) - now
-    end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  busy = redis.call('PTTL', KEYS[1])
+else
+  local writer = redis.call('ZRANGE', KEYS[6], 0, 0, 'WITHSCORES')
+  if writer[1] ~= nil then
+    busy = tonumber(writer[2]) - now
   end
-elseif redis.call('ZCARD', KEYS[5]) >= limit then
+end
+if busy == nil and limit > 0 and redis.call('ZCARD', KEYS[5]) >= limit then
   local first = redis.call('ZRANGE', KEYS[5], 0, 0, 'WITHSCORES')
   busy = tonumber(first[2]) - now
 end
