@@ -666,6 +666,57 @@ async fn a_killed_holder_is_told_no_later_than_the_next_grant() {
     eprintln!("KILL: A was told {:?} before B's grant", granted - told);
 }
 
+/// A server crash (SIGKILL) or a clean stop ends the holder's session: the holder is
+/// told as its connection closes, not at its next liveness check (here 2 s apart, so a
+/// check could come up to 2 s later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_crash_or_stop_tells_the_holder_at_once() {
+    let interval = Duration::from_secs(2);
+    let mut server = MySqlServer::start();
+    let backend = MySqlBackend::from_url(&server.url())
+        .unwrap()
+        .liveness_interval(interval)
+        .network_timeout(NETWORK_TIMEOUT)
+        .fencing(true);
+    let a = DistributedLocks::new(NAME, backend);
+    for crash in [true, false] {
+        let guard = a.lock_timeout("k", PATIENCE).await.unwrap();
+        let signal = guard.lease().expect("a remote lease").clone();
+        let told = tokio::spawn(async move {
+            signal.lost().await;
+            Instant::now()
+        });
+        // Both return once the server process is gone.
+        let gone = tokio::task::block_in_place(|| {
+            match crash {
+                true => server.kill(),
+                false => server.stop(),
+            }
+            Instant::now()
+        });
+        let told = tokio::time::timeout(PATIENCE, told)
+            .await
+            .expect("the holder was never told")
+            .unwrap();
+        let late = told.saturating_duration_since(gone);
+        let what = if crash { "crash" } else { "stop" };
+        match gone.checked_duration_since(told) {
+            Some(early) => {
+                eprintln!("server {what}: the holder was told {early:?} before the server was gone")
+            }
+            None => {
+                eprintln!("server {what}: the holder was told {late:?} after the server was gone")
+            }
+        }
+        assert!(
+            late < interval / 10,
+            "server {what}: the holder was told {late:?} after the server was gone"
+        );
+        drop(guard);
+        tokio::task::block_in_place(|| server.start_again());
+    }
+}
+
 /// A holder whose session was killed releases: the release reports the lock as already
 /// gone (the lease was lost), where it used to answer as if it had been given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
