@@ -395,9 +395,11 @@ impl MySqlBackend {
         self.configure(|inner| inner.namespace = namespace.into())
     }
 
-    /// How often a held lock's session is checked with a round trip (default 1 s): a
-    /// server gone silent is noticed at most this long plus the network timeout after
-    /// its last answer. Part of the server-side idle limit (see [Timing](self#timing)).
+    /// How often a held lock's session is checked (default 1 s): the statement kept
+    /// pending on it answers this often. A server gone silent is noticed at most this
+    /// long plus the network timeout after its last answer, and a holder process that
+    /// crashed keeps its lock at most this long. Part of the server-side idle limit
+    /// (see [Timing](self#timing)).
     ///
     /// # Panics
     /// If `interval` is zero.
