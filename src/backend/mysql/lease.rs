@@ -231,3 +231,16 @@ impl ReleaseLease for MyRelease {
         Box::pin(async move { task.await.unwrap_or(Err(LostReason::Unreachable)) })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sleeps_are_seconds_with_microseconds_never_zero() {
+        assert_eq!(seconds(Duration::from_millis(1500)), "1.500000");
+        assert_eq!(seconds(Duration::from_nanos(1)), "0.000001");
+        // Zero would be a statement that answers at once, again and again.
+        assert_eq!(seconds(Duration::ZERO), "0.000001");
+    }
+}
