@@ -375,6 +375,19 @@ pub trait ReleaseLease: Send + Sync + 'static {
     /// Releases the lease; runs at most until its own network timeout.
     fn release(self: Box<Self>) -> BoxFuture<()>;
 
+    /// Releases the lease like [`release`](Self::release), and says whether the engine
+    /// showed the lock gone: `Err(reason)` when the lease was lost before the release
+    /// (for `reason`), or when the release found the lock no longer this holder's.
+    /// By default, releases and answers `Ok(())`: [`Lease::release_checked`] still
+    /// reports a lease whose signal was raised before it.
+    fn release_checked(self: Box<Self>) -> BoxFuture<Result<(), LostReason>> {
+        let release = self.release();
+        Box::pin(async move {
+            release.await;
+            Ok(())
+        })
+    }
+
     /// Stops renewing the lease, which is still released later (or dropped). Called
     /// before a step that may give the lease back by other means (a replay store
     /// writing its record and deleting the lock in one script), so that no renewal
@@ -440,6 +453,24 @@ impl Lease {
         let release = take_release(&self.release);
         if let Some(release) = release {
             release.release().await;
+        }
+    }
+
+    /// [`release`](Self::release), reporting a lock that was already gone:
+    /// `Err(reason)` when the lease was lost before the release (its signal was raised,
+    /// or its deadline passed), or when the backend found at the release that the
+    /// lock was no longer this holder's (see [`ReleaseLease::release_checked`]).
+    /// `Ok(())` otherwise. Either way the lease is given back.
+    pub async fn release_checked(self) -> Result<(), LostReason> {
+        let lost_before = self.signal.lost_reason();
+        let released = match take_release(&self.release) {
+            Some(release) => release.release_checked().await,
+            // Taken by a shutdown that cut the lease off: its signal says so.
+            None => Ok(()),
+        };
+        match lost_before.or_else(|| self.signal.lost_reason()) {
+            Some(reason) => Err(reason),
+            None => released,
         }
     }
 }

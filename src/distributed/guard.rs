@@ -291,6 +291,54 @@ impl DistributedGuard {
     }
 }
 
+impl DistributedGuard {
+    /// [`release`](Self::release), reporting a key that was already gone at the
+    /// backend: `Err` when the lease was lost before the release (its signal was
+    /// raised, or its deadline passed), or when the backend found at the release that
+    /// the lock was no longer this holder's ([`LeaseLost::reason`] says why). The key
+    /// is released either way. `Ok(())` for a key held in this process only.
+    ///
+    /// ```no_run
+    /// # use tower_keyed_lock::DistributedLocks;
+    /// # async fn run(jobs: DistributedLocks) {
+    /// let guard = jobs.lock("nightly-report").await.unwrap();
+    /// // ... the work ...
+    /// if let Err(lost) = guard.release_checked().await {
+    ///     eprintln!("{lost}: the work may have overlapped another holder's");
+    /// }
+    /// # }
+    /// ```
+    pub async fn release_checked(mut self) -> Result<(), LeaseLost> {
+        // As in `release`: not taken, a release cancelled here still holds the key.
+        if let Some(until) = self.hold_until {
+            tokio::time::sleep_until(until).await;
+        }
+        self.record_hold();
+        self.unregister();
+        let Some(lease) = self.lease.take() else {
+            self.local.take();
+            return Ok(());
+        };
+        let local = self.local.take();
+        let lost_before = lease.signal().lost_reason();
+        // In a task of its own, like `release`: dropping this future does not stop it.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return lost_before.map_or(Ok(()), |reason| Err(LeaseLost::new(reason)));
+        };
+        let released = runtime.spawn(async move {
+            let released = lease.release_checked().await;
+            drop(local);
+            released
+        });
+        match released.await {
+            Ok(released) => released.map_err(LeaseLost::new),
+            Err(_) => Err(LeaseLost::new(
+                lost_before.unwrap_or(LostReason::Unreachable),
+            )),
+        }
+    }
+}
+
 impl Drop for DistributedGuard {
     fn drop(&mut self) {
         self.record_hold();

@@ -625,13 +625,10 @@ async fn a_release_during_a_liveness_check_never_desyncs_the_connection() {
 }
 
 /// A holds, B waits, A's session is killed by its connection id: A must be told its
-/// lease is lost no later than B is granted (no unsignalled overlap).
-///
-/// Reproduces a known defect: the holder learns of its session's end only at its next
-/// liveness check, after B may already hold the key. Ignored until the holding
-/// connection keeps a statement pending (see the report of this change).
+/// lease is lost no later than B is granted (no unsignalled overlap). The holder keeps
+/// a statement pending on its session, which the kill fails at once; without it, A
+/// heard of the kill only at its next liveness check, after B's grant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "reproduces a known defect: a killed holder is told after the next holder's grant"]
 async fn a_killed_holder_is_told_no_later_than_the_next_grant() {
     let server = MySqlServer::start();
     let (a, b) = (locks(&server.url()), locks(&server.url()));
@@ -646,19 +643,111 @@ async fn a_killed_holder_is_told_no_later_than_the_next_grant() {
         taken.release().await;
         granted
     });
+    // When A is told, seen by a task of its own (as B's grant is).
+    let signal = guard.lease().expect("a remote lease").clone();
+    let told = tokio::spawn(async move {
+        signal.lost().await;
+        Instant::now()
+    });
     // Let B's GET_LOCK reach the server and wait there.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    server.admin(&format!("KILL {id}"));
-    tokio::time::timeout(PATIENCE, guard.lost())
+    // The client runs as a process: off the runtime's worker threads.
+    tokio::task::block_in_place(|| server.admin(&format!("KILL {id}")));
+    let told = tokio::time::timeout(PATIENCE, told)
         .await
-        .expect("the holder of a killed session was never told");
-    let told = Instant::now();
+        .expect("the holder of a killed session was never told")
+        .unwrap();
     let granted = waiter.await.unwrap();
     assert!(
         told <= granted,
         "unsignalled overlap: B was granted {:?} before A was told",
         told - granted
     );
+    eprintln!("KILL: A was told {:?} before B's grant", granted - told);
+}
+
+/// A server crash (SIGKILL) or a clean stop ends the holder's session: the holder is
+/// told as its connection closes, not at its next liveness check (here 2 s apart, so a
+/// check could come up to 2 s later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_crash_or_stop_tells_the_holder_at_once() {
+    let interval = Duration::from_secs(2);
+    let mut server = MySqlServer::start();
+    let backend = MySqlBackend::from_url(&server.url())
+        .unwrap()
+        .liveness_interval(interval)
+        .network_timeout(NETWORK_TIMEOUT)
+        .fencing(true);
+    let a = DistributedLocks::new(NAME, backend);
+    for crash in [true, false] {
+        let guard = a.lock_timeout("k", PATIENCE).await.unwrap();
+        let signal = guard.lease().expect("a remote lease").clone();
+        let told = tokio::spawn(async move {
+            signal.lost().await;
+            Instant::now()
+        });
+        // Both return once the server process is gone.
+        let gone = tokio::task::block_in_place(|| {
+            match crash {
+                true => server.kill(),
+                false => server.stop(),
+            }
+            Instant::now()
+        });
+        let told = tokio::time::timeout(PATIENCE, told)
+            .await
+            .expect("the holder was never told")
+            .unwrap();
+        let late = told.saturating_duration_since(gone);
+        let what = if crash { "crash" } else { "stop" };
+        match gone.checked_duration_since(told) {
+            Some(early) => {
+                eprintln!("server {what}: the holder was told {early:?} before the server was gone")
+            }
+            None => {
+                eprintln!("server {what}: the holder was told {late:?} after the server was gone")
+            }
+        }
+        assert!(
+            late < interval / 10,
+            "server {what}: the holder was told {late:?} after the server was gone"
+        );
+        drop(guard);
+        tokio::task::block_in_place(|| server.start_again());
+    }
+}
+
+/// A holder whose session was killed releases: the release reports the lock as already
+/// gone (the lease was lost), where it used to answer as if it had been given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_reports_a_lock_already_gone() {
+    let server = MySqlServer::start();
+    let a = locks(&server.url());
+    // A lock held to the end is given back: nothing to report.
+    let guard = a.lock("k").await.unwrap();
+    guard.release_checked().await.expect("held until released");
+    let guard = a.lock("k").await.unwrap();
+    let id = holder(&server, &lock_name(DEFAULT_NAMESPACE, NAME, "k")).expect("held");
+    server.admin(&format!("KILL {id}"));
+    let gone = guard
+        .release_checked()
+        .await
+        .expect_err("the lock was gone");
+    eprintln!("release after KILL: {gone}");
+    assert_eq!(
+        gone.reason(),
+        tower_keyed_lock::backend::LostReason::Unreachable
+    );
+    assert!(gone.to_string().contains("lost"), "{gone}");
+    // The raw lease reports it too.
+    let backend = backend(&server.url());
+    let key = Key::new("raw", 256).unwrap();
+    let lease = backend.acquire(NAME, &key, PATIENCE).await.unwrap();
+    let id = holder(&server, &lock_name(DEFAULT_NAMESPACE, NAME, "raw")).expect("held");
+    server.admin(&format!("KILL {id}"));
+    assert!(lease.release_checked().await.is_err());
+    let lease = backend.acquire(NAME, &key, PATIENCE).await.unwrap();
+    assert_eq!(lease.release_checked().await, Ok(()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -476,10 +476,9 @@ mod mysql {
         }
 
         fn reset_notice(&self) -> Duration {
-            // The server frees the lock the moment the connection dies; the holder
-            // hears of it at its next check (`backend::mysql` docs: "up to one liveness
-            // interval later"); the rest is a loaded machine's slack.
-            LIVENESS + Duration::from_millis(200)
+            // The holder keeps a statement pending, which the reset fails at once
+            // (`backend::mysql` docs, Timing); the rest is a loaded machine's slack.
+            Duration::from_millis(100)
         }
     }
 

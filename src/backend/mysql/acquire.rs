@@ -180,7 +180,7 @@ impl Inner {
     /// The statement every new connection runs: the server-side limits of a cut-off
     /// session (see `Inner::server_idle_limit`), and autocommit, so the fencing counter
     /// is committed by the statement that increments it.
-    fn session_setup(&self) -> String {
+    pub(super) fn session_setup(&self) -> String {
         let limit = self.server_idle_limit().as_secs();
         format!(
             "SET SESSION wait_timeout = {limit}, net_read_timeout = {limit}, \

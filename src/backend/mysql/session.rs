@@ -6,6 +6,11 @@
 //! through a recycler that first reads the pending answer (a `GET_LOCK` that may still
 //! be granted) or resets the session, and it has no way to take one connection out and
 //! close it. Here a [`Session`] is closed unless it is explicitly given back.
+//!
+//! Beside the pooled connections, the pool keeps one control connection, opened on
+//! first use, for [`Pool::interrupt`] alone: the `KILL QUERY` that ends a holder's
+//! pending statement when its lock is released. It never holds a lock and never
+//! serves one, so interrupting moves no lock connection in or out of the pool.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,7 +30,13 @@ pub(super) struct Pool {
     idle: Mutex<Vec<Idle>>,
     permits: Arc<Semaphore>,
     max: usize,
+    /// The control connection (see the module docs), with when it was last used.
+    control: tokio::sync::Mutex<Option<(Conn, Instant)>>,
 }
+
+/// The server's error for a statement ended by `KILL QUERY` (`ER_QUERY_INTERRUPTED`):
+/// the session lives on, and the connection is in step with it.
+pub(super) const QUERY_INTERRUPTED: u16 = 1317;
 
 /// A pooled connection: when it was given back, and what is known of its session.
 struct Idle {
@@ -54,7 +65,8 @@ pub(super) struct Session {
     /// Whether the connection served an earlier acquisition (it may have died idle).
     pub(super) reused: bool,
     /// Set while a statement is in flight, and left set if it did not end well (cut by
-    /// a timeout or a dropped future, or failed): the connection's state is unknown —
+    /// a timeout or a dropped future, or the connection failed; an error answer from
+    /// the server ends a statement well): the connection's state is unknown —
     /// an answer may still be on its way and would be read as the next statement's —
     /// so it is never used again nor pooled, only closed.
     unknown: bool,
@@ -70,6 +82,7 @@ impl Pool {
             idle: Mutex::new(Vec::new()),
             permits: Arc::new(Semaphore::new(max)),
             max,
+            control: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -130,31 +143,86 @@ impl Pool {
                 _permit: permit,
             });
         }
+        let conn = self.connect(network_timeout, setup).await?;
+        Ok(Session {
+            conn: Some(conn),
+            state: SessionState::default(),
+            reused: false,
+            unknown: false,
+            pool: self.clone(),
+            close_within: network_timeout,
+            _permit: permit,
+        })
+    }
+
+    /// A new connection that ran `setup`, within `network_timeout`.
+    async fn connect(&self, network_timeout: Duration, setup: &str) -> Result<Conn, MyError> {
         let connect = async {
             let mut conn = Conn::new(self.opts.clone()).await?;
             conn.query_drop(setup).await?;
             Ok::<_, mysql_async::Error>(conn)
         };
         match timeout(network_timeout, connect).await {
-            Ok(Ok(conn)) => Ok(Session {
-                conn: Some(conn),
-                state: SessionState::default(),
-                reused: false,
-                unknown: false,
-                pool: self.clone(),
-                close_within: network_timeout,
-                _permit: permit,
-            }),
+            Ok(Ok(conn)) => Ok(conn),
             Ok(Err(error)) => Err(MyError::new(
                 format!("cannot connect to MySQL at {}", self.address()),
                 error,
-            )
-            .into()),
+            )),
             Err(_) => Err(MyError::message(format!(
                 "MySQL at {} did not accept a connection in time",
                 self.address()
-            ))
-            .into()),
+            ))),
+        }
+    }
+
+    /// Ends the statement that session `id` runs now (`KILL QUERY id`) on the control
+    /// connection, within `network_timeout` (plus a connect, `setup` first, if the
+    /// control connection is missing or was idle `max_idle`). `Ok` once the server
+    /// answered: the `KILL QUERY` was carried out, so a statement that session starts
+    /// after its current one ends runs uninterrupted (a `KILL QUERY` that finds the
+    /// session idle is forgotten at its next statement). `Err` when that is not known.
+    /// Only the session the lock was granted to is named: one whose statements are
+    /// answered by another session is never interrupted, it is closed.
+    pub(super) async fn interrupt(
+        &self,
+        id: u64,
+        network_timeout: Duration,
+        max_idle: Duration,
+        setup: &str,
+    ) -> Result<(), MyError> {
+        // One statement at a time on the control connection: releases take turns.
+        let mut control = match timeout(network_timeout, self.control.lock()).await {
+            Ok(control) => control,
+            Err(_) => return Err(MyError::message("the control connection stayed busy")),
+        };
+        let mut conn = match control.take() {
+            Some((conn, since)) if since.elapsed() < max_idle => conn,
+            Some((conn, _)) => {
+                close(conn, network_timeout);
+                self.connect(network_timeout, setup).await?
+            }
+            None => self.connect(network_timeout, setup).await?,
+        };
+        let kill = format!("KILL QUERY {id}");
+        match timeout(network_timeout, conn.query_drop(kill)).await {
+            Ok(Ok(())) => {
+                *control = Some((conn, Instant::now()));
+                Ok(())
+            }
+            // An error answer (1094: no such session, it ended) leaves the connection
+            // in step: kept.
+            Ok(Err(error @ mysql_async::Error::Server(_))) => {
+                *control = Some((conn, Instant::now()));
+                Err(MyError::new("KILL QUERY failed", error))
+            }
+            Ok(Err(error)) => {
+                close(conn, network_timeout);
+                Err(MyError::new("KILL QUERY failed", error))
+            }
+            Err(_) => {
+                close(conn, network_timeout);
+                Err(MyError::message("KILL QUERY was not answered in time"))
+            }
         }
     }
 }
@@ -204,6 +272,12 @@ impl Session {
             Ok(Ok(rows)) => {
                 self.unknown = false;
                 Ok(rows)
+            }
+            // An error answer ends the statement (and any that followed it in `sql`):
+            // the connection is in step with its session.
+            Ok(Err(error @ mysql_async::Error::Server(_))) => {
+                self.unknown = false;
+                Err(MyError::new("MySQL statement failed", error))
             }
             Ok(Err(error)) => Err(MyError::new("MySQL statement failed", error)),
             Err(_) => Err(MyError::message("MySQL did not answer in time")),
