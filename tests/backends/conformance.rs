@@ -206,13 +206,22 @@ macro_rules! faults {
 
 // `a_dropped_path_does_not_end_a_wait` runs on the engines whose waits retry a broken
 // connection or an unanswered command within the wait (etcd, MySQL, Azure Blob,
-// ZooKeeper). Redis, PostgreSQL and DynamoDB
-// still end a wait on the first such failure (with `LockError::Backend`): the shared
-// acquire loop is where they get it; RELIABILITY.md's table leaves their cells empty.
+// ZooKeeper, Redis, DynamoDB). PostgreSQL still ends a wait on the first such failure
+// (with `LockError::Backend`); RELIABILITY.md's table leaves its cell empty.
 mod faults {
-    faults!(redis, crate::support::fixtures::Redis, "redis");
+    faults!(
+        redis,
+        crate::support::fixtures::Redis,
+        "redis",
+        [a_dropped_path_does_not_end_a_wait]
+    );
     faults!(postgres, crate::support::fixtures::Postgres, "postgres");
-    faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    faults!(
+        dynamodb,
+        crate::support::fixtures::DynamoDb,
+        "dynamodb",
+        [a_dropped_path_does_not_end_a_wait]
+    );
     faults!(
         etcd,
         crate::support::fixtures::Etcd,

@@ -521,15 +521,24 @@ async fn a_paused_server_loses_the_lease_before_another_instance_gets_the_key() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() {
+    // Only the wait bounds the waiting (DESIGN rule 11): a request retries its
+    // unanswered attempts until its wait ends, then fails (or opens), not before.
+    const WAIT: Duration = Duration::from_millis(300);
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(200);
     let dynamo = DynamoServer::start();
-    let configure = |b: DynamoDbBackendBuilder| b.command_timeout(Duration::from_millis(200));
+    let configure = |b: DynamoDbBackendBuilder| b.command_timeout(COMMAND_TIMEOUT);
     let (gate, _entered) = gate();
     let server = Arc::new(
-        serve(gated_router(gate.clone()).layer(layer(connect(&dynamo, configure).await))).await,
+        serve(
+            gated_router(gate.clone())
+                .layer(layer(connect(&dynamo, configure).await).wait_timeout(WAIT)),
+        )
+        .await,
     );
     let open = KeyedLockLayer::by_path("order_id")
         // Not `fail-open`: the Redis tests of this binary count that layer's rejections.
         .name("dynamo-fail-open")
+        .wait_timeout(WAIT)
         .backend(connect(&dynamo, configure).await)
         .fail_open(true);
     let server_open = Arc::new(serve(gated_router(gate).layer(open)).await);
@@ -557,7 +566,9 @@ async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() 
         "{}",
         answer.body
     );
-    assert!(took < Duration::from_millis(600), "{took:?}");
+    // The last attempt ends with the wait; the first has a whole command timeout.
+    assert!(took >= WAIT.min(COMMAND_TIMEOUT), "{took:?}");
+    assert!(took < WAIT + 2 * COMMAND_TIMEOUT, "{took:?}");
     assert_eq!(
         (answer_open.status, &*answer_open.body),
         (StatusCode::OK, "ok")
@@ -572,11 +583,18 @@ async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_and_restarted_server_fails_closed_then_recovers() {
+    // Only the wait bounds the waiting (DESIGN rule 11): with the server gone, a
+    // request fails when its wait ends, so the wait here is short.
+    const WAIT: Duration = Duration::from_millis(300);
     let mut dynamo = DynamoServer::start();
     let configure = |b: DynamoDbBackendBuilder| b.command_timeout(Duration::from_millis(300));
     let (gate, _entered) = gate();
-    let server =
-        Arc::new(serve(gated_router(gate).layer(layer(connect(&dynamo, configure).await))).await);
+    let server = Arc::new(
+        serve(
+            gated_router(gate).layer(layer(connect(&dynamo, configure).await).wait_timeout(WAIT)),
+        )
+        .await,
+    );
     assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
 
     dynamo.stop();

@@ -369,12 +369,17 @@ async fn redis_outage_fails_closed_or_open_and_the_layer_recovers() {
         b.lease(Duration::from_millis(600))
             .command_timeout(Duration::from_millis(200))
     };
+    // Only the wait bounds the waiting (DESIGN rule 11): with Redis gone, a request
+    // fails (or opens) when its wait ends, so the waits here are short.
+    const WAIT: Duration = Duration::from_millis(300);
     let (gate, mut entered) = gate();
     let backend_a = connect(&redis, configure).await;
-    let server_a =
-        Arc::new(serve(gated_router(gate.clone()).layer(layer(backend_a.clone()))).await);
+    let server_a = Arc::new(
+        serve(gated_router(gate.clone()).layer(layer(backend_a.clone()).wait_timeout(WAIT))).await,
+    );
     let open = KeyedLockLayer::by_path("order_id")
         .name("fail-open")
+        .wait_timeout(WAIT)
         .backend(connect(&redis, configure).await)
         .fail_open(true);
     let server_open = Arc::new(serve(gated_router(gate.clone()).layer(open)).await);
@@ -401,7 +406,7 @@ async fn redis_outage_fails_closed_or_open_and_the_layer_recovers() {
         died.elapsed()
     );
 
-    // New requests: fail closed, promptly.
+    // New requests: fail closed, when their wait ends.
     let started = Instant::now();
     let answer = within(
         "a request",
@@ -476,9 +481,13 @@ async fn redis_outage_fails_closed_or_open_and_the_layer_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_silent_redis_times_out_instead_of_hanging() {
     let redis = RedisServer::start();
+    // Only the wait bounds the waiting (DESIGN rule 11): a request retries its
+    // unanswered attempts until its wait ends, then fails with 503, not before.
+    const WAIT: Duration = Duration::from_millis(300);
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(200);
     let (gate, _entered) = gate();
-    let backend = connect(&redis, |b| b.command_timeout(Duration::from_millis(200))).await;
-    let server = Arc::new(serve(gated_router(gate).layer(layer(backend))).await);
+    let backend = connect(&redis, |b| b.command_timeout(COMMAND_TIMEOUT)).await;
+    let server = Arc::new(serve(gated_router(gate).layer(layer(backend).wait_timeout(WAIT))).await);
     assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
 
     redis.pause();
@@ -492,7 +501,9 @@ async fn a_silent_redis_times_out_instead_of_hanging() {
     let took = started.elapsed();
     redis.resume();
     assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(took < Duration::from_millis(600), "{took:?}");
+    // The last attempt ends with the wait; the first has a whole command timeout.
+    assert!(took >= WAIT.min(COMMAND_TIMEOUT), "{took:?}");
+    assert!(took < WAIT + 2 * COMMAND_TIMEOUT, "{took:?}");
 
     until("requests succeed again", || {
         let server = server.clone();

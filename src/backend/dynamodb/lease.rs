@@ -146,7 +146,8 @@ impl Inner {
                     last_failure = None;
                     stale_at = self.watched.saw(&id, holder, Instant::now());
                 }
-                // Throttled or a failure on DynamoDB's side: try again after a pause.
+                // Throttled, a failure on DynamoDB's side, or no answer (the endpoint
+                // unreachable, the connection broken): try again after a pause.
                 Ok(Err(error)) if error.transient => {
                     tracing::debug!(error = %error.error, "dynamodb acquire attempt failed; retrying");
                     if !error.maybe_applied {
@@ -161,9 +162,12 @@ impl Inner {
                     return Err(self.named(error.error));
                 }
                 Err(_) if limit == deadline => return Err(out_of_time(&self, last_failure)),
+                // No answer within a whole command timeout: tried again within the
+                // wait, as a broken connection is; `in_flight` stays armed.
                 Err(_) => {
                     let timeout = CommandTimeout(self.config.command_timeout);
-                    return Err(self.named(Box::new(timeout)));
+                    tracing::debug!(%timeout, "dynamodb acquire attempt; retrying");
+                    last_failure = Some(Box::new(timeout));
                 }
             }
             drop(in_flight);

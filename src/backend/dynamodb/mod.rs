@@ -71,15 +71,16 @@
 //!   reached within the command timeout, the release is retried in the background for a
 //!   lease; after that, waiters take the key over.
 //! - **Errors.** Throttling (`ProvisionedThroughputExceeded`, `RequestLimitExceeded`,
-//!   `ThrottlingException`) and DynamoDB's own failures (5xx) are retried with backoff
-//!   within the request's wait; if the wait ends while DynamoDB is still refusing or
-//!   failing, the acquisition fails with [`LockError::Backend`] (503), not
+//!   `ThrottlingException`), DynamoDB's own failures (5xx) and calls that got no answer
+//!   (the endpoint unreachable, a broken connection, the command timeout) are retried
+//!   with backoff within the request's wait (a zero wait tries once); if the wait ends
+//!   while DynamoDB is still refusing, failing or silent, the acquisition fails with [`LockError::Backend`] (503), not
 //!   [`LockError::Timeout`] (409, which says the key is held). A refused write (a 4xx)
 //!   is known not to be applied, so only an attempt whose outcome is unknown (a 5xx, a
 //!   timeout, a broken connection) has its token given back. Every call is bounded by
 //!   [`command_timeout`](DynamoDbBackendBuilder::command_timeout): an unreachable or
-//!   silent endpoint fails the acquisition with [`LockError::Backend`] promptly, and the
-//!   layer answers 503 (or runs the request under its local lock with
+//!   silent endpoint fails the acquisition with [`LockError::Backend`] when its wait
+//!   ends, and the layer answers 503 (or runs the request under its local lock with
 //!   [`fail_open`](crate::KeyedLockLayer::fail_open)). Errors name the engine and where
 //!   the client sends its requests (the scheme and host of its last request, read by an
 //!   interceptor the backend adds to its copy of the client; the region before any),

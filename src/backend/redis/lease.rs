@@ -8,7 +8,7 @@ use std::pin::pin;
 use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
-use redis::RedisError;
+use redis::{ErrorKind, RedisError, RetryMethod};
 use tokio::time::{sleep, Instant};
 
 use super::connection::Failure;
@@ -17,7 +17,7 @@ use super::keys::RedisKeys;
 use super::scripts::{RELEASE, RELEASE_COUNTED, RENEW, RENEW_COUNTED};
 use super::Inner;
 use crate::backend::ttl::{
-    self, fresh_token, jitter, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
 use crate::backend::{Acquired, LockMode, RetryLater};
 use crate::LockError;
@@ -31,6 +31,33 @@ const UNSUBSCRIBED_POLL: Duration = Duration::from_millis(50);
 /// mark: a partition that heals, or a server that wakes, within a minute is covered,
 /// and the marks, one per give-back that found the key not its own, do not pile up.
 const GIVEN_BACK_MARK: Duration = Duration::from_secs(60);
+
+/// The first pause before an attempt that failed is tried again; pauses double up to
+/// the command timeout.
+const FIRST_RETRY: Duration = Duration::from_millis(20);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How a wait that reached its deadline ends: [`LockError::Timeout`] if the last
+/// answer was that the key is held, [`LockError::Backend`] with the last failure if no
+/// attempt was answered since (the layer then answers 503, not 409).
+fn out_of_time(last_failure: Option<BoxError>) -> LockError {
+    match last_failure {
+        Some(error) => LockError::Backend(error),
+        None => LockError::Timeout,
+    }
+}
+
+/// Whether another attempt may succeed after `error`: a broken or refused connection,
+/// an answer out of turn (the connection is replaced), a server loading, read-only
+/// or down for a failover. Not a refused authentication, nor an error of the script.
+fn is_transient(error: &RedisError) -> bool {
+    match error.kind() {
+        ErrorKind::AuthenticationFailed => false,
+        ErrorKind::UnexpectedReturnType | ErrorKind::Parse | ErrorKind::Io => true,
+        _ => !matches!(error.retry_method(), RetryMethod::NoRetry),
+    }
+}
 
 /// A Redis command that took longer than the command timeout.
 #[derive(Debug)]
@@ -101,7 +128,31 @@ impl Inner {
         let mut first = true;
         // Whether an attempt of the current token was sent: it may be in the intent set.
         let mut token_sent = false;
-        let mut reconnected = false;
+        // The last attempt's failure, if no attempt was answered since.
+        let mut last_failure: Option<BoxError> = None;
+        let mut backoff = Backoff::new(FIRST_RETRY, self.config.command_timeout.max(FIRST_RETRY));
+        // After a failed attempt (no answer, a broken connection, an answer out of
+        // turn): only the wait bounds the waiting (DESIGN rule 11), so the attempt is
+        // tried again after a jittered pause, with a fresh token, until the wait ends.
+        // The failed attempt may still have been granted: replacing its `InFlight`
+        // gives that token back.
+        macro_rules! retry {
+            () => {{
+                let pause = backoff.pause();
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(out_of_time(last_failure));
+                }
+                in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
+                token_sent = false;
+                tracing::debug!("redis acquire attempt failed; retrying within the wait");
+                sleep(pause.min(deadline - now)).await;
+                if Instant::now() >= deadline {
+                    return Err(out_of_time(last_failure));
+                }
+                continue;
+            }};
+        }
         loop {
             // No command of its own: the backend re-reads the policy in the background.
             if let Some(refusal) = self.eviction_refusal() {
@@ -146,13 +197,17 @@ impl Inner {
                     in_flight.answered();
                     return Ok(Acquired::Recorded(record));
                 }
-                Ok(Attempt::Held { ttl_ms }) => ttl_ms,
+                Ok(Attempt::Held { ttl_ms }) => {
+                    last_failure = None;
+                    ttl_ms
+                }
                 // `in_flight` stays armed: its drop gives the grant back.
                 Ok(Attempt::NotReplicated(error)) => {
                     return Err(LockError::Backend(Box::new(error)))
                 }
                 Ok(Attempt::Restarted { wait_ms }) => {
                     in_flight.answered();
+                    last_failure = None;
                     let wait = Duration::from_millis(wait_ms);
                     self.warn_of_restart_guard(wait);
                     if Instant::now() + wait >= deadline {
@@ -162,27 +217,19 @@ impl Inner {
                     sleep(wait).await;
                     continue;
                 }
-                Err(Failure::Redis(error))
-                    if !reconnected
-                        && error.is_connection_dropped()
-                        && Instant::now() < deadline =>
-                {
-                    // The connection died under this attempt (Redis restarted, a
-                    // failover): the manager reconnects on the next command, so try
-                    // once more rather than fail a request Redis could serve. The lost
-                    // attempt may still have been granted: dropping its `InFlight`
-                    // gives that token back, and the retry uses a fresh one.
-                    reconnected = true;
-                    in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
-                    token_sent = false;
-                    continue;
+                Err(Failure::TimedOut) if limit == deadline => {
+                    return Err(out_of_time(last_failure))
                 }
-                Err(Failure::Redis(error)) => return Err(LockError::Backend(Box::new(error))),
-                Err(Failure::TimedOut) if limit == deadline => return Err(LockError::Timeout),
                 Err(Failure::TimedOut) => {
                     let timeout = CommandTimeout(self.config.command_timeout);
-                    return Err(LockError::Backend(Box::new(timeout)));
+                    last_failure = Some(Box::new(timeout));
+                    retry!()
                 }
+                Err(Failure::Redis(error)) if is_transient(&error) => {
+                    last_failure = Some(Box::new(error));
+                    retry!()
+                }
+                Err(Failure::Redis(error)) => return Err(LockError::Backend(Box::new(error))),
             };
             // A writer refused is in the key's intent set, and may be in its queue:
             // `in_flight` stays armed, so that a writer that stops waiting (its wait

@@ -77,10 +77,15 @@
 //!   (a failed acquire leaves the mark; an uncontended release publishes nothing). If Redis cannot be reached within the command timeout, the
 //!   release is retried in the background, and at worst the key expires by its lease.
 //!
-//! Every command is bounded by [`command_timeout`](RedisBackendBuilder::command_timeout):
-//! when Redis is down or silent, acquisitions fail with
-//! [`LockError::Backend`] promptly and the layer answers 503 (or runs the
-//! request under its local lock with [`fail_open`](crate::KeyedLockLayer::fail_open)).
+//! Every command is bounded by [`command_timeout`](RedisBackendBuilder::command_timeout).
+//! Only the wait bounds the waiting: an acquire attempt that got no answer (a command
+//! timeout, a broken or refused connection, an answer out of turn) is tried again,
+//! with a fresh token and a jittered backoff, until the request's wait ends (a zero
+//! wait tries once, with a whole command timeout). When Redis is down or silent for
+//! the whole wait, the acquisition then fails with [`LockError::Backend`] (the last
+//! failure) and the layer answers 503 (or runs the request under its local lock with
+//! [`fail_open`](crate::KeyedLockLayer::fail_open)); a wait whose last attempt was
+//! answered "held" ends with [`LockError::Timeout`].
 //!
 //! # Connections
 //!
