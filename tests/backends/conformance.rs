@@ -205,12 +205,17 @@ macro_rules! faults {
 
 // `a_dropped_path_does_not_end_a_wait` runs on the engines whose waits retry a broken
 // connection or an unanswered command within the wait (etcd, MySQL, Azure Blob,
-// ZooKeeper). Redis, PostgreSQL and DynamoDB
+// ZooKeeper, PostgreSQL). Redis and DynamoDB
 // still end a wait on the first such failure (with `LockError::Backend`): the shared
 // acquire loop is where they get it; RELIABILITY.md's table leaves their cells empty.
 mod faults {
     faults!(redis, crate::support::fixtures::Redis, "redis");
-    faults!(postgres, crate::support::fixtures::Postgres, "postgres");
+    faults!(
+        postgres,
+        crate::support::fixtures::Postgres,
+        "postgres",
+        [a_dropped_path_does_not_end_a_wait]
+    );
     faults!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     faults!(
         etcd,

@@ -95,7 +95,39 @@ impl Inner {
     /// whose writer released the lock after the try's snapshot but before its lock is
     /// seen too (the lock the try took then is given back). A stored record is
     /// answered. A grant after a wait has not looked: [`Acquired::Granted`].
+    ///
+    /// Only the wait bounds the waiting: an attempt that fails on a transient error (a
+    /// broken connection, an unanswered statement, a refused connect) before its grant
+    /// was confirmed is tried again on a fresh pooled session after a jittered pause,
+    /// behind whoever queued meanwhile, until `deadline`. The failed attempt's session
+    /// is dropped, never pooled: closed, it frees any lock the server granted it, and
+    /// no grant of it was counted. Out of time, the last transient error is returned if
+    /// nothing answered since, else [`LockError::Timeout`].
     pub(super) async fn acquire_unless_recorded(
+        self: Arc<Self>,
+        id: i64,
+        shared: bool,
+        deadline: Instant,
+        record: Option<&str>,
+    ) -> Result<Acquired, LockError> {
+        let mut backoff = Backoff::new(RETRY_PAUSE, MAX_RETRY_PAUSE);
+        loop {
+            let error = match self.clone().attempt(id, shared, deadline, record).await {
+                Err(error) if is_transient(&error) => error,
+                done => return done,
+            };
+            let pause = backoff.pause();
+            if Instant::now() + pause >= deadline {
+                return Err(error);
+            }
+            tracing::debug!(lock_id = id, %error, ?pause, "PostgreSQL lock wait failed; queueing again");
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    /// One attempt of [`acquire_unless_recorded`](Self::acquire_unless_recorded): a try,
+    /// then a wait in PostgreSQL's queue on the same session.
+    async fn attempt(
         self: Arc<Self>,
         id: i64,
         shared: bool,
@@ -311,7 +343,7 @@ impl Inner {
             }
             Ok(Err(error)) => Err(PgError::new("pg_advisory_lock failed", error).into_lock_error()),
             Err(_) => Err(
-                PgError::message("PostgreSQL did not answer the lock wait in time")
+                PgError::unanswered("PostgreSQL did not answer the lock wait in time")
                     .into_lock_error(),
             ),
         }
@@ -363,6 +395,47 @@ impl Inner {
                                coalesce(current_setting('{SAVED_NAME}', true), ''), false) \
              WHERE pg_backend_pid() = {pid}"
         )
+    }
+}
+
+/// The first pause before a failed attempt is tried again; it doubles per failure.
+const RETRY_PAUSE: Duration = Duration::from_millis(10);
+
+/// The longest pause between attempts.
+const MAX_RETRY_PAUSE: Duration = Duration::from_millis(500);
+
+/// Exponential backoff from `first` to `max`, each pause between half of its step and
+/// all of it (a random draw, so that the waiters of a broken path spread out).
+struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    fn new(first: Duration, max: Duration) -> Self {
+        Self {
+            next: first.min(max),
+            max,
+        }
+    }
+
+    fn pause(&mut self) -> Duration {
+        let half = self.next / 2;
+        let spread = u64::try_from((self.next - half).as_micros()).unwrap_or(u64::MAX);
+        let pause = half + Duration::from_micros(nonce() % spread.saturating_add(1));
+        self.next = (self.next * 2).min(self.max);
+        pause
+    }
+}
+
+/// Whether an attempt's `error` is worth another attempt within the wait (see
+/// [`PgError::is_transient`]).
+fn is_transient(error: &LockError) -> bool {
+    match error {
+        LockError::Backend(error) => error
+            .downcast_ref::<PgError>()
+            .is_some_and(PgError::is_transient),
+        _ => false,
     }
 }
 
