@@ -116,12 +116,15 @@ impl Inner {
                 Err(error) if is_transient(&error) => error,
                 done => return done,
             };
-            let pause = backoff.pause();
-            if Instant::now() + pause >= deadline {
-                return Err(error);
-            }
+            // The last pause ends with the wait: nothing answered since the failure.
+            let pause = backoff
+                .pause()
+                .min(deadline.saturating_duration_since(Instant::now()));
             tracing::debug!(lock_id = id, %error, ?pause, "PostgreSQL lock wait failed; queueing again");
             tokio::time::sleep(pause).await;
+            if Instant::now() >= deadline {
+                return Err(error);
+            }
         }
     }
 
