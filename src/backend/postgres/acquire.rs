@@ -96,9 +96,9 @@ impl Inner {
     /// seen too (the lock the try took then is given back). A stored record is
     /// answered. A grant after a wait has not looked: [`Acquired::Granted`].
     ///
-    /// Only the wait bounds the waiting: an attempt that fails on a transient error (a
-    /// broken connection, an unanswered statement, a refused connect) before its grant
-    /// was confirmed is tried again on a fresh pooled session after a jittered pause,
+    /// Only the wait bounds the waiting: once the server answered a try, an attempt
+    /// that fails on a transient error (a broken connection, an unanswered statement,
+    /// a refused connect) before its grant was confirmed is tried again on a fresh pooled session after a jittered pause,
     /// behind whoever queued meanwhile, until `deadline`. The failed attempt's session
     /// is dropped, never pooled: closed, it frees any lock the server granted it, and
     /// no grant of it was counted. Out of time, the last transient error is returned if
@@ -111,9 +111,16 @@ impl Inner {
         record: Option<&str>,
     ) -> Result<Acquired, LockError> {
         let mut backoff = Backoff::new(RETRY_PAUSE, MAX_RETRY_PAUSE);
+        let mut answered = false;
         loop {
-            let error = match self.clone().attempt(id, shared, deadline, record).await {
-                Err(error) if is_transient(&error) => error,
+            let error = match self
+                .clone()
+                .attempt(id, shared, deadline, record, &mut answered)
+                .await
+            {
+                // Before the server ever answered (it is down, or out of reach), the
+                // outage is told at once (503) rather than waited out.
+                Err(error) if answered && is_transient(&error) => error,
                 done => return done,
             };
             // The last pause ends with the wait: nothing answered since the failure.
@@ -129,13 +136,15 @@ impl Inner {
     }
 
     /// One attempt of [`acquire_unless_recorded`](Self::acquire_unless_recorded): a try,
-    /// then a wait in PostgreSQL's queue on the same session.
+    /// then a wait in PostgreSQL's queue on the same session. Sets `answered` once the
+    /// server answered the try.
     async fn attempt(
         self: Arc<Self>,
         id: i64,
         shared: bool,
         deadline: Instant,
         record: Option<&str>,
+        answered: &mut bool,
     ) -> Result<Acquired, LockError> {
         let suffix = shared_suffix(shared);
         let marker = format!("{id}/{:016x}", nonce());
@@ -179,6 +188,7 @@ impl Inner {
             ))
         });
         let (grant, checked, stored) = tried.map_err(PgError::into_lock_error)?;
+        *answered = true;
         let granted = match grant.locked {
             None => {
                 tracing::error!(lock_id = id, "{}", super::error::SHARED_SESSION);
