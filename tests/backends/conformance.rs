@@ -206,8 +206,7 @@ macro_rules! faults {
 
 // `a_dropped_path_does_not_end_a_wait` runs on the engines whose waits retry a broken
 // connection or an unanswered command within the wait (etcd, MySQL, Azure Blob,
-// ZooKeeper, Redis, DynamoDB). PostgreSQL still ends a wait on the first such failure
-// (with `LockError::Backend`); RELIABILITY.md's table leaves its cell empty.
+// ZooKeeper, Redis, DynamoDB, PostgreSQL): all of them.
 mod faults {
     faults!(
         redis,
@@ -215,7 +214,12 @@ mod faults {
         "redis",
         [a_dropped_path_does_not_end_a_wait]
     );
-    faults!(postgres, crate::support::fixtures::Postgres, "postgres");
+    faults!(
+        postgres,
+        crate::support::fixtures::Postgres,
+        "postgres",
+        [a_dropped_path_does_not_end_a_wait]
+    );
     faults!(
         dynamodb,
         crate::support::fixtures::DynamoDb,

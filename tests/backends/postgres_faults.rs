@@ -575,6 +575,63 @@ async fn silent_path_is_a_backend_error() {
     assert!(matches!(result, Err(LockError::Backend(_))), "{result:?}");
 }
 
+/// Only the wait bounds the waiting: a waiter whose connection is reset while it waits
+/// in PostgreSQL's queue, and whose path then stays silent, queues again and again
+/// until its wait ends; it fails then, not before, with a backend error (503: nothing
+/// answered since the reset), not a wait timeout (409).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broken_path_ends_a_wait_only_at_its_deadline() {
+    let pg = PgServer::start();
+    let proxy = TcpProxy::start(pg_addr(&pg)).await;
+    let cut_off = backend(&proxy.host_port(), "cut-off");
+    let held = direct(&pg, "other")
+        .acquire("orders", &key("busy"), Duration::ZERO)
+        .await
+        .unwrap();
+    let admin = admin(&pg).await;
+    let wait = Duration::from_millis(1500);
+    let mut took = Vec::new();
+    for _ in 0..trials() {
+        let started = Instant::now();
+        let waiting = tokio::spawn(cut_off.acquire("orders", &key("busy"), wait));
+        eventually("the cut-off instance waits in PostgreSQL", || {
+            waits_in_postgres(&admin, "cut-off")
+        })
+        .await;
+        proxy.reset();
+        proxy.blackhole();
+        let result = waiting.await.unwrap();
+        let elapsed = started.elapsed();
+        assert!(
+            matches!(result, Err(LockError::Backend(_))),
+            "after {}: {result:?}",
+            ms(elapsed)
+        );
+        assert!(
+            elapsed >= wait,
+            "the wait ended early: after {}",
+            ms(elapsed)
+        );
+        assert!(
+            elapsed < wait + NETWORK + SLACK,
+            "the waiter answered after {}",
+            ms(elapsed)
+        );
+        took.push(elapsed);
+        proxy.heal();
+        eventually("the waiter's sessions are gone", || async {
+            !waits_in_postgres(&admin, "cut-off").await
+        })
+        .await;
+    }
+    held.release().await;
+    println!(
+        "broken path: the {} wait ended after {}",
+        ms(wait),
+        spread(took)
+    );
+}
+
 // ---------------------------------------------------------------- mixed faults
 
 /// What the handlers of the mixed-fault run saw.

@@ -31,6 +31,8 @@ pub(super) struct PgError {
     pub(super) code: Option<SqlState>,
     /// Whether the connection was found closed.
     pub(super) closed: bool,
+    /// Whether a round trip went unanswered within its limit (no source then).
+    pub(super) unanswered: bool,
     /// The server's address, for errors about reaching it.
     at: Option<Arc<str>>,
     source: Option<Box<dyn Error + Send + Sync>>,
@@ -39,7 +41,14 @@ pub(super) struct PgError {
 impl PgError {
     pub(super) fn new(what: &'static str, source: impl Into<Box<dyn Error + Send + Sync>>) -> Self {
         let source = source.into();
-        let (code, closed) = match source.downcast_ref::<tokio_postgres::Error>() {
+        // A pool's connect error carries the server's answer (a refused login) too.
+        let postgres = source.downcast_ref::<tokio_postgres::Error>().or_else(|| {
+            match source.downcast_ref::<deadpool_postgres::PoolError>() {
+                Some(deadpool_postgres::PoolError::Backend(error)) => Some(error),
+                _ => None,
+            }
+        });
+        let (code, closed) = match postgres {
             Some(error) => (error.code().cloned(), error.is_closed()),
             None => (None, false),
         };
@@ -47,6 +56,7 @@ impl PgError {
             what,
             code,
             closed,
+            unanswered: false,
             at: None,
             source: Some(source),
         }
@@ -57,8 +67,17 @@ impl PgError {
             what,
             code: None,
             closed: false,
+            unanswered: false,
             at: None,
             source: None,
+        }
+    }
+
+    /// A round trip that went unanswered within its limit: `what`.
+    pub(super) fn unanswered(what: &'static str) -> Self {
+        Self {
+            unanswered: true,
+            ..Self::message(what)
         }
     }
 
@@ -79,11 +98,31 @@ impl PgError {
     /// liveness check, so the grant is given back.
     pub(super) fn unconfirmed(id: i64, error: PgError) -> LockError {
         tracing::warn!(lock_id = id, %error, "PostgreSQL lock grant not confirmed in time; given back");
-        Self::message(
-            "PostgreSQL did not confirm the lock grant within the network timeout (the \
+        let transient = error.is_transient();
+        Self {
+            unanswered: transient,
+            ..Self::message(
+                "PostgreSQL did not confirm the lock grant within the network timeout (the \
              server could free it before the holder would hear of it): given back",
-        )
+            )
+        }
         .into_lock_error()
+    }
+
+    /// Whether this is a failure of the path or of the server's availability, worth
+    /// another attempt: an error of the connection or the pool (no SQL state), an
+    /// unanswered round trip, a connection exception (`08`), a server shutting down or
+    /// starting (`57P01`-`57P03`), a cancelled statement (`57014`). Not an answer: a
+    /// refused login, a missing table, a malformed answer, a transaction pooler under a
+    /// session lock.
+    pub(super) fn is_transient(&self) -> bool {
+        match &self.code {
+            Some(code) => {
+                let code = code.code();
+                code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "57014")
+            }
+            None => self.closed || self.source.is_some() || self.unanswered,
+        }
     }
 
     pub(super) fn into_lock_error(self) -> LockError {

@@ -292,7 +292,15 @@
 //! `cannot connect to PostgreSQL at <host:port>: ` and the whole cause (the address of
 //! a backend made with [`from_config`](PostgresBackend::from_config); never a user or
 //! password); [`build`](PostgresBackend::build) fails with it as
-//! [`SetupError::Connect`]. An acquisition takes at most the
+//! [`SetupError::Connect`]. Only the wait bounds the waiting: once the server answered
+//! an acquisition's try, a connection that breaks or a statement left unanswered during
+//! its wait (before a grant is confirmed) is not the end of it — the broken session is
+//! closed, never pooled (the server frees any lock it was granted, and that grant is
+//! never counted), and the acquisition queues again on a fresh connection after a
+//! jittered pause (10 ms, doubling to 500 ms), behind whoever queued meanwhile, until
+//! its wait ends; then it fails with the last such error (503) if nothing was answered
+//! since, else [`LockError::Timeout`]. A server out of reach before it ever answered is
+//! told at once (503). An acquisition takes at most the
 //! request's remaining wait plus one [`network_timeout`](PostgresBackend::network_timeout)
 //! in all, however many round trips were slow (the first ones of a session-scope
 //! backend not [built](PostgresBackend::build), up to four network timeouts more, for

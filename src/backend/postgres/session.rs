@@ -141,7 +141,7 @@ impl Inner {
         match timeout(limit, query).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => Err(PgError::new("PostgreSQL statement failed", error)),
-            Err(_) => Err(PgError::message("PostgreSQL did not answer in time")),
+            Err(_) => Err(PgError::unanswered("PostgreSQL did not answer in time")),
         }
     }
 }
