@@ -57,7 +57,7 @@ pub(crate) mod health;
 mod holder;
 #[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
 mod key_component;
-#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "redis"))]
+#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
 mod located;
 mod lost;
 mod mode;
