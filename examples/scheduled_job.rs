@@ -20,8 +20,9 @@
 //! heard of it, which frees the key. With `SCHEDULED_JOB_ENGINE=mysql` (and the `mysql`
 //! feature) they share a MariaDB server the example starts on a free port with a data
 //! dir of its own (`MySqlBackend`, `GET_LOCK`; it needs `mariadb-server` installed): a
-//! session lock ends with its connection, so the crash frees the key at once and the next
-//! tick takes over with a newer fencing token. With `SCHEDULED_JOB_ENGINE=redlock` (the
+//! session lock ends with its connection, once the statement the holder keeps pending
+//! ends (within one liveness interval, 1 s), and a later tick takes over with a newer
+//! fencing token. With `SCHEDULED_JOB_ENGINE=redlock` (the
 //! `redis` feature) they share five `redis-server`s the example starts (`RedlockBackend`:
 //! a majority of five masters; no fencing tokens, so the ledger orders nothing by
 //! token). With `SCHEDULED_JOB_ENGINE=azure-blob`
@@ -166,6 +167,8 @@ impl Shared {
             Shared::AzureBlob(_) => AZURE_LEASE,
             #[cfg(feature = "zookeeper")]
             Shared::ZooKeeper(_) => ZOOKEEPER_SESSION + ZOOKEEPER_TICK,
+            #[cfg(feature = "mysql")]
+            Shared::MySql(_) => tower_keyed_lock::backend::mysql::DEFAULT_LIVENESS_INTERVAL,
             _ => LEASE,
         }
     }
@@ -180,18 +183,9 @@ impl Shared {
     }
 
     /// Whether a crashed holder's key comes back with its process: the in-process
-    /// lock, and a session lock (MySQL), end with it; a lease runs out.
+    /// lock ends with it; a lease runs out, MySQL's pending statement ends.
     fn takes_over_at_once(&self) -> bool {
-        match self {
-            Shared::InProcess(_) => true,
-            #[cfg(feature = "mysql")]
-            Shared::MySql(_) => true,
-            #[allow(
-                unreachable_patterns,
-                reason = "the only arm without an engine feature"
-            )]
-            _ => false,
-        }
+        matches!(self, Shared::InProcess(_))
     }
 
     /// The shortest a crashed holder keeps the key.
@@ -203,6 +197,9 @@ impl Shared {
             Shared::AzureBlob(_) => AZURE_LEASE,
             #[cfg(feature = "zookeeper")]
             Shared::ZooKeeper(_) => ZOOKEEPER_SESSION,
+            // No lease: the key comes back when the holder's pending statement ends.
+            #[cfg(feature = "mysql")]
+            Shared::MySql(_) => Duration::ZERO,
             _ => LEASE,
         }
     }
@@ -482,12 +479,11 @@ fn check(ledger: &Ledger, shared: &Shared) {
         assert!(takeover.fencing_token > Some(crash_token));
     }
     if shared.takes_over_at_once() {
-        // In process the crash dropped the guard; with MySQL it closed the session:
-        // the next tick takes over.
+        // In process the crash dropped the guard: the next tick takes over.
         assert_eq!(takeover.tick, CRASH_TICK + 1);
     } else {
-        // A lease (Redis, etcd, Azure Blob, a ZooKeeper session): the key stayed held
-        // until it ran out.
+        // A lease (Redis, etcd, Azure Blob, a ZooKeeper session) or MySQL's pending
+        // statement: the key stayed held until it ran out.
         let (lease, loss_bound) = (shared.lease(), shared.loss_bound());
         assert!(after >= lease * 2 / 3, "taken over after {after:?}");
         assert!(

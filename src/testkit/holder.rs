@@ -1,13 +1,14 @@
 //! The check of read-only inspection: who holds a key (`DistributedLocks::holder`).
 
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use super::{instance, within, Deployment};
 use crate::LockError;
 
 /// Inspection tells the truth and changes nothing: a free key has no holder; a held
 /// key names the holder's instance id and the guard's fencing token, granted not in the
-/// future; after the release there is no holder again; and reading never takes the
+/// future; after the release there is no holder again (a lease later at most, if the
+/// release gave up); and reading never takes the
 /// key (another instance's `try_lock` right after it succeeds) nor keeps it (the key is
 /// free at once after its holder releases it, however often it was read).
 pub async fn the_holder_is_read_without_taking_the_key<D: Deployment>(deployment: &D) {
@@ -68,11 +69,16 @@ pub async fn the_holder_is_read_without_taking_the_key<D: Deployment>(deployment
     );
 
     within("the release", guard.release()).await;
-    assert_eq!(
-        read(&b).await,
-        None,
-        "conformance: a released key still has a holder"
-    );
+    // No holder once the release is through. A release that gave up (its command
+    // unanswered on a loaded machine) leaves the record to its lease, and no longer.
+    let released = Instant::now();
+    while read(&b).await.is_some() {
+        assert!(
+            released.elapsed() <= deployment.loss_bound() + Duration::from_secs(1),
+            "conformance: a released key still has a holder a lease later"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // Nothing read above kept the key: it is free at once.
     let again = within("try_lock after the release", b.try_lock(KEY))
         .await

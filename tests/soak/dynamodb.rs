@@ -121,8 +121,10 @@ async fn dynamodb_frozen_during_a_soak() {
         "a request was lost"
     );
     assert_eq!(report.other, 0, "{report:?}");
+    // A freeze shorter than the wait is waited out (only the wait bounds the
+    // waiting): it shows as waits that ran out (409) or 503s at their end.
     assert!(
-        report.unavailable > 0,
+        report.unavailable + report.conflict > 0,
         "the freezes were not seen: {report:?}"
     );
 
