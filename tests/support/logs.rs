@@ -16,6 +16,28 @@ impl std::io::Write for Captured {
     }
 }
 
+/// Installs `subscriber` for this thread so that it sees every callsite, also those
+/// another test's thread reached first.
+///
+/// `tracing` caches each callsite's interest process-wide, computed once, by the
+/// subscriber of the thread that reaches it first: a test running beside this one with
+/// no subscriber of its own would pin a span this test asserts on to "never" (seen
+/// under load as a missing `keyed_lock.remote` span). A global subscriber that wants
+/// everything makes that first answer "always", and the rebuild re-asks the callsites
+/// cached before it was set.
+fn set_default_seeing_everything(
+    subscriber: impl tracing::Subscriber + Send + Sync + 'static,
+) -> tracing::subscriber::DefaultGuard {
+    static GLOBAL: std::sync::Once = std::sync::Once::new();
+    GLOBAL.call_once(|| {
+        // Another test of this binary may have set its own first: the rebuild covers it.
+        let _ = tracing::subscriber::set_global_default(tracing_subscriber::registry());
+    });
+    let guard = tracing::subscriber::set_default(subscriber);
+    tracing::callsite::rebuild_interest_cache();
+    guard
+}
+
 impl Captured {
     /// Captures every `tracing` event of this thread, down to `debug`, until the guard
     /// drops.
@@ -26,7 +48,7 @@ impl Captured {
             .with_ansi(false)
             .with_max_level(tracing::Level::DEBUG)
             .finish();
-        tracing::subscriber::set_default(subscriber)
+        set_default_seeing_everything(subscriber)
     }
 
     /// As [`install`](Self::install), and a line for every span that closes, with
@@ -40,7 +62,7 @@ impl Captured {
             .with_max_level(tracing::Level::DEBUG)
             .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
             .finish();
-        tracing::subscriber::set_default(subscriber)
+        set_default_seeing_everything(subscriber)
     }
 
     /// Everything captured so far.
