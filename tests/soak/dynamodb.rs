@@ -55,7 +55,6 @@ async fn two_instances_sharing_dynamodb_never_overlap() {
         requests: requests(),
         keys: 1_000,
         clients: 16,
-        deadline: Duration::from_secs(6),
     };
 
     let started = std::time::Instant::now();
@@ -63,7 +62,7 @@ async fn two_instances_sharing_dynamodb_never_overlap() {
 
     println!("dynamodb soak in {:?}: {report:?}", started.elapsed());
     assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
-    assert_eq!(report.hung, 0, "a request outlived its deadline");
+    assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
         soak.requests,
@@ -90,7 +89,6 @@ async fn dynamodb_frozen_during_a_soak() {
         requests: requests(),
         keys: 1_000,
         clients: 8,
-        deadline: Duration::from_secs(5),
     };
     let mut faults = 0;
     let inject = async {
@@ -114,7 +112,7 @@ async fn dynamodb_frozen_during_a_soak() {
     );
     assert!(faults >= 1, "no fault was injected; raise SOAK_REQUESTS");
     assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
-    assert_eq!(report.hung, 0, "a request outlived its deadline");
+    assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
         soak.requests,

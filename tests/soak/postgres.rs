@@ -39,14 +39,13 @@ async fn two_instances_sharing_postgres_never_overlap() {
         requests: requests(),
         keys: 1_000,
         clients: 512,
-        deadline: Duration::from_secs(6),
     };
 
     let report = soak.run(&layers, std::future::pending()).await;
 
     println!("postgres soak: {report:?}");
     assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
-    assert_eq!(report.hung, 0, "a request outlived its deadline");
+    assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
         soak.requests,
@@ -69,7 +68,6 @@ async fn postgres_restarted_during_a_soak() {
         requests: requests(),
         keys: 1_000,
         clients: 512,
-        deadline: Duration::from_secs(6),
     };
     let mut faults = 0;
     let inject = async {
@@ -88,7 +86,7 @@ async fn postgres_restarted_during_a_soak() {
     println!("postgres soak with {faults} restarts: {report:?}");
     assert!(faults >= 1, "no fault was injected; raise SOAK_REQUESTS");
     assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
-    assert_eq!(report.hung, 0, "a request outlived its deadline");
+    assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
         soak.requests,
@@ -110,7 +108,6 @@ async fn postgres_restarted_during_a_soak() {
         requests: 200,
         keys: 20,
         clients: 8,
-        deadline: Duration::from_secs(6),
     };
     let recovered = after.run(&layers, std::future::pending()).await;
     assert_eq!(

@@ -45,14 +45,13 @@ async fn two_instances_sharing_redis_never_overlap() {
         requests: requests(),
         keys: 1_000,
         clients: 512,
-        deadline: Duration::from_secs(6),
     };
 
     let report = soak.run(&layers, std::future::pending()).await;
 
     println!("redis soak: {report:?}");
     assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
-    assert_eq!(report.hung, 0, "a request outlived its deadline");
+    assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
         soak.requests,
@@ -75,7 +74,6 @@ async fn redis_killed_and_restarted_during_a_soak() {
         requests: requests(),
         keys: 1_000,
         clients: 512,
-        deadline: Duration::from_secs(5),
     };
     let mut faults = 0;
     let inject = async {
@@ -96,7 +94,7 @@ async fn redis_killed_and_restarted_during_a_soak() {
     println!("redis soak with {faults} kills: {report:?}");
     assert!(faults >= 1, "no fault was injected; raise SOAK_REQUESTS");
     assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
-    assert_eq!(report.hung, 0, "a request outlived its deadline");
+    assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
         soak.requests,
@@ -116,7 +114,6 @@ async fn redis_killed_and_restarted_during_a_soak() {
         requests: 200,
         keys: 20,
         clients: 8,
-        deadline: Duration::from_secs(5),
     };
     let recovered = after.run(&layers, std::future::pending()).await;
     assert_eq!(
