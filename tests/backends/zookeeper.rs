@@ -352,7 +352,11 @@ async fn a_holder_heard_for_a_while_is_told_well_before_its_session_expires() {
     let fixture = servers::ZooKeeper::start();
     let proxy = TcpProxy::start(fixture.0.client_addr(0)).await;
     let a = locks_on(Arc::new(
-        servers::ZooKeeper::backend_on_servers(&proxy.host_port()).await,
+        servers::ZooKeeper::backend_with(
+            &proxy.host_port(),
+            servers::ZooKeeper::PROXIED_COMMAND_TIMEOUT,
+        )
+        .await,
     ));
     let b = fixture.instance("b").await;
     let guard = a.lock("heard").await.unwrap();
@@ -486,7 +490,11 @@ async fn a_create_whose_answer_never_came_is_deleted() {
     let paths = backend(&fixture.0).await;
     let proxy = TcpProxy::start(fixture.0.client_addr(0)).await;
     let a = locks_on(Arc::new(
-        servers::ZooKeeper::backend_on_servers(&proxy.host_port()).await,
+        servers::ZooKeeper::backend_with(
+            &proxy.host_port(),
+            servers::ZooKeeper::PROXIED_COMMAND_TIMEOUT,
+        )
+        .await,
     ));
     // The session is open, through the proxy, and the queue node exists (a create
     // under a missing queue would be refused, not late).

@@ -18,6 +18,7 @@ use tokio::sync::Notify;
 use tower_keyed_lock::backend::LostReason;
 
 use crate::support::fixtures::{wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE};
+use crate::support::lateness::Lateness;
 
 for_each_fixture!(
     all: [
@@ -156,6 +157,7 @@ async fn redis_work_stops_when_an_unrenewed_lease_runs_out() {
     let (dropped, started) = (Dropped::default(), Arc::new(Notify::new()));
 
     let granted = Instant::now();
+    let lateness = Lateness::watch();
     let guard = a.lock("rollup").await.unwrap();
     let result = within(
         "the lease runs out",
@@ -174,7 +176,7 @@ async fn redis_work_stops_when_an_unrenewed_lease_runs_out() {
     assert!(guard.is_lost());
     within("lost() resolves", PATIENCE, guard.lost()).await;
     assert!(
-        took < lease + Duration::from_millis(200),
+        took < lateness.allowing(lease + Duration::from_millis(200)),
         "lost after {took:?}"
     );
     eprintln!("an unrenewed {lease:?} lease was declared lost after {took:?}");

@@ -6,6 +6,7 @@
 //!   `redis_monitor`: the commands a Redis server runs, to count round trips;
 //! - `fixtures`: those servers behind one trait (`Fixture`, `Remote`, `Proxied`) and
 //!   `for_each_fixture!`, so a distributed test body is written once;
+//! - `lateness`: how late the test's timers fire, the margin of a timing assertion;
 //! - `ports`: the ports those servers bind, outside the kernel's ephemeral range;
 //! - `tcp_proxy`: the fault proxy between an instance and its server;
 //! - `recorder` (metrics), `logs` (captured `tracing` output), `soak`, `replay` (the
@@ -41,6 +42,7 @@ pub mod fixtures;
 pub mod hold;
 #[cfg(feature = "axum")]
 pub mod instances;
+pub mod lateness;
 pub mod logs;
 #[cfg(feature = "postgres")]
 pub mod pg_server;
