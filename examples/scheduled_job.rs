@@ -33,7 +33,7 @@
 //! tick before the crash ran exactly once, the job's writes carry increasing fencing
 //! tokens, and the takeover came within the lease.
 
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -204,7 +204,26 @@ impl Shared {
         }
     }
 
+    /// The instance's locks. A backend that cannot reach its server yet (one that just
+    /// started, on a loaded machine) is built again for up to 30 s, as a service's
+    /// start-up would retry.
     async fn locks(&self) -> DistributedLocks {
+        let started = Instant::now();
+        loop {
+            match self.try_locks().await {
+                Ok(locks) => return locks,
+                Err(error) if started.elapsed() < Duration::from_secs(30) => {
+                    eprintln!(
+                        "the instance cannot reach its lock server yet ({error}); trying again"
+                    );
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(error) => panic!("the instance cannot reach its lock server: {error}"),
+            }
+        }
+    }
+
+    async fn try_locks(&self) -> Result<DistributedLocks, String> {
         match self {
             #[cfg(feature = "redis")]
             Shared::Redis(url) => {
@@ -216,8 +235,8 @@ impl Shared {
                     .restart_guard(false)
                     .build()
                     .await
-                    .expect("the instance connects to Redis");
-                DistributedLocks::new("cron", backend)
+                    .map_err(|error| format!("connects to Redis: {error:?}"))?;
+                Ok(DistributedLocks::new("cron", backend))
             }
             #[cfg(feature = "redis")]
             Shared::Redlock(masters) => {
@@ -227,8 +246,8 @@ impl Shared {
                     .restart_guard(false)
                     .build()
                     .await
-                    .expect("the instance reaches a majority of the masters");
-                DistributedLocks::new("cron", backend)
+                    .map_err(|error| format!("reaches a majority of the masters: {error:?}"))?;
+                Ok(DistributedLocks::new("cron", backend))
             }
             #[cfg(feature = "etcd")]
             Shared::Etcd(endpoint) => {
@@ -236,15 +255,15 @@ impl Shared {
                     .lease(ETCD_LEASE)
                     .build()
                     .await
-                    .expect("the instance connects to etcd");
-                DistributedLocks::new("cron", backend)
+                    .map_err(|error| format!("connects to etcd: {error:?}"))?;
+                Ok(DistributedLocks::new("cron", backend))
             }
             #[cfg(feature = "mysql")]
             Shared::MySql(url) => {
                 let backend = tower_keyed_lock::MySqlBackend::from_url(url)
                     .expect("a valid MySQL URL")
                     .fencing(true);
-                DistributedLocks::new("cron", backend)
+                Ok(DistributedLocks::new("cron", backend))
             }
             #[cfg(feature = "azure-blob")]
             Shared::AzureBlob(url) => {
@@ -252,8 +271,8 @@ impl Shared {
                     .lease(AZURE_LEASE)
                     .build()
                     .await
-                    .expect("the instance reaches Azurite");
-                DistributedLocks::new("cron", backend)
+                    .map_err(|error| format!("reaches Azurite: {error:?}"))?;
+                Ok(DistributedLocks::new("cron", backend))
             }
             #[cfg(feature = "zookeeper")]
             Shared::ZooKeeper(servers) => {
@@ -261,10 +280,10 @@ impl Shared {
                     .session_timeout(ZOOKEEPER_SESSION)
                     .build()
                     .await
-                    .expect("the instance connects to ZooKeeper");
-                DistributedLocks::new("cron", backend)
+                    .map_err(|error| format!("connects to ZooKeeper: {error:?}"))?;
+                Ok(DistributedLocks::new("cron", backend))
             }
-            Shared::InProcess(locks) => locks.clone(),
+            Shared::InProcess(locks) => Ok(locks.clone()),
         }
     }
 }
@@ -361,10 +380,13 @@ fn main() {
     let shared = Arc::new(shared);
 
     let ledger = Arc::new(Mutex::new(Ledger::default()));
-    let start = Instant::now() + Duration::from_millis(200);
+    let start = Arc::new(Start {
+        connected: tokio::sync::Barrier::new(3),
+        at: OnceLock::new(),
+    });
     let instances: Vec<_> = (1..=3)
         .map(|id| {
-            let (shared, ledger) = (shared.clone(), ledger.clone());
+            let (shared, ledger, start) = (shared.clone(), ledger.clone(), start.clone());
             thread::spawn(move || run_instance(id, shared, ledger, start))
         })
         .collect();
@@ -386,7 +408,14 @@ fn in_process(why: &str) -> Shared {
 
 /// One instance: a thread with a runtime of its own, which it shuts down without any
 /// cleanup when its job "crashes".
-fn run_instance(id: usize, shared: Arc<Shared>, ledger: Arc<Mutex<Ledger>>, start: Instant) {
+/// The schedule's first tick: once every instance has connected, as a deployment's
+/// instances would all be running when the schedule matters.
+struct Start {
+    connected: tokio::sync::Barrier,
+    at: OnceLock<Instant>,
+}
+
+fn run_instance(id: usize, shared: Arc<Shared>, ledger: Arc<Mutex<Ledger>>, start: Arc<Start>) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -408,10 +437,14 @@ async fn schedule(
     id: usize,
     shared: Arc<Shared>,
     ledger: Arc<Mutex<Ledger>>,
-    start: Instant,
+    start: Arc<Start>,
     crash: mpsc::Sender<()>,
 ) {
     let locks = shared.locks().await;
+    start.connected.wait().await;
+    let start = *start
+        .at
+        .get_or_init(|| Instant::now() + Duration::from_millis(200));
     for tick in 1..=shared.last_tick() {
         tokio::time::sleep_until((start + TICK * tick as u32).into()).await;
         if tick > CRASH_TICK && ledger.lock().unwrap().took_over() {
