@@ -17,13 +17,6 @@ impl CachedScript {
         Self { text, hash }
     }
 
-    /// `SCRIPT LOAD`: the first call then finds the script cached.
-    pub(in crate::backend) fn load(&self) -> Cmd {
-        let mut command = redis::cmd("SCRIPT");
-        command.arg("LOAD").arg(self.text);
-        command
-    }
-
     /// `EVALSHA hash` followed by what `body` adds (key count, keys, arguments).
     pub(in crate::backend) fn command(&self, body: impl FnOnce(&mut Cmd)) -> Cmd {
         let mut command = redis::cmd("EVALSHA");
