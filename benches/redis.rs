@@ -1,173 +1,337 @@
-//! The Redis backend against a real `redis-server` the bench starts on a free port.
+//! What one Redis lock costs, against what a user would pick instead, on a real
+//! `redis-server` the bench starts on a free port.
 //!
 //! ```text
-//! CARGO_TARGET_DIR=/work/target-redis cargo bench -p tower-keyed-lock-benches --bench redis
+//! cargo bench -p tower-keyed-lock-benches --bench redis
 //! cargo bench -p tower-keyed-lock-benches --bench redis -- --test     # CI: each once
 //! ```
 //!
-//! 1. Uncontended acquire + release of one key: `RedisBackend` (`acquire` then
-//!    `Lease::release`: two scripts, a token, a renewal task, the release message) vs a
-//!    bare `SET key token NX PX` + `DEL key` through a `ConnectionManager` of the same
-//!    `redis::Client`. Criterion times each; then both run in alternating batches
-//!    (A B, B A, …: the same load hits both) and the median ratio is printed. Target:
-//!    ≤ 1.3×.
-//! 2. Commands sent to Redis per request when 32 requests for one key arrive at once
-//!    at one instance (a layer with the backend, driven with `ServiceExt::oneshot`):
-//!    `INFO commandstats` deltas, printed per command. Script calls are the round trips;
-//!    the commands they run inside Redis are listed too.
+//! 1. Uncontended acquire + release, with 1 task and with 32 tasks at once (each its
+//!    own key), four ways in interleaved rounds in one process (the order rotating
+//!    from round to round, so every way sees the same load):
+//!    - `locks`: [`DistributedLocks`] on a [`RedisBackend`] with the defaults a
+//!      production user gets (fencing, holder record, restart guard, renewal on),
+//!      `lock` then `release`;
+//!    - `backend`: the same backend called directly (`acquire`, `Lease::release`);
+//!    - `pair`: the bare safe pair, `SET key token NX PX` and a compare-and-delete
+//!      script (`EVALSHA`), on a `ConnectionManager` of the same client;
+//!    - `rslock`: the `rslock` crate's `LockManager` on the same server (`lock`,
+//!      `unlock`).
+//!
+//!    Printed: the median time per acquire + release of each, and the medians of the
+//!    per-round ratios `pair / locks`, `pair / backend`, `rslock / locks` (above 1: the
+//!    crate is faster). The machine may be shared and loaded: only the ratios count.
+//! 2. Redis commands executed per acquire + release (`INFO commandstats` deltas, the
+//!    calls inside scripts included), for each way: round trips are the top-level
+//!    commands (scripts and plain commands sent), the rest ran inside scripts.
+//! 3. Commands per request when 32 requests for one key arrive at once at one
+//!    instance (a layer with the backend, driven with `ServiceExt::oneshot`).
 
-#[path = "../tests/support/ports.rs"]
-mod ports;
-#[path = "../tests/support/redis_server.rs"]
-mod redis_server;
+mod support;
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
-use criterion::Criterion;
 use http::{Request, StatusCode};
 use redis::aio::ConnectionManager;
-use redis_server::{command_calls, command_stat, RedisServer};
+use support::redis_server::{command_calls, RedisServer};
 use tower::ServiceExt;
 use tower_keyed_lock::backend::redis::RedisBackend;
-use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend};
+use tower_keyed_lock::{DistributedLocks, Key, KeyedLockLayer, LockBackend};
 
 const WAITERS: usize = 32;
+const TASK_COUNTS: [usize; 2] = [1, 32];
+
+/// The bare safe release: delete the key only if it still holds our token.
+const COMPARE_AND_DELETE: &str = r"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+";
 
 fn main() {
-    let mut c = Criterion::default()
-        .sample_size(30)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_millis(500))
-        .configure_from_args();
     let quick = std::env::args().any(|arg| arg == "--test");
-    let rt = tokio::runtime::Builder::new_current_thread()
+    let filter: Option<String> = std::env::args().skip(1).find(|arg| !arg.starts_with('-'));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
         .enable_all()
         .build()
         .expect("a tokio runtime");
     let server = RedisServer::start();
     let client = server.client();
-    let backend = rt.block_on(guarded_backend(&client));
-    let bare = rt.block_on(ConnectionManager::new(client.clone())).unwrap();
-    let key = Key::new("order-1", 256).unwrap();
+    let ways = rt.block_on(Ways::new(&client));
 
-    // Loads the scripts (the first call of each is NOSCRIPT + SCRIPT LOAD).
-    rt.block_on(backend_round(&backend, &key));
-
-    let mut group = c.benchmark_group("redis-uncontended");
-    group.bench_function("backend-acquire-release", |b| {
-        b.to_async(&rt).iter(|| backend_round(&backend, &key));
-    });
-    group.bench_function("bare-set-nx-px-del", |b| {
-        b.to_async(&rt).iter(|| bare_round(&bare));
-    });
-    group.finish();
-
-    let (rounds, batch) = if quick { (2, 10) } else { (21, 500) };
-    let ratio = rt.block_on(alternating(&backend, &bare, &key, rounds, batch));
-    println!(
-        "redis uncontended acquire+release: backend {:.1} µs, bare SET NX PX + DEL {:.1} µs, \
-         ratio {:.2}x (median of {rounds} alternating rounds of {batch})",
-        ratio.backend_us, ratio.bare_us, ratio.ratio
-    );
-
-    let usec = rt.block_on(async {
-        let mut connection = server.connection().await;
-        command_stat(&mut connection, "usec_per_call").await
-    });
-    let stat = |name: &str| usec.get(name).copied().unwrap_or(0.0);
-    println!(
-        "  time inside Redis per call: scripts (EVALSHA, mean of acquire and release) \
-         {:.2} µs, SET {:.2} µs, DEL {:.2} µs",
-        stat("evalsha"),
-        stat("set"),
-        stat("del"),
-    );
-
-    let rounds = if quick { 1 } else { 10 };
-    rt.block_on(commands_per_request(&server, &client, rounds));
-    c.final_summary();
+    let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
+    let mut lines = Vec::new();
+    if wanted("uncontended") {
+        let (rounds, ops) = if quick { (2, 64) } else { (21, 1024) };
+        for tasks in TASK_COUNTS {
+            lines.extend(rt.block_on(uncontended(&ways, tasks, rounds, ops)));
+        }
+    }
+    if wanted("commands") {
+        let ops = if quick { 20 } else { 500 };
+        rt.block_on(commands_per_lock(&server, &ways, ops));
+        let rounds = if quick { 1 } else { 10 };
+        rt.block_on(commands_per_request(&server, &client, rounds));
+    }
+    support::write_results("redis", quick, &lines);
 }
 
-async fn backend_round(backend: &RedisBackend, key: &Key) {
-    let lease = backend
-        .acquire("bench", key, Duration::from_secs(1))
-        .await
-        .expect("an uncontended key");
-    lease.release().await;
+/// The four ways to take and release a lock, on one server.
+struct Ways {
+    locks: DistributedLocks,
+    backend: RedisBackend,
+    pair: ConnectionManager,
+    script: Arc<redis::Script>,
+    rslock: rslock::LockManager,
 }
 
-async fn bare_round(connection: &ConnectionManager) {
-    let mut connection = connection.clone();
-    let set: Option<String> = redis::cmd("SET")
-        .arg("bare:order-1")
-        .arg("token")
-        .arg("NX")
-        .arg("PX")
-        .arg(30_000)
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    assert!(set.is_some(), "the bare key was held");
-    redis::cmd("DEL")
-        .arg("bare:order-1")
-        .query_async::<()>(&mut connection)
-        .await
-        .unwrap();
+/// One of the ways, by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    Locks,
+    Backend,
+    Pair,
+    Rslock,
 }
 
-struct Ratio {
-    backend_us: f64,
-    bare_us: f64,
-    ratio: f64,
+const ALL: [Way; 4] = [Way::Locks, Way::Backend, Way::Pair, Way::Rslock];
+
+impl Way {
+    fn name(self) -> &'static str {
+        match self {
+            Way::Locks => "locks",
+            Way::Backend => "backend",
+            Way::Pair => "pair",
+            Way::Rslock => "rslock",
+        }
+    }
 }
 
-/// Median over rounds of (backend batch time / bare batch time), the order of the two
-/// batches alternating between rounds.
-async fn alternating(
-    backend: &RedisBackend,
-    bare: &ConnectionManager,
-    key: &Key,
-    rounds: usize,
-    batch: usize,
-) -> Ratio {
-    let mut samples = Vec::new();
-    for round in 0..rounds {
-        let mut backend_time = Duration::ZERO;
-        let mut bare_time = Duration::ZERO;
-        for first in [round % 2 == 0, round % 2 != 0] {
-            let started = Instant::now();
-            for _ in 0..batch {
-                match first {
-                    true => backend_round(backend, key).await,
-                    false => bare_round(bare).await,
+impl Ways {
+    async fn new(client: &redis::Client) -> Self {
+        let backend = guarded_backend(client).await;
+        let ways = Self {
+            locks: DistributedLocks::new("bench-locks", backend.clone()),
+            backend,
+            pair: ConnectionManager::new(client.clone()).await.unwrap(),
+            script: Arc::new(redis::Script::new(COMPARE_AND_DELETE)),
+            rslock: rslock::LockManager::from_clients(vec![client.clone()]),
+        };
+        // Loads the scripts and opens the connections.
+        for way in ALL {
+            ways.round(way, "warm-up").await;
+        }
+        ways
+    }
+
+    /// One acquire + release of `key` the given way.
+    fn round<'a>(&'a self, way: Way, key: &'a str) -> impl Future<Output = ()> + Send + 'a {
+        async move {
+            match way {
+                Way::Locks => {
+                    let guard = self.locks.lock(key).await.expect("an uncontended key");
+                    guard.release().await;
+                }
+                Way::Backend => {
+                    let key = Key::new(key, 256).unwrap();
+                    let lease = self
+                        .backend
+                        .acquire("bench-backend", &key, Duration::from_secs(1))
+                        .await
+                        .expect("an uncontended key");
+                    lease.release().await;
+                }
+                Way::Pair => {
+                    let mut connection = self.pair.clone();
+                    let lock = format!("bench-pair:{key}");
+                    let token = format!("{:032x}", rand_token());
+                    let set: Option<String> = redis::cmd("SET")
+                        .arg(&lock)
+                        .arg(&token)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(30_000)
+                        .query_async(&mut connection)
+                        .await
+                        .unwrap();
+                    assert!(set.is_some(), "the bare key was held");
+                    let _: i64 = self
+                        .script
+                        .key(&lock)
+                        .arg(&token)
+                        .invoke_async(&mut connection)
+                        .await
+                        .unwrap();
+                }
+                Way::Rslock => {
+                    let resource = format!("bench-rslock:{key}");
+                    let lock = self
+                        .rslock
+                        .lock(resource.as_bytes(), Duration::from_secs(30))
+                        .await
+                        .expect("an uncontended key");
+                    self.rslock.unlock(&lock).await;
                 }
             }
-            match first {
-                true => backend_time = started.elapsed(),
-                false => bare_time = started.elapsed(),
-            }
         }
-        samples.push((backend_time, bare_time));
     }
-    let per_op = |d: Duration| d.as_secs_f64() * 1e6 / batch as f64;
-    let median = |mut values: Vec<f64>| {
+}
+
+/// Fresh enough for distinct tokens within the bench.
+fn rand_token() -> u128 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let count = NEXT.fetch_add(1, Ordering::Relaxed);
+    (u128::from(count) << 64) | u128::from(std::process::id())
+}
+
+/// `ops` acquire + release rounds spread over `tasks` tasks, each on its own key; the
+/// wall time.
+async fn batch(ways: &Arc<Ways>, way: Way, tasks: usize, ops: usize) -> Duration {
+    let started = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    for task in 0..tasks {
+        let ways = ways.clone();
+        let per_task = ops / tasks;
+        set.spawn(async move {
+            let key = format!("order-{task}");
+            for _ in 0..per_task {
+                ways.round(way, &key).await;
+            }
+        });
+    }
+    while let Some(done) = set.join_next().await {
+        done.unwrap();
+    }
+    started.elapsed()
+}
+
+/// Interleaved rounds of every way; prints medians and per-round ratio medians.
+async fn uncontended(ways: &Ways, tasks: usize, rounds: usize, ops: usize) -> Vec<String> {
+    // The bench owns `ways` for its whole run; an Arc lets the tasks borrow it.
+    let ways = Arc::new(Ways {
+        locks: ways.locks.clone(),
+        backend: ways.backend.clone(),
+        pair: ways.pair.clone(),
+        script: ways.script.clone(),
+        rslock: ways.rslock.clone(),
+    });
+    let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    let mut ratios: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for round in 0..rounds {
+        let mut this_round = BTreeMap::new();
+        for i in 0..ALL.len() {
+            let way = ALL[(round + i) % ALL.len()];
+            let time = batch(&ways, way, tasks, ops).await;
+            let per_op_us = time.as_secs_f64() * 1e6 / ops as f64;
+            this_round.insert(way.name(), per_op_us);
+            times.entry(way.name()).or_default().push(per_op_us);
+        }
+        for (label, faster, slower) in [
+            ("pair/locks", "pair", "locks"),
+            ("pair/backend", "pair", "backend"),
+            ("rslock/locks", "rslock", "locks"),
+            ("rslock/backend", "rslock", "backend"),
+        ] {
+            ratios
+                .entry(label)
+                .or_default()
+                .push(this_round[faster] / this_round[slower]);
+        }
+    }
+    let median = |values: &[f64]| {
+        let mut values = values.to_vec();
         values.sort_by(f64::total_cmp);
         values[values.len() / 2]
     };
-    Ratio {
-        backend_us: median(samples.iter().map(|s| per_op(s.0)).collect()),
-        bare_us: median(samples.iter().map(|s| per_op(s.1)).collect()),
-        ratio: median(
-            samples
-                .iter()
-                .map(|s| s.0.as_secs_f64() / s.1.as_secs_f64())
-                .collect(),
-        ),
+    println!(
+        "redis uncontended acquire+release, {tasks} task(s), median of {rounds} interleaved \
+         rounds of {ops}:"
+    );
+    let mut lines = Vec::new();
+    for way in ALL {
+        let us = median(&times[way.name()]);
+        println!("  {:<8} {us:8.1} µs per lock", way.name());
+        lines.push(format!(
+            r#"{{"bench":"redis-uncontended","tasks":{tasks},"way":"{}","us":{us:.2}}}"#,
+            way.name()
+        ));
     }
+    for (label, values) in &ratios {
+        let ratio = median(values);
+        println!("  speed {label:<15} {ratio:.2}x (≥ 1: the crate is as fast)");
+        lines.push(format!(
+            r#"{{"bench":"redis-uncontended","tasks":{tasks},"ratio":"{label}","value":{ratio:.3}}}"#
+        ));
+    }
+    lines
+}
+
+/// Commands executed per acquire + release, each way, from `INFO commandstats`.
+async fn commands_per_lock(server: &RedisServer, ways: &Ways, ops: usize) {
+    let mut stats = server.connection().await;
+    println!("redis commands per uncontended acquire+release ({ops} each, calls inside scripts included):");
+    for way in ALL {
+        let before = command_calls(&mut stats).await;
+        for _ in 0..ops {
+            ways.round(way, "order-commands").await;
+        }
+        // Releases that finish in the background.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let after = command_calls(&mut stats).await;
+        let delta = deltas(&before, &after);
+        let total: u64 = delta.values().sum();
+        let top: u64 = delta
+            .iter()
+            .filter(|(name, _)| is_top_level(way, name))
+            .map(|(_, calls)| calls)
+            .sum();
+        println!(
+            "  {:<8} {:.2} commands, {:.2} round trips: {}",
+            way.name(),
+            total as f64 / ops as f64,
+            top as f64 / ops as f64,
+            delta
+                .iter()
+                .map(|(name, calls)| format!("{name} {:.2}", *calls as f64 / ops as f64))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+}
+
+/// Which commands a way sends itself (the rest run inside its scripts).
+fn is_top_level(way: Way, name: &str) -> bool {
+    match way {
+        Way::Locks | Way::Backend => matches!(name, "eval" | "evalsha" | "script|load"),
+        Way::Pair => matches!(name, "set" | "evalsha" | "eval"),
+        Way::Rslock => matches!(name, "set" | "evalsha" | "eval"),
+    }
+}
+
+/// Calls per command between two `INFO commandstats` reads, without the reads: the
+/// second read counts the first (a command is counted once it ran), so one `info` is
+/// taken off; the rest (the restart guard's `INFO server`) stays.
+fn deltas(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
+    after
+        .iter()
+        .map(|(name, calls)| {
+            let mut delta = calls - before.get(name).copied().unwrap_or(0);
+            if name == "info" {
+                delta = delta.saturating_sub(1);
+            }
+            (name.clone(), delta)
+        })
+        .filter(|(_, calls)| *calls > 0)
+        .collect()
 }
 
 /// A backend as deployed (restart guard on), on a server past the guard: a short
@@ -200,13 +364,13 @@ async fn commands_per_request(server: &RedisServer, client: &redis::Client, roun
         );
     let mut stats = server.connection().await;
     // Warm-up: loads the scripts.
-    send(&app).await;
+    send(app.clone()).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
 
     let before = command_calls(&mut stats).await;
     for _ in 0..rounds {
         let requests: Vec<_> = (0..WAITERS)
-            .map(|_| tokio::spawn(send_owned(app.clone())))
+            .map(|_| tokio::spawn(send(app.clone())))
             .collect();
         for request in requests {
             request.await.unwrap();
@@ -217,11 +381,7 @@ async fn commands_per_request(server: &RedisServer, client: &redis::Client, roun
     let after = command_calls(&mut stats).await;
 
     let requests = (rounds * WAITERS) as f64;
-    let mut delta: BTreeMap<String, u64> = after
-        .iter()
-        .map(|(name, calls)| (name.clone(), calls - before.get(name).copied().unwrap_or(0)))
-        .filter(|(name, calls)| *calls > 0 && name != "info")
-        .collect();
+    let mut delta = deltas(&before, &after);
     let scripts = delta.remove("evalsha").unwrap_or(0) + delta.remove("eval").unwrap_or(0);
     let inside: u64 = delta.values().sum();
     println!(
@@ -243,11 +403,7 @@ async fn commands_per_request(server: &RedisServer, client: &redis::Client, roun
     );
 }
 
-async fn send(app: &Router) {
-    send_owned(app.clone()).await;
-}
-
-async fn send_owned(app: Router) {
+async fn send(app: Router) {
     let request = Request::post("/orders/1").body(Body::empty()).unwrap();
     let response = app.oneshot(request).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);

@@ -757,44 +757,73 @@ async fn odd_keys_cannot_reach_other_layers_or_prefixes() {
     }
 }
 
+/// The PTTL of `key` in ms: -1 without TTL, -2 when it does not exist.
+async fn pttl(connection: &mut MultiplexedConnection, key: &str) -> i64 {
+    redis::cmd("PTTL")
+        .arg(key)
+        .query_async(connection)
+        .await
+        .unwrap()
+}
+
+/// The keys under `prefix` that Redis still holds (`SCAN` leaves out expired ones).
+async fn keys_under(connection: &mut MultiplexedConnection, prefix: &str) -> Vec<String> {
+    let mut cursor = 0u64;
+    let mut found = Vec::new();
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{{{prefix}*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(connection)
+            .await
+            .unwrap();
+        found.extend(keys);
+        if next == 0 {
+            return found;
+        }
+        cursor = next;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn fence_counters_persist_by_default_and_expire_with_fence_ttl() {
+async fn fence_counters_expire_by_default_and_stay_with_fence_ttl_none() {
     let redis = RedisServer::start();
     let mut connection = redis.connection().await;
     let key = Key::new("order-1", 256).unwrap();
     let wait = Duration::from_secs(1);
+    let lease_of = Duration::from_millis(200);
 
-    // Default: the counter stays, without TTL.
-    let backend = connect(&redis, |b| b).await;
+    // Opted out: the counter stays, without TTL.
+    let backend = connect(&redis, |b| b.fence_ttl(None)).await;
     let lease = backend.acquire("plain", &key, wait).await.unwrap();
     let first = lease.fencing_token().unwrap();
     lease.release().await;
     let fence = backend
         .lock_key("plain", "order-1")
         .replace(":lock", ":fence");
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg(&fence)
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    assert_eq!(ttl, -1);
+    assert_eq!(pttl(&mut connection, &fence).await, -1);
     let lease = backend.acquire("plain", &key, wait).await.unwrap();
     assert!(lease.fencing_token().unwrap() > first);
     lease.release().await;
 
-    // With a fence TTL the counter expires, and starts again above every token it
-    // gave (from the server clock).
-    let backend = connect(&redis, |b| {
-        b.lease(Duration::from_millis(100))
-            .fence_ttl(Some(Duration::from_millis(100)))
-    })
-    .await;
+    // Default: the counter and the holder record live the lease and one more, then
+    // the counter starts again above every token it gave (from the server clock).
+    let backend = connect(&redis, |b| b.lease(lease_of)).await;
     let fence = backend
         .lock_key("ttl", "order-1")
         .replace(":lock", ":fence");
+    let holder = fence.replace(":fence", ":holder");
     let lease = backend.acquire("ttl", &key, wait).await.unwrap();
     let before = lease.fencing_token().unwrap();
     lease.release().await;
+    for record in [&fence, &holder] {
+        let left = pttl(&mut connection, record).await;
+        let most = i64::try_from((lease_of * 2).as_millis()).unwrap();
+        assert!(0 < left && left <= most, "{record}: PTTL {left} ms");
+    }
     until("the fence counter expires", || {
         let (mut connection, fence) = (connection.clone(), fence.clone());
         async move { !exists(&mut connection, &fence).await }
@@ -802,6 +831,78 @@ async fn fence_counters_persist_by_default_and_expire_with_fence_ttl() {
     .await;
     let lease = backend.acquire("ttl", &key, wait).await.unwrap();
     assert!(lease.fencing_token().unwrap() > before);
+    lease.release().await;
+}
+
+/// Keys that come from clients, each locked once: with no setting at all, Redis keeps
+/// nothing of them once the documented window after their release has passed (the
+/// rest of the lease and one more lease: two leases), and a key locked again after
+/// that still gets a greater fencing token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn distinct_keys_leave_nothing_after_the_record_window() {
+    const KEYS: usize = 1_000;
+    let redis = RedisServer::start();
+    let mut connection = redis.connection().await;
+    let lease_of = Duration::from_millis(300);
+    let backend = connect(&redis, |b| b.lease(lease_of).prefix("footprint")).await;
+    let wait = Duration::from_secs(5);
+    let mut first_token = None;
+    for n in 0..KEYS {
+        let key = Key::new(&format!("order-{n}"), 256).unwrap();
+        let lease = backend.acquire("orders", &key, wait).await.unwrap();
+        first_token.get_or_insert(lease.fencing_token().unwrap());
+        lease.release().await;
+    }
+    let released = Instant::now();
+    // The last key's fence counter and holder record are there (the earlier keys'
+    // may have gone already, on a slow machine): what the count below must not find.
+    let last = format!("footprint:orders:order-{}", KEYS - 1);
+    let during = keys_under(&mut connection, &last).await;
+    assert_eq!(
+        during.len(),
+        2,
+        "records right after the release: {during:?}"
+    );
+
+    // Every grant was sent before `released`: its records expire two leases after it
+    // at the latest (a millisecond more for the TTL's rounding).
+    tokio::time::sleep_until(released + lease_of * 2 + Duration::from_millis(1)).await;
+    let left = keys_under(&mut connection, "footprint:").await;
+    assert!(left.is_empty(), "left after the window: {left:?}");
+
+    let key = Key::new("order-0", 256).unwrap();
+    let lease = backend.acquire("orders", &key, wait).await.unwrap();
+    assert!(lease.fencing_token() > first_token);
+    lease.release().await;
+}
+
+/// A holder that keeps its key past many leases (renewed) keeps its fence counter and
+/// holder record: they expire only a window after the lock does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn renewal_keeps_the_records_of_a_long_hold() {
+    let redis = RedisServer::start();
+    let mut connection = redis.connection().await;
+    let lease_of = Duration::from_millis(150);
+    let backend = connect(&redis, |b| b.lease(lease_of).instance_id("long-holder")).await;
+    let key = Key::new("order-long", 256).unwrap();
+    let lease = backend
+        .acquire("long", &key, Duration::from_secs(1))
+        .await
+        .unwrap();
+    let token = lease.fencing_token();
+    let fence = backend
+        .lock_key("long", "order-long")
+        .replace(":lock", ":fence");
+    // Five leases: the records, written with the grant, would have gone after two.
+    let started = Instant::now();
+    while started.elapsed() < lease_of * 5 {
+        tokio::time::sleep(lease_of / 2).await;
+        assert!(!lease.signal().is_lost());
+        let holder = backend.holder("long", &key).await.unwrap().unwrap();
+        assert_eq!(holder.fencing_token(), token);
+        assert_eq!(holder.instance(), Some("long-holder"));
+        assert!(exists(&mut connection, &fence).await);
+    }
     lease.release().await;
 }
 

@@ -11,10 +11,11 @@ use std::time::Duration;
 use redis::{ErrorKind, RedisError, RetryMethod};
 use tokio::time::{sleep, Instant};
 
+use super::cached::{RELEASE, RELEASE_COUNTED};
 use super::connection::Failure;
 use super::eviction;
 use super::keys::RedisKeys;
-use super::scripts::{RELEASE, RELEASE_COUNTED, RENEW, RENEW_COUNTED};
+use super::scripts::{RENEW, RENEW_COUNTED};
 use super::Inner;
 use crate::backend::ttl::{
     self, fresh_token, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
@@ -347,10 +348,7 @@ impl Inner {
         counts: bool,
         queues: bool,
     ) -> Result<Attempt, Failure> {
-        let fence_ttl = self
-            .config
-            .fence_ttl
-            .map_or(0, |ttl| millis(ttl.max(self.config.lease)));
+        let fence_ttl = self.config.record_ttl_ms(self.config.first_ttl());
         // Outlasts this waiter's longest pause and its next attempt's round trip.
         let waiting_ttl = self.config.poll_interval + self.config.command_timeout;
         let restart_guard = match self.config.restart_guard {
@@ -431,7 +429,8 @@ impl Inner {
 
     /// Extends `token`'s hold on `lock` to `ttl`; whether it still held it. Sent as
     /// `EVAL`, not `EVALSHA`: a server that lost its script cache (a restart, a
-    /// failover) would cost a second round trip, and a renewal has none to spare.
+    /// failover) would cost a second round trip, and a renewal has none to spare (it
+    /// runs once per lease/3, off the request's path).
     async fn renew_once(
         &self,
         keys: &RedisKeys,
@@ -442,10 +441,24 @@ impl Inner {
     ) -> Result<bool, Failure> {
         let mut command = redis::cmd("EVAL");
         match keys.holders() {
-            None => command.arg(RENEW).arg(1).arg(&*keys.lock),
-            Some(holders) => command.arg(RENEW_COUNTED).arg(1).arg(holders),
+            // The fence counter and holder record live as long as the lock, and the
+            // window after it.
+            None => command
+                .arg(RENEW)
+                .arg(3)
+                .arg(&*keys.lock)
+                .arg(&keys.fence)
+                .arg(&keys.holder)
+                .arg(token)
+                .arg(millis(ttl))
+                .arg(self.config.record_ttl_ms(ttl)),
+            Some(holders) => command
+                .arg(RENEW_COUNTED)
+                .arg(1)
+                .arg(holders)
+                .arg(token)
+                .arg(millis(ttl)),
         };
-        command.arg(token).arg(millis(ttl));
         let replicas = self.config.replicas;
         self.commands
             .run(limit, counts, |mut connection| async move {
@@ -467,36 +480,43 @@ impl Inner {
     /// One release attempt: if `token` still holds the lock, hands it to the first
     /// queued writer or deletes it, and announces that; if not, takes the token out of
     /// the key's intent and queue and marks it given back, so a late attempt of it
-    /// grants nothing. `EVAL`, like the renewal: one round trip even on a server that lost its
-    /// script cache.
+    /// grants nothing. By SHA1 (loaded when the backend is built): the release is on
+    /// every lock's path, and a server that lost its script cache costs one round trip
+    /// more, once; a release that gets no answer is retried in the background anyway.
     async fn delete_if_ours(&self, keys: &RedisKeys, token: &str) -> GiveBack {
-        let mut command = redis::cmd("EVAL");
-        match keys.holders() {
-            None => command
-                .arg(RELEASE)
-                .arg(7)
-                .arg(&*keys.lock)
-                .arg(&keys.waiting)
-                .arg(keys.given_back(token))
-                .arg(&keys.intent)
-                .arg(&keys.queue)
-                .arg(&keys.fence)
-                .arg(&keys.holder),
-            Some(holders) => command
-                .arg(RELEASE_COUNTED)
-                .arg(4)
-                .arg(holders)
-                .arg(&keys.waiting)
-                .arg(keys.given_back(token))
-                .arg(&*keys.lock),
+        let mark = millis(GIVEN_BACK_MARK.max(self.config.lease));
+        let (script, command) = match keys.holders() {
+            None => (
+                &*RELEASE,
+                RELEASE.command(|command| {
+                    command
+                        .arg(7)
+                        .arg(&*keys.lock)
+                        .arg(&keys.waiting)
+                        .arg(keys.given_back(token))
+                        .arg(&keys.intent)
+                        .arg(&keys.queue)
+                        .arg(&keys.fence)
+                        .arg(&keys.holder);
+                }),
+            ),
+            Some(holders) => (
+                &*RELEASE_COUNTED,
+                RELEASE_COUNTED.command(|command| {
+                    command
+                        .arg(4)
+                        .arg(holders)
+                        .arg(&keys.waiting)
+                        .arg(keys.given_back(token))
+                        .arg(&*keys.lock);
+                }),
+            ),
         };
-        command
-            .arg(token)
-            .arg(&self.channel)
-            .arg(millis(GIVEN_BACK_MARK.max(self.config.lease)));
+        let mut command = command;
+        command.arg(token).arg(&self.channel).arg(mark);
         let limit = Instant::now() + self.config.command_timeout;
         let release = self.commands.run(limit, true, |mut connection| async move {
-            command.query_async::<i64>(&mut connection).await
+            script.run::<i64>(&command, &mut connection).await
         });
         match release.await {
             Ok(1) => GiveBack::Cleared,
@@ -578,7 +598,7 @@ impl TtlBackend for Inner {
 }
 
 /// Whole milliseconds, at least 1 (Redis rejects a zero `PX`).
-fn millis(duration: Duration) -> u64 {
+pub(super) fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
         .max(1)

@@ -87,6 +87,31 @@
 //! [`fail_open`](crate::KeyedLockLayer::fail_open)); a wait whose last attempt was
 //! answered "held" ends with [`LockError::Timeout`].
 //!
+//! # What one lock costs
+//!
+//! An uncontended exclusive lock, acquired and released with the defaults (fencing,
+//! holder record, restart guard, renewal on), is two round trips: the acquire script
+//! and the release script, each sent by its SHA1 (`EVALSHA`; the text goes once more
+//! only after the server lost its script cache). A hold longer than lease/3 adds one
+//! renewal script per lease/3. Inside Redis, each command has one purpose:
+//!
+//! | script | command | what for |
+//! |---|---|---|
+//! | acquire | `EXISTS` (3 keys) | a given-back mark (a late attempt of a token given back grants nothing), readers, permit holders: one call, each looked at only if it exists |
+//! | acquire | `TIME` | the fencing token's floor (server µs) and the holder record's time |
+//! | acquire | `EXISTS` lock, `LASTSAVE` | restart guard: time since the last save bounds the uptime from below (`INFO server` only within a lease of a start or save) |
+//! | acquire | `SET lock token NX PX` | the lock itself |
+//! | acquire | `GET` + `SET` fence | the fencing token, `max(counter + 1, µs)`, and its record window |
+//! | acquire | `SET` holder | who holds it (for [`holder`](LockBackend::holder)), with the same window |
+//! | release | `GET` lock | compare: only the token's holder releases |
+//! | release | `EXISTS` queue | hand-off to a writer queued on another instance |
+//! | release | `DEL` lock, `DEL` waiting | the release, and whether a waiter must be told (`PUBLISH` only then) |
+//! | renewal | `GET`, `PEXPIRE` ×3 | compare, then the lock, fence and holder record extended together |
+//!
+//! A contended key adds, for the refused writer, its waiting mark, intent and queue
+//! entry (`SET`, `ZADD`, `HSET` and their TTLs) and the release's hand-off to it; the
+//! `redis` bench prints the counts (`INFO commandstats`).
+//!
 //! # Connections
 //!
 //! Commands go through a [`ConnectionManager`](redis::aio::ConnectionManager), which
@@ -111,13 +136,18 @@
 //!
 //! - **Fencing tokens never go back on one server clock.** A token is `max(counter + 1,
 //!   TIME in µs)` of the Redis server: if the counter went back, was wiped or expired
-//!   ([`fence_ttl`](RedisBackendBuilder::fence_ttl)), the clock still moved on. Tokens
+//!   ([`fence_ttl`](RedisBackendBuilder::fence_ttl): by default one lease after the
+//!   lock's TTL ran out), the clock still moved on. Tokens
 //!   are monotonic across any restart or failover that loses writes *as long as the
 //!   clock of the server that grants is not behind the clock of the one that granted
 //!   before* (the same server after a restart, or a promoted replica whose clock is in
 //!   sync) and no more than one grant per key happens per microsecond beyond the counter
-//!   (the counter covers those). A server clock stepped back by `d` can repeat tokens
-//!   issued in the last `d`, unless the counter survived.
+//!   (the counter covers those). A counter that expired did so a lease and its window
+//!   after the key's last grant or renewal, so a grant after that is above every
+//!   earlier token while the clock has not stepped back by more than that. A server
+//!   clock stepped back by `d` can repeat tokens issued in the last `d`, unless the
+//!   counter survived. The restart guard adds a lease and a second to that margin
+//!   after a restart: no grant comes sooner.
 //! - **Restart guard.** A server that lost a key may grant it again while its holder,
 //!   which cannot tell, still counts its lease as valid: for up to one lease after the
 //!   restart. So while the server's `uptime_in_seconds` is below the lease plus one
@@ -130,8 +160,10 @@
 //!   `Retry-After` to the time left, and the backend logs one warning per guard
 //!   period. In tests and local development, a short lease keeps the guard short; or
 //!   turn it off (never in production). Every instance must use the same lease (the guard
-//!   counts its own). The guard reads the uptime from `INFO server`, on the wall clock
-//!   of the server; it does not cover a failover to a replica that has been up for
+//!   counts its own). The guard reads the time since the server's last save
+//!   (`LASTSAVE`, set at startup and at every save, so never more than the uptime),
+//!   and only when that is shorter than the guard the uptime from `INFO server`, both
+//!   on the wall clock of the server; it does not cover a failover to a replica that has been up for
 //!   long: lost writes there are only caught by the holder's renewal (at most lease/3
 //!   later), and the fencing token.
 //!
@@ -230,9 +262,10 @@
 //! ([`instance_id`](RedisBackendBuilder::instance_id)) in the `:holder` key under the
 //! lock's hash tag. [`holder`](LockBackend::holder) reads the lock, its PTTL
 //! (`lease_left`) and that record in one script, and uses the record only if it is
-//! the current token's. The record keeps the fence counter's TTL (none by default:
-//! one small string per key, like the counter), and is not deleted by a release: a
-//! free key has no lock, and the next grant overwrites it.
+//! the current token's. The record keeps the fence counter's TTL (the lock's, and
+//! the [`fence_ttl`](RedisBackendBuilder::fence_ttl) window after it, extended by
+//! every renewal), and is not deleted by a release: a free key has no lock, and the
+//! next grant overwrites it.
 //!
 //! # Redis keys
 //!
@@ -240,7 +273,8 @@
 //!
 //! ```text
 //! {<prefix><name>:<key>}:lock     the token of the holder, with the lease as TTL
-//! {<prefix><name>:<key>}:fence    the last fencing token issued (no TTL unless `fence_ttl` is set)
+//! {<prefix><name>:<key>}:fence    the last fencing token issued (the lock's TTL and
+//!                                 the `fence_ttl` window, one lease by default)
 //! {<prefix><name>:<key>}:waiting  while another instance waits: its release publishes
 //! {<prefix><name>:<key>}:readers  shared holders: tokens scored by expiry (ms)
 //! {<prefix><name>:<key>}:permits  permit holders, the same way
@@ -255,6 +289,18 @@
 //!                                 a release found the key not held by <token>
 //!                                 (for a minute, or a lease if longer)
 //! ```
+//!
+//! Every one of them has a TTL, so Redis keeps records only for keys held or waited
+//! for now, and for a window after: the fence counter and holder record for at most
+//! the rest of the lock's lease and the [`fence_ttl`](RedisBackendBuilder::fence_ttl)
+//! window (two leases with the defaults) after a release or a crashed holder's
+//! expiry; the waiting mark, intent and queue for `poll_interval` + `command_timeout`
+//! after the last wait; readers and permits for a lease after the last holder. A
+//! given-back mark is left only when a release finds the key not its own (a waiter
+//! that stopped waiting, an attempt unanswered): it stays a minute, or a lease if
+//! longer, so a late attempt of that token grants nothing. Keys that come from
+//! clients (order ids, idempotency keys) therefore cost Redis nothing once their
+//! requests are done, with no setting at all.
 //!
 //! These keys must live until their TTL. Under any `maxmemory-policy` but
 //! `noeviction` (`volatile-*` ones pick keys with a TTL, as every lock key has;
@@ -303,9 +349,10 @@
 //! pub/sub), whatever protocol the commands use.
 
 // One concern per file: `keys` names the Redis keys, `scripts` holds the Lua run on
-// Redis, `lease` acquires, renews and gives back leases, and `subscriber` turns release
+// Redis, `cached` sends it by SHA1, `lease` acquires, renews and gives back leases, and `subscriber` turns release
 // messages into wake-ups. This file has the public types and their configuration.
-// `connection`, `eviction`, `keys` and `scripts` also serve `backend::redlock`.
+// `cached`, `connection`, `eviction`, `keys` and `scripts` also serve `backend::redlock`.
+pub(super) mod cached;
 pub(super) mod connection;
 pub(super) mod eviction;
 pub(super) mod keys;
@@ -405,7 +452,9 @@ struct Config {
     drift: Option<Duration>,
     command_timeout: Duration,
     poll_interval: Duration,
-    fence_ttl: Option<Duration>,
+    /// How long the fence counter and holder record outlive the lock's TTL; `None`:
+    /// for ever (the opt-out).
+    record_window: Option<RecordWindow>,
     restart_guard: bool,
     replicas: Option<Replicas>,
     allow_eviction: bool,
@@ -446,6 +495,32 @@ impl Config {
     fn first_ttl(&self) -> Duration {
         self.max_hold.map_or(self.lease, |max| max.min(self.lease))
     }
+
+    /// The window the fence counter and holder record outlive the lock by: at least
+    /// one lease (tokens then stay above every earlier one unless the server clock
+    /// steps back by more than it).
+    fn record_window(&self) -> Option<Duration> {
+        self.record_window.map(|window| match window {
+            RecordWindow::OneLease => self.lease,
+            RecordWindow::After(window) => window.max(self.lease),
+        })
+    }
+
+    /// The TTL in ms of the fence counter and the holder record written with a grant
+    /// or renewal of `held`: that and the window; 0 for no TTL.
+    fn record_ttl_ms(&self, held: Duration) -> u64 {
+        self.record_window()
+            .map_or(0, |window| lease::millis(held + window))
+    }
+}
+
+/// How long a key's fence counter and holder record outlive its lock.
+#[derive(Clone, Copy, Debug)]
+enum RecordWindow {
+    /// One lease, whatever the lease is set to: the default.
+    OneLease,
+    /// As set with [`RedisBackendBuilder::fence_ttl`] (at least one lease).
+    After(Duration),
 }
 
 struct Inner {
@@ -505,7 +580,7 @@ impl RedisBackend {
                 drift: None,
                 command_timeout: DEFAULT_COMMAND_TIMEOUT,
                 poll_interval: DEFAULT_POLL_INTERVAL,
-                fence_ttl: None,
+                record_window: Some(RecordWindow::OneLease),
                 restart_guard: true,
                 replicas: None,
                 allow_eviction: false,
@@ -665,14 +740,24 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// Lets a key's fence counter expire after it was last granted for this long
-    /// (default `None`: counters stay forever, one small Redis key per key ever
-    /// locked). Set it when keys come from clients (idempotency keys). Tokens are at
-    /// least the Redis server clock in microseconds, so they still increase after the
-    /// counter expired, as long as that clock does not step back. Kept at least as long
-    /// as the lease.
+    /// How long a key's fence counter and holder record outlive its lock, after the
+    /// lock's last grant or renewal ran out (default: one lease, whatever the lease is).
+    /// A window shorter than the lease is raised to the lease. So after a release (or a
+    /// crashed holder's expiry) Redis keeps nothing of a key for longer than the
+    /// lease's rest plus this window: with the default, two leases at most; safe for
+    /// keys that come from clients (idempotency keys, order ids), with no setting at
+    /// all. See [Redis keys](self#redis-keys).
+    ///
+    /// Fencing tokens still never go back for a key: a token is at least the Redis
+    /// server clock in microseconds, so a grant after the counter expired (a window or
+    /// more after the last one) is above every token given before, as long as that
+    /// clock does not step back by more than the window (see
+    /// [Restarts and lost writes](self#restarts-and-lost-writes)).
+    ///
+    /// `None` keeps both for ever (one small key each per key ever locked, without
+    /// bound): only for a key space that is small and fixed.
     pub fn fence_ttl(mut self, ttl: Option<Duration>) -> Self {
-        self.config.fence_ttl = ttl;
+        self.config.record_window = ttl.map(RecordWindow::After);
         self
     }
 
@@ -787,6 +872,27 @@ impl RedisBackendBuilder {
             connection::Failure::Redis(error) => target.unreachable(&error),
             connection::Failure::TimedOut => target.unreachable(&timed_out("no answer to PING")),
         })?;
+        // The scripts of every lock, cached before the first one: its acquire and
+        // release are then one round trip each. Best effort: a script missing later
+        // (NOSCRIPT) is sent with its text.
+        let load = commands.run(Instant::now() + limit, false, |mut connection| async move {
+            for text in [
+                ACQUIRE,
+                ACQUIRE_COUNTED,
+                scripts::RELEASE,
+                scripts::RELEASE_COUNTED,
+            ] {
+                redis::cmd("SCRIPT")
+                    .arg("LOAD")
+                    .arg(text)
+                    .query_async::<()>(&mut connection)
+                    .await?;
+            }
+            Ok(())
+        });
+        if let Err(failure) = load.await {
+            tracing::debug!(?failure, "loading the redis lock scripts failed");
+        }
         // CONFIG GET, or INFO where CONFIG is not allowed: two command timeouts at most.
         let policies = commands
             .run(Instant::now() + limit * 2, false, eviction::policies)

@@ -4,7 +4,8 @@
 /// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent, `KEYS[7]` the holder record,
 /// `KEYS[8]` the queue, `KEYS[9]` permit holders, optionally `KEYS[10]` a replay record
 /// to look for first;
-/// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]`
+/// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` the fence counter's and holder
+/// record's TTL ms (the lease and the record window; 0: none), `ARGV[4]`
 /// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id,
 /// `ARGV[7]` `1` if an earlier attempt of this token was sent (it may be in the intent
 /// set), else `0`, `ARGV[8]` `1` if the caller takes a grant from a release (see
@@ -25,7 +26,11 @@
 /// or from an older snapshot) a key some instance still believes it holds, for at
 /// most a lease after the restart; it grants nothing until then. `uptime_in_seconds`
 /// is the difference of two whole-second clocks, short of the real uptime by up to a
-/// second, so one second more is asked for.
+/// second, so one second more is asked for. `LASTSAVE` answers first, in O(1): Redis
+/// sets it to the time at startup and at every successful save, never earlier, so
+/// time since the last save is a lower bound of the uptime, with the same whole-second
+/// rounding. Only when that bound is too short (a server just started, or one that
+/// saved within the guard) is `INFO server` read, as before.
 ///
 /// Fencing token: `max(counter + 1, server time in µs)`, so tokens keep growing when
 /// the counter expired or went back with lost writes, as long as the server clock
@@ -55,10 +60,13 @@
 /// while it is there no new permit holder enters either.
 ///
 /// A plain exclusive grant is on the hand-off's path, so it makes few calls: one
-/// `TIME`, the readers and permit holders looked at, `SET NX` for the lock, the fence
-/// read and written once, and the intent left only by a token that may have entered it.
+/// `EXISTS` for the given-back mark, readers and permit holders together (each looked
+/// at only if one of them exists), one `TIME`, `LASTSAVE` for the restart guard, `SET
+/// NX` for the lock, the fence read and written once, the holder record written, and
+/// the intent left only by a token that may have entered it.
 pub(super) const ACQUIRE: &str = r"
-if redis.call('EXISTS', KEYS[4]) == 1 then
+local marked = redis.call('EXISTS', KEYS[4], KEYS[5], KEYS[9])
+if marked > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
 end
 if KEYS[10] then
@@ -70,17 +78,23 @@ if KEYS[10] then
 end
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local reader = redis.call('ZRANGEBYSCORE', KEYS[5], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
-if reader[1] == nil then
-  reader = redis.call('ZRANGEBYSCORE', KEYS[9], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+local reader = {}
+if marked > 0 then
+  reader = redis.call('ZRANGEBYSCORE', KEYS[5], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if reader[1] == nil then
+    reader = redis.call('ZRANGEBYSCORE', KEYS[9], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  end
 end
 if reader[1] == nil then
   if ARGV[5] ~= '0' and redis.call('EXISTS', KEYS[1]) == 0 then
-    local info = redis.call('INFO', 'server')
-    local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-    local early = tonumber(ARGV[5]) + 1000 - uptime * 1000
+    local early = tonumber(ARGV[5]) + 1000 - (tonumber(clock[1]) - redis.call('LASTSAVE')) * 1000
     if early > 0 then
-      return {2, early}
+      local info = redis.call('INFO', 'server')
+      local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+      early = tonumber(ARGV[5]) + 1000 - uptime * 1000
+      if early > 0 then
+        return {2, early}
+      end
     end
   end
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -147,9 +161,17 @@ end
 return {token, pttl}
 ";
 
-/// `KEYS[1]` lock; `ARGV[1]` token, `ARGV[2]` lease ms. 1 if still ours and extended.
+/// `KEYS[1]` lock, then the records that live with it (the fence counter and holder
+/// record; Redlock's holder record); `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` the
+/// records' TTL ms (absent or 0: left as they are). 1 if still ours and extended. The
+/// records outlive the lock by their window, however long it is held.
 pub(in crate::backend) const RENEW: &str = r"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  if ARGV[3] and ARGV[3] ~= '0' then
+    for i = 2, #KEYS do
+      redis.call('PEXPIRE', KEYS[i], ARGV[3])
+    end
+  end
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
@@ -295,11 +317,14 @@ if busy ~= nil then
   return {0, busy}
 end
 if ARGV[5] ~= '0' then
-  local info = redis.call('INFO', 'server')
-  local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-  local early = tonumber(ARGV[5]) + 1000 - uptime * 1000
+  local early = tonumber(ARGV[5]) + 1000 - (tonumber(clock[1]) - redis.call('LASTSAVE')) * 1000
   if early > 0 then
-    return {2, early}
+    local info = redis.call('INFO', 'server')
+    local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+    early = tonumber(ARGV[5]) + 1000 - uptime * 1000
+    if early > 0 then
+      return {2, early}
+    end
   end
 end
 redis.call('ZADD', KEYS[5], now + tonumber(ARGV[2]), ARGV[1])

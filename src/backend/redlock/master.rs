@@ -6,11 +6,19 @@ use std::time::Duration;
 use redis::{Client, RedisError, Script};
 use tokio::time::Instant;
 
-use super::scripts::{ACQUIRE, RELEASE};
+use super::scripts::{ACQUIRE, RELEASE as RELEASE_TEXT};
 
-/// How long a holder record outlives its grant at least (a crashed holder's record
-/// goes by itself; a release deletes it at once).
-const HOLDER_RECORD_TTL_MS: u64 = 24 * 60 * 60 * 1000;
+/// The holder record of a lock held for `ttl_ms`: as long again after the lock's own
+/// expiry (a crashed holder's record goes by itself a lease later; a release deletes
+/// it at once; every renewal extends it with the lock).
+/// This backend's release, by SHA1.
+static RELEASE: std::sync::LazyLock<CachedScript> =
+    std::sync::LazyLock::new(|| CachedScript::new(RELEASE_TEXT));
+
+fn holder_record_ttl_ms(ttl_ms: u64) -> u64 {
+    ttl_ms.saturating_mul(2)
+}
+use crate::backend::redis::cached::CachedScript;
 use crate::backend::redis::connection::{with_tcp_settings, Commands, Failure, Target};
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::redis::scripts::{HOLDER, RENEW};
@@ -103,7 +111,7 @@ impl Master {
             .arg(ttl_ms)
             .arg(restart_guard_ms)
             .arg(instance_id)
-            .arg(HOLDER_RECORD_TTL_MS.max(ttl_ms));
+            .arg(holder_record_ttl_ms(ttl_ms));
         let answer = self
             .run(limit, |mut connection| async move {
                 invocation.invoke_async::<(i64, i64)>(&mut connection).await
@@ -125,8 +133,9 @@ impl Master {
         }
     }
 
-    /// Extends `token`'s hold on the lock to `ttl_ms` if it still holds it. `EVAL`, not
-    /// `EVALSHA`: a master that lost its script cache would cost a round trip more.
+    /// Extends `token`'s hold on the lock to `ttl_ms` if it still holds it, and its
+    /// holder record with it. `EVAL`, not `EVALSHA`: a master that lost its script
+    /// cache would cost a round trip more.
     pub(super) async fn renew(
         &self,
         keys: &RedisKeys,
@@ -137,10 +146,12 @@ impl Master {
         let mut command = redis::cmd("EVAL");
         command
             .arg(RENEW)
-            .arg(1)
+            .arg(2)
             .arg(&*keys.lock)
+            .arg(&keys.holder)
             .arg(token)
-            .arg(ttl_ms);
+            .arg(ttl_ms)
+            .arg(holder_record_ttl_ms(ttl_ms));
         let renewed = self
             .run(limit, |mut connection| async move {
                 command.query_async::<i64>(&mut connection).await
@@ -156,19 +167,19 @@ impl Master {
     /// Deletes the lock if `token` holds it; otherwise marks the token given back for
     /// `mark_ms`, so a late attempt of it grants nothing here.
     pub(super) async fn release(&self, keys: &RedisKeys, token: &str, mark_ms: u64) -> Reply {
-        let mut command = redis::cmd("EVAL");
-        command
-            .arg(RELEASE)
-            .arg(3)
-            .arg(&*keys.lock)
-            .arg(keys.given_back(token))
-            .arg(&keys.holder)
-            .arg(token)
-            .arg(mark_ms);
+        let command = RELEASE.command(|command| {
+            command
+                .arg(3)
+                .arg(&*keys.lock)
+                .arg(keys.given_back(token))
+                .arg(&keys.holder)
+                .arg(token)
+                .arg(mark_ms);
+        });
         let limit = Instant::now() + self.command_timeout;
         let released = self
             .run(limit, |mut connection| async move {
-                command.query_async::<i64>(&mut connection).await
+                RELEASE.run::<i64>(&command, &mut connection).await
             })
             .await;
         match released {

@@ -130,9 +130,11 @@
 //!
 //! The script that grants a key on a master also writes `{<prefix><name>:<key>}:holder`
 //! there: the token, the master's time in ms and the instance id
-//! ([`instance_id`](RedlockBackendBuilder::instance_id)); a release deletes it, and it
-//! expires a day after the grant (a crashed holder's, or one held longer than that,
-//! which then reads without instance and time). [`holder`](LockBackend::holder) asks
+//! ([`instance_id`](RedlockBackendBuilder::instance_id)); a release deletes it, every
+//! renewal extends it with the lock, and it expires one lease after the lock (a
+//! crashed holder's). So a master keeps records only for keys held now, and for at
+//! most a lease after a crashed holder's lock expired (a given-back mark, left when a
+//! release finds the key not its own, stays a minute, or a lease if longer). [`holder`](LockBackend::holder) asks
 //! every master and names the token that a majority has (`None` if none has; a
 //! [`LockError::Backend`] if fewer than a majority answered); `lease_left` is the least
 //! PTTL among them. No fencing token: Redlock issues none.
