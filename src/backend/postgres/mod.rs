@@ -324,6 +324,7 @@ mod lease;
 mod lock_id;
 mod permits;
 mod pooler;
+mod prepared;
 pub(crate) mod schema;
 mod session;
 mod setup;
@@ -406,6 +407,8 @@ struct Inner {
     /// Whether this pool's sessions are the client's own (see `pooler.rs`): probed once,
     /// by `build` or the first session-scope acquisition; shared by clones.
     sessions: Arc<OnceCell<pooler::Sessions>>,
+    /// The SQL of the prepared statements, made from the settings above on first use.
+    statements: std::sync::OnceLock<Arc<prepared::Statements>>,
 }
 
 #[derive(Clone)]
@@ -465,6 +468,7 @@ impl PostgresBackend {
                 instance_literal: holder::instance_literal(&default_instance_id()).into(),
                 address: None,
                 sessions: Arc::default(),
+                statements: Default::default(),
             }),
         }
     }
@@ -622,7 +626,10 @@ impl PostgresBackend {
     }
 
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
-        change(Arc::make_mut(&mut self.inner));
+        let inner = Arc::make_mut(&mut self.inner);
+        change(inner);
+        // Made again from the new settings.
+        inner.statements = Default::default();
         self
     }
 }
