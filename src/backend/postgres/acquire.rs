@@ -340,34 +340,27 @@ impl Inner {
         marker: &str,
         deadline: Instant,
     ) -> Result<Option<Granted>, LockError> {
-        let suffix = shared_suffix(shared);
         let remaining = deadline.saturating_duration_since(Instant::now());
         // `lock_timeout = 0` would mean "wait forever".
         let millis = whole_millis(remaining);
         if millis == 0 {
             return Ok(None);
         }
-        // One simple-protocol message is one implicit transaction: the setting is
-        // transaction-local, so it cannot leak to the next user of the connection,
-        // while the session lock outlives the transaction. A transaction pooler may run
-        // it on another server process than the try: then nothing is locked, and no row
-        // comes back. The grant's token, marker and holder are taken in the statement
-        // that waits, evaluated once its lock row comes: that statement is planned
-        // before the wait, where a statement of its own would be planned after it, on
-        // the hand-off's path (200 µs of a 0.6 ms hand-off, measured). The subquery
-        // is not flattened, nor its output dropped: its call is volatile.
-        let sql = format!(
-            "SELECT set_config('lock_timeout', '{millis}ms', true); \
-             SELECT pg_backend_pid(), true, {granted} \
-             FROM (SELECT pg_advisory_lock{suffix}({id}) WHERE pg_backend_pid() = {pid}) \
-                  AS waited",
-            granted = self.granted(&format!("'{marker}'"), shared),
-        );
+        // One prepared statement (see `prepared.rs`): `Bind`, `Execute` and `Sync` are
+        // one implicit transaction, so the `lock_timeout` it sets first ends with it
+        // and cannot leak to the next user of the connection, while the session lock
+        // outlives the transaction. A transaction pooler may run it on another server
+        // process than the try: then nothing is locked, and no row comes back. The
+        // grant's token, marker and holder are taken in the statement that waits,
+        // evaluated once its lock row comes: that statement is planned before the
+        // wait, where a statement of its own would be planned after it, on the
+        // hand-off's path (200 µs of a 0.6 ms hand-off, measured).
         let sent = Instant::now();
-        let answer = timeout(remaining + self.network_timeout, session.simple_query(&sql)).await;
+        let wait = self.wait_prepared(session, id, shared, pid, marker, millis);
+        let answer = timeout(remaining + self.network_timeout, wait).await;
         match answer {
-            Ok(Ok(messages)) => Ok(Some(Granted {
-                token: self.granted_token(&messages)?,
+            Ok(Ok(row)) => Ok(Some(Granted {
+                token: granted_row_token(row)?,
                 sent,
                 prompt: sent.elapsed() <= self.network_timeout,
                 waited: true,
@@ -419,10 +412,7 @@ impl Inner {
         &self,
         messages: &[tokio_postgres::SimpleQueryMessage],
     ) -> Result<Option<u64>, LockError> {
-        // The wait's `set_config` answers a row too, on any server process: only the
-        // granting statement's row has three columns.
-        let row = last_row(messages).filter(|row| row.len() == 3);
-        let row = row.ok_or_else(|| {
+        let row = last_row(messages).ok_or_else(|| {
             tracing::error!("{}", super::error::SHARED_SESSION);
             PgError::shared_session().into_lock_error()
         })?;
@@ -557,4 +547,17 @@ fn limits_sql(value: &str) -> String {
             )
         })
         .join(", ")
+}
+
+/// The token of the prepared wait's row; no row means a transaction pooler.
+fn granted_row_token(row: Option<tokio_postgres::Row>) -> Result<Option<u64>, LockError> {
+    let row = row.ok_or_else(|| {
+        tracing::error!("{}", super::error::SHARED_SESSION);
+        PgError::shared_session().into_lock_error()
+    })?;
+    let token: Option<i64> = row
+        .try_get(2)
+        .map_err(|error| PgError::new("PostgreSQL answered the lock wait oddly", error))
+        .map_err(PgError::into_lock_error)?;
+    Ok(token.and_then(|token| u64::try_from(token).ok()))
 }

@@ -31,6 +31,10 @@ pub(super) struct Statements {
     /// `[exclusive, shared]`: `$1` the lock id, `$2` the granting server process; a row
     /// (whether it was held) only on that process.
     unlock: [String; 2],
+    /// `[exclusive, shared]`: the wait in PostgreSQL's queue, `$1` the lock id, `$2` the
+    /// marker, `$3` the `lock_timeout`, `$4` the server process of the try; one row
+    /// `pid, true, token` once granted, none on another server process.
+    wait: [String; 2],
 }
 
 impl Statements {
@@ -69,9 +73,26 @@ impl Statements {
                  WHERE pg_backend_pid() = $2"
             )
         };
+        // The innermost subquery sets the wait's limit first: `OFFSET 0` keeps it from
+        // being pulled up, and the filter on its column keeps it evaluated, before the
+        // lock in the list above it; the one below `waited` keeps the grant's
+        // expressions from running before the lock is granted.
+        let wait = |shared: bool| {
+            let suffix = shared_suffix(shared);
+            format!(
+                "SELECT pg_backend_pid(), true, {granted} \
+                 FROM (SELECT pg_advisory_lock{suffix}($1) \
+                       FROM (SELECT set_config('lock_timeout', $3::text, true) AS set OFFSET 0) \
+                            AS timeout \
+                       WHERE timeout.set IS NOT NULL AND pg_backend_pid() = $4 OFFSET 0) \
+                 AS waited",
+                granted = inner.granted("$2::text", shared),
+            )
+        };
         Self {
             try_lock: [try_lock(false), try_lock(true)],
             unlock: [unlock(false), unlock(true)],
+            wait: [wait(false), wait(true)],
         }
     }
 }
@@ -137,6 +158,26 @@ impl Inner {
             Ok((grant, row.try_get(3).map_err(malformed)?))
         });
         (sent, parsed)
+    }
+
+    /// Waits in PostgreSQL's queue for `id` on server process `pid` at most `millis`
+    /// (the `lock_timeout`), then takes the grant's token and marks the session with
+    /// `marker`: the row, or none on another server process.
+    pub(super) async fn wait_prepared(
+        &self,
+        session: &Session,
+        id: i64,
+        shared: bool,
+        pid: i32,
+        marker: &str,
+        millis: u128,
+    ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
+        let sql = &self.statements().wait[usize::from(shared)];
+        let statement = session.prepare_cached(sql).await?;
+        let limit = format!("{millis}ms");
+        session
+            .query_opt(&statement, &[&id, &marker, &limit, &pid])
+            .await
     }
 
     /// Unlocks `id` on server process `pid` and clears the session's marker and holder
