@@ -59,7 +59,6 @@ use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgAdvisoryLock, PgPool, PgPoolOptions};
 use support::pg_server::PgServer;
-use tokio::runtime::Runtime;
 use tokio_postgres::{Client, NoTls, Statement};
 use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::{DistributedLocks, Key, LockBackend};
@@ -81,7 +80,8 @@ fn main() {
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    let pg = PgServer::start();
+    // Four contenders' 32 connections each, or 64 bare sessions beside two pools.
+    let pg = PgServer::start_with_max_connections(200);
     let conn = pg.conn_str();
     let (rounds, batch) = if quick { (2, 5) } else { (21, 100) };
 
@@ -424,10 +424,10 @@ async fn statements_per_lock(pg: &PgServer) {
     for _ in 0..3 {
         lock().await;
     }
-    admin
-        .batch_execute("ALTER SYSTEM SET log_statement = 'all'; SELECT pg_reload_conf()")
-        .await
-        .unwrap();
+    // One statement a message: `ALTER SYSTEM` runs outside a transaction block only.
+    for sql in ["ALTER SYSTEM SET log_statement = 'all'", "SELECT pg_reload_conf()"] {
+        admin.batch_execute(sql).await.unwrap();
+    }
     // The reload reaches every server process at its next command.
     tokio::time::sleep(Duration::from_millis(300)).await;
     lock().await;
@@ -436,10 +436,9 @@ async fn statements_per_lock(pg: &PgServer) {
         lock().await;
     }
     admin.batch_execute("SELECT 'count-end'").await.unwrap();
-    admin
-        .batch_execute("ALTER SYSTEM RESET log_statement; SELECT pg_reload_conf()")
-        .await
-        .unwrap();
+    for sql in ["ALTER SYSTEM RESET log_statement", "SELECT pg_reload_conf()"] {
+        admin.batch_execute(sql).await.unwrap();
+    }
     let log = pg.log();
     let counted = log
         .split("count-start")
