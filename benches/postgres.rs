@@ -126,10 +126,7 @@ impl Bare {
     async fn connect(conn: &str) -> Bare {
         let (client, connection) = tokio_postgres::connect(conn, NoTls).await.unwrap();
         tokio::spawn(connection);
-        let lock = client
-            .prepare("SELECT pg_advisory_lock($1)")
-            .await
-            .unwrap();
+        let lock = client.prepare("SELECT pg_advisory_lock($1)").await.unwrap();
         let unlock = client
             .prepare("SELECT pg_advisory_unlock($1)")
             .await
@@ -425,7 +422,10 @@ async fn statements_per_lock(pg: &PgServer) {
         lock().await;
     }
     // One statement a message: `ALTER SYSTEM` runs outside a transaction block only.
-    for sql in ["ALTER SYSTEM SET log_statement = 'all'", "SELECT pg_reload_conf()"] {
+    for sql in [
+        "ALTER SYSTEM SET log_statement = 'all'",
+        "SELECT pg_reload_conf()",
+    ] {
         admin.batch_execute(sql).await.unwrap();
     }
     // The reload reaches every server process at its next command.
@@ -436,7 +436,10 @@ async fn statements_per_lock(pg: &PgServer) {
         lock().await;
     }
     admin.batch_execute("SELECT 'count-end'").await.unwrap();
-    for sql in ["ALTER SYSTEM RESET log_statement", "SELECT pg_reload_conf()"] {
+    for sql in [
+        "ALTER SYSTEM RESET log_statement",
+        "SELECT pg_reload_conf()",
+    ] {
         admin.batch_execute(sql).await.unwrap();
     }
     let log = pg.log();

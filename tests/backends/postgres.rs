@@ -1128,8 +1128,16 @@ async fn released_keys_leave_nothing_but_the_fencing_sequence() {
     assert!(tokens[0] == first, "a token below the first one's");
 
     assert_eq!(advisory_locks(&admin_client).await, 0, "locks left behind");
-    assert_eq!(recorded_holders(&admin_client).await, 0, "holder records left behind");
-    assert_eq!(user_relations(&admin_client).await, relations, "relations grew");
+    assert_eq!(
+        recorded_holders(&admin_client).await,
+        0,
+        "holder records left behind"
+    );
+    assert_eq!(
+        user_relations(&admin_client).await,
+        relations,
+        "relations grew"
+    );
 
     // A restart: the next token is still above every token issued before.
     let last = *tokens.last().unwrap();
@@ -1147,10 +1155,16 @@ async fn released_keys_leave_nothing_but_the_fencing_sequence() {
                 break token;
             }
             Err(error) => {
-                assert!(Instant::now() < deadline, "no grant after the restart: {error}");
+                assert!(
+                    Instant::now() < deadline,
+                    "no grant after the restart: {error}"
+                );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
     };
-    assert!(after > last, "token {after} after a restart, {last} before it");
+    assert!(
+        after > last,
+        "token {after} after a restart, {last} before it"
+    );
 }

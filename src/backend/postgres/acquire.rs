@@ -163,7 +163,10 @@ impl Inner {
                 let tried = tried.map(|(grant, checked)| (grant, checked, None));
                 (session, sent, tried)
             }
-            _ => self.try_simple(id, shared, key, &marker, deadline, record).await?,
+            _ => {
+                self.try_simple(id, shared, key, &marker, deadline, record)
+                    .await?
+            }
         };
         // On every early return below, `session` is dropped: closed, not pooled.
         let (grant, checked, stored) = tried.map_err(PgError::into_lock_error)?;
@@ -229,7 +232,14 @@ impl Inner {
         marker: &str,
         deadline: Instant,
         record: Option<&str>,
-    ) -> Result<(Session, Instant, Result<(Grant, bool, Option<Vec<u8>>), PgError>), LockError> {
+    ) -> Result<
+        (
+            Session,
+            Instant,
+            Result<(Grant, bool, Option<Vec<u8>>), PgError>,
+        ),
+        LockError,
+    > {
         let suffix = shared_suffix(shared);
         let try_lock = match key {
             None => format!("pg_try_advisory_lock{suffix}({id})"),

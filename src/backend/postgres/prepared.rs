@@ -201,4 +201,3 @@ impl Inner {
             .map_err(|error| PgError::new("PostgreSQL answered the unlock oddly", error))
     }
 }
-
