@@ -1,185 +1,460 @@
-//! The PostgreSQL backend, uncontended: one acquire and release through
-//! `PostgresBackend` (pool checkout, the granting statement — `pg_try_advisory_lock`
-//! with the session's pid, marker and limits —, the lease's watch task, the unlock that
-//! resets them, pool return) against the bare minimum on one connection — a
-//! prepared `pg_try_advisory_lock` then a prepared `pg_advisory_unlock` — in the same
-//! run, on a PostgreSQL server the bench starts itself (as the tests do: `PG_BIN` or
-//! the newest `/usr/lib/postgresql/*/bin`; `./scripts/test` installs it).
+//! The PostgreSQL backend against what a user would pick instead, in one process on a
+//! PostgreSQL server the bench starts itself (as the tests do: `PG_BIN` or the newest
+//! `/usr/lib/postgresql/*/bin`; `./scripts/test` installs it).
 //!
 //! ```text
-//! CARGO_TARGET_DIR=/work/target-pg cargo bench -p tower-keyed-lock-benches --bench postgres
-//! cargo bench -p tower-keyed-lock-benches --bench postgres -- --test     # CI: each once
+//! cargo bench -p tower-keyed-lock-benches --bench postgres
+//! cargo bench -p tower-keyed-lock-benches --bench postgres -- --test     # CI: short rounds
 //! ```
 //!
-//! Both are two round trips to a local server, so the ratio is what the backend adds
-//! to them (target ≤ 1.3×). The bare pair runs on the very connection the backend uses
-//! (its pool holds one, checked out for the bare batches): round-trip times differ
-//! from one server process to another by up to 3× on a busy machine, which would
-//! swamp the comparison. Besides criterion's figures, the two also run in alternating
-//! batches (A B, B A, …: the same load hits both) and the median ratio of the rounds
-//! is printed; criterion times one benchmark after another, which a busy machine
-//! skews. `backend-fencing` adds the sequence's `nextval` to the grant (on a
-//! connection of its own); `backend-transaction` is `LockScope::Transaction`
-//! (`BEGIN … pg_try_advisory_xact_lock`, then `ROLLBACK`).
+//! With the defaults a production user gets, plus fencing (`fencing(true)`): the holder
+//! record, the liveness checks and the lost-lease watch all on.
+//!
+//! 1. **Uncontended acquire + release**, 1 task and 32 tasks (each its own key): the
+//!    crate through `DistributedLocks` (the in-process tier, then the backend) and
+//!    through `PostgresBackend` directly (`acquire`, `Lease::release`), against the
+//!    bare pair on prepared statements — `pg_advisory_lock($1)`, `pg_advisory_unlock($1)`
+//!    on a connection per task — and sqlx's `PgAdvisoryLock` (`acquire` on a pooled
+//!    connection, `release_now`). Interleaved rounds: each round runs every contender
+//!    for one batch, the order turning from round to round, so all see the same load;
+//!    printed are the medians of the per-round speed ratios (bare time / crate time:
+//!    above 1 is faster than the pair).
+//! 2. **Hot key, 2 instances × 32 tasks**: every task locks one key, counts, releases,
+//!    again, for a fixed time: the crate (two `DistributedLocks`, each with a backend of
+//!    its own) against 64 bare sessions queued in PostgreSQL itself
+//!    (`pg_advisory_lock` / `pg_advisory_unlock`). Hand-offs per second (grants), their
+//!    ratio, and Jain's fairness index over the tasks' grants
+//!    ((Σx)² / (n·Σx²): 1 when every task got as many).
+//! 3. **Statements per acquire + release**: the server logs every statement
+//!    (`log_statement = all`, set with `ALTER SYSTEM` for the count only) and the
+//!    lines between two markers are counted over 200 uncontended locks of one key,
+//!    prepared statements warmed up. A simple-query message of several statements is
+//!    one line and one round trip, as is one `Bind`/`Execute` of a prepared statement.
+//!
+//! What each statement of an uncontended lock is for (see the backend's module docs):
+//!
+//! - the **try** (prepared, one round trip): `pg_try_advisory_lock(id)`, and only when
+//!   granted `nextval` of the fencing sequence (the token), the session's marker
+//!   `tower_keyed_lock.lease` (which tells a transaction pooler's shared session) and
+//!   the holder record in `application_name`; it answers the server process id (the
+//!   holder's identity, compared at every check) and whether this session was checked
+//!   already. An unchecked session (once per connection) also gets its server-side idle
+//!   limits there, and one more round trip confirms its first grant after the granting
+//!   transaction ended (a pooler resetting sessions would have dropped the lock);
+//! - the **unlock** (prepared, one round trip): `pg_advisory_unlock(id)` on that server
+//!   process only, clearing the marker and restoring `application_name`.
+//!
+//! A wait (the key held elsewhere) adds one simple-query round trip: `lock_timeout`
+//! set for its implicit transaction, then `pg_advisory_lock(id)` in PostgreSQL's queue.
+//! A holder also runs `SELECT pg_backend_pid()` every liveness interval (1 s): none in
+//! a hold shorter than that.
 
-#[path = "../tests/support/pg_server.rs"]
-mod pg_server;
-#[path = "../tests/support/ports.rs"]
-mod ports;
+mod support;
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use criterion::Criterion;
-use deadpool_postgres::Object;
-use pg_server::PgServer;
-use tokio::runtime::Runtime;
-use tokio_postgres::Statement;
-use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
-use tower_keyed_lock::{Key, LockBackend};
+use sqlx::postgres::{PgAdvisoryLock, PgPool, PgPoolOptions};
+use support::pg_server::PgServer;
+use tokio_postgres::{Client, NoTls, Statement};
+use tower_keyed_lock::backend::postgres::PostgresBackend;
+use tower_keyed_lock::{DistributedLocks, Key, LockBackend};
 
 const NAME: &str = "bench";
+/// Tasks of the many-task runs, and of each instance on the hot key.
+const TASKS: usize = 32;
+/// Far more than any acquisition here takes.
+const WAIT: Duration = Duration::from_secs(10);
+
+type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+/// One acquire + release by task `task`.
+type Op = Arc<dyn Fn(usize) -> BoxFuture + Send + Sync>;
 
 fn main() {
-    let mut c = Criterion::default()
-        .sample_size(30)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_secs(1))
-        .configure_from_args();
-    let test_mode = std::env::args().any(|arg| arg == "--test");
-    let pg = PgServer::start();
-    let rt = tokio::runtime::Builder::new_current_thread()
+    let quick = std::env::args().any(|arg| arg == "--test");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
         .enable_all()
         .build()
         .expect("a tokio runtime");
+    // Four contenders' 32 connections each, or 64 bare sessions beside two pools.
+    let pg = PgServer::start_with_max_connections(200);
+    let conn = pg.conn_str();
+    let (rounds, batch) = if quick { (2, 5) } else { (21, 100) };
 
-    let backend = PostgresBackend::from_config_str(&pg.conn_str())
-        .unwrap()
-        .max_connections(1);
-    let fencing = PostgresBackend::from_config_str(&pg.conn_str())
-        .unwrap()
-        .max_connections(2)
-        .fencing(true);
-    let transaction = PostgresBackend::from_config_str(&pg.conn_str())
-        .unwrap()
-        .max_connections(1)
-        .lock_scope(LockScope::Transaction);
-    let key = Key::new("order-1", 64).unwrap();
-
-    let mut group = c.benchmark_group("postgres-uncontended");
-    group.bench_function("bare-try-unlock", |b| {
-        let bare = rt.block_on(Bare::check_out(&backend));
-        b.to_async(&rt).iter(|| bare.lock_unlock())
-    });
-    group.bench_function("backend", |b| {
-        b.to_async(&rt).iter(|| lock_unlock(&backend, &key))
-    });
-    group.bench_function("backend-fencing", |b| {
-        b.to_async(&rt).iter(|| lock_unlock(&fencing, &key))
-    });
-    group.bench_function("backend-transaction", |b| {
-        b.to_async(&rt).iter(|| lock_unlock(&transaction, &key))
-    });
-    group.finish();
-
-    if !test_mode {
-        alternating(&rt, &backend, &key);
+    let contenders = rt.block_on(uncontended_contenders(&conn));
+    for tasks in [1, TASKS] {
+        let ratios = rt.block_on(interleaved(&contenders, tasks, rounds, batch));
+        ratios.print(tasks);
     }
-    c.final_summary();
+
+    let hot_rounds = if quick { 1 } else { 7 };
+    let run = if quick {
+        Duration::from_millis(200)
+    } else {
+        Duration::from_secs(2)
+    };
+    rt.block_on(hot_key(&conn, hot_rounds, run));
+
+    rt.block_on(statements_per_lock(&pg));
     drop(pg);
 }
 
-/// The backend's connection, checked out of its pool (and returned on drop), with
-/// the two statements prepared.
+/// The backend as the bench uses it: fencing on, a pool for `TASKS` keys at once.
+fn backend(conn: &str) -> PostgresBackend {
+    PostgresBackend::from_config_str(conn)
+        .unwrap()
+        .max_connections(TASKS)
+        .fencing(true)
+}
+
+fn task_key(task: usize) -> String {
+    format!("order-{task}")
+}
+
+/// A connection of its own with the bare pair prepared on it.
 struct Bare {
-    client: Object,
-    try_lock: Statement,
+    client: Client,
+    lock: Statement,
     unlock: Statement,
-    id: i64,
 }
 
 impl Bare {
-    async fn check_out(backend: &PostgresBackend) -> Bare {
-        let client = backend.pool().get().await.expect("a connection");
-        let try_lock = client
-            .prepare("SELECT pg_try_advisory_lock($1)")
-            .await
-            .unwrap();
+    async fn connect(conn: &str) -> Bare {
+        let (client, connection) = tokio_postgres::connect(conn, NoTls).await.unwrap();
+        tokio::spawn(connection);
+        let lock = client.prepare("SELECT pg_advisory_lock($1)").await.unwrap();
         let unlock = client
             .prepare("SELECT pg_advisory_unlock($1)")
             .await
             .unwrap();
         Bare {
             client,
-            try_lock,
+            lock,
             unlock,
-            // Another id than the backend's: the two never contend.
-            id: 42,
         }
     }
 
-    async fn lock_unlock(&self) {
-        let row = self
-            .client
-            .query_one(&self.try_lock, &[&self.id])
-            .await
-            .unwrap();
-        assert!(row.get::<_, bool>(0));
-        let row = self
-            .client
-            .query_one(&self.unlock, &[&self.id])
-            .await
-            .unwrap();
-        assert!(row.get::<_, bool>(0));
+    async fn lock_unlock(&self, id: i64) {
+        self.client.execute(&self.lock, &[&id]).await.unwrap();
+        let row = self.client.query_one(&self.unlock, &[&id]).await.unwrap();
+        assert!(row.get::<_, bool>(0), "the bare lock was not held");
     }
 }
 
-async fn lock_unlock(backend: &PostgresBackend, key: &Key) {
-    let lease = backend
-        .acquire(NAME, key, Duration::ZERO)
+async fn sqlx_pool(conn: &str, size: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(size)
+        .connect(&sqlx_url(conn))
         .await
-        .expect("uncontended");
-    lease.release().await;
+        .expect("sqlx connects")
 }
 
-/// Rounds of `BATCH` iterations of each, alternating which goes first; prints the
-/// median per-iteration times and the median of the per-round ratios.
-fn alternating(rt: &Runtime, backend: &PostgresBackend, key: &Key) {
-    const ROUNDS: usize = 40;
-    const BATCH: u32 = 200;
-    let (mut bare_times, mut backend_times, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    rt.block_on(async {
-        for round in 0..ROUNDS {
-            let mut time_bare = Duration::ZERO;
-            let mut time_backend = Duration::ZERO;
-            for turn in 0..2 {
-                let started = Instant::now();
-                if (round + turn) % 2 == 0 {
-                    let bare = Bare::check_out(backend).await;
-                    let started = Instant::now();
-                    for _ in 0..BATCH {
-                        bare.lock_unlock().await;
-                    }
-                    time_bare = started.elapsed() / BATCH;
-                } else {
-                    for _ in 0..BATCH {
-                        lock_unlock(backend, key).await;
-                    }
-                    time_backend = started.elapsed() / BATCH;
+/// The tests' `key=value` connection string as the URL sqlx takes.
+fn sqlx_url(conn: &str) -> String {
+    let value = |name: &str| {
+        conn.split_whitespace()
+            .find_map(|pair| pair.strip_prefix(&format!("{name}=")))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    format!(
+        "postgres://{}@{}:{}/{}",
+        value("user"),
+        value("host"),
+        value("port"),
+        value("dbname")
+    )
+}
+
+/// The four ways to lock and release a task's own key, warmed up (connections open,
+/// statements prepared).
+async fn uncontended_contenders(conn: &str) -> Vec<(&'static str, Op)> {
+    let locks = DistributedLocks::new(NAME, backend(conn));
+    let direct = backend(conn);
+    let keys: Arc<Vec<Key>> = Arc::new(
+        (0..TASKS)
+            .map(|task| Key::new(&task_key(task), 64).unwrap())
+            .collect(),
+    );
+    let mut bare = Vec::new();
+    for _ in 0..TASKS {
+        bare.push(Bare::connect(conn).await);
+    }
+    let bare = Arc::new(bare);
+    let pool = sqlx_pool(conn, TASKS as u32).await;
+    let sqlx_locks: Arc<Vec<PgAdvisoryLock>> = Arc::new(
+        (0..TASKS)
+            .map(|task| PgAdvisoryLock::new(task_key(task)))
+            .collect(),
+    );
+
+    let contenders: Vec<(&'static str, Op)> = vec![
+        ("bare pair", {
+            Arc::new(move |task| {
+                let bare = bare.clone();
+                Box::pin(async move { bare[task].lock_unlock(1000 + task as i64).await })
+            })
+        }),
+        ("DistributedLocks", {
+            Arc::new(move |task| {
+                let locks = locks.clone();
+                Box::pin(async move {
+                    let guard = locks.lock(&task_key(task)).await.expect("uncontended");
+                    guard.release().await;
+                })
+            })
+        }),
+        ("PostgresBackend", {
+            Arc::new(move |task| {
+                let (direct, keys) = (direct.clone(), keys.clone());
+                Box::pin(async move {
+                    let lease = direct
+                        .acquire(NAME, &keys[task], WAIT)
+                        .await
+                        .expect("uncontended");
+                    lease.release().await;
+                })
+            })
+        }),
+        ("sqlx PgAdvisoryLock", {
+            Arc::new(move |task| {
+                let (pool, sqlx_locks) = (pool.clone(), sqlx_locks.clone());
+                Box::pin(async move {
+                    let conn = pool.acquire().await.unwrap();
+                    let guard = sqlx_locks[task].acquire(conn).await.unwrap();
+                    drop(guard.release_now().await.unwrap());
+                })
+            })
+        }),
+    ];
+    // Warm up: every task's connection opened and its statements prepared.
+    for (_, op) in &contenders {
+        run_tasks(op, TASKS, 3).await;
+    }
+    contenders
+}
+
+/// `tasks` tasks, each running `op` `batch` times; how long until all are done.
+async fn run_tasks(op: &Op, tasks: usize, batch: usize) -> Duration {
+    let started = Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|task| {
+            let op = op.clone();
+            tokio::spawn(async move {
+                for _ in 0..batch {
+                    op(task).await;
                 }
-            }
-            bare_times.push(time_bare);
-            backend_times.push(time_backend);
-            ratios.push(time_backend.as_secs_f64() / time_bare.as_secs_f64());
+            })
+        })
+        .collect();
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    started.elapsed()
+}
+
+/// The median time per acquire + release of each contender, and the medians of the
+/// per-round speed ratios against the bare pair (the first contender).
+struct Ratios {
+    names: Vec<&'static str>,
+    per_op_us: Vec<f64>,
+    vs_bare: Vec<f64>,
+    vs_sqlx: Vec<f64>,
+    rounds: usize,
+    batch: usize,
+}
+
+impl Ratios {
+    fn print(&self, tasks: usize) {
+        for (i, name) in self.names.iter().enumerate() {
+            println!(
+                "uncontended, {tasks:>2} task(s): {name:<20} {:>7.1} µs per acquire+release \
+                 (all tasks), {:.2}x the bare pair's speed, {:.2}x sqlx's \
+                 (medians of {} interleaved rounds of {} per task)",
+                self.per_op_us[i], self.vs_bare[i], self.vs_sqlx[i], self.rounds, self.batch
+            );
         }
+    }
+}
+
+async fn interleaved(
+    contenders: &[(&'static str, Op)],
+    tasks: usize,
+    rounds: usize,
+    batch: usize,
+) -> Ratios {
+    let n = contenders.len();
+    let mut times = vec![Vec::new(); n];
+    for round in 0..rounds {
+        for turn in 0..n {
+            let i = (round + turn) % n;
+            times[i].push(run_tasks(&contenders[i].1, tasks, batch).await);
+        }
+    }
+    let sqlx = n - 1;
+    let ratio_to = |of: usize, to: usize| {
+        median(
+            (0..rounds)
+                .map(|r| times[to][r].as_secs_f64() / times[of][r].as_secs_f64())
+                .collect(),
+        )
+    };
+    Ratios {
+        names: contenders.iter().map(|(name, _)| *name).collect(),
+        per_op_us: (0..n)
+            .map(|i| {
+                median(
+                    times[i]
+                        .iter()
+                        .map(|t| t.as_secs_f64() * 1e6 / (tasks * batch) as f64)
+                        .collect(),
+                )
+            })
+            .collect(),
+        vs_bare: (0..n).map(|i| ratio_to(i, 0)).collect(),
+        vs_sqlx: (0..n).map(|i| ratio_to(i, sqlx)).collect(),
+        rounds,
+        batch,
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Jain's fairness index of the grants per task.
+fn jain(counts: &[u64]) -> f64 {
+    let sum: f64 = counts.iter().map(|&c| c as f64).sum();
+    let squares: f64 = counts.iter().map(|&c| (c as f64).powi(2)).sum();
+    if squares == 0.0 {
+        return 0.0;
+    }
+    sum * sum / (counts.len() as f64 * squares)
+}
+
+/// Runs `op` on 64 tasks for `run`; the grants of each task.
+async fn hammer(op: Op, run: Duration) -> Vec<u64> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts: Arc<Vec<AtomicU64>> = Arc::new((0..2 * TASKS).map(|_| AtomicU64::new(0)).collect());
+    let handles: Vec<_> = (0..2 * TASKS)
+        .map(|task| {
+            let (op, stop, counts) = (op.clone(), stop.clone(), counts.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    op(task).await;
+                    counts[task].fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(run).await;
+    stop.store(true, Ordering::Relaxed);
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+}
+
+/// One key, 2 instances × 32 tasks against 64 bare sessions; interleaved rounds.
+async fn hot_key(conn: &str, rounds: usize, run: Duration) {
+    let instances = [
+        DistributedLocks::new(NAME, backend(conn)),
+        DistributedLocks::new(NAME, backend(conn)),
+    ];
+    let ours: Op = Arc::new(move |task| {
+        let locks = instances[task % 2].clone();
+        Box::pin(async move {
+            let guard = locks.lock("hot").await.expect("granted in the end");
+            guard.release().await;
+        })
     });
-    bare_times.sort();
-    backend_times.sort();
-    ratios.sort_by(f64::total_cmp);
+    let mut sessions = Vec::new();
+    for _ in 0..2 * TASKS {
+        sessions.push(Bare::connect(conn).await);
+    }
+    let sessions = Arc::new(sessions);
+    let bare: Op = Arc::new(move |task| {
+        let sessions = sessions.clone();
+        Box::pin(async move { sessions[task].lock_unlock(7).await })
+    });
+    let (mut ratios, mut rates, mut fairness) = (Vec::new(), [vec![], vec![]], [vec![], vec![]]);
+    for round in 0..rounds {
+        let mut rate = [0.0; 2];
+        for turn in 0..2 {
+            let which = (round + turn) % 2;
+            let op = [&ours, &bare][which].clone();
+            let counts = hammer(op, run).await;
+            rate[which] = counts.iter().sum::<u64>() as f64 / run.as_secs_f64();
+            rates[which].push(rate[which]);
+            fairness[which].push(jain(&counts));
+        }
+        ratios.push(rate[0] / rate[1]);
+    }
+    let [ours_rate, bare_rate] = rates.map(median);
+    let [ours_fair, bare_fair] = fairness.map(median);
     println!(
-        "alternating batches ({ROUNDS} rounds x {BATCH}): bare {:?}, backend {:?} per \
-         acquire+release; median ratio {:.2}x (target <= 1.3x)",
-        bare_times[ROUNDS / 2],
-        backend_times[ROUNDS / 2],
-        ratios[ROUNDS / 2]
+        "hot key, 2 instances x {TASKS} tasks: {ours_rate:.0} hand-offs/s (Jain {ours_fair:.3}) \
+         vs 64 bare sessions {bare_rate:.0}/s (Jain {bare_fair:.3}): {:.2}x \
+         (median of {rounds} interleaved rounds of {run:?})",
+        median(ratios)
+    );
+}
+
+/// Statements the server ran per uncontended acquire + release, from its log.
+async fn statements_per_lock(pg: &PgServer) {
+    const LOCKS: usize = 200;
+    let (admin, connection) = tokio_postgres::connect(&pg.conn_str(), NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let backend = backend(&pg.conn_str());
+    let key = Key::new("counted", 64).unwrap();
+    let lock = || async {
+        let lease = backend.acquire(NAME, &key, WAIT).await.unwrap();
+        lease.release().await;
+    };
+    for _ in 0..3 {
+        lock().await;
+    }
+    // One statement a message: `ALTER SYSTEM` runs outside a transaction block only.
+    for sql in [
+        "ALTER SYSTEM SET log_statement = 'all'",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    // The reload reaches every server process at its next command.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    lock().await;
+    admin.batch_execute("SELECT 'count-start'").await.unwrap();
+    for _ in 0..LOCKS {
+        lock().await;
+    }
+    admin.batch_execute("SELECT 'count-end'").await.unwrap();
+    for sql in [
+        "ALTER SYSTEM RESET log_statement",
+        "SELECT pg_reload_conf()",
+    ] {
+        admin.batch_execute(sql).await.unwrap();
+    }
+    let log = pg.log();
+    let counted = log
+        .split("count-start")
+        .nth(1)
+        .and_then(|rest| rest.split("count-end").next())
+        .unwrap_or_default();
+    let statements = counted
+        .lines()
+        .filter(|line| line.contains("LOG:  statement:") || line.contains("LOG:  execute"))
+        .count();
+    println!(
+        "statements per uncontended acquire+release (PostgresBackend, fencing on): {:.2} \
+         ({statements} logged for {LOCKS}; the bare pair: 2)",
+        statements as f64 / LOCKS as f64
     );
 }

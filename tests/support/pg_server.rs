@@ -29,11 +29,18 @@ pub struct PgServer {
     run_as: Option<&'static str>,
     /// The `runuser`/`postgres` process; `None` while stopped.
     child: Option<Child>,
+    max_connections: u32,
 }
 
 impl PgServer {
     /// Initializes a cluster in a fresh temp dir and starts it on a free port.
     pub fn start() -> PgServer {
+        Self::start_with_max_connections(60)
+    }
+
+    /// [`start`](Self::start) with room for `max_connections` sessions (a benchmark's
+    /// 64 bare sessions beside the backends' pools).
+    pub fn start_with_max_connections(max_connections: u32) -> PgServer {
         let bin = pg_bin();
         let run_as = is_root().then_some("postgres");
         let root = temp_dir();
@@ -50,6 +57,7 @@ impl PgServer {
             port: free_port(),
             run_as,
             child: None,
+            max_connections,
         };
         let output = server
             .command("initdb")
@@ -142,7 +150,8 @@ impl PgServer {
             .args(["-c", "synchronous_commit=off"])
             .args(["-c", "full_page_writes=off"])
             .args(["-c", "shared_buffers=16MB"])
-            .args(["-c", "max_connections=60"])
+            .arg("-c")
+            .arg(format!("max_connections={}", self.max_connections))
             // `%a` (application name) lets a test attribute logged statements.
             .args(["-c", "log_line_prefix=%m [%p] %a: "])
             .stdin(Stdio::null())

@@ -2,9 +2,9 @@
 //! queue, with the fencing token, the server process id and the session's limits set in
 //! the statement that grants it; then, where needed, a round trip that confirms it.
 //!
-//! Every statement is a simple query (numbers and a checked sequence name formatted in):
-//! a pooler in front of PostgreSQL then sees nothing it could mishandle, and the checks
-//! below are what tells a transaction pooler apart.
+//! The try of an exclusive or shared lock is a prepared statement (`prepared.rs`); the
+//! others are simple queries (numbers and a checked sequence name formatted in). The
+//! checks below are what tells a transaction pooler apart.
 
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,19 +26,19 @@ use crate::error::LockError;
 /// acquisition (`<lock id>/<random>`). Set in the granting statement and cleared by the
 /// unlock, so a session found with it set before a try is shared with another client:
 /// a transaction pooler.
-const LEASE_MARKER: &str = "tower_keyed_lock.lease";
+pub(super) const LEASE_MARKER: &str = "tower_keyed_lock.lease";
 
 /// A session-level setting, `on` once a confirming round trip found the session still
 /// holding a lock and its marker after the granting transaction had ended: nothing
 /// resets this session between transactions (a pooler's `server_reset_query`, with
 /// `server_reset_query_always`, would clear both, and this setting with them).
-const CHECKED_MARKER: &str = "tower_keyed_lock.checked";
+pub(super) const CHECKED_MARKER: &str = "tower_keyed_lock.checked";
 
 /// The server-side limits set on every session that tries a lock, for the rest of its
 /// life (see `Inner::server_idle_limit`): a session cut off from its client, holding a
 /// lock or not, ends once idle that long. `current_setting(.., true)` is NULL on a
 /// server without the setting, which skips it.
-const LIMITED_SETTINGS: [&str; 2] = ["idle_session_timeout", "tcp_user_timeout"];
+pub(super) const LIMITED_SETTINGS: [&str; 2] = ["idle_session_timeout", "tcp_user_timeout"];
 
 /// What a granting statement answered: its row is `pid, locked, token`.
 pub(super) struct Grant {
@@ -154,56 +154,21 @@ impl Inner {
         record: Option<&str>,
         answered: &mut bool,
     ) -> Result<Acquired, LockError> {
-        let suffix = shared_suffix(shared);
-        let try_lock = match key {
-            None => format!("pg_try_advisory_lock{suffix}({id})"),
-            Some(key) => format!(
-                "CASE WHEN pg_try_advisory_lock_shared({key}) \
-                      THEN CASE WHEN pg_try_advisory_lock{suffix}({id}) THEN true \
-                                ELSE NOT pg_advisory_unlock_shared({key}) END \
-                      ELSE false END"
-            ),
-        };
         let marker = format!("{id}/{:016x}", nonce());
-        // A record stored already is seen by the try, which then takes nothing.
-        let recorded = match record {
-            Some(record) => format!("WHEN {record} IS NOT NULL THEN false"),
-            None => String::new(),
+        let (session, sent, tried) = match (key, record) {
+            // The common case: prepared statements (see `prepared.rs`).
+            (None, None) => {
+                let (session, sent, tried) =
+                    self.try_prepared(id, shared, &marker, deadline).await?;
+                let tried = tried.map(|(grant, checked)| (grant, checked, None));
+                (session, sent, tried)
+            }
+            _ => {
+                self.try_simple(id, shared, key, &marker, deadline, record)
+                    .await?
+            }
         };
-        let mut try_sql = format!(
-            "SELECT pid, locked, CASE WHEN locked THEN {granted} END, \
-                    current_setting('{CHECKED_MARKER}', true) IS NOT DISTINCT FROM 'on', {limits} \
-             FROM (SELECT pg_backend_pid() AS pid, \
-                   CASE WHEN coalesce(current_setting('{LEASE_MARKER}', true), '') <> '' \
-                        THEN NULL {recorded} \
-                        ELSE {try_lock} END AS locked) AS try",
-            granted = self.granted(&marker, shared),
-            limits = limits_sql(&format!("'{}ms'", self.server_idle_limit().as_millis())),
-        );
-        // Read again after the try, for a record written just before the lock was.
-        if let Some(record) = record {
-            try_sql.push_str(&format!("; SELECT {record} AS stored"));
-        }
-        let (session, sent, tried) = self
-            .first_query(deadline, || try_sql.clone(), self.network_timeout)
-            .await?;
         // On every early return below, `session` is dropped: closed, not pooled.
-        let tried = tried.and_then(|answer| {
-            let mut rows = answer.iter().filter_map(|message| match message {
-                SimpleQueryMessage::Row(row) => Some(row),
-                _ => None,
-            });
-            let row = rows.next().ok_or_else(PgError::shared_session)?;
-            let stored = match record {
-                Some(_) => rows.next().ok_or_else(PgError::shared_session)?.get(0),
-                None => None,
-            };
-            Ok((
-                Grant::parse(row)?,
-                row.get(3) == Some("t"),
-                stored.map(bytea).transpose()?,
-            ))
-        });
         let (grant, checked, stored) = tried.map_err(PgError::into_lock_error)?;
         *answered = true;
         let granted = match grant.locked {
@@ -255,18 +220,89 @@ impl Inner {
         })
     }
 
+    /// The try of [`attempt`](Self::attempt) as a simple query: for a permit (`key`)
+    /// or a replay `record` to look for. Returns the session, when the try was sent,
+    /// and the grant, whether the session was checked, and a stored record.
+    #[allow(clippy::type_complexity)]
+    async fn try_simple(
+        &self,
+        id: i64,
+        shared: bool,
+        key: Option<i64>,
+        marker: &str,
+        deadline: Instant,
+        record: Option<&str>,
+    ) -> Result<
+        (
+            Session,
+            Instant,
+            Result<(Grant, bool, Option<Vec<u8>>), PgError>,
+        ),
+        LockError,
+    > {
+        let suffix = shared_suffix(shared);
+        let try_lock = match key {
+            None => format!("pg_try_advisory_lock{suffix}({id})"),
+            Some(key) => format!(
+                "CASE WHEN pg_try_advisory_lock_shared({key}) \
+                      THEN CASE WHEN pg_try_advisory_lock{suffix}({id}) THEN true \
+                                ELSE NOT pg_advisory_unlock_shared({key}) END \
+                      ELSE false END"
+            ),
+        };
+        // A record stored already is seen by the try, which then takes nothing.
+        let recorded = match record {
+            Some(record) => format!("WHEN {record} IS NOT NULL THEN false"),
+            None => String::new(),
+        };
+        let mut try_sql = format!(
+            "SELECT pid, locked, CASE WHEN locked THEN {granted} END, \
+                    current_setting('{CHECKED_MARKER}', true) IS NOT DISTINCT FROM 'on', {limits} \
+             FROM (SELECT pg_backend_pid() AS pid, \
+                   CASE WHEN coalesce(current_setting('{LEASE_MARKER}', true), '') <> '' \
+                        THEN NULL {recorded} \
+                        ELSE {try_lock} END AS locked) AS try",
+            granted = self.granted(&format!("'{marker}'"), shared),
+            limits = limits_sql(&format!("'{}ms'", self.server_idle_limit().as_millis())),
+        );
+        // Read again after the try, for a record written just before the lock was.
+        if let Some(record) = record {
+            try_sql.push_str(&format!("; SELECT {record} AS stored"));
+        }
+        let (session, sent, tried) = self
+            .first_query(deadline, || try_sql.clone(), self.network_timeout)
+            .await?;
+        let tried = tried.and_then(|answer| {
+            let mut rows = answer.iter().filter_map(|message| match message {
+                SimpleQueryMessage::Row(row) => Some(row),
+                _ => None,
+            });
+            let row = rows.next().ok_or_else(PgError::shared_session)?;
+            let stored = match record {
+                Some(_) => rows.next().ok_or_else(PgError::shared_session)?.get(0),
+                None => None,
+            };
+            Ok((
+                Grant::parse(row)?,
+                row.get(3) == Some("t"),
+                stored.map(bytea).transpose()?,
+            ))
+        });
+        Ok((session, sent, tried))
+    }
+
     /// The expression, evaluated once the lock is granted, that takes the fencing token,
-    /// marks the session with `marker` and records the holder (see `holder.rs`); its
+    /// marks the session with `marker` (an SQL expression of type text) and records the holder (see `holder.rs`); its
     /// value is the token (NULL without fencing). A shared holder takes no new token: it
     /// reads the last one issued.
-    fn granted(&self, marker: &str, shared: bool) -> String {
+    pub(super) fn granted(&self, marker: &str, shared: bool) -> String {
         let token = match shared {
             true => self.read_token_sql(),
             false => self.token_sql(),
         };
         format!(
             "(SELECT token FROM (SELECT token, \
-              set_config('{LEASE_MARKER}', '{marker}', false), {holder} \
+              set_config('{LEASE_MARKER}', {marker}, false), {holder} \
               FROM (SELECT {token} AS token) AS issued) AS granted)",
             holder = self.record_holder_sql("token", false),
         )
@@ -314,34 +350,27 @@ impl Inner {
         marker: &str,
         deadline: Instant,
     ) -> Result<Option<Granted>, LockError> {
-        let suffix = shared_suffix(shared);
         let remaining = deadline.saturating_duration_since(Instant::now());
         // `lock_timeout = 0` would mean "wait forever".
         let millis = whole_millis(remaining);
         if millis == 0 {
             return Ok(None);
         }
-        // One simple-protocol message is one implicit transaction: the setting is
-        // transaction-local, so it cannot leak to the next user of the connection,
-        // while the session lock outlives the transaction. A transaction pooler may run
-        // it on another server process than the try: then nothing is locked, and no row
-        // comes back. The grant's token, marker and holder are taken in the statement
-        // that waits, evaluated once its lock row comes: that statement is planned
-        // before the wait, where a statement of its own would be planned after it, on
-        // the hand-off's path (200 µs of a 0.6 ms hand-off, measured). The subquery
-        // is not flattened, nor its output dropped: its call is volatile.
-        let sql = format!(
-            "SELECT set_config('lock_timeout', '{millis}ms', true); \
-             SELECT pg_backend_pid(), true, {granted} \
-             FROM (SELECT pg_advisory_lock{suffix}({id}) WHERE pg_backend_pid() = {pid}) \
-                  AS waited",
-            granted = self.granted(marker, shared),
-        );
+        // One prepared statement (see `prepared.rs`): `Bind`, `Execute` and `Sync` are
+        // one implicit transaction, so the `lock_timeout` it sets first ends with it
+        // and cannot leak to the next user of the connection, while the session lock
+        // outlives the transaction. A transaction pooler may run it on another server
+        // process than the try: then nothing is locked, and no row comes back. The
+        // grant's token, marker and holder are taken in the statement that waits,
+        // evaluated once its lock row comes: that statement is planned before the
+        // wait, where a statement of its own would be planned after it, on the
+        // hand-off's path (200 µs of a 0.6 ms hand-off, measured).
         let sent = Instant::now();
-        let answer = timeout(remaining + self.network_timeout, session.simple_query(&sql)).await;
+        let wait = self.wait_prepared(session, id, shared, pid, marker, millis);
+        let answer = timeout(remaining + self.network_timeout, wait).await;
         match answer {
-            Ok(Ok(messages)) => Ok(Some(Granted {
-                token: self.granted_token(&messages)?,
+            Ok(Ok(row)) => Ok(Some(Granted {
+                token: granted_row_token(row)?,
                 sent,
                 prompt: sent.elapsed() <= self.network_timeout,
                 waited: true,
@@ -384,7 +413,7 @@ impl Inner {
     fn granted_sql(&self, marker: &str, pid: i32, shared: bool) -> String {
         format!(
             "SELECT pg_backend_pid(), true, {granted} WHERE pg_backend_pid() = {pid}",
-            granted = self.granted(marker, shared)
+            granted = self.granted(&format!("'{marker}'"), shared)
         )
     }
 
@@ -393,10 +422,7 @@ impl Inner {
         &self,
         messages: &[tokio_postgres::SimpleQueryMessage],
     ) -> Result<Option<u64>, LockError> {
-        // The wait's `set_config` answers a row too, on any server process: only the
-        // granting statement's row has three columns.
-        let row = last_row(messages).filter(|row| row.len() == 3);
-        let row = row.ok_or_else(|| {
+        let row = last_row(messages).ok_or_else(|| {
             tracing::error!("{}", super::error::SHARED_SESSION);
             PgError::shared_session().into_lock_error()
         })?;
@@ -489,7 +515,7 @@ fn bytea(text: &str) -> Result<Vec<u8>, PgError> {
 }
 
 /// The suffix of the advisory lock functions for a shared hold (`pg_advisory_lock_shared`).
-fn shared_suffix(shared: bool) -> &'static str {
+pub(super) fn shared_suffix(shared: bool) -> &'static str {
     match shared {
         true => "_shared",
         false => "",
@@ -531,4 +557,17 @@ fn limits_sql(value: &str) -> String {
             )
         })
         .join(", ")
+}
+
+/// The token of the prepared wait's row; no row means a transaction pooler.
+fn granted_row_token(row: Option<tokio_postgres::Row>) -> Result<Option<u64>, LockError> {
+    let row = row.ok_or_else(|| {
+        tracing::error!("{}", super::error::SHARED_SESSION);
+        PgError::shared_session().into_lock_error()
+    })?;
+    let token: Option<i64> = row
+        .try_get(2)
+        .map_err(|error| PgError::new("PostgreSQL answered the lock wait oddly", error))
+        .map_err(PgError::into_lock_error)?;
+    Ok(token.and_then(|token| u64::try_from(token).ok()))
 }

@@ -185,12 +185,16 @@ impl Inner {
         (id, shared, key): (i64, bool, Option<i64>),
         pid: i32,
     ) -> Result<(), ()> {
-        let answer = self
-            .round_trip(session.simple_query(&Inner::unlock_sql(id, shared, key, pid)))
-            .await;
-        match answer.as_deref().map(last_row) {
-            Ok(Some(row)) if row.get(0) == Some("t") => Ok(()),
-            Ok(Some(_)) => {
+        let answer = match key {
+            None => self.unlock_prepared(session, id, shared, pid).await,
+            Some(_) => self
+                .round_trip(session.simple_query(&Inner::unlock_sql(id, shared, key, pid)))
+                .await
+                .map(|answer| last_row(&answer).map(|row| row.get(0) == Some("t"))),
+        };
+        match answer {
+            Ok(Some(true)) => Ok(()),
+            Ok(Some(false)) => {
                 tracing::warn!(lock_id = id, "PostgreSQL lock was not held at release");
                 Err(())
             }

@@ -42,9 +42,10 @@
 //!
 //! The statement that tries the lock also records the server process
 //! (`pg_backend_pid()`), sets the [server-side limits](self#lost-locks)
-//! `idle_session_timeout` and `tcp_user_timeout` for the session, and, when granted,
-//! takes the fencing token and sets the marker `tower_keyed_lock.lease` (the lock id
-//! and a random number of this acquisition) until the unlock.
+//! `idle_session_timeout` and `tcp_user_timeout` on a session not set up yet (once
+//! per session: the confirmation of its first grant marks it set up), and, when
+//! granted, takes the fencing token and sets the marker `tower_keyed_lock.lease` (the
+//! lock id and a random number of this acquisition) until the unlock.
 //!
 //! A grant counts only from a round trip that answered within the
 //! [`network_timeout`](PostgresBackend::network_timeout): PostgreSQL's idle limit runs
@@ -55,9 +56,16 @@
 //! [`LockError::Backend`] (503) — the server may already have freed the lock. The first
 //! grant on each server session is confirmed too, from a later transaction: see
 //! [poolers](self#lock-scopes-and-poolers).
-//! Every statement is a simple query (the id, the pid and the limits are numbers the
-//! backend made; the sequence name is checked), so a pooler in between sees nothing it
-//! could mishandle.
+//! The try, the wait and the unlock of an exclusive or shared session lock are
+//! prepared statements, prepared once per connection: a session-scope backend
+//! uses them only once its pooler check found every server session to be its client's
+//! own (a statement prepared on a session is there as long as the session). Every
+//! other statement, and every statement of [`LockScope::Transaction`] (made for
+//! transaction poolers), is a simple query (the id, the pid and the limits are numbers
+//! the backend made; the sequence name is checked), which a pooler in between cannot
+//! mishandle. An uncontended lock costs two round trips, as the bare
+//! `pg_advisory_lock` / `pg_advisory_unlock` pair does (and a third, the confirmation,
+//! on a connection's first grant).
 //!
 //! Release runs `pg_advisory_unlock(id)` on the same connection, clears the marker,
 //! and returns the connection to the pool. A replay record of a
@@ -324,6 +332,7 @@ mod lease;
 mod lock_id;
 mod permits;
 mod pooler;
+mod prepared;
 pub(crate) mod schema;
 mod session;
 mod setup;
@@ -406,6 +415,8 @@ struct Inner {
     /// Whether this pool's sessions are the client's own (see `pooler.rs`): probed once,
     /// by `build` or the first session-scope acquisition; shared by clones.
     sessions: Arc<OnceCell<pooler::Sessions>>,
+    /// The SQL of the prepared statements, made from the settings above on first use.
+    statements: std::sync::OnceLock<Arc<prepared::Statements>>,
 }
 
 #[derive(Clone)]
@@ -465,6 +476,7 @@ impl PostgresBackend {
                 instance_literal: holder::instance_literal(&default_instance_id()).into(),
                 address: None,
                 sessions: Arc::default(),
+                statements: Default::default(),
             }),
         }
     }
@@ -622,7 +634,10 @@ impl PostgresBackend {
     }
 
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
-        change(Arc::make_mut(&mut self.inner));
+        let inner = Arc::make_mut(&mut self.inner);
+        change(inner);
+        // Made again from the new settings.
+        inner.statements = Default::default();
         self
     }
 }
