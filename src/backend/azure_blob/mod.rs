@@ -216,7 +216,7 @@ use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBacken
 use crate::error::LockError;
 use crate::key::Key;
 
-pub use self::lease::AzureBlobLockError;
+pub use self::lease::{AzureBlobLockError, DELETABLE_AFTER};
 
 /// The default [`AzureBlobBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -596,7 +596,9 @@ impl LockBackend for AzureBlobBackend {
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let blob = self.blob_name(name, key.as_str());
-        let blob = Arc::new(self.inner.container.blob_client(&blob));
+        let blob = Arc::new(lease::LockBlob::new(
+            self.inner.container.blob_client(&blob),
+        ));
         Box::pin(self.inner.clone().acquire(blob, wait))
     }
 
@@ -652,21 +654,36 @@ mod tests {
     }
 
     #[test]
-    fn the_fence_counts_on_or_starts_from_the_clock() {
+    fn the_fence_counts_on_or_starts_from_the_blobs_second() {
+        use azure_core::time::OffsetDateTime;
         use std::collections::HashMap;
         let stored = HashMap::from([(metadata::FENCE.to_owned(), "41".to_owned())]);
-        assert_eq!(lease::next_fence(&stored, 0).unwrap(), 42);
-        // A counter counts on, whatever the floor.
-        assert_eq!(lease::next_fence(&stored, u64::MAX / 2).unwrap(), 42);
-        let fresh = lease::next_fence(&HashMap::new(), 0).unwrap();
+        assert_eq!(lease::next_fence(&stored, 0, None).unwrap(), 42);
+        // A counter counts on, whatever the floor or the creation time.
+        assert_eq!(lease::next_fence(&stored, u64::MAX / 2, None).unwrap(), 42);
+        let made = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        assert_eq!(lease::next_fence(&stored, 0, Some(made)).unwrap(), 42);
+        // A blob without one starts from the second Azure made it in.
+        assert_eq!(
+            lease::next_fence(&HashMap::new(), 0, Some(made)).unwrap(),
+            1_800_000_000_000_001
+        );
+        // A blob made a second later starts above a million grants of the earlier one.
+        let later = OffsetDateTime::from_unix_timestamp(1_800_000_001).unwrap();
+        assert!(
+            lease::next_fence(&HashMap::new(), 0, Some(later)).unwrap()
+                > 1_800_000_000_000_001 + 999_999
+        );
+        // No time from Azure: this clock's microseconds.
+        let fresh = lease::next_fence(&HashMap::new(), 0, None).unwrap();
         assert!(fresh > 1_700_000_000_000_000, "{fresh}");
-        // A blob without a counter starts above the floor if the clock is behind it.
+        // Above the floor if the second is behind it.
         let ahead = u64::MAX / 2;
         assert_eq!(
-            lease::next_fence(&HashMap::new(), ahead).unwrap(),
+            lease::next_fence(&HashMap::new(), ahead, Some(made)).unwrap(),
             ahead + 1
         );
         let garbage = HashMap::from([(metadata::FENCE.to_owned(), "x".to_owned())]);
-        assert!(lease::next_fence(&garbage, 0).is_err());
+        assert!(lease::next_fence(&garbage, 0, None).is_err());
     }
 }

@@ -181,6 +181,16 @@ pub const DEFAULT_PREFIX: &str = "keyed-lock:";
 pub const DEFAULT_PARTITION_KEY: &str = "pk";
 /// The default [`DynamoDbBackendBuilder::ttl_attribute`].
 pub const DEFAULT_TTL_ATTRIBUTE: &str = "ttl";
+/// How long a released key's item may stay with a
+/// [`command_timeout`](DynamoDbBackendBuilder::command_timeout) of `command_timeout`:
+/// two seconds of DynamoDB's clock past the grant (its `Date`, read in whole seconds,
+/// makes the first second; the answer's time the rest) and three command timeouts (the
+/// answers the clock was read from, and the delete). See
+/// [Fencing tokens](self#fencing-tokens).
+pub fn record_window(command_timeout: Duration) -> Duration {
+    Duration::from_secs(2) + 3 * command_timeout
+}
+
 /// The default [`DynamoDbBackendBuilder::item_ttl`].
 pub const DEFAULT_ITEM_TTL: Duration = Duration::from_secs(86_400);
 /// The shortest lease accepted: renewal runs every lease/3.
