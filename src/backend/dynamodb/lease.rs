@@ -399,22 +399,38 @@ async fn delete_when_deletable(
         let wait = Duration::from_micros((fence - now) + (fence - now) / 99 + 1_000);
         sleep(wait).await;
     }
-    let Some(now) = endpoint.server_micros_at_least() else {
-        return;
-    };
-    let delete = client
-        .delete_item()
-        .table_name(table)
-        .set_key(Some(HashMap::clone(&item)))
-        .condition_expression("attribute_not_exists(#owner) AND #fence < :now")
-        .expression_attribute_names("#owner", item::OWNER)
-        .expression_attribute_names("#fence", item::FENCE)
-        .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
-        .send();
-    if let Ok(Err(error)) = timeout(command_timeout, delete).await {
-        let error = aws_sdk_dynamodb::Error::from(error);
-        tracing::debug!(%error, "dynamodb delete after release refused or failed");
+    // A few tries: an unanswered delete on a busy table would leave the item.
+    for _ in 0..3 {
+        let Some(now) = endpoint.server_micros_at_least() else {
+            return;
+        };
+        let delete = client
+            .delete_item()
+            .table_name(&table)
+            .set_key(Some(HashMap::clone(&item)))
+            .condition_expression("attribute_not_exists(#owner) AND #fence < :now")
+            .expression_attribute_names("#owner", item::OWNER)
+            .expression_attribute_names("#fence", item::FENCE)
+            .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
+            .send();
+        match timeout(command_timeout, delete).await {
+            Ok(Ok(_)) => return,
+            Ok(Err(error)) if is_delete_refused(&error) => return,
+            Ok(Err(error)) => {
+                let error = aws_sdk_dynamodb::Error::from(error);
+                tracing::debug!(%error, "dynamodb delete after release failed");
+            }
+            Err(_) => tracing::debug!("dynamodb delete after release timed out"),
+        }
     }
+}
+
+/// A delete refused by its condition: held or granted again meanwhile.
+fn is_delete_refused(error: &SdkError<DeleteItemError>) -> bool {
+    matches!(
+        error.as_service_error(),
+        Some(DeleteItemError::ConditionalCheckFailedException(_))
+    )
 }
 
 fn fresh_rvn() -> Result<String, CallError> {
