@@ -29,7 +29,7 @@ const NAME: &str = "conformance-footprint";
 
 /// The lock server's state follows the keys in use, not the keys ever locked: one
 /// instance locks and releases `FOOTPRINT_KEYS` (default [`FOOTPRINT_KEYS`]) distinct
-/// keys, [`IN_FLIGHT`] at a time; once the deployment's
+/// keys, eight at a time; once the deployment's
 /// [`record_window`](Deployment::record_window) has passed after the last release, the
 /// namespace holds at most [`MOST_RECORDS_AT_REST`] records
 /// ([`Deployment::records`]). First, a held key must count (at least one record), so a

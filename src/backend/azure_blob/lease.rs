@@ -38,7 +38,7 @@ const FIRST_POLL: Duration = Duration::from_millis(10);
 /// (which stamps creation times in whole seconds) and a tenth for this clock running
 /// faster. A blob is never deleted within the second it was made in, so the next blob of
 /// the key is made in a later second and its first token, counted from that second,
-/// is above every token of the old one (see [`next_fence`]).
+/// is above every token of the old one (see the module docs, Fencing token).
 pub const DELETABLE_AFTER: Duration = Duration::from_millis(1100);
 
 /// One lock blob, as one acquisition uses it: the client, and what its attempt read of

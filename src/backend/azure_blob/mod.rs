@@ -55,9 +55,12 @@
 //! instead (Azure advises against names ending with a dot). Distinct (name, key) pairs
 //! never share a blob, and no blob name is longer than the prefix plus 261 bytes. The
 //! prefix (default [`DEFAULT_PREFIX`], `"keyed-lock/"`, at most 512 bytes) gets a
-//! trailing `/` if it has none. [`AzureBlobBackend::blob_name`] computes a name. The
-//! blobs stay after use (one small blob per key ever locked, with its token); deleting
-//! them is safe when no lock is held (see [what a deletion does](#blobs-deleted-by-hand)).
+//! trailing `/` if it has none. [`AzureBlobBackend::blob_name`] computes a name. A
+//! released key's blob is deleted: at the release (`Delete Blob` with the lease id) if
+//! this process read it [`DELETABLE_AFTER`] (1.1 s) ago or more, else by the releasing
+//! process once it is that old, if nobody leased or changed it meanwhile. It is gone
+//! within [`DELETABLE_AFTER`] and two command timeouts of the release; a crashed
+//! holder's blob stays until the key is used again.
 //!
 //! # How a key is held
 //!
@@ -79,7 +82,11 @@
 //!   one conditional request, so the tokens of one blob strictly increase from holder
 //!   to holder (a holder whose write failed or went unanswered never uses its token;
 //!   the next one counts on from whatever was written). A blob without a counter (new,
-//!   or deleted and made again) starts from the writer's clock in microseconds.
+//!   or deleted at a release) starts from the second Azure made it in (its creation
+//!   time), in microseconds. A blob is never deleted within the second it was made in
+//!   (the [`DELETABLE_AFTER`] rule), so the next blob of the key is made in a later
+//!   second and starts above every token of the old one (fewer than a million grants a
+//!   second on one blob): Azure's clock alone decides, not the instances'.
 //! - **Wait.** Azure has no notification of a released lease: a waiter polls, after
 //!   a jittered pause that doubles from 10 ms up to the
 //!   [`poll_interval`](AzureBlobBackendBuilder::poll_interval), until the request's
