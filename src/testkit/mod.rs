@@ -31,6 +31,25 @@
 //!     fn loss_bound(&self) -> Duration {
 //!         Duration::from_secs(1)
 //!     }
+//!
+//!     // Every Redis key of the lock name `name` (under the backend's default prefix).
+//!     async fn records(&self, name: &str) -> usize {
+//!         use redis::AsyncCommands;
+//!         let client = redis::Client::open("redis://127.0.0.1/").unwrap();
+//!         let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+//!         let pattern = format!("*keyed-lock:{name}:*");
+//!         let mut keys = redis.scan_match::<_, String>(pattern).await.unwrap();
+//!         let mut count = 0;
+//!         while let Some(key) = keys.next_item().await {
+//!             key.unwrap();
+//!             count += 1;
+//!         }
+//!         count
+//!     }
+//!
+//!     fn record_window(&self) -> Duration {
+//!         Duration::ZERO
+//!     }
 //! }
 //!
 //! #[tokio::test(flavor = "multi_thread")]
@@ -52,6 +71,7 @@
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
 //! | [`health_answers`] | the health check of a reachable engine is healthy with a round trip, from several instances at once, and leaves nothing held |
 //! | [`the_holder_is_read_without_taking_the_key`] | [`DistributedLocks::holder`] is `None` for a free key, names the holder's instance id and fencing token while held, `None` after the release, and never takes or keeps the key |
+//! | [`released_keys_leave_no_records`] | the server's state follows the keys in use: after [`FOOTPRINT_KEYS`] distinct keys are locked and released and the record window has passed, the namespace holds at most [`MOST_RECORDS_AT_REST`] records |
 //!
 //! Backends that hold a key shared and count permits ([`LockBackend::supports`]) also
 //! run [`MODE_CHECKS`] ([`run_modes`]):
@@ -67,6 +87,7 @@
 //! | [`dropped_shared_and_permit_acquisitions_leave_nothing_held`] | a cancelled shared or permit acquisition, at any point, leaves the key free |
 //! | [`exclusive_and_permits_exclude_each_other`] | an exclusive instance and a permit instance under one name exclude each other on a key |
 
+mod footprint;
 mod health;
 mod holder;
 mod isolated;
@@ -79,6 +100,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use self::footprint::{released_keys_leave_no_records, FOOTPRINT_KEYS, MOST_RECORDS_AT_REST};
 pub use self::health::health_answers;
 pub use self::holder::the_holder_is_read_without_taking_the_key;
 pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_lease_lost};
@@ -116,10 +138,19 @@ pub trait Deployment: Send + Sync {
     fn instance_id(&self) -> String {
         default_instance_id()
     }
+
+    /// How many records the engine keeps for the lock name `name` of this deployment's
+    /// backends, counted on the server itself (keys, rows, items, nodes, blobs; held
+    /// locks included): what [`released_keys_leave_no_records`] bounds.
+    fn records(&self, name: &str) -> impl Future<Output = usize> + Send;
+
+    /// How long after a release the engine may keep a released key's records (the
+    /// window its docs give; zero when a release deletes them).
+    fn record_window(&self) -> Duration;
 }
 
 /// The names of the checks [`run_all`] runs, in its order.
-pub const CHECKS: [&str; 10] = [
+pub const CHECKS: [&str; 11] = [
     "one_holder_at_a_time",
     "busy_and_timeout",
     "release_hands_over",
@@ -130,6 +161,7 @@ pub const CHECKS: [&str; 10] = [
     "several_keys_all_or_nothing",
     "health_answers",
     "the_holder_is_read_without_taking_the_key",
+    "released_keys_leave_no_records",
 ];
 
 /// Runs every check of [`CHECKS`], each on keys of its own.
@@ -144,6 +176,7 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     several_keys_all_or_nothing(deployment).await;
     health_answers(deployment).await;
     the_holder_is_read_without_taking_the_key(deployment).await;
+    released_keys_leave_no_records(deployment).await;
 }
 
 /// The names of the checks [`run_modes`] runs, in its order: for backends that hold

@@ -45,6 +45,14 @@ impl<F: Fixture + Remote + Send + Sync> Deployment for Conformance<F> {
     fn loss_bound(&self) -> Duration {
         self.0.loss_bound()
     }
+
+    async fn records(&self, name: &str) -> usize {
+        self.0.records(name).await
+    }
+
+    fn record_window(&self) -> Duration {
+        self.0.record_window()
+    }
 }
 
 /// Shows the figures the checks log (hand-over and takeover times) with
@@ -72,6 +80,7 @@ macro_rules! conformance {
                 a_crashed_holder_is_taken_over,
                 several_keys_all_or_nothing,
                 health_answers,
+                released_keys_leave_no_records,
             );
         }
     };
@@ -697,17 +706,27 @@ async fn a_dropped_path_does_not_end_a_wait<F: Proxied>(fixture: &F) {
 // ------------------------------------------------- a backend written outside the crate
 
 /// A lock service of its own, as a user might write one over their engine: a shared
-/// table of holders with expiries, fencing counters, and leases renewed at a third.
+/// table of holders with expiries, one fencing counter for every key, and leases
+/// renewed at a third.
 #[derive(Clone, Default)]
 struct TableService(Arc<Mutex<Table>>);
 
 #[derive(Default)]
 struct Table {
-    holders: HashMap<String, (u64, Instant)>,
-    fences: HashMap<String, u64>,
-    /// When each key's current holder was granted it.
-    granted: HashMap<String, SystemTime>,
+    /// The keys held now: the only records kept per key.
+    holders: HashMap<String, Held>,
+    /// The last fencing token granted, on any key: one counter keeps tokens going up
+    /// for every key without a record per key released.
+    fence: u64,
     next_owner: u64,
+}
+
+struct Held {
+    owner: u64,
+    expires: Instant,
+    fence: u64,
+    /// When the holder was granted the key.
+    granted: SystemTime,
 }
 
 const LEASE: Duration = Duration::from_millis(600);
@@ -722,24 +741,28 @@ impl TableService {
         if table
             .holders
             .get(key)
-            .is_some_and(|(_, expires)| now < *expires)
+            .is_some_and(|held| now < held.expires)
         {
             return None;
         }
         table.next_owner += 1;
-        let owner = table.next_owner;
-        table.holders.insert(key.to_owned(), (owner, now + LEASE));
-        table.granted.insert(key.to_owned(), SystemTime::now());
-        let fence = table.fences.entry(key.to_owned()).or_default();
-        *fence += 1;
-        Some((owner, *fence))
+        table.fence += 1;
+        let (owner, fence) = (table.next_owner, table.fence);
+        let held = Held {
+            owner,
+            expires: now + LEASE,
+            fence,
+            granted: SystemTime::now(),
+        };
+        table.holders.insert(key.to_owned(), held);
+        Some((owner, fence))
     }
 
     fn renew(&self, key: &str, owner: u64, now: Instant) -> bool {
         let mut table = self.0.lock().unwrap();
         match table.holders.get_mut(key) {
-            Some((holder, expires)) if *holder == owner && now < *expires => {
-                *expires = now + LEASE;
+            Some(held) if held.owner == owner && now < held.expires => {
+                held.expires = now + LEASE;
                 true
             }
             _ => false,
@@ -749,16 +772,13 @@ impl TableService {
     /// Who holds `key` now, if anyone (every instance of this test is one process).
     fn holder(&self, key: &str, now: Instant) -> Option<Holder> {
         let table = self.0.lock().unwrap();
-        let (_, expires) = table
-            .holders
-            .get(key)
-            .filter(|(_, expires)| now < *expires)?;
+        let held = table.holders.get(key).filter(|held| now < held.expires)?;
         Some(
             Holder::new()
                 .with_instance(default_instance_id())
-                .with_since(table.granted[key])
-                .with_fencing_token(table.fences[key])
-                .with_lease_left(*expires - now),
+                .with_since(held.granted)
+                .with_fencing_token(held.fence)
+                .with_lease_left(held.expires - now),
         )
     }
 
@@ -767,10 +787,24 @@ impl TableService {
         if table
             .holders
             .get(key)
-            .is_some_and(|(holder, _)| *holder == owner)
+            .is_some_and(|held| held.owner == owner)
         {
             table.holders.remove(key);
         }
+    }
+
+    /// The records kept for the lock name `name`: its keys' holders (an expired holder
+    /// stays until the key is taken again, as a crashed holder's would) and the one
+    /// fencing counter.
+    fn records(&self, name: &str) -> usize {
+        let table = self.0.lock().unwrap();
+        let prefix = format!("{name}:");
+        let holders = table
+            .holders
+            .keys()
+            .filter(|key| key.starts_with(&prefix))
+            .count();
+        holders + 1
     }
 }
 
@@ -854,6 +888,15 @@ impl Deployment for TableDeployment {
 
     fn loss_bound(&self) -> Duration {
         LEASE
+    }
+
+    async fn records(&self, name: &str) -> usize {
+        self.0.records(name)
+    }
+
+    /// A release removes the holder at once.
+    fn record_window(&self) -> Duration {
+        Duration::ZERO
     }
 }
 

@@ -59,6 +59,15 @@ pub trait Remote: Fixture {
     /// The most a held lease may take to be declared lost once the server is killed:
     /// the Redis lease, or PostgreSQL's liveness interval plus network timeout.
     fn loss_bound(&self) -> Duration;
+
+    /// The records the server keeps for the lock name `name` (keys, rows, items,
+    /// nodes, blobs, held session locks), counted on the server itself: what the
+    /// conformance suite's footprint check bounds.
+    fn records(&self, name: &str) -> impl Future<Output = usize> + Send;
+
+    /// How long after a release the engine, as this fixture configures it, may keep a
+    /// released key's records (the window its module docs give).
+    fn record_window(&self) -> Duration;
 }
 
 /// A remote fixture whose instances can reach the server through the fault proxy.
@@ -171,6 +180,32 @@ impl Fixture for InProcess {
 #[cfg(feature = "redis")]
 pub use self::redis::Redis;
 
+/// The Redis keys of the lock name `name` (under the default prefix) on the server at
+/// `url`: `SCAN MATCH`, which a server with many keys answers in pages.
+#[cfg(feature = "redis")]
+pub async fn redis_records(url: &str, name: &str) -> usize {
+    use ::redis::AsyncCommands;
+    let client = ::redis::Client::open(url).expect("a Redis URL");
+    let mut connection = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connecting to Redis to count its keys");
+    let pattern = format!(
+        "*{}{name}:*",
+        tower_keyed_lock::backend::redis::DEFAULT_PREFIX
+    );
+    let mut keys = connection
+        .scan_match::<_, String>(pattern)
+        .await
+        .expect("SCAN");
+    let mut count = 0;
+    while let Some(key) = keys.next_item().await {
+        key.expect("SCAN answers");
+        count += 1;
+    }
+    count
+}
+
 #[cfg(feature = "redis")]
 mod redis {
     use super::*;
@@ -231,6 +266,14 @@ mod redis {
         fn loss_bound(&self) -> Duration {
             LEASE
         }
+
+        async fn records(&self, name: &str) -> usize {
+            redis_records(&self.0.url(), name).await
+        }
+
+        fn record_window(&self) -> Duration {
+            LEASE
+        }
     }
 }
 
@@ -285,11 +328,62 @@ mod cluster {
         fn loss_bound(&self) -> Duration {
             LEASE
         }
+
+        /// Every primary's keys: a key lives on the primary of its slot.
+        async fn records(&self, name: &str) -> usize {
+            let mut count = 0;
+            for url in self.0.urls() {
+                count += super::redis_records(&url, name).await;
+            }
+            count
+        }
+
+        fn record_window(&self) -> Duration {
+            LEASE
+        }
     }
 }
 
 #[cfg(feature = "postgres")]
 pub use self::postgres::Postgres;
+
+/// What a PostgreSQL server started for one test keeps: the rows of every table outside
+/// the system schemas (the crate's, on a server of its own) and the advisory locks
+/// held.
+#[cfg(feature = "postgres")]
+pub async fn postgres_records(conn_str: &str) -> usize {
+    let (client, connection) = tokio_postgres::connect(conn_str, tokio_postgres::NoTls)
+        .await
+        .expect("connecting to PostgreSQL to count its records");
+    tokio::spawn(connection);
+    let tables = client
+        .query(
+            "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables \
+             WHERE schemaname NOT IN ('pg_catalog', 'information_schema')",
+            &[],
+        )
+        .await
+        .expect("listing the tables");
+    let mut count = 0;
+    for table in tables {
+        let table: String = table.get(0);
+        let rows: i64 = client
+            .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+            .await
+            .expect("counting a table's rows")
+            .get(0);
+        count += rows as usize;
+    }
+    let locks: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'",
+            &[],
+        )
+        .await
+        .expect("counting the advisory locks")
+        .get(0);
+    count + locks as usize
+}
 
 #[cfg(feature = "postgres")]
 mod postgres {
@@ -362,6 +456,16 @@ mod postgres {
         fn loss_bound(&self) -> Duration {
             LIVENESS + NETWORK_TIMEOUT
         }
+
+        /// The server is this test's alone: everything on it is the lock's.
+        async fn records(&self, _name: &str) -> usize {
+            super::postgres_records(&self.0.conn_str()).await
+        }
+
+        /// Session locks go with their release; what stays is PostgreSQL backend's own.
+        fn record_window(&self) -> Duration {
+            Duration::ZERO
+        }
     }
 }
 
@@ -421,6 +525,15 @@ mod pgbouncer {
 
         fn loss_bound(&self) -> Duration {
             LIVENESS + NETWORK_TIMEOUT
+        }
+
+        /// Counted on the server, not through the pooler.
+        async fn records(&self, _name: &str) -> usize {
+            super::postgres_records(&self._server.conn_str()).await
+        }
+
+        fn record_window(&self) -> Duration {
+            Duration::ZERO
         }
     }
 }
@@ -494,6 +607,40 @@ mod mysql {
         fn loss_bound(&self) -> Duration {
             LIVENESS + NETWORK_TIMEOUT
         }
+
+        /// The server is this test's alone: the rows of every table outside the system
+        /// schemas (the fencing counter) and the user-level locks held (`GET_LOCK`),
+        /// read from MariaDB's `metadata_lock_info` plugin, installed here if missing.
+        async fn records(&self, _name: &str) -> usize {
+            tokio::task::block_in_place(|| {
+                let plugin = "SELECT COUNT(*) FROM information_schema.PLUGINS \
+                              WHERE PLUGIN_NAME = 'METADATA_LOCK_INFO'";
+                if self.0.admin(plugin).trim() == "0" {
+                    self.0.admin("INSTALL SONAME 'metadata_lock_info'");
+                }
+                let tables = self.0.admin(
+                    "SELECT CONCAT('`', TABLE_SCHEMA, '`.`', TABLE_NAME, '`') \
+                     FROM information_schema.TABLES WHERE TABLE_TYPE = 'BASE TABLE' \
+                     AND TABLE_SCHEMA NOT IN \
+                     ('mysql', 'information_schema', 'performance_schema', 'sys')",
+                );
+                let mut count: usize = 0;
+                for table in tables.lines().filter(|line| !line.is_empty()) {
+                    let rows = self.0.admin(&format!("SELECT COUNT(*) FROM {table}"));
+                    count += rows.trim().parse::<usize>().expect("a row count");
+                }
+                let locks = self.0.admin(
+                    "SELECT COUNT(*) FROM information_schema.METADATA_LOCK_INFO \
+                     WHERE LOCK_TYPE = 'User lock'",
+                );
+                count + locks.trim().parse::<usize>().expect("a lock count")
+            })
+        }
+
+        /// `GET_LOCK` names go with their release; the one counter row stays.
+        fn record_window(&self) -> Duration {
+            Duration::ZERO
+        }
     }
 }
 
@@ -566,6 +713,39 @@ mod dynamodb {
 
         fn loss_bound(&self) -> Duration {
             LEASE
+        }
+
+        /// The table's items of the lock name (`Scan`, in pages).
+        async fn records(&self, name: &str) -> usize {
+            use ::aws_sdk_dynamodb::types::{AttributeValue, Select};
+            let client = client_for(&self.0.url());
+            let prefix = format!(
+                "{}{name}:",
+                tower_keyed_lock::backend::dynamodb::DEFAULT_PREFIX
+            );
+            let mut count = 0;
+            let mut start = None;
+            loop {
+                let page = client
+                    .scan()
+                    .table_name(TABLE)
+                    .filter_expression("begins_with(pk, :prefix)")
+                    .expression_attribute_values(":prefix", AttributeValue::S(prefix.clone()))
+                    .select(Select::Count)
+                    .set_exclusive_start_key(start)
+                    .send()
+                    .await
+                    .expect("scanning the lock table");
+                count += page.count() as usize;
+                start = page.last_evaluated_key().cloned();
+                if start.is_none() {
+                    return count;
+                }
+            }
+        }
+
+        fn record_window(&self) -> Duration {
+            tower_keyed_lock::backend::dynamodb::record_window(COMMAND_TIMEOUT)
         }
     }
 }
@@ -642,6 +822,27 @@ mod etcd {
         fn loss_bound(&self) -> Duration {
             LEASE
         }
+
+        /// The keys under the lock name's prefix (a count-only range).
+        async fn records(&self, name: &str) -> usize {
+            let mut client = etcd_client::Client::connect(self.0.endpoints(), None)
+                .await
+                .expect("connecting to etcd to count its keys");
+            let prefix = format!("{}{name}/", tower_keyed_lock::backend::etcd::DEFAULT_PREFIX);
+            let options = etcd_client::GetOptions::new()
+                .with_prefix()
+                .with_count_only();
+            let answer = client
+                .get(prefix, Some(options))
+                .await
+                .expect("a count of etcd keys");
+            answer.count() as usize
+        }
+
+        /// A contender's key goes with its lease, revoked at the release.
+        fn record_window(&self) -> Duration {
+            Duration::ZERO
+        }
     }
 }
 
@@ -708,12 +909,77 @@ mod redlock {
         fn loss_bound(&self) -> Duration {
             LEASE
         }
+
+        /// The most any one master keeps: each holds a copy of the lock's state.
+        async fn records(&self, name: &str) -> usize {
+            let mut most = 0;
+            for url in self.urls() {
+                most = most.max(super::redis_records(&url, name).await);
+            }
+            most
+        }
+
+        fn record_window(&self) -> Duration {
+            LEASE
+        }
     }
 }
 
 #[cfg(feature = "azure-blob")]
 #[allow(unused_imports)] // the conformance and azure_blob binaries use it
 pub use self::azure_blob::{AzureBlob, LEASE as AZURE_LEASE};
+
+/// How many blobs whose names start with `prefix` the container at `url` (with its SAS
+/// query) has: `List Blobs`, page after page.
+#[cfg(feature = "azure-blob")]
+pub async fn blob_count(url: &str, prefix: &str) -> usize {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::rt::TokioExecutor;
+
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let encode = |text: &str| -> String {
+        text.bytes()
+            .map(|byte| match byte {
+                b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                    (byte as char).to_string()
+                }
+                _ => format!("%{byte:02X}"),
+            })
+            .collect()
+    };
+    let mut count = 0;
+    let mut marker = String::new();
+    loop {
+        let uri = format!(
+            "{url}&restype=container&comp=list&prefix={}&marker={}",
+            encode(prefix),
+            encode(&marker)
+        );
+        let request = http::Request::get(uri)
+            .header("x-ms-version", "2022-11-02")
+            .body(Empty::new())
+            .unwrap();
+        let response = client.request(request).await.expect("List Blobs");
+        assert!(
+            response.status().is_success(),
+            "List Blobs: {}",
+            response.status()
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        count += body.matches("<Blob>").count();
+        marker = body
+            .split("<NextMarker>")
+            .nth(1)
+            .and_then(|rest| rest.split("</NextMarker>").next())
+            .unwrap_or_default()
+            .to_owned();
+        if marker.is_empty() {
+            return count;
+        }
+    }
+}
 
 #[cfg(feature = "azure-blob")]
 mod azure_blob {
@@ -795,6 +1061,22 @@ mod azure_blob {
         /// The lease: Azure's shortest, 15 s.
         fn loss_bound(&self) -> Duration {
             LEASE
+        }
+
+        /// The container's blobs of the lock name (`List Blobs` with the prefix, in
+        /// pages).
+        async fn records(&self, name: &str) -> usize {
+            let prefix = format!(
+                "{}{name}/",
+                tower_keyed_lock::backend::azure_blob::DEFAULT_PREFIX
+            );
+            blob_count(&self.0.container_url(CONTAINER), &prefix).await
+        }
+
+        /// A blob is deleted once this process read it [`DELETABLE_AFTER`](tower_keyed_lock::backend::azure_blob::DELETABLE_AFTER) ago: at the
+        /// release, or after it by a properties read and a delete.
+        fn record_window(&self) -> Duration {
+            tower_keyed_lock::backend::azure_blob::DELETABLE_AFTER + 2 * COMMAND_TIMEOUT
         }
     }
 }
@@ -889,6 +1171,38 @@ pub mod zookeeper {
         /// a tick.
         fn loss_bound(&self) -> Duration {
             SESSION_TIMEOUT + crate::support::zookeeper_server::TICK
+        }
+
+        /// The lock name's node and every node under it.
+        async fn records(&self, name: &str) -> usize {
+            let client = ::zookeeper_client::Client::connect(&self.0.connect_string())
+                .await
+                .expect("connecting to ZooKeeper to count its nodes");
+            let root = format!(
+                "{}/{name}",
+                tower_keyed_lock::backend::zookeeper::DEFAULT_PREFIX
+            );
+            let mut count = 0;
+            let mut pending = vec![root];
+            while let Some(path) = pending.pop() {
+                match client.list_children(&path).await {
+                    Ok(children) => {
+                        count += 1;
+                        pending.extend(children.into_iter().map(|child| format!("{path}/{child}")));
+                    }
+                    // Deleted meanwhile (a released contender, an emptied container).
+                    Err(::zookeeper_client::Error::NoNode) => {}
+                    Err(error) => panic!("listing {path}: {error}"),
+                }
+            }
+            count
+        }
+
+        /// One sweep of the ensemble's container manager, which deletes the empty
+        /// queues (the test ensemble sweeps every
+        /// [`CONTAINER_SWEEP`](crate::support::zookeeper_server::CONTAINER_SWEEP)).
+        fn record_window(&self) -> Duration {
+            crate::support::zookeeper_server::CONTAINER_SWEEP
         }
     }
 }

@@ -18,6 +18,9 @@ use super::ports::free_port;
 /// may last 2 to 20 ticks (400 ms to 4 s); a follower that hears nothing from its leader
 /// for `SYNC_LIMIT` ticks leaves it.
 pub const TICK: Duration = Duration::from_millis(200);
+/// How often the test ensemble's container manager deletes empty container nodes
+/// (ZooKeeper's default is a minute).
+pub const CONTAINER_SWEEP: Duration = Duration::from_secs(1);
 const SYNC_LIMIT: u32 = 5;
 const INIT_LIMIT: u32 = 20;
 
@@ -189,6 +192,13 @@ impl ZooKeeperEnsemble {
                 "-XX:TieredStopAtLevel=1",
             ])
             .args(["-Dzookeeper.jmx.log4j.disable=true", "-cp", jar])
+            // Empty queues (container nodes) deleted within a second, as many as there
+            // are: the footprint check waits for one sweep.
+            .arg(format!(
+                "-Dznode.container.checkIntervalMs={}",
+                CONTAINER_SWEEP.as_millis()
+            ))
+            .arg("-Dznode.container.maxPerMinute=1000000")
             .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
             .arg(self.config_path(index))
             .stdin(Stdio::null())
