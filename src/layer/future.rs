@@ -256,7 +256,7 @@ where
                     if let Some(rejection) = poll_lease_lost(lost, held, cx) {
                         rejection
                     } else {
-                        let _entered = held.as_ref().map(HeldKey::enter);
+                        let _entered = held.as_ref().and_then(HeldKey::enter);
                         match ready!(service.poll_ready(cx)) {
                             Ok(()) => {
                                 let request = request.take().expect("polled after completion");
@@ -319,7 +319,7 @@ where
     F: Future<Output = Result<Response<ResBody>, E>>,
 {
     let result = {
-        let _entered = held.as_ref().map(HeldKey::enter);
+        let _entered = held.as_ref().and_then(HeldKey::enter);
         future.poll(cx)
     };
     if let Some(held) = held.as_mut() {

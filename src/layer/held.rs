@@ -58,9 +58,11 @@ impl HeldKey {
         }
     }
 
-    /// Enters the hold span (until the returned guard drops).
-    pub(crate) fn enter(&self) -> tracing::span::Entered<'_> {
-        self.span.enter()
+    /// Enters the hold span (until the returned guard drops); nothing when no
+    /// subscriber wanted it.
+    #[inline]
+    pub(crate) fn enter(&self) -> Option<tracing::span::Entered<'_>> {
+        (!self.span.is_none()).then(|| self.span.enter())
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
@@ -82,10 +84,15 @@ impl HeldKey {
 
     /// Logs one warning per hold once it has lasted longer than the threshold. Checked
     /// whenever the request makes progress and at release: no timer per request.
+    #[inline]
     pub(crate) fn check_long_hold(&mut self) {
-        let Some(threshold) = self.shared.config.long_hold else {
-            return;
-        };
+        if let Some(threshold) = self.shared.config.long_hold {
+            self.warn_if_held_over(threshold);
+        }
+    }
+
+    #[cold]
+    fn warn_if_held_over(&mut self, threshold: std::time::Duration) {
         let held = self.since.elapsed();
         if !self.warned && held > threshold {
             self.warned = true;

@@ -280,7 +280,7 @@ impl<S, E> KeyedLock<S, E> {
         S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
     {
         // The handler's own spans, made in `call`, nest in the hold span.
-        let entered = held.as_ref().map(HeldKey::enter);
+        let entered = held.as_ref().and_then(HeldKey::enter);
         match self
             .inner
             .poll_ready(&mut Context::from_waker(Waker::noop()))
