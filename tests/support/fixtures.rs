@@ -272,7 +272,9 @@ mod redis {
         }
 
         fn record_window(&self) -> Duration {
-            LEASE
+            // The records expire a window (default: one lease) after the lock's own TTL,
+            // itself at most a lease after the release.
+            2 * LEASE
         }
     }
 }
@@ -339,7 +341,9 @@ mod cluster {
         }
 
         fn record_window(&self) -> Duration {
-            LEASE
+            // The records expire a window (default: one lease) after the lock's own TTL,
+            // itself at most a lease after the release.
+            2 * LEASE
         }
     }
 }
@@ -745,7 +749,7 @@ mod dynamodb {
         }
 
         fn record_window(&self) -> Duration {
-            tower_keyed_lock::backend::dynamodb::record_window(COMMAND_TIMEOUT)
+            tower_keyed_lock::backend::dynamodb::record_window(GENEROUS_TIMEOUT)
         }
     }
 }
@@ -920,7 +924,9 @@ mod redlock {
         }
 
         fn record_window(&self) -> Duration {
-            LEASE
+            // The records expire a window (default: one lease) after the lock's own TTL,
+            // itself at most a lease after the release.
+            2 * LEASE
         }
     }
 }
