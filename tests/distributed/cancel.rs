@@ -10,7 +10,7 @@
 )]
 
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tower_keyed_lock::LockError;
 
@@ -136,33 +136,40 @@ async fn dropped_right_after_the_remote_grant<F: Remote>() {
     assert!(a.is_empty() && b.is_empty());
 }
 
-/// Dropped after 0, 1, 2, 4 ... ms, with the key free or held by the other instance
-/// for part of the time: whatever await it was at, nothing stays held.
+/// Dropped after 0, 1, 2, 4 ... 64 steps of a sixteenth of one uncontended grant as
+/// this test measured it (at least 1 ms), with the key free or held by the other
+/// instance for part of the time: whatever await it was at, nothing stays held. The
+/// steps scale with the engine and the machine's load, so that some acquisitions are
+/// cut short and some finish.
 async fn dropped_at_any_moment<F: Fixture>() {
     let fixture = F::start();
     let (a, b) = (fixture.instance("a").await, fixture.instance("b").await);
     let mut finished = 0;
+    a.lock("job").await.unwrap().release().await;
+    let started = Instant::now();
+    a.lock("job").await.unwrap().release().await;
+    let step = (started.elapsed() / 16).max(Duration::from_millis(1));
 
     for contended in [false, true] {
-        for delay_ms in [0, 1, 2, 4, 8, 16, 32, 64] {
+        for steps in [0, 1, 2, 4, 8, 16, 32, 64] {
             let holder = match contended {
                 true => Some(b.lock("job").await.unwrap()),
                 false => None,
             };
             // Dropped after 0 ms, the acquisition is cut short: the holder keeps the key
             // until then, however late the scheduler first polls the acquisition.
-            let (timed, after) = match delay_ms {
+            let (timed, after) = match steps {
                 0 => (None, holder),
                 _ => (holder, None),
             };
-            let release_after = Duration::from_micros(delay_ms * 500).max(Duration::from_millis(1));
+            let delay = step * steps;
+            let release_after = (delay / 2).max(Duration::from_millis(1));
             let release = tokio::spawn(async move {
                 tokio::time::sleep(release_after).await;
                 if let Some(holder) = timed {
                     holder.release().await;
                 }
             });
-            let delay = Duration::from_millis(delay_ms);
             if let Ok(result) = tokio::time::timeout(delay, a.lock("job")).await {
                 // Done before the deadline: the guard drops here.
                 drop(result.unwrap());

@@ -16,9 +16,7 @@ use tokio::time::Instant;
 use tower_keyed_lock::backend::{default_instance_id, LostReason};
 use tower_keyed_lock::{LeaderElection, LockError};
 
-use crate::support::fixtures::{
-    locks_on, wait_free, within, Fixture, Proxied, Remote, FREED_WITHIN, PATIENCE,
-};
+use crate::support::fixtures::{locks_on, wait_free, within, Fixture, Proxied, Remote, PATIENCE};
 use crate::support::tcp_proxy::TcpProxy;
 
 const KEY: &str = "leader";
@@ -131,12 +129,12 @@ async fn a_dropped_campaign_leaves_nothing_held<F: Fixture>() {
         let leader = a.campaign().await.unwrap();
         let _ = tokio::time::timeout(limit, b.campaign()).await;
         leader.step_down().await;
-        wait_free(&c, KEY, FREED_WITHIN).await;
+        wait_free(&c, KEY, fixture.freed_within()).await;
         // Racing for a free key.
         if let Ok(Ok(won)) = tokio::time::timeout(limit, b.campaign()).await {
             drop(won);
         }
-        wait_free(&c, KEY, FREED_WITHIN).await;
+        wait_free(&c, KEY, fixture.freed_within()).await;
     }
 }
 

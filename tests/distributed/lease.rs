@@ -18,7 +18,6 @@ use tokio::sync::Notify;
 use tower_keyed_lock::backend::LostReason;
 
 use crate::support::fixtures::{wait_free, within, Fixture, Remote, FREED_WITHIN, PATIENCE};
-use crate::support::lateness::Lateness;
 
 for_each_fixture!(
     all: [
@@ -121,10 +120,12 @@ async fn work_stops_when_the_server_dies<F: Remote>() {
     let bound = fixture.loss_bound() + Duration::from_millis(500);
     let (result, lost) = within("the loss is noticed", bound, running).await.unwrap();
     let took = killed.elapsed();
-    // Renewals went unanswered (or the lock's connection broke) until the deadline.
-    assert_eq!(
-        result.map_err(|lost| lost.reason()),
-        Err(LostReason::Unreachable)
+    // Renewals went unanswered (or the lock's connection broke) until the deadline; on
+    // a loaded machine the deadline by the clock alone can come first.
+    let reason = result.map(|_| ()).map_err(|lost| lost.reason());
+    assert!(
+        matches!(reason, Err(LostReason::Unreachable | LostReason::Expired)),
+        "{reason:?}"
     );
     assert!(lost);
     assert!(dropped.get(), "the work future was not dropped");
@@ -157,7 +158,7 @@ async fn redis_work_stops_when_an_unrenewed_lease_runs_out() {
     let (dropped, started) = (Dropped::default(), Arc::new(Notify::new()));
 
     let granted = Instant::now();
-    let lateness = Lateness::watch();
+    let lateness = crate::support::lateness::Lateness::watch();
     let guard = a.lock("rollup").await.unwrap();
     let result = within(
         "the lease runs out",

@@ -7,19 +7,18 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use azure_core::error::ErrorKind;
 use azure_core::http::StatusCode;
-use azure_core::time::OffsetDateTime;
 use azure_storage_blob::models::{
     AppendBlobClientCreateOptions, BlobClientAcquireLeaseOptions,
-    BlobClientAcquireLeaseResultHeaders, BlobClientDeleteOptions,
-    BlobClientGetPropertiesResultHeaders, BlobClientSetMetadataOptions, LeaseState,
+    BlobClientAcquireLeaseResultHeaders, BlobClientGetPropertiesResultHeaders,
+    BlobClientSetMetadataOptions, LeaseState,
 };
 use azure_storage_blob::BlobClient;
-use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
+use tokio::time::{sleep, timeout, timeout_at, Instant};
 
 use super::metadata::{grant_metadata, FENCE};
 use super::Inner;
@@ -33,62 +32,6 @@ use crate::LockError;
 
 /// The first pause of a waiter; pauses double from here up to `poll_interval`.
 const FIRST_POLL: Duration = Duration::from_millis(10);
-
-/// How long after this process read a blob it may delete it: a second on Azure's clock
-/// (which stamps creation times in whole seconds) and a tenth for this clock running
-/// faster. A blob is never deleted within the second it was made in, so the next blob of
-/// the key is made in a later second and its first token, counted from that second,
-/// is above every token of the old one (see the module docs, Fencing token).
-pub const DELETABLE_AFTER: Duration = Duration::from_millis(1100);
-
-/// One lock blob, as one acquisition uses it: the client, and what its attempt read of
-/// the blob it leased.
-pub(super) struct LockBlob {
-    pub(super) client: BlobClient,
-    read: Mutex<Option<Read>>,
-}
-
-/// The blob an attempt leased: when Azure made it (its clock, whole seconds), and when
-/// this process had the answer saying it existed.
-#[derive(Clone, Copy)]
-struct Read {
-    created: Option<OffsetDateTime>,
-    at: Instant,
-}
-
-impl LockBlob {
-    pub(super) fn new(client: BlobClient) -> Self {
-        Self {
-            client,
-            read: Mutex::new(None),
-        }
-    }
-
-    fn read(&self) -> Option<Read> {
-        *self
-            .read
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    fn set_read(&self, read: Read) {
-        *self
-            .read
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(read);
-    }
-}
-
-/// When Azure made the blob whose properties these are: its creation time, or (an
-/// emulator that does not say) its last modification, which is later.
-fn created(
-    properties: &impl BlobClientGetPropertiesResultHeaders,
-) -> azure_core::Result<Option<OffsetDateTime>> {
-    Ok(match properties.creation_time()? {
-        Some(created) => Some(created),
-        None => properties.last_modified()?,
-    })
-}
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -191,35 +134,21 @@ fn is_conflict(error: &azure_core::Error) -> bool {
     )
 }
 
-/// The token after the one in `metadata`. A blob without one (new, deleted at a
-/// release, or in a container made again) starts from `created`, the second Azure made
-/// it in, in microseconds (this clock's microseconds if Azure gave no time), or from
-/// `floor` (the highest token this process has seen) if that is higher.
+/// The token after the one in `metadata`; a blob without one (new, or deleted and made
+/// again, or in a container made again) starts from the clock in microseconds, as
+/// DynamoDB's counter does, or from `floor` (the highest token this process has seen)
+/// if that is higher.
 pub(super) fn next_fence(
     metadata: &HashMap<String, String>,
     floor: u64,
-    created: Option<OffsetDateTime>,
 ) -> Result<u64, AzureBlobLockError> {
     match metadata.get(FENCE) {
         Some(value) => value
             .parse::<u64>()
             .map(|fence| fence.saturating_add(1))
             .map_err(|_| AzureBlobLockError::UnreadableFence(value.clone())),
-        None => {
-            let start = match created {
-                Some(created) => micros_of_second(created),
-                None => epoch_micros(),
-            };
-            Ok(start.max(floor).saturating_add(1))
-        }
+        None => Ok(epoch_micros().max(floor).saturating_add(1)),
     }
-}
-
-/// The whole second of `time`, in microseconds since the epoch.
-fn micros_of_second(time: OffsetDateTime) -> u64 {
-    u64::try_from(time.unix_timestamp())
-        .unwrap_or(0)
-        .saturating_mul(1_000_000)
 }
 
 fn epoch_micros() -> u64 {
@@ -273,7 +202,7 @@ impl Inner {
 
     pub(super) async fn acquire(
         self: Arc<Self>,
-        blob: Arc<LockBlob>,
+        blob: Arc<BlobClient>,
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let deadline = ttl::deadline_after(wait);
@@ -324,11 +253,10 @@ impl Inner {
     /// unchanged since the read, and write the next fencing token under that lease.
     async fn attempt(
         &self,
-        lock_blob: &LockBlob,
+        blob: &BlobClient,
         in_flight: &mut InFlight<Self>,
         cap: Instant,
     ) -> Result<Attempt, AttemptError> {
-        let blob = &lock_blob.client;
         let properties = match self.bounded(cap, blob.get_properties(None)).await? {
             Ok(properties) => properties,
             Err(error) if status(&error) == Some(StatusCode::NotFound) => {
@@ -345,13 +273,7 @@ impl Inner {
         }
         let read = properties.etag()?;
         let metadata = properties.metadata()?;
-        let created = created(&properties)?;
-        // The blob existed when this answer came: it was made before now.
-        lock_blob.set_read(Read {
-            created,
-            at: Instant::now(),
-        });
-        let fence = next_fence(&metadata, self.fence_floor.load(Ordering::Relaxed), created)?;
+        let fence = next_fence(&metadata, self.fence_floor.load(Ordering::Relaxed))?;
         if metadata.contains_key(FENCE) {
             self.saw_fence(fence - 1);
         }
@@ -497,34 +419,34 @@ impl From<azure_core::Error> for AttemptError {
     }
 }
 
-impl Inner {
-    /// Deletes the blob of `token`'s lease, releasing the lease with it (`Delete Blob`
-    /// with the lease id): only a holder's own lease id deletes a leased blob.
-    async fn delete_leased(&self, blob: &BlobClient, token: &str) -> GiveBack {
-        let delete = blob.delete(Some(BlobClientDeleteOptions {
-            lease_id: Some(token.to_owned()),
-            ..Default::default()
-        }));
-        match timeout(self.config.command_timeout, delete).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
+impl TtlBackend for Inner {
+    type Target = Arc<BlobClient>;
+
+    fn timing(&self) -> Timing {
+        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
+    }
+
+    async fn renew(
+        &self,
+        blob: &Arc<BlobClient>,
+        token: &str,
+        _ttl: Duration,
+        _sent: Instant,
+        limit: Instant,
+    ) -> Renewal {
+        match timeout_at(limit, blob.renew_lease(token.to_owned(), None)).await {
+            Ok(Ok(_)) => Renewal::Renewed,
+            // Another lease id, a broken or released lease, or no blob any more.
             Ok(Err(error))
                 if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
             {
-                GiveBack::NotOurs
+                Renewal::NotOurs
             }
-            Ok(Err(error)) => {
-                tracing::debug!(%error, "azure blob delete at release failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("azure blob delete at release timed out");
-                GiveBack::NoAnswer
-            }
+            Ok(Err(_)) | Err(_) => Renewal::Unknown,
         }
     }
 
-    /// Releases the lease of `token` (`Release Lease`): the blob stays.
-    async fn release_lease(&self, blob: &BlobClient, token: &str) -> GiveBack {
+    async fn try_give_back(&self, blob: &Arc<BlobClient>, token: &str) -> GiveBack {
         let release = blob.release_lease(token.to_owned(), None);
         match timeout(self.config.command_timeout, release).await {
             Ok(Ok(_)) => GiveBack::Cleared,
@@ -542,80 +464,6 @@ impl Inner {
                 GiveBack::NoAnswer
             }
         }
-    }
-}
-
-/// Deletes a released blob once [`DELETABLE_AFTER`] has passed since `read`: only if it
-/// is the blob that was read (made at the same time), unleased, and unchanged from the
-/// properties read just before (`If-Match`). A blob someone leased meanwhile is
-/// refused by Azure (a leased blob is deleted only with its lease id); a blob made
-/// again since, or granted again, is left to its own holder's release.
-async fn delete_when_deletable(command_timeout: Duration, blob: Arc<LockBlob>, read: Read) {
-    sleep_until(read.at + DELETABLE_AFTER).await;
-    let client = &blob.client;
-    let Ok(Ok(properties)) = timeout(command_timeout, client.get_properties(None)).await else {
-        return;
-    };
-    let leased = matches!(
-        properties.lease_state(),
-        Ok(Some(LeaseState::Leased | LeaseState::Breaking))
-    );
-    let same = created(&properties).ok() == Some(read.created);
-    let Ok(etag) = properties.etag() else { return };
-    if leased || !same || etag.is_none() {
-        return;
-    }
-    let delete = client.delete(Some(BlobClientDeleteOptions {
-        if_match: etag,
-        ..Default::default()
-    }));
-    if let Ok(Err(error)) = timeout(command_timeout, delete).await {
-        tracing::debug!(%error, "azure blob delete after release refused or failed");
-    }
-}
-
-impl TtlBackend for Inner {
-    type Target = Arc<LockBlob>;
-
-    fn timing(&self) -> Timing {
-        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
-    }
-
-    async fn renew(
-        &self,
-        blob: &Arc<LockBlob>,
-        token: &str,
-        _ttl: Duration,
-        _sent: Instant,
-        limit: Instant,
-    ) -> Renewal {
-        match timeout_at(limit, blob.client.renew_lease(token.to_owned(), None)).await {
-            Ok(Ok(_)) => Renewal::Renewed,
-            // Another lease id, a broken or released lease, or no blob any more.
-            Ok(Err(error))
-                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
-            {
-                Renewal::NotOurs
-            }
-            Ok(Err(_)) | Err(_) => Renewal::Unknown,
-        }
-    }
-
-    /// A blob read [`DELETABLE_AFTER`] ago or more is deleted with the lease; a younger
-    /// one has its lease released, and is deleted once it is old enough if nobody
-    /// leased or changed it meanwhile. Either way a released key's blob is gone within
-    /// [`DELETABLE_AFTER`] and a command timeout.
-    async fn try_give_back(&self, blob: &Arc<LockBlob>, token: &str) -> GiveBack {
-        let read = blob.read();
-        if read.is_some_and(|read| read.at.elapsed() >= DELETABLE_AFTER) {
-            return self.delete_leased(&blob.client, token).await;
-        }
-        let given_back = self.release_lease(&blob.client, token).await;
-        if let Some(read) = read.filter(|_| !matches!(given_back, GiveBack::NoAnswer)) {
-            let command_timeout = self.config.command_timeout;
-            tokio::spawn(delete_when_deletable(command_timeout, blob.clone(), read));
-        }
-        given_back
     }
 
     fn engine(&self) -> &'static str {

@@ -55,12 +55,9 @@
 //! instead (Azure advises against names ending with a dot). Distinct (name, key) pairs
 //! never share a blob, and no blob name is longer than the prefix plus 261 bytes. The
 //! prefix (default [`DEFAULT_PREFIX`], `"keyed-lock/"`, at most 512 bytes) gets a
-//! trailing `/` if it has none. [`AzureBlobBackend::blob_name`] computes a name. A
-//! released key's blob is deleted: at the release (`Delete Blob` with the lease id) if
-//! this process read it [`DELETABLE_AFTER`] (1.1 s) ago or more, else by the releasing
-//! process once it is that old, if nobody leased or changed it meanwhile. It is gone
-//! within [`DELETABLE_AFTER`] and two command timeouts of the release; a crashed
-//! holder's blob stays until the key is used again.
+//! trailing `/` if it has none. [`AzureBlobBackend::blob_name`] computes a name. The
+//! blobs stay after use (one small blob per key ever locked, with its token); deleting
+//! them is safe when no lock is held (see [what a deletion does](#blobs-deleted-by-hand)).
 //!
 //! # How a key is held
 //!
@@ -82,11 +79,7 @@
 //!   one conditional request, so the tokens of one blob strictly increase from holder
 //!   to holder (a holder whose write failed or went unanswered never uses its token;
 //!   the next one counts on from whatever was written). A blob without a counter (new,
-//!   or deleted at a release) starts from the second Azure made it in (its creation
-//!   time), in microseconds. A blob is never deleted within the second it was made in
-//!   (the [`DELETABLE_AFTER`] rule), so the next blob of the key is made in a later
-//!   second and starts above every token of the old one (fewer than a million grants a
-//!   second on one blob): Azure's clock alone decides, not the instances'.
+//!   or deleted and made again) starts from the writer's clock in microseconds.
 //! - **Wait.** Azure has no notification of a released lease: a waiter polls, after
 //!   a jittered pause that doubles from 10 ms up to the
 //!   [`poll_interval`](AzureBlobBackendBuilder::poll_interval), until the request's
@@ -223,7 +216,7 @@ use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBacken
 use crate::error::LockError;
 use crate::key::Key;
 
-pub use self::lease::{AzureBlobLockError, DELETABLE_AFTER};
+pub use self::lease::AzureBlobLockError;
 
 /// The default [`AzureBlobBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -603,9 +596,7 @@ impl LockBackend for AzureBlobBackend {
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let blob = self.blob_name(name, key.as_str());
-        let blob = Arc::new(lease::LockBlob::new(
-            self.inner.container.blob_client(&blob),
-        ));
+        let blob = Arc::new(self.inner.container.blob_client(&blob));
         Box::pin(self.inner.clone().acquire(blob, wait))
     }
 
@@ -661,36 +652,21 @@ mod tests {
     }
 
     #[test]
-    fn the_fence_counts_on_or_starts_from_the_blobs_second() {
-        use azure_core::time::OffsetDateTime;
+    fn the_fence_counts_on_or_starts_from_the_clock() {
         use std::collections::HashMap;
         let stored = HashMap::from([(metadata::FENCE.to_owned(), "41".to_owned())]);
-        assert_eq!(lease::next_fence(&stored, 0, None).unwrap(), 42);
-        // A counter counts on, whatever the floor or the creation time.
-        assert_eq!(lease::next_fence(&stored, u64::MAX / 2, None).unwrap(), 42);
-        let made = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
-        assert_eq!(lease::next_fence(&stored, 0, Some(made)).unwrap(), 42);
-        // A blob without one starts from the second Azure made it in.
-        assert_eq!(
-            lease::next_fence(&HashMap::new(), 0, Some(made)).unwrap(),
-            1_800_000_000_000_001
-        );
-        // A blob made a second later starts above a million grants of the earlier one.
-        let later = OffsetDateTime::from_unix_timestamp(1_800_000_001).unwrap();
-        assert!(
-            lease::next_fence(&HashMap::new(), 0, Some(later)).unwrap()
-                > 1_800_000_000_000_001 + 999_999
-        );
-        // No time from Azure: this clock's microseconds.
-        let fresh = lease::next_fence(&HashMap::new(), 0, None).unwrap();
+        assert_eq!(lease::next_fence(&stored, 0).unwrap(), 42);
+        // A counter counts on, whatever the floor.
+        assert_eq!(lease::next_fence(&stored, u64::MAX / 2).unwrap(), 42);
+        let fresh = lease::next_fence(&HashMap::new(), 0).unwrap();
         assert!(fresh > 1_700_000_000_000_000, "{fresh}");
-        // Above the floor if the second is behind it.
+        // A blob without a counter starts above the floor if the clock is behind it.
         let ahead = u64::MAX / 2;
         assert_eq!(
-            lease::next_fence(&HashMap::new(), ahead, Some(made)).unwrap(),
+            lease::next_fence(&HashMap::new(), ahead).unwrap(),
             ahead + 1
         );
         let garbage = HashMap::from([(metadata::FENCE.to_owned(), "x".to_owned())]);
-        assert!(lease::next_fence(&garbage, 0, None).is_err());
+        assert!(lease::next_fence(&garbage, 0).is_err());
     }
 }
