@@ -149,7 +149,8 @@ conformance!(
 conformance!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 
 /// `footprint!(fixture_module, Fixture, "feature")`: what a released key leaves on the
-/// server. Not yet on Azure Blob (one blob stays per key ever locked) nor on Redlock
+/// server. Not yet on Azure Blob and DynamoDB (a blob, an item stays per key ever
+/// locked) nor on Redlock
 /// (a given-back mark stays a minute, longer than ten of the fixture's leases);
 /// RELIABILITY.md says so.
 macro_rules! footprint {
@@ -174,7 +175,6 @@ mod footprint {
         crate::support::fixtures::PgBouncerTransaction,
         "postgres"
     );
-    footprint!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
     footprint!(etcd, crate::support::fixtures::Etcd, "etcd");
     footprint!(mysql, crate::support::fixtures::MySql, "mysql");
     footprint!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_dynamodb::error::SdkError;
-use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
@@ -201,19 +200,6 @@ impl Inner {
             .expression_attribute_values(":ttl", AttributeValue::N(self.ttl()))
     }
 
-    /// Where a new item's fence counter starts: DynamoDB's clock now in microseconds,
-    /// at most (see [Fencing tokens](super#fencing-tokens)); this clock's before
-    /// DynamoDB gave a time.
-    fn seed(&self) -> String {
-        match self
-            .endpoint
-            .server_micros_at_most(self.config.command_timeout)
-        {
-            Some(micros) => micros.to_string(),
-            None => epoch_micros(),
-        }
-    }
-
     /// The TTL attribute's value for a write now: generously past the lease.
     fn ttl(&self) -> String {
         epoch_seconds(self.config.lease + self.config.item_ttl)
@@ -246,7 +232,7 @@ impl Inner {
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .expression_attribute_values(":rvn", AttributeValue::S(fresh_rvn()?))
             .expression_attribute_values(":lease", AttributeValue::N(millis(self.config.lease)))
-            .expression_attribute_values(":seed", AttributeValue::N(self.seed()))
+            .expression_attribute_values(":seed", AttributeValue::N(epoch_micros()))
             .expression_attribute_values(":one", AttributeValue::N("1".into()))
             .return_values(ReturnValue::UpdatedNew)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
@@ -322,117 +308,6 @@ impl Inner {
     }
 }
 
-/// What a delete at release did.
-enum Deleted {
-    /// The item is gone, and the lease with it.
-    Gone,
-    /// Ours, but its fence counter is not yet below DynamoDB's clock: it stays for now.
-    TooYoung { fence: u64 },
-    /// Not ours (any more): nothing was changed.
-    NotOurs,
-    /// No answer, or no time from DynamoDB yet.
-    Unknown,
-}
-
-impl Inner {
-    /// Deletes the item if `token` holds it and its fence counter is below DynamoDB's
-    /// clock now (the lower bound): see [Fencing tokens](super#fencing-tokens).
-    async fn delete_held(&self, item: &ItemKey, token: &str) -> Deleted {
-        let Some(now) = self.endpoint.server_micros_at_least() else {
-            return Deleted::Unknown;
-        };
-        let delete = self
-            .client
-            .delete_item()
-            .table_name(&self.layout.table)
-            .set_key(Some(HashMap::clone(item)))
-            .condition_expression("#owner = :token AND #fence < :now")
-            .expression_attribute_names("#owner", item::OWNER)
-            .expression_attribute_names("#fence", item::FENCE)
-            .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
-            .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send();
-        match timeout(self.config.command_timeout, delete).await {
-            Ok(Ok(_)) => Deleted::Gone,
-            Ok(Err(error)) => match error.as_service_error() {
-                Some(DeleteItemError::ConditionalCheckFailedException(failed)) => {
-                    let old = failed.item();
-                    let ours = old.and_then(|old| old.get(item::OWNER))
-                        == Some(&AttributeValue::S(token.to_owned()));
-                    match (ours, item::fence(old)) {
-                        (true, Some(fence)) => Deleted::TooYoung { fence },
-                        (true, None) => Deleted::Unknown,
-                        (false, _) => Deleted::NotOurs,
-                    }
-                }
-                _ => {
-                    let error = aws_sdk_dynamodb::Error::from(error);
-                    tracing::debug!(%error, "dynamodb delete at release failed");
-                    Deleted::Unknown
-                }
-            },
-            Err(_) => Deleted::Unknown,
-        }
-    }
-}
-
-/// Deletes a released item once DynamoDB's clock (the lower bound) has passed `fence`:
-/// only while nobody holds it and its counter is still below that clock, so an item
-/// granted again meanwhile is left to its holder's release.
-async fn delete_when_deletable(
-    client: aws_sdk_dynamodb::Client,
-    table: String,
-    item: ItemKey,
-    fence: u64,
-    endpoint: Arc<super::table::Endpoint>,
-    command_timeout: Duration,
-) {
-    loop {
-        let Some(now) = endpoint.server_micros_at_least() else {
-            return;
-        };
-        if now > fence {
-            break;
-        }
-        // The lower bound gains 0.99 µs per µs.
-        let wait = Duration::from_micros((fence - now) + (fence - now) / 99 + 1_000);
-        sleep(wait).await;
-    }
-    // A few tries: an unanswered delete on a busy table would leave the item.
-    for _ in 0..3 {
-        let Some(now) = endpoint.server_micros_at_least() else {
-            return;
-        };
-        let delete = client
-            .delete_item()
-            .table_name(&table)
-            .set_key(Some(HashMap::clone(&item)))
-            .condition_expression("attribute_not_exists(#owner) AND #fence < :now")
-            .expression_attribute_names("#owner", item::OWNER)
-            .expression_attribute_names("#fence", item::FENCE)
-            .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
-            .send();
-        match timeout(command_timeout, delete).await {
-            Ok(Ok(_)) => return,
-            Ok(Err(error)) if is_delete_refused(&error) => return,
-            Ok(Err(error)) => {
-                let error = aws_sdk_dynamodb::Error::from(error);
-                tracing::debug!(%error, "dynamodb delete after release failed");
-            }
-            Err(_) => tracing::debug!("dynamodb delete after release timed out"),
-        }
-    }
-}
-
-/// A delete refused by its condition: held or granted again meanwhile.
-fn is_delete_refused(error: &SdkError<DeleteItemError>) -> bool {
-    matches!(
-        error.as_service_error(),
-        Some(DeleteItemError::ConditionalCheckFailedException(_))
-    )
-}
-
 fn fresh_rvn() -> Result<String, CallError> {
     fresh_token().map_err(|error| match error {
         LockError::Backend(error) => CallError::local(error),
@@ -463,29 +338,8 @@ impl TtlBackend for Inner {
         }
     }
 
-    /// Deletes the item with the lease when its fence counter is below DynamoDB's
-    /// clock; else clears the owner and deletes the item once the clock has passed the
-    /// counter, if nobody took the key meanwhile. A released key's item is gone within
-    /// the record window ([Fencing tokens](super#fencing-tokens)).
     async fn try_give_back(&self, item: &ItemKey, token: &str) -> GiveBack {
-        let fence = match self.delete_held(item, token).await {
-            Deleted::Gone => return GiveBack::Cleared,
-            Deleted::NotOurs => return GiveBack::NotOurs,
-            Deleted::TooYoung { fence } => Some(fence),
-            Deleted::Unknown => None,
-        };
-        let cleared = self.clear_owner(item, token).await;
-        if let (Some(fence), GiveBack::Cleared) = (fence, &cleared) {
-            tokio::spawn(delete_when_deletable(
-                self.client.clone(),
-                self.layout.table.clone(),
-                item.clone(),
-                fence,
-                self.endpoint.clone(),
-                self.config.command_timeout,
-            ));
-        }
-        cleared
+        self.clear_owner(item, token).await
     }
 
     fn engine(&self) -> &'static str {

@@ -67,7 +67,7 @@
 //!   update conditional on the owner token, and stops when the lease is released,
 //!   dropped or lost.
 //! - **Release.** An update conditional on the owner token that removes the owner,
-//!   version and lease, or deletes the item (see [Fencing tokens](#fencing-tokens)). If DynamoDB cannot be
+//!   version and lease (the item, with its fence counter, stays). If DynamoDB cannot be
 //!   reached within the command timeout, the release is retried in the background for a
 //!   lease; after that, waiters take the key over.
 //! - **Errors.** Throttling (`ProvisionedThroughputExceeded`, `RequestLimitExceeded`,
@@ -89,24 +89,15 @@
 //!
 //! # Fencing tokens
 //!
-//! The fence counter is set with `if_not_exists(lock_fence, :seed) + 1`: tokens grow by
-//! one per grant while the item exists. The seed is DynamoDB's clock in microseconds,
-//! *at most* (the `Date` of its last answer, plus the second it was cut to, a command
-//! timeout and this clock's time since, counted 1% long). A release deletes the item
-//! (`DeleteItem` on the owner token) only when its counter is below DynamoDB's clock
-//! *at least* (that `Date` plus this clock's time since, counted 1% short); a younger
-//! item has its owner cleared and is deleted by the releasing instance once that clock
-//! has passed the counter, on the condition that nobody holds it and its counter is still
-//! below the clock. Why tokens never go back: an item is deleted only when its highest
-//! token is below DynamoDB's clock at the delete, and a new item's first token is above
-//! DynamoDB's clock at its creation, which is later. This holds across instances whatever
-//! their wall clocks (only DynamoDB's `Date` and each instance's rate, within 1%, count),
-//! and across a restart of a durable table. A released key's item is gone within
-//! [`record_window`] (two seconds and three command timeouts); a crashed holder's item
-//! stays until the key is used again or the table's TTL deletes it
-//! ([`item_ttl`](DynamoDbBackendBuilder::item_ttl), default one day). A table that lost
-//! its items (a local emulator restarted) starts again from DynamoDB's clock: above the
-//! old tokens unless it lost them within that window.
+//! The fence counter is set with `if_not_exists(lock_fence, :seed) + 1`, where the seed
+//! is the writer's wall clock in microseconds: tokens grow by one per grant while the
+//! item exists. The item is never deleted by this crate, only cleared, so the counter
+//! survives releases. The table's TTL deletes an item
+//! [`item_ttl`](DynamoDbBackendBuilder::item_ttl) (default one day) after its last
+//! write; a later grant starts again from the then wall clock in microseconds, which is
+//! above every token the old item gave unless the clocks of the instances disagree by
+//! more than `item_ttl`. On a table without TTL enabled items stay, and counters never
+//! restart.
 //!
 //! # The item
 //!
@@ -190,16 +181,6 @@ pub const DEFAULT_PREFIX: &str = "keyed-lock:";
 pub const DEFAULT_PARTITION_KEY: &str = "pk";
 /// The default [`DynamoDbBackendBuilder::ttl_attribute`].
 pub const DEFAULT_TTL_ATTRIBUTE: &str = "ttl";
-/// How long a released key's item may stay with a
-/// [`command_timeout`](DynamoDbBackendBuilder::command_timeout) of `command_timeout`:
-/// two seconds of DynamoDB's clock past the grant (its `Date`, read in whole seconds,
-/// makes the first second; the answer's time the rest) and three command timeouts (the
-/// answers the clock was read from, and the delete). See
-/// [Fencing tokens](self#fencing-tokens).
-pub fn record_window(command_timeout: Duration) -> Duration {
-    Duration::from_secs(2) + 3 * command_timeout
-}
-
 /// The default [`DynamoDbBackendBuilder::item_ttl`].
 pub const DEFAULT_ITEM_TTL: Duration = Duration::from_secs(86_400);
 /// The shortest lease accepted: renewal runs every lease/3.

@@ -6,9 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_dynamodb::config::interceptors::{
-    BeforeDeserializationInterceptorContextRef, BeforeTransmitInterceptorContextRef,
-};
+use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType, TableStatus,
@@ -78,15 +76,10 @@ pub(super) const ENGINE: &str = "DynamoDB";
 /// request it was about to send (the resolved endpoint: AWS's regional one, a local
 /// DynamoDB, a proxy), read by an interceptor since the SDK's config does not tell it;
 /// before any request, `region <name>`.
-///
-/// It also reads DynamoDB's clock: the `Date` of its last answer (whole seconds), with
-/// the instant this process had it.
 #[derive(Debug)]
 pub(super) struct Endpoint {
     seen: std::sync::Mutex<Option<String>>,
     region: Option<String>,
-    /// The `Date` of the last answer, in seconds since the epoch, and when it came.
-    date: std::sync::Mutex<Option<(u64, tokio::time::Instant)>>,
 }
 
 impl Endpoint {
@@ -95,7 +88,6 @@ impl Endpoint {
         let endpoint = Arc::new(Endpoint {
             seen: std::sync::Mutex::new(None),
             region: client.config().region().map(|region| region.to_string()),
-            date: std::sync::Mutex::new(None),
         });
         let config = client
             .config()
@@ -103,32 +95,6 @@ impl Endpoint {
             .interceptor(Recorder(endpoint.clone()))
             .build();
         (Client::from_conf(config), endpoint)
-    }
-
-    /// DynamoDB's clock now, in microseconds since the epoch, at least: the `Date` of
-    /// its last answer (cut to the second, stamped before the answer came) plus this
-    /// clock's time since, counted 1% short for a clock that runs fast. `None` before
-    /// any answer with a `Date`.
-    pub(super) fn server_micros_at_least(&self) -> Option<u64> {
-        let (secs, at) = self.date()?;
-        let since = at.elapsed().as_micros() as u64;
-        Some(secs.saturating_mul(1_000_000) + since - since / 100)
-    }
-
-    /// DynamoDB's clock now, in microseconds since the epoch, at most: the `Date` of
-    /// its last answer plus the second it was cut to, plus `answer_within` (the answer
-    /// was stamped after its request was sent and came within that), plus this clock's
-    /// time since, counted 1% long for a clock that runs slow. `None` before any answer
-    /// with a `Date`.
-    pub(super) fn server_micros_at_most(&self, answer_within: Duration) -> Option<u64> {
-        let (secs, at) = self.date()?;
-        let since = at.elapsed().as_micros() as u64;
-        let slack = 1_000_000 + answer_within.as_micros() as u64;
-        Some(secs.saturating_mul(1_000_000) + slack + since + since / 100)
-    }
-
-    fn date(&self) -> Option<(u64, tokio::time::Instant)> {
-        *self.date.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// `scheme://host[:port]` of the last request, or the region before any.
@@ -175,28 +141,6 @@ impl Intercept for Recorder {
         let mut seen = self.0.seen.lock().unwrap_or_else(|e| e.into_inner());
         if seen.as_deref() != Some(&*authority) {
             *seen = Some(authority);
-        }
-        Ok(())
-    }
-
-    fn read_before_deserialization(
-        &self,
-        context: &BeforeDeserializationInterceptorContextRef<'_>,
-        _components: &RuntimeComponents,
-        _cfg: &mut ConfigBag,
-    ) -> Result<(), BoxError> {
-        use aws_sdk_dynamodb::primitives::{DateTime, DateTimeFormat};
-        let received = tokio::time::Instant::now();
-        let date = context
-            .response()
-            .headers()
-            .get("date")
-            .and_then(|date| DateTime::from_str(date, DateTimeFormat::HttpDate).ok())
-            .and_then(|date| u64::try_from(date.secs()).ok());
-        if let Some(secs) = date {
-            // The latest answer's: both bounds hold for any answer, and the latest
-            // leaves the least to this clock's rate.
-            *self.0.date.lock().unwrap_or_else(|e| e.into_inner()) = Some((secs, received));
         }
         Ok(())
     }
