@@ -6,7 +6,11 @@
 //! and gives it back. So it proves what the locks need — the engine answers, and lets
 //! this instance write (a replica promoted read-only, a missing write permission, a
 //! full disk fail it) — on every engine, with the engine's own timeouts. Another
-//! instance's check holding the key at that moment hands it over within the wait.
+//! instance's check holding the key at that moment hands it over within the wait; a
+//! key still held when the wait is over (checks of many instances at once on a loaded
+//! engine, or one that crashed mid-check and left the key to its lease) is an answer
+//! too: the engine said who holds it, so the check is healthy, not a fleet made unready
+//! by one instance's probe.
 
 use std::fmt;
 use std::sync::{Mutex, PoisonError};
@@ -22,8 +26,8 @@ pub const HEALTH_LOCK_NAME: &str = "keyed_lock_health";
 /// The key the health check takes and gives back under [`HEALTH_LOCK_NAME`].
 pub const HEALTH_PROBE_KEY: &str = "probe";
 /// How long the health check waits for its key: long enough for another instance's
-/// check to hand it over, short enough for a readiness probe's timeout. A key not
-/// granted by then is an engine too slow to serve locks.
+/// check to hand it over, short enough for a readiness probe's timeout. A key still
+/// held by then counts as an answer (the engine said so).
 pub const HEALTH_PROBE_WAIT: Duration = Duration::from_millis(500);
 
 /// What a health check found: whether the engine answered (and how fast), why not,
@@ -189,6 +193,8 @@ pub(crate) async fn probe(engine: &'static str, acquisition: Acquisition) -> Hea
             }
             None => Health::unreachable(engine, error),
         },
+        // The engine answered: another instance's check holds the probe key.
+        Err(LockError::Timeout | LockError::Busy) => Health::answered(engine, round_trip),
         Err(error) => Health::unreachable(engine, error),
     }
 }
@@ -287,6 +293,20 @@ mod tests {
         assert!(!down.is_healthy());
         assert_eq!(down.error(), Some("connection refused"));
         assert_eq!(down.round_trip(), None);
+    }
+
+    #[tokio::test]
+    async fn a_probe_key_held_elsewhere_is_an_answer() {
+        for held in [LockError::Timeout, LockError::Busy] {
+            let acquisition: Acquisition = Box::pin(async move { Err(held) });
+            let health = probe("redis", acquisition).await;
+            assert!(health.is_healthy(), "{health}");
+            assert!(health.round_trip().is_some(), "{health}");
+        }
+        let acquisition: Acquisition =
+            Box::pin(async { Err(LockError::Backend("connection refused".into())) });
+        let health = probe("redis", acquisition).await;
+        assert!(!health.is_healthy(), "{health}");
     }
 
     #[test]

@@ -97,8 +97,11 @@ mod mutual;
 mod several;
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::task::JoinHandle;
 
 pub use self::footprint::{released_keys_leave_no_records, FOOTPRINT_KEYS, MOST_RECORDS_AT_REST};
 pub use self::health::health_answers;
@@ -216,6 +219,35 @@ async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
     match tokio::time::timeout(PATIENCE, future).await {
         Ok(output) => output,
         Err(_) => panic!("conformance: {what} did not happen within {PATIENCE:?}"),
+    }
+}
+
+/// How long one turn of a check with many contending tasks may wait for its key: the
+/// turns of every other task may come first on a loaded engine. A deadlock is caught
+/// sooner, by [`while_turns_are_taken`].
+const TURN_WAIT: Duration = Duration::from_secs(60);
+
+/// Waits for `tasks`, or panics naming `what` when none of them took a turn (counted
+/// in `turns`) for [`PATIENCE`]: many contended turns on a loaded engine take as long
+/// as they take, and a deadlock still fails. A task's panic is passed on as it was.
+async fn while_turns_are_taken(what: &str, turns: &AtomicUsize, tasks: Vec<JoinHandle<()>>) {
+    let mut seen = turns.load(SeqCst);
+    for mut task in tasks {
+        loop {
+            match tokio::time::timeout(PATIENCE, &mut task).await {
+                Ok(Ok(())) => break,
+                Ok(Err(error)) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                Ok(Err(error)) => panic!("conformance: a task of {what} ended: {error}"),
+                Err(_) => {
+                    let now = turns.load(SeqCst);
+                    assert_ne!(
+                        now, seen,
+                        "conformance: no turn of {what} was taken for {PATIENCE:?} (a deadlock?)"
+                    );
+                    seen = now;
+                }
+            }
+        }
     }
 }
 

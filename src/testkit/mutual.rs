@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{instance, within, Deployment, PATIENCE};
+use super::{instance, while_turns_are_taken, within, Deployment, PATIENCE, TURN_WAIT};
 use crate::{DistributedLocks, LockError};
 
 /// Three instances, four tasks each, five turns per task on one key: never two
@@ -24,7 +24,7 @@ pub async fn one_holder_at_a_time<D: Deployment>(deployment: &D) {
             let (locks, holders, turns) = (locks.clone(), holders.clone(), turns.clone());
             tasks.push(tokio::spawn(async move {
                 for _ in 0..TURNS {
-                    let guard = locks.lock_timeout("k", PATIENCE).await.unwrap();
+                    let guard = locks.lock_timeout("k", TURN_WAIT).await.unwrap();
                     let others = holders.fetch_add(1, SeqCst);
                     assert_eq!(others, 0, "conformance: two instances held the key at once");
                     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -35,11 +35,7 @@ pub async fn one_holder_at_a_time<D: Deployment>(deployment: &D) {
             }));
         }
     }
-    for task in tasks {
-        within("every turn of exclusion", task)
-            .await
-            .expect("a turn panicked");
-    }
+    while_turns_are_taken("exclusion", &turns, tasks).await;
     assert_eq!(
         turns.load(SeqCst),
         3 * TASKS * TURNS,

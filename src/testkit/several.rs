@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{instance, within, Deployment, PATIENCE};
+use super::{instance, while_turns_are_taken, within, Deployment, TURN_WAIT};
 use crate::LockError;
 
 /// Three instances take overlapping pairs of keys, each naming them in its own order
@@ -22,15 +22,16 @@ pub async fn several_keys_all_or_nothing<D: Deployment>(deployment: &D) {
         ["c", "a"],
     ];
     let holders: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
+    let turns = Arc::new(AtomicUsize::new(0));
     let index = |key: &str| usize::from(key.as_bytes()[0] - b'a');
     let mut tasks = Vec::new();
     for instance_no in 0..3 {
         let locks = instance(deployment, "conformance-several").await;
         for pair in PAIRS.iter().skip(instance_no % 2).step_by(2) {
-            let (locks, holders) = (locks.clone(), holders.clone());
+            let (locks, holders, turns) = (locks.clone(), holders.clone(), turns.clone());
             tasks.push(tokio::spawn(async move {
                 for _ in 0..TURNS {
-                    let both = locks.lock_all_timeout(*pair, PATIENCE).await.unwrap();
+                    let both = locks.lock_all_timeout(*pair, TURN_WAIT).await.unwrap();
                     for key in both.keys() {
                         let others = holders[index(key)].fetch_add(1, SeqCst);
                         assert_eq!(others, 0, "conformance: key {key} held twice by lock_all");
@@ -40,15 +41,12 @@ pub async fn several_keys_all_or_nothing<D: Deployment>(deployment: &D) {
                         holders[index(key)].fetch_sub(1, SeqCst);
                     }
                     both.release().await;
+                    turns.fetch_add(1, SeqCst);
                 }
             }));
         }
     }
-    for task in tasks {
-        within("every turn of lock_all (a deadlock?)", task)
-            .await
-            .expect("a turn panicked");
-    }
+    while_turns_are_taken("lock_all", &turns, tasks).await;
 
     let a = instance(deployment, "conformance-several").await;
     let b = instance(deployment, "conformance-several").await;

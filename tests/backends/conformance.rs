@@ -32,6 +32,7 @@ use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
 
 use crate::support::fixtures::within;
 use crate::support::fixtures::{Fixture, Proxied, Remote};
+use crate::support::lateness::Lateness;
 use crate::support::tcp_proxy::TcpProxy;
 
 /// A fixture's server, as the suite sees it.
@@ -498,9 +499,9 @@ async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: 
     let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     // A connection in use before the fault.
     a.lock("warm").await.unwrap().release().await;
+    let lateness = Lateness::watch();
     proxy.blackhole();
     let wait = Duration::from_millis(300);
-    let bound = wait + 2 * fixture.network_timeout() + SLACK;
     for key in ["silent-1", "silent-2", "silent-3"] {
         let started = Instant::now();
         let outcome = within(
@@ -514,6 +515,7 @@ async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: 
             outcome.is_err(),
             "granted through a silent path: {outcome:?}"
         );
+        let bound = lateness.allowing(wait + 2 * fixture.network_timeout() + SLACK);
         assert!(
             took < bound,
             "an acquisition took {took:?} on a silent path (bound {bound:?})"
@@ -561,8 +563,8 @@ async fn the_health_check_fails_on_a_silent_path_and_recovers<F: Proxied>(fixtur
     let backend = fixture.backend_via(&proxy.host_port()).await;
     let before = backend.health().await;
     assert!(before.is_healthy(), "{before}");
+    let lateness = Lateness::watch();
     proxy.blackhole();
-    let bound = HEALTH_PROBE_WAIT + 2 * fixture.network_timeout() + SLACK;
     let started = Instant::now();
     let silent = within(
         "the health check on a silent path",
@@ -575,6 +577,7 @@ async fn the_health_check_fails_on_a_silent_path_and_recovers<F: Proxied>(fixtur
         !silent.is_healthy(),
         "healthy through a silent path: {silent}"
     );
+    let bound = lateness.allowing(HEALTH_PROBE_WAIT + 2 * fixture.network_timeout() + SLACK);
     assert!(
         took < bound,
         "the health check took {took:?} on a silent path (bound {bound:?})"

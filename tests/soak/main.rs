@@ -2,7 +2,10 @@
 //! faults (the server killed, stopped or frozen meanwhile), checking that no two handlers
 //! ever hold one key at once: on Redis (`redis`), PostgreSQL (`postgres`) and DynamoDB
 //! (`dynamodb`), and the replay layer over Redis and PostgreSQL (`replay`). One soak runs
-//! at a time (`support::soak_turn`). `SOAK_REQUESTS` and `REPLAY_SOAK_*` scale them.
+//! at a time (`support::soak_turn`). Each sends requests for `SOAK_SECONDS` (default
+//! 15) or until `SOAK_REQUESTS` are sent; `SOAK_SECONDS=0` lifts the time box (as
+//! `scripts/test --long` does, with 100 000 requests). `REPLAY_SOAK_*` scale the
+//! replay soaks.
 
 #[path = "../support/mod.rs"]
 mod support;

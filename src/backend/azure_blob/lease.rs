@@ -208,7 +208,11 @@ impl Inner {
         let deadline = ttl::deadline_after(wait);
         let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
         // The last attempt's failure, if it was transient (tried again within the wait).
-        let mut failing: Option<AttemptError> = None;
+        // Until Azure first answers, the failure is its silence: a wait that ends before
+        // any answer is an unreachable engine, not a key held by someone else.
+        let mut failing: Option<AttemptError> = Some(AttemptError::Lock(
+            AzureBlobLockError::CommandTimeout(self.config.command_timeout),
+        ));
         loop {
             // An attempt ends with the wait, or one command timeout after it started if
             // that is later (a zero wait still tries once): no acquisition outlives its
