@@ -444,8 +444,17 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
                     .lock_scope(scope)
             };
             let a = timed(backend(&proxy.host_port(), "late-a"));
-            let b = timed(direct(&pg, "late-b"));
-            let c = timed(direct(&pg, "late-c"));
+            // B and C, the holders before and after A, are not what is tested: the
+            // default timeouts, so that a slow connect on a loaded machine fails no
+            // trial.
+            let untested = |backend: PostgresBackend| {
+                backend
+                    .liveness_interval(DEFAULT_LIVENESS_INTERVAL)
+                    .network_timeout(DEFAULT_NETWORK_TIMEOUT)
+                    .lock_scope(scope)
+            };
+            let b = untested(direct(&pg, "late-b"));
+            let c = untested(direct(&pg, "late-c"));
             let name = format!("late-{scope:?}-{network:?}-{trial}");
 
             let held = b
