@@ -133,15 +133,19 @@ pub async fn fencing_tokens_increase<D: Deployment>(deployment: &D) {
 pub async fn dropped_acquisitions_leave_nothing_held<D: Deployment>(deployment: &D) {
     let a = instance(deployment, "conformance-cancel").await;
     let b = instance(deployment, "conformance-cancel").await;
-    // Longer than a release's round trip on a loaded machine, shorter than a lease: a
-    // key left to expire instead of released is caught.
-    let freed_within = (deployment.loss_bound() / 2).max(Duration::from_millis(100));
+    // Longer than a release's round trip on a loaded machine (three times the one this
+    // check last saw), shorter than a lease: a key left to expire instead of released
+    // is caught.
+    let loss_bound = deployment.loss_bound();
+    let mut freed_within = (loss_bound / 2).max(Duration::from_millis(100));
     for micros in [0, 100, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000] {
         let cut = Duration::from_micros(micros);
         // Held elsewhere: the acquisition is cut while it waits.
         let guard = a.lock("held").await.unwrap();
         let _ = tokio::time::timeout(cut, b.lock_timeout("held", PATIENCE)).await;
+        let releasing = Instant::now();
         guard.release().await;
+        freed_within = freed_within.max((3 * releasing.elapsed()).min(loss_bound * 9 / 10));
         eventually_free(&a, "held", freed_within).await;
         // Free: the acquisition is cut before, during or after its grant.
         let _ = tokio::time::timeout(cut, b.lock_timeout("free", PATIENCE)).await;

@@ -431,16 +431,13 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
             );
             drop(guard);
         }
+        // Never told it holds the key: no overlap, whenever C entered (A's session,
+        // closed as it gave up, may be what let C in a moment before A's error came).
         Err(LockError::Backend(error)) => {
-            assert!(
-                a_at <= c_at,
-                "A was refused {:?} after C's grant",
-                a_at - c_at
-            );
             eprintln!(
                 "late grant: A refused at +{:?} ({error}), C granted at +{:?}",
-                a_at - released,
-                c_at - released
+                a_at.saturating_duration_since(released),
+                c_at.saturating_duration_since(released)
             );
         }
         Err(other) => eprintln!(

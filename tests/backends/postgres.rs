@@ -1179,3 +1179,29 @@ async fn released_keys_leave_nothing_but_the_fencing_sequence() {
         "token {after} after a restart, {last} before it"
     );
 }
+
+/// A pooled session idle longer than the server's idle limit (which every session that
+/// tried a lock keeps) has been ended by PostgreSQL: the next lock on it, exclusive or
+/// shared, takes a fresh session instead of failing. A quiet spell in production must
+/// not turn the first request after it into a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_ended_while_idle_in_the_pool_is_replaced() {
+    use tower_keyed_lock::backend::LockMode;
+    let pg = PgServer::start();
+    let network = Duration::from_millis(100);
+    let b = backend(&pg, "idle-pool").network_timeout(network);
+    // The server's idle limit: liveness interval + 2 × network timeout.
+    let idle_limit = Duration::from_millis(100) + 2 * network;
+    for mode in [LockMode::Exclusive, LockMode::Shared] {
+        for round in 0..3 {
+            let key = Key::new(&format!("idle-{mode:?}-{round}"), 64).unwrap();
+            let lease = b
+                .acquire_mode("orders", &key, mode, Duration::from_secs(2))
+                .await
+                .unwrap_or_else(|error| panic!("{mode:?}, round {round}: {error}"));
+            lease.release().await;
+            // Well past the limit: PostgreSQL ends the pooled session meanwhile.
+            tokio::time::sleep(3 * idle_limit).await;
+        }
+    }
+}

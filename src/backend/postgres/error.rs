@@ -48,8 +48,14 @@ impl PgError {
                 _ => None,
             }
         });
+        // A FATAL answer ends the session: the server closes it after saying why
+        // (`idle_session_timeout` on a session idle in the pool, a shutdown), which
+        // the client may not have seen yet when it picked the connection.
         let (code, closed) = match postgres {
-            Some(error) => (error.code().cloned(), error.is_closed()),
+            Some(error) => (
+                error.code().cloned(),
+                error.is_closed() || ends_session(error),
+            ),
             None => (None, false),
         };
         Self {
@@ -112,14 +118,15 @@ impl PgError {
     /// Whether this is a failure of the path or of the server's availability, worth
     /// another attempt: an error of the connection or the pool (no SQL state), an
     /// unanswered round trip, a connection exception (`08`), a server shutting down or
-    /// starting (`57P01`-`57P03`), a cancelled statement (`57014`). Not an answer: a
+    /// starting (`57P01`-`57P03`), a session ended idle (`57P05`), a cancelled statement (`57014`). Not an answer: a
     /// refused login, a missing table, a malformed answer, a transaction pooler under a
     /// session lock.
     pub(super) fn is_transient(&self) -> bool {
         match &self.code {
             Some(code) => {
                 let code = code.code();
-                code.starts_with("08") || matches!(code, "57P01" | "57P02" | "57P03" | "57014")
+                code.starts_with("08")
+                    || matches!(code, "57P01" | "57P02" | "57P03" | "57P05" | "57014")
             }
             None => self.closed || self.source.is_some() || self.unanswered,
         }
@@ -156,4 +163,11 @@ impl Error for PgError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         self.source.as_deref().map(|e| e as &(dyn Error + 'static))
     }
+}
+
+/// Whether the server ended the session with this answer (severity `FATAL`).
+fn ends_session(error: &tokio_postgres::Error) -> bool {
+    error
+        .as_db_error()
+        .is_some_and(|db| db.parsed_severity() == Some(tokio_postgres::error::Severity::Fatal))
 }
