@@ -106,9 +106,12 @@ impl Granted {
     }
 
     pub(crate) fn wake(self) {
-        if let Some(first) = self.first {
-            first.wake();
-        }
+        // `rest` fills only after `first`: a release that granted nobody (the
+        // commonest) stops here.
+        let Some(first) = self.first else {
+            return;
+        };
+        first.wake();
         self.rest.into_iter().for_each(Waker::wake);
     }
 }
