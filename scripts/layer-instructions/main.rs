@@ -5,6 +5,12 @@
 //!
 //! `layer-instructions <no-layer|by-path|by-header> <requests>`: one request first (so
 //! the one-time setup is not counted per request), then that many, built beforehand.
+//!
+//! Built with the `peers` feature (`scripts/check-layer-instructions --peers`), it also
+//! runs the peers of `benches/layer.rs`: tower's `ConcurrencyLimitLayer`
+//! (`concurrency-limit`) and tower_governor's keyed layer (`governor-keyed`, keyed by
+//! the same header, with a limit no request reaches), so the layer's cost can be
+//! stated against theirs without a quiet machine.
 
 use axum::body::Body;
 use axum::routing::post;
@@ -27,7 +33,7 @@ fn request(order: u64) -> Request<Body> {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let [variant, count] = &args[..] else {
-        panic!("usage: layer-instructions <no-layer|by-path|by-header> <requests>");
+        panic!("usage: layer-instructions <variant> <requests>");
     };
     let count: u64 = count.parse().expect("a request count");
     let routes = Router::new().route("/orders/{order_id}/pay", post(pay));
@@ -35,6 +41,10 @@ fn main() {
         "no-layer" => routes,
         "by-path" => routes.layer(KeyedLockLayer::by_path("order_id")),
         "by-header" => routes.layer(KeyedLockLayer::by_header("x-order")),
+        #[cfg(feature = "peers")]
+        "concurrency-limit" => routes.layer(tower::limit::ConcurrencyLimitLayer::new(1024)),
+        #[cfg(feature = "peers")]
+        "governor-keyed" => routes.layer(peers::governor_layer()),
         other => panic!("no variant {other:?}"),
     }
     // As `axum::serve` runs it: every handler made a route once.
@@ -49,4 +59,42 @@ fn main() {
             assert_eq!(response.status(), StatusCode::OK);
         }
     });
+}
+
+#[cfg(feature = "peers")]
+mod peers {
+    use axum::body::Body;
+    use http::Request;
+    use tower_governor::governor::GovernorConfigBuilder;
+    use tower_governor::key_extractor::KeyExtractor;
+    use tower_governor::{GovernorError, GovernorLayer};
+
+    /// tower_governor keyed by the `x-order` header, like `by-header`.
+    #[derive(Clone)]
+    pub struct OrderHeader;
+
+    impl KeyExtractor for OrderHeader {
+        type Key = String;
+
+        fn extract<T>(&self, request: &Request<T>) -> Result<String, GovernorError> {
+            let value = request.headers().get("x-order");
+            let value = value.and_then(|v| v.to_str().ok());
+            value
+                .map(str::to_owned)
+                .ok_or(GovernorError::UnableToExtractKey)
+        }
+    }
+
+    /// A keyed rate limit that no request reaches: one token per nanosecond per key,
+    /// and a burst as large as it gets (as in `benches/layer.rs`).
+    pub fn governor_layer(
+    ) -> GovernorLayer<OrderHeader, governor::middleware::NoOpMiddleware, Body> {
+        let config = GovernorConfigBuilder::default()
+            .per_nanosecond(1)
+            .burst_size(u32::MAX)
+            .key_extractor(OrderHeader)
+            .finish()
+            .expect("a valid governor configuration");
+        GovernorLayer::new(config)
+    }
 }

@@ -92,7 +92,7 @@ impl Key {
                 limit: max_len,
             });
         }
-        if s.chars().any(char::is_control) {
+        if has_control(s) {
             return Err(KeyError::ControlChar);
         }
         Ok(Key(Text::new(s)))
@@ -127,6 +127,19 @@ impl Key {
         }
         out
     }
+}
+
+/// Whether `s` has a character for which [`char::is_control`] is true (the C0 and C1
+/// controls, U+0000–U+001F and U+007F–U+009F). A byte scan first, which the compiler
+/// vectorizes: a C0 control or DEL is one byte below 0x20 or 0x7F, and a C1 control
+/// is two bytes starting with 0xC2; only a key with such a byte is scanned by
+/// character.
+#[inline]
+fn has_control(s: &str) -> bool {
+    let suspect = s.bytes().fold(false, |suspect, b| {
+        suspect | (b < 0x20) | (b == 0x7f) | (b == 0xc2)
+    });
+    suspect && s.chars().any(char::is_control)
 }
 
 impl fmt::Debug for Key {
@@ -293,6 +306,22 @@ mod tests {
             Key::new("ééé", 5),
             Err(KeyError::TooLong { len: 6, limit: 5 })
         );
+    }
+
+    #[test]
+    fn every_control_character_is_found_by_the_byte_scan() {
+        for c in (0..=0x10ffff).filter_map(char::from_u32) {
+            let text = format!("k{c}k");
+            assert_eq!(has_control(&text), c.is_control(), "{:?}", c);
+        }
+    }
+
+    proptest! {
+        /// The byte scan agrees with `char::is_control` on any text.
+        #[test]
+        fn the_byte_scan_is_char_is_control(text in any::<String>()) {
+            prop_assert_eq!(has_control(&text), text.chars().any(char::is_control));
+        }
     }
 
     #[test]

@@ -15,12 +15,9 @@ use crate::locks::HashHold;
 enum Guard {
     /// Taken at once in a layer without a backend: held in the layer's own table, which
     /// `HeldKey::shared` keeps alive, so it needs no guard of its own (no reference
-    /// count to move per request). `key` is for the long-hold warning, kept only when
-    /// the layer warns.
-    Local {
-        hold: Option<HashHold>,
-        key: Option<Key>,
-    },
+    /// count to move per request). The key itself, for the long-hold warning, is in
+    /// `HeldKey::extra`, kept only when the layer warns.
+    Local(Option<HashHold>),
     /// Everything else: a wait, or a backend. Boxed, to keep the commonest request's
     /// future small.
     Distributed(Box<DistributedGuard>),
@@ -33,36 +30,71 @@ pub(crate) struct HeldKey {
     since: Instant,
     shared: Arc<Shared>,
     warned: bool,
+    /// What only some layers need: `None` for a layer with neither a `tracing`
+    /// subscriber that wants its spans nor a long-hold threshold, so the future every
+    /// request moves around stays small.
+    extra: Option<Box<Extra>>,
+}
+
+/// The rarely needed parts of a [`HeldKey`].
+struct Extra {
     /// `keyed_lock.hold`: entered while the inner service is called and polled.
-    span: tracing::Span,
+    span: Span,
+    /// The key of a local hold, for the long-hold warning; kept only when the layer
+    /// warns.
+    key: Option<Key>,
 }
 
 impl HeldKey {
-    pub(crate) fn local(hold: HashHold, key: &Key, shared: Arc<Shared>, span: Span) -> Self {
-        let hold = Some(hold);
+    /// `span`: the hold span, if a subscriber may want it.
+    pub(crate) fn local(
+        hold: HashHold,
+        key: &Key,
+        shared: Arc<Shared>,
+        span: Option<Span>,
+    ) -> Self {
         let key = shared.config.long_hold.map(|_| key.clone());
-        Self::new(Guard::Local { hold, key }, shared, span)
+        Self::new(Guard::Local(Some(hold)), shared, span, key)
     }
 
-    pub(crate) fn distributed(guard: DistributedGuard, shared: Arc<Shared>, span: Span) -> Self {
-        Self::new(Guard::Distributed(Box::new(guard)), shared, span)
+    pub(crate) fn distributed(
+        guard: DistributedGuard,
+        shared: Arc<Shared>,
+        span: Option<Span>,
+    ) -> Self {
+        Self::new(Guard::Distributed(Box::new(guard)), shared, span, None)
     }
 
-    fn new(guard: Guard, shared: Arc<Shared>, span: Span) -> Self {
+    fn new(guard: Guard, shared: Arc<Shared>, span: Option<Span>, key: Option<Key>) -> Self {
+        let span = span.filter(|span| !span.is_none());
+        let extra = match (span, key) {
+            (None, None) => None,
+            (span, key) => Some(Box::new(Extra {
+                span: span.unwrap_or_else(Span::none),
+                key,
+            })),
+        };
         Self {
             guard,
             since: Instant::now(),
             shared,
             warned: false,
-            span,
+            extra,
         }
+    }
+
+    /// The hold span; `Span::none()` when no subscriber wanted it.
+    fn span(&self) -> &Span {
+        static NONE: Span = Span::none();
+        self.extra.as_ref().map_or(&NONE, |extra| &extra.span)
     }
 
     /// Enters the hold span (until the returned guard drops); nothing when no
     /// subscriber wanted it.
     #[inline]
     pub(crate) fn enter(&self) -> Option<tracing::span::Entered<'_>> {
-        (!self.span.is_none()).then(|| self.span.enter())
+        let span = &self.extra.as_ref()?.span;
+        (!span.is_none()).then(|| span.enter())
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
@@ -72,7 +104,7 @@ impl HeldKey {
     /// Why the key's lease was lost, once it is; `None` in process.
     pub(crate) fn lost_reason(&self) -> Option<LostReason> {
         match &self.guard {
-            Guard::Local { .. } => None,
+            Guard::Local(_) => None,
             Guard::Distributed(guard) => guard.lost_reason(),
         }
     }
@@ -97,7 +129,7 @@ impl HeldKey {
         if !self.warned && held > threshold {
             self.warned = true;
             let key = match &self.guard {
-                Guard::Local { key, .. } => key.as_ref(),
+                Guard::Local(_) => self.extra.as_ref().and_then(|extra| extra.key.as_ref()),
                 Guard::Distributed(guard) => Some(guard.key_ref()),
             };
             tracing::warn!(
@@ -116,7 +148,7 @@ impl Drop for HeldKey {
         let metrics = self.shared.metrics();
         metrics.hold.record(self.since.elapsed());
         match &mut self.guard {
-            Guard::Local { hold, .. } => {
+            Guard::Local(hold) => {
                 if let Some(hold) = hold.take() {
                     self.shared.locks.local().release(hold);
                 }
@@ -125,7 +157,7 @@ impl Drop for HeldKey {
                 if let Some(reason) = guard.lost_reason() {
                     metrics.lease_lost(reason);
                     tracing::warn!(
-                        parent: &self.span,
+                        parent: self.span(),
                         layer = self.shared.name(),
                         reason = reason.as_str(),
                         "the lease was lost while the request held the key"

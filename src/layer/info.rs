@@ -42,6 +42,18 @@ pub struct LockInfo {
 }
 
 impl LockInfo {
+    /// A key taken at once in this process: no wait, no backend.
+    pub(crate) fn local(layer: &LayerTag, key: Key, shared: bool) -> Self {
+        Self {
+            layer: layer.clone(),
+            key,
+            waited: Duration::ZERO,
+            shared,
+            remote: None,
+            outer: None,
+        }
+    }
+
     pub(crate) fn new(
         layer: &LayerTag,
         key: Key,

@@ -3,7 +3,6 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
 
 use http::request::Parts;
 use http::{Request, Response};
@@ -156,8 +155,7 @@ where
         let metrics = shared.metrics();
         metrics.acquired_uncontended.increment(1);
         metrics.wait_acquired.record(0.0);
-        LockInfo::new(&shared.tag, key, Duration::ZERO, is_shared, None, None)
-            .insert_into(&mut parts.extensions);
+        LockInfo::local(&shared.tag, key, is_shared).insert_into(&mut parts.extensions);
         self.ready_and_call(Request::from_parts(parts, body), Some(held))
     }
 }
@@ -271,6 +269,7 @@ impl<S, E> KeyedLock<S, E> {
     /// ready at once (axum's `Router` always is) is called here, with no clone; any
     /// other goes to the future with what it reserved so far, and the future readies it
     /// with the task's waker.
+    #[inline]
     fn ready_and_call<ReqBody, ResBody>(
         &mut self,
         request: Request<ReqBody>,

@@ -25,10 +25,17 @@ fn route(extensions: &http::Extensions) -> Option<&str> {
 
 /// The span of a request waiting for `key`; its `outcome` is recorded when the wait
 /// ends.
+#[inline]
 pub(crate) fn wait_span(shared: &Shared, extensions: &http::Extensions, key: &Key) -> Span {
-    if !enabled() {
-        return Span::none();
+    match enabled() {
+        true => new_wait_span(shared, extensions, key),
+        false => Span::none(),
     }
+}
+
+#[cold]
+#[inline(never)]
+fn new_wait_span(shared: &Shared, extensions: &http::Extensions, key: &Key) -> Span {
     let span = tracing::debug_span!(
         "keyed_lock.wait",
         name = shared.name(),
@@ -40,17 +47,27 @@ pub(crate) fn wait_span(shared: &Shared, extensions: &http::Extensions, key: &Ke
     span
 }
 
-/// The span of a request holding `key`.
+/// The span of a request holding `key`; `None` when no subscriber may want it.
+#[inline]
 pub(crate) fn hold_span(
     shared: &Shared,
     extensions: &http::Extensions,
     key: &Key,
     shared_mode: bool,
     fencing_token: Option<u64>,
+) -> Option<Span> {
+    enabled().then(|| new_hold_span(shared, extensions, key, shared_mode, fencing_token))
+}
+
+#[cold]
+#[inline(never)]
+fn new_hold_span(
+    shared: &Shared,
+    extensions: &http::Extensions,
+    key: &Key,
+    shared_mode: bool,
+    fencing_token: Option<u64>,
 ) -> Span {
-    if !enabled() {
-        return Span::none();
-    }
     let span = tracing::debug_span!(
         "keyed_lock.hold",
         name = shared.name(),
@@ -67,6 +84,7 @@ pub(crate) fn hold_span(
 /// Without it, a disabled span still carries its metadata, and with `tracing`'s `log`
 /// feature (which other crates turn on) entering and leaving it checks `log`'s level
 /// each time; `Span::none()` carries nothing.
+#[inline]
 fn enabled() -> bool {
     tracing::Level::DEBUG <= tracing::level_filters::LevelFilter::current()
 }

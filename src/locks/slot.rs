@@ -89,27 +89,34 @@ pub(crate) enum Attempt {
 }
 
 /// The wakers of the waiters a release or withdrawal granted, to call once the shard
-/// lock is released. Mostly one: it is kept inline, the rest (a batch of shared
-/// holders) in a vector that allocates only then.
+/// lock is released. Mostly none or one: kept inline, a batch (shared holders) in a
+/// vector that allocates only then.
 #[derive(Default)]
-pub(crate) struct Granted {
-    first: Option<Waker>,
-    rest: Vec<Waker>,
+pub(crate) enum Granted {
+    #[default]
+    Nobody,
+    One(Waker),
+    Many(Vec<Waker>),
 }
 
 impl Granted {
     fn push(&mut self, waker: Waker) {
-        match self.first {
-            None => self.first = Some(waker),
-            Some(_) => self.rest.push(waker),
-        }
+        *self = match std::mem::take(self) {
+            Granted::Nobody => Granted::One(waker),
+            Granted::One(first) => Granted::Many(vec![first, waker]),
+            Granted::Many(mut wakers) => {
+                wakers.push(waker);
+                Granted::Many(wakers)
+            }
+        };
     }
 
     pub(crate) fn wake(self) {
-        if let Some(first) = self.first {
-            first.wake();
+        match self {
+            Granted::Nobody => {}
+            Granted::One(waker) => waker.wake(),
+            Granted::Many(wakers) => wakers.into_iter().for_each(Waker::wake),
         }
-        self.rest.into_iter().for_each(Waker::wake);
     }
 }
 
@@ -165,6 +172,7 @@ impl Slot {
 
     /// Gives up a hold in `mode` and grants the waiters that can now go. Returns their
     /// wakers and whether the slot is now unused and must be removed.
+    #[inline]
     pub(crate) fn release(&mut self, mode: Mode, permits: u32) -> (Granted, bool) {
         self.holders.leave(mode);
         self.grant_front(permits)
@@ -189,6 +197,7 @@ impl Slot {
     }
 
     /// Grants waiters from the front, in order, while the key admits them.
+    #[inline]
     fn grant_front(&mut self, permits: u32) -> (Granted, bool) {
         let mut granted = Granted::default();
         if let Some(queue) = &mut self.queue {
