@@ -529,15 +529,14 @@ struct Inner {
     eviction: eviction::EvictionState,
     config: Config,
     drift: Duration,
-    acquire: Script,
-    /// Takes a place among a key's readers or permit holders.
-    acquire_counted: Script,
     /// The shared release channel; empty on a cluster (a shard channel per lock).
     channel: String,
     releases: Arc<Releases>,
     subscribed: watch::Receiver<bool>,
     /// Until when the restart guard's warning covers: it is logged once per period.
     guard_warned_until: Mutex<Option<Instant>>,
+    /// Leases held for less than a renewal period, with no task of their own.
+    schedule: ttl::Schedule<Inner>,
     /// Dropped with the last user of the backend; that ends the subscription task.
     _stop: oneshot::Sender<()>,
 }
@@ -927,18 +926,18 @@ impl RedisBackendBuilder {
         let (stop, stopped) = oneshot::channel();
         tokio::spawn(subscriber.run(first, releases.clone(), changes, subscribed_tx, stopped));
 
+        let (eviction_state, allow_eviction) = (eviction.clone(), config.allow_eviction);
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 commands,
                 eviction,
                 config,
                 drift,
-                acquire: Script::new(ACQUIRE),
-                acquire_counted: Script::new(ACQUIRE_COUNTED),
                 channel,
                 releases,
                 subscribed,
                 guard_warned_until: Mutex::new(None),
+                schedule: ttl::Schedule::new(lease::gone_for_all(&eviction_state, allow_eviction)),
                 _stop: stop,
             }),
         })
