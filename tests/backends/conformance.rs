@@ -150,9 +150,7 @@ conformance!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 
 /// `footprint!(fixture_module, Fixture, "feature")`: what a released key leaves on the
 /// server. Not yet on Azure Blob and DynamoDB (a blob, an item stays per key ever
-/// locked) nor on Redlock
-/// (a given-back mark stays a minute, longer than ten of the fixture's leases);
-/// RELIABILITY.md says so.
+/// locked); RELIABILITY.md says so.
 macro_rules! footprint {
     ($module:ident, $fixture:ty, $feature:literal) => {
         #[cfg(feature = $feature)]
@@ -178,6 +176,7 @@ mod footprint {
     footprint!(etcd, crate::support::fixtures::Etcd, "etcd");
     footprint!(mysql, crate::support::fixtures::MySql, "mysql");
     footprint!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
+    footprint!(redlock, crate::support::fixtures::Redlock, "redis");
 }
 
 /// `holder!(fixture_module, Fixture, "feature")`: the inspection check, for the
