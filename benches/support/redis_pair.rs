@@ -71,5 +71,8 @@ pub fn fresh_token() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let count = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("{:032x}", (u128::from(count) << 64) | u128::from(std::process::id()))
+    format!(
+        "{:032x}",
+        (u128::from(count) << 64) | u128::from(std::process::id())
+    )
 }

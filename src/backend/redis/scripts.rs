@@ -17,15 +17,24 @@
 macro_rules! restart_guard {
     ($guard:literal, $seconds:literal, $refuse:literal) => {
         concat!(
-            "if ", $guard, " ~= '0' then\n",
-            "  local early = tonumber(", $guard, ") + 1000 - (", $seconds,
+            "if ",
+            $guard,
+            " ~= '0' then\n",
+            "  local early = tonumber(",
+            $guard,
+            ") + 1000 - (",
+            $seconds,
             " - redis.call('LASTSAVE')) * 1000\n",
             "  if early > 0 then\n",
             "    local info = redis.call('INFO', 'server')\n",
             "    local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))\n",
-            "    early = tonumber(", $guard, ") + 1000 - uptime * 1000\n",
+            "    early = tonumber(",
+            $guard,
+            ") + 1000 - uptime * 1000\n",
             "    if early > 0 then\n",
-            "      ", $refuse, "\n",
+            "      ",
+            $refuse,
+            "\n",
             "      return {2, early}\n",
             "    end\n",
             "  end\n",
@@ -126,7 +135,11 @@ end
 if reader == nil then
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
 ",
-    restart_guard!("ARGV[5]", "tonumber(clock[1])", "redis.call('DEL', KEYS[1])"),
+    restart_guard!(
+        "ARGV[5]",
+        "tonumber(clock[1])",
+        "redis.call('DEL', KEYS[1])"
+    ),
     r"
     local micros = clock[1] .. string.sub('00000' .. clock[2], -6)
     local text = micros

@@ -32,7 +32,13 @@ pub(crate) fn grant<B: TtlBackend>(
             Renewing::Scheduled(entry)
         }
         None => {
-            let task = keep(backend.clone(), target.clone(), token.clone(), sent_at, lost);
+            let task = keep(
+                backend.clone(),
+                target.clone(),
+                token.clone(),
+                sent_at,
+                lost,
+            );
             Renewing::Task(tokio::spawn(task).abort_handle())
         }
     };
