@@ -43,6 +43,9 @@ struct State<B: TtlBackend> {
     next_id: u64,
     /// Until when the schedule's task sleeps; `None` when it does not run.
     sleeps_until: Option<Instant>,
+    /// The schedule's task, if one was started: one that ended without saying so (its
+    /// runtime shut down) is replaced by the next `add`.
+    task: Option<AbortHandle>,
 }
 
 /// What `keep` needs for a lease.
@@ -62,12 +65,15 @@ pub(crate) struct Entry {
 
 impl<B: TtlBackend> Schedule<B> {
     /// An empty schedule; `gone` as for [`GoneForAll`].
+    // Only the engines of the `redis` feature keep one.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(crate) fn new(gone: GoneForAll) -> Self {
         let state = State {
             waiting: BTreeMap::new(),
             running: HashMap::new(),
             next_id: 0,
             sleeps_until: None,
+            task: None,
         };
         Self {
             shared: Arc::new(Shared {
@@ -99,18 +105,18 @@ impl<B: TtlBackend> Schedule<B> {
         let id = state.next_id;
         state.next_id += 1;
         state.waiting.insert((due, id), waiting);
-        match state.sleeps_until {
-            None => {
-                state.sleeps_until = Some(due);
-                let (shared, backend) = (self.shared.clone(), Arc::downgrade(backend));
-                tokio::spawn(run(shared, backend));
-            }
-            Some(until) if due < until => {
-                state.sleeps_until = Some(due);
-                drop(state);
-                self.shared.wake.notify_one();
-            }
-            Some(_) => {}
+        // Not running: it ended with nothing left to wait for (it says so under this
+        // lock), or with its runtime.
+        let running = state.sleeps_until.is_some()
+            && state.task.as_ref().is_some_and(|task| !task.is_finished());
+        if !running {
+            state.sleeps_until = Some(due);
+            let (shared, backend) = (self.shared.clone(), Arc::downgrade(backend));
+            state.task = Some(tokio::spawn(run(shared, backend)).abort_handle());
+        } else if state.sleeps_until.is_some_and(|until| due < until) {
+            state.sleeps_until = Some(due);
+            drop(state);
+            self.shared.wake.notify_one();
         }
         Entry { due, id }
     }
