@@ -23,7 +23,8 @@
 //!    crate is faster). The machine may be shared and loaded: only the ratios count.
 //! 2. Redis commands executed per acquire + release (`INFO commandstats` deltas, the
 //!    calls inside scripts included), for each way: round trips are the top-level
-//!    commands (scripts and plain commands sent), the rest ran inside scripts.
+//!    commands (scripts and plain commands sent), the rest ran inside scripts; and
+//!    the time Redis spent on them (the top-level commands' `usec`).
 //! 3. Commands per request when 32 requests for one key arrive at once at one
 //!    instance (a layer with the backend, driven with `ServiceExt::oneshot`).
 
@@ -38,22 +39,14 @@ use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
-use redis::aio::ConnectionManager;
-use support::redis_server::{command_calls, RedisServer};
+use support::redis_pair::SafePair;
+use support::redis_server::{command_calls, command_stat, RedisServer};
 use tower::ServiceExt;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{DistributedLocks, Key, KeyedLockLayer, LockBackend};
 
 const WAITERS: usize = 32;
 const TASK_COUNTS: [usize; 2] = [1, 32];
-
-/// The bare safe release: delete the key only if it still holds our token.
-const COMPARE_AND_DELETE: &str = r"
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-";
 
 fn main() {
     let quick = std::env::args().any(|arg| arg == "--test");
@@ -88,8 +81,7 @@ fn main() {
 struct Ways {
     locks: DistributedLocks,
     backend: RedisBackend,
-    pair: ConnectionManager,
-    script: Arc<redis::Script>,
+    pair: SafePair,
     rslock: rslock::LockManager,
 }
 
@@ -121,8 +113,7 @@ impl Ways {
         let ways = Self {
             locks: DistributedLocks::new("bench-locks", backend.clone()),
             backend,
-            pair: ConnectionManager::new(client.clone()).await.unwrap(),
-            script: Arc::new(redis::Script::new(COMPARE_AND_DELETE)),
+            pair: SafePair::new(client).await,
             rslock: rslock::LockManager::from_clients(vec![client.clone()]),
         };
         // Loads the scripts and opens the connections.
@@ -151,28 +142,7 @@ impl Ways {
                         .expect("an uncontended key");
                     lease.release().await;
                 }
-                Way::Pair => {
-                    let mut connection = self.pair.clone();
-                    let lock = format!("bench-pair:{key}");
-                    let token = format!("{:032x}", rand_token());
-                    let set: Option<String> = redis::cmd("SET")
-                        .arg(&lock)
-                        .arg(&token)
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(30_000)
-                        .query_async(&mut connection)
-                        .await
-                        .unwrap();
-                    assert!(set.is_some(), "the bare key was held");
-                    let _: i64 = self
-                        .script
-                        .key(&lock)
-                        .arg(&token)
-                        .invoke_async(&mut connection)
-                        .await
-                        .unwrap();
-                }
+                Way::Pair => self.pair.round(&format!("bench-pair:{key}")).await,
                 Way::Rslock => {
                     let resource = format!("bench-rslock:{key}");
                     let lock = self
@@ -185,14 +155,6 @@ impl Ways {
             }
         }
     }
-}
-
-/// Fresh enough for distinct tokens within the bench.
-fn rand_token() -> u128 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    let count = NEXT.fetch_add(1, Ordering::Relaxed);
-    (u128::from(count) << 64) | u128::from(std::process::id())
 }
 
 /// `ops` acquire + release rounds spread over `tasks` tasks, each on its own key; the
@@ -223,7 +185,6 @@ async fn uncontended(ways: &Ways, tasks: usize, rounds: usize, ops: usize) -> Ve
         locks: ways.locks.clone(),
         backend: ways.backend.clone(),
         pair: ways.pair.clone(),
-        script: ways.script.clone(),
         rslock: ways.rslock.clone(),
     });
     let mut times: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -283,12 +244,14 @@ async fn commands_per_lock(server: &RedisServer, ways: &Ways, ops: usize) {
     println!("redis commands per uncontended acquire+release ({ops} each, calls inside scripts included):");
     for way in ALL {
         let before = command_calls(&mut stats).await;
+        let usec_before = command_stat::<u64>(&mut stats, "usec").await;
         for _ in 0..ops {
             ways.round(way, "order-commands").await;
         }
         // Releases that finish in the background.
         tokio::time::sleep(Duration::from_millis(50)).await;
         let after = command_calls(&mut stats).await;
+        let usec_after = command_stat::<u64>(&mut stats, "usec").await;
         let delta = deltas(&before, &after);
         let total: u64 = delta.values().sum();
         let top: u64 = delta
@@ -296,11 +259,18 @@ async fn commands_per_lock(server: &RedisServer, ways: &Ways, ops: usize) {
             .filter(|(name, _)| is_top_level(way, name))
             .map(|(_, calls)| calls)
             .sum();
+        // A script's time includes the calls inside it: the top-level commands' sum.
+        let server_us: u64 = deltas(&usec_before, &usec_after)
+            .iter()
+            .filter(|(name, _)| is_top_level(way, name))
+            .map(|(_, usec)| usec)
+            .sum();
         println!(
-            "  {:<8} {:.2} commands, {:.2} round trips: {}",
+            "  {:<8} {:.2} commands, {:.2} round trips, {:.1} µs in Redis: {}",
             way.name(),
             total as f64 / ops as f64,
             top as f64 / ops as f64,
+            server_us as f64 / ops as f64,
             delta
                 .iter()
                 .map(|(name, calls)| format!("{name} {:.2}", *calls as f64 / ops as f64))

@@ -9,11 +9,12 @@
 //! 1. Uncontended acquire + release of one key: `RedlockBackend` (`acquire` then
 //!    `Lease::release`: the acquire script on five masters at once, done at the third
 //!    grant; compare-and-delete on all five, done when all answered) against the bare
-//!    protocol sent the same way: `SET key token NX PX` to the five masters at once
-//!    through one `ConnectionManager` each, done at the third OK, then `DEL` to all
-//!    five, done when all answered. Criterion times each; then both run in
-//!    alternating batches (A B, B A, …) and the median ratio is printed. The same for
-//!    `RedisBackend` against a bare `SET NX PX` + `DEL` on one master.
+//!    protocol sent the same way: the bare safe pair (`support::redis_pair`: `SET key
+//!    token NX PX`, then a compare-and-delete script) with the five masters at once
+//!    through one `ConnectionManager` each, done at the third OK, then the
+//!    compare-and-delete on all five, done when all answered. Criterion times each;
+//!    then both run in alternating batches (A B, B A, …) and the median ratio is
+//!    printed. The same for `RedisBackend` against the bare safe pair on one master.
 //! 2. Hand-off between two instances: instance A holds the key, instance B waits for
 //!    it, A releases; the time from the start of A's release to B's grant. Redlock
 //!    polls (jittered, 5 ms doubling to the poll interval, cut to the holder's TTL);
@@ -27,7 +28,7 @@ use std::time::Duration;
 use support::engine::{alternating, hand_off, report_hand_off};
 
 use criterion::Criterion;
-use redis::aio::ConnectionManager;
+use support::redis_pair::{fresh_token, SafePair};
 use support::redis_server::RedisServer;
 use tokio::task::JoinSet;
 use tower_keyed_lock::backend::redlock::RedlockBackend;
@@ -54,12 +55,12 @@ fn main() {
     let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
     let redlock = rt.block_on(redlock_backend(&urls));
     let redis = rt.block_on(redis_backend(&masters[0]));
-    let bare: Vec<ConnectionManager> = rt.block_on(async {
-        let mut connections = Vec::new();
+    let bare: Vec<SafePair> = rt.block_on(async {
+        let mut pairs = Vec::new();
         for master in &masters {
-            connections.push(ConnectionManager::new(master.client()).await.unwrap());
+            pairs.push(SafePair::new(&master.client()).await);
         }
-        connections
+        pairs
     });
     let key = Key::new("order-1", 256).unwrap();
     // Loads the scripts (the first call of each is NOSCRIPT + SCRIPT LOAD).
@@ -70,13 +71,13 @@ fn main() {
     group.bench_function("redlock-acquire-release", |b| {
         b.to_async(&rt).iter(|| backend_round(&redlock, &key));
     });
-    group.bench_function("bare-5-masters-set-nx-px-del", |b| {
+    group.bench_function("bare-5-masters-safe-pair", |b| {
         b.to_async(&rt).iter(|| bare_round(&bare));
     });
     group.bench_function("redis-acquire-release", |b| {
         b.to_async(&rt).iter(|| backend_round(&redis, &key));
     });
-    group.bench_function("bare-1-master-set-nx-px-del", |b| {
+    group.bench_function("bare-1-master-safe-pair", |b| {
         b.to_async(&rt).iter(|| bare_round(&bare[..1]));
     });
     group.finish();
@@ -88,14 +89,14 @@ fn main() {
         rounds,
         batch,
     ));
-    redlock_vs_bare.print("redlock, 5 masters", "bare SET NX PX + DEL on 5 masters");
+    redlock_vs_bare.print("redlock, 5 masters", "bare safe pair on 5 masters");
     let redis_vs_bare = rt.block_on(alternating(
         || backend_round(&redis, &key),
         || bare_round(&bare[..1]),
         rounds,
         batch,
     ));
-    redis_vs_bare.print("redis, 1 server", "bare SET NX PX + DEL on 1 server");
+    redis_vs_bare.print("redis, 1 server", "bare safe pair on 1 server");
     let redlock_vs_redis = rt.block_on(alternating(
         || backend_round(&redlock, &key),
         || backend_round(&redis, &key),
@@ -153,25 +154,16 @@ async fn backend_round(backend: &impl LockBackend, key: &Key) {
 }
 
 /// The bare protocol, sent as the backend sends it: `SET NX PX` to every master at
-/// once, done at a majority of OKs (the rest run on); then `DEL` to every master at
-/// once, done when all answered. One master: a plain `SET NX PX` + `DEL`.
-async fn bare_round(masters: &[ConnectionManager]) {
+/// once, done at a majority of OKs (the rest run on); then the compare-and-delete to
+/// every master at once, done when all answered. One master: the bare safe pair.
+async fn bare_round(masters: &[SafePair]) {
+    const LOCK: &str = "bare:order-1";
     let majority = masters.len() / 2 + 1;
+    let token = fresh_token();
     let mut sets = JoinSet::new();
-    for connection in masters {
-        let mut connection = connection.clone();
-        sets.spawn(async move {
-            let set: Option<String> = redis::cmd("SET")
-                .arg("bare:order-1")
-                .arg("token")
-                .arg("NX")
-                .arg("PX")
-                .arg(30_000)
-                .query_async(&mut connection)
-                .await
-                .unwrap();
-            set.is_some()
-        });
+    for pair in masters {
+        let (pair, token) = (pair.clone(), token.clone());
+        sets.spawn(async move { pair.set(LOCK, &token).await });
     }
     let mut granted = 0;
     while let Some(set) = sets.join_next().await {
@@ -182,18 +174,12 @@ async fn bare_round(masters: &[ConnectionManager]) {
         }
     }
     assert!(granted >= majority, "the bare key was held");
-    let mut dels = JoinSet::new();
-    for connection in masters {
-        let mut connection = connection.clone();
-        dels.spawn(async move {
-            redis::cmd("DEL")
-                .arg("bare:order-1")
-                .query_async::<()>(&mut connection)
-                .await
-                .unwrap();
-        });
+    let mut deletes = JoinSet::new();
+    for pair in masters {
+        let (pair, token) = (pair.clone(), token.clone());
+        deletes.spawn(async move { pair.delete(LOCK, &token).await });
     }
-    while let Some(del) = dels.join_next().await {
-        del.unwrap();
+    while let Some(deleted) = deletes.join_next().await {
+        deleted.unwrap();
     }
 }

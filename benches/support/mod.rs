@@ -1,8 +1,10 @@
 //! Helpers shared by the bench binaries: CPU time, quantiles, where results go;
-//! `engine`: measuring a distributed backend; `round_trips`: counting them on the wire.
+//! `engine`: measuring a distributed backend; `round_trips`: counting them on the wire;
+//! `redis_pair`: the bare safe Redis pair the Redis benches measure against.
 #![allow(dead_code)]
 
 pub mod engine;
+pub mod redis_pair;
 pub mod round_trips;
 #[path = "../../tests/support/tcp_proxy.rs"]
 pub mod tcp_proxy;

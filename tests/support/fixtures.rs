@@ -932,9 +932,13 @@ mod redlock {
         }
 
         fn record_window(&self) -> Duration {
-            // The records expire a window (default: one lease) after the lock's own TTL,
-            // itself at most a lease after the release.
-            2 * LEASE
+            // A release deletes the lock and its holder record (left alone, they expire
+            // within two leases); a given-back mark lives ten command timeouts, at
+            // least 5 s, within one lease and ten: 5 s here.
+            let mark = (COMMAND_TIMEOUT * 10)
+                .max(Duration::from_secs(5))
+                .clamp(LEASE, LEASE * 10);
+            mark.max(2 * LEASE)
         }
     }
 }

@@ -53,7 +53,11 @@ impl CachedScript {
     }
 }
 
-/// The release scripts: hashed once per process.
+/// The scripts on every lock's path: hashed once per process.
+pub(super) static ACQUIRE: LazyLock<CachedScript> =
+    LazyLock::new(|| CachedScript::new(super::scripts::ACQUIRE));
+pub(super) static ACQUIRE_COUNTED: LazyLock<CachedScript> =
+    LazyLock::new(|| CachedScript::new(super::scripts::ACQUIRE_COUNTED));
 pub(super) static RELEASE: LazyLock<CachedScript> =
     LazyLock::new(|| CachedScript::new(super::scripts::RELEASE));
 pub(super) static RELEASE_COUNTED: LazyLock<CachedScript> =

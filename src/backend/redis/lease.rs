@@ -11,9 +11,9 @@ use std::time::Duration;
 use redis::{ErrorKind, RedisError, RetryMethod};
 use tokio::time::{sleep, Instant};
 
-use super::cached::{RELEASE, RELEASE_COUNTED};
+use super::cached::{ACQUIRE, ACQUIRE_COUNTED, RELEASE, RELEASE_COUNTED};
 use super::connection::Failure;
-use super::eviction;
+use super::eviction::{self, EvictionState};
 use super::keys::RedisKeys;
 use super::scripts::{RENEW, RENEW_COUNTED};
 use super::Inner;
@@ -358,40 +358,46 @@ impl Inner {
         // Shared and permit holders go through their own script (a sorted set of
         // holders); the exclusive one also waits for the readers and permit holders.
         let (script, holders, permits) = match keys.mode {
-            LockMode::Exclusive => (&self.acquire, &keys.readers, None),
-            LockMode::Shared => (&self.acquire_counted, &keys.readers, Some(0)),
-            LockMode::Permit { of } => (&self.acquire_counted, &keys.permits, Some(of)),
+            LockMode::Exclusive => (&*ACQUIRE, &keys.readers, None),
+            LockMode::Shared => (&*ACQUIRE_COUNTED, &keys.readers, Some(0)),
+            LockMode::Permit { of } => (&*ACQUIRE_COUNTED, &keys.permits, Some(of)),
         };
-        let mut invocation = script.key(&*keys.lock);
-        invocation
-            .key(&keys.fence)
-            .key(&keys.waiting)
-            .key(keys.given_back(token))
-            .key(holders)
-            .key(&keys.intent)
-            .key(&keys.holder)
-            .key(&keys.queue)
-            .key(&keys.permits)
-            .arg(token)
-            .arg(millis(self.config.first_ttl()))
-            .arg(fence_ttl)
-            .arg(millis(waiting_ttl))
-            .arg(restart_guard)
-            .arg(&*self.config.instance_id);
-        match permits {
-            Some(permits) => invocation.arg(permits),
-            None => invocation.arg(u8::from(sent_before)),
-        };
-        invocation.arg(u8::from(queues));
-        if let Some(record) = &keys.record {
-            invocation.key(record);
-        }
+        // By SHA1 (loaded when the backend is built), the command written once: no
+        // key or argument is copied on its way.
+        let command = script.command(|command| {
+            command
+                .arg(9 + usize::from(keys.record.is_some()))
+                .arg(&*keys.lock)
+                .arg(&keys.fence)
+                .arg(&keys.waiting)
+                .arg(keys.given_back(token))
+                .arg(holders)
+                .arg(&keys.intent)
+                .arg(&keys.holder)
+                .arg(&keys.queue)
+                .arg(&keys.permits);
+            if let Some(record) = &keys.record {
+                command.arg(record);
+            }
+            command
+                .arg(token)
+                .arg(millis(self.config.first_ttl()))
+                .arg(fence_ttl)
+                .arg(millis(waiting_ttl))
+                .arg(restart_guard)
+                .arg(&*self.config.instance_id);
+            match permits {
+                Some(permits) => command.arg(permits),
+                None => command.arg(u8::from(sent_before)),
+            };
+            command.arg(u8::from(queues));
+        });
         let replicas = self.config.replicas;
         let (outcome, value, acknowledged) = self
             .commands
             .run(limit, counts, |mut connection| async move {
                 let (outcome, value): (i64, redis::Value) =
-                    invocation.invoke_async(&mut connection).await?;
+                    script.run(&command, &mut connection).await?;
                 if outcome == 3 {
                     return Ok((outcome, value, None));
                 }
@@ -562,16 +568,9 @@ impl TtlBackend for Inner {
 
     /// When a server may evict lock keys (its policy changed since the build), unless
     /// the risk was accepted: an evicted key could be granted to another instance
-    /// before a renewal finds it gone.
+    /// before a renewal finds it gone. The same for every key (see `gone_for_all`).
     fn gone(&self, _keys: &Arc<RedisKeys>) -> impl Future<Output = ()> + Send {
-        let mut state = self.eviction.clone();
-        let allowed = self.config.allow_eviction;
-        async move {
-            // A closed state (the backend is gone) proves nothing: never, then.
-            if allowed || state.wait_for(Option::is_some).await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
+        evicting(self.eviction.clone(), self.config.allow_eviction)
     }
 
     async fn try_give_back(&self, keys: &Arc<RedisKeys>, token: &str) -> GiveBack {
@@ -580,6 +579,10 @@ impl TtlBackend for Inner {
 
     fn engine(&self) -> &'static str {
         "redis"
+    }
+
+    fn schedule(&self) -> Option<&ttl::Schedule<Self>> {
+        Some(&self.schedule)
     }
 
     /// Not the grant's expiry: its TTL counts from when Redis runs the attempt, which
@@ -595,6 +598,21 @@ impl TtlBackend for Inner {
     fn settles_at(&self, sent_at: Instant) -> Instant {
         sent_at
     }
+}
+
+/// Resolves once the server may evict lock keys, unless `allowed`; never after the
+/// backend is gone (a closed state proves nothing).
+async fn evicting(mut state: EvictionState, allowed: bool) {
+    if allowed || state.wait_for(Option::is_some).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// What shows every lease of a backend gone at once, for its renewal schedule: the
+/// eviction policy is the server's, not a key's.
+pub(super) fn gone_for_all(state: &EvictionState, allowed: bool) -> ttl::GoneForAll {
+    let state = state.clone();
+    Box::new(move || Box::pin(evicting(state.clone(), allowed)))
 }
 
 /// Whole milliseconds, at least 1 (Redis rejects a zero `PX`).

@@ -71,7 +71,9 @@
 //!   [`LockInfo::lease`](crate::LockInfo::lease).
 //! - **Renewal.** While held, a task renews every lease/3 with a compare-and-`PEXPIRE`
 //!   script, and stops when the lease is released, dropped or lost, or at
-//!   [`max_hold`](RedisBackendBuilder::max_hold).
+//!   [`max_hold`](RedisBackendBuilder::max_hold). The task starts at the first renewal:
+//!   until then the lease waits in the backend's one renewal schedule, whose task also
+//!   watches the eviction policy for it, so a lease released sooner costs no task.
 //! - **Release.** A compare-and-delete script (or hand-off, above) that also
 //!   `PUBLISH`es (on a cluster `SPUBLISH`es) the release when a waiter marked the key
 //!   (a failed acquire leaves the mark; an uncontended release publishes nothing). If Redis cannot be reached within the command timeout, the
@@ -99,13 +101,13 @@
 //! |---|---|---|
 //! | acquire | `EXISTS` (3 keys) | a given-back mark (a late attempt of a token given back grants nothing), readers, permit holders: one call, each looked at only if it exists |
 //! | acquire | `TIME` | the fencing token's floor (server µs) and the holder record's time |
-//! | acquire | `EXISTS` lock, `LASTSAVE` | restart guard: time since the last save bounds the uptime from below (`INFO server` only within a lease of a start or save) |
 //! | acquire | `SET lock token NX PX` | the lock itself |
+//! | acquire | `LASTSAVE` | restart guard, once `SET NX` granted (a refusal deletes that grant): time since the last save bounds the uptime from below (`INFO server` only within a lease of a start or save) |
 //! | acquire | `GET` + `SET` fence | the fencing token, `max(counter + 1, µs)`, and its record window |
 //! | acquire | `SET` holder | who holds it (for [`holder`](LockBackend::holder)), with the same window |
 //! | release | `GET` lock | compare: only the token's holder releases |
 //! | release | `EXISTS` queue | hand-off to a writer queued on another instance |
-//! | release | `DEL` lock, `DEL` waiting | the release, and whether a waiter must be told (`PUBLISH` only then) |
+//! | release | `DEL` lock and waiting mark | the release, and whether a waiter must be told (2 deleted: `PUBLISH`, only then) |
 //! | renewal | `GET`, `PEXPIRE` ×3 | compare, then the lock, fence and holder record extended together |
 //!
 //! A contended key adds, for the refused writer, its waiting mark, intent and queue
@@ -529,15 +531,14 @@ struct Inner {
     eviction: eviction::EvictionState,
     config: Config,
     drift: Duration,
-    acquire: Script,
-    /// Takes a place among a key's readers or permit holders.
-    acquire_counted: Script,
     /// The shared release channel; empty on a cluster (a shard channel per lock).
     channel: String,
     releases: Arc<Releases>,
     subscribed: watch::Receiver<bool>,
     /// Until when the restart guard's warning covers: it is logged once per period.
     guard_warned_until: Mutex<Option<Instant>>,
+    /// Leases held for less than a renewal period, with no task of their own.
+    schedule: ttl::Schedule<Inner>,
     /// Dropped with the last user of the backend; that ends the subscription task.
     _stop: oneshot::Sender<()>,
 }
@@ -927,18 +928,18 @@ impl RedisBackendBuilder {
         let (stop, stopped) = oneshot::channel();
         tokio::spawn(subscriber.run(first, releases.clone(), changes, subscribed_tx, stopped));
 
+        let (eviction_state, allow_eviction) = (eviction.clone(), config.allow_eviction);
         Ok(RedisBackend {
             inner: Arc::new(Inner {
                 commands,
                 eviction,
                 config,
                 drift,
-                acquire: Script::new(ACQUIRE),
-                acquire_counted: Script::new(ACQUIRE_COUNTED),
                 channel,
                 releases,
                 subscribed,
                 guard_warned_until: Mutex::new(None),
+                schedule: ttl::Schedule::new(lease::gone_for_all(&eviction_state, allow_eviction)),
                 _stop: stop,
             }),
         })

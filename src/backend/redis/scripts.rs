@@ -1,5 +1,49 @@
 //! The Lua scripts that acquire, renew and release a lock, each one atomic in Redis.
 
+/// The restart guard, as Lua text for `concat!`: a server up for less than a lease may
+/// have lost (restarted empty, or from an older snapshot) a key some instance still
+/// believes it holds, for at most a lease after the restart, so it grants nothing until
+/// then. `$guard` is the Lua expression of the guard in ms (the string `'0'`: off),
+/// `$seconds` the server's time in whole seconds (from `TIME`), and `$refuse` a
+/// statement run before it answers `{2, ms until grants resume}` (undoing a grant the
+/// script just made, or nothing).
+///
+/// `uptime_in_seconds` is the difference of two whole-second clocks, short of the real
+/// uptime by up to a second, so one second more is asked for. `LASTSAVE` answers
+/// first, in O(1): Redis sets it to the time at startup and at every successful save,
+/// never earlier, so time since the last save is a lower bound of the uptime, with the
+/// same whole-second rounding. Only when that bound is too short (a server just
+/// started, or one that saved within the guard) is `INFO server` read.
+macro_rules! restart_guard {
+    ($guard:literal, $seconds:literal, $refuse:literal) => {
+        concat!(
+            "if ",
+            $guard,
+            " ~= '0' then\n",
+            "  local early = tonumber(",
+            $guard,
+            ") + 1000 - (",
+            $seconds,
+            " - redis.call('LASTSAVE')) * 1000\n",
+            "  if early > 0 then\n",
+            "    local info = redis.call('INFO', 'server')\n",
+            "    local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))\n",
+            "    early = tonumber(",
+            $guard,
+            ") + 1000 - uptime * 1000\n",
+            "    if early > 0 then\n",
+            "      ",
+            $refuse,
+            "\n",
+            "      return {2, early}\n",
+            "    end\n",
+            "  end\n",
+            "end\n"
+        )
+    };
+}
+pub(in crate::backend) use restart_guard;
+
 /// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
 /// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent, `KEYS[7]` the holder record,
 /// `KEYS[8]` the queue, `KEYS[9]` permit holders, optionally `KEYS[10]` a replay record
@@ -22,20 +66,18 @@
 /// connection since replaced, and the give-back on the fresh one found the key free)
 /// must not grant the key to a token nobody waits for any more.
 ///
-/// Restart guard: a server up for less than a lease may have lost (restarted empty,
-/// or from an older snapshot) a key some instance still believes it holds, for at
-/// most a lease after the restart; it grants nothing until then. `uptime_in_seconds`
-/// is the difference of two whole-second clocks, short of the real uptime by up to a
-/// second, so one second more is asked for. `LASTSAVE` answers first, in O(1): Redis
-/// sets it to the time at startup and at every successful save, never earlier, so
-/// time since the last save is a lower bound of the uptime, with the same whole-second
-/// rounding. Only when that bound is too short (a server just started, or one that
-/// saved within the guard) is `INFO server` read, as before.
+/// Restart guard: see `restart_guard!`. It is looked at only once `SET NX` granted
+/// the key (a held key is refused anyway), and a refusal deletes that grant again, in
+/// the same atomic script: no command, and no one, sees it.
 ///
 /// Fencing token: `max(counter + 1, server time in µs)`, so tokens keep growing when
 /// the counter expired or went back with lost writes, as long as the server clock
-/// does not step back. It is written as `%d` text: 16 digits, exact in a Lua number
-/// (a double) but not in its default formatting.
+/// does not step back. Both are decimal text without leading zeros (the counter is
+/// only ever written so, here or by `INCR`), so the longer is the larger, and text of
+/// one length compares as the numbers do: the counter is read as a number only when
+/// it is not below the clock (Lua's `tonumber` of 16 digits costs more than the rest
+/// of the grant). Returned as that text (16 digits: exact in a Lua number, a double,
+/// but not in its default formatting).
 ///
 /// Queue: a writer refused that takes a grant from a release leaves, in the queue, the
 /// lease, fence TTL and instance id the release grants it with. Once granted so, its
@@ -59,12 +101,13 @@
 /// reader holds the key; a writer refused by them enters the intent as above, and
 /// while it is there no new permit holder enters either.
 ///
-/// A plain exclusive grant is on the hand-off's path, so it makes few calls: one
+/// A plain exclusive grant is on every lock's path, so it makes few calls: one
 /// `EXISTS` for the given-back mark, readers and permit holders together (each looked
-/// at only if one of them exists), one `TIME`, `LASTSAVE` for the restart guard, `SET
-/// NX` for the lock, the fence read and written once, the holder record written, and
+/// at only if one of them exists), one `TIME`, `SET NX` for the lock, `LASTSAVE` for
+/// the restart guard, the fence read and written once, the holder record written, and
 /// the intent left only by a token that may have entered it.
-pub(super) const ACQUIRE: &str = r"
+pub(super) const ACQUIRE: &str = concat!(
+    r"
 local marked = redis.call('EXISTS', KEYS[4], KEYS[5], KEYS[9])
 if marked > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
@@ -77,32 +120,34 @@ if KEYS[10] then
   end
 end
 local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local reader = {}
+local now = nil
+local reader = nil
 if marked > 0 then
+  now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
   reader = redis.call('ZRANGEBYSCORE', KEYS[5], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   if reader[1] == nil then
     reader = redis.call('ZRANGEBYSCORE', KEYS[9], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   end
-end
-if reader[1] == nil then
-  if ARGV[5] ~= '0' and redis.call('EXISTS', KEYS[1]) == 0 then
-    local early = tonumber(ARGV[5]) + 1000 - (tonumber(clock[1]) - redis.call('LASTSAVE')) * 1000
-    if early > 0 then
-      local info = redis.call('INFO', 'server')
-      local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-      early = tonumber(ARGV[5]) + 1000 - uptime * 1000
-      if early > 0 then
-        return {2, early}
-      end
-    end
+  if reader[1] == nil then
+    reader = nil
   end
+end
+if reader == nil then
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    local micros = tonumber(clock[1] .. string.sub('00000' .. clock[2], -6))
-    local fence = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, micros)
-    local text = string.format('%d', fence)
-    local millis = clock[1] .. string.sub('00' .. math.floor(clock[2] / 1000), -3)
-    local record = ARGV[1] .. '\n' .. millis .. '\n' .. text .. '\n' .. ARGV[6]
+",
+    restart_guard!(
+        "ARGV[5]",
+        "tonumber(clock[1])",
+        "redis.call('DEL', KEYS[1])"
+    ),
+    r"
+    local micros = clock[1] .. string.sub('00000' .. clock[2], -6)
+    local text = micros
+    local last = redis.call('GET', KEYS[2])
+    if last and (#last > #micros or (#last == #micros and last >= micros)) then
+      text = string.format('%d', tonumber(last) + 1)
+    end
+    local record = ARGV[1] .. '\n' .. string.sub(micros, 1, -4) .. '\n' .. text .. '\n' .. ARGV[6]
     if ARGV[3] ~= '0' then
       redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
       redis.call('SET', KEYS[7], record, 'PX', ARGV[3])
@@ -116,13 +161,14 @@ if reader[1] == nil then
         redis.call('HDEL', KEYS[8], ARGV[1])
       end
     end
-    return {1, fence}
+    return {1, text}
   end
   if ARGV[8] == '1' and redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return {1, tonumber(redis.call('GET', KEYS[2]))}
   end
 end
+now = now or tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[4]) then
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[4])
 end
@@ -137,11 +183,12 @@ if ARGV[8] == '1' then
     redis.call('PEXPIRE', KEYS[8], ARGV[4])
   end
 end
-if reader[1] ~= nil then
+if reader ~= nil then
   return {0, tonumber(reader[2]) - now}
 end
 return {0, redis.call('PTTL', KEYS[1])}
-";
+"
+);
 
 /// `KEYS[1]` lock, `KEYS[2]` holder record. `{}` when the key is free, else `{token,
 /// PTTL}` and, if the record is the current holder's (it starts with the lock's
@@ -191,22 +238,16 @@ return 0
 /// lease before they try again). No reader or permit holder can hold the key here:
 /// `ACQUIRE` grants the lock only when no unexpired one is left, `ACQUIRE_COUNTED`
 /// refuses both while the lock is held, and a renewal never brings an expired one
-/// back; so the hand-off needs no look at their sets. Without such a writer the lock is deleted, and the
-/// release announced (the lock key alone) if a waiter marked the key; an uncontended
-/// release publishes nothing.
+/// back; so the hand-off needs no look at their sets. Without such a writer the lock and
+/// the waiting mark are deleted in one `DEL` (the lock was there: a count of 2 says a
+/// waiter marked the key), and only then the release announced (the lock key alone):
+/// an uncontended release publishes nothing.
 pub(super) const RELEASE: &str = r"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   redis.call('ZREM', KEYS[4], ARGV[1])
   redis.call('HDEL', KEYS[5], ARGV[1])
   redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
   return 0
-end
-local function announce(message)
-  if ARGV[2] == '' then
-    redis.call('SPUBLISH', KEYS[1], message)
-  else
-    redis.call('PUBLISH', ARGV[2], message)
-  end
 end
 if redis.call('EXISTS', KEYS[5]) == 1 then
   local clock = redis.call('TIME')
@@ -231,14 +272,22 @@ if redis.call('EXISTS', KEYS[5]) == 1 then
       end
       redis.call('ZREM', KEYS[4], token)
       redis.call('HDEL', KEYS[5], token)
-      announce(KEYS[1] .. '\n' .. token .. '\n' .. text .. '\n' .. lease)
+      local message = KEYS[1] .. '\n' .. token .. '\n' .. text .. '\n' .. lease
+      if ARGV[2] == '' then
+        redis.call('SPUBLISH', KEYS[1], message)
+      else
+        redis.call('PUBLISH', ARGV[2], message)
+      end
       return 1
     end
   end
 end
-redis.call('DEL', KEYS[1])
-if redis.call('DEL', KEYS[2]) == 1 then
-  announce(KEYS[1])
+if redis.call('DEL', KEYS[1], KEYS[2]) == 2 then
+  if ARGV[2] == '' then
+    redis.call('SPUBLISH', KEYS[1], KEYS[1])
+  else
+    redis.call('PUBLISH', ARGV[2], KEYS[1])
+  end
 end
 return 1
 ";
@@ -254,8 +303,7 @@ return 1
 pub(super) const PUT_AND_RELEASE: &str = r"
 if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('GET', KEYS[2]) == ARGV[1] then
   redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
-  redis.call('DEL', KEYS[1])
-  if redis.call('DEL', KEYS[3]) == 1 then
+  if redis.call('DEL', KEYS[1], KEYS[3]) == 2 then
     if ARGV[4] == '' then
       redis.call('SPUBLISH', KEYS[1], KEYS[1])
     else
@@ -288,7 +336,8 @@ return 0
 /// enters while as many as its own `n` hold. Readers and permit holders do not
 /// exclude each other (both hold the key against writers only). The set's own TTL is
 /// only ever extended, to the latest holder's expiry.
-pub(super) const ACQUIRE_COUNTED: &str = r"
+pub(super) const ACQUIRE_COUNTED: &str = concat!(
+    r"
 if redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
 end
@@ -316,17 +365,9 @@ if busy ~= nil then
   end
   return {0, busy}
 end
-if ARGV[5] ~= '0' then
-  local early = tonumber(ARGV[5]) + 1000 - (tonumber(clock[1]) - redis.call('LASTSAVE')) * 1000
-  if early > 0 then
-    local info = redis.call('INFO', 'server')
-    local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-    early = tonumber(ARGV[5]) + 1000 - uptime * 1000
-    if early > 0 then
-      return {2, early}
-    end
-  end
-end
+",
+    restart_guard!("ARGV[5]", "tonumber(clock[1])", ""),
+    r"
 redis.call('ZADD', KEYS[5], now + tonumber(ARGV[2]), ARGV[1])
 if redis.call('PTTL', KEYS[5]) < tonumber(ARGV[2]) then
   redis.call('PEXPIRE', KEYS[5], ARGV[2])
@@ -348,7 +389,8 @@ if ARGV[3] ~= '0' then
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
 return {1, fence}
-";
+"
+);
 
 /// `KEYS[1]` the holders; `ARGV[1]` token, `ARGV[2]` lease ms. 1 if the token is still
 /// among them, unexpired, and now holds for `ARGV[2]` more.

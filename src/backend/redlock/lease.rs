@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::time::{sleep, Instant};
 
-use super::master::Reply;
+use super::master::{give_up, Reply};
 use super::quorum::{ask_all, failed_masters, majority, Replies, Votes};
 use super::Inner;
 use crate::backend::redis::keys::RedisKeys;
@@ -26,10 +26,22 @@ const FIRST_RETRY: Duration = Duration::from_millis(5);
 /// The longest pause before retrying an attempt that split the votes with others.
 const SPLIT_RETRY: Duration = Duration::from_millis(10);
 
-/// How long a give-back's mark refuses a late attempt of its token (a lease, if
-/// longer), and how long after an unanswered attempt its give-back keeps trying: as
-/// for the Redis backend.
-const GIVEN_BACK_MARK: Duration = Duration::from_secs(60);
+/// How long a give-back's mark refuses a late attempt of its token on a master, and
+/// how long after an unanswered attempt its give-back keeps trying: as long as the
+/// network can still deliver the attempt (the masters' connections give up on data
+/// unacknowledged for [`give_up`], and the socket's unsent data goes with it), within
+/// one lease and ten.
+///
+/// What the mark protects: an attempt that reaches a master after its token was given
+/// back would grant that master's vote to a token nobody waits for. That breaks no
+/// exclusion (its acquirer counted nothing), but the master votes for no one else for
+/// a lease; the other masters still make a majority. A master frozen with the attempt
+/// already in its socket runs it whenever it wakes, later than any mark could last: it
+/// then costs that vote for a lease, as it would after a mark of any length. Bounded
+/// so, a released key leaves nothing on a master after at most ten leases.
+fn given_back_mark(config: &super::Config) -> Duration {
+    give_up(config.command_timeout).clamp(config.lease, config.lease * 10)
+}
 
 /// Too few masters answered for any majority: which did not, and why.
 #[derive(Debug)]
@@ -255,12 +267,12 @@ impl TtlBackend for Inner {
     }
 
     /// Compare-and-delete on every master; settled when every master answered or is
-    /// down (refuses connections): retrying a dead master for a minute, once per
+    /// down (refuses connections): retrying a dead master for the mark's life, once per
     /// release or failed attempt, would pile up tasks while nothing it held outlives
     /// its TTL.
     async fn try_give_back(&self, keys: &Arc<RedisKeys>, token: &str) -> GiveBack {
         let mut replies = Replies::new(self.masters.len());
-        let mark_ms = millis(GIVEN_BACK_MARK.max(self.config.lease));
+        let mark_ms = millis(given_back_mark(&self.config));
         let masters = self.masters.clone();
         let ask = |master: usize| {
             let (masters, keys, token) = (masters.clone(), keys.clone(), token.to_owned());
@@ -284,11 +296,15 @@ impl TtlBackend for Inner {
         "redlock"
     }
 
+    fn schedule(&self) -> Option<&ttl::Schedule<Self>> {
+        Some(&self.schedule)
+    }
+
     /// Not the grant's expiry: a master runs an attempt when it gets it, which a frozen
     /// master can put off for longer than a lease. Until the give-back is answered
     /// everywhere, the attempt may still come; once it is, the mark refuses it.
     fn give_back_until(&self, sent_at: Instant) -> Instant {
-        sent_at + GIVEN_BACK_MARK.max(self.config.lease)
+        sent_at + given_back_mark(&self.config)
     }
 
     /// At once: a give-back that finds the key not ours marks the token, and the

@@ -3,18 +3,27 @@
 
 use std::time::Duration;
 
-use redis::{Client, RedisError, Script};
+use redis::{Client, RedisError};
 use tokio::time::Instant;
 
 use super::scripts::{ACQUIRE, RELEASE as RELEASE_TEXT};
 
-/// The holder record of a lock held for `ttl_ms`: as long again after the lock's own
-/// expiry (a crashed holder's record goes by itself a lease later; a release deletes
-/// it at once; every renewal extends it with the lock).
-/// This backend's release, by SHA1.
+/// This backend's acquire and release, by SHA1.
+static ACQUIRE_SCRIPT: std::sync::LazyLock<CachedScript> =
+    std::sync::LazyLock::new(|| CachedScript::new(ACQUIRE));
 static RELEASE: std::sync::LazyLock<CachedScript> =
     std::sync::LazyLock::new(|| CachedScript::new(RELEASE_TEXT));
 
+/// How long data sent to a master may stay unacknowledged before the kernel gives up
+/// on the connection and closes it (`TCP_USER_TIMEOUT`, the backstop for a dead path):
+/// a command not delivered by then never reaches the master.
+pub(super) fn give_up(command_timeout: Duration) -> Duration {
+    (command_timeout * 10).max(Duration::from_secs(5))
+}
+
+/// The holder record of a lock held for `ttl_ms`: as long again after the lock's own
+/// expiry (a crashed holder's record goes by itself a lease later; a release deletes
+/// it at once; every renewal extends it with the lock).
 fn holder_record_ttl_ms(ttl_ms: u64) -> u64 {
     ttl_ms.saturating_mul(2)
 }
@@ -57,7 +66,6 @@ pub(super) struct Master {
     /// `host:port`, for logs and errors.
     pub(super) address: String,
     commands: Commands,
-    acquire: Script,
     command_timeout: Duration,
 }
 
@@ -66,11 +74,10 @@ impl Master {
     pub(super) fn new(client: &Client, command_timeout: Duration) -> Result<Self, RedisError> {
         let address = client.get_connection_info().addr().to_string();
         // The kernel's backstop for a dead path, as for the Redis backend.
-        let client = with_tcp_settings(client, (command_timeout * 10).max(Duration::from_secs(5)))?;
+        let client = with_tcp_settings(client, give_up(command_timeout))?;
         Ok(Self {
             address,
             commands: Commands::new(Target::Single(client), command_timeout)?,
-            acquire: Script::new(ACQUIRE),
             command_timeout,
         })
     }
@@ -103,18 +110,23 @@ impl Master {
         limit: Instant,
         instance_id: &str,
     ) -> (Vote, Option<RedisError>) {
-        let mut invocation = self.acquire.key(&*keys.lock);
-        invocation
-            .key(keys.given_back(token))
-            .key(&keys.holder)
-            .arg(token)
-            .arg(ttl_ms)
-            .arg(restart_guard_ms)
-            .arg(instance_id)
-            .arg(holder_record_ttl_ms(ttl_ms));
+        let command = ACQUIRE_SCRIPT.command(|command| {
+            command
+                .arg(3)
+                .arg(&*keys.lock)
+                .arg(keys.given_back(token))
+                .arg(&keys.holder)
+                .arg(token)
+                .arg(ttl_ms)
+                .arg(restart_guard_ms)
+                .arg(instance_id)
+                .arg(holder_record_ttl_ms(ttl_ms));
+        });
         let answer = self
             .run(limit, |mut connection| async move {
-                invocation.invoke_async::<(i64, i64)>(&mut connection).await
+                ACQUIRE_SCRIPT
+                    .run::<(i64, i64)>(&command, &mut connection)
+                    .await
             })
             .await;
         match answer {

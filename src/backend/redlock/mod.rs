@@ -55,8 +55,11 @@
 //!   still run it): a compare-and-delete, retried in the background until every master
 //!   answered it (a master that refuses connections is down: the attempt never reached
 //!   it, and it is not retried). A master where the token did not hold the key keeps a
-//!   mark for a minute (or a lease, if longer), and refuses a late attempt of that
-//!   token.
+//!   mark, and refuses a late attempt of that token, for as long as the network can
+//!   still deliver one: ten command timeouts, at least 5 s (when the masters'
+//!   connections give up on unacknowledged data), within one lease and ten. A late
+//!   attempt breaks no exclusion (nobody counts its vote); it would cost that master's
+//!   vote for a lease.
 //! - **Wait.** By polling: the next attempt follows a jittered pause that doubles from
 //!   5 ms up to the [`poll_interval`](RedlockBackendBuilder::poll_interval) (default
 //!   200 ms), cut to the shortest time a master said the holder's key has left, and to
@@ -99,7 +102,7 @@
 //!   Grants and renewals are decided by the majority that answers, without waiting for
 //!   the rest. A failed attempt (a busy key) waits for the silent ones up to the
 //!   command timeout, so polling slows by that much; what a silent master may have
-//!   granted is given back there until it answers (for up to a minute per attempt).
+//!   granted is given back there until it answers (for as long as its mark lasts).
 //!   A master that is down (refuses connections) costs nothing: nothing reached it.
 //! - **A majority down** (3 of 5): no attempt can be granted; acquisitions fail with
 //!   [`LockError::Backend`] once a majority did not answer (the layer answers
@@ -133,8 +136,10 @@
 //! ([`instance_id`](RedlockBackendBuilder::instance_id)); a release deletes it, every
 //! renewal extends it with the lock, and it expires one lease after the lock (a
 //! crashed holder's). So a master keeps records only for keys held now, and for at
-//! most a lease after a crashed holder's lock expired (a given-back mark, left when a
-//! release finds the key not its own, stays a minute, or a lease if longer). [`holder`](LockBackend::holder) asks
+//! most a lease after a crashed holder's lock expired; a given-back mark, left when a
+//! release finds the key not its own, stays as long as the network could deliver a
+//! late attempt (ten command timeouts, at least 5 s, within one lease and ten). A
+//! released key leaves nothing after the longer of the two. [`holder`](LockBackend::holder) asks
 //! every master and names the token that a majority has (`None` if none has; a
 //! [`LockError::Backend`] if fewer than a majority answered); `lease_left` is the least
 //! PTTL among them. No fencing token: Redlock issues none.
@@ -248,6 +253,8 @@ struct Inner {
     masters: Arc<[Master]>,
     config: Config,
     drift: Duration,
+    /// Leases held for less than a renewal period, with no task of their own.
+    schedule: ttl::Schedule<Inner>,
 }
 
 /// Why [`RedlockBackendBuilder::build`] refused.
@@ -578,6 +585,8 @@ impl RedlockBackendBuilder {
                 masters,
                 config,
                 drift,
+                // Nothing shows a hold gone before a renewal does.
+                schedule: ttl::Schedule::new(Box::new(|| Box::pin(std::future::pending()))),
             }),
         })
     }

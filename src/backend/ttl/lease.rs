@@ -8,11 +8,12 @@ use tokio::task::AbortHandle;
 use tokio::time::{sleep_until, Instant};
 
 use super::give_back::give_back;
+use super::schedule::Entry;
 use super::{Renewal, TtlBackend};
 use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, LostReason, ReleaseLease};
 
-/// The lease for a grant of `target` to `token`, sent at `sent_at`, with its renewal
-/// task.
+/// The lease for a grant of `target` to `token`, sent at `sent_at`, with its renewal:
+/// a task of its own, or a place in the backend's [`Schedule`] until its first renewal.
 pub(crate) fn grant<B: TtlBackend>(
     backend: &Arc<B>,
     target: B::Target,
@@ -21,20 +22,31 @@ pub(crate) fn grant<B: TtlBackend>(
     sent_at: Instant,
 ) -> Lease {
     let timing = backend.timing();
-    let (lost, signal) =
-        LeaseSignal::with_deadline(timing.valid_until(sent_at, timing.first_ttl()));
-    let renewal = tokio::spawn(keep(
-        backend.clone(),
-        target.clone(),
-        token.clone(),
-        sent_at,
-        lost,
-    ));
+    let valid_until = timing.valid_until(sent_at, timing.first_ttl());
+    let (lost, signal) = LeaseSignal::with_deadline(valid_until);
+    let renewing = match backend.schedule() {
+        Some(schedule) => {
+            // Due for its first renewal, or its deadline if that comes first.
+            let due = (sent_at + timing.lease / 3).min(valid_until);
+            let entry = schedule.add(backend, target.clone(), token.clone(), sent_at, lost, due);
+            Renewing::Scheduled(entry)
+        }
+        None => {
+            let task = keep(
+                backend.clone(),
+                target.clone(),
+                token.clone(),
+                sent_at,
+                lost,
+            );
+            Renewing::Task(tokio::spawn(task).abort_handle())
+        }
+    };
     let release = TtlRelease {
         backend: backend.clone(),
         target,
         token,
-        renewal: renewal.abort_handle(),
+        renewing,
     };
     Lease::new(fence, signal, release)
 }
@@ -42,7 +54,7 @@ pub(crate) fn grant<B: TtlBackend>(
 /// Keeps a lease acquired at `acquired_at` alive, and raises `lost` at its local
 /// deadline, at the first answer saying it is not ours, or as soon as the backend shows
 /// the hold gone. Aborted when the lease is released or dropped.
-async fn keep<B: TtlBackend>(
+pub(super) async fn keep<B: TtlBackend>(
     backend: Arc<B>,
     target: B::Target,
     token: String,
@@ -105,17 +117,39 @@ async fn keep<B: TtlBackend>(
     lost.lose_at_deadline();
 }
 
+/// Where a lease's renewal is.
+enum Renewing {
+    /// A task of its own.
+    Task(AbortHandle),
+    /// In the backend's schedule (then, maybe, a task the schedule started).
+    Scheduled(Entry),
+}
+
 /// Gives a lease back: stops its renewal, then clears the record if still ours.
 struct TtlRelease<B: TtlBackend> {
     backend: Arc<B>,
     target: B::Target,
     token: String,
-    renewal: AbortHandle,
+    renewing: Renewing,
+}
+
+impl<B: TtlBackend> TtlRelease<B> {
+    /// Stops the renewal; again: nothing.
+    fn stop(&self) {
+        match &self.renewing {
+            Renewing::Task(task) => task.abort(),
+            Renewing::Scheduled(entry) => {
+                if let Some(schedule) = self.backend.schedule() {
+                    schedule.cancel(*entry);
+                }
+            }
+        }
+    }
 }
 
 impl<B: TtlBackend> ReleaseLease for TtlRelease<B> {
     fn release(self: Box<Self>) -> BoxFuture<()> {
-        self.renewal.abort();
+        self.stop();
         // No renewal follows, so the record expires within one lease by itself.
         let now = Instant::now();
         let until = now + self.backend.timing().lease;
@@ -127,13 +161,13 @@ impl<B: TtlBackend> ReleaseLease for TtlRelease<B> {
     }
 
     fn stop_renewal(&self) {
-        self.renewal.abort();
+        self.stop();
     }
 }
 
 impl<B: TtlBackend> Drop for TtlRelease<B> {
     fn drop(&mut self) {
         // Also when dropped without `release` (no runtime left): renewal stops.
-        self.renewal.abort();
+        self.stop();
     }
 }

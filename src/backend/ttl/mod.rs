@@ -11,6 +11,9 @@
 //!   [`LeaseSignal`](crate::backend::LeaseSignal) itself), the renewal task (every
 //!   lease/3, stopping at the first definite "not the owner"), and the release that
 //!   stops renewal before giving back;
+//! - `schedule`: one renewal schedule per backend, for the backends that keep one: a
+//!   lease gets its renewal task only once due for a first renewal (most are released
+//!   before), so a short hold costs no task;
 //! - `give_back`: giving a token's hold back, retried in the background until the
 //!   record would expire anyway, and the in-flight guard that gives back what an
 //!   attempt whose answer never came may have been granted;
@@ -26,6 +29,7 @@
 mod backoff;
 mod give_back;
 mod lease;
+mod schedule;
 mod token;
 
 use std::future::Future;
@@ -40,6 +44,9 @@ pub(crate) use self::backoff::Backoff;
 pub(crate) use self::give_back::give_back;
 pub(crate) use self::give_back::InFlight;
 pub(crate) use self::lease::grant;
+// The engines that keep a schedule (Redis, Redlock) name it; the others only use it.
+#[cfg_attr(not(feature = "redis"), allow(unused_imports))]
+pub(crate) use self::schedule::{GoneForAll, Schedule};
 pub(crate) use self::token::{fresh_token, sha256_hex};
 
 /// The timing every lease of one backend follows.
@@ -172,6 +179,17 @@ pub(crate) trait TtlBackend: Send + Sync + 'static {
 
     /// The engine's name in logs ("redis", "dynamodb").
     fn engine(&self) -> &'static str;
+
+    /// The backend's renewal schedule, if it keeps one: its leases then get a renewal
+    /// task only once due for a first renewal. Only for a backend whose
+    /// [`gone`](Self::gone) is the same for every target (the schedule watches it for
+    /// all its leases at once). `None` by default: a task per lease from its grant.
+    fn schedule(&self) -> Option<&Schedule<Self>>
+    where
+        Self: Sized,
+    {
+        None
+    }
 
     /// Until when the give-back of an attempt sent at `sent_at`, whose answer never
     /// came, keeps trying: by default until the grant it may have made expires.
