@@ -84,6 +84,13 @@ macro_rules! conformance {
             );
         }
     };
+    // Some of the checks, for the engines that meet them: `modes!`, `footprint!`, `holder!`.
+    (@only [$($check:ident),* $(,)?] $module:ident, $fixture:ty, $feature:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            conformance!(@checks $fixture; $($check),*);
+        }
+    };
     (@checks $fixture:ty; $($check:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -106,20 +113,17 @@ conformance!(
 /// `modes!(fixture_module, Fixture, "feature")`: the shared and permit checks, for the
 /// engines that hold a key in those modes.
 macro_rules! modes {
-    ($module:ident, $fixture:ty, $feature:literal) => {
-        #[cfg(feature = $feature)]
-        mod $module {
-            conformance!(@checks $fixture;
-                readers_hold_together,
-                a_writer_excludes_everyone,
-                a_waiting_writer_is_not_starved,
-                at_most_n_permit_holders,
-                a_crashed_permit_comes_back,
-                fencing_tokens_across_modes,
-                dropped_shared_and_permit_acquisitions_leave_nothing_held,
-                exclusive_and_permits_exclude_each_other,
-            );
-        }
+    ($($engine:tt)*) => {
+        conformance!(@only [
+            readers_hold_together,
+            a_writer_excludes_everyone,
+            a_waiting_writer_is_not_starved,
+            at_most_n_permit_holders,
+            a_crashed_permit_comes_back,
+            fencing_tokens_across_modes,
+            dropped_shared_and_permit_acquisitions_leave_nothing_held,
+            exclusive_and_permits_exclude_each_other,
+        ] $($engine)*);
     };
 }
 
@@ -153,11 +157,8 @@ conformance!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 /// server. Not yet on Azure Blob and DynamoDB (a blob, an item stays per key ever
 /// locked); RELIABILITY.md says so.
 macro_rules! footprint {
-    ($module:ident, $fixture:ty, $feature:literal) => {
-        #[cfg(feature = $feature)]
-        mod $module {
-            conformance!(@checks $fixture; released_keys_leave_no_records);
-        }
+    ($($engine:tt)*) => {
+        conformance!(@only [released_keys_leave_no_records] $($engine)*);
     };
 }
 
@@ -183,11 +184,8 @@ mod footprint {
 /// `holder!(fixture_module, Fixture, "feature")`: the inspection check, for the
 /// engines that can tell who holds a key (RELIABILITY.md marks the others).
 macro_rules! holder {
-    ($module:ident, $fixture:ty, $feature:literal) => {
-        #[cfg(feature = $feature)]
-        mod $module {
-            conformance!(@checks $fixture; the_holder_is_read_without_taking_the_key);
-        }
+    ($($engine:tt)*) => {
+        conformance!(@only [the_holder_is_read_without_taking_the_key] $($engine)*);
     };
 }
 
