@@ -17,7 +17,7 @@ use tower_keyed_lock::backend::postgres::PostgresBackend;
 use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockInfo};
 
-use crate::support::fixtures::AnotherInstance;
+use crate::support::fixtures::{until, AnotherInstance};
 use crate::support::pg_server::PgServer;
 use crate::support::replay::{serve, Kit, Probe, Served, Stacking};
 use crate::support::tcp_proxy::TcpProxy;
@@ -604,6 +604,16 @@ async fn one_step_app(
         .await
         .unwrap();
     tokio::spawn(connection);
+    // The first request's record (and with it the table) is written as its response
+    // ends, which can be after the client has read it.
+    until("the store has made its table", || async {
+        admin
+            .query_one("SELECT to_regclass('keyed_lock_replay') IS NOT NULL", &[])
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+    })
+    .await;
     admin
         .batch_execute(&format!(
             "CREATE FUNCTION on_write() RETURNS trigger LANGUAGE plpgsql AS $f$ \

@@ -23,6 +23,14 @@ pub const NAME: &str = "jobs";
 /// Long enough for anything that should happen; a test fails instead of hanging.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
+/// The fault tests' bound on one call through the proxy: what they are about.
+pub const FAULT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Every other test's bound on one call: on a loaded machine moto, a three-server
+/// ensemble or PostgreSQL behind PgBouncer answers past 500 ms now and then, and a test
+/// not about timeouts must not fail on one.
+pub const GENEROUS_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// How long a key may stay held after its guard or acquisition was dropped: the remote
 /// release is a round trip in a task of its own. Shorter than the Redis lease, so that
 /// a key left to expire instead is caught.
@@ -486,7 +494,8 @@ mod pgbouncer {
     use tower_keyed_lock::PostgresBackend;
 
     const LIVENESS: Duration = Duration::from_millis(100);
-    const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+    // No fault test runs through this pooler: every call gets the generous bound.
+    const NETWORK_TIMEOUT: Duration = GENEROUS_TIMEOUT;
 
     /// PostgreSQL behind PgBouncer in transaction pooling, locks in transaction scope:
     /// the set-up the backend accepts behind a transaction pooler.
@@ -680,11 +689,7 @@ mod dynamodb {
         }
     }
 
-    /// The fault tests' bound on a call through the proxy: what they are about.
-    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
-    /// Every other test's: moto on a loaded machine takes over 500 ms for a call now
-    /// and then, and a test not about timeouts must not fail on one.
-    const GENEROUS_TIMEOUT: Duration = Duration::from_secs(3);
+    const COMMAND_TIMEOUT: Duration = FAULT_TIMEOUT;
 
     async fn backend_on(url: &str, command_timeout: Duration) -> Arc<dyn LockBackend> {
         let builder = DynamoDbBackend::builder(client_for(url), TABLE)
@@ -1133,11 +1138,7 @@ pub mod zookeeper {
 
     /// The session timeout asked (the test ensemble's tick is 200 ms: 10 ticks).
     pub const SESSION_TIMEOUT: Duration = Duration::from_secs(2);
-    /// The fault tests' bound on a command through the proxy: what they are about.
-    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
-    /// Every other test's: a loaded machine delays a three-server ensemble's answer
-    /// past 500 ms now and then, and a test not about timeouts must not fail on one.
-    const GENEROUS_TIMEOUT: Duration = Duration::from_secs(3);
+    const COMMAND_TIMEOUT: Duration = FAULT_TIMEOUT;
 
     impl ZooKeeper {
         /// The command timeout of a backend behind the fault proxy.

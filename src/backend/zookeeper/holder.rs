@@ -13,7 +13,7 @@ use crate::backend::Holder;
 use crate::error::LockError;
 
 impl Inner {
-    /// Reads the queue of `path` and its first node; two reads, nothing written.
+    /// Reads the queue of `path` and its first node, after a sync; nothing written.
     pub(super) async fn holder(&self, path: LockPath) -> Result<Option<Holder>, LockError> {
         let session = self.session().await.map_err(backend)?;
         let client = session
@@ -21,6 +21,13 @@ impl Inner {
             .ok_or_else(|| backend(ZooKeeperLockError::SessionLost))?;
         let limit = Instant::now() + self.config.command_timeout;
         let timed_out = || backend(ZooKeeperLockError::TimedOut("reading the holder"));
+        // The session's server may be a follower behind the leader: without the sync,
+        // a grant another instance already saw could be missing from the read.
+        match timeout_at(limit, client.sync(&path.queue)).await {
+            Ok(Ok(())) | Ok(Err(zk::Error::NoNode)) => {}
+            Ok(Err(error)) => return Err(backend(ZooKeeperLockError::ZooKeeper(error))),
+            Err(_) => return Err(timed_out()),
+        }
         let children = match timeout_at(limit, client.list_children(&path.queue)).await {
             Ok(Ok(children)) => children,
             Ok(Err(zk::Error::NoNode)) => return Ok(None),

@@ -131,8 +131,9 @@
 //!
 //! # Who holds a key
 //!
-//! [`holder`](LockBackend::holder) lists the key's queue and reads its first node: the
-//! holder. Each contender's node carries its instance id
+//! [`holder`](LockBackend::holder) syncs its session's server with the leader (a
+//! follower may lag behind a grant another instance already saw), then lists the key's
+//! queue and reads its first node: the holder. Each contender's node carries its instance id
 //! ([`instance_id`](ZooKeeperBackendBuilder::instance_id)) as its data, written by the
 //! create that joins the queue; its creation zxid is the fencing token. `since` is the
 //! node's `ctime` (the server's clock), when the holder *joined the queue*: for a
