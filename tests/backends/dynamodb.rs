@@ -21,7 +21,7 @@ use crate::support::fixtures::until;
 use crate::support::instances::{gate, gated_router, hold, path_escape, within};
 use crate::support::lateness::Lateness;
 use crate::support::recorder::counter;
-use crate::support::serve;
+use crate::support::{serve, Server};
 
 type Layer = KeyedLockLayer<PathParam>;
 type Item = HashMap<String, AttributeValue>;
@@ -122,6 +122,20 @@ impl SlowestReads {
         let _ = self.stop.send(());
         self.task.await.expect("the reads")
     }
+}
+
+/// Waits until `server` answers 200 on a quick route. On a loaded machine moto's first
+/// answers can outlast a test's short command timeout (the key then waits for its
+/// give-back): another key is tried each time, up to 50.
+async fn until_up(server: &Server) {
+    for attempt in 0..50 {
+        let status = server.post(&format!("/quick/up-{attempt}")).await.status;
+        if status == StatusCode::OK {
+            return;
+        }
+        eprintln!("before the fault, attempt {attempt}: {status}");
+    }
+    panic!("moto never granted a key before the fault");
 }
 
 /// Whether `backend` gets `key` at once (and gives it back).
@@ -588,7 +602,8 @@ async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() 
         .backend(connect(&dynamo, configure).await)
         .fail_open(true);
     let server_open = Arc::new(serve(gated_router(gate).layer(open)).await);
-    assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
+    until_up(&server).await;
+    let lateness = Lateness::watch();
 
     dynamo.pause();
     let started = Instant::now();
@@ -614,7 +629,11 @@ async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() 
     );
     // The last attempt ends with the wait; the first has a whole command timeout.
     assert!(took >= WAIT.min(COMMAND_TIMEOUT), "{took:?}");
-    assert!(took < WAIT + 2 * COMMAND_TIMEOUT, "{took:?}");
+    assert!(
+        took < lateness.allowing(WAIT + 2 * COMMAND_TIMEOUT),
+        "{took:?}, lateness {:?}",
+        lateness.worst()
+    );
     assert_eq!(
         (answer_open.status, &*answer_open.body),
         (StatusCode::OK, "ok")
@@ -641,7 +660,7 @@ async fn a_killed_and_restarted_server_fails_closed_then_recovers() {
         )
         .await,
     );
-    assert_eq!(server.post("/quick/1").await.status, StatusCode::OK);
+    until_up(&server).await;
 
     dynamo.stop();
     let started = Instant::now();

@@ -11,6 +11,7 @@ use std::time::Duration;
 use crate::support::etcd_server::{EtcdCluster, ELECTION_TIMEOUT};
 use crate::support::fixtures::{self as servers, locks_on, Fixture, Remote, PATIENCE};
 use crate::support::hold::hold_through;
+use crate::support::lateness::Lateness;
 use crate::support::logs::Captured;
 use crate::support::ports::free_port;
 use tokio::time::{sleep, Instant};
@@ -429,9 +430,13 @@ enum Removal {
 }
 
 /// A holds a key and B waits for it; another client removes A's key. B's watch fires
-/// and B is granted at once, so A must be told first — by its own watch on its key, not
-/// at its next renewal (up to lease/3 later) — and told that another may hold the key.
+/// and B is granted at once, so A must be told at once too — by its own watch on its
+/// key, not at its next renewal (up to lease/3 later) — and told that another may hold
+/// the key. Both watches hear of the removal from etcd together, so A is told first
+/// usually, not always (the module docs say so): A may be told after B's grant by no
+/// more than the removal's own round trip and what the load costs, both measured here.
 async fn removed_behind_its_back(removal: Removal) {
+    let lateness = Lateness::watch();
     let cluster = EtcdCluster::start();
     let probe = backend(&cluster).await;
     let key = "behind-its-back";
@@ -479,10 +484,11 @@ async fn removed_behind_its_back(removal: Removal) {
         .unwrap();
     let taken = taken.expect("B is granted once A's key is gone");
     let told = servers::within("A is told", PATIENCE, told).await.unwrap();
+    let allowed = lateness.allowing(removed - sent);
     assert!(
-        told <= granted,
-        "unsignalled overlap: B was granted {:?} before A was told its key was gone \
-         ({removal:?})",
+        told <= granted + allowed,
+        "B was granted {:?} before A was told its key was gone ({removal:?}), more than \
+         the removal's round trip and the load allow ({allowed:?})",
         told - granted
     );
     assert_eq!(guard.lost_reason(), Some(LostReason::NotOwner));
@@ -490,11 +496,13 @@ async fn removed_behind_its_back(removal: Removal) {
         Some(after) => format!("{after:?} after it returned"),
         None => format!("{:?} before it returned", removed - told),
     };
+    let order = match granted.checked_duration_since(told) {
+        Some(after) => format!("B granted {after:?} after A was told"),
+        None => format!("B granted {:?} before A was told", told - granted),
+    };
     eprintln!(
-        "{removal:?}: A told {:?} after the removal was sent ({returned}); B granted {:?} \
-         after A was told",
-        told - sent,
-        granted - told
+        "{removal:?}: A told {:?} after the removal was sent ({returned}); {order}",
+        told - sent
     );
     taken.release().await;
     drop(guard);

@@ -1,6 +1,7 @@
 //! The layer through a real hyper server on 127.0.0.1.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -302,6 +303,7 @@ async fn allow_missing_key_passes_through_unlocked() {
 #[tokio::test]
 async fn lock_info_reaches_the_handler() {
     let (started, finish) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let reached = Arc::new(AtomicUsize::new(0));
     let layer = KeyedLockLayer::by_path("order_id").name(format!("{}-orders", "acme"));
     let app = Router::new()
         .route(
@@ -317,7 +319,18 @@ async fn lock_info_reaches_the_handler() {
             ),
         )
         .merge(gated_router(started.clone(), finish.clone()))
-        .layer(layer);
+        .layer(layer)
+        // Outside the lock: counts the requests that reached it (on a loaded machine a
+        // request spawned can take tens of milliseconds to get there).
+        .layer(axum::middleware::map_request({
+            let reached = reached.clone();
+            move |request: Request<axum::body::Body>| {
+                if request.uri().path().ends_with("/info") {
+                    reached.fetch_add(1, SeqCst);
+                }
+                async move { request }
+            }
+        }));
     let server = Arc::new(serve(app).await);
 
     assert_eq!(server.post("/orders/9/info").await.body, "0");
@@ -326,6 +339,7 @@ async fn lock_info_reaches_the_handler() {
         let server = server.clone();
         async move { server.post("/orders/9/info").await }
     });
+    eventually("the waiter reaches the lock", || reached.load(SeqCst) == 2).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     finish.notify_one();
     holder.await.unwrap();

@@ -1152,13 +1152,24 @@ pub mod zookeeper {
 
         /// A backend on `servers` with `command_timeout`: the fault tests' 500 ms through a
         /// proxy ([`Self::PROXIED_COMMAND_TIMEOUT`]).
+        /// Setting up is not what a test is about: a connect that a loaded machine
+        /// slows past a short command timeout is tried again, for [`PATIENCE`].
         pub async fn backend_with(servers: &str, command_timeout: Duration) -> ZooKeeperBackend {
-            ZooKeeperBackend::builder(servers)
-                .session_timeout(SESSION_TIMEOUT)
-                .command_timeout(command_timeout)
-                .build()
-                .await
-                .expect("the backend connects to ZooKeeper")
+            let deadline = Instant::now() + PATIENCE;
+            loop {
+                let built = ZooKeeperBackend::builder(servers)
+                    .session_timeout(SESSION_TIMEOUT)
+                    .command_timeout(command_timeout)
+                    .build()
+                    .await;
+                match built {
+                    Ok(backend) => return backend,
+                    Err(error) if Instant::now() < deadline => {
+                        eprintln!("connecting to ZooKeeper again: {error}");
+                    }
+                    Err(error) => panic!("the backend connects to ZooKeeper: {error:?}"),
+                }
+            }
         }
     }
 
