@@ -3,6 +3,7 @@
 //! clients are two instances of one service.
 #![cfg(feature = "dynamodb")]
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,38 +91,6 @@ async fn put_holder(client: &Client, pk: &str, rvn: &str, lease: Duration) {
         .send()
         .await
         .expect("put_item");
-}
-
-/// Reads of the item `pk` one after another, until stopped: the slowest round trip
-/// moto gave meanwhile.
-struct SlowestReads {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Duration>,
-}
-
-fn slowest_reads(client: &Client, pk: &str) -> SlowestReads {
-    let (stop, mut stopped) = tokio::sync::oneshot::channel();
-    let (client, pk) = (client.clone(), pk.to_owned());
-    let task = tokio::spawn(async move {
-        let mut slowest = Duration::ZERO;
-        // At least one read, even if stopped at once.
-        loop {
-            let sent = Instant::now();
-            item(&client, &pk).await;
-            slowest = slowest.max(sent.elapsed());
-            if stopped.try_recv().is_ok() {
-                return slowest;
-            }
-        }
-    });
-    SlowestReads { stop, task }
-}
-
-impl SlowestReads {
-    async fn stop(self) -> Duration {
-        let _ = self.stop.send(());
-        self.task.await.expect("the reads")
-    }
 }
 
 /// Waits until `server` answers 200 on a quick route. On a loaded machine moto's first
@@ -316,17 +285,26 @@ async fn a_record_that_stops_changing_is_taken_over_after_one_lease() {
     // lease (a waiter that waited two leases, or a poll interval past the lease, is
     // still caught) plus three of the slowest round trips seen meanwhile.
     let lateness = Lateness::watch();
-    let slowest = slowest_reads(&client, &pk);
+    let slowest = Cell::new(Duration::ZERO);
+    let reads = async {
+        loop {
+            let sent = Instant::now();
+            item(&client, &pk).await;
+            slowest.set(slowest.get().max(sent.elapsed()));
+        }
+    };
     let started = Instant::now();
-    let lease = within(
-        "the takeover",
-        Duration::from_secs(5),
-        backend.acquire("direct", &key, Duration::from_secs(3)),
-    )
+    let takeover = backend.acquire("direct", &key, Duration::from_secs(3));
+    let lease = within("the takeover", Duration::from_secs(5), async {
+        tokio::select! {
+            lease = takeover => lease,
+            never = reads => never,
+        }
+    })
     .await
     .expect("taken over");
     let took = started.elapsed();
-    let round_trip = slowest.stop().await;
+    let round_trip = slowest.get();
     println!("takeover of a stale record with a 1 s lease after {took:?}");
     assert!(took >= stale, "taken over before a lease: {took:?}");
     let bound = lateness.allowing(stale + stale / 2 + 3 * round_trip);

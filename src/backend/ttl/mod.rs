@@ -8,9 +8,10 @@
 //!
 //! - `lease`: the granted [`Lease`](crate::backend::Lease): its validity deadline
 //!   (send time + TTL − drift margin, on the monotonic clock, in the
-//!   [`LeaseSignal`](crate::backend::LeaseSignal) itself), the renewal task (every
-//!   lease/3, stopping at the first definite "not the owner"), and the release that
-//!   stops renewal before giving back;
+//!   [`LeaseSignal`](crate::backend::LeaseSignal) itself) and the release that stops
+//!   renewal before giving back;
+//! - `renewal`: the renewal loop (every lease/3, stopping at the first definite "not
+//!   the owner");
 //! - `schedule`: one renewal schedule per backend, for the backends that keep one: a
 //!   lease gets its renewal task only once due for a first renewal (most are released
 //!   before), so a short hold costs no task;
@@ -29,6 +30,7 @@
 mod backoff;
 mod give_back;
 mod lease;
+mod renewal;
 mod schedule;
 mod token;
 

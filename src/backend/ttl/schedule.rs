@@ -1,5 +1,5 @@
 //! One renewal schedule for every lease of a backend: a lease gets a task of its own
-//! (`lease::keep`) only once it is due for its first renewal, a lease/3 after its grant.
+//! (`renewal::keep`) only once it is due for its first renewal, a lease/3 after its grant.
 //! Before that nothing can happen to it that needs a task: its deadline is later (the
 //! drift margin is under half the lease, and the signal reads the clock itself), and
 //! what the backend could show gone before the first renewal, the schedule watches for
@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::{sleep_until, Instant};
 
-use super::lease::keep;
+use super::renewal::keep;
 use super::TtlBackend;
 use crate::backend::{BoxFuture, LeaseLostSender};
 
