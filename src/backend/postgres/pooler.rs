@@ -188,8 +188,10 @@ impl Inner {
         let sent = Instant::now();
         let answer = match self.round_trip(session.simple_query(&first)).await {
             Ok(answer) => answer,
-            // PostgreSQL refused the statement: say why.
-            Err(error) if error.code.is_some() && !session.is_closed() => {
+            // PostgreSQL refused the statement: say why. Not a FATAL answer: that
+            // ended the session (one a transaction pooler handed over after an earlier
+            // probe's idle limit ended it), and says nothing of this setup.
+            Err(error) if error.code.is_some() && !error.closed && !session.is_closed() => {
                 return Err(SetupError::Statement(Box::new(error)))
             }
             // A pooled connection whose session had ended, one the pooler closed as it
