@@ -90,6 +90,7 @@
 mod footprint;
 mod health;
 mod holder;
+mod inside;
 mod isolated;
 mod lease;
 mod modes;
