@@ -83,6 +83,20 @@ async fn eventually<F: Future<Output = bool>>(what: &str, mut condition: impl Fn
     }
 }
 
+/// Takes and gives back a key of its own on `backend` until that works, so that its
+/// pool holds a connection: connecting is setup, not what a test with a short network
+/// timeout is about, and on a loaded machine a first connect can outlast it.
+async fn warm(backend: &PostgresBackend) {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        match backend.acquire("warm", &key("warm"), Duration::ZERO).await {
+            Ok(lease) => return lease.release().await,
+            Err(error) => assert!(Instant::now() < deadline, "never connected: {error}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Whether a session of `instance` waits on an advisory lock now.
 async fn waits_in_postgres(admin: &Client, instance: &str) -> bool {
     let waiting: i64 = admin
@@ -444,6 +458,7 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
                     .lock_scope(scope)
             };
             let a = timed(backend(&proxy.host_port(), "late-a"));
+            warm(&a).await;
             // B and C, the holders before and after A, are not what is tested: the
             // default timeouts, so that a slow connect on a loaded machine fails no
             // trial.
