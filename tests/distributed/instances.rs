@@ -34,8 +34,8 @@ for_each_fixture!(
     remote: [
         fencing_tokens_increase_across_instances,
         local_waiters_share_one_remote_contender,
-        server_down_fails_closed_or_open,
     ],
+    alone: [server_down_fails_closed_or_open],
 );
 
 /// Two instances, four workers each, all on one key: never two inside at once, and in

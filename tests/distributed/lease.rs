@@ -24,7 +24,8 @@ for_each_fixture!(
         work_under_a_held_lease_runs_to_the_end,
         dropped_run_while_held_keeps_the_key,
     ],
-    remote: [work_stops_when_the_server_dies],
+    remote: [],
+    alone: [work_stops_when_the_server_dies],
 );
 
 /// Set when the work future is dropped.
