@@ -155,31 +155,35 @@ async fn backend_round(backend: &impl LockBackend, key: &Key) {
 
 /// The bare protocol, sent as the backend sends it: `SET NX PX` to every master at
 /// once, done at a majority of OKs (the rest run on); then the compare-and-delete to
-/// every master at once, done when all answered. One master: the bare safe pair.
+/// every master at once, each after its master's `SET` answered (sent before, it could
+/// find nothing and the late `SET` hold the key for a lease), done when all answered.
+/// One master: the bare safe pair.
 async fn bare_round(masters: &[SafePair]) {
     const LOCK: &str = "bare:order-1";
     let majority = masters.len() / 2 + 1;
     let token = fresh_token();
-    let mut sets = JoinSet::new();
+    let (answers, mut answered) = tokio::sync::mpsc::unbounded_channel();
+    let (release, _) = tokio::sync::broadcast::channel::<()>(1);
+    let mut masters_done = JoinSet::new();
     for pair in masters {
-        let (pair, token) = (pair.clone(), token.clone());
-        sets.spawn(async move { pair.set(LOCK, &token).await });
+        let (pair, token, answers) = (pair.clone(), token.clone(), answers.clone());
+        let mut released = release.subscribe();
+        masters_done.spawn(async move {
+            let _ = answers.send(pair.set(LOCK, &token).await);
+            let _ = released.recv().await;
+            pair.delete(LOCK, &token).await;
+        });
     }
     let mut granted = 0;
-    while let Some(set) = sets.join_next().await {
-        granted += usize::from(set.unwrap());
+    for _ in masters {
+        granted += usize::from(answered.recv().await.unwrap());
         if granted >= majority {
-            sets.detach_all();
             break;
         }
     }
     assert!(granted >= majority, "the bare key was held");
-    let mut deletes = JoinSet::new();
-    for pair in masters {
-        let (pair, token) = (pair.clone(), token.clone());
-        deletes.spawn(async move { pair.delete(LOCK, &token).await });
-    }
-    while let Some(deleted) = deletes.join_next().await {
-        deleted.unwrap();
+    release.send(()).unwrap();
+    while let Some(done) = masters_done.join_next().await {
+        done.unwrap();
     }
 }

@@ -870,6 +870,10 @@ mod dynamodb {
     pub struct DynamoDb(pub DynamoServer);
 
     impl Fixture for DynamoDb {
+        /// moto serves one request at a time: checks side by side would queue there,
+        /// past the bounds they measure.
+        const SHAREABLE: bool = false;
+
         fn start() -> Self {
             DynamoDb(DynamoServer::start())
         }
