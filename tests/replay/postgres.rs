@@ -696,8 +696,11 @@ async fn a_session_killed_at_the_write_stores_nothing_and_holds_nothing() {
 #[tokio::test]
 async fn a_write_given_up_on_is_finished_with_its_unlock() {
     let pg = PgServer::start();
-    let slow = ("slow-write", "PERFORM pg_sleep(0.3)");
-    let store_timeout = |replay: ReplayLayer| replay.store_timeout(Duration::from_millis(50));
+    // The write goes out well within the store timeout, even on a loaded machine (a
+    // timeout that passes before it is sent abandons it, honestly, and the table of
+    // the warm-up's first write too), and sleeps well past it.
+    let slow = ("slow-write", "PERFORM pg_sleep(2)");
+    let store_timeout = |replay: ReplayLayer| replay.store_timeout(Duration::from_millis(500));
     let (backend, app, admin) = one_step_app(&pg, store_timeout, slow).await;
 
     let first = app.post("/orders", "slow-write", "").await;
