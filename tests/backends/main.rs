@@ -1,4 +1,5 @@
-//! The distributed backends against real servers each test starts. First the
+//! The distributed backends against real servers the tests start (the conformance
+//! checks running at once share one per engine). First the
 //! conformance suite (`conformance`: `tower_keyed_lock::testkit` run for every backend,
 //! plus the fault and HTTP checks every backend passes); then each engine's specifics:
 //! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_handoff`, `redis_sentinel`), PostgreSQL

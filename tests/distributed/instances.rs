@@ -1,6 +1,7 @@
 //! `DistributedLocks` between "instances" — each a `DistributedLocks` with backend
 //! connections of its own — on a real Redis, a real Redis Cluster and a real
-//! PostgreSQL that each test starts, and in process. Every test body is generic and runs on each fixture.
+//! PostgreSQL (shared by the tests running at once, each in a scope of its own), and
+//! in process. Every test body is generic and runs on each fixture.
 //! Cancellation is in `cancel.rs`, lost leases in `lease.rs`.
 //!
 //! The exclusion test runs 10 rounds per worker; a longer soak:
