@@ -570,17 +570,7 @@ async fn the_health_check_fails_on_a_silent_path_and_recovers<F: Proxied>(fixtur
     let backend = fixture.backend_via(&proxy.host_port()).await;
     // Healthy before the fault (setup: on a loaded machine a first check can outlast
     // the command timeout).
-    within("healthy before the fault", PATIENCE, async {
-        loop {
-            let health = backend.health().await;
-            if health.is_healthy() {
-                break;
-            }
-            eprintln!("before the fault: {health}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    until_healthy(&*backend, "before the fault", PATIENCE).await;
     let lateness = Lateness::watch();
     proxy.blackhole();
     let started = Instant::now();
@@ -602,13 +592,18 @@ async fn the_health_check_fails_on_a_silent_path_and_recovers<F: Proxied>(fixtur
     );
     eprintln!("health on a silent path: {silent} after {took:?}");
     proxy.heal();
-    within("healthy again", 3 * PATIENCE, async {
+    until_healthy(&*backend, "after the heal", 3 * PATIENCE).await;
+}
+
+/// Asks `backend`'s health check until it says healthy, failing after `limit`.
+async fn until_healthy(backend: &dyn LockBackend, when: &str, limit: Duration) {
+    within(&format!("healthy {when}"), limit, async {
         loop {
             let health = backend.health().await;
             if health.is_healthy() {
                 break;
             }
-            eprintln!("after the heal: {health}");
+            eprintln!("{when}: {health}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
