@@ -121,9 +121,9 @@
 //! `SELECT SLEEP(<s>), CONNECTION_ID(), IS_USED_LOCK(name) <=> CONNECTION_ID()`, sent
 //! again as soon as it answers. While it runs, the driver is reading its answer, so
 //! the session's end — `KILL`, a connection reset, a server restart or crash — fails
-//! it the moment the server shuts the connection: the holder is told at once
-//! (measured: before the next holder's grant, see `RELIABILITY.md`), not at its next
-//! check. Each answer is also the liveness check, every
+//! it the moment the server shuts the connection: the holder is told at once (the
+//! server fails the statement before it frees the lock; see `RELIABILITY.md`), not at
+//! its next check. Each answer is also the liveness check, every
 //! [`liveness_interval`](MySqlBackend::liveness_interval) (default
 //! [`DEFAULT_LIVENESS_INTERVAL`], 1 s): the sleep `<s>` lasts until the next check is
 //! due. A statement that fails, does not answer within one network timeout (default
@@ -213,7 +213,8 @@
 //! - **The signal is not a guard.** When the session ends on the server's side
 //!   (`KILL`, a server restart, a connection reset), the holder is told as its
 //!   connection closes and a waiting instance is granted as the lock is freed: the
-//!   holder hears first in practice (by 1 to 5 ms, measured on MariaDB), but work
+//!   holder hears first in practice (by 1 to 5 ms on a quiet machine, measured on
+//!   MariaDB; on a loaded one it can hear a scheduling delay after the grant), but work
 //!   already under way does not stop by itself. For work that must never overlap,
 //!   write the [fencing token](self#fencing-tokens) with it and let the store reject
 //!   older tokens.
