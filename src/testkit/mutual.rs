@@ -69,7 +69,7 @@ pub async fn busy_and_timeout<D: Deployment>(deployment: &D) {
         started.elapsed()
     );
     guard.release().await;
-    eventually_free(&b, "k", PATIENCE).await;
+    eventually_free(&b, "k", PATIENCE, PATIENCE).await;
 }
 
 /// A waiter of another instance gets the key once it is released: woken by the
@@ -141,6 +141,7 @@ pub async fn dropped_acquisitions_leave_nothing_held<D: Deployment>(deployment: 
     // this check saw, the two round trips a user's instance would pay.
     let loss_bound = deployment.loss_bound();
     let mut freed_within = (loss_bound / 2).max(Duration::from_millis(100));
+    let cap = loss_bound * 9 / 10;
     for micros in [0, 100, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000] {
         let cut = Duration::from_micros(micros);
         // Held elsewhere: the acquisition is cut while it waits.
@@ -151,27 +152,76 @@ pub async fn dropped_acquisitions_leave_nothing_held<D: Deployment>(deployment: 
         let releasing = Instant::now();
         guard.release().await;
         let give_back = 3 * (granted + releasing.elapsed());
-        freed_within = freed_within.max(give_back.min(loss_bound * 9 / 10));
-        eventually_free(&a, "held", freed_within).await;
+        freed_within = freed_within.max(give_back.min(cap));
+        eventually_free(&a, "held", freed_within, cap).await;
         // Free: the acquisition is cut before, during or after its grant.
         let _ = tokio::time::timeout(cut, b.lock_timeout("free", PATIENCE)).await;
-        eventually_free(&a, "free", freed_within).await;
+        eventually_free(&a, "free", freed_within, cap).await;
     }
 }
 
-/// Takes `key` with `try_lock` until it is free, failing after `limit`.
-pub(super) async fn eventually_free(locks: &DistributedLocks, key: &str, limit: Duration) {
-    let started = Instant::now();
+/// Takes `key` with `try_lock` until it is free, failing after `limit` (see
+/// [`FreeWithin`]).
+pub(super) async fn eventually_free(
+    locks: &DistributedLocks,
+    key: &str,
+    limit: Duration,
+    cap: Duration,
+) {
+    let mut within = FreeWithin::new(limit, cap);
     loop {
-        match locks.try_lock(key).await {
+        match within.look(locks.try_lock(key)).await {
             Ok(guard) => return guard.release().await,
             Err(LockError::Busy) => {}
             Err(error) => panic!("conformance: try_lock({key:?}) failed: {error}"),
         }
+        within
+            .again(|allowed| {
+                format!("conformance: {key:?} still held {allowed:?} after it should be free")
+            })
+            .await;
+    }
+}
+
+/// The looks of a check that waits for a key to be free after a release or a cut
+/// acquisition. It allows `limit`, or three of the slowest look's round trips if that
+/// is longer (a give-back takes two), up to `cap`: the engine's pace (moto serves one
+/// request at a time) is measured, not guessed. The looks back off (5 ms doubling to
+/// 50 ms) so as not to queue ahead of the give-back they wait for.
+pub(super) struct FreeWithin {
+    started: Instant,
+    allowed: Duration,
+    cap: Duration,
+    pause: Duration,
+}
+
+impl FreeWithin {
+    pub(super) fn new(limit: Duration, cap: Duration) -> Self {
+        Self {
+            started: Instant::now(),
+            allowed: limit,
+            cap,
+            pause: Duration::from_millis(5),
+        }
+    }
+
+    /// One look, timed.
+    pub(super) async fn look<T>(&mut self, look: impl std::future::Future<Output = T>) -> T {
+        let sent = Instant::now();
+        let answer = look.await;
+        self.allowed = self.allowed.max((3 * sent.elapsed()).min(self.cap));
+        answer
+    }
+
+    /// Fails the check with `failure(allowed)` once the allowance is over; else
+    /// pauses before the next look.
+    pub(super) async fn again(&mut self, failure: impl FnOnce(Duration) -> String) {
         assert!(
-            started.elapsed() < limit,
-            "conformance: {key:?} still held {limit:?} after it should be free"
+            self.started.elapsed() < self.allowed,
+            "{}",
+            failure(self.allowed)
         );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(self.pause).await;
+        self.pause = (self.pause * 2).min(Duration::from_millis(50));
     }
 }

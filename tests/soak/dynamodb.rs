@@ -126,5 +126,5 @@ async fn dynamodb_frozen_during_a_soak() {
         "the freezes were not seen: {report:?}"
     );
 
-    crate::support::soak::wait_until_served(&layers).await;
+    crate::support::soak::wait_until_served(&layers, String::new).await;
 }

@@ -103,7 +103,7 @@ async fn postgres_restarted_during_a_soak() {
     }
     // Recovery without restarting the app: wait for the first request to be served,
     // then all must be.
-    crate::support::soak::wait_until_served(&layers).await;
+    crate::support::soak::wait_until_served(&layers, String::new).await;
     let after = Soak {
         requests: 200,
         keys: 20,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
-use crate::support::redis_server::RedisServer;
+use crate::support::redis_server::{self, RedisServer};
 use crate::support::soak::Soak;
 
 fn requests() -> u64 {
@@ -109,7 +109,13 @@ async fn redis_killed_and_restarted_during_a_soak() {
     // Recovery without restarting the app. The load may have ended mid-outage: start
     // Redis (again), wait for the first request to be served, then all must be.
     redis.restart();
-    crate::support::soak::wait_until_served(&layers).await;
+    let port = redis.port();
+    // What Redis sees of its clients, should the layer not recover.
+    let clients = || match redis.is_running() {
+        true => tokio::task::block_in_place(|| redis_server::cli(port, &["CLIENT", "LIST"])),
+        false => "stopped".to_owned(),
+    };
+    crate::support::soak::wait_until_served(&layers, clients).await;
     let after = Soak {
         requests: 200,
         keys: 20,

@@ -1484,12 +1484,16 @@ impl LockBackend for Counting {
     }
 }
 
-/// Waits until the async `condition` holds, failing the test after 5 s.
+/// Waits until the async `condition` holds, failing the test after [`PATIENCE`]. The
+/// looks back off (5 ms doubling to 100 ms): a server that serves one request at a
+/// time (moto) drains what it queued instead of receiving a new look every 5 ms.
 pub async fn until<F: Future<Output = bool>>(what: &str, mut condition: impl FnMut() -> F) {
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + PATIENCE;
+    let mut pause = Duration::from_millis(5);
     while !condition().await {
         assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(100));
     }
 }
 

@@ -205,8 +205,12 @@ impl Soak {
 ///
 /// The tries back off (50 ms doubling to 1 s): a server that queued the requests of an
 /// outage (moto serves one at a time) drains its queue instead of receiving a new try,
-/// and a give-back, every few milliseconds.
-pub async fn wait_until_served(layers: &[KeyedLockLayer<PathParam>]) {
+/// and a give-back, every few milliseconds. A failure also shows what `server_state`
+/// says (what the server sees of its clients, for one).
+pub async fn wait_until_served(
+    layers: &[KeyedLockLayer<PathParam>],
+    server_state: impl Fn() -> String,
+) {
     let keys = Arc::new(Keys {
         inside: vec![AtomicUsize::new(0)],
         overlaps: AtomicU64::new(0),
@@ -227,9 +231,11 @@ pub async fn wait_until_served(layers: &[KeyedLockLayer<PathParam>]) {
             }
             assert!(
                 Instant::now() < deadline,
-                "the layer did not recover within {HANG:?}; its last answer: {} {}",
+                "the layer did not recover within {HANG:?}; its last answer: {} {}; \
+                 the server: {}",
                 answer.status,
-                answer.body
+                answer.body,
+                server_state()
             );
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_secs(1));
