@@ -61,7 +61,10 @@ async fn two_instances_sharing_dynamodb_never_overlap() {
     let report = soak.run(&layers, std::future::pending()).await;
 
     println!("dynamodb soak in {:?}: {report:?}", started.elapsed());
-    assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
+    assert_eq!(
+        report.overlaps, 0,
+        "a second handler entered a key whose holder was not told: {report:?}"
+    );
     assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
@@ -111,7 +114,10 @@ async fn dynamodb_frozen_during_a_soak() {
         started.elapsed()
     );
     assert!(faults >= 1, "no fault was injected; raise SOAK_REQUESTS");
-    assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
+    assert_eq!(
+        report.overlaps, 0,
+        "a second handler entered a key whose holder was not told: {report:?}"
+    );
     assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,

@@ -44,7 +44,10 @@ async fn two_instances_sharing_postgres_never_overlap() {
     let report = soak.run(&layers, std::future::pending()).await;
 
     println!("postgres soak: {report:?}");
-    assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
+    assert_eq!(
+        report.overlaps, 0,
+        "a second handler entered a key whose holder was not told: {report:?}"
+    );
     assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
@@ -85,7 +88,10 @@ async fn postgres_restarted_during_a_soak() {
 
     println!("postgres soak with {faults} restarts: {report:?}");
     assert!(faults >= 1, "no fault was injected; raise SOAK_REQUESTS");
-    assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
+    assert_eq!(
+        report.overlaps, 0,
+        "a second handler entered a key whose holder was not told: {report:?}"
+    );
     assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,

@@ -50,7 +50,10 @@ async fn two_instances_sharing_redis_never_overlap() {
     let report = soak.run(&layers, std::future::pending()).await;
 
     println!("redis soak: {report:?}");
-    assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
+    assert_eq!(
+        report.overlaps, 0,
+        "a second handler entered a key whose holder was not told: {report:?}"
+    );
     assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,
@@ -93,7 +96,10 @@ async fn redis_killed_and_restarted_during_a_soak() {
 
     println!("redis soak with {faults} kills: {report:?}");
     assert!(faults >= 1, "no fault was injected; raise SOAK_REQUESTS");
-    assert_eq!(report.overlaps, 0, "two handlers of one key overlapped");
+    assert_eq!(
+        report.overlaps, 0,
+        "a second handler entered a key whose holder was not told: {report:?}"
+    );
     assert_eq!(report.hung, 0, "a request hung");
     assert_eq!(
         report.answered() + report.cancelled,

@@ -14,7 +14,6 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,6 +31,7 @@ use tower_keyed_lock::backend::redis::RedisBackend;
 use tower_keyed_lock::replay::{PostgresReplayStore, RedisReplayStore, ReplayLayer};
 use tower_keyed_lock::{KeyedLockLayer, LockInfo};
 
+use crate::support::occupancy::Occupancy;
 use crate::support::pg_server::PgServer;
 use crate::support::redis_server::RedisServer;
 
@@ -45,17 +45,7 @@ struct Effects {
     /// Side effects per id, and the body the handler answered.
     done: Mutex<HashMap<String, (usize, String)>>,
     /// Handlers running per id, to catch an overlap no lease loss explains.
-    running: Mutex<HashMap<String, usize>>,
-    overlaps: AtomicU64,
-}
-
-/// Counts a handler out of `running` however it ends (a disconnect drops it).
-struct Leaving<'a>(&'a Effects, &'a str);
-
-impl Drop for Leaving<'_> {
-    fn drop(&mut self) {
-        *self.0.running.lock().unwrap().get_mut(self.1).unwrap() -= 1;
-    }
+    running: Occupancy<String>,
 }
 
 async fn deliver(
@@ -64,15 +54,7 @@ async fn deliver(
     payload: String,
 ) -> String {
     let id = lock.key().to_owned();
-    {
-        let mut running = effects.running.lock().unwrap();
-        let now = running.entry(id.clone()).or_default();
-        *now += 1;
-        if *now > 1 && !lock.is_lease_lost() {
-            effects.overlaps.fetch_add(1, SeqCst);
-        }
-    }
-    let leaving = Leaving(&effects, &id);
+    let leaving = effects.running.enter(id.clone(), lock.lease());
     // Work that a disconnect can interrupt.
     tokio::time::sleep(Duration::from_millis(u64::from(payload.len() as u8 % 4))).await;
     drop(leaving);
@@ -194,7 +176,11 @@ async fn soak(instances: [SocketAddr; 2], effects: Arc<Effects>) {
         more_than_once.len()
     );
     assert!(more_than_once.is_empty(), "{more_than_once:?}");
-    assert_eq!(effects.overlaps.load(SeqCst), 0, "unsignalled overlap");
+    assert_eq!(
+        effects.running.unsignalled_overlaps(),
+        0,
+        "unsignalled overlap"
+    );
     for (id, body) in answers.lock().unwrap().iter() {
         let first = &done.get(id).expect("a 2xx for an id never processed").1;
         assert_eq!(body, first.as_bytes(), "{id}: a 2xx with other bytes");

@@ -7,6 +7,7 @@
 //! - `fixtures`: those servers behind one trait (`Fixture`, `Remote`, `Proxied`) and
 //!   `for_each_fixture!`, so a distributed test body is written once;
 //! - `lateness`: how late the test's timers fire, the margin of a timing assertion;
+//! - `occupancy`: who is inside each key's handler, and whether an overlap was signalled;
 //! - `ports`: the ports those servers bind, outside the kernel's ephemeral range;
 //! - `tcp_proxy`: the fault proxy between an instance and its server;
 //! - `recorder` (metrics), `logs` (captured `tracing` output), `soak`, `replay` (the
@@ -44,6 +45,7 @@ pub mod hold;
 pub mod instances;
 pub mod lateness;
 pub mod logs;
+pub mod occupancy;
 #[cfg(feature = "postgres")]
 pub mod pg_server;
 #[cfg(feature = "postgres")]

@@ -1,10 +1,11 @@
 //! A soak run over several instances of one service (one layer and one hyper server
 //! each): random keys, random handler delays, random client disconnects, optional
-//! faults injected meanwhile. Every handler checks it is alone in its key.
+//! faults injected meanwhile. Every handler checks that a holder already inside its key
+//! had been told its lease was lost (`occupancy`).
 #![allow(dead_code)]
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use http::StatusCode;
 use tokio::time::Instant;
 use tower_keyed_lock::{KeyedLockLayer, LockInfo, PathParam};
 
+use super::occupancy::Occupancy;
 use super::{serve, Server};
 
 pub struct Soak {
@@ -53,7 +55,11 @@ pub struct Report {
     pub other: u64,
     pub cancelled: u64,
     pub hung: u64,
+    /// Second holders of a key while a holder inside had not been told its lease
+    /// was lost: what the guarantee forbids.
     pub overlaps: u64,
+    /// Second holders after every holder inside had been told (allowed).
+    pub signalled_overlaps: u64,
     pub lease_lost: u64,
     pub slowest: Duration,
 }
@@ -65,17 +71,16 @@ impl Report {
 }
 
 struct Keys {
-    inside: Vec<AtomicUsize>,
-    overlaps: AtomicU64,
+    inside: Occupancy<usize>,
     lease_lost: AtomicU64,
 }
 
-/// Leaves the key on drop: a disconnecting client cancels the handler at an await.
-struct Inside<'a>(&'a AtomicUsize);
-
-impl Drop for Inside<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+impl Keys {
+    fn new() -> Self {
+        Self {
+            inside: Occupancy::default(),
+            lease_lost: AtomicU64::new(0),
+        }
     }
 }
 
@@ -84,11 +89,7 @@ async fn handle(
     Path(id): Path<usize>,
     Extension(info): Extension<LockInfo>,
 ) {
-    let inside = &keys.inside[id];
-    if inside.fetch_add(1, Ordering::SeqCst) != 0 {
-        keys.overlaps.fetch_add(1, Ordering::SeqCst);
-    }
-    let _inside = Inside(inside);
+    let _inside = keys.inside.enter(id, info.lease());
     let delay = mix(id as u64 ^ info.waited().as_nanos() as u64) % 2_000;
     if delay > 200 {
         tokio::time::sleep(Duration::from_micros(delay)).await;
@@ -114,11 +115,7 @@ impl Soak {
         faults: impl Future<Output = ()>,
     ) -> Report {
         let _turn = super::soak_turn().await;
-        let keys = Arc::new(Keys {
-            inside: (0..self.keys).map(|_| AtomicUsize::new(0)).collect(),
-            overlaps: AtomicU64::new(0),
-            lease_lost: AtomicU64::new(0),
-        });
+        let keys = Arc::new(Keys::new());
         let mut servers = Vec::new();
         for layer in layers {
             let app = Router::new()
@@ -193,7 +190,8 @@ impl Soak {
         })
         .await;
         let mut report = std::mem::take(&mut *report.lock().unwrap());
-        report.overlaps = keys.overlaps.load(Ordering::SeqCst);
+        report.overlaps = keys.inside.unsignalled_overlaps();
+        report.signalled_overlaps = keys.inside.signalled_overlaps();
         report.lease_lost = keys.lease_lost.load(Ordering::SeqCst);
         report
     }
@@ -211,11 +209,7 @@ pub async fn wait_until_served(
     layers: &[KeyedLockLayer<PathParam>],
     server_state: impl Fn() -> String,
 ) {
-    let keys = Arc::new(Keys {
-        inside: vec![AtomicUsize::new(0)],
-        overlaps: AtomicU64::new(0),
-        lease_lost: AtomicU64::new(0),
-    });
+    let keys = Arc::new(Keys::new());
     let deadline = Instant::now() + HANG;
     for layer in layers {
         let app = Router::new()
