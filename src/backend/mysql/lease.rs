@@ -57,16 +57,74 @@ impl Inner {
     /// statement is interrupted (`KILL QUERY` on the pool's control connection) and
     /// `RELEASE_LOCK` follows on the same connection once both the statement and the
     /// `KILL QUERY` have answered.
+    ///
+    /// A session that does not go back to the pool is closed; one that may still hold
+    /// the lock, once the server no longer shows it holding it (see
+    /// [`close_until_freed`](Self::close_until_freed)).
     async fn watch(
         self: Arc<Self>,
         mut session: Session,
         name: String,
         id: u64,
+        deadline: Instant,
+        lost: LeaseLostSender,
+        stop: oneshot::Receiver<()>,
+    ) -> Ended {
+        let literal = hex_literal(&name);
+        let ended = self
+            .hold_and_release(&mut session, &name, &literal, id, deadline, lost, stop)
+            .await;
+        match ended {
+            Ok(()) => session.give_back(),
+            // Found not holding it (or sharing its session): nothing of ours to wait for.
+            Err(LostReason::NotOwner) => drop(session),
+            Err(_) => self.close_until_freed(session, &literal, id).await,
+        }
+        ended
+    }
+
+    /// Closes `session` (`id`), which may still hold the lock named by `literal`, and
+    /// returns once the server shows it no longer does, or after one network timeout,
+    /// or at the first look that fails (the server is gone, and its locks with it). A
+    /// closed session's locks are freed as the server ends it, a moment after the
+    /// close: without this wait a release would return before another instance can
+    /// take the key.
+    async fn close_until_freed(&self, session: Session, literal: &str, id: u64) {
+        drop(session);
+        let give_up = Instant::now() + self.network_timeout;
+        let setup = self.session_setup();
+        loop {
+            let left = give_up.saturating_duration_since(Instant::now());
+            let holds = self
+                .pool
+                .holds(id, literal, left, self.max_pooled_idle(), &setup);
+            match holds.await {
+                Ok(true) if Instant::now() < give_up => {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Ok(_) => return,
+                Err(error) => {
+                    tracing::debug!(%error, "MySQL release: could not see the closed session end");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Keeps the session's statement pending until release or loss (see
+    /// [`watch`](Self::watch)); `Ok` only when `RELEASE_LOCK` gave the lock up, and
+    /// the session can then go back to the pool.
+    #[allow(clippy::too_many_arguments)]
+    async fn hold_and_release(
+        &self,
+        session: &mut Session,
+        name: &str,
+        literal: &str,
+        id: u64,
         mut deadline: Instant,
         lost: LeaseLostSender,
         mut stop: oneshot::Receiver<()>,
     ) -> Ended {
-        let literal = hex_literal(&name);
         loop {
             let sent = Instant::now();
             let Some(limit) = deadline
@@ -110,7 +168,7 @@ impl Inner {
                 // lives on, and this answer tells nothing more.
                 Err(error) if error.code == Some(QUERY_INTERRUPTED) => None,
                 Err(error) => {
-                    // `session` is dropped on return: closed, which frees the lock.
+                    // Closed on return, which frees the lock.
                     if !released {
                         tracing::warn!(lock = %name, %error, "MySQL lock lost: its connection failed");
                         lost.lose(LostReason::Unreachable);
@@ -147,18 +205,15 @@ impl Inner {
                 break;
             }
         }
-        // Released: only a session known to hold nothing goes back to the pool;
-        // otherwise `session` is dropped here: closed, so the server frees its locks.
+        // Released: only a session known to hold nothing goes back to the pool
+        // (`Ok`); otherwise it is closed, so the server frees its locks.
         let release = format!("SELECT CONNECTION_ID(), RELEASE_LOCK({literal})");
         match session.rows(&release, self.network_timeout).await {
             Ok(rows) => {
                 let row = rows.last();
                 let answered_by = row.and_then(|row| number(row, 0));
                 match row.and_then(|row| number(row, 1)) {
-                    Some(1) if answered_by == Some(id as i64) => {
-                        session.give_back();
-                        Ok(())
-                    }
+                    Some(1) if answered_by == Some(id as i64) => Ok(()),
                     Some(1) => {
                         tracing::error!(lock = %name, "MySQL release: {SHARED_SESSION}");
                         Err(LostReason::NotOwner)

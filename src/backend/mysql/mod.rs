@@ -96,14 +96,18 @@
 //!
 //! While the lock is held, its connection always has a statement pending (see
 //! [Timing](self#timing)). Release first ends it: `KILL QUERY <connection id>` on
-//! the backend's control connection (one connection beside the pool, used for nothing
-//! else), then waits for both the statement's end and the `KILL QUERY`'s answer — so
+//! the backend's control connection (one connection beside the pool, used for releases
+//! only), then waits for both the statement's end and the `KILL QUERY`'s answer — so
 //! the kill cannot land on what follows (a `KILL QUERY` that finds the session idle
 //! is forgotten when its next statement starts). Then it runs `RELEASE_LOCK(name)` on
 //! the same connection and checks its answer: `1` from the same session returns the
 //! connection to the pool; anything else (the lock was not held, another session
-//! answered, an error or a timeout) closes it. If the `KILL QUERY` cannot be sent,
-//! the statement ends by itself within one liveness interval. A connection whose
+//! answered, an error or a timeout) closes it. The server frees a closed session's
+//! locks a moment after the close, so a release that closed a session which may still
+//! hold the lock returns once the control connection no longer sees it held (at most
+//! a network timeout later): another instance can then take the key at once. If the
+//! `KILL QUERY` cannot be sent, the statement ends by itself within one liveness
+//! interval. A connection whose
 //! state is unknown — a timeout or broken connection while acquiring or releasing, a
 //! task dropped mid-statement — is never pooled nor used again (its next answer may
 //! be the cut statement's): it is closed, and the server frees every lock of a session

@@ -8,9 +8,10 @@
 //! close it. Here a [`Session`] is closed unless it is explicitly given back.
 //!
 //! Beside the pooled connections, the pool keeps one control connection, opened on
-//! first use, for [`Pool::interrupt`] alone: the `KILL QUERY` that ends a holder's
-//! pending statement when its lock is released. It never holds a lock and never
-//! serves one, so interrupting moves no lock connection in or out of the pool.
+//! first use, for releases alone: [`Pool::interrupt`], the `KILL QUERY` that ends a
+//! holder's pending statement when its lock is released, and [`Pool::holds`], which
+//! sees a closed holder's session end. It never holds a lock and never serves one, so
+//! releasing moves no lock connection in or out of the pool.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -190,6 +191,38 @@ impl Pool {
         max_idle: Duration,
         setup: &str,
     ) -> Result<(), MyError> {
+        let kill = format!("KILL QUERY {id}");
+        let answer = self.on_control("KILL QUERY", &kill, network_timeout, max_idle, setup);
+        answer.await.map(|_| ())
+    }
+
+    /// Whether session `id` still holds the lock named by the SQL literal `name`, asked
+    /// on the control connection (as [`interrupt`](Self::interrupt)).
+    pub(super) async fn holds(
+        &self,
+        id: u64,
+        name: &str,
+        network_timeout: Duration,
+        max_idle: Duration,
+        setup: &str,
+    ) -> Result<bool, MyError> {
+        let ask = format!("SELECT IS_USED_LOCK({name}) <=> {id}");
+        let answer = self.on_control("IS_USED_LOCK", &ask, network_timeout, max_idle, setup);
+        let row = answer.await?;
+        Ok(row.as_ref().and_then(|row| number(row, 0)) == Some(1))
+    }
+
+    /// Runs `sql` (`what`, for errors) on the control connection within
+    /// `network_timeout` (plus a connect, `setup` first, if it is missing or was idle
+    /// `max_idle`); its first row.
+    async fn on_control(
+        &self,
+        what: &'static str,
+        sql: &str,
+        network_timeout: Duration,
+        max_idle: Duration,
+        setup: &str,
+    ) -> Result<Option<Row>, MyError> {
         // One statement at a time on the control connection: releases take turns.
         let mut control = match timeout(network_timeout, self.control.lock()).await {
             Ok(control) => control,
@@ -203,25 +236,24 @@ impl Pool {
             }
             None => self.connect(network_timeout, setup).await?,
         };
-        let kill = format!("KILL QUERY {id}");
-        match timeout(network_timeout, conn.query_drop(kill)).await {
-            Ok(Ok(())) => {
+        match timeout(network_timeout, conn.query_first::<Row, _>(sql)).await {
+            Ok(Ok(row)) => {
                 *control = Some((conn, Instant::now()));
-                Ok(())
+                Ok(row)
             }
             // An error answer (1094: no such session, it ended) leaves the connection
             // in step: kept.
             Ok(Err(error @ mysql_async::Error::Server(_))) => {
                 *control = Some((conn, Instant::now()));
-                Err(MyError::new("KILL QUERY failed", error))
+                Err(MyError::new(format!("{what} failed"), error))
             }
             Ok(Err(error)) => {
                 close(conn, network_timeout);
-                Err(MyError::new("KILL QUERY failed", error))
+                Err(MyError::new(format!("{what} failed"), error))
             }
             Err(_) => {
                 close(conn, network_timeout);
-                Err(MyError::message("KILL QUERY was not answered in time"))
+                Err(MyError::message(format!("{what} was not answered in time")))
             }
         }
     }
