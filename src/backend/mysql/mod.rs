@@ -107,13 +107,13 @@
 //! hold the lock returns once the control connection no longer sees it held (at most
 //! a network timeout later): another instance can then take the key at once. If the
 //! `KILL QUERY` cannot be sent, the statement ends by itself within one liveness
-//! interval. A connection whose
-//! state is unknown — a timeout or broken connection while acquiring or releasing, a
-//! task dropped mid-statement — is never pooled nor used again (its next answer may
-//! be the cut statement's): it is closed, and the server frees every lock of a session
-//! that ends. (An error answer from the server ends a statement cleanly.) The backend
-//! keeps its own pool for that: `mysql_async`'s pool would read a dropped statement's
-//! pending answer (a `GET_LOCK` that may still be granted) and return the connection.
+//! interval. A connection whose state is unknown — a timeout or broken connection
+//! while acquiring or releasing, a task dropped mid-statement — is never pooled nor
+//! used again (its next answer may be the cut statement's): it is closed, and the
+//! server frees every lock of a session that ends. (An error answer from the server
+//! ends a statement cleanly.) The backend keeps its own pool for that: `mysql_async`'s
+//! pool would read a dropped statement's pending answer (a `GET_LOCK` that may still
+//! be granted) and return the connection.
 //!
 //! [`release_checked`](crate::DistributedGuard::release_checked) reports a lock that
 //! was already gone: the session ended or was found not holding it before the
