@@ -1001,24 +1001,15 @@ mod etcd {
         }
     }
 
-    /// Setting up is not what a test is about: a connect that a loaded machine slows
-    /// past the 500 ms command timeout is tried again, for [`PATIENCE`].
+    /// Built patiently (see `built_patiently`).
     async fn backend_on(endpoints: Vec<String>) -> EtcdBackend {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            let built = EtcdBackend::builder(endpoints.clone())
+        super::built_patiently("etcd", || {
+            EtcdBackend::builder(endpoints.clone())
                 .lease(LEASE)
                 .command_timeout(COMMAND_TIMEOUT)
                 .build()
-                .await;
-            match built {
-                Ok(backend) => return backend,
-                Err(error) if Instant::now() < deadline => {
-                    eprintln!("connecting to etcd again: {error}");
-                }
-                Err(error) => panic!("the backend connects to etcd: {error:?}"),
-            }
-        }
+        })
+        .await
     }
 
     impl Proxied for Etcd {
@@ -1362,25 +1353,15 @@ pub mod zookeeper {
         }
 
         /// A backend on `servers` with `command_timeout`: the fault tests' 500 ms through a
-        /// proxy ([`Self::PROXIED_COMMAND_TIMEOUT`]).
-        /// Setting up is not what a test is about: a connect that a loaded machine
-        /// slows past a short command timeout is tried again, for [`PATIENCE`].
+        /// proxy ([`Self::PROXIED_COMMAND_TIMEOUT`]), built patiently (see `built_patiently`).
         pub async fn backend_with(servers: &str, command_timeout: Duration) -> ZooKeeperBackend {
-            let deadline = Instant::now() + PATIENCE;
-            loop {
-                let built = ZooKeeperBackend::builder(servers)
+            super::built_patiently("ZooKeeper", || {
+                ZooKeeperBackend::builder(servers)
                     .session_timeout(SESSION_TIMEOUT)
                     .command_timeout(command_timeout)
                     .build()
-                    .await;
-                match built {
-                    Ok(backend) => return backend,
-                    Err(error) if Instant::now() < deadline => {
-                        eprintln!("connecting to ZooKeeper again: {error}");
-                    }
-                    Err(error) => panic!("the backend connects to ZooKeeper: {error:?}"),
-                }
-            }
+            })
+            .await
         }
     }
 
@@ -1505,6 +1486,28 @@ pub async fn until<F: Future<Output = bool>>(what: &str, mut condition: impl FnM
         assert!(Instant::now() < deadline, "timed out waiting until {what}");
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// A backend from `build`, tried again for [`PATIENCE`]: setting up is not what a test
+/// is about, and a loaded machine can slow a connect past a short command timeout.
+async fn built_patiently<
+    T,
+    E: std::fmt::Debug + std::fmt::Display,
+    F: Future<Output = Result<T, E>>,
+>(
+    engine: &str,
+    mut build: impl FnMut() -> F,
+) -> T {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        match build().await {
+            Ok(backend) => return backend,
+            Err(error) if Instant::now() < deadline => {
+                eprintln!("connecting to {engine} again: {error}");
+            }
+            Err(error) => panic!("the backend connects to {engine}: {error:?}"),
+        }
     }
 }
 

@@ -70,18 +70,10 @@ impl Report {
     }
 }
 
+#[derive(Default)]
 struct Keys {
     inside: Occupancy<usize>,
     lease_lost: AtomicU64,
-}
-
-impl Keys {
-    fn new() -> Self {
-        Self {
-            inside: Occupancy::default(),
-            lease_lost: AtomicU64::new(0),
-        }
-    }
 }
 
 async fn handle(
@@ -115,7 +107,7 @@ impl Soak {
         faults: impl Future<Output = ()>,
     ) -> Report {
         let _turn = super::soak_turn().await;
-        let keys = Arc::new(Keys::new());
+        let keys = Arc::new(Keys::default());
         let mut servers = Vec::new();
         for layer in layers {
             let app = Router::new()
@@ -209,7 +201,7 @@ pub async fn wait_until_served(
     layers: &[KeyedLockLayer<PathParam>],
     server_state: impl Fn() -> String,
 ) {
-    let keys = Arc::new(Keys::new());
+    let keys = Arc::new(Keys::default());
     let deadline = Instant::now() + HANG;
     for layer in layers {
         let app = Router::new()
