@@ -75,6 +75,8 @@ pub mod redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redlock;
 mod retry_later;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+mod server_clock;
 #[cfg(any(
     feature = "redis",
     feature = "dynamodb",

@@ -28,6 +28,13 @@ async fn start() -> (servers::AzureBlob, AzureBlobBackend) {
     (fixture, probe)
 }
 
+/// How long after a grant Azure's clock is surely past its token, with the fixture's
+/// command timeout: two command timeouts and the clock's doubt (under a second). Tokens
+/// go up across a blob or container deleted by hand after that (module docs, "Blobs
+/// deleted by hand").
+const PAST_A_TOKEN: Duration =
+    Duration::from_millis(2 * servers::GENEROUS_TIMEOUT.as_millis() as u64 * 101 / 100 + 1_100);
+
 /// The properties of the blob of `key` (the fixture's layer name), as Azure has them.
 async fn blob_fence(probe: &AzureBlobBackend, key: &str) -> Option<u64> {
     let blob = probe
@@ -243,8 +250,8 @@ async fn crashed_broken_and_cut_off_holders_within_one_lease() {
 }
 
 /// Tokens strictly increase from holder to holder and across a blob deleted in
-/// between: the counter starts again from the clock in microseconds, above every token
-/// the old blob issued.
+/// between (once Azure's clock is past its token): the counter starts again from
+/// Azure's clock in microseconds, above every token the old blob issued.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tokens_increase_across_holders_and_a_deleted_blob() {
     let (fixture, probe) = start().await;
@@ -256,6 +263,7 @@ async fn tokens_increase_across_holders_and_a_deleted_blob() {
         tokens.push(guard.fencing_token().unwrap());
         guard.release().await;
     }
+    sleep(PAST_A_TOKEN).await;
     let blob = probe
         .container()
         .blob_client(&probe.blob_name(servers::NAME, "deleted"));
@@ -394,7 +402,8 @@ async fn a_deleted_container_is_made_again_within_the_wait() {
 
 /// A holder's token `t1`, then the whole container deleted: the next holder of the key,
 /// in a container made again without the blob or its counter, gets a token above
-/// `t1`, from this instance and from another one.
+/// `t1`, from this instance and from another one (the container deleted once Azure's
+/// clock is past `t1`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tokens_increase_across_a_deleted_container() {
     let (fixture, probe) = start().await;
@@ -403,6 +412,7 @@ async fn tokens_increase_across_a_deleted_container() {
     let guard = a.lock("gone").await.unwrap();
     let t1 = guard.fencing_token().unwrap();
     guard.release().await;
+    sleep(PAST_A_TOKEN).await;
     probe
         .container()
         .delete(None)
@@ -473,13 +483,14 @@ async fn an_unreachable_container_is_named_with_its_address_and_cause() {
 /// The container is deleted while a key is held (Azure deletes a container whatever
 /// its blobs' leases): the key is free at once, as with a lease broken at once, and the
 /// holder is told at its next renewal (within lease/3 and a command timeout), whether
-/// or not another instance took the key meanwhile.
+/// or not another instance took the key meanwhile; its token is higher.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_holder_whose_container_is_deleted_is_told_at_its_next_renewal() {
     let (fixture, probe) = start().await;
     let holder = fixture.instance("holder").await;
     let other = fixture.instance("other").await;
     let guard = holder.lock("deleted-held").await.unwrap();
+    sleep(PAST_A_TOKEN).await;
     let deleted = Instant::now();
     probe
         .container()

@@ -163,8 +163,7 @@ conformance!(
 conformance!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
 
 /// `footprint!(fixture_module, Fixture, "feature")`: what a released key leaves on the
-/// server, counted on a server of its own. Not yet on Azure Blob and DynamoDB (a blob,
-/// an item stays per key ever locked); RELIABILITY.md says so.
+/// server, counted on a server of its own.
 macro_rules! footprint {
     ($($engine:tt)*) => {
         conformance!(@only alone [released_keys_leave_no_records] $($engine)*);
@@ -188,6 +187,12 @@ mod footprint {
     footprint!(mysql, crate::support::fixtures::MySql, "mysql");
     footprint!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
     footprint!(redlock, crate::support::fixtures::Redlock, "redis");
+    footprint!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    footprint!(
+        azure_blob,
+        crate::support::fixtures::AzureBlob,
+        "azure-blob"
+    );
 }
 
 /// `holder!(fixture_module, Fixture, "feature")`: the inspection check, for the

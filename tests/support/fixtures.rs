@@ -959,10 +959,9 @@ mod dynamodb {
             }
         }
 
-        /// Items stay after use (one per key ever locked, until the table's TTL): the
-        /// footprint check does not run here yet.
+        /// The backends of [`Remote::backend`] wait a generous command timeout.
         fn record_window(&self) -> Duration {
-            Duration::ZERO
+            tower_keyed_lock::backend::dynamodb::record_window(GENEROUS_TIMEOUT)
         }
     }
 }
@@ -1276,7 +1275,7 @@ mod azure_blob {
         /// instance's backend, in a test not about timeouts, waits longer.
         async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
             let url = self.0.container_url(CONTAINER);
-            Arc::new(Self::backend_with(url, Duration::from_secs(3)).await)
+            Arc::new(Self::backend_with(url, GENEROUS_TIMEOUT).await)
         }
 
         fn kill(&mut self) {
@@ -1298,10 +1297,9 @@ mod azure_blob {
             blob_count(&self.0.container_url(CONTAINER), &prefix).await
         }
 
-        /// Blobs stay after use (one per key ever locked): the footprint check does not
-        /// run here yet.
+        /// The backends of [`Remote::backend`] wait a generous command timeout.
         fn record_window(&self) -> Duration {
-            Duration::ZERO
+            tower_keyed_lock::backend::azure_blob::record_window(GENEROUS_TIMEOUT)
         }
     }
 }

@@ -11,14 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use azure_core::error::ErrorKind;
-use azure_core::http::StatusCode;
+use azure_core::http::headers::{HeaderName, Headers};
+use azure_core::http::{Etag, Response, StatusCode};
 use azure_storage_blob::models::{
     AppendBlobClientCreateOptions, BlobClientAcquireLeaseOptions,
-    BlobClientAcquireLeaseResultHeaders, BlobClientGetPropertiesResultHeaders,
-    BlobClientSetMetadataOptions, LeaseState,
+    BlobClientAcquireLeaseResultHeaders, BlobClientDeleteOptions,
+    BlobClientGetPropertiesResultHeaders, BlobClientSetMetadataOptions, LeaseState,
 };
 use azure_storage_blob::BlobClient;
-use tokio::time::{sleep, timeout, timeout_at, Instant};
+use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
 
 use super::metadata::{grant_metadata, FENCE};
 use super::Inner;
@@ -32,6 +33,18 @@ use crate::LockError;
 
 /// The first pause of a waiter; pauses double from here up to `poll_interval`.
 const FIRST_POLL: Duration = Duration::from_millis(10);
+
+/// How many times a deferred delete of a released blob is sent while unanswered.
+const DELETE_TRIES: u32 = 3;
+
+/// A lock blob as a lease (or an attempt that may have become one) holds it.
+#[derive(Clone)]
+pub(super) struct Held {
+    blob: Arc<BlobClient>,
+    /// The grant: its fencing token and the blob's ETag after the token was written
+    /// (`None` for an attempt that was not granted, or whose answer never came).
+    grant: Option<(u64, Option<Etag>)>,
+}
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -102,7 +115,12 @@ fn is_transient(error: &azure_core::Error) -> bool {
 /// What one acquire attempt found.
 enum Attempt {
     /// The lease is ours, sent at `sent_at`, with this fencing token written under it.
-    Granted { fence: u64, sent_at: Instant },
+    /// `etag`: the blob's after the write.
+    Granted {
+        fence: u64,
+        etag: Option<Etag>,
+        sent_at: Instant,
+    },
     /// Leased by another holder, or taken between our read and our lease.
     Held,
 }
@@ -134,20 +152,18 @@ fn is_conflict(error: &azure_core::Error) -> bool {
     )
 }
 
-/// The token after the one in `metadata`; a blob without one (new, or deleted and made
-/// again, or in a container made again) starts from the clock in microseconds, as
-/// DynamoDB's counter does, or from `floor` (the highest token this process has seen)
-/// if that is higher.
+/// The token after the one in `metadata`; a blob without one (new, deleted at a
+/// release, or in a container made again) starts after `start` (see [`Inner::start`]).
 pub(super) fn next_fence(
     metadata: &HashMap<String, String>,
-    floor: u64,
+    start: u64,
 ) -> Result<u64, AzureBlobLockError> {
     match metadata.get(FENCE) {
         Some(value) => value
             .parse::<u64>()
             .map(|fence| fence.saturating_add(1))
             .map_err(|_| AzureBlobLockError::UnreadableFence(value.clone())),
-        None => Ok(epoch_micros().max(floor).saturating_add(1)),
+        None => Ok(start.saturating_add(1)),
     }
 }
 
@@ -160,14 +176,21 @@ fn epoch_micros() -> u64 {
 
 impl Inner {
     /// `call`, answered within a command timeout and by `cap` (the end of the attempt).
-    async fn bounded<T>(
+    /// An answer's `Date` feeds Azure's clock.
+    async fn bounded<T, F>(
         &self,
         cap: Instant,
-        call: impl Future<Output = azure_core::Result<T>>,
-    ) -> Result<azure_core::Result<T>, AttemptError> {
-        let own = Instant::now() + self.config.command_timeout;
+        call: impl Future<Output = azure_core::Result<Response<T, F>>>,
+    ) -> Result<azure_core::Result<Response<T, F>>, AttemptError> {
+        let sent = Instant::now();
+        let own = sent + self.config.command_timeout;
         match timeout_at(own.min(cap), call).await {
-            Ok(answer) => Ok(answer),
+            Ok(answer) => {
+                if let Ok(response) = &answer {
+                    self.observe(response.headers(), sent);
+                }
+                Ok(answer)
+            }
             Err(_) if own <= cap => Err(AttemptError::Lock(AzureBlobLockError::CommandTimeout(
                 self.config.command_timeout,
             ))),
@@ -193,6 +216,30 @@ impl Inner {
     /// going through, if any; else a plain timeout.
     fn wait_over(&self, failing: Option<AttemptError>) -> LockError {
         failing.map_or(LockError::Timeout, |error| self.failed(error))
+    }
+
+    /// Takes Azure's clock from the `Date` of an answer to a request sent at `sent`.
+    fn observe(&self, headers: &Headers, sent: Instant) {
+        let received = Instant::now();
+        let date = headers
+            .get_optional_str(&HeaderName::from_static("date"))
+            .and_then(|date| azure_core::time::parse_rfc7231(date).ok())
+            .and_then(|date| u64::try_from(date.unix_timestamp()).ok());
+        if let Some(secs) = date {
+            self.clock.observe(secs, sent, received);
+        }
+    }
+
+    /// Where a blob without a counter starts its tokens: the most Azure's clock can
+    /// read when the token's write lands, at the latest two command timeouts after it
+    /// is sent (a write unanswered that long is counted as never landing), so above
+    /// the tokens of any blob deleted before (see [`Self::give_back`]); and above the
+    /// highest token this process has seen. This clock before Azure gave a time.
+    fn start(&self) -> u64 {
+        let clock = self.clock.at_most_on_landing(self.config.command_timeout);
+        clock
+            .unwrap_or_else(epoch_micros)
+            .max(self.fence_floor.load(Ordering::Relaxed))
     }
 
     /// Records a token read or written, for [`next_fence`]'s floor.
@@ -221,12 +268,23 @@ impl Inner {
             // Armed while a lease call is unanswered or a granted lease is not handed
             // over: dropping it (an error, the wait over, this future dropped) releases
             // what the token may hold.
-            let mut in_flight =
-                InFlight::new(self.clone(), blob.clone(), lease_id(&fresh_token()?));
+            let held = Held {
+                blob: blob.clone(),
+                grant: None,
+            };
+            let mut in_flight = InFlight::new(self.clone(), held, lease_id(&fresh_token()?));
             match self.attempt(&blob, &mut in_flight, cap).await {
-                Ok(Attempt::Granted { fence, sent_at }) => {
+                Ok(Attempt::Granted {
+                    fence,
+                    etag,
+                    sent_at,
+                }) => {
                     let token = in_flight.granted();
-                    return Ok(ttl::grant(&self, blob, token, Some(fence), sent_at));
+                    let held = Held {
+                        blob,
+                        grant: Some((fence, etag)),
+                    };
+                    return Ok(ttl::grant(&self, held, token, Some(fence), sent_at));
                 }
                 Ok(Attempt::Held) => failing = None,
                 Err(AttemptError::WaitOver) => return Err(self.wait_over(failing)),
@@ -277,7 +335,7 @@ impl Inner {
         }
         let read = properties.etag()?;
         let metadata = properties.metadata()?;
-        let fence = next_fence(&metadata, self.fence_floor.load(Ordering::Relaxed))?;
+        let fence = next_fence(&metadata, self.start())?;
         if metadata.contains_key(FENCE) {
             self.saw_fence(fence - 1);
         }
@@ -317,9 +375,17 @@ impl Inner {
             }),
         );
         match self.bounded(cap, write).await? {
-            Ok(_) => {
+            Ok(written) => {
                 self.saw_fence(fence);
-                Ok(Attempt::Granted { fence, sent_at })
+                let etag = written
+                    .headers()
+                    .get_optional_str(&HeaderName::from_static("etag"))
+                    .map(Etag::from);
+                Ok(Attempt::Granted {
+                    fence,
+                    etag,
+                    sent_at,
+                })
             }
             // Broken or changed in between: the grant does not count, and the guard
             // gives back the lease if it is still ours.
@@ -423,8 +489,88 @@ impl From<azure_core::Error> for AttemptError {
     }
 }
 
+impl Inner {
+    /// One release attempt. The blob goes with the lease (`Delete Blob` with the lease
+    /// id) once Azure's clock is surely past its token: a later blob of the key then
+    /// starts above it ([`Self::start`]). Until then the lease is released, and the
+    /// blob is deleted once the clock is past, if it is unleased and unchanged since
+    /// the grant's write by then (`If-Match`).
+    async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
+        let blob = &held.blob;
+        match &held.grant {
+            Some((fence, _)) if self.clock.is_past(*fence) => {
+                let options = BlobClientDeleteOptions {
+                    lease_id: Some(token.to_owned()),
+                    ..Default::default()
+                };
+                self.give_back_by("delete", blob.delete(Some(options)))
+                    .await
+            }
+            grant => {
+                let release = blob.release_lease(token.to_owned(), None);
+                let given_back = self.give_back_by("lease release", release).await;
+                if let (GiveBack::Cleared, Some((fence, Some(etag)))) = (&given_back, grant) {
+                    if let Some(due) = self.clock.surely_past(*fence) {
+                        let command_timeout = self.config.command_timeout;
+                        let (blob, etag) = (blob.clone(), etag.clone());
+                        tokio::spawn(delete_released(blob, etag, due, command_timeout));
+                    }
+                }
+                given_back
+            }
+        }
+    }
+
+    /// A release by `call`, bounded by the command timeout.
+    async fn give_back_by<T>(
+        &self,
+        what: &str,
+        call: impl Future<Output = azure_core::Result<T>>,
+    ) -> GiveBack {
+        match timeout(self.config.command_timeout, call).await {
+            Ok(Ok(_)) => GiveBack::Cleared,
+            Ok(Err(error))
+                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
+            {
+                GiveBack::NotOurs
+            }
+            Ok(Err(error)) => {
+                tracing::debug!(%error, "azure blob {what} failed");
+                GiveBack::NoAnswer
+            }
+            Err(_) => {
+                tracing::debug!("azure blob {what} timed out");
+                GiveBack::NoAnswer
+            }
+        }
+    }
+}
+
+/// Deletes a released blob at `due`, when Azure's clock is surely past its token, if
+/// it is still as the grant left it (`If-Match: etag`; a new grant rewrites the
+/// metadata) and unleased (Azure refuses to delete a leased blob without its lease
+/// id). Sent again while unanswered, up to [`DELETE_TRIES`] times.
+async fn delete_released(blob: Arc<BlobClient>, etag: Etag, due: Instant, limit: Duration) {
+    sleep_until(due).await;
+    for _ in 0..DELETE_TRIES {
+        let options = BlobClientDeleteOptions {
+            if_match: Some(etag.clone()),
+            ..Default::default()
+        };
+        match timeout(limit, blob.delete(Some(options))).await {
+            Ok(Ok(_)) => return,
+            // Refused: changed, leased or gone.
+            Ok(Err(error)) if status(&error).is_some_and(|status| status.is_client_error()) => {
+                return
+            }
+            Ok(Err(error)) => tracing::debug!(%error, "azure blob delete after release failed"),
+            Err(_) => tracing::debug!("azure blob delete after release timed out"),
+        }
+    }
+}
+
 impl TtlBackend for Inner {
-    type Target = Arc<BlobClient>;
+    type Target = Held;
 
     fn timing(&self) -> Timing {
         Timing::new(self.config.lease, self.drift, self.config.command_timeout)
@@ -432,13 +578,14 @@ impl TtlBackend for Inner {
 
     async fn renew(
         &self,
-        blob: &Arc<BlobClient>,
+        held: &Held,
         token: &str,
         _ttl: Duration,
         _sent: Instant,
         limit: Instant,
     ) -> Renewal {
-        match timeout_at(limit, blob.renew_lease(token.to_owned(), None)).await {
+        let renew = held.blob.renew_lease(token.to_owned(), None);
+        match timeout_at(limit, renew).await {
             Ok(Ok(_)) => Renewal::Renewed,
             // Another lease id, a broken or released lease, or no blob any more.
             Ok(Err(error))
@@ -450,24 +597,8 @@ impl TtlBackend for Inner {
         }
     }
 
-    async fn try_give_back(&self, blob: &Arc<BlobClient>, token: &str) -> GiveBack {
-        let release = blob.release_lease(token.to_owned(), None);
-        match timeout(self.config.command_timeout, release).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error))
-                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
-            {
-                GiveBack::NotOurs
-            }
-            Ok(Err(error)) => {
-                tracing::debug!(%error, "azure blob lease release failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("azure blob lease release timed out");
-                GiveBack::NoAnswer
-            }
-        }
+    async fn try_give_back(&self, held: &Held, token: &str) -> GiveBack {
+        self.give_back(held, token).await
     }
 
     fn engine(&self) -> &'static str {

@@ -55,9 +55,9 @@
 //! instead (Azure advises against names ending with a dot). Distinct (name, key) pairs
 //! never share a blob, and no blob name is longer than the prefix plus 261 bytes. The
 //! prefix (default [`DEFAULT_PREFIX`], `"keyed-lock/"`, at most 512 bytes) gets a
-//! trailing `/` if it has none. [`AzureBlobBackend::blob_name`] computes a name. The
-//! blobs stay after use (one small blob per key ever locked, with its token); deleting
-//! them is safe when no lock is held (see [what a deletion does](#blobs-deleted-by-hand)).
+//! trailing `/` if it has none. [`AzureBlobBackend::blob_name`] computes a name. A
+//! released key's blob is deleted (see Release below): the container keeps a blob
+//! only for a key held, waited for, or released within the [`record_window`].
 //!
 //! # How a key is held
 //!
@@ -79,7 +79,10 @@
 //!   one conditional request, so the tokens of one blob strictly increase from holder
 //!   to holder (a holder whose write failed or went unanswered never uses its token;
 //!   the next one counts on from whatever was written). A blob without a counter (new,
-//!   or deleted and made again) starts from the writer's clock in microseconds.
+//!   or deleted and made again) starts from Azure's clock in microseconds, at the most
+//!   it can read when the write lands (the write counts as landed or lost two command
+//!   timeouts after it was sent). This process knows that clock from the `Date` of
+//!   Azure's answers: an interval, narrowed by every answer, that surely holds it.
 //! - **Wait.** Azure has no notification of a released lease: a waiter polls, after
 //!   a jittered pause that doubles from 10 ms up to the
 //!   [`poll_interval`](AzureBlobBackendBuilder::poll_interval), until the request's
@@ -97,9 +100,14 @@
 //!   deleted blob): never later than its own deadline.
 //! - **Renewal.** Every lease/3, a renew-lease call with the lease id; retried every
 //!   lease/12 while unanswered. It stops when the lease is released, dropped or lost.
-//! - **Release.** A release-lease call: the key is free at once for the next poll. If
-//!   Azure cannot be reached within the command timeout, the release is retried in
-//!   the background until the lease would have expired anyway.
+//! - **Release.** Once Azure's clock is surely past the token, a `Delete Blob` with
+//!   the lease id: the blob goes with the lease, and the next blob of the key, whoever
+//!   makes it, starts above every token of this one. Before that (a lease released
+//!   within about two command timeouts of its grant), a release-lease call, and the
+//!   blob is deleted in the background once the clock is past, if it is unleased and
+//!   unchanged since the grant (`If-Match`). Either way the key is free at once for
+//!   the next poll. If Azure cannot be reached within the command timeout, the
+//!   release is retried in the background until the lease would have expired anyway.
 //! - **Cancel safety.** From the moment the acquire-lease call is sent, a guard
 //!   releases the lease if the acquisition ends without handing it over (an error, the
 //!   wait over, the acquire future dropped at any await, an answer that never came).
@@ -133,7 +141,8 @@
 //! | renewal | every lease/3 after the last answered one; retried every lease/12 while unanswered |
 //! | a holder counts its lease lost | send time of the last answered acquire or renewal + lease − drift margin (default 1% of the lease + 2 ms), or at the first renewal refused |
 //! | Azure frees a stopped holder's blob | one lease after it received the last acquire or renewal |
-//! | one call (read, create, acquire, metadata write, renew, release) | at most the command timeout (default 2 s); an attempt is three calls (five the first time a key is used) |
+//! | one call (read, create, acquire, metadata write, renew, release, delete) | at most the command timeout (default 2 s); an attempt is three calls (five on a key without a blob) |
+//! | a released key's blob is deleted | within the [`record_window`]: two seconds and six command timeouts (14 s by default) |
 //! | one acquisition | ends with its wait, or one command timeout after its last attempt started if that is later (a zero wait tries once); transient failures tried again within it |
 //! | a lost container | made again by the next attempt (two more calls); while Azure still deletes it, attempts fail and the wait goes on |
 //! | a waiter looks again | after a jittered pause doubling from 10 ms up to the poll interval (default 500 ms) |
@@ -146,8 +155,8 @@
 //!   for a while, less to hot keys under high request rates.
 //! - **Clock rate.** Validity is a duration measured on two clocks (this process's and
 //!   the storage service's); the drift margin must cover how much faster this clock
-//!   can run than Azure's over one lease. Wall clocks are compared only for the first
-//!   token of a blob without a counter.
+//!   can run than Azure's over one lease (and the interval that holds Azure's clock
+//!   allows 1 %). No wall clocks of the instances are compared.
 //! - **A stalled holder.** A holder whose process pauses past its lease loses the key
 //!   to the next waiter; it learns it from [`LeaseSignal::is_lost`](crate::LeaseSignal::is_lost)
 //!   at its next look (by the clock alone), not before. Use the fencing token where a
@@ -167,14 +176,14 @@
 //! - <a id="blobs-deleted-by-hand"></a>**Blobs deleted by hand.** Deleting a blob
 //!   (Azure refuses while it is leased, unless the lease id is given) takes its
 //!   counter with it. The next grant makes the blob again and starts the counter from
-//!   the clock in microseconds, which is above every token issued before as long as
-//!   the old counter had not run ahead of the clock (fewer than a million grants per
-//!   second of the old blob's life) and the instances' clocks agree to within the time
-//!   since the old blob was made. The same holds for an account or container emptied,
-//!   deleted (the next attempt makes it again) or restored from a backup. On top of the
-//!   clock, a blob without a counter starts above the highest token this process has
-//!   read or written on any blob since it started: within one process tokens never go
-//!   back, even if its clock is stepped back. Keep the container for locks only.
+//!   Azure's clock, which is above every token issued before as long as the old
+//!   counter had not run ahead of that clock (fewer than a million grants per second
+//!   of the old blob's life) and the blob was deleted more than two command timeouts
+//!   after its last grant. The same holds for an account or container emptied,
+//!   deleted (the next attempt makes it again) or restored from a backup. On top of
+//!   the clock, a blob without a counter starts above the highest token this process
+//!   has read or written on any blob since it started: within one process tokens
+//!   never go back. Keep the container for locks only.
 //! - **Azurite is not Azure.** The tests run against Azurite, Microsoft's emulator
 //!   (its lease rules and conditional headers); Azure's own latency, throttling (503
 //!   "server busy", tried again within the wait) and failovers are not exercised.
@@ -213,10 +222,20 @@ use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 
 use self::names::{blob_name, with_slash, MAX_PREFIX_LEN};
 use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
+use crate::backend::server_clock::ServerClock;
 use crate::error::LockError;
 use crate::key::Key;
 
 pub use self::lease::AzureBlobLockError;
+
+/// How long after a release a released key's blob may stay, with a
+/// [`command_timeout`](AzureBlobBackendBuilder::command_timeout) of `command_timeout`:
+/// until Azure's clock is surely past the blob's token (at most two command timeouts
+/// and the clock's doubt, under a second once Azure answered at different moments of
+/// its second), and three tries of the delete.
+pub fn record_window(command_timeout: Duration) -> Duration {
+    Duration::from_secs(2) + 6 * command_timeout
+}
 
 /// The default [`AzureBlobBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -290,6 +309,8 @@ struct Inner {
     /// blob without a counter (new, deleted, or in a container made again) starts
     /// above it as well as above the clock.
     fence_floor: AtomicU64,
+    /// Azure's clock, from the `Date` of its answers.
+    clock: ServerClock,
 }
 
 /// Why [`AzureBlobBackendBuilder::build`] failed.
@@ -546,6 +567,7 @@ impl AzureBlobBackendBuilder {
                 drift,
                 lease_secs,
                 fence_floor: AtomicU64::new(0),
+                clock: ServerClock::default(),
             }),
         })
     }
@@ -652,19 +674,17 @@ mod tests {
     }
 
     #[test]
-    fn the_fence_counts_on_or_starts_from_the_clock() {
+    fn the_fence_counts_on_or_starts_after_the_start() {
         use std::collections::HashMap;
         let stored = HashMap::from([(metadata::FENCE.to_owned(), "41".to_owned())]);
         assert_eq!(lease::next_fence(&stored, 0).unwrap(), 42);
-        // A counter counts on, whatever the floor.
+        // A counter counts on, wherever a new blob would start.
         assert_eq!(lease::next_fence(&stored, u64::MAX / 2).unwrap(), 42);
-        let fresh = lease::next_fence(&HashMap::new(), 0).unwrap();
-        assert!(fresh > 1_700_000_000_000_000, "{fresh}");
-        // A blob without a counter starts above the floor if the clock is behind it.
-        let ahead = u64::MAX / 2;
+        // A blob without a counter starts after the start.
+        let start = 1_800_000_000_000_000;
         assert_eq!(
-            lease::next_fence(&HashMap::new(), ahead).unwrap(),
-            ahead + 1
+            lease::next_fence(&HashMap::new(), start).unwrap(),
+            start + 1
         );
         let garbage = HashMap::from([(metadata::FENCE.to_owned(), "x".to_owned())]);
         assert!(lease::next_fence(&garbage, 0).is_err());

@@ -115,11 +115,11 @@ pub(super) fn epoch_seconds(ahead: Duration) -> String {
 }
 
 /// Wall-clock microseconds since the epoch: where a new fence counter starts.
-pub(super) fn epoch_micros() -> String {
+pub(super) fn epoch_micros() -> u64 {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
-    now.as_micros().to_string()
+    u64::try_from(now.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// Whole milliseconds, at least 1.

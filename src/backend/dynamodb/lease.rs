@@ -3,14 +3,17 @@
 //! conditional writes. The life cycle around them is the engine's (`backend::ttl`).
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_dynamodb::error::SdkError;
+use aws_sdk_dynamodb::operation::delete_item::builders::DeleteItemFluentBuilder;
+use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
-use tokio::time::{sleep, timeout, timeout_at, Instant};
+use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
 
 use super::holder;
 use super::item::{self, epoch_micros, epoch_seconds, millis, Holder};
@@ -25,6 +28,17 @@ use crate::LockError;
 
 /// The primary key of one lock item.
 pub(super) type ItemKey = Arc<HashMap<String, AttributeValue>>;
+
+/// A lock item as a lease (or an attempt that may have become one) holds it: its key,
+/// and the fencing token of the grant (`None` for an attempt whose answer never came).
+#[derive(Clone)]
+pub(super) struct Held {
+    item: ItemKey,
+    fence: Option<u64>,
+}
+
+/// How many times a deferred delete of a released item is sent while unanswered.
+const DELETE_TRIES: u32 = 3;
 
 /// The first pause of a waiter; pauses double from here up to `poll_interval`.
 const FIRST_POLL: Duration = Duration::from_millis(5);
@@ -132,14 +146,23 @@ impl Inner {
             // Armed until the answer is known: if it never comes (error, timeout, or
             // this future dropped) the write may still have happened, and dropping
             // `in_flight` gives the token's hold back.
-            let mut in_flight = InFlight::new(self.clone(), item.clone(), fresh_token()?);
+            let held = Held {
+                item: item.clone(),
+                fence: None,
+            };
+            let mut in_flight = InFlight::new(self.clone(), held, fresh_token()?);
             in_flight.sent(sent_at);
             let attempt = self.attempt(&item, in_flight.token(), stale.as_deref());
             match timeout_at(limit, attempt).await {
                 Ok(Ok(Attempt::Granted { fence })) => {
                     self.watched.forget(&id);
+                    self.fence_floor.fetch_max(fence, Ordering::Relaxed);
                     let token = in_flight.granted();
-                    return Ok(ttl::grant(&self, item, token, Some(fence), sent_at));
+                    let held = Held {
+                        item,
+                        fence: Some(fence),
+                    };
+                    return Ok(ttl::grant(&self, held, token, Some(fence), sent_at));
                 }
                 Ok(Ok(Attempt::Held(holder))) => {
                     in_flight.answered();
@@ -200,6 +223,21 @@ impl Inner {
             .expression_attribute_values(":ttl", AttributeValue::N(self.ttl()))
     }
 
+    /// Where a new item's fence counter starts: the most DynamoDB's clock can read
+    /// when this write lands, at the latest two command timeouts after it is sent (a
+    /// write unanswered that long is counted as never landing). So it is above the
+    /// token of any item deleted before it lands (see [`Self::give_back`]). This
+    /// clock before DynamoDB gave a time; and never below a token this process was
+    /// granted.
+    fn seed(&self) -> String {
+        let clock = self
+            .endpoint
+            .clock
+            .at_most_on_landing(self.config.command_timeout);
+        let floor = self.fence_floor.load(Ordering::Relaxed);
+        clock.unwrap_or_else(epoch_micros).max(floor).to_string()
+    }
+
     /// The TTL attribute's value for a write now: generously past the lease.
     fn ttl(&self) -> String {
         epoch_seconds(self.config.lease + self.config.item_ttl)
@@ -232,7 +270,7 @@ impl Inner {
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .expression_attribute_values(":rvn", AttributeValue::S(fresh_rvn()?))
             .expression_attribute_values(":lease", AttributeValue::N(millis(self.config.lease)))
-            .expression_attribute_values(":seed", AttributeValue::N(epoch_micros()))
+            .expression_attribute_values(":seed", AttributeValue::N(self.seed()))
             .expression_attribute_values(":one", AttributeValue::N("1".into()))
             .return_values(ReturnValue::UpdatedNew)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
@@ -284,6 +322,55 @@ impl Inner {
         }
     }
 
+    /// One release attempt. The item goes with the lease once DynamoDB's clock is
+    /// surely past its fence counter: a later item of the key then starts above it
+    /// ([`Self::seed`]). Until then the owner is cleared and the item is deleted once
+    /// the clock is past, if nobody holds it by then.
+    async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
+        let clock = &self.endpoint.clock;
+        if held.fence.is_some_and(|fence| clock.is_past(fence)) {
+            return self.delete_held(&held.item, token).await;
+        }
+        let cleared = self.clear_owner(&held.item, token).await;
+        if !matches!(cleared, GiveBack::NoAnswer) {
+            // An attempt's item (fence unknown) has a fence below this at most.
+            let fence = held
+                .fence
+                .or_else(|| clock.at_most_on_landing(self.config.command_timeout));
+            if let Some(due) = fence.and_then(|fence| clock.surely_past(fence)) {
+                let deleter = Deleter {
+                    client: self.client.clone(),
+                    table: self.layout.table.clone(),
+                    endpoint: self.endpoint.clone(),
+                    command_timeout: self.config.command_timeout,
+                };
+                tokio::spawn(deleter.delete_released(held.item.clone(), due));
+            }
+        }
+        cleared
+    }
+
+    /// Deletes the item if `token` holds it.
+    async fn delete_held(&self, item: &ItemKey, token: &str) -> GiveBack {
+        let delete = delete(&self.client, &self.layout.table, item)
+            .condition_expression("#owner = :token")
+            .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
+            .send();
+        match timeout(self.config.command_timeout, delete).await {
+            Ok(Ok(_)) => GiveBack::Cleared,
+            Ok(Err(error)) if is_delete_refused(&error) => GiveBack::NotOurs,
+            Ok(Err(error)) => {
+                let error = aws_sdk_dynamodb::Error::from(error);
+                tracing::debug!(%error, "dynamodb lock release (delete) failed");
+                GiveBack::NoAnswer
+            }
+            Err(_) => {
+                tracing::debug!("dynamodb lock release (delete) timed out");
+                GiveBack::NoAnswer
+            }
+        }
+    }
+
     /// One release attempt: clears the owner if `token` still holds the key.
     async fn clear_owner(&self, item: &ItemKey, token: &str) -> GiveBack {
         let release = self
@@ -308,6 +395,57 @@ impl Inner {
     }
 }
 
+/// A delete of the lock item `item`.
+fn delete(
+    client: &aws_sdk_dynamodb::Client,
+    table: &str,
+    item: &ItemKey,
+) -> DeleteItemFluentBuilder {
+    client
+        .delete_item()
+        .table_name(table)
+        .set_key(Some(HashMap::clone(item)))
+        .expression_attribute_names("#owner", item::OWNER)
+}
+
+/// What a delete after a release needs, apart from the backend.
+struct Deleter {
+    client: aws_sdk_dynamodb::Client,
+    table: String,
+    endpoint: Arc<super::table::Endpoint>,
+    command_timeout: Duration,
+}
+
+impl Deleter {
+    /// Deletes a released item at `due`, when DynamoDB's clock is surely past its
+    /// fence, on the condition that nobody holds it and its fence is below that clock
+    /// still (a key granted again meanwhile keeps its item until its own release).
+    /// Sent again while unanswered, up to [`DELETE_TRIES`] times; an item left behind
+    /// goes with the table's TTL.
+    async fn delete_released(self, item: ItemKey, due: Instant) {
+        sleep_until(due).await;
+        for _ in 0..DELETE_TRIES {
+            let Some(now) = self.endpoint.clock.at_least(Instant::now()) else {
+                return;
+            };
+            let delete = delete(&self.client, &self.table, &item)
+                .condition_expression("attribute_not_exists(#owner) AND #fence < :now")
+                .expression_attribute_names("#fence", item::FENCE)
+                .expression_attribute_values(":now", AttributeValue::N(now.to_string()))
+                .send();
+            match timeout(self.command_timeout, delete).await {
+                Ok(Ok(_)) => return,
+                Ok(Err(error)) if is_delete_refused(&error) => return,
+                Ok(Err(error)) => {
+                    let error = aws_sdk_dynamodb::Error::from(error);
+                    tracing::debug!(%error, "dynamodb delete of a released item failed");
+                }
+                Err(_) => tracing::debug!("dynamodb delete of a released item timed out"),
+            }
+        }
+    }
+}
+
 fn fresh_rvn() -> Result<String, CallError> {
     fresh_token().map_err(|error| match error {
         LockError::Backend(error) => CallError::local(error),
@@ -315,8 +453,14 @@ fn fresh_rvn() -> Result<String, CallError> {
     })
 }
 
+/// Whether a delete was refused for its condition or as invalid (a 4xx): nothing was
+/// deleted, and sending it again would not help.
+fn is_delete_refused(error: &SdkError<DeleteItemError>) -> bool {
+    matches!(error, SdkError::ServiceError(service) if service.raw().status().is_client_error())
+}
+
 impl TtlBackend for Inner {
-    type Target = ItemKey;
+    type Target = Held;
 
     fn timing(&self) -> Timing {
         Timing::new(self.config.lease, self.drift, self.config.command_timeout)
@@ -325,21 +469,21 @@ impl TtlBackend for Inner {
 
     async fn renew(
         &self,
-        item: &ItemKey,
+        held: &Held,
         token: &str,
         _ttl: Duration,
         _sent: Instant,
         limit: Instant,
     ) -> Renewal {
-        match timeout_at(limit, self.write_new_version(item, token)).await {
+        match timeout_at(limit, self.write_new_version(&held.item, token)).await {
             Ok(Ok(true)) => Renewal::Renewed,
             Ok(Ok(false)) => Renewal::NotOurs,
             Ok(Err(_)) | Err(_) => Renewal::Unknown,
         }
     }
 
-    async fn try_give_back(&self, item: &ItemKey, token: &str) -> GiveBack {
-        self.clear_owner(item, token).await
+    async fn try_give_back(&self, held: &Held, token: &str) -> GiveBack {
+        self.give_back(held, token).await
     }
 
     fn engine(&self) -> &'static str {

@@ -66,10 +66,14 @@
 //! - **Renewal.** While held, a task writes a new record version every lease/3 with an
 //!   update conditional on the owner token, and stops when the lease is released,
 //!   dropped or lost.
-//! - **Release.** An update conditional on the owner token that removes the owner,
-//!   version and lease (the item, with its fence counter, stays). If DynamoDB cannot be
-//!   reached within the command timeout, the release is retried in the background for a
-//!   lease; after that, waiters take the key over.
+//! - **Release.** A delete conditional on the owner token, once DynamoDB's clock is
+//!   surely past the item's fence counter (see [Fencing tokens](#fencing-tokens)).
+//!   Before that (a lease released within about two command timeouts of its grant),
+//!   an update conditional on the owner token removes the owner, version and lease,
+//!   and the item is deleted in the background once the clock is past, on the
+//!   condition that nobody holds it by then. If DynamoDB cannot be reached within the
+//!   command timeout, the release is retried in the background for a lease; after
+//!   that, waiters take the key over.
 //! - **Errors.** Throttling (`ProvisionedThroughputExceeded`, `RequestLimitExceeded`,
 //!   `ThrottlingException`), DynamoDB's own failures (5xx) and calls that got no answer
 //!   (the endpoint unreachable, a broken connection, the command timeout) are retried
@@ -89,16 +93,27 @@
 //!
 //! # Fencing tokens
 //!
-//! The fence counter is set with `if_not_exists(lock_fence, :seed) + 1`, where the seed
-//! is the writer's wall clock in microseconds: tokens grow by one per grant while the
-//! item exists. The item is never deleted by this crate, only cleared, so the counter
-//! survives releases. The table's TTL deletes an item
-//! [`item_ttl`](DynamoDbBackendBuilder::item_ttl) (default one day) after its last
-//! write; a later grant starts again from the then wall clock in microseconds, which is
-//! above every token the old item gave unless the clocks of the instances disagree by
-//! more than `item_ttl`. On a table without TTL enabled items stay, and counters never
-//! restart.
+//! The fence counter is set with `if_not_exists(lock_fence, :seed) + 1`: tokens grow
+//! by one per grant while the item exists. A new item's seed is DynamoDB's clock in
+//! microseconds, at the most it can read when the write lands (the write counts as
+//! landed or lost two command timeouts after it was sent). This process knows that
+//! clock from the `Date` of DynamoDB's answers: an interval, narrowed by every answer,
+//! that surely holds it. An item is deleted only once the bottom of that interval is
+//! past its fence counter, so the next item of the key, whoever makes it, starts above
+//! every token of the deleted one, with no comparison of the instances' own clocks.
+//! Before DynamoDB's first answer a seed is this machine's clock. A seed is also above
+//! every token this process was granted, so an item deleted by hand (or by the table's
+//! TTL) never sends this process's tokens back.
 //!
+//! So the table keeps an item only for a key held, waited for, or released within the
+//! [`record_window`] (two seconds and six command timeouts, 8 s by default). An item
+//! left behind (its holder crashed, or the delete never got an answer) stays until
+//! the key is locked and released again, or until the table's TTL deletes it
+//! [`item_ttl`](DynamoDbBackendBuilder::item_ttl) (default one day) after its last
+//! write, outside this crate: a later grant starts again from DynamoDB's clock, which
+//! is above every token of the old item unless that item counted more than a million
+//! grants a second.
+
 //! # The item
 //!
 //! A layer named `name` locks request key `key` in the item whose partition key
@@ -136,7 +151,7 @@
 //!
 //! The table needs the partition key (and sort key, if configured) as strings, and TTL
 //! on the TTL attribute ([`ttl_attribute`](DynamoDbBackendBuilder::ttl_attribute),
-//! default `ttl`) to clean up items of keys no longer used.
+//! default `ttl`) to clean up items left behind by crashed holders.
 //! [`DynamoDbBackendBuilder::create_table`] creates such a table (on-demand capacity)
 //! for tests and local use.
 //!
@@ -181,6 +196,16 @@ pub const DEFAULT_PREFIX: &str = "keyed-lock:";
 pub const DEFAULT_PARTITION_KEY: &str = "pk";
 /// The default [`DynamoDbBackendBuilder::ttl_attribute`].
 pub const DEFAULT_TTL_ATTRIBUTE: &str = "ttl";
+/// How long after a release a released key's item may stay, with a
+/// [`command_timeout`](DynamoDbBackendBuilder::command_timeout) of `command_timeout`:
+/// until DynamoDB's clock is surely past the item's fence counter (at most two
+/// command timeouts and the clock's doubt, under a second once DynamoDB answered at
+/// different moments of its second), and three tries of the delete. See
+/// [Fencing tokens](self#fencing-tokens).
+pub fn record_window(command_timeout: Duration) -> Duration {
+    Duration::from_secs(2) + 6 * command_timeout
+}
+
 /// The default [`DynamoDbBackendBuilder::item_ttl`].
 pub const DEFAULT_ITEM_TTL: Duration = Duration::from_secs(86_400);
 /// The shortest lease accepted: renewal runs every lease/3.
@@ -251,6 +276,9 @@ struct Inner {
     config: Config,
     drift: Duration,
     watched: watched::Watched,
+    /// The highest fencing token this process was granted: a new item starts above it
+    /// as well as above DynamoDB's clock.
+    fence_floor: std::sync::atomic::AtomicU64,
 }
 
 impl DynamoDbBackend {
@@ -474,6 +502,7 @@ impl DynamoDbBackendBuilder {
                 config,
                 drift,
                 watched: Default::default(),
+                fence_floor: Default::default(),
             }),
         })
     }

@@ -6,16 +6,21 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef;
+use aws_sdk_dynamodb::config::interceptors::{
+    BeforeDeserializationInterceptorContextRef, BeforeTransmitInterceptorContextRef,
+};
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
+use aws_sdk_dynamodb::primitives::{DateTime, DateTimeFormat};
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType, TableStatus,
     TimeToLiveSpecification,
 };
 use aws_sdk_dynamodb::Client;
+use aws_smithy_types::config_bag::{Storable, StoreReplace};
 use tokio::time::{sleep, timeout, Instant};
 
 use super::item::Layout;
+use crate::backend::server_clock::ServerClock;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 use crate::backend::located::with_cause;
@@ -76,10 +81,13 @@ pub(super) const ENGINE: &str = "DynamoDB";
 /// request it was about to send (the resolved endpoint: AWS's regional one, a local
 /// DynamoDB, a proxy), read by an interceptor since the SDK's config does not tell it;
 /// before any request, `region <name>`.
+///
+/// The same interceptor reads DynamoDB's clock from the `Date` of every answer.
 #[derive(Debug)]
 pub(super) struct Endpoint {
     seen: std::sync::Mutex<Option<String>>,
     region: Option<String>,
+    pub(super) clock: ServerClock,
 }
 
 impl Endpoint {
@@ -88,6 +96,7 @@ impl Endpoint {
         let endpoint = Arc::new(Endpoint {
             seen: std::sync::Mutex::new(None),
             region: client.config().region().map(|region| region.to_string()),
+            clock: ServerClock::default(),
         });
         let config = client
             .config()
@@ -112,6 +121,14 @@ impl Endpoint {
 #[derive(Debug)]
 struct Recorder(Arc<Endpoint>);
 
+/// When a request's attempt went out, kept in its config bag until the answer.
+#[derive(Clone, Copy, Debug)]
+struct SentAt(tokio::time::Instant);
+
+impl Storable for SentAt {
+    type Storer = StoreReplace<Self>;
+}
+
 impl Intercept for Recorder {
     fn name(&self) -> &'static str {
         "tower_keyed_lock::EndpointRecorder"
@@ -121,8 +138,10 @@ impl Intercept for Recorder {
         &self,
         context: &BeforeTransmitInterceptorContextRef<'_>,
         _components: &RuntimeComponents,
-        _cfg: &mut ConfigBag,
+        cfg: &mut ConfigBag,
     ) -> Result<(), BoxError> {
+        cfg.interceptor_state()
+            .store_put(SentAt(tokio::time::Instant::now()));
         let uri = context.request().uri();
         // The scheme and authority only: never a path or a query.
         let end = uri
@@ -141,6 +160,25 @@ impl Intercept for Recorder {
         let mut seen = self.0.seen.lock().unwrap_or_else(|e| e.into_inner());
         if seen.as_deref() != Some(&*authority) {
             *seen = Some(authority);
+        }
+        Ok(())
+    }
+
+    fn read_before_deserialization(
+        &self,
+        context: &BeforeDeserializationInterceptorContextRef<'_>,
+        _components: &RuntimeComponents,
+        cfg: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        let received = tokio::time::Instant::now();
+        let date = context
+            .response()
+            .headers()
+            .get("date")
+            .and_then(|date| DateTime::from_str(date, DateTimeFormat::HttpDate).ok())
+            .and_then(|date| u64::try_from(date.secs()).ok());
+        if let (Some(secs), Some(SentAt(sent))) = (date, cfg.load::<SentAt>()) {
+            self.0.clock.observe(secs, *sent, received);
         }
         Ok(())
     }
