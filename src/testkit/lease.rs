@@ -9,7 +9,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::isolated::Isolated;
-use super::{instance, Deployment, PATIENCE};
+use super::mutual::eventually_free;
+use super::{instance, within, Deployment, PATIENCE};
 use crate::backend::LostReason;
 use crate::{DistributedGuard, LockError};
 
@@ -106,6 +107,42 @@ pub async fn a_crashed_holder_is_taken_over<D: Deployment>(deployment: &D) {
     };
     tracing::info!(took = ?crashed.elapsed(), "conformance: a crashed holder's key taken over");
     taken.release().await;
+}
+
+/// A holder keeps its key past a renewal, then releases it: nothing of that lease
+/// renews the key afterwards (a renewal that outlives its release is a bug large
+/// clients have shipped). Another instance then holds the key for a whole loss bound
+/// without being told its lease is lost; once it releases, the key is free to either
+/// instance, and still is a third of a loss bound later.
+pub async fn a_released_lease_is_never_renewed<D: Deployment>(deployment: &D) {
+    let a = instance(deployment, "conformance-renewed").await;
+    let b = instance(deployment, "conformance-renewed").await;
+    let loss_bound = deployment.loss_bound();
+    let held = within("a free key's lock", a.lock("k"))
+        .await
+        .expect("conformance: the first instance takes a free key");
+    // Past the first renewal (a lease is renewed every third of it).
+    tokio::time::sleep(loss_bound / 2).await;
+    assert!(
+        !held.is_lost(),
+        "conformance: a held lease was lost within half the loss bound"
+    );
+    within("a release", held.release()).await;
+    let next = within("the next holder", b.lock_timeout("k", PATIENCE))
+        .await
+        .expect("conformance: a released key is free to another instance");
+    // Any renewal of the released lease would land within this time.
+    tokio::time::sleep(loss_bound).await;
+    assert!(
+        !next.is_lost(),
+        "conformance: the next holder lost its lease while a released one could renew"
+    );
+    within("a release", next.release()).await;
+    let limit = (loss_bound / 2).max(Duration::from_millis(100));
+    for locks in [&a, &b] {
+        eventually_free(locks, "k", limit, loss_bound * 9 / 10).await;
+        tokio::time::sleep(loss_bound / 3).await;
+    }
 }
 
 /// Polls `future` to its end on this thread, without driving any runtime.

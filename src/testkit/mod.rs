@@ -68,6 +68,7 @@
 //! | [`dropped_acquisitions_leave_nothing_held`] | a cancelled acquisition, at any point, leaves the key free |
 //! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone, for the reason `Expired` |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
+//! | [`a_released_lease_is_never_renewed`] | no renewal of a released lease touches the key: the next holder keeps its lease for a whole loss bound, and the key is free after its release |
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
 //! | [`health_answers`] | the health check of a reachable engine is healthy with a round trip, from several instances at once, and leaves nothing held |
 //! | [`the_holder_is_read_without_taking_the_key`] | [`DistributedLocks::holder`] is `None` for a free key, names the holder's instance id and fencing token while held, `None` after the release, and never takes or keeps the key |
@@ -107,7 +108,10 @@ use tokio::task::JoinHandle;
 pub use self::footprint::{released_keys_leave_no_records, FOOTPRINT_KEYS, MOST_RECORDS_AT_REST};
 pub use self::health::health_answers;
 pub use self::holder::the_holder_is_read_without_taking_the_key;
-pub use self::lease::{a_crashed_holder_is_taken_over, a_stalled_holder_sees_its_lease_lost};
+pub use self::lease::{
+    a_crashed_holder_is_taken_over, a_released_lease_is_never_renewed,
+    a_stalled_holder_sees_its_lease_lost,
+};
 pub use self::modes::{
     a_crashed_permit_comes_back, a_waiting_writer_is_not_starved, a_writer_excludes_everyone,
     at_most_n_permit_holders, dropped_shared_and_permit_acquisitions_leave_nothing_held,
@@ -154,7 +158,7 @@ pub trait Deployment: Send + Sync {
 }
 
 /// The names of the checks [`run_all`] runs, in its order.
-pub const CHECKS: [&str; 11] = [
+pub const CHECKS: [&str; 12] = [
     "one_holder_at_a_time",
     "busy_and_timeout",
     "release_hands_over",
@@ -162,6 +166,7 @@ pub const CHECKS: [&str; 11] = [
     "dropped_acquisitions_leave_nothing_held",
     "a_stalled_holder_sees_its_lease_lost",
     "a_crashed_holder_is_taken_over",
+    "a_released_lease_is_never_renewed",
     "several_keys_all_or_nothing",
     "health_answers",
     "the_holder_is_read_without_taking_the_key",
@@ -177,6 +182,7 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     dropped_acquisitions_leave_nothing_held(deployment).await;
     a_stalled_holder_sees_its_lease_lost(deployment).await;
     a_crashed_holder_is_taken_over(deployment).await;
+    a_released_lease_is_never_renewed(deployment).await;
     several_keys_all_or_nothing(deployment).await;
     health_answers(deployment).await;
     the_holder_is_read_without_taking_the_key(deployment).await;

@@ -81,6 +81,7 @@ macro_rules! conformance {
                 dropped_acquisitions_leave_nothing_held,
                 a_stalled_holder_sees_its_lease_lost,
                 a_crashed_holder_is_taken_over,
+                a_released_lease_is_never_renewed,
                 several_keys_all_or_nothing,
                 health_answers,
             );
