@@ -17,6 +17,7 @@
 //! | [`WAITING`] | gauge: requests waiting now | |
 //! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
 //! | [`LEASE_LOST_TOTAL`] | counter (distributed backends) | `reason` = `unreachable` \| `expired` \| `not_owner` \| `shut_down` ([`LostReason`]) |
+//! | [`RENEWAL_FAILED_TOTAL`] | counter: lease renewals that went unanswered, lost lease or not ([`LeaseSignal::renewal_failures`](crate::LeaseSignal::renewal_failures)), added when the hold ends | |
 //!
 //! Handles are registered once per layer (or locks), on its first request, so a recorder
 //! installed after the router was built but before it serves is still used.
@@ -38,6 +39,7 @@
 //! | `keyed_lock_waiting` | `keyed_lock.waiting` |
 //! | `keyed_lock_keys` | `keyed_lock.keys` |
 //! | `keyed_lock_lease_lost_total` | `keyed_lock.lease.lost` |
+//! | `keyed_lock_renewal_failed_total` | `keyed_lock.renewal.failed` |
 //! | `keyed_lock_replayed_total` | `keyed_lock.replayed` |
 //! | `keyed_lock_stored_total` | `keyed_lock.stored` |
 //!
@@ -137,6 +139,7 @@ pub(crate) struct Names {
     pub(crate) waiting: &'static str,
     pub(crate) keys: &'static str,
     pub(crate) lease_lost: &'static str,
+    pub(crate) renewal_failed: &'static str,
     #[cfg(feature = "replay")]
     pub(crate) replayed: &'static str,
     #[cfg(feature = "replay")]
@@ -151,6 +154,7 @@ const PROMETHEUS: Names = Names {
     waiting: WAITING,
     keys: KEYS,
     lease_lost: LEASE_LOST_TOTAL,
+    renewal_failed: RENEWAL_FAILED_TOTAL,
     #[cfg(feature = "replay")]
     replayed: REPLAYED_TOTAL,
     #[cfg(feature = "replay")]
@@ -165,6 +169,7 @@ const OPENTELEMETRY: Names = Names {
     waiting: "keyed_lock.waiting",
     keys: "keyed_lock.keys",
     lease_lost: "keyed_lock.lease.lost",
+    renewal_failed: "keyed_lock.renewal.failed",
     #[cfg(feature = "replay")]
     replayed: "keyed_lock.replayed",
     #[cfg(feature = "replay")]
@@ -185,6 +190,9 @@ pub const WAITING: &str = "keyed_lock_waiting";
 pub const KEYS: &str = "keyed_lock_keys";
 /// Counter of leases lost while held (distributed backends).
 pub const LEASE_LOST_TOTAL: &str = "keyed_lock_lease_lost_total";
+/// Counter of lease renewals that went unanswered (distributed backends), added when
+/// the hold ends.
+pub const RENEWAL_FAILED_TOTAL: &str = "keyed_lock_renewal_failed_total";
 /// Counter of responses replayed from the store (the replay layer).
 pub const REPLAYED_TOTAL: &str = "keyed_lock_replayed_total";
 /// Counter of responses written to the store (the replay layer).
@@ -222,6 +230,7 @@ pub(crate) struct Metrics {
     pub(crate) keys: Gauge,
     /// One per [`LostReason`], at its index.
     lease_lost: [Counter; 4],
+    renewal_failed: Counter,
 }
 
 impl Metrics {
@@ -244,6 +253,7 @@ impl Metrics {
             lease_lost: LostReason::ALL.map(|reason| {
                 metrics::counter!(n.lease_lost, "name" => name.clone(), "reason" => reason.as_str())
             }),
+            renewal_failed: metrics::counter!(n.renewal_failed, "name" => name.clone()),
         }
     }
 
@@ -251,8 +261,15 @@ impl Metrics {
         self.rejected.increment(kind);
     }
 
-    pub(crate) fn lease_lost(&self, reason: LostReason) {
-        self.lease_lost[reason.index()].increment(1);
+    /// What a distributed hold that ends records besides its time: the lease lost, if
+    /// it was, and its renewals that went unanswered.
+    pub(crate) fn lease_ended(&self, lost: Option<LostReason>, renewal_failures: u32) {
+        if let Some(reason) = lost {
+            self.lease_lost[reason.index()].increment(1);
+        }
+        if renewal_failures > 0 {
+            self.renewal_failed.increment(u64::from(renewal_failures));
+        }
     }
 }
 
@@ -274,6 +291,10 @@ fn describe(n: &Names) {
     metrics::describe_gauge!(n.waiting, "Requests waiting for a key now.");
     metrics::describe_gauge!(n.keys, "Keys with a holder or a waiter now.");
     metrics::describe_counter!(n.lease_lost, "Distributed leases lost while held.");
+    metrics::describe_counter!(
+        n.renewal_failed,
+        "Distributed lease renewals that went unanswered (the lease lost or not)."
+    );
 }
 
 #[cfg(test)]

@@ -536,6 +536,8 @@ struct Validity {
     /// A renewal went unanswered since the last one that was: if the deadline passes
     /// now, the engine was unreachable rather than this process late.
     unanswered: bool,
+    /// Renewals of this lease that went unanswered, answered ones between them or not.
+    renewal_failures: u32,
 }
 
 impl Validity {
@@ -578,6 +580,7 @@ impl LeaseSignal {
             lost: None,
             valid_until,
             unanswered: false,
+            renewal_failures: 0,
         });
         // The signal keeps a sender of its own, so that a shutdown can raise it (the
         // lease cut off at the deadline); the channel then never closes, and a released
@@ -616,6 +619,56 @@ impl LeaseSignal {
     pub fn lost_reason(&self) -> Option<LostReason> {
         let now = Instant::now();
         self.0.borrow().lost_reason_at(now)
+    }
+
+    /// Whether the lease's last renewal went unanswered (a timeout, a broken
+    /// connection) and none was answered since, while the lease is not lost: it still
+    /// holds until [`valid_until`](Self::valid_until), and the renewal is being tried
+    /// again. A time to finish or pause work that a loss would spoil. Engines that hold
+    /// a key by a session (PostgreSQL, MySQL) renew nothing: for them this stays false,
+    /// and a failed liveness check is a loss.
+    pub fn is_renewal_failing(&self) -> bool {
+        let now = Instant::now();
+        let validity = *self.0.borrow();
+        validity.unanswered && !validity.is_lost_at(now)
+    }
+
+    /// How many renewals of this lease went unanswered so far (the layer and
+    /// [`DistributedLocks`](crate::DistributedLocks) add them to
+    /// [`RENEWAL_FAILED_TOTAL`](crate::metrics::RENEWAL_FAILED_TOTAL) when the hold ends).
+    pub fn renewal_failures(&self) -> u32 {
+        self.0.borrow().renewal_failures
+    }
+
+    /// Resolves while [`is_renewal_failing`](Self::is_renewal_failing): at once if it
+    /// is, else when a renewal goes unanswered. Never resolves once the lease is lost
+    /// or released without a failing renewal: wait for [`lost`](Self::lost) beside it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel-safe: it only reads the signal.
+    pub async fn renewal_failed(&self) {
+        let mut receiver = self.0.clone();
+        loop {
+            let now = Instant::now();
+            let validity = *receiver.borrow_and_update();
+            if validity.is_lost_at(now) {
+                std::future::pending::<()>().await;
+            }
+            if validity.unanswered {
+                return;
+            }
+            let changed = match validity.valid_until {
+                Some(deadline) => tokio::select! {
+                    changed = receiver.changed() => changed,
+                    () = tokio::time::sleep_until(deadline) => Ok(()),
+                },
+                None => receiver.changed().await,
+            };
+            if changed.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     /// The instant the lease counts as lost unless renewed first; `None` if the
@@ -697,10 +750,12 @@ impl LeaseLostSender {
         let now = Instant::now();
         self.0.send_if_modified(|validity| {
             // Once lost, the reason readers may have seen stays.
-            if !validity.is_lost_at(now) {
-                validity.unanswered = true;
+            if validity.is_lost_at(now) {
+                return false;
             }
-            false // nothing a waiter needs to wake for
+            validity.unanswered = true;
+            validity.renewal_failures = validity.renewal_failures.saturating_add(1);
+            true // wakes `renewal_failed`
         });
     }
 
@@ -812,6 +867,7 @@ mod lease_signal_tests {
         lost: Option<LostReason>,
         deadline: Option<Instant>,
         unanswered: bool,
+        failures: u32,
     }
 
     impl Model {
@@ -847,6 +903,7 @@ mod lease_signal_tests {
                     lost: None,
                     deadline: Some(Instant::now() + Duration::from_millis(20)),
                     unanswered: false,
+                    failures: 0,
                 };
                 let mut seen: Option<LostReason> = None;
                 for step in steps {
@@ -869,6 +926,7 @@ mod lease_signal_tests {
                             sender.unanswered();
                             if model.reason(now).is_none() {
                                 model.unanswered = true;
+                                model.failures += 1;
                             }
                         }
                         (Step::Lose(reason), Some(sender)) => {
@@ -890,6 +948,11 @@ mod lease_signal_tests {
                     let expected = model.reason(Instant::now());
                     prop_assert_eq!(signal.lost_reason(), expected);
                     prop_assert_eq!(signal.is_lost(), expected.is_some());
+                    let failing = model.unanswered && expected.is_none();
+                    prop_assert_eq!(signal.is_renewal_failing(), failing);
+                    prop_assert_eq!(signal.renewal_failures(), model.failures);
+                    let told = futures_now(signal.renewal_failed());
+                    prop_assert_eq!(told, failing, "renewal_failed() disagrees with is_renewal_failing()");
                     if let Some(first) = seen {
                         prop_assert_eq!(signal.lost_reason(), Some(first), "a lost lease came back, or changed its reason");
                     }
@@ -910,6 +973,39 @@ mod lease_signal_tests {
         drop(sender);
         // Released after the deadline: it stays lost.
         assert!(signal.is_lost());
+    }
+
+    /// Whether `future` is ready at its first poll.
+    fn futures_now(future: impl std::future::Future<Output = ()>) -> bool {
+        let mut future = std::pin::pin!(future);
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        future.as_mut().poll(&mut context).is_ready()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unanswered_renewal_is_told_before_the_deadline() {
+        let (sender, signal) =
+            LeaseSignal::with_deadline(Instant::now() + Duration::from_millis(50));
+        let waiting = tokio::spawn({
+            let signal = signal.clone();
+            async move { signal.renewal_failed().await }
+        });
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert!(!waiting.is_finished());
+        sender.unanswered();
+        waiting.await.unwrap();
+        assert!(signal.is_renewal_failing() && !signal.is_lost());
+        // Answered again: no longer failing; the failure stays counted.
+        assert!(sender.extend(Instant::now() + Duration::from_millis(50)));
+        assert!(!signal.is_renewal_failing());
+        assert_eq!(signal.renewal_failures(), 1);
+        // Lost without a failing renewal: `renewal_failed` never resolves.
+        sender.lose(LostReason::NotOwner);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), signal.renewal_failed())
+                .await
+                .is_err()
+        );
     }
 
     #[tokio::test(start_paused = true)]

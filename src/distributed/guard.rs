@@ -144,9 +144,8 @@ impl DistributedGuard {
         }
         if let (Some(metrics), true) = (self.locks.metrics(), self.local.is_some()) {
             metrics.hold.record(self.since.elapsed());
-            if let Some(reason) = self.lost_reason() {
-                metrics.lease_lost(reason);
-            }
+            let failures = self.lease().map_or(0, LeaseSignal::renewal_failures);
+            metrics.lease_ended(self.lost_reason(), failures);
         }
     }
 

@@ -6,7 +6,7 @@ use std::time::Instant;
 use tracing::Span;
 
 use super::shared::Shared;
-use crate::backend::LostReason;
+use crate::backend::{LeaseSignal, LostReason};
 use crate::distributed::DistributedGuard;
 use crate::key::Key;
 use crate::locks::HashHold;
@@ -154,8 +154,9 @@ impl Drop for HeldKey {
                 }
             }
             Guard::Distributed(guard) => {
+                let failures = guard.lease().map_or(0, LeaseSignal::renewal_failures);
+                metrics.lease_ended(guard.lost_reason(), failures);
                 if let Some(reason) = guard.lost_reason() {
-                    metrics.lease_lost(reason);
                     tracing::warn!(
                         parent: self.span(),
                         layer = self.shared.name(),

@@ -241,6 +241,67 @@ async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
     }
 }
 
+/// Redis freezes (SIGSTOP) after a grant, past the first renewal: the holder's signal
+/// says the renewal failed while the lease still holds; once Redis is back, a renewal
+/// tried again is answered, the failure clears, and the lease was never lost. The hold
+/// counts its failed renewals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unanswered_renewal_is_told_while_the_lease_holds() {
+    let redis = RedisServer::start();
+    // Renewal at 2 s, each call bounded by 200 ms; the lease is lost at about 6 s.
+    let lease = Duration::from_secs(6);
+    let (gate, mut entered) = gate();
+    let backend = connect(&redis, |b| {
+        b.lease(lease).command_timeout(Duration::from_millis(200))
+    })
+    .await;
+    let layer = KeyedLockLayer::by_path("order_id")
+        .name("renewal-failed")
+        .backend(backend);
+    let server = Arc::new(serve(gated_router(gate.clone()).layer(layer)).await);
+    let failed_before = counter("keyed_lock_renewal_failed_total", "renewal-failed", &[]);
+
+    let (holder, info, _) = hold(&server, "/orders/9", &mut entered).await;
+    let signal = info.lease().expect("a distributed lease").clone();
+    redis.pause();
+    within(
+        "a failed renewal told",
+        lease / 3 + Duration::from_secs(2),
+        signal.renewal_failed(),
+    )
+    .await;
+    let told_lost = signal.is_lost();
+    let still_valid = signal.valid_until().map(|until| until - Instant::now());
+    redis.resume();
+    assert!(
+        !told_lost,
+        "the failed renewal was told only once the lease was lost"
+    );
+    assert!(signal.renewal_failures() >= 1);
+    until("a renewal answered again", || {
+        let signal = signal.clone();
+        async move { !signal.is_renewal_failing() }
+    })
+    .await;
+    assert!(
+        !signal.is_lost(),
+        "lost although Redis answered a renewal again (valid for {still_valid:?} more when the failure was told)"
+    );
+
+    gate.open_one();
+    let answer = within("the holder", Duration::from_secs(5), holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        (answer.status, &*answer.body),
+        (StatusCode::OK, "lost=false")
+    );
+    crate::support::eventually("the failed renewals are counted", || {
+        counter("keyed_lock_renewal_failed_total", "renewal-failed", &[]) > failed_before
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_deleted_key_is_a_lost_lease_within_one_renewal_period() {
     lease_lost_when(false, "lost-deleted").await;

@@ -3,6 +3,7 @@
 //! conditional writes. The life cycle around them is the engine's (`backend::ttl`).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -356,19 +357,8 @@ impl Inner {
             .condition_expression("#owner = :token")
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .send();
-        match timeout(self.config.command_timeout, delete).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error)) if is_delete_refused(&error) => GiveBack::NotOurs,
-            Ok(Err(error)) => {
-                let error = aws_sdk_dynamodb::Error::from(error);
-                tracing::debug!(%error, "dynamodb lock release (delete) failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("dynamodb lock release (delete) timed out");
-                GiveBack::NoAnswer
-            }
-        }
+        self.give_back_by("delete", delete, is_delete_condition_failed)
+            .await
     }
 
     /// One release attempt: clears the owner if `token` still holds the key.
@@ -379,16 +369,31 @@ impl Inner {
             .condition_expression("#owner = :token")
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .send();
-        match timeout(self.config.command_timeout, release).await {
+        self.give_back_by("release", release, is_condition_failed)
+            .await
+    }
+
+    /// A give-back by one write conditional on the owner token, bounded by the command
+    /// timeout: not ours when its condition failed, no answer on any other error.
+    async fn give_back_by<T, E>(
+        &self,
+        what: &str,
+        write: impl Future<Output = Result<T, SdkError<E>>>,
+        condition_failed: fn(&SdkError<E>) -> bool,
+    ) -> GiveBack
+    where
+        aws_sdk_dynamodb::Error: From<SdkError<E>>,
+    {
+        match timeout(self.config.command_timeout, write).await {
             Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error)) if is_condition_failed(&error) => GiveBack::NotOurs,
+            Ok(Err(error)) if condition_failed(&error) => GiveBack::NotOurs,
             Ok(Err(error)) => {
                 let error = aws_sdk_dynamodb::Error::from(error);
-                tracing::debug!(%error, "dynamodb lock release failed");
+                tracing::debug!(%error, "dynamodb lock {what} failed");
                 GiveBack::NoAnswer
             }
             Err(_) => {
-                tracing::debug!("dynamodb lock release timed out");
+                tracing::debug!("dynamodb lock {what} timed out");
                 GiveBack::NoAnswer
             }
         }
@@ -435,7 +440,9 @@ impl Deleter {
                 .send();
             match timeout(self.command_timeout, delete).await {
                 Ok(Ok(_)) => return,
-                Ok(Err(error)) if is_delete_refused(&error) => return,
+                // Nothing to delete, or refused for good (sent again: throttling, a
+                // failure on DynamoDB's side).
+                Ok(Err(error)) if !is_transient(&error) => return,
                 Ok(Err(error)) => {
                     let error = aws_sdk_dynamodb::Error::from(error);
                     tracing::debug!(%error, "dynamodb delete of a released item failed");
@@ -453,10 +460,11 @@ fn fresh_rvn() -> Result<String, CallError> {
     })
 }
 
-/// Whether a delete was refused for its condition or as invalid (a 4xx): nothing was
-/// deleted, and sending it again would not help.
-fn is_delete_refused(error: &SdkError<DeleteItemError>) -> bool {
-    matches!(error, SdkError::ServiceError(service) if service.raw().status().is_client_error())
+fn is_delete_condition_failed(error: &SdkError<DeleteItemError>) -> bool {
+    matches!(
+        error.as_service_error(),
+        Some(DeleteItemError::ConditionalCheckFailedException(_))
+    )
 }
 
 impl TtlBackend for Inner {

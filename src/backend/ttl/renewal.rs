@@ -69,6 +69,11 @@ pub(super) async fn keep<B: TtlBackend>(
                 return;
             }
             Renewal::Unknown => {
+                tracing::warn!(
+                    engine = backend.engine(),
+                    "a lease renewal went unanswered; the lease holds until its deadline, \
+                     and the renewal is tried again"
+                );
                 lost.unanswered();
                 next = Instant::now() + period / 4;
             }
