@@ -1,6 +1,10 @@
 //! The backend conformance suite, for the crate's own backends and for yours (feature
 //! `testkit`).
 //!
+//! [`MemoryBackend`] is an engine in memory with the whole contract (modes, holders,
+//! tokens, leases that a stalled runtime loses) and a hook that takes a key from its
+//! holder: test what your application does with a lost lease, without a server.
+//!
 //! Every [`LockBackend`] of this crate passes these checks against a real server; a
 //! backend you write yourself can run the same ones, as tower-sessions lets a session
 //! store run its shared suite. Each check starts instances of an application (one
@@ -94,6 +98,7 @@ mod holder;
 mod inside;
 mod isolated;
 mod lease;
+mod memory;
 mod modes;
 mod mutual;
 mod several;
@@ -112,6 +117,7 @@ pub use self::lease::{
     a_crashed_holder_is_taken_over, a_released_lease_is_never_renewed,
     a_stalled_holder_sees_its_lease_lost,
 };
+pub use self::memory::{MemoryBackend, DEFAULT_MEMORY_LEASE};
 pub use self::modes::{
     a_crashed_permit_comes_back, a_waiting_writer_is_not_starved, a_writer_excludes_everyone,
     at_most_n_permit_holders, dropped_shared_and_permit_acquisitions_leave_nothing_held,

@@ -966,6 +966,77 @@ async fn a_backend_written_outside_the_crate_conforms() {
     tower_keyed_lock::testkit::run_all(&TableDeployment(TableService::default())).await;
 }
 
+// ------------------------------------------------------------ the in-memory engine
+
+/// The lease of the in-memory engine here: long enough for a loaded machine's task
+/// switches, short enough for the checks that wait one out.
+const MEMORY_LEASE: Duration = Duration::from_millis(600);
+
+/// The crate's in-memory engine (`testkit::MemoryBackend`): every instance a clone.
+struct MemoryDeployment(tower_keyed_lock::testkit::MemoryBackend);
+
+impl Deployment for MemoryDeployment {
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        Arc::new(self.0.clone())
+    }
+
+    fn loss_bound(&self) -> Duration {
+        MEMORY_LEASE
+    }
+
+    async fn records(&self, name: &str) -> usize {
+        self.0.records(name)
+    }
+
+    /// A release removes the key's record at once.
+    fn record_window(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+fn memory() -> MemoryDeployment {
+    MemoryDeployment(tower_keyed_lock::testkit::MemoryBackend::new().with_lease(MEMORY_LEASE))
+}
+
+/// Every engine check and every mode check, as any engine runs them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_memory_backend_conforms() {
+    let deployment = memory();
+    tower_keyed_lock::testkit::run_all(&deployment).await;
+    tower_keyed_lock::testkit::run_modes(&deployment).await;
+}
+
+/// `lose` takes a key from its holder as an engine would: the holder is told at once
+/// (not owner), `run_while_held` refuses, a checked release reports it, and another
+/// instance gets the key at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_memory_backend_loses_a_lease_on_demand() {
+    use tower_keyed_lock::DistributedLocks;
+    let engine = tower_keyed_lock::testkit::MemoryBackend::new();
+    let a = DistributedLocks::new("jobs", engine.clone());
+    let b = DistributedLocks::new("jobs", engine.clone());
+    let guard = a.lock("nightly").await.unwrap();
+    assert!(!guard.is_lost());
+    assert!(!engine.lose("jobs", "someone-else's"));
+    assert!(engine.lose("jobs", "nightly"));
+    assert!(guard.is_lost());
+    assert_eq!(guard.lost_reason(), Some(LostReason::NotOwner));
+    let refused = guard.run_while_held(async {}).await;
+    assert_eq!(
+        refused.map_err(|lost| lost.reason()),
+        Err(LostReason::NotOwner)
+    );
+    let taken = b.try_lock("nightly").await.expect("free once lost");
+    assert_eq!(
+        guard.release_checked().await.map_err(|lost| lost.reason()),
+        Err(LostReason::NotOwner),
+        "a checked release of a lost lease says so"
+    );
+    assert!(taken.fencing_token().is_some());
+    taken.release().await;
+    assert_eq!(engine.records("jobs"), 0);
+}
+
 // ------------------------------------------------------ RELIABILITY.md, checked
 
 /// The columns of RELIABILITY.md's conformance table, as the fixture modules here.
