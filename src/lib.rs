@@ -124,6 +124,7 @@ pub mod layer;
 pub mod locks;
 pub mod metrics;
 pub mod reject;
+mod rejection_kind;
 #[cfg(feature = "replay")]
 #[cfg_attr(docsrs, doc(cfg(feature = "replay")))]
 pub mod replay;

@@ -55,7 +55,7 @@ use std::sync::OnceLock;
 use metrics::{Counter, Gauge, Histogram, Unit};
 
 use crate::backend::LostReason;
-use crate::reject::RejectionKind;
+use crate::rejection_kind::RejectionKind;
 
 /// Histogram buckets, in seconds, for [`WAIT_SECONDS`] and [`HOLD_SECONDS`]: 0.5 ms to
 /// 10 s. Exporters that need buckets to export a histogram (not a summary) take these;
@@ -299,7 +299,7 @@ fn describe(n: &Names) {
 
 #[cfg(test)]
 mod tests {
-    use crate::reject::RejectionKind;
+    use crate::rejection_kind::RejectionKind;
 
     /// The table in the module docs names every reason the layer registers.
     #[test]

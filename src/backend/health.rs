@@ -220,23 +220,6 @@ impl LastErrorCell {
     }
 }
 
-#[cfg(feature = "axum")]
-impl axum::response::IntoResponse for Health {
-    fn into_response(self) -> axum::response::Response {
-        let status = match self.is_healthy() {
-            true => http::StatusCode::OK,
-            false => http::StatusCode::SERVICE_UNAVAILABLE,
-        };
-        let body = self.to_json();
-        (
-            status,
-            [(http::header::CONTENT_TYPE, "application/json")],
-            body,
-        )
-            .into_response()
-    }
-}
-
 impl Health {
     /// The JSON body of the health response: `{"status":"ok"|"unavailable"|"unchecked"|
     /// "shutting_down", "engine":…, "round_trip_ms":…, "error":…,

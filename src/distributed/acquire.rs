@@ -14,7 +14,7 @@ use crate::backend::{detached, Acquired, Lease, LockMode, RecordLookup, SHARED_L
 use crate::error::LockError;
 use crate::key::Key;
 use crate::locks::{Acquire, KeyGuard, Mode};
-use crate::reject::RejectionKind;
+use crate::rejection_kind::RejectionKind;
 use crate::BoxFuture;
 
 /// The remote wait of an acquisition without a time limit. Backends add the wait to

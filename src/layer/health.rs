@@ -35,3 +35,22 @@ impl std::fmt::Debug for HealthCheck {
             .finish()
     }
 }
+
+#[cfg(feature = "axum")]
+/// The health check as a response: `200` when healthy, else `503`, with the JSON body
+/// of the health as JSON.
+impl axum::response::IntoResponse for Health {
+    fn into_response(self) -> axum::response::Response {
+        let status = match self.is_healthy() {
+            true => http::StatusCode::OK,
+            false => http::StatusCode::SERVICE_UNAVAILABLE,
+        };
+        let body = self.to_json();
+        (
+            status,
+            [(http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response()
+    }
+}

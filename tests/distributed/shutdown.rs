@@ -47,6 +47,8 @@ for_each_fixture!(
 /// Through the HTTP layer: the `axum` feature too.
 #[cfg(feature = "axum")]
 mod layer {
+    // Used by the remote fixtures' tests: none without an engine's feature.
+    #[allow(unused_imports)]
     use super::{
         a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over,
         a_layers_readiness_turns_503_as_its_shutdown_begins,

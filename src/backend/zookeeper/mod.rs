@@ -210,6 +210,7 @@
 // held node, `holder` reads the first node of a queue. This file has the public types
 // and their configuration.
 mod acquire;
+mod config;
 mod contender;
 mod holder;
 mod keys;
@@ -223,6 +224,7 @@ use std::time::Duration;
 use tokio::sync::Mutex as AsyncMutex;
 use zookeeper_client as zk;
 
+use self::config::Config;
 use self::keys::{check_prefix, normalize_prefix, LockPath};
 use self::session::Session;
 use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
@@ -281,19 +283,6 @@ pub struct ZooKeeperBackend {
 #[derive(Clone, Debug)]
 pub struct ZooKeeperBackendBuilder {
     config: Config,
-}
-
-#[derive(Clone, Debug)]
-struct Config {
-    /// The connect string: `host:port,host:port,…`.
-    servers: String,
-    session_timeout: Duration,
-    drift: Option<Duration>,
-    command_timeout: Duration,
-    poll_interval: Duration,
-    prefix: String,
-    /// The data of every contender node, for [`LockBackend::holder`].
-    instance_id: String,
 }
 
 /// What every clone of a backend shares.

@@ -10,7 +10,7 @@ use tokio::task::AbortHandle;
 use tokio::time::{sleep_until, timeout_at, Instant};
 use zookeeper_client as zk;
 
-use super::Config;
+use super::config::Config;
 
 /// What the locks of a session know of it: lost, or ours until a deadline.
 #[derive(Debug, Clone, Copy)]
