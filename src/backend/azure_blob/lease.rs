@@ -14,8 +14,8 @@ use azure_core::error::ErrorKind;
 use azure_core::http::headers::{HeaderName, Headers};
 use azure_core::http::{Etag, Response, StatusCode};
 use azure_storage_blob::models::{
-    AppendBlobClientCreateOptions, BlobClientAcquireLeaseOptions,
-    BlobClientAcquireLeaseResultHeaders, BlobClientDeleteOptions,
+    AppendBlobClientCreateOptions, AppendBlobClientCreateResultHeaders,
+    BlobClientAcquireLeaseOptions, BlobClientAcquireLeaseResultHeaders, BlobClientDeleteOptions,
     BlobClientGetPropertiesResultHeaders, BlobClientSetMetadataOptions, LeaseState,
 };
 use azure_storage_blob::BlobClient;
@@ -311,8 +311,9 @@ impl Inner {
         }
     }
 
-    /// One attempt: read the blob (creating it if missing), take its lease if free and
-    /// unchanged since the read, and write the next fencing token under that lease.
+    /// One attempt: read the blob, take its lease if free and unchanged since the read,
+    /// and write the next fencing token under that lease. A missing blob is made with
+    /// the next token in it, and its lease taken unchanged since it was made.
     async fn attempt(
         &self,
         blob: &BlobClient,
@@ -322,8 +323,22 @@ impl Inner {
         let properties = match self.bounded(cap, blob.get_properties(None)).await? {
             Ok(properties) => properties,
             Err(error) if status(&error) == Some(StatusCode::NotFound) => {
-                self.create(blob, cap).await?;
-                self.bounded(cap, blob.get_properties(None)).await??
+                let fence = next_fence(&HashMap::new(), self.start())?;
+                match self.create(blob, fence, cap).await? {
+                    Some(made) => {
+                        let lease = self.take_lease(blob, in_flight, cap, Some(made)).await?;
+                        return Ok(lease.map_or(Attempt::Held, |(etag, sent_at)| {
+                            self.saw_fence(fence);
+                            Attempt::Granted {
+                                fence,
+                                etag,
+                                sent_at,
+                            }
+                        }));
+                    }
+                    // Made by another instance meanwhile.
+                    None => self.bounded(cap, blob.get_properties(None)).await??,
+                }
             }
             Err(error) => return Err(error.into()),
         };
@@ -333,38 +348,17 @@ impl Inner {
         ) {
             return Ok(Attempt::Held);
         }
-        let read = properties.etag()?;
         let metadata = properties.metadata()?;
         let fence = next_fence(&metadata, self.start())?;
         if metadata.contains_key(FENCE) {
             self.saw_fence(fence - 1);
         }
-
-        let sent_at = Instant::now();
-        in_flight.sent(sent_at);
-        let acquire = blob.acquire_lease(
-            self.lease_secs,
-            Some(BlobClientAcquireLeaseOptions {
-                proposed_lease_id: Some(in_flight.token().to_owned()),
-                if_match: read.clone(),
-                ..Default::default()
-            }),
-        );
-        let acquired = match self.bounded(cap, acquire).await? {
-            Ok(acquired) => acquired,
-            Err(error) if status(&error).is_some() => {
-                // Refused: nothing was granted.
-                in_flight.answered();
-                return match is_conflict(&error) {
-                    true => Ok(Attempt::Held),
-                    false => Err(error.into()),
-                };
-            }
-            Err(error) => return Err(error.into()),
+        let Some((etag, sent_at)) = self
+            .take_lease(blob, in_flight, cap, properties.etag()?)
+            .await?
+        else {
+            return Ok(Attempt::Held);
         };
-        // Lease calls leave the ETag as it was read; the answer says so if not.
-        let etag = acquired.etag()?.or(read);
-
         let metadata = grant_metadata(fence, &self.config.instance_id);
         let write = blob.set_metadata(
             &metadata,
@@ -394,30 +388,72 @@ impl Inner {
         }
     }
 
-    /// Creates the empty lock blob, never over an existing one (`If-None-Match: *`);
-    /// if the container is gone, makes it again first.
-    async fn create(&self, blob: &BlobClient, cap: Instant) -> Result<(), AttemptError> {
+    /// Takes the blob's lease for `in_flight`'s token if the blob is unchanged since
+    /// `read` (its ETag): the ETag after (lease calls leave it as it was) and when the
+    /// call was sent, or `None` if another lease holds the blob or it changed.
+    async fn take_lease(
+        &self,
+        blob: &BlobClient,
+        in_flight: &mut InFlight<Self>,
+        cap: Instant,
+        read: Option<Etag>,
+    ) -> Result<Option<(Option<Etag>, Instant)>, AttemptError> {
+        let sent_at = Instant::now();
+        in_flight.sent(sent_at);
+        let acquire = blob.acquire_lease(
+            self.lease_secs,
+            Some(BlobClientAcquireLeaseOptions {
+                proposed_lease_id: Some(in_flight.token().to_owned()),
+                if_match: read.clone(),
+                ..Default::default()
+            }),
+        );
+        match self.bounded(cap, acquire).await? {
+            Ok(acquired) => Ok(Some((acquired.etag()?.or(read), sent_at))),
+            Err(error) if status(&error).is_some() => {
+                // Refused: nothing was granted.
+                in_flight.answered();
+                match is_conflict(&error) {
+                    true => Ok(None),
+                    false => Err(error.into()),
+                }
+            }
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Makes the lock blob with `fence` and this instance in its metadata, never over
+    /// an existing one (`If-None-Match: *`), and returns its ETag; `None` if another
+    /// instance made it first (or Azure gave no ETag: the attempt reads the blob then).
+    /// If the container is gone, makes it again first.
+    async fn create(
+        &self,
+        blob: &BlobClient,
+        fence: u64,
+        cap: Instant,
+    ) -> Result<Option<Etag>, AttemptError> {
         let append = blob.append_blob_client();
+        let metadata = grant_metadata(fence, &self.config.instance_id);
         let create = || {
-            append.create(Some(
-                AppendBlobClientCreateOptions::default().if_not_exists(),
-            ))
+            append.create(Some(AppendBlobClientCreateOptions {
+                metadata: Some(metadata.clone()),
+                ..AppendBlobClientCreateOptions::default().if_not_exists()
+            }))
         };
         match self.bounded(cap, create()).await? {
-            Ok(_) => return Ok(()),
+            Ok(made) => return Ok(made.etag()?),
             // The container is being deleted: the attempt fails, the wait goes on.
             Err(error) if being_deleted(&error) => return Err(error.into()),
-            // Made by another instance meanwhile.
-            Err(error) if is_conflict(&error) => return Ok(()),
+            Err(error) if is_conflict(&error) => return Ok(None),
             // The container is gone (deleted, or an emulator restarted empty).
             Err(error) if status(&error) == Some(StatusCode::NotFound) => {}
             Err(error) => return Err(error.into()),
         }
         self.make_container(cap).await?;
         match self.bounded(cap, create()).await? {
-            Ok(_) => Ok(()),
+            Ok(made) => Ok(made.etag()?),
             Err(error) if being_deleted(&error) => Err(error.into()),
-            Err(error) if is_conflict(&error) => Ok(()),
+            Err(error) if is_conflict(&error) => Ok(None),
             Err(error) => Err(error.into()),
         }
     }

@@ -61,13 +61,15 @@
 //!
 //! # How a key is held
 //!
-//! - **Attempt.** Read the blob's properties (creating the blob, `If-None-Match: *`, if
-//!   it is missing, so no creation ever clobbers one). If its lease state is leased or
-//!   breaking, the key is held. Otherwise acquire its lease for
+//! - **Attempt.** Read the blob's properties. If its lease state is leased or breaking,
+//!   the key is held. Otherwise acquire its lease for
 //!   [`lease`](AzureBlobBackendBuilder::lease), with a fresh random lease id and
 //!   `If-Match` on the ETag read, then write the next fencing token to the blob's
 //!   metadata with that lease id and the ETag again. Only when that write succeeded
-//!   is the lock granted; a refusal anywhere means another holder got in between.
+//!   is the lock granted; a refusal anywhere means another holder got in between. A
+//!   missing blob is made with the next token already in its metadata
+//!   (`If-None-Match: *`, so no creation ever clobbers one), and its lease acquired
+//!   with `If-Match` on the creation's ETag: granted with the token it was made with.
 //! - **A lost container.** If the blob cannot be made because the container is gone
 //!   (deleted, an account emptied, an in-memory Azurite restarted), the attempt makes
 //!   the container again, as [`build`](AzureBlobBackendBuilder::build) does (another
@@ -141,7 +143,7 @@
 //! | renewal | every lease/3 after the last answered one; retried every lease/12 while unanswered |
 //! | a holder counts its lease lost | send time of the last answered acquire or renewal + lease − drift margin (default 1% of the lease + 2 ms), or at the first renewal refused |
 //! | Azure frees a stopped holder's blob | one lease after it received the last acquire or renewal |
-//! | one call (read, create, acquire, metadata write, renew, release, delete) | at most the command timeout (default 2 s); an attempt is three calls (five on a key without a blob) |
+//! | one call (read, create, acquire, metadata write, renew, release, delete) | at most the command timeout (default 2 s); an attempt is three calls (read, lease, token; or read, make with the token, lease) |
 //! | a released key's blob is deleted | within the [`record_window`]: two seconds and six command timeouts (14 s by default) |
 //! | one acquisition | ends with its wait, or one command timeout after its last attempt started if that is later (a zero wait tries once); transient failures tried again within it |
 //! | a lost container | made again by the next attempt (two more calls); while Azure still deletes it, attempts fail and the wait goes on |
