@@ -55,9 +55,13 @@ pub struct Report {
     pub other: u64,
     pub cancelled: u64,
     pub hung: u64,
-    /// Second holders of a key while a holder inside had not been told its lease
-    /// was lost: what the guarantee forbids.
+    /// Holders that another holder of their key overlapped before they were told their
+    /// lease was lost, and that were still not told when they left: what the
+    /// guarantee forbids.
     pub overlaps: u64,
+    /// Holders overlapped before they were told, and told before they left (a server
+    /// that ended the session itself, before the holder's watch ran; allowed).
+    pub told_late_overlaps: u64,
     /// Second holders after every holder inside had been told (allowed).
     pub signalled_overlaps: u64,
     pub lease_lost: u64,
@@ -184,6 +188,7 @@ impl Soak {
         let mut report = std::mem::take(&mut *report.lock().unwrap());
         report.overlaps = keys.inside.unsignalled_overlaps();
         report.signalled_overlaps = keys.inside.signalled_overlaps();
+        report.told_late_overlaps = keys.inside.told_late_overlaps();
         report.lease_lost = keys.lease_lost.load(Ordering::SeqCst);
         report
     }
