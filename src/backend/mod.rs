@@ -540,6 +540,14 @@ struct Validity {
     renewal_failures: u32,
 }
 
+/// What a waiter on a [`LeaseSignal`] makes of its state.
+enum Seen {
+    Done,
+    /// It will never be done.
+    Never,
+    Wait,
+}
+
 impl Validity {
     fn is_lost_at(&self, now: Instant) -> bool {
         self.lost_reason_at(now).is_some()
@@ -648,27 +656,12 @@ impl LeaseSignal {
     ///
     /// Cancel-safe: it only reads the signal.
     pub async fn renewal_failed(&self) {
-        let mut receiver = self.0.clone();
-        loop {
-            let now = Instant::now();
-            let validity = *receiver.borrow_and_update();
-            if validity.is_lost_at(now) {
-                std::future::pending::<()>().await;
-            }
-            if validity.unanswered {
-                return;
-            }
-            let changed = match validity.valid_until {
-                Some(deadline) => tokio::select! {
-                    changed = receiver.changed() => changed,
-                    () = tokio::time::sleep_until(deadline) => Ok(()),
-                },
-                None => receiver.changed().await,
-            };
-            if changed.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
+        self.until(|validity, now| match validity.is_lost_at(now) {
+            true => Seen::Never,
+            false if validity.unanswered => Seen::Done,
+            false => Seen::Wait,
+        })
+        .await;
     }
 
     /// The instant the lease counts as lost unless renewed first; `None` if the
@@ -685,12 +678,24 @@ impl LeaseSignal {
     ///
     /// Cancel-safe: it only reads the signal.
     pub async fn lost(&self) {
+        self.until(|validity, now| match validity.is_lost_at(now) {
+            true => Seen::Done,
+            false => Seen::Wait,
+        })
+        .await;
+    }
+
+    /// Resolves once `see` says [`Seen::Done`] of the signal, looking again at every
+    /// change and at the deadline; never once it says [`Seen::Never`], or once the
+    /// lease is released and its frozen signal is not done.
+    async fn until(&self, see: impl Fn(&Validity, Instant) -> Seen) {
         let mut receiver = self.0.clone();
         loop {
-            let now = Instant::now();
             let validity = *receiver.borrow_and_update();
-            if validity.is_lost_at(now) {
-                return;
+            match see(&validity, Instant::now()) {
+                Seen::Done => return,
+                Seen::Never => std::future::pending::<()>().await,
+                Seen::Wait => {}
             }
             let changed = match validity.valid_until {
                 Some(deadline) => tokio::select! {
@@ -701,7 +706,8 @@ impl LeaseSignal {
             };
             if changed.is_err() {
                 // Released: the sender froze the signal when it dropped.
-                if receiver.borrow().is_lost_at(Instant::now()) {
+                let frozen = *receiver.borrow();
+                if let Seen::Done = see(&frozen, Instant::now()) {
                     return;
                 }
                 std::future::pending::<()>().await;
