@@ -249,6 +249,40 @@ async fn crashed_broken_and_cut_off_holders_within_one_lease() {
     );
 }
 
+/// One key locked and released over and over by two instances in turn: each
+/// release's background delete finds the blob changed and is refused, and the blob
+/// goes after the last release, within the record window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hot_keys_blob_goes_after_its_last_release() {
+    let (fixture, probe) = start().await;
+    let a = fixture.instance("a").await;
+    let b = fixture.instance("b").await;
+    for turn in 0..10 {
+        let locks = if turn % 2 == 0 { &a } else { &b };
+        let guard = within("a turn", PATIENCE, locks.lock_timeout("hot", PATIENCE))
+            .await
+            .expect("the key is free between turns");
+        guard.release().await;
+    }
+    let released = Instant::now();
+    let limit =
+        tower_keyed_lock::backend::azure_blob::record_window(servers::GENEROUS_TIMEOUT) + PATIENCE;
+    let blob = probe
+        .container()
+        .blob_client(&probe.blob_name(servers::NAME, "hot"));
+    while blob.get_properties(None).await.is_ok() {
+        assert!(
+            released.elapsed() < limit,
+            "the hot key's blob stays {limit:?} after its last release"
+        );
+        sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "hot key: blob gone {:?} after the last release",
+        released.elapsed()
+    );
+}
+
 /// Tokens strictly increase from holder to holder and across a blob deleted in
 /// between (once Azure's clock is past its token): the counter starts again from
 /// Azure's clock in microseconds, above every token the old blob issued.

@@ -192,6 +192,40 @@ async fn a_key_held_on_another_instance_times_out_with_409() {
     again.release().await;
 }
 
+/// One key locked and released over and over by two instances in turn: each
+/// release's background delete finds the key taken again and is refused, and the item
+/// goes after the last release, within the record window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hot_keys_item_goes_after_its_last_release() {
+    use tower_keyed_lock::backend::dynamodb::{record_window, DEFAULT_COMMAND_TIMEOUT};
+    let dynamo = DynamoServer::start();
+    let client = dynamo.client();
+    let (a, b) = (connect(&dynamo, |b| b).await, connect(&dynamo, |b| b).await);
+    let key = Key::new("hot", 256).unwrap();
+    let pk = a.partition_key_value("hot", "hot");
+    for turn in 0..20 {
+        let backend = if turn % 2 == 0 { &a } else { &b };
+        let lease = backend
+            .acquire("hot", &key, Duration::from_secs(10))
+            .await
+            .expect("the key is free between turns");
+        lease.release().await;
+    }
+    let released = Instant::now();
+    let limit = record_window(DEFAULT_COMMAND_TIMEOUT) + crate::support::fixtures::PATIENCE;
+    while item(&client, &pk).await.is_some() {
+        assert!(
+            released.elapsed() < limit,
+            "the hot key's item stays {limit:?} after its last release"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "hot key: item gone {:?} after the last release",
+        released.elapsed()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fence_tokens_keep_growing_after_the_item_is_deleted() {
     let dynamo = DynamoServer::start();
