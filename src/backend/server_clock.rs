@@ -7,6 +7,10 @@
 //! above every token of the deleted one, whichever instance makes it, with no
 //! comparison of the instances' own clocks.
 //!
+//! It also keeps the highest token this process has seen: a new record starts above
+//! that as well, so an engine's records deleted by hand never send this process's own
+//! tokens back.
+//!
 //! An answer dated `D` (whole seconds) to a request sent at `s` and answered at `r`
 //! (this process's monotonic clock) was stamped at some moment in between, when the
 //! server's clock read at least `D` and less than `D + 1 s`. So the server's clock
@@ -16,8 +20,9 @@
 //! arrive at different phases of the server's second narrow the interval to about a
 //! round trip.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::Instant;
 
@@ -25,11 +30,12 @@ use tokio::time::Instant;
 /// one part in this many (1 %, as the drift margin of a lease allows).
 pub(crate) const RATE_SLACK: u64 = 100;
 
-/// An interval holding the server's clock: see the module docs. Empty until an answer
-/// with a `Date` was observed.
+/// An interval holding the server's clock, and the highest token seen: see the module
+/// docs. The interval is empty until an answer with a `Date` was observed.
 #[derive(Debug, Default)]
 pub(crate) struct ServerClock {
     bounds: Mutex<Option<Bounds>>,
+    highest_token: AtomicU64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -125,6 +131,25 @@ impl ServerClock {
         let landing = 2 * command_timeout;
         let landing = landing + landing / RATE_SLACK as u32;
         self.at_most(Instant::now() + landing)
+    }
+
+    /// Where the tokens of a new record written now start (its first is one above): the
+    /// most the server's clock can read when the write lands
+    /// ([`at_most_on_landing`](Self::at_most_on_landing)), or this machine's clock
+    /// before any dated answer; and never below a token [seen](Self::saw_token).
+    pub(crate) fn token_start(&self, command_timeout: Duration) -> u64 {
+        let clock = self.at_most_on_landing(command_timeout).unwrap_or_else(|| {
+            let since = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default();
+            micros(since)
+        });
+        clock.max(self.highest_token.load(Ordering::Relaxed))
+    }
+
+    /// Records a token this process read or was granted, for [`token_start`](Self::token_start).
+    pub(crate) fn saw_token(&self, token: u64) {
+        self.highest_token.fetch_max(token, Ordering::Relaxed);
     }
 
     /// Whether the server's clock is surely past `micros` now.

@@ -312,15 +312,14 @@ struct Release {
 
 impl ReleaseLease for Release {
     fn release(self: Box<Self>) -> BoxFuture<()> {
-        self.renewal.abort();
-        self.engine.release(&self.id, self.owner);
+        drop(self);
         Box::pin(async {})
     }
 }
 
 impl Drop for Release {
+    /// Released or dropped alike: the renewal stops and the hold goes at once.
     fn drop(&mut self) {
-        // A dropped lease is given back as a released one is.
         self.renewal.abort();
         self.engine.release(&self.id, self.owner);
     }

@@ -6,9 +6,8 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use azure_core::error::ErrorKind;
 use azure_core::http::headers::{HeaderName, Headers};
@@ -153,7 +152,8 @@ fn is_conflict(error: &azure_core::Error) -> bool {
 }
 
 /// The token after the one in `metadata`; a blob without one (new, deleted at a
-/// release, or in a container made again) starts after `start` (see [`Inner::start`]).
+/// release, or in a container made again) starts after `start`: Azure's clock when
+/// the write lands, and above every token seen (`ServerClock::token_start`).
 pub(super) fn next_fence(
     metadata: &HashMap<String, String>,
     start: u64,
@@ -165,13 +165,6 @@ pub(super) fn next_fence(
             .map_err(|_| AzureBlobLockError::UnreadableFence(value.clone())),
         None => Ok(start.saturating_add(1)),
     }
-}
-
-fn epoch_micros() -> u64 {
-    let since = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
 }
 
 impl Inner {
@@ -228,23 +221,6 @@ impl Inner {
         if let Some(secs) = date {
             self.clock.observe(secs, sent, received);
         }
-    }
-
-    /// Where a blob without a counter starts its tokens: the most Azure's clock can
-    /// read when the token's write lands, at the latest two command timeouts after it
-    /// is sent (a write unanswered that long is counted as never landing), so above
-    /// the tokens of any blob deleted before (see [`Self::give_back`]); and above the
-    /// highest token this process has seen. This clock before Azure gave a time.
-    fn start(&self) -> u64 {
-        let clock = self.clock.at_most_on_landing(self.config.command_timeout);
-        clock
-            .unwrap_or_else(epoch_micros)
-            .max(self.fence_floor.load(Ordering::Relaxed))
-    }
-
-    /// Records a token read or written, for [`next_fence`]'s floor.
-    fn saw_fence(&self, fence: u64) {
-        self.fence_floor.fetch_max(fence, Ordering::Relaxed);
     }
 
     pub(super) async fn acquire(
@@ -323,12 +299,15 @@ impl Inner {
         let properties = match self.bounded(cap, blob.get_properties(None)).await? {
             Ok(properties) => properties,
             Err(error) if status(&error) == Some(StatusCode::NotFound) => {
-                let fence = next_fence(&HashMap::new(), self.start())?;
+                let fence = next_fence(
+                    &HashMap::new(),
+                    self.clock.token_start(self.config.command_timeout),
+                )?;
                 match self.create(blob, fence, cap).await? {
                     Some(made) => {
                         let lease = self.take_lease(blob, in_flight, cap, Some(made)).await?;
                         return Ok(lease.map_or(Attempt::Held, |(etag, sent_at)| {
-                            self.saw_fence(fence);
+                            self.clock.saw_token(fence);
                             Attempt::Granted {
                                 fence,
                                 etag,
@@ -349,9 +328,12 @@ impl Inner {
             return Ok(Attempt::Held);
         }
         let metadata = properties.metadata()?;
-        let fence = next_fence(&metadata, self.start())?;
+        let fence = next_fence(
+            &metadata,
+            self.clock.token_start(self.config.command_timeout),
+        )?;
         if metadata.contains_key(FENCE) {
-            self.saw_fence(fence - 1);
+            self.clock.saw_token(fence - 1);
         }
         let Some((etag, sent_at)) = self
             .take_lease(blob, in_flight, cap, properties.etag()?)
@@ -370,7 +352,7 @@ impl Inner {
         );
         match self.bounded(cap, write).await? {
             Ok(written) => {
-                self.saw_fence(fence);
+                self.clock.saw_token(fence);
                 let etag = written
                     .headers()
                     .get_optional_str(&HeaderName::from_static("etag"))
@@ -528,7 +510,7 @@ impl From<azure_core::Error> for AttemptError {
 impl Inner {
     /// One release attempt. The blob goes with the lease (`Delete Blob` with the lease
     /// id) once Azure's clock is surely past its token: a later blob of the key then
-    /// starts above it ([`Self::start`]). Until then the lease is released, and the
+    /// starts above it (`ServerClock::token_start`). Until then the lease is released, and the
     /// blob is deleted once the clock is past, if it is unleased and unchanged since
     /// the grant's write by then (`If-Match`).
     async fn give_back(&self, held: &Held, token: &str) -> GiveBack {

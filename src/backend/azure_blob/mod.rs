@@ -214,7 +214,6 @@ mod metadata;
 mod names;
 
 use std::fmt;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -307,11 +306,9 @@ struct Inner {
     drift: Duration,
     /// The lease asked of Azure, in whole seconds.
     lease_secs: i32,
-    /// The highest fencing token this process has read or written, on any blob: a
-    /// blob without a counter (new, deleted, or in a container made again) starts
-    /// above it as well as above the clock.
-    fence_floor: AtomicU64,
-    /// Azure's clock, from the `Date` of its answers.
+    /// Azure's clock, from the `Date` of its answers, and the highest token this
+    /// process has read or written on any blob: a blob without a counter (new,
+    /// deleted, or in a container made again) starts above both.
     clock: ServerClock,
 }
 
@@ -568,7 +565,6 @@ impl AzureBlobBackendBuilder {
                 config,
                 drift,
                 lease_secs,
-                fence_floor: AtomicU64::new(0),
                 clock: ServerClock::default(),
             }),
         })

@@ -114,14 +114,6 @@ pub(super) fn epoch_seconds(ahead: Duration) -> String {
     (now + ahead).as_secs().to_string()
 }
 
-/// Wall-clock microseconds since the epoch: where a new fence counter starts.
-pub(super) fn epoch_micros() -> u64 {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    u64::try_from(now.as_micros()).unwrap_or(u64::MAX)
-}
-
 /// Whole milliseconds, at least 1.
 pub(super) fn millis(duration: Duration) -> String {
     duration.as_millis().max(1).to_string()

@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,7 +16,7 @@ use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditi
 use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
 
 use super::holder;
-use super::item::{self, epoch_micros, epoch_seconds, millis, Holder};
+use super::item::{self, epoch_seconds, millis, Holder};
 use super::retry::{is_transient, CommandTimeout};
 use super::Inner;
 use crate::backend::located::Located;
@@ -157,7 +156,7 @@ impl Inner {
             match timeout_at(limit, attempt).await {
                 Ok(Ok(Attempt::Granted { fence })) => {
                     self.watched.forget(&id);
-                    self.fence_floor.fetch_max(fence, Ordering::Relaxed);
+                    self.endpoint.clock.saw_token(fence);
                     let token = in_flight.granted();
                     let held = Held {
                         item,
@@ -231,12 +230,8 @@ impl Inner {
     /// clock before DynamoDB gave a time; and never below a token this process was
     /// granted.
     fn seed(&self) -> String {
-        let clock = self
-            .endpoint
-            .clock
-            .at_most_on_landing(self.config.command_timeout);
-        let floor = self.fence_floor.load(Ordering::Relaxed);
-        clock.unwrap_or_else(epoch_micros).max(floor).to_string()
+        let clock = &self.endpoint.clock;
+        clock.token_start(self.config.command_timeout).to_string()
     }
 
     /// The TTL attribute's value for a write now: generously past the lease.

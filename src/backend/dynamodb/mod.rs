@@ -281,9 +281,6 @@ struct Inner {
     config: Config,
     drift: Duration,
     watched: watched::Watched,
-    /// The highest fencing token this process was granted: a new item starts above it
-    /// as well as above DynamoDB's clock.
-    fence_floor: std::sync::atomic::AtomicU64,
 }
 
 impl DynamoDbBackend {
@@ -507,7 +504,6 @@ impl DynamoDbBackendBuilder {
                 config,
                 drift,
                 watched: Default::default(),
-                fence_floor: Default::default(),
             }),
         })
     }
