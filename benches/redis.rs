@@ -27,6 +27,10 @@
 //!    the time Redis spent on them (the top-level commands' `usec`).
 //! 3. Commands per request when 32 requests for one key arrive at once at one
 //!    instance (a layer with the backend, driven with `ServiceExt::oneshot`).
+//!
+//! For a profiler (`perf record`, `perf stat -p`): `PROFILE_WAY=backend` (or `locks`,
+//! `pair`, `rslock`) runs that way alone, 32 tasks, for 12 s, and prints locks per
+//! second.
 
 mod support;
 
@@ -60,6 +64,12 @@ fn main() {
     let client = server.client();
     let ways = rt.block_on(Ways::new(&client));
 
+    if let Ok(name) = std::env::var("PROFILE_WAY") {
+        let way = ALL.into_iter().find(|way| way.name() == name);
+        let way = way.expect("PROFILE_WAY is one of locks, backend, pair, rslock");
+        rt.block_on(profile(Arc::new(ways), way));
+        return;
+    }
     let wanted = |name: &str| filter.as_deref().is_none_or(|f| name.contains(f));
     let mut lines = Vec::new();
     if wanted("uncontended") {
@@ -176,6 +186,19 @@ async fn batch(ways: &Arc<Ways>, way: Way, tasks: usize, ops: usize) -> Duration
         done.unwrap();
     }
     started.elapsed()
+}
+
+/// One way alone, 32 tasks, for 12 s: for a profiler attached to this process or
+/// the server.
+async fn profile(ways: Arc<Ways>, way: Way) {
+    let started = Instant::now();
+    let mut locks = 0;
+    while started.elapsed() < Duration::from_secs(12) {
+        batch(&ways, way, 32, 4096).await;
+        locks += 4096;
+    }
+    let per_second = locks as f64 / started.elapsed().as_secs_f64();
+    println!("{}: {per_second:.0} locks/s", way.name());
 }
 
 /// Interleaved rounds of every way; prints medians and per-round ratio medians.
