@@ -96,8 +96,8 @@
 //! key. If the holder's lease was lost meanwhile (a pause, a partition) another
 //! instance may already run the same key:
 //!
-//! - Redis: the write lands only if the lock key exists and the fence counter still
-//!   equals this request's fencing token, in one script — so a holder whose lease was
+//! - Redis: the write lands only if the lock key exists and the key's last fencing
+//!   token (in the lock's holder record) is still this request's, in one script — so a holder whose lease was
 //!   lost never overwrites or pre-empts its successor's record.
 //! - PostgreSQL: the upsert never lets a lower fencing token overwrite a higher one. A
 //!   stale holder can still write a record where none exists yet; its successor's

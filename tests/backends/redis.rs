@@ -759,16 +759,15 @@ async fn odd_keys_cannot_reach_other_layers_or_prefixes() {
         let lock_key = format!("{{keyed-lock:orders:{part}}}:lock");
         assert_eq!(backend.lock_key("orders", key), lock_key);
         expected.push(lock_key.clone());
-        expected.push(lock_key.replace(":lock", ":fence"));
         expected.push(lock_key.replace(":lock", ":holder"));
     }
     expected.sort();
     assert_eq!(all_keys(&mut connection).await, expected);
     for key in all_keys(&mut connection).await {
-        // One hash tag of plain characters, then `:lock`, `:fence` or `:holder`.
+        // One hash tag of plain characters, then `:lock` or `:holder`.
         let (tag, suffix) = key.split_once('}').unwrap();
         let tag = tag.strip_prefix('{').unwrap();
-        assert!([":lock", ":fence", ":holder"].contains(&suffix), "{key}");
+        assert!([":lock", ":holder"].contains(&suffix), "{key}");
         assert!(
             tag.bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b"-_.:#".contains(&b)),
@@ -857,37 +856,34 @@ async fn fence_counters_expire_by_default_and_stay_with_fence_ttl_none() {
     let wait = Duration::from_secs(1);
     let lease_of = Duration::from_millis(200);
 
-    // Opted out: the counter stays, without TTL.
+    // Opted out: the holder record, with the last token, stays without TTL.
     let backend = connect(&redis, |b| b.fence_ttl(None)).await;
     let lease = backend.acquire("plain", &key, wait).await.unwrap();
     let first = lease.fencing_token().unwrap();
     lease.release().await;
-    let fence = backend
+    let holder = backend
         .lock_key("plain", "order-1")
-        .replace(":lock", ":fence");
-    assert_eq!(pttl(&mut connection, &fence).await, -1);
+        .replace(":lock", ":holder");
+    assert_eq!(pttl(&mut connection, &holder).await, -1);
     let lease = backend.acquire("plain", &key, wait).await.unwrap();
     assert!(lease.fencing_token().unwrap() > first);
     lease.release().await;
 
-    // Default: the counter and the holder record live the lease and one more, then
-    // the counter starts again above every token it gave (from the server clock).
+    // Default: the holder record lives the lease and one more, then tokens start
+    // again above every one given (from the server clock).
     let backend = connect(&redis, |b| b.lease(lease_of)).await;
-    let fence = backend
+    let holder = backend
         .lock_key("ttl", "order-1")
-        .replace(":lock", ":fence");
-    let holder = fence.replace(":fence", ":holder");
+        .replace(":lock", ":holder");
     let lease = backend.acquire("ttl", &key, wait).await.unwrap();
     let before = lease.fencing_token().unwrap();
     lease.release().await;
-    for record in [&fence, &holder] {
-        let left = pttl(&mut connection, record).await;
-        let most = i64::try_from((lease_of * 2).as_millis()).unwrap();
-        assert!(0 < left && left <= most, "{record}: PTTL {left} ms");
-    }
-    until("the fence counter expires", || {
-        let (mut connection, fence) = (connection.clone(), fence.clone());
-        async move { !exists(&mut connection, &fence).await }
+    let left = pttl(&mut connection, &holder).await;
+    let most = i64::try_from((lease_of * 2).as_millis()).unwrap();
+    assert!(0 < left && left <= most, "{holder}: PTTL {left} ms");
+    until("the holder record expires", || {
+        let (mut connection, holder) = (connection.clone(), holder.clone());
+        async move { !exists(&mut connection, &holder).await }
     })
     .await;
     let lease = backend.acquire("ttl", &key, wait).await.unwrap();
@@ -915,13 +911,13 @@ async fn distinct_keys_leave_nothing_after_the_record_window() {
         lease.release().await;
     }
     let released = Instant::now();
-    // The last key's fence counter and holder record are there (the earlier keys'
-    // may have gone already, on a slow machine): what the count below must not find.
+    // The last key's holder record is there (the earlier keys' may have gone
+    // already, on a slow machine): what the count below must not find.
     let last = format!("footprint:orders:order-{}", KEYS - 1);
     let during = keys_under(&mut connection, &last).await;
     assert_eq!(
         during.len(),
-        2,
+        1,
         "records right after the release: {during:?}"
     );
 
@@ -937,8 +933,8 @@ async fn distinct_keys_leave_nothing_after_the_record_window() {
     lease.release().await;
 }
 
-/// A holder that keeps its key past many leases (renewed) keeps its fence counter and
-/// holder record: they expire only a window after the lock does.
+/// A holder that keeps its key past many leases (renewed) keeps its holder record
+/// (and with it the last fencing token): it expires only a window after the lock does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn renewal_keeps_the_records_of_a_long_hold() {
     let redis = RedisServer::start();
@@ -951,9 +947,9 @@ async fn renewal_keeps_the_records_of_a_long_hold() {
         .await
         .unwrap();
     let token = lease.fencing_token();
-    let fence = backend
+    let record = backend
         .lock_key("long", "order-long")
-        .replace(":lock", ":fence");
+        .replace(":lock", ":holder");
     // Five leases: the records, written with the grant, would have gone after two.
     let started = Instant::now();
     while started.elapsed() < lease_of * 5 {
@@ -962,7 +958,7 @@ async fn renewal_keeps_the_records_of_a_long_hold() {
         let holder = backend.holder("long", &key).await.unwrap().unwrap();
         assert_eq!(holder.fencing_token(), token);
         assert_eq!(holder.instance(), Some("long-holder"));
-        assert!(exists(&mut connection, &fence).await);
+        assert!(exists(&mut connection, &record).await);
     }
     lease.release().await;
 }

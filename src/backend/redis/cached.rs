@@ -5,6 +5,10 @@ use std::sync::LazyLock;
 use redis::aio::ConnectionLike;
 use redis::{Arg, Cmd, ErrorKind, FromRedisValue, RedisResult, ServerErrorKind};
 
+/// The most arguments a script of this crate is called with (`EVALSHA` and the hash
+/// included).
+const MAX_ARGS: usize = 24;
+
 /// A Lua script and its SHA1, hashed once.
 pub(in crate::backend) struct CachedScript {
     text: &'static str,
@@ -17,10 +21,13 @@ impl CachedScript {
         Self { text, hash }
     }
 
-    /// `EVALSHA hash` followed by what `body` adds (key count, keys, arguments).
-    pub(in crate::backend) fn command(&self, body: impl FnOnce(&mut Cmd)) -> Cmd {
-        let mut command = redis::cmd("EVALSHA");
-        command.arg(&self.hash);
+    /// `EVALSHA hash` followed by what `body` adds (key count, keys, arguments), about
+    /// `bytes` long. Written into buffers of that size from the start: a command grown
+    /// argument by argument reallocates several times, and on a busy runtime the
+    /// allocator's locks are then most of what a lock costs this process.
+    pub(in crate::backend) fn command(&self, bytes: usize, body: impl FnOnce(&mut Cmd)) -> Cmd {
+        let mut command = Cmd::with_capacity(MAX_ARGS, "EVALSHA".len() + self.hash.len() + bytes);
+        command.arg("EVALSHA").arg(&self.hash);
         body(&mut command);
         command
     }

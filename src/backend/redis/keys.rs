@@ -2,7 +2,10 @@
 //! random tokens.
 
 use std::borrow::Cow;
+use std::fmt;
 use std::sync::Arc;
+
+use redis::{RedisWrite, ToRedisArgs};
 
 use crate::backend::ttl::sha256_hex;
 use crate::backend::LockMode;
@@ -14,45 +17,90 @@ const MAX_PLAIN_LEN: usize = 64;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(in crate::backend) struct RedisKeys {
     pub(in crate::backend) lock: Arc<str>,
-    pub(super) fence: String,
-    /// Present while some instance waits for the lock: its release must publish.
-    pub(super) waiting: String,
-    /// Shared holders: a sorted set of tokens scored by expiry (server ms).
-    pub(super) readers: String,
-    /// Permit holders, the same way.
-    pub(super) permits: String,
-    /// Writers waiting for the key, the same way: while one is there, no new reader
-    /// enters (writers are not starved).
-    pub(super) intent: String,
-    /// Writers among them that take a grant from a release: token → the lease, fence
-    /// TTL and instance id to grant it with.
-    pub(super) queue: String,
+    /// The other keys' names, one after the other (each the lock's hash tag and a
+    /// suffix of [`SUFFIXES`]): one allocation for all of them, on every lock's path.
+    names: String,
+    /// The length of the hash tag each name starts with.
+    tag_len: usize,
     /// How the acquisition these keys were made for holds the key.
     pub(super) mode: LockMode,
-    /// Who was granted the lock last, written by the grant itself: token, grant time,
-    /// fencing token, instance id.
-    pub(in crate::backend) holder: String,
     /// A replay record each attempt looks for first (an exclusive acquisition only):
     /// when it is stored, the key is not taken.
     pub(super) record: Option<String>,
 }
 
+/// The suffixes of the keys beside the lock, in the order of [`RedisKeys::names`].
+const SUFFIXES: [&str; 6] = [
+    ":waiting", ":readers", ":permits", ":intent", ":queue", ":holder",
+];
+
 impl RedisKeys {
     /// `prefix` is normalized (empty or ending with `:`, no braces).
     pub(in crate::backend) fn new(prefix: &str, name: &str, key: &str) -> Self {
-        let tag = format!("{{{prefix}{}:{}}}", component(name), component(key));
+        use std::fmt::Write;
+        let (name, key) = (component(name), component(key));
+        let tag_len = prefix.len() + name.len() + key.len() + 3;
+        let suffixes: usize = SUFFIXES.iter().map(|suffix| suffix.len()).sum();
+        let mut names = String::with_capacity(SUFFIXES.len() * tag_len + suffixes);
+        for suffix in SUFFIXES {
+            // Writing to a String cannot fail.
+            let _ = write!(names, "{{{prefix}{name}:{key}}}{suffix}");
+        }
+        let lock = format!("{}:lock", &names[..tag_len]).into();
         Self {
-            lock: format!("{tag}:lock").into(),
-            fence: format!("{tag}:fence"),
-            waiting: format!("{tag}:waiting"),
-            readers: format!("{tag}:readers"),
-            permits: format!("{tag}:permits"),
-            intent: format!("{tag}:intent"),
-            queue: format!("{tag}:queue"),
-            holder: format!("{tag}:holder"),
+            lock,
+            names,
+            tag_len,
             mode: LockMode::Exclusive,
             record: None,
         }
+    }
+
+    /// The key with suffix number `index` of [`SUFFIXES`].
+    fn name(&self, index: usize) -> &str {
+        let before: usize = SUFFIXES[..index].iter().map(|suffix| suffix.len()).sum();
+        let start = index * self.tag_len + before;
+        &self.names[start..start + self.tag_len + SUFFIXES[index].len()]
+    }
+
+    /// Present while some instance waits for the lock: its release must publish.
+    pub(super) fn waiting(&self) -> &str {
+        self.name(0)
+    }
+
+    /// Shared holders: a sorted set of tokens scored by expiry (server ms).
+    pub(super) fn readers(&self) -> &str {
+        self.name(1)
+    }
+
+    /// Permit holders, the same way.
+    pub(super) fn permits(&self) -> &str {
+        self.name(2)
+    }
+
+    /// Writers waiting for the key, the same way: while one is there, no new reader
+    /// enters (writers are not starved).
+    pub(super) fn intent(&self) -> &str {
+        self.name(3)
+    }
+
+    /// Writers among them that take a grant from a release: token → the lease, fence
+    /// TTL and instance id to grant it with.
+    pub(super) fn queue(&self) -> &str {
+        self.name(4)
+    }
+
+    /// Who was granted the lock last, written by the grant itself: token, grant time,
+    /// fencing token, instance id. It outlives the lock by the record window, and
+    /// carries the last fencing token for the next grant.
+    pub(in crate::backend) fn holder(&self) -> &str {
+        self.name(5)
+    }
+
+    /// How many bytes the names of these keys take: what a command naming them all
+    /// needs.
+    pub(in crate::backend) fn len(&self) -> usize {
+        self.lock.len() + self.names.len()
     }
 
     /// The replay record of `scope` for this lock: beside its keys, in its hash slot.
@@ -80,16 +128,38 @@ impl RedisKeys {
     pub(super) fn holders(&self) -> Option<&str> {
         match self.mode {
             LockMode::Exclusive => None,
-            LockMode::Shared => Some(&self.readers),
-            LockMode::Permit { .. } => Some(&self.permits),
+            LockMode::Shared => Some(self.readers()),
+            LockMode::Permit { .. } => Some(self.permits()),
         }
     }
 
     /// The mark a give-back leaves when it finds the lock not held by `token`: an
     /// attempt of that token still on its way (on a connection since replaced) then
     /// grants nothing. Under the lock's hash tag, so a cluster keeps it on its slot.
-    pub(in crate::backend) fn given_back(&self, token: &str) -> String {
-        format!("{}:given-back:{token}", self.lock)
+    pub(in crate::backend) fn given_back<'a>(&'a self, token: &'a str) -> GivenBack<'a> {
+        GivenBack {
+            lock: &self.lock,
+            token,
+        }
+    }
+}
+
+/// The name of a token's given-back mark (see [`RedisKeys::given_back`]), written
+/// straight into the command that names it.
+pub(in crate::backend) struct GivenBack<'a> {
+    lock: &'a str,
+    token: &'a str,
+}
+
+impl fmt::Display for GivenBack<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:given-back:{}", self.lock, self.token)
+    }
+}
+
+impl ToRedisArgs for GivenBack<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        out.write_arg_fmt(self);
     }
 }
 
@@ -111,7 +181,12 @@ mod tests {
     fn plain_names_and_keys_are_kept() {
         let keys = RedisKeys::new("keyed-lock:", "orders", "order-42");
         assert_eq!(&*keys.lock, "{keyed-lock:orders:order-42}:lock");
-        assert_eq!(keys.fence, "{keyed-lock:orders:order-42}:fence");
+        assert_eq!(keys.waiting(), "{keyed-lock:orders:order-42}:waiting");
+        assert_eq!(keys.readers(), "{keyed-lock:orders:order-42}:readers");
+        assert_eq!(keys.permits(), "{keyed-lock:orders:order-42}:permits");
+        assert_eq!(keys.intent(), "{keyed-lock:orders:order-42}:intent");
+        assert_eq!(keys.queue(), "{keyed-lock:orders:order-42}:queue");
+        assert_eq!(keys.holder(), "{keyed-lock:orders:order-42}:holder");
         let keys = RedisKeys::new("", "a", "b");
         assert_eq!(&*keys.lock, "{a:b}:lock");
     }
@@ -119,7 +194,7 @@ mod tests {
     #[test]
     fn a_given_back_mark_shares_the_lock_hash_tag() {
         let keys = RedisKeys::new("keyed-lock:", "orders", "order-42");
-        let mark = keys.given_back("0123abcd");
+        let mark = keys.given_back("0123abcd").to_string();
         assert_eq!(
             mark,
             "{keyed-lock:orders:order-42}:lock:given-back:0123abcd"

@@ -33,6 +33,10 @@ const UNSUBSCRIBED_POLL: Duration = Duration::from_millis(50);
 /// and the marks, one per give-back that found the key not its own, do not pile up.
 const GIVEN_BACK_MARK: Duration = Duration::from_secs(60);
 
+/// Room for a script's numbers, channel and instance id in its command, beyond its
+/// keys and tokens (a longer instance id only makes its buffer grow once).
+const ARGUMENTS_LEN: usize = 160;
+
 /// The first pause before an attempt that failed is tried again; pauses double up to
 /// the command timeout.
 const FIRST_RETRY: Duration = Duration::from_millis(20);
@@ -358,24 +362,25 @@ impl Inner {
         // Shared and permit holders go through their own script (a sorted set of
         // holders); the exclusive one also waits for the readers and permit holders.
         let (script, holders, permits) = match keys.mode {
-            LockMode::Exclusive => (&*ACQUIRE, &keys.readers, None),
-            LockMode::Shared => (&*ACQUIRE_COUNTED, &keys.readers, Some(0)),
-            LockMode::Permit { of } => (&*ACQUIRE_COUNTED, &keys.permits, Some(of)),
+            LockMode::Exclusive => (&*ACQUIRE, keys.readers(), None),
+            LockMode::Shared => (&*ACQUIRE_COUNTED, keys.readers(), Some(0)),
+            LockMode::Permit { of } => (&*ACQUIRE_COUNTED, keys.permits(), Some(of)),
         };
         // By SHA1 (loaded when the backend is built), the command written once: no
         // key or argument is copied on its way.
-        let command = script.command(|command| {
+        // The lock and readers are named twice, the lock again in the given-back mark.
+        let bytes = 2 * keys.len() + keys.record.as_ref().map_or(0, String::len) + 3 * token.len();
+        let command = script.command(bytes + ARGUMENTS_LEN, |command| {
             command
-                .arg(9 + usize::from(keys.record.is_some()))
+                .arg(8 + usize::from(keys.record.is_some()))
                 .arg(&*keys.lock)
-                .arg(&keys.fence)
-                .arg(&keys.waiting)
+                .arg(keys.holder())
+                .arg(keys.waiting())
                 .arg(keys.given_back(token))
                 .arg(holders)
-                .arg(&keys.intent)
-                .arg(&keys.holder)
-                .arg(&keys.queue)
-                .arg(&keys.permits);
+                .arg(keys.intent())
+                .arg(keys.queue())
+                .arg(keys.permits());
             if let Some(record) = &keys.record {
                 command.arg(record);
             }
@@ -447,14 +452,13 @@ impl Inner {
     ) -> Result<bool, Failure> {
         let mut command = redis::cmd("EVAL");
         match keys.holders() {
-            // The fence counter and holder record live as long as the lock, and the
-            // window after it.
+            // The holder record (with the last fencing token) lives as long as the
+            // lock, and the window after it.
             None => command
                 .arg(RENEW)
-                .arg(3)
+                .arg(2)
                 .arg(&*keys.lock)
-                .arg(&keys.fence)
-                .arg(&keys.holder)
+                .arg(keys.holder())
                 .arg(token)
                 .arg(millis(ttl))
                 .arg(self.config.record_ttl_ms(ttl)),
@@ -494,25 +498,24 @@ impl Inner {
         let (script, command) = match keys.holders() {
             None => (
                 &*RELEASE,
-                RELEASE.command(|command| {
+                RELEASE.command(keys.len() + 3 * token.len() + ARGUMENTS_LEN, |command| {
                     command
-                        .arg(7)
+                        .arg(6)
                         .arg(&*keys.lock)
-                        .arg(&keys.waiting)
+                        .arg(keys.waiting())
                         .arg(keys.given_back(token))
-                        .arg(&keys.intent)
-                        .arg(&keys.queue)
-                        .arg(&keys.fence)
-                        .arg(&keys.holder);
+                        .arg(keys.intent())
+                        .arg(keys.queue())
+                        .arg(keys.holder());
                 }),
             ),
             Some(holders) => (
                 &*RELEASE_COUNTED,
-                RELEASE_COUNTED.command(|command| {
+                RELEASE_COUNTED.command(keys.len() + 3 * token.len() + ARGUMENTS_LEN, |command| {
                     command
                         .arg(4)
                         .arg(holders)
-                        .arg(&keys.waiting)
+                        .arg(keys.waiting())
                         .arg(keys.given_back(token))
                         .arg(&*keys.lock);
                 }),

@@ -24,10 +24,11 @@
 //!
 //! # How a key is held
 //!
-//! - **Acquire.** One Lua script runs `SET lock token NX PX lease` with a fresh random
+//! - **Acquire.** One Lua script runs `SET lock token NX PX lease` with a fresh
 //!   128-bit token and, when granted, issues the key's fencing token
-//!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): `max(counter + 1,
-//!   server time in µs)`, stored back in the key's fence counter. When the key is held
+//!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): `max(last + 1,
+//!   server time in µs)`, stored with the holder record, which keeps the key's last
+//!   token. When the key is held
 //!   it returns the holder's remaining TTL instead. An attempt whose answer never comes
 //!   (error, timeout, or the acquire future dropped) may still have been granted, or be
 //!   run later (a frozen server runs what waits in its sockets when it wakes), so its
@@ -103,12 +104,11 @@
 //! | acquire | `TIME` | the fencing token's floor (server µs) and the holder record's time |
 //! | acquire | `SET lock token NX PX` | the lock itself |
 //! | acquire | `LASTSAVE` | restart guard, once `SET NX` granted (a refusal deletes that grant): time since the last save bounds the uptime from below (`INFO server` only within a lease of a start or save) |
-//! | acquire | `GET` + `SET` fence | the fencing token, `max(counter + 1, µs)`, and its record window |
-//! | acquire | `SET` holder | who holds it (for [`holder`](LockBackend::holder)), with the same window |
+//! | acquire | `GET` + `SET` holder record | the fencing token, `max(last + 1, µs)`, and who holds it (for [`holder`](LockBackend::holder)), with the record window |
 //! | release | `GET` lock | compare: only the token's holder releases |
 //! | release | `EXISTS` queue | hand-off to a writer queued on another instance |
 //! | release | `DEL` lock and waiting mark | the release, and whether a waiter must be told (2 deleted: `PUBLISH`, only then) |
-//! | renewal | `GET`, `PEXPIRE` ×3 | compare, then the lock, fence and holder record extended together |
+//! | renewal | `GET`, `PEXPIRE` ×2 | compare, then the lock and holder record extended together |
 //!
 //! A contended key adds, for the refused writer, its waiting mark, intent and queue
 //! entry (`SET`, `ZADD`, `HSET` and their TTLs) and the release's hand-off to it; the
@@ -136,19 +136,20 @@
 //! minutes) earlier, and an asynchronous replica promoted by a failover may lack the
 //! last writes. Two rules keep that from breaking the lock:
 //!
-//! - **Fencing tokens never go back on one server clock.** A token is `max(counter + 1,
-//!   TIME in µs)` of the Redis server: if the counter went back, was wiped or expired
+//! - **Fencing tokens never go back on one server clock.** A token is `max(last + 1,
+//!   TIME in µs)` of the Redis server, `last` from the key's holder record: if that
+//!   record went back, was wiped or expired
 //!   ([`fence_ttl`](RedisBackendBuilder::fence_ttl): by default one lease after the
 //!   lock's TTL ran out), the clock still moved on. Tokens
 //!   are monotonic across any restart or failover that loses writes *as long as the
 //!   clock of the server that grants is not behind the clock of the one that granted
 //!   before* (the same server after a restart, or a promoted replica whose clock is in
-//!   sync) and no more than one grant per key happens per microsecond beyond the counter
-//!   (the counter covers those). A counter that expired did so a lease and its window
+//!   sync) and no more than one grant per key happens per microsecond beyond the record
+//!   (the record covers those). A record that expired did so a lease and its window
 //!   after the key's last grant or renewal, so a grant after that is above every
 //!   earlier token while the clock has not stepped back by more than that. A server
 //!   clock stepped back by `d` can repeat tokens issued in the last `d`, unless the
-//!   counter survived. The restart guard adds a lease and a second to that margin
+//!   record survived. The restart guard adds a lease and a second to that margin
 //!   after a restart: no grant comes sooner.
 //! - **Restart guard.** A server that lost a key may grant it again while its holder,
 //!   which cannot tell, still counts its lease as valid: for up to one lease after the
@@ -250,8 +251,8 @@
 //! - **Wake-ups.** A reader's or permit holder's release publishes like a writer's
 //!   (on the lock key's name) when a waiter marked the key, so waiters of every mode
 //!   wake as for an exclusive lock; the poll is the backstop.
-//! - **Fencing.** Writers and permit holders take a new token from the key's fence
-//!   counter (`max(counter + 1, server µs)`), so writers' tokens keep increasing
+//! - **Fencing.** Writers and permit holders take a new token after the key's last one
+//!   (`max(last + 1, server µs)`, kept in the holder record), so writers' tokens keep increasing
 //!   across shared and exclusive grants. A reader takes none: its
 //!   [`fencing_token`](crate::DistributedGuard::fencing_token) is the key's last
 //!   token, the one of the last writer whose writes it reads (or of a later permit
@@ -264,10 +265,10 @@
 //! ([`instance_id`](RedisBackendBuilder::instance_id)) in the `:holder` key under the
 //! lock's hash tag. [`holder`](LockBackend::holder) reads the lock, its PTTL
 //! (`lease_left`) and that record in one script, and uses the record only if it is
-//! the current token's. The record keeps the fence counter's TTL (the lock's, and
-//! the [`fence_ttl`](RedisBackendBuilder::fence_ttl) window after it, extended by
-//! every renewal), and is not deleted by a release: a free key has no lock, and the
-//! next grant overwrites it.
+//! the current token's. The record lives as long as the lock and the
+//! [`fence_ttl`](RedisBackendBuilder::fence_ttl) window after it (extended by every
+//! renewal), and is not deleted by a release: it carries the key's last fencing token
+//! for the next grant, which overwrites it.
 //!
 //! # Redis keys
 //!
@@ -275,8 +276,6 @@
 //!
 //! ```text
 //! {<prefix><name>:<key>}:lock     the token of the holder, with the lease as TTL
-//! {<prefix><name>:<key>}:fence    the last fencing token issued (the lock's TTL and
-//!                                 the `fence_ttl` window, one lease by default)
 //! {<prefix><name>:<key>}:waiting  while another instance waits: its release publishes
 //! {<prefix><name>:<key>}:readers  shared holders: tokens scored by expiry (ms)
 //! {<prefix><name>:<key>}:permits  permit holders, the same way
@@ -286,14 +285,15 @@
 //!                                 the intent)
 //! {<prefix><name>:<key>}:holder   who was granted the lock last: token, grant time (ms,
 //!                                 the server's clock), fencing token, instance id;
-//!                                 written by the grant (same TTL as the fence)
+//!                                 written by the grant (the lock's TTL and the
+//!                                 `fence_ttl` window, one lease by default)
 //! {<prefix><name>:<key>}:lock:given-back:<token>
 //!                                 a release found the key not held by <token>
 //!                                 (for a minute, or a lease if longer)
 //! ```
 //!
 //! Every one of them has a TTL, so Redis keeps records only for keys held or waited
-//! for now, and for a window after: the fence counter and holder record for at most
+//! for now, and for a window after: the holder record for at most
 //! the rest of the lock's lease and the [`fence_ttl`](RedisBackendBuilder::fence_ttl)
 //! window (two leases with the defaults) after a release or a crashed holder's
 //! expiry; the waiting mark, intent and queue for `poll_interval` + `command_timeout`
@@ -454,7 +454,7 @@ struct Config {
     drift: Option<Duration>,
     command_timeout: Duration,
     poll_interval: Duration,
-    /// How long the fence counter and holder record outlive the lock's TTL; `None`:
+    /// How long the holder record (with the last fencing token) outlives the lock's TTL; `None`:
     /// for ever (the opt-out).
     record_window: Option<RecordWindow>,
     restart_guard: bool,
@@ -498,7 +498,7 @@ impl Config {
         self.max_hold.map_or(self.lease, |max| max.min(self.lease))
     }
 
-    /// The window the fence counter and holder record outlive the lock by: at least
+    /// The window the holder record outlives the lock by: at least
     /// one lease (tokens then stay above every earlier one unless the server clock
     /// steps back by more than it).
     fn record_window(&self) -> Option<Duration> {
@@ -508,7 +508,7 @@ impl Config {
         })
     }
 
-    /// The TTL in ms of the fence counter and the holder record written with a grant
+    /// The TTL in ms of the holder record written with a grant
     /// or renewal of `held`: that and the window; 0 for no TTL.
     fn record_ttl_ms(&self, held: Duration) -> u64 {
         self.record_window()
@@ -516,7 +516,7 @@ impl Config {
     }
 }
 
-/// How long a key's fence counter and holder record outlive its lock.
+/// How long a key's holder record outlives its lock.
 #[derive(Clone, Copy, Debug)]
 enum RecordWindow {
     /// One lease, whatever the lease is set to: the default.
@@ -607,8 +607,8 @@ impl RedisBackend {
     }
 
     /// The Redis key that holds the lock of `key` for the layer called `name` (see
-    /// [Redis keys](self#redis-keys)); its fence counter and waiting mark have the same
-    /// name with `:fence` and `:waiting` instead of `:lock`.
+    /// [Redis keys](self#redis-keys)); its holder record and waiting mark have the
+    /// same name with `:holder` and `:waiting` instead of `:lock`.
     ///
     /// ```no_run
     /// # use tower_keyed_lock::backend::redis::RedisBackend;
@@ -741,7 +741,7 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// How long a key's fence counter and holder record outlive its lock, after the
+    /// How long a key's holder record (with its last fencing token) outlives its lock, after the
     /// lock's last grant or renewal ran out (default: one lease, whatever the lease is).
     /// A window shorter than the lease is raised to the lease. So after a release (or a
     /// crashed holder's expiry) Redis keeps nothing of a key for longer than the
@@ -750,13 +750,13 @@ impl RedisBackendBuilder {
     /// all. See [Redis keys](self#redis-keys).
     ///
     /// Fencing tokens still never go back for a key: a token is at least the Redis
-    /// server clock in microseconds, so a grant after the counter expired (a window or
+    /// server clock in microseconds, so a grant after the record expired (a window or
     /// more after the last one) is above every token given before, as long as that
     /// clock does not step back by more than the window (see
     /// [Restarts and lost writes](self#restarts-and-lost-writes)).
     ///
-    /// `None` keeps both for ever (one small key each per key ever locked, without
-    /// bound): only for a key space that is small and fixed.
+    /// `None` keeps it for ever (one small key per key ever locked, without bound):
+    /// only for a key space that is small and fixed.
     pub fn fence_ttl(mut self, ttl: Option<Duration>) -> Self {
         self.config.record_window = ttl.map(RecordWindow::After);
         self
@@ -976,8 +976,8 @@ impl RedisBackend {
             .arg(scripts::PUT_AND_RELEASE)
             .arg(4)
             .arg(&*keys.lock)
-            .arg(&keys.fence)
-            .arg(&keys.waiting)
+            .arg(keys.holder())
+            .arg(keys.waiting())
             .arg(keys.record_of(scope))
             .arg(token)
             .arg(record)
@@ -1068,7 +1068,7 @@ impl LockBackend for RedisBackend {
         Box::pin(async move {
             let script = Script::new(HOLDER);
             let mut invocation = script.key(&*keys.lock);
-            invocation.key(&keys.holder);
+            invocation.key(keys.holder());
             let limit = Instant::now() + inner.config.command_timeout;
             let answer: Vec<redis::Value> = inner
                 .commands

@@ -44,12 +44,12 @@ macro_rules! restart_guard {
 }
 pub(in crate::backend) use restart_guard;
 
-/// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back
-/// mark, `KEYS[5]` readers, `KEYS[6]` writers' intent, `KEYS[7]` the holder record,
-/// `KEYS[8]` the queue, `KEYS[9]` permit holders, optionally `KEYS[10]` a replay record
-/// to look for first;
-/// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` the fence counter's and holder
-/// record's TTL ms (the lease and the record window; 0: none), `ARGV[4]`
+/// `KEYS[1]` lock, `KEYS[2]` the holder record (it carries the last fencing token),
+/// `KEYS[3]` waiting, `KEYS[4]` the token's given-back mark, `KEYS[5]` readers,
+/// `KEYS[6]` writers' intent, `KEYS[7]` the queue, `KEYS[8]` permit holders,
+/// optionally `KEYS[9]` a replay record to look for first;
+/// `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` the holder record's TTL ms (the
+/// lease and the record window; 0: none), `ARGV[4]`
 /// waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id,
 /// `ARGV[7]` `1` if an earlier attempt of this token was sent (it may be in the intent
 /// set), else `0`, `ARGV[8]` `1` if the caller takes a grant from a release (see
@@ -59,7 +59,7 @@ pub(in crate::backend) use restart_guard;
 /// restart guard lets grants through}`, or `{3, the replay record}`.
 ///
 /// Replay record: a completed request's stored response needs no lock to be replayed,
-/// so when `KEYS[10]` exists the key is not taken (and this token leaves the writers'
+/// so when `KEYS[9]` exists the key is not taken (and this token leaves the writers'
 /// intent it may have entered on an earlier attempt).
 ///
 /// Given back: an attempt that arrives after its own give-back (it travelled on a
@@ -70,14 +70,14 @@ pub(in crate::backend) use restart_guard;
 /// the key (a held key is refused anyway), and a refusal deletes that grant again, in
 /// the same atomic script: no command, and no one, sees it.
 ///
-/// Fencing token: `max(counter + 1, server time in µs)`, so tokens keep growing when
-/// the counter expired or went back with lost writes, as long as the server clock
-/// does not step back. Both are decimal text without leading zeros (the counter is
-/// only ever written so, here or by `INCR`), so the longer is the larger, and text of
-/// one length compares as the numbers do: the counter is read as a number only when
-/// it is not below the clock (Lua's `tonumber` of 16 digits costs more than the rest
-/// of the grant). Returned as that text (16 digits: exact in a Lua number, a double,
-/// but not in its default formatting).
+/// Fencing token: `max(last + 1, server time in µs)`, the last one read from the holder
+/// record (see `LAST_FENCE`), so tokens keep growing when the record expired or went
+/// back with lost writes, as long as the server clock does not step back. Both are
+/// decimal text without leading zeros (the record's is only ever written so), so the
+/// longer is the larger, and text of one length compares as the numbers do: the last
+/// token is read as a number only when it is not below the clock (Lua's `tonumber` of
+/// 16 digits costs more than the rest of the grant). Returned as that text (16
+/// digits: exact in a Lua number, a double, but not in its default formatting).
 ///
 /// Queue: a writer refused that takes a grant from a release leaves, in the queue, the
 /// lease, fence TTL and instance id the release grants it with. Once granted so, its
@@ -104,16 +104,17 @@ pub(in crate::backend) use restart_guard;
 /// A plain exclusive grant is on every lock's path, so it makes few calls: one
 /// `EXISTS` for the given-back mark, readers and permit holders together (each looked
 /// at only if one of them exists), one `TIME`, `SET NX` for the lock, `LASTSAVE` for
-/// the restart guard, the fence read and written once, the holder record written, and
-/// the intent left only by a token that may have entered it.
+/// the restart guard, the holder record read (for the last token) and written once,
+/// and the intent left only by a token that may have entered it.
 pub(super) const ACQUIRE: &str = concat!(
     r"
-local marked = redis.call('EXISTS', KEYS[4], KEYS[5], KEYS[9])
+local LAST_FENCE = '^[^\n]*\n[^\n]*\n(%d+)'
+local marked = redis.call('EXISTS', KEYS[4], KEYS[5], KEYS[8])
 if marked > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
 end
-if KEYS[10] then
-  local stored = redis.call('GET', KEYS[10])
+if KEYS[9] then
+  local stored = redis.call('GET', KEYS[9])
   if stored then
     redis.call('ZREM', KEYS[6], ARGV[1])
     return {3, stored}
@@ -126,7 +127,7 @@ if marked > 0 then
   now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
   reader = redis.call('ZRANGEBYSCORE', KEYS[5], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   if reader[1] == nil then
-    reader = redis.call('ZRANGEBYSCORE', KEYS[9], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    reader = redis.call('ZRANGEBYSCORE', KEYS[8], '(' .. now, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   end
   if reader[1] == nil then
     reader = nil
@@ -143,29 +144,27 @@ if reader == nil then
     r"
     local micros = clock[1] .. string.sub('00000' .. clock[2], -6)
     local text = micros
-    local last = redis.call('GET', KEYS[2])
+    local last = string.match(redis.call('GET', KEYS[2]) or '', LAST_FENCE)
     if last and (#last > #micros or (#last == #micros and last >= micros)) then
       text = string.format('%d', tonumber(last) + 1)
     end
     local record = ARGV[1] .. '\n' .. string.sub(micros, 1, -4) .. '\n' .. text .. '\n' .. ARGV[6]
     if ARGV[3] ~= '0' then
-      redis.call('SET', KEYS[2], text, 'PX', ARGV[3])
-      redis.call('SET', KEYS[7], record, 'PX', ARGV[3])
+      redis.call('SET', KEYS[2], record, 'PX', ARGV[3])
     else
-      redis.call('SET', KEYS[2], text)
-      redis.call('SET', KEYS[7], record)
+      redis.call('SET', KEYS[2], record)
     end
     if ARGV[7] == '1' then
       redis.call('ZREM', KEYS[6], ARGV[1])
       if ARGV[8] == '1' then
-        redis.call('HDEL', KEYS[8], ARGV[1])
+        redis.call('HDEL', KEYS[7], ARGV[1])
       end
     end
     return {1, text}
   end
   if ARGV[8] == '1' and redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return {1, tonumber(redis.call('GET', KEYS[2]))}
+    return {1, string.match(redis.call('GET', KEYS[2]) or '', LAST_FENCE)}
   end
 end
 now = now or tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -178,9 +177,9 @@ if redis.call('PTTL', KEYS[6]) < tonumber(ARGV[4]) then
   redis.call('PEXPIRE', KEYS[6], ARGV[4])
 end
 if ARGV[8] == '1' then
-  redis.call('HSET', KEYS[8], ARGV[1], ARGV[2] .. '\n' .. ARGV[3] .. '\n' .. ARGV[6])
-  if redis.call('PTTL', KEYS[8]) < tonumber(ARGV[4]) then
-    redis.call('PEXPIRE', KEYS[8], ARGV[4])
+  redis.call('HSET', KEYS[7], ARGV[1], ARGV[2] .. '\n' .. ARGV[3] .. '\n' .. ARGV[6])
+  if redis.call('PTTL', KEYS[7]) < tonumber(ARGV[4]) then
+    redis.call('PEXPIRE', KEYS[7], ARGV[4])
   end
 end
 if reader ~= nil then
@@ -208,8 +207,8 @@ end
 return {token, pttl}
 ";
 
-/// `KEYS[1]` lock, then the records that live with it (the fence counter and holder
-/// record; Redlock's holder record); `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` the
+/// `KEYS[1]` lock, then the records that live with it (the holder record, which
+/// carries the last fencing token; Redlock's holder record); `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` the
 /// records' TTL ms (absent or 0: left as they are). 1 if still ours and extended. The
 /// records outlive the lock by their window, however long it is held.
 pub(in crate::backend) const RENEW: &str = r"
@@ -225,7 +224,7 @@ return 0
 ";
 
 /// `KEYS[1]` lock, `KEYS[2]` waiting, `KEYS[3]` the token's given-back mark, `KEYS[4]`
-/// writers' intent, `KEYS[5]` the queue, `KEYS[6]` fence, `KEYS[7]` the holder record;
+/// writers' intent, `KEYS[5]` the queue, `KEYS[6]` the holder record;
 /// `ARGV[1]` token, `ARGV[2]` release channel, or empty on a cluster: there the lock's
 /// own shard channel, named like the lock key; `ARGV[3]` the mark's TTL ms. 1 if the
 /// lock was still ours; if not, takes the token out of the intent and the queue, marks
@@ -259,16 +258,15 @@ if redis.call('EXISTS', KEYS[5]) == 1 then
       local lease, fence_ttl, instance = string.match(queued, '^(%d+)\n(%d+)\n(.*)$')
       redis.call('SET', KEYS[1], token, 'PX', lease)
       local micros = tonumber(clock[1] .. string.sub('00000' .. clock[2], -6))
-      local fence = math.max(tonumber(redis.call('GET', KEYS[6]) or '0') + 1, micros)
+      local last = string.match(redis.call('GET', KEYS[6]) or '', '^[^\n]*\n[^\n]*\n(%d+)')
+      local fence = math.max(tonumber(last or '0') + 1, micros)
       local text = string.format('%d', fence)
       local millis = clock[1] .. string.sub('00' .. math.floor(clock[2] / 1000), -3)
       local record = token .. '\n' .. millis .. '\n' .. text .. '\n' .. instance
       if fence_ttl ~= '0' then
-        redis.call('SET', KEYS[6], text, 'PX', fence_ttl)
-        redis.call('SET', KEYS[7], record, 'PX', fence_ttl)
+        redis.call('SET', KEYS[6], record, 'PX', fence_ttl)
       else
-        redis.call('SET', KEYS[6], text)
-        redis.call('SET', KEYS[7], record)
+        redis.call('SET', KEYS[6], record)
       end
       redis.call('ZREM', KEYS[4], token)
       redis.call('HDEL', KEYS[5], token)
@@ -293,15 +291,17 @@ return 1
 ";
 
 /// A replay record written and the lock released, in one step. `KEYS[1]` lock,
-/// `KEYS[2]` fence, `KEYS[3]` waiting, `KEYS[4]` the record; `ARGV[1]` the holder's
-/// fencing token, `ARGV[2]` the record, `ARGV[3]` its TTL ms, `ARGV[4]` release
-/// channel, or empty on a cluster (the lock's shard channel). Only while the lock is
-/// held and no grant came after the holder's (the fence still holds its token): then
+/// `KEYS[2]` the holder record, `KEYS[3]` waiting, `KEYS[4]` the record; `ARGV[1]` the
+/// holder's fencing token, `ARGV[2]` the record, `ARGV[3]` its TTL ms, `ARGV[4]`
+/// release channel, or empty on a cluster (the lock's shard channel). Only while the
+/// lock is held and no grant came after the holder's (the holder record still carries
+/// its token): then
 /// writes, deletes the lock, announces the release as `RELEASE` does, and returns 1;
 /// else changes nothing and returns 0.
 #[cfg(feature = "replay")]
 pub(super) const PUT_AND_RELEASE: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('GET', KEYS[2]) == ARGV[1] then
+local record = redis.call('GET', KEYS[2]) or ''
+if redis.call('EXISTS', KEYS[1]) == 1 and string.match(record, '^[^\n]*\n[^\n]*\n(%d+)') == ARGV[1] then
   redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
   if redis.call('DEL', KEYS[1], KEYS[3]) == 2 then
     if ARGV[4] == '' then
@@ -316,15 +316,15 @@ return 0
 ";
 
 /// Takes one place among a key's shared or permit holders. `KEYS[1]` lock, `KEYS[2]`
-/// fence, `KEYS[3]` waiting, `KEYS[4]` the token's given-back mark, `KEYS[5]` the
-/// holders (readers or permits: tokens scored by expiry, server ms), `KEYS[6]` the
-/// writers' intent (`KEYS[7]`, the exclusive holder record, `KEYS[8]` and `KEYS[9]`
-/// are not used); `ARGV[1]`
-/// token, `ARGV[2]` lease ms, `ARGV[3]` fence TTL ms (0: none), `ARGV[4]` waiting-mark
-/// TTL ms, `ARGV[5]` restart guard ms (0: off), `ARGV[6]` the instance id (not used),
-/// `ARGV[7]` permits (0: a reader, unbounded but for writers). Answers as `ACQUIRE` does; a
-/// reader's fencing token is the key's last one (-1 if none), a permit holder's a new
-/// one.
+/// the holder record (for the last fencing token), `KEYS[3]` waiting, `KEYS[4]` the
+/// token's given-back mark, `KEYS[5]` the holders (readers or permits: tokens scored
+/// by expiry, server ms), `KEYS[6]` the writers' intent (`KEYS[7]` and `KEYS[8]` are
+/// not used); `ARGV[1]` token, `ARGV[2]` lease ms, `ARGV[3]` the holder record's TTL
+/// ms (0: none), `ARGV[4]` waiting-mark TTL ms, `ARGV[5]` restart guard ms (0: off),
+/// `ARGV[6]` the instance id (not used), `ARGV[7]` permits (0: a reader, unbounded but
+/// for writers). Answers as `ACQUIRE` does; a reader's fencing token is the key's last
+/// one (-1 if none), a permit holder's a new one, written as a holder record with no
+/// token (no exclusive holder is named by it).
 ///
 /// Expired holders are pruned first, so a crashed holder's place comes back one lease
 /// after its last grant or renewal. A reader or a permit holder is refused while a
@@ -372,23 +372,19 @@ redis.call('ZADD', KEYS[5], now + tonumber(ARGV[2]), ARGV[1])
 if redis.call('PTTL', KEYS[5]) < tonumber(ARGV[2]) then
   redis.call('PEXPIRE', KEYS[5], ARGV[2])
 end
+local last = string.match(redis.call('GET', KEYS[2]) or '', '^[^\n]*\n[^\n]*\n(%d+)')
 if limit == 0 then
-  local last = redis.call('GET', KEYS[2])
-  if last then
-    return {1, tonumber(last)}
-  end
-  return {1, -1}
+  return {1, last or -1}
 end
-local micros = clock[1] .. string.sub('00000' .. clock[2], -6)
-local fence = redis.call('INCR', KEYS[2])
-if fence < tonumber(micros) then
-  redis.call('SET', KEYS[2], micros)
-  fence = tonumber(micros)
-end
+local micros = tonumber(clock[1] .. string.sub('00000' .. clock[2], -6))
+local text = string.format('%d', math.max(tonumber(last or '0') + 1, micros))
+local record = '\n' .. math.floor(micros / 1000) .. '\n' .. text .. '\n'
 if ARGV[3] ~= '0' then
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  redis.call('SET', KEYS[2], record, 'PX', ARGV[3])
+else
+  redis.call('SET', KEYS[2], record)
 end
-return {1, fence}
+return {1, text}
 "
 );
 

@@ -110,12 +110,13 @@ impl Master {
         limit: Instant,
         instance_id: &str,
     ) -> (Vote, Option<RedisError>) {
-        let command = ACQUIRE_SCRIPT.command(|command| {
+        let bytes = 2 * keys.lock.len() + keys.holder().len() + 3 * token.len() + instance_id.len();
+        let command = ACQUIRE_SCRIPT.command(bytes + 64, |command| {
             command
                 .arg(3)
                 .arg(&*keys.lock)
                 .arg(keys.given_back(token))
-                .arg(&keys.holder)
+                .arg(keys.holder())
                 .arg(token)
                 .arg(ttl_ms)
                 .arg(restart_guard_ms)
@@ -160,7 +161,7 @@ impl Master {
             .arg(RENEW)
             .arg(2)
             .arg(&*keys.lock)
-            .arg(&keys.holder)
+            .arg(keys.holder())
             .arg(token)
             .arg(ttl_ms)
             .arg(holder_record_ttl_ms(ttl_ms));
@@ -179,12 +180,13 @@ impl Master {
     /// Deletes the lock if `token` holds it; otherwise marks the token given back for
     /// `mark_ms`, so a late attempt of it grants nothing here.
     pub(super) async fn release(&self, keys: &RedisKeys, token: &str, mark_ms: u64) -> Reply {
-        let command = RELEASE.command(|command| {
+        let bytes = 2 * keys.lock.len() + keys.holder().len() + 3 * token.len();
+        let command = RELEASE.command(bytes + 32, |command| {
             command
                 .arg(3)
                 .arg(&*keys.lock)
                 .arg(keys.given_back(token))
-                .arg(&keys.holder)
+                .arg(keys.holder())
                 .arg(token)
                 .arg(mark_ms);
         });
@@ -217,7 +219,7 @@ impl Master {
             .arg(HOLDER)
             .arg(2)
             .arg(&*keys.lock)
-            .arg(&keys.holder);
+            .arg(keys.holder());
         let limit = Instant::now() + self.command_timeout;
         let answer: Vec<redis::Value> = self
             .run(limit, |mut connection| async move {

@@ -126,8 +126,8 @@
 //! named `name` locks request key `key` under `{<prefix><name>:<key>}:lock` on every
 //! master (name and key written as-is when short and plain, else as `#` + hex SHA-256:
 //! any UTF-8 key, bounded length, no injection), and the give-back mark under
-//! `{<prefix><name>:<key>}:lock:given-back:<token>`. There is no fence counter and no
-//! waiting mark. [`RedlockBackend::lock_key`] computes the lock key.
+//! `{<prefix><name>:<key>}:lock:given-back:<token>`. No fencing token is kept and
+//! there is no waiting mark. [`RedlockBackend::lock_key`] computes the lock key.
 //!
 //! # Who holds a key
 //!

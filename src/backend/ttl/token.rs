@@ -1,4 +1,7 @@
-//! Fresh random tokens: one per acquisition (the owner of a record) or record version.
+//! Fresh unique tokens: one per acquisition (the owner of a record) or record version.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 use crate::LockError;
 
@@ -20,14 +23,29 @@ pub(crate) fn sha256_hex(text: &str) -> String {
     out
 }
 
-/// A fresh random 128-bit token, in hex; [`LockError::Backend`] if the system has no
-/// randomness to give.
+/// A fresh 128-bit token, in hex, unique across processes and within one: this
+/// process's random 64 bits (read once), then a count of the tokens it made.
+/// [`LockError::Backend`] if the system has no randomness to give.
+///
+/// Only uniqueness is asked of a token (it names an owner; whoever can read the lock
+/// server can delete its records anyway): two processes share one only if their 64
+/// random bits are equal. A read of the system's randomness per token would be a
+/// system call on every lock's path.
 pub(crate) fn fresh_token() -> Result<String, LockError> {
-    let mut bytes = [0u8; 16];
-    getrandom::fill(&mut bytes)
-        .map_err(|error| LockError::Backend(Box::new(std::io::Error::other(error.to_string()))))?;
+    static PROCESS: OnceLock<Result<u64, String>> = OnceLock::new();
+    static COUNT: AtomicU64 = AtomicU64::new(0);
+    let process = PROCESS.get_or_init(|| {
+        let mut bytes = [0u8; 8];
+        getrandom::fill(&mut bytes).map_err(|error| error.to_string())?;
+        Ok(u64::from_le_bytes(bytes))
+    });
+    let process = process
+        .as_ref()
+        .map_err(|error| LockError::Backend(Box::new(std::io::Error::other(error.clone()))))?;
+    let count = COUNT.fetch_add(1, Ordering::Relaxed);
     let mut token = String::with_capacity(32);
-    push_hex(&mut token, &bytes);
+    push_hex(&mut token, &process.to_be_bytes());
+    push_hex(&mut token, &count.to_be_bytes());
     Ok(token)
 }
 
@@ -45,12 +63,15 @@ mod tests {
     }
 
     #[test]
-    fn tokens_are_128_random_bits_in_hex() {
+    fn tokens_are_128_bits_in_hex_and_never_repeat() {
         let (a, b) = (fresh_token().unwrap(), fresh_token().unwrap());
         assert_eq!(a.len(), 32);
         assert!(a
             .bytes()
             .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
         assert_ne!(a, b);
+        let tokens: std::collections::HashSet<_> =
+            (0..10_000).map(|_| fresh_token().unwrap()).collect();
+        assert_eq!(tokens.len(), 10_000);
     }
 }

@@ -10,11 +10,12 @@ use crate::backend::{Place, RecordLookup, ReleaseLease};
 use super::{Get, Put, RecordKey, ReplayStore, StoreError, Stored};
 use crate::replay::record::Record;
 
-/// `KEYS[1]` lock, `KEYS[2]` fence, `KEYS[3]` record; `ARGV[1]` the request's fencing
-/// token, `ARGV[2]` the record, `ARGV[3]` its TTL in ms. Writes only while the lock is
+/// `KEYS[1]` lock, `KEYS[2]` the lock's holder record (its third line is the last
+/// fencing token), `KEYS[3]` record; `ARGV[1]` the request's fencing token, `ARGV[2]` the record, `ARGV[3]` its TTL in ms. Writes only while the lock is
 /// held and no grant came after this request's: 1 if written.
 const PUT: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 1 and redis.call('GET', KEYS[2]) == ARGV[1] then
+local record = redis.call('GET', KEYS[2]) or ''
+if redis.call('EXISTS', KEYS[1]) == 1 and string.match(record, '^[^\n]*\n[^\n]*\n(%d+)') == ARGV[1] then
   redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
   return 1
 end
@@ -28,20 +29,15 @@ return 0
 /// ```
 ///
 /// A record is written by one script that checks, atomically, that the lock key exists
-/// and that the fence counter still holds this request's fencing token: a request whose
-/// lease was lost — another instance was granted the key since — cannot write. The
-/// request's own lock token is not checked (the layer does not see it); the fence
-/// counter grows with every grant, which covers the same case.
+/// and that the lock's holder record still carries this request's fencing token: a
+/// request whose lease was lost — another instance was granted the key since — cannot
+/// write. The request's own lock token is not checked (the layer does not see it);
+/// every grant writes a higher fencing token, which covers the same case.
 ///
 /// A record expires with the replay [`ttl`](crate::replay::ReplayLayer::ttl); the
-/// lock's fence counter and holder record of its key stay unless the backend's
-/// [`fence_ttl`](crate::backend::redis::RedisBackendBuilder::fence_ttl) is set (about
-/// 290 bytes per key, as Redis counts them). Keys that come from clients, one per
-/// request, then grow Redis without bound: set `fence_ttl`, and nothing of a completed
-/// request is left once its record and the fence expired. Set it longer than the
-/// longest hold: the renewal of a lease does not extend the fence, and a request that
-/// holds its key past the fence's TTL finds no fence to write under — its response is
-/// not stored, and a retry runs again.
+/// lock's holder record expires with the backend's record window
+/// ([`fence_ttl`](crate::backend::redis::RedisBackendBuilder::fence_ttl)) after the
+/// lock, so nothing of a completed request is left once both expired.
 ///
 /// ```no_run
 /// use tower_keyed_lock::backend::redis::RedisBackend;
@@ -77,9 +73,9 @@ impl RedisReplayStore {
     fn keys(&self, key: &RecordKey) -> [String; 3] {
         let lock = self.backend.lock_key(key.layer(), key.key());
         let tag = lock.strip_suffix(":lock").unwrap_or(&lock);
-        let fence = format!("{tag}:fence");
+        let holder = format!("{tag}:holder");
         let record = self.backend.record_key(key.layer(), key.key(), key.scope());
-        [lock, fence, record]
+        [lock, holder, record]
     }
 }
 
@@ -100,7 +96,7 @@ impl ReplayStore for RedisReplayStore {
     }
 
     fn put(&self, key: &RecordKey, record: Record, ttl: Duration, token: Option<u64>) -> Put {
-        let [lock, fence, record_key] = self.keys(key);
+        let [lock, holder, record_key] = self.keys(key);
         let backend = self.backend.clone();
         let put = self.put.clone();
         Box::pin(async move {
@@ -112,7 +108,7 @@ impl ReplayStore for RedisReplayStore {
             let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
             let mut invocation = put.key(lock);
             invocation
-                .key(fence)
+                .key(holder)
                 .key(record_key)
                 .arg(token.to_string())
                 .arg(record.to_bytes())
