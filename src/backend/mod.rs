@@ -47,6 +47,7 @@ use crate::key::Key;
 #[cfg(feature = "azure-blob")]
 #[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
 pub mod azure_blob;
+mod detach;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
@@ -89,6 +90,7 @@ mod ttl;
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub mod zookeeper;
 
+pub(crate) use detach::Detach;
 pub use health::{Health, LastError, HEALTH_LOCK_NAME, HEALTH_PROBE_KEY, HEALTH_PROBE_WAIT};
 #[cfg(any(
     feature = "redis",
@@ -813,20 +815,17 @@ impl fmt::Debug for LeaseSignal {
     }
 }
 
-/// Runs a backend's acquisition in a task of its own and waits for it. Dropping the
-/// returned future detaches the task instead of cancelling it mid-round-trip: if it
-/// still gets the lease, tokio drops the unclaimed output, and the lease's drop
-/// releases it. So no cancellation can leave a remote lock held or a locked connection
-/// in a pool.
+/// Runs a backend's acquisition where it is polled; dropping the returned future
+/// detaches it into a task of its own instead of cancelling it mid-round-trip (see
+/// [`Detach`]): if it still gets the lease, that task drops the unclaimed output, and
+/// the lease's drop releases it. So no cancellation can leave a remote lock held or a
+/// locked connection in a pool. A panic of the backend is a [`LockError::Backend`].
 pub(crate) fn detached<T: Send + 'static>(
     acquire: BoxFuture<Result<T, LockError>>,
-) -> BoxFuture<Result<T, LockError>> {
-    let task = tokio::spawn(acquire);
-    Box::pin(async move {
-        match task.await {
-            Ok(result) => result,
-            Err(join_error) => Err(LockError::Backend(Box::new(join_error))),
-        }
+) -> Detach<Result<T, LockError>> {
+    Detach::new(acquire, |panic| {
+        let message = format!("the lock backend's acquisition panicked: {panic}");
+        Err(LockError::Backend(message.into()))
     })
 }
 

@@ -10,12 +10,11 @@ use std::time::{Duration, Instant};
 use super::guard::DistributedGuard;
 use super::guard::Looked;
 use super::Inner;
-use crate::backend::{detached, Acquired, Lease, LockMode, RecordLookup, SHARED_LOCKS};
+use crate::backend::{detached, Acquired, Detach, Lease, LockMode, RecordLookup, SHARED_LOCKS};
 use crate::error::LockError;
 use crate::key::Key;
 use crate::locks::{Acquire, KeyGuard, Mode};
 use crate::rejection_kind::RejectionKind;
-use crate::BoxFuture;
 
 /// The remote wait of an acquisition without a time limit. Backends add the wait to
 /// `Instant::now()`, which must not overflow; a year is "until it is free".
@@ -57,7 +56,7 @@ enum State {
     /// Held in this process; waiting at the backend.
     Remote {
         local: Option<KeyGuard<Key>>,
-        remote: BoxFuture<Result<Acquired, LockError>>,
+        remote: Detach<Result<Acquired, LockError>>,
         /// `keyed_lock.remote`, entered while the remote acquisition is polled.
         span: tracing::Span,
     },
@@ -248,7 +247,8 @@ impl DistributedAcquire {
     }
 }
 
-// Every field is Unpin: the local acquisition is, and the remote one is boxed.
+// Every field is Unpin: the local acquisition is, and the remote one is boxed (in a
+// `Detach`).
 impl Unpin for DistributedAcquire {}
 
 impl Future for DistributedAcquire {
@@ -335,7 +335,7 @@ impl DistributedAcquire {
                     remote,
                     span,
                 } => {
-                    let result = ready!(span.in_scope(|| remote.as_mut().poll(cx)));
+                    let result = ready!(span.in_scope(|| Pin::new(&mut *remote).poll(cx)));
                     match &result {
                         Ok(Acquired::Granted(lease) | Acquired::NotRecorded(lease)) => {
                             span.record("outcome", "acquired");

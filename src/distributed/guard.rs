@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 use super::Inner;
-use crate::backend::{Lease, LeaseSignal, LostReason};
+use crate::backend::{Detach, Lease, LeaseSignal, LostReason};
 use crate::key::Key;
 use crate::locks::{KeyGuard, LockError};
 
@@ -272,7 +272,7 @@ impl DistributedGuard {
     /// Releases the key and waits until the backend has it back (or its release gave
     /// up), then releases it locally; with [`hold_at_least`](Self::hold_at_least), it
     /// first waits until then. Dropping this future midway does not stop the release:
-    /// it runs in a task of its own.
+    /// it goes on in a task of its own.
     pub async fn release(mut self) {
         // Not taken: a release cancelled during this sleep still holds the key till then.
         if let Some(until) = self.hold_until {
@@ -284,9 +284,7 @@ impl DistributedGuard {
             self.local.take();
             return; // the local guard drops with `self`
         };
-        if let Some(release) = release_detached(Some(*lease), self.local.take(), None) {
-            let _ = release.await;
-        }
+        release_in_place(*lease, self.local.take()).await;
     }
 }
 
@@ -320,21 +318,15 @@ impl DistributedGuard {
         };
         let local = self.local.take();
         let lost_before = lease.signal().lost_reason();
-        // In a task of its own, like `release`: dropping this future does not stop it.
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return lost_before.map_or(Ok(()), |reason| Err(LeaseLost::new(reason)));
-        };
-        let released = runtime.spawn(async move {
+        // Like `release`: dropping this future midway does not stop it.
+        let released = Box::pin(async move {
             let released = lease.release_checked().await;
             drop(local);
-            released
+            released.map_err(LeaseLost::new)
         });
-        match released.await {
-            Ok(released) => released.map_err(LeaseLost::new),
-            Err(_) => Err(LeaseLost::new(
-                lost_before.unwrap_or(LostReason::Unreachable),
-            )),
-        }
+        let reason = lost_before.unwrap_or(LostReason::Unreachable);
+        // A panic of the backend's release: the key is not known to be released.
+        Detach::new(released, |_| Err(LeaseLost::new(reason))).await
     }
 }
 
@@ -351,6 +343,17 @@ impl Drop for DistributedGuard {
         }
         // Else the local guard drops with the fields.
     }
+}
+
+/// Releases `lease`, then `local`, where it is polled; dropped midway, the release goes
+/// on in a task of its own (see [`Detach`]). Remote first, then local, as
+/// [`release_detached`].
+async fn release_in_place(lease: Lease, local: Option<KeyGuard<Key>>) {
+    let release = Box::pin(async move {
+        lease.release().await;
+        drop(local);
+    });
+    Detach::new(release, |_| ()).await;
 }
 
 /// Releases `lease`, then `local`, in a task of its own, so that the release completes
