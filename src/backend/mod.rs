@@ -8,8 +8,8 @@
 //! arrival order; Redis wakes every waiter on a release and the fastest one wins.
 //!
 //! A backend implements [`LockBackend`]; the layer makes every acquisition cancel-safe:
-//! it runs the acquire in a task of its own, so a dropped request detaches it instead of
-//! cancelling it mid-round-trip, and an unwanted lease is released when the task ends.
+//! a dropped request moves the acquire into a task of its own instead of cancelling it
+//! mid-round-trip, and an unwanted lease is released when that task ends.
 //!
 //! Besides exclusive locks, a backend may hold a key shared or as one of `n` permits
 //! ([`LockMode`], [`LockBackend::acquire_mode`]); it says which in
@@ -128,9 +128,10 @@ pub trait LockBackend: Send + Sync + 'static {
     /// or [`LockError::Backend`] when the backend cannot be reached or errs. Must not
     /// outlive `wait` by more than one network timeout.
     ///
-    /// The layer runs the future in a task of its own and never drops it midway; a
-    /// lease nobody waits for any more is dropped, which releases it. So
-    /// implementations need not be cancel-safe themselves.
+    /// The layer never drops the future midway: a request dropped while it runs moves
+    /// it into a task of its own, where it runs to its end; a lease nobody waits for
+    /// any more is dropped, which releases it. So implementations need not be
+    /// cancel-safe themselves.
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition;
 
     /// Acquires the remote lock of `key` in `mode`: [`acquire`](Self::acquire) for

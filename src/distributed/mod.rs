@@ -64,7 +64,8 @@
 //!
 //! Every acquisition is cancel-safe: dropping a [`DistributedAcquire`] at any point —
 //! queued locally, or waiting at the backend — releases whatever it acquired, and the
-//! remote attempt runs detached so a dropped request never leaves a remote lock held.
+//! remote attempt then runs on detached, so a dropped request never leaves a remote
+//! lock held.
 //!
 //! # Files
 //!

@@ -12,8 +12,9 @@ use super::fixtures::{within, PATIENCE};
 
 /// Holds `key` for `hold` while `fault` runs, with another instance waiting for it the
 /// whole time. No unsignalled overlap: if the other instance is granted while the
-/// holder still holds, the holder was told its lease was lost before. Returns whether
-/// the hold survived (not lost).
+/// holder still holds, the holder's signal was raised when the grant came back (read
+/// by the waiter right then, so no task's scheduling delay counts). Returns whether the
+/// hold survived (not lost).
 pub async fn hold_through(
     holder: &DistributedLocks,
     waiter: DistributedLocks,
@@ -23,9 +24,12 @@ pub async fn hold_through(
 ) -> bool {
     let guard: DistributedGuard = holder.lock(key).await.unwrap();
     let signal = guard.lease().expect("a remote lease").clone();
-    let told = tokio::spawn(async move {
-        signal.lost().await;
-        Instant::now()
+    let told = tokio::spawn({
+        let signal = signal.clone();
+        async move {
+            signal.lost().await;
+            Instant::now()
+        }
     });
     let granted = Arc::new(Mutex::new(None));
     let other = tokio::spawn({
@@ -34,7 +38,7 @@ pub async fn hold_through(
             loop {
                 match waiter.lock_timeout(key, Duration::from_millis(500)).await {
                     Ok(guard) => {
-                        *granted.lock().unwrap() = Some(Instant::now());
+                        *granted.lock().unwrap() = Some((Instant::now(), signal.is_lost()));
                         return guard;
                     }
                     // The cluster or ensemble is electing, or the server this client
@@ -56,18 +60,19 @@ pub async fn hold_through(
     let taken = within("the waiter gets the key", 3 * PATIENCE, other)
         .await
         .unwrap();
-    let granted = granted.lock().unwrap().expect("granted");
+    let (granted, told_by_then) = granted.lock().unwrap().expect("granted");
     if granted < released {
         // Granted while the holder still held: it must have been told before.
         let told = within("the holder is told", PATIENCE, told).await.unwrap();
         assert!(
-            told <= granted,
-            "unsignalled overlap: the waiter was granted {:?} before the holder was told",
-            told - granted
+            told_by_then,
+            "unsignalled overlap: the waiter was granted while the holder's signal was \
+             not raised (its watcher saw it {:?} later)",
+            told.saturating_duration_since(granted)
         );
         eprintln!(
-            "{key}: holder told, waiter granted {:?} later",
-            granted - told
+            "{key}: holder told, waiter granted {:?} after its watcher saw it",
+            granted.saturating_duration_since(told)
         );
     } else {
         told.abort();

@@ -1,5 +1,4 @@
-//! The names of a lock's Redis keys (see [Redis keys](super#redis-keys)), and its
-//! random tokens.
+//! The names of a lock's Redis keys (see [Redis keys](super#redis-keys)).
 
 use std::borrow::Cow;
 use std::fmt;
@@ -99,7 +98,7 @@ impl RedisKeys {
 
     /// How many bytes the names of these keys take: what a command naming them all
     /// needs.
-    pub(in crate::backend) fn len(&self) -> usize {
+    pub(in crate::backend) fn names_len(&self) -> usize {
         self.lock.len() + self.names.len()
     }
 

@@ -369,7 +369,8 @@ impl Inner {
         // By SHA1 (loaded when the backend is built), the command written once: no
         // key or argument is copied on its way.
         // The lock and readers are named twice, the lock again in the given-back mark.
-        let bytes = 2 * keys.len() + keys.record.as_ref().map_or(0, String::len) + 3 * token.len();
+        let bytes =
+            2 * keys.names_len() + keys.record.as_ref().map_or(0, String::len) + 3 * token.len();
         let command = script.command(bytes + ARGUMENTS_LEN, |command| {
             command
                 .arg(8 + usize::from(keys.record.is_some()))
@@ -498,27 +499,33 @@ impl Inner {
         let (script, command) = match keys.holders() {
             None => (
                 &*RELEASE,
-                RELEASE.command(keys.len() + 3 * token.len() + ARGUMENTS_LEN, |command| {
-                    command
-                        .arg(6)
-                        .arg(&*keys.lock)
-                        .arg(keys.waiting())
-                        .arg(keys.given_back(token))
-                        .arg(keys.intent())
-                        .arg(keys.queue())
-                        .arg(keys.holder());
-                }),
+                RELEASE.command(
+                    keys.names_len() + 3 * token.len() + ARGUMENTS_LEN,
+                    |command| {
+                        command
+                            .arg(6)
+                            .arg(&*keys.lock)
+                            .arg(keys.waiting())
+                            .arg(keys.given_back(token))
+                            .arg(keys.intent())
+                            .arg(keys.queue())
+                            .arg(keys.holder());
+                    },
+                ),
             ),
             Some(holders) => (
                 &*RELEASE_COUNTED,
-                RELEASE_COUNTED.command(keys.len() + 3 * token.len() + ARGUMENTS_LEN, |command| {
-                    command
-                        .arg(4)
-                        .arg(holders)
-                        .arg(keys.waiting())
-                        .arg(keys.given_back(token))
-                        .arg(&*keys.lock);
-                }),
+                RELEASE_COUNTED.command(
+                    keys.names_len() + 3 * token.len() + ARGUMENTS_LEN,
+                    |command| {
+                        command
+                            .arg(4)
+                            .arg(holders)
+                            .arg(keys.waiting())
+                            .arg(keys.given_back(token))
+                            .arg(&*keys.lock);
+                    },
+                ),
             ),
         };
         let mut command = command;
