@@ -7,6 +7,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
+use crate::error::LockError;
 use crate::BoxFuture;
 
 /// Runs `future` where it is polled, with no task of its own, so an acquisition or a
@@ -16,44 +17,66 @@ use crate::BoxFuture;
 /// never cut in the middle, and what it was granted is given back by the drop of its
 /// output. Without a runtime (it is shutting down) it is dropped with it.
 ///
-/// A panic of the future is its caller's answer `on_panic(message)`, as it would be
-/// a task's: the caller, a request, goes on.
+/// A panic of the future is its caller's answer [`PanicAnswer::to_panic`], as it
+/// would be a task's: the caller, a request, goes on.
 #[must_use = "futures do nothing unless polled"]
-pub(crate) struct Detach<T: Send + 'static, P = fn(String) -> T> {
-    /// The future and what a panic of it answers; `None` once it ended.
-    running: Option<(BoxFuture<T>, P)>,
+pub(crate) struct Detach<T: PanicAnswer + Send + 'static> {
+    /// `None` once it ended. Nothing else is kept: this sits in every request's future.
+    future: Option<BoxFuture<T>>,
 }
 
-impl<T: Send + 'static, P: FnOnce(String) -> T + Unpin> Detach<T, P> {
-    pub(crate) fn new(future: BoxFuture<T>, on_panic: P) -> Self {
+/// What a [`Detach`]ed future answers when it panics.
+pub(crate) trait PanicAnswer {
+    fn to_panic(message: String) -> Self;
+}
+
+/// An acquisition: a backend error that names the panic.
+impl<T> PanicAnswer for Result<T, LockError> {
+    fn to_panic(message: String) -> Self {
+        let message = format!("the lock backend panicked: {message}");
+        Err(LockError::Backend(message.into()))
+    }
+}
+
+/// A release: nothing to answer (the lease runs out by itself).
+impl PanicAnswer for () {
+    fn to_panic(_: String) -> Self {}
+}
+
+/// An answer the caller makes of its own when there is none.
+impl<T> PanicAnswer for Option<T> {
+    fn to_panic(_: String) -> Self {
+        None
+    }
+}
+
+impl<T: PanicAnswer + Send + 'static> Detach<T> {
+    pub(crate) fn new(future: BoxFuture<T>) -> Self {
         Self {
-            running: Some((future, on_panic)),
+            future: Some(future),
         }
     }
 }
 
-impl<T: Send + 'static, P: FnOnce(String) -> T + Unpin> Future for Detach<T, P> {
+impl<T: PanicAnswer + Send + 'static> Future for Detach<T> {
     type Output = T;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        let Some((future, _)) = self.running.as_mut() else {
+        let Some(future) = self.future.as_mut() else {
             panic!("Detach polled after it ended");
         };
-        let polled = catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx)));
-        if let Ok(Poll::Pending) = polled {
-            return Poll::Pending;
-        }
-        let (_, on_panic) = self.running.take().expect("running until now");
-        Poll::Ready(match polled {
+        let answer = match catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx))) {
             Ok(poll) => ready!(poll),
-            Err(panic) => on_panic(message(&*panic)),
-        })
+            Err(panic) => T::to_panic(message(&*panic)),
+        };
+        self.future = None;
+        Poll::Ready(answer)
     }
 }
 
-impl<T: Send + 'static, P> Drop for Detach<T, P> {
+impl<T: PanicAnswer + Send + 'static> Drop for Detach<T> {
     fn drop(&mut self) {
-        if let Some((future, _)) = self.running.take() {
+        if let Some(future) = self.future.take() {
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 runtime.spawn(future);
             }
@@ -82,8 +105,8 @@ mod tests {
     async fn a_future_run_to_its_end_runs_in_the_callers_task() {
         let in_place = tokio::spawn(async {
             let task = tokio::task::id();
-            let inner = Box::pin(async move { tokio::task::id() == task });
-            Detach::new(inner, |_| false).await
+            let inner = Box::pin(async move { Some(tokio::task::id() == task) });
+            Detach::new(inner).await.unwrap_or(false)
         });
         assert!(in_place.await.unwrap());
     }
@@ -99,7 +122,7 @@ mod tests {
                 ended.store(true, Ordering::SeqCst);
             })
         };
-        let mut detach = Detach::new(future, |_| ());
+        let mut detach = Detach::new(future);
         // Polled once (parked on the channel), then dropped.
         assert!(tokio::time::timeout(Duration::from_millis(10), &mut detach)
             .await
@@ -117,8 +140,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_panic_is_the_callers_answer() {
-        let future: BoxFuture<Result<(), String>> = Box::pin(async { panic!("boom") });
-        let answer = Detach::new(future, Err).await;
-        assert_eq!(answer, Err("boom".to_owned()));
+        let future: BoxFuture<Result<(), LockError>> = Box::pin(async { panic!("boom") });
+        let answer = Detach::new(future).await;
+        let error = answer.unwrap_err().to_string();
+        assert!(error.contains("boom"), "{error}");
     }
 }

@@ -824,10 +824,7 @@ impl fmt::Debug for LeaseSignal {
 pub(crate) fn detached<T: Send + 'static>(
     acquire: BoxFuture<Result<T, LockError>>,
 ) -> Detach<Result<T, LockError>> {
-    Detach::new(acquire, |panic| {
-        let message = format!("the lock backend's acquisition panicked: {panic}");
-        Err(LockError::Backend(message.into()))
-    })
+    Detach::new(acquire)
 }
 
 #[cfg(all(test, not(loom)))]

@@ -322,11 +322,15 @@ impl DistributedGuard {
         let released = Box::pin(async move {
             let released = lease.release_checked().await;
             drop(local);
-            released.map_err(LeaseLost::new)
+            Some(released)
         });
-        let reason = lost_before.unwrap_or(LostReason::Unreachable);
-        // A panic of the backend's release: the key is not known to be released.
-        Detach::new(released, |_| Err(LeaseLost::new(reason))).await
+        match Detach::new(released).await {
+            Some(released) => released.map_err(LeaseLost::new),
+            // The backend's release panicked: the key is not known to be released.
+            None => Err(LeaseLost::new(
+                lost_before.unwrap_or(LostReason::Unreachable),
+            )),
+        }
     }
 }
 
@@ -353,7 +357,7 @@ async fn release_in_place(lease: Lease, local: Option<KeyGuard<Key>>) {
         lease.release().await;
         drop(local);
     });
-    Detach::new(release, |_| ()).await;
+    Detach::new(release).await;
 }
 
 /// Releases `lease`, then `local`, in a task of its own, so that the release completes
