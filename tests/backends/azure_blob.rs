@@ -283,6 +283,27 @@ async fn a_hot_keys_blob_goes_after_its_last_release() {
     );
 }
 
+/// A key nobody holds is never answered "held": each release's deferred delete of its
+/// blob (once Azure's clock is past its token) can land between the next try's read
+/// and its lease, and that try then reads again instead of answering busy. Tries run
+/// back to back for longer than [`PAST_A_TOKEN`], so the first releases' deletes land
+/// among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_free_key_is_never_busy_while_its_released_blobs_go() {
+    let (fixture, _probe) = start().await;
+    let a = fixture.instance("a").await;
+    let started = Instant::now();
+    let mut tries = 0;
+    while started.elapsed() < PAST_A_TOKEN + Duration::from_secs(2) {
+        let guard = within("a try", PATIENCE, a.try_lock("free"))
+            .await
+            .unwrap_or_else(|error| panic!("try {tries} of a free key: {error}"));
+        guard.release().await;
+        tries += 1;
+    }
+    eprintln!("{tries} tries of a free key, each granted");
+}
+
 /// Tokens strictly increase from holder to holder and across a blob deleted in
 /// between (once Azure's clock is past its token): the counter starts again from
 /// Azure's clock in microseconds, above every token the old blob issued.

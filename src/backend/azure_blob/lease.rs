@@ -122,6 +122,9 @@ enum Attempt {
     },
     /// Leased by another holder, or taken between our read and our lease.
     Held,
+    /// Free when read, but taken or gone before our lease: a release's deferred
+    /// delete may have removed it in between, and then the key is free.
+    Changed,
 }
 
 /// `token` (32 hex digits) as the GUID Azure wants for a lease id.
@@ -262,7 +265,7 @@ impl Inner {
                     };
                     return Ok(ttl::grant(&self, held, token, Some(fence), sent_at));
                 }
-                Ok(Attempt::Held) => failing = None,
+                Ok(Attempt::Held | Attempt::Changed) => failing = None,
                 Err(AttemptError::WaitOver) => return Err(self.wait_over(failing)),
                 // No answer, Azure busy, or the container gone (made again by the next
                 // attempt): tried again within the wait.
@@ -287,10 +290,28 @@ impl Inner {
         }
     }
 
-    /// One attempt: read the blob, take its lease if free and unchanged since the read,
-    /// and write the next fencing token under that lease. A missing blob is made with
-    /// the next token in it, and its lease taken unchanged since it was made.
+    /// One attempt, read again once if the blob changed between its read and the lease
+    /// (see [`Attempt::Changed`]): a key freed by a release is never answered "held"
+    /// because its blob was being deleted meanwhile.
     async fn attempt(
+        &self,
+        blob: &BlobClient,
+        in_flight: &mut InFlight<Self>,
+        cap: Instant,
+    ) -> Result<Attempt, AttemptError> {
+        match self.attempt_once(blob, in_flight, cap).await? {
+            Attempt::Changed => match self.attempt_once(blob, in_flight, cap).await? {
+                Attempt::Changed => Ok(Attempt::Held),
+                other => Ok(other),
+            },
+            other => Ok(other),
+        }
+    }
+
+    /// Read the blob, take its lease if free and unchanged since the read, and write
+    /// the next fencing token under that lease. A missing blob is made with the next
+    /// token in it, and its lease taken unchanged since it was made.
+    async fn attempt_once(
         &self,
         blob: &BlobClient,
         in_flight: &mut InFlight<Self>,
@@ -339,7 +360,7 @@ impl Inner {
             .take_lease(blob, in_flight, cap, properties.etag()?)
             .await?
         else {
-            return Ok(Attempt::Held);
+            return Ok(Attempt::Changed);
         };
         let metadata = grant_metadata(fence, &self.config.instance_id);
         let write = blob.set_metadata(
