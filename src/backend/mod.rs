@@ -816,17 +816,6 @@ impl fmt::Debug for LeaseSignal {
     }
 }
 
-/// Runs a backend's acquisition where it is polled; dropping the returned future
-/// detaches it into a task of its own instead of cancelling it mid-round-trip (see
-/// [`Detach`]): if it still gets the lease, that task drops the unclaimed output, and
-/// the lease's drop releases it. So no cancellation can leave a remote lock held or a
-/// locked connection in a pool. A panic of the backend is a [`LockError::Backend`].
-pub(crate) fn detached<T: Send + 'static>(
-    acquire: BoxFuture<Result<T, LockError>>,
-) -> Detach<Result<T, LockError>> {
-    Detach::new(acquire)
-}
-
 #[cfg(all(test, not(loom)))]
 mod lease_signal_tests {
     use std::time::Duration;

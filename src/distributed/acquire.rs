@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use super::guard::DistributedGuard;
 use super::guard::Looked;
 use super::Inner;
-use crate::backend::{detached, Acquired, Detach, Lease, LockMode, RecordLookup, SHARED_LOCKS};
+use crate::backend::{Acquired, Detach, Lease, LockMode, RecordLookup, SHARED_LOCKS};
 use crate::error::LockError;
 use crate::key::Key;
 use crate::locks::{Acquire, KeyGuard, Mode};
@@ -213,7 +213,11 @@ impl DistributedAcquire {
                     Box::pin(async move { acquire.await.map(Acquired::Granted) })
                 });
                 State::Remote {
-                    remote: detached(remote),
+                    // Dropped midway, the attempt runs on detached: if it still gets
+                    // the lease, that task drops the unclaimed output, which releases
+                    // it; no cancellation leaves a remote lock held or a locked
+                    // connection in a pool.
+                    remote: Detach::new(remote),
                     local: Some(local),
                     span,
                 }

@@ -375,6 +375,8 @@ use tokio::time::Instant;
 pub(crate) use self::connection::Connection;
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
+#[cfg(feature = "replay")]
+pub(crate) use self::scripts::last_token;
 use self::scripts::{ACQUIRE, ACQUIRE_COUNTED, HOLDER};
 use self::subscriber::{Releases, Subscriber};
 use super::{

@@ -44,6 +44,17 @@ macro_rules! restart_guard {
 }
 pub(in crate::backend) use restart_guard;
 
+/// Lua, for `concat!`: the last fencing token a holder record carries (its third line;
+/// see `ACQUIRE`), as text, or `nil` when it has none. `$record` is a Lua expression of
+/// the record's text, never `nil`. The one place that knows where the token is.
+macro_rules! last_token {
+    ($record:literal) => {
+        concat!("string.match(", $record, r", '^[^\n]*\n[^\n]*\n(%d+)')")
+    };
+}
+#[cfg(feature = "replay")]
+pub(crate) use last_token;
+
 /// `KEYS[1]` lock, `KEYS[2]` the holder record (it carries the last fencing token),
 /// `KEYS[3]` waiting, `KEYS[4]` the token's given-back mark, `KEYS[5]` readers,
 /// `KEYS[6]` writers' intent, `KEYS[7]` the queue, `KEYS[8]` permit holders,
@@ -71,7 +82,7 @@ pub(in crate::backend) use restart_guard;
 /// the same atomic script: no command, and no one, sees it.
 ///
 /// Fencing token: `max(last + 1, server time in µs)`, the last one read from the holder
-/// record (see `LAST_FENCE`), so tokens keep growing when the record expired or went
+/// record (see `last_token!`), so tokens keep growing when the record expired or went
 /// back with lost writes, as long as the server clock does not step back. Both are
 /// decimal text without leading zeros (the record's is only ever written so), so the
 /// longer is the larger, and text of one length compares as the numbers do: the last
@@ -108,7 +119,6 @@ pub(in crate::backend) use restart_guard;
 /// and the intent left only by a token that may have entered it.
 pub(super) const ACQUIRE: &str = concat!(
     r"
-local LAST_FENCE = '^[^\n]*\n[^\n]*\n(%d+)'
 local marked = redis.call('EXISTS', KEYS[4], KEYS[5], KEYS[8])
 if marked > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
   return {0, -2}
@@ -144,7 +154,9 @@ if reader == nil then
     r"
     local micros = clock[1] .. string.sub('00000' .. clock[2], -6)
     local text = micros
-    local last = string.match(redis.call('GET', KEYS[2]) or '', LAST_FENCE)
+    local last = ",
+    last_token!("redis.call('GET', KEYS[2]) or ''"),
+    r"
     if last and (#last > #micros or (#last == #micros and last >= micros)) then
       text = string.format('%d', tonumber(last) + 1)
     end
@@ -164,7 +176,9 @@ if reader == nil then
   end
   if ARGV[8] == '1' and redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return {1, string.match(redis.call('GET', KEYS[2]) or '', LAST_FENCE)}
+    return {1, ",
+    last_token!("redis.call('GET', KEYS[2]) or ''"),
+    r"}
   end
 end
 now = now or tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
@@ -241,7 +255,8 @@ return 0
 /// the waiting mark are deleted in one `DEL` (the lock was there: a count of 2 says a
 /// waiter marked the key), and only then the release announced (the lock key alone):
 /// an uncontended release publishes nothing.
-pub(super) const RELEASE: &str = r"
+pub(super) const RELEASE: &str = concat!(
+    r"
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   redis.call('ZREM', KEYS[4], ARGV[1])
   redis.call('HDEL', KEYS[5], ARGV[1])
@@ -258,7 +273,9 @@ if redis.call('EXISTS', KEYS[5]) == 1 then
       local lease, fence_ttl, instance = string.match(queued, '^(%d+)\n(%d+)\n(.*)$')
       redis.call('SET', KEYS[1], token, 'PX', lease)
       local micros = tonumber(clock[1] .. string.sub('00000' .. clock[2], -6))
-      local last = string.match(redis.call('GET', KEYS[6]) or '', '^[^\n]*\n[^\n]*\n(%d+)')
+      local last = ",
+    last_token!("redis.call('GET', KEYS[6]) or ''"),
+    r"
       local fence = math.max(tonumber(last or '0') + 1, micros)
       local text = string.format('%d', fence)
       local millis = clock[1] .. string.sub('00' .. math.floor(clock[2] / 1000), -3)
@@ -288,7 +305,8 @@ if redis.call('DEL', KEYS[1], KEYS[2]) == 2 then
   end
 end
 return 1
-";
+"
+);
 
 /// A replay record written and the lock released, in one step. `KEYS[1]` lock,
 /// `KEYS[2]` the holder record, `KEYS[3]` waiting, `KEYS[4]` the record; `ARGV[1]` the
@@ -299,9 +317,12 @@ return 1
 /// writes, deletes the lock, announces the release as `RELEASE` does, and returns 1;
 /// else changes nothing and returns 0.
 #[cfg(feature = "replay")]
-pub(super) const PUT_AND_RELEASE: &str = r"
+pub(super) const PUT_AND_RELEASE: &str = concat!(
+    r"
 local record = redis.call('GET', KEYS[2]) or ''
-if redis.call('EXISTS', KEYS[1]) == 1 and string.match(record, '^[^\n]*\n[^\n]*\n(%d+)') == ARGV[1] then
+if redis.call('EXISTS', KEYS[1]) == 1 and ",
+    last_token!("record"),
+    r" == ARGV[1] then
   redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
   if redis.call('DEL', KEYS[1], KEYS[3]) == 2 then
     if ARGV[4] == '' then
@@ -313,7 +334,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 and string.match(record, '^[^\n]*\n[^\n]*\
   return 1
 end
 return 0
-";
+"
+);
 
 /// Takes one place among a key's shared or permit holders. `KEYS[1]` lock, `KEYS[2]`
 /// the holder record (for the last fencing token), `KEYS[3]` waiting, `KEYS[4]` the
@@ -372,7 +394,9 @@ redis.call('ZADD', KEYS[5], now + tonumber(ARGV[2]), ARGV[1])
 if redis.call('PTTL', KEYS[5]) < tonumber(ARGV[2]) then
   redis.call('PEXPIRE', KEYS[5], ARGV[2])
 end
-local last = string.match(redis.call('GET', KEYS[2]) or '', '^[^\n]*\n[^\n]*\n(%d+)')
+local last = ",
+    last_token!("redis.call('GET', KEYS[2]) or ''"),
+    r"
 if limit == 0 then
   return {1, last or -1}
 end

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use redis::Script;
 
-use crate::backend::redis::{Connection, RedisBackend};
+use crate::backend::redis::{last_token, Connection, RedisBackend};
 use crate::backend::{Place, RecordLookup, ReleaseLease};
 
 use super::{Get, Put, RecordKey, ReplayStore, StoreError, Stored};
@@ -13,14 +13,18 @@ use crate::replay::record::Record;
 /// `KEYS[1]` lock, `KEYS[2]` the lock's holder record (its third line is the last
 /// fencing token), `KEYS[3]` record; `ARGV[1]` the request's fencing token, `ARGV[2]` the record, `ARGV[3]` its TTL in ms. Writes only while the lock is
 /// held and no grant came after this request's: 1 if written.
-const PUT: &str = r"
+const PUT: &str = concat!(
+    r"
 local record = redis.call('GET', KEYS[2]) or ''
-if redis.call('EXISTS', KEYS[1]) == 1 and string.match(record, '^[^\n]*\n[^\n]*\n(%d+)') == ARGV[1] then
+if redis.call('EXISTS', KEYS[1]) == 1 and ",
+    last_token!("record"),
+    r" == ARGV[1] then
   redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
   return 1
 end
 return 0
-";
+"
+);
 
 /// Records in the Redis server of a [`RedisBackend`], under the lock's hash tag:
 ///
