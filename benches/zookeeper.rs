@@ -109,7 +109,7 @@ fn main() {
 
 async fn zookeeper_backend(ensemble: &ZooKeeperEnsemble) -> ZooKeeperBackend {
     ZooKeeperBackend::builder(ensemble.connect_string())
-        .session_timeout(Duration::from_secs(4))
+        .lease(Duration::from_secs(4))
         .build()
         .await
         .expect("the backend connects to ZooKeeper")

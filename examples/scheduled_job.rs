@@ -277,7 +277,7 @@ impl Shared {
             #[cfg(feature = "zookeeper")]
             Shared::ZooKeeper(servers) => {
                 let backend = tower_keyed_lock::ZooKeeperBackend::builder(servers.as_str())
-                    .session_timeout(ZOOKEEPER_SESSION)
+                    .lease(ZOOKEEPER_SESSION)
                     .build()
                     .await
                     .map_err(|error| format!("connects to ZooKeeper: {error:?}"))?;

@@ -29,6 +29,8 @@
 //! - `record.rs`: [`RecordLookup`] and [`Acquired`]: a replay record read in an
 //!   acquisition's own round trip; `RecordWrite`, one written in a release's.
 //! - `key_component.rs`: a key as a path component (etcd, ZooKeeper, Azure Blob).
+//! - `settings.rs`: the settings every lease engine's builder shares, and their check;
+//!   `setup_error.rs`: [`SetupError`], why a backend could not be built.
 //! - `ttl/`: the TTL-lease engine (attempt, renewal, give-back, timing) that the
 //!   lease-based engines share.
 //! - `redis/`, `redlock/`, `postgres/`, `dynamodb/`, `etcd/`, `zookeeper/`, `mysql/`,
@@ -82,6 +84,17 @@ mod server_clock;
     feature = "redis",
     feature = "dynamodb",
     feature = "etcd",
+    feature = "zookeeper",
+    feature = "azure-blob"
+))]
+mod settings;
+// Each engine's feature uses only some of the helpers.
+#[allow(dead_code)]
+mod setup_error;
+#[cfg(any(
+    feature = "redis",
+    feature = "dynamodb",
+    feature = "etcd",
     feature = "azure-blob",
     feature = "zookeeper"
 ))]
@@ -113,6 +126,7 @@ pub(crate) use record::RecordFound;
 pub use record::RecordWrite;
 pub use record::{Acquired, RecordLookup};
 pub use retry_later::RetryLater;
+pub use setup_error::{ServerFailure, SetupError};
 
 // Defined at the crate root, which the replay stores and the layer share; re-exported
 // here, where implementers of `LockBackend` look for it.

@@ -13,8 +13,9 @@ use aws_sdk_dynamodb::Client;
 use axum::Router;
 use http::StatusCode;
 use tokio::time::Instant;
-use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, DynamoDbBackendBuilder, SetupError};
+use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, DynamoDbBackendBuilder};
 use tower_keyed_lock::backend::LostReason;
+use tower_keyed_lock::backend::SetupError;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, PathParam};
 
 use crate::support::dynamo_server::DynamoServer;
@@ -1027,14 +1028,14 @@ async fn a_single_table_design_with_a_sort_key_and_its_own_names() {
         .build()
         .await;
     assert!(
-        matches!(mismatched, Err(SetupError::Table(_))),
+        matches!(mismatched, Err(SetupError::Invalid(_))),
         "{mismatched:?}"
     );
     let missing = DynamoDbBackend::builder(dynamo.client(), "no-such-table")
         .build()
         .await;
     assert!(
-        matches!(missing, Err(SetupError::DynamoDb { .. })),
+        matches!(missing, Err(SetupError::Failed { .. })),
         "{missing:?}"
     );
 }

@@ -15,7 +15,7 @@ use crate::support::lateness::Lateness;
 use crate::support::logs::Captured;
 use crate::support::ports::free_port;
 use tokio::time::{sleep, Instant};
-use tower_keyed_lock::backend::etcd::{EtcdBackend, SetupError};
+use tower_keyed_lock::backend::{etcd::EtcdBackend, SetupError};
 use tower_keyed_lock::backend::{LeaseSignal, LostReason};
 use tower_keyed_lock::{DistributedGuard, DistributedLocks};
 
@@ -654,7 +654,7 @@ async fn an_unreachable_endpoint_is_named_with_its_cause() {
         .expect_err("nobody listens");
     let text = error.to_string();
     assert!(
-        text.starts_with(&format!("cannot connect to etcd at {closed}: ")),
+        text.starts_with(&format!("etcd lock backend setup failed: at {closed}: ")),
         "{text}"
     );
     assert!(text.to_lowercase().contains("refused"), "no cause: {text}");

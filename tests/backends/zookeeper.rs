@@ -120,7 +120,7 @@ async fn waiters_keep_their_place_through_the_leaders_death() {
     let connect = ensemble.connect_string();
     let instance = || async {
         let backend = ZooKeeperBackend::builder(&connect)
-            .session_timeout(Duration::from_secs(10))
+            .lease(Duration::from_secs(10))
             .command_timeout(Duration::from_millis(500))
             .poll_interval(Duration::from_millis(50))
             .build()
@@ -208,7 +208,7 @@ async fn waiters_keep_their_place_through_the_leaders_death() {
 /// Locks on a backend with `session_timeout` on `servers` (a connect string).
 async fn with_session(servers: &str, session_timeout: Duration) -> DistributedLocks {
     let backend = ZooKeeperBackend::builder(servers)
-        .session_timeout(session_timeout)
+        .lease(session_timeout)
         .command_timeout(Duration::from_millis(500))
         .build()
         .await

@@ -1355,7 +1355,7 @@ pub mod zookeeper {
         pub async fn backend_with(servers: &str, command_timeout: Duration) -> ZooKeeperBackend {
             super::built_patiently("ZooKeeper", || {
                 ZooKeeperBackend::builder(servers)
-                    .session_timeout(SESSION_TIMEOUT)
+                    .lease(SESSION_TIMEOUT)
                     .command_timeout(command_timeout)
                     .build()
             })

@@ -612,7 +612,7 @@ impl TtlBackend for Inner {
     type Target = Held;
 
     fn timing(&self) -> Timing {
-        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
+        self.config.timing()
     }
 
     async fn renew(

@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use tower_keyed_lock::backend::azure_blob::{AzureBlobBackend, SetupError};
+//! use tower_keyed_lock::backend::{azure_blob::AzureBlobBackend, SetupError};
 //! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
 //!
 //! # async fn run() -> Result<(), SetupError> {
@@ -222,7 +222,9 @@ use azure_core::http::{ClientOptions, RetryOptions, StatusCode, Url};
 use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 
 use self::names::{blob_name, with_slash, MAX_PREFIX_LEN};
-use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
+use super::settings::{self, Defaults, Settings};
+use super::{Acquisition, BoxFuture, Holder, LockBackend, SetupError};
+use crate::backend::located::with_cause;
 use crate::backend::server_clock::ServerClock;
 use crate::error::LockError;
 use crate::key::Key;
@@ -267,7 +269,7 @@ pub struct AzureBlobBackend {
 /// use std::time::Duration;
 /// use tower_keyed_lock::backend::azure_blob::AzureBlobBackend;
 ///
-/// # async fn run() -> Result<(), tower_keyed_lock::backend::azure_blob::SetupError> {
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
 /// let backend = AzureBlobBackend::builder("https://myaccount.blob.core.windows.net/locks?sig=...")
 ///     .lease(Duration::from_secs(15))
 ///     .command_timeout(Duration::from_secs(1))
@@ -283,18 +285,31 @@ pub struct AzureBlobBackend {
 pub struct AzureBlobBackendBuilder {
     container_url: String,
     credential: Option<Arc<dyn TokenCredential>>,
-    config: Config,
+    config: Settings,
 }
 
-#[derive(Clone, Debug)]
-struct Config {
-    lease: Duration,
-    drift: Option<Duration>,
-    command_timeout: Duration,
-    poll_interval: Duration,
-    prefix: String,
-    /// Written with every grant, for [`LockBackend::holder`].
-    instance_id: String,
+/// Azure Blob's defaults and limits.
+static DEFAULTS: Defaults = Defaults {
+    engine: ENGINE,
+    lease: DEFAULT_LEASE,
+    leases: MIN_LEASE..=MAX_LEASE,
+    command_timeout: DEFAULT_COMMAND_TIMEOUT,
+    poll_interval: DEFAULT_POLL_INTERVAL,
+    prefix: DEFAULT_PREFIX,
+    prefix_rule: blob_prefix,
+};
+
+/// A prefix as blob names start with it: ending with `/`, and short enough to leave
+/// room for the layer's name and the key in a blob name.
+fn blob_prefix(prefix: &str) -> Result<String, String> {
+    let prefix = with_slash(prefix);
+    if prefix.len() > MAX_PREFIX_LEN {
+        return Err(format!(
+            "is {} bytes, more than {MAX_PREFIX_LEN}",
+            prefix.len()
+        ));
+    }
+    Ok(prefix)
 }
 
 /// What every clone of a backend shares.
@@ -302,65 +317,13 @@ struct Inner {
     container: BlobContainerClient,
     /// The container's URL as errors show it (no query: never the SAS token).
     address: Arc<str>,
-    config: Config,
-    drift: Duration,
+    config: Settings,
     /// The lease asked of Azure, in whole seconds.
     lease_secs: i32,
     /// Azure's clock, from the `Date` of its answers, and the highest token this
     /// process has read or written on any blob: a blob without a counter (new,
     /// deleted, or in a container made again) starts above both.
     clock: ServerClock,
-}
-
-/// Why [`AzureBlobBackendBuilder::build`] failed.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SetupError {
-    /// A setting Azure or the lock cannot work with, named.
-    Invalid(String),
-    /// The container does not exist and could not be created (or Azure could not be
-    /// reached).
-    Container {
-        /// The container's URL without its query (never the SAS token).
-        container: String,
-        /// What Azure (or the connection to it) answered.
-        error: azure_core::Error,
-    },
-    /// Azure did not answer within [`SETUP_TIMEOUT`] (or the command timeout if
-    /// longer).
-    TimedOut {
-        /// The container's URL without its query (never the SAS token).
-        container: String,
-        /// How long it was given.
-        limit: Duration,
-    },
-}
-
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SetupError::Invalid(why) => write!(f, "azure blob lock setup refused: {why}"),
-            SetupError::Container { container, error } => {
-                write!(
-                    f,
-                    "{ENGINE} at {container}: the lock container is not usable: {}",
-                    lease::with_cause(error)
-                )
-            }
-            SetupError::TimedOut { container, limit } => {
-                write!(f, "{ENGINE} at {container} did not answer within {limit:?}")
-            }
-        }
-    }
-}
-
-impl std::error::Error for SetupError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            SetupError::Container { error, .. } => Some(error),
-            _ => None,
-        }
-    }
 }
 
 /// How errors name the engine.
@@ -376,12 +339,6 @@ fn shown(url: &Url) -> String {
     shown.to_string()
 }
 
-impl Config {
-    fn drift(&self) -> Duration {
-        self.drift.unwrap_or_else(|| ttl::default_drift(self.lease))
-    }
-}
-
 impl AzureBlobBackend {
     /// A builder for a backend on the container at `container_url`
     /// (`https://<account>.blob.core.windows.net/<container>`, with a SAS token as its
@@ -390,14 +347,7 @@ impl AzureBlobBackend {
         AzureBlobBackendBuilder {
             container_url: container_url.into(),
             credential: None,
-            config: Config {
-                lease: DEFAULT_LEASE,
-                drift: None,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
-                poll_interval: DEFAULT_POLL_INTERVAL,
-                prefix: DEFAULT_PREFIX.to_owned(),
-                instance_id: default_instance_id(),
-            },
+            config: Settings::new(&DEFAULTS),
         }
     }
 
@@ -411,7 +361,7 @@ impl AzureBlobBackend {
     ///
     /// ```no_run
     /// # use tower_keyed_lock::backend::azure_blob::AzureBlobBackend;
-    /// # async fn run() -> Result<(), tower_keyed_lock::backend::azure_blob::SetupError> {
+    /// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
     /// # let backend = AzureBlobBackend::connect("http://127.0.0.1:10000/devstoreaccount1/locks?sig=...").await?;
     /// assert_eq!(backend.blob_name("orders", "42"), "keyed-lock/orders/42");
     /// assert_eq!(backend.blob_name("orders", "a/b"), "keyed-lock/orders/a%2Fb");
@@ -447,57 +397,7 @@ impl fmt::Debug for AzureBlobBackendBuilder {
 }
 
 impl AzureBlobBackendBuilder {
-    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
-    /// written to the blob's `holder` metadata with the fencing token, under the new
-    /// lease, and read back by [`holder`](LockBackend::holder).
-    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
-        self.config.instance_id = instance_id.into();
-        self
-    }
-
-    /// How long a holder's blob lease lasts without a renewal (default
-    /// [`DEFAULT_LEASE`], 30 s). Azure grants 15 to 60 s in whole seconds: a lease
-    /// outside that range is refused by [`build`](Self::build), a fraction of a second
-    /// is rounded up for Azure (the holder still counts the lease as set). It bounds
-    /// how long a crashed instance keeps a key; a live holder keeps it as long as it
-    /// runs.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.config.lease = lease;
-        self
-    }
-
-    /// What is taken off every validity period for clock drift between this process
-    /// and Azure (default 1% of the lease + 2 ms): a lease counts as valid until send
-    /// time + lease − drift margin. Half the lease or more is refused by
-    /// [`build`](Self::build).
-    pub fn drift_margin(mut self, margin: Duration) -> Self {
-        self.config.drift = Some(margin);
-        self
-    }
-
-    /// The longest one call to Azure may take (default [`DEFAULT_COMMAND_TIMEOUT`],
-    /// 2 s). Past it the acquisition fails with [`LockError::Backend`], a renewal counts
-    /// as unanswered, and a release goes on in the background.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.config.command_timeout = timeout.max(Duration::from_millis(1));
-        self
-    }
-
-    /// The longest pause of a waiter between two looks at a held blob (default
-    /// [`DEFAULT_POLL_INTERVAL`], 500 ms; pauses double from 10 ms up to it, each a
-    /// random time between half of it and all of it). Shorter: faster hand-offs
-    /// between instances, more reads.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.config.poll_interval = interval.max(Duration::from_millis(1));
-        self
-    }
-
-    /// The start of every blob name of the backend (default [`DEFAULT_PREFIX`],
-    /// `"keyed-lock/"`); a `/` is appended if it does not end with one.
-    pub fn prefix(mut self, prefix: &str) -> Self {
-        self.config.prefix = with_slash(prefix);
-        self
-    }
+    settings::lease_settings!(config; instance_id lease renewal drift_margin command_timeout poll_interval prefix);
 
     /// Authenticates with Microsoft Entra ID (for example `azure_identity`'s
     /// credentials) instead of a SAS token in the URL; the URL must then be `https`.
@@ -514,25 +414,7 @@ impl AzureBlobBackendBuilder {
             credential,
             config,
         } = self;
-        if !(MIN_LEASE..=MAX_LEASE).contains(&config.lease) {
-            return Err(SetupError::Invalid(format!(
-                "the lease {:?} is outside Azure's {MIN_LEASE:?} to {MAX_LEASE:?}",
-                config.lease
-            )));
-        }
-        let drift = config.drift();
-        if drift >= config.lease / 2 {
-            return Err(SetupError::Invalid(format!(
-                "the drift margin {drift:?} is half the lease {:?} or more",
-                config.lease
-            )));
-        }
-        if config.prefix.len() > MAX_PREFIX_LEN {
-            return Err(SetupError::Invalid(format!(
-                "the prefix is {} bytes, more than {MAX_PREFIX_LEN}",
-                config.prefix.len()
-            )));
-        }
+        let config = config.check()?;
         let url = Url::parse(&container_url)
             .ok()
             .filter(|url| {
@@ -563,7 +445,6 @@ impl AzureBlobBackendBuilder {
                 container,
                 address,
                 config,
-                drift,
                 lease_secs,
                 clock: ServerClock::default(),
             }),
@@ -578,14 +459,11 @@ async fn ensure_container(
     address: &str,
     limit: Duration,
 ) -> Result<(), SetupError> {
-    let failed = |error| SetupError::Container {
-        container: address.to_owned(),
-        error,
+    let failed = |error: azure_core::Error| {
+        let cause = format!("the lock container is not usable: {}", with_cause(&error));
+        SetupError::failed(ENGINE, address, cause)
     };
-    let timed_out = |_| SetupError::TimedOut {
-        container: address.to_owned(),
-        limit,
-    };
+    let timed_out = |_| SetupError::no_answer(ENGINE, address, limit);
     let created = tokio::time::timeout(limit, container.create(None))
         .await
         .map_err(timed_out)?;

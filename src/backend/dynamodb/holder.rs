@@ -32,11 +32,11 @@ impl Inner {
             .set_key(Some(item_key))
             .consistent_read(true)
             .send();
-        let output = match tokio::time::timeout(self.config.command_timeout, read).await {
+        let output = match tokio::time::timeout(self.config.settings.command_timeout, read).await {
             Ok(Ok(output)) => output,
             Ok(Err(error)) => return Err(self.named(Box::new(error))),
             Err(_) => {
-                let limit = super::retry::CommandTimeout(self.config.command_timeout);
+                let limit = super::retry::CommandTimeout(self.config.settings.command_timeout);
                 return Err(self.named(Box::new(limit)));
             }
         };

@@ -122,7 +122,7 @@ impl Inner {
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let deadline = ttl::deadline_after(wait);
-        let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
+        let mut backoff = Backoff::new(FIRST_POLL, self.config.settings.poll_interval);
         // What was seen of the holder is kept in the backend, across acquisitions.
         let id = match item.get(&self.layout.partition_key) {
             Some(AttributeValue::S(value)) => value.clone(),
@@ -139,8 +139,8 @@ impl Inner {
             // The first attempt gets a whole command timeout (a zero wait still tries
             // once); later ones end with the wait.
             let limit = match first {
-                true => sent_at + self.config.command_timeout,
-                false => (sent_at + self.config.command_timeout).min(deadline),
+                true => sent_at + self.config.settings.command_timeout,
+                false => (sent_at + self.config.settings.command_timeout).min(deadline),
             };
             first = false;
             // Armed until the answer is known: if it never comes (error, timeout, or
@@ -188,7 +188,7 @@ impl Inner {
                 // No answer within a whole command timeout: tried again within the
                 // wait, as a broken connection is; `in_flight` stays armed.
                 Err(_) => {
-                    let timeout = CommandTimeout(self.config.command_timeout);
+                    let timeout = CommandTimeout(self.config.settings.command_timeout);
                     tracing::debug!(%timeout, "dynamodb acquire attempt; retrying");
                     last_failure = Some(Box::new(timeout));
                 }
@@ -231,12 +231,14 @@ impl Inner {
     /// granted.
     fn seed(&self) -> String {
         let clock = &self.endpoint.clock;
-        clock.token_start(self.config.command_timeout).to_string()
+        clock
+            .token_start(self.config.settings.command_timeout)
+            .to_string()
     }
 
     /// The TTL attribute's value for a write now: generously past the lease.
     fn ttl(&self) -> String {
-        epoch_seconds(self.config.lease + self.config.item_ttl)
+        epoch_seconds(self.config.settings.lease + self.config.item_ttl)
     }
 
     /// One conditional write: takes the key if it is free, or if its record version
@@ -260,12 +262,15 @@ impl Inner {
             .expression_attribute_names("#since", holder::SINCE_MS)
             .expression_attribute_values(
                 ":instance",
-                AttributeValue::S(self.config.instance_id.clone()),
+                AttributeValue::S(self.config.settings.instance_id.to_string()),
             )
             .expression_attribute_values(":since", AttributeValue::N(holder::since_now()))
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .expression_attribute_values(":rvn", AttributeValue::S(fresh_rvn()?))
-            .expression_attribute_values(":lease", AttributeValue::N(millis(self.config.lease)))
+            .expression_attribute_values(
+                ":lease",
+                AttributeValue::N(millis(self.config.settings.lease)),
+            )
             .expression_attribute_values(":seed", AttributeValue::N(self.seed()))
             .expression_attribute_values(":one", AttributeValue::N("1".into()))
             .return_values(ReturnValue::UpdatedNew)
@@ -293,7 +298,7 @@ impl Inner {
                 };
                 // `None` also when no old item came back (DynamoDB returns it since
                 // 2023): the next attempt then finds out again.
-                let holder = old.and_then(|old| Holder::from_item(old, self.config.lease));
+                let holder = old.and_then(|old| Holder::from_item(old, self.config.settings.lease));
                 Ok(Attempt::Held(holder))
             }
             Err(error) => Err(error.into()),
@@ -308,7 +313,10 @@ impl Inner {
             .condition_expression("#owner = :token")
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .expression_attribute_values(":rvn", AttributeValue::S(fresh_rvn()?))
-            .expression_attribute_values(":lease", AttributeValue::N(millis(self.config.lease)))
+            .expression_attribute_values(
+                ":lease",
+                AttributeValue::N(millis(self.config.settings.lease)),
+            )
             .send()
             .await;
         match renewed {
@@ -332,13 +340,13 @@ impl Inner {
             // An attempt's item (fence unknown) has a fence below this at most.
             let fence = held
                 .fence
-                .or_else(|| clock.at_most_on_landing(self.config.command_timeout));
+                .or_else(|| clock.at_most_on_landing(self.config.settings.command_timeout));
             if let Some(due) = fence.and_then(|fence| clock.surely_past(fence)) {
                 let deleter = Deleter {
                     client: self.client.clone(),
                     table: self.layout.table.clone(),
                     endpoint: self.endpoint.clone(),
-                    command_timeout: self.config.command_timeout,
+                    command_timeout: self.config.settings.command_timeout,
                 };
                 tokio::spawn(deleter.delete_released(held.item.clone(), due));
             }
@@ -379,7 +387,7 @@ impl Inner {
     where
         aws_sdk_dynamodb::Error: From<SdkError<E>>,
     {
-        match timeout(self.config.command_timeout, write).await {
+        match timeout(self.config.settings.command_timeout, write).await {
             Ok(Ok(_)) => GiveBack::Cleared,
             Ok(Err(error)) if condition_failed(&error) => GiveBack::NotOurs,
             Ok(Err(error)) => {
@@ -466,8 +474,7 @@ impl TtlBackend for Inner {
     type Target = Held;
 
     fn timing(&self) -> Timing {
-        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
-            .renewal(self.config.renewal)
+        self.config.settings.timing()
     }
 
     async fn renew(

@@ -4,7 +4,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use axum::{routing::post, Router};
-//! use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, SetupError};
+//! use tower_keyed_lock::backend::{dynamodb::DynamoDbBackend, SetupError};
 //! use tower_keyed_lock::KeyedLockLayer;
 //!
 //! # async fn pay() {}
@@ -148,7 +148,7 @@
 //! clock (DynamoDB writes no server time); the lease left is `None`: no renewal time
 //! is stored, waiters watch the record version instead.
 //!
-//! The prefix (default `"keyed-lock:"`) gets a trailing `:` if it has none. In the layer
+//! The prefix (default `"keyed-lock:"`, not empty) gets a trailing `:` if it has none. In the layer
 //! name `%` and `:` are written `%25` and `%3A`, so the first `:` after the prefix ends
 //! it. A key that starts with `#`, or that would make the partition key longer than
 //! DynamoDB's 2048 bytes, is written as `#` and the hex SHA-256 of its bytes; no plain
@@ -184,8 +184,9 @@ use aws_sdk_dynamodb::config::timeout::TimeoutConfig;
 use aws_sdk_dynamodb::Client;
 
 use self::item::{partition_value, Layout};
-pub use self::table::SetupError;
-use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
+use super::settings::{self, Defaults, Settings};
+use super::SetupError;
+use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -227,7 +228,7 @@ pub struct DynamoDbBackend {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, SetupError};
+/// use tower_keyed_lock::backend::{dynamodb::DynamoDbBackend, SetupError};
 ///
 /// # async fn run(client: aws_sdk_dynamodb::Client) -> Result<(), SetupError> {
 /// // One table for everything: the locks are items with sort key "lock".
@@ -253,24 +254,29 @@ pub struct DynamoDbBackendBuilder {
 
 #[derive(Clone, Debug)]
 struct Config {
-    lease: Duration,
-    renewal: bool,
-    /// Non-empty, ends with `:`.
-    prefix: String,
-    /// `None`: 1% of the lease + 2 ms.
-    drift: Option<Duration>,
-    command_timeout: Duration,
-    poll_interval: Duration,
+    settings: Settings,
     /// How long an item outlives its last write, beyond the lease.
     item_ttl: Duration,
-    /// Written with every grant, for [`LockBackend::holder`].
-    instance_id: String,
 }
 
-impl Config {
-    fn drift(&self) -> Duration {
-        self.drift.unwrap_or(ttl::default_drift(self.lease))
+/// DynamoDB's defaults and limits.
+static DEFAULTS: Defaults = Defaults {
+    engine: table::ENGINE,
+    lease: DEFAULT_LEASE,
+    leases: MIN_LEASE..=Duration::MAX,
+    command_timeout: DEFAULT_COMMAND_TIMEOUT,
+    poll_interval: DEFAULT_POLL_INTERVAL,
+    prefix: DEFAULT_PREFIX,
+    prefix_rule: item_prefix,
+};
+
+/// A prefix as partition key values start with it: not empty (it keeps lock items
+/// apart from the table's others), ending with `:`.
+fn item_prefix(prefix: &str) -> Result<String, String> {
+    if prefix.is_empty() {
+        return Err("is empty: a prefix keeps lock items apart from the table's others".into());
     }
+    Ok(settings::ending_with(prefix, ':'))
 }
 
 struct Inner {
@@ -279,7 +285,6 @@ struct Inner {
     endpoint: Arc<table::Endpoint>,
     layout: Layout,
     config: Config,
-    drift: Duration,
     watched: watched::Watched,
 }
 
@@ -295,14 +300,8 @@ impl DynamoDbBackend {
                 ttl_attribute: DEFAULT_TTL_ATTRIBUTE.to_owned(),
             },
             config: Config {
-                lease: DEFAULT_LEASE,
-                renewal: true,
-                prefix: DEFAULT_PREFIX.to_owned(),
-                drift: None,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
-                poll_interval: DEFAULT_POLL_INTERVAL,
+                settings: Settings::new(&DEFAULTS),
                 item_ttl: DEFAULT_ITEM_TTL,
-                instance_id: default_instance_id(),
             },
         }
     }
@@ -319,7 +318,7 @@ impl DynamoDbBackend {
     /// # }
     /// ```
     pub fn partition_key_value(&self, name: &str, key: &str) -> String {
-        partition_value(&self.inner.config.prefix, name, key)
+        partition_value(&self.inner.config.settings.prefix, name, key)
     }
 }
 
@@ -342,86 +341,7 @@ impl fmt::Debug for DynamoDbBackendBuilder {
 }
 
 impl DynamoDbBackendBuilder {
-    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
-    /// written as `lock_instance` by every grant, in the same conditional update, and
-    /// read back by [`holder`](LockBackend::holder).
-    ///
-    /// ```
-    /// # fn f(client: aws_sdk_dynamodb::Client) {
-    /// use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
-    /// let builder = DynamoDbBackend::builder(client, "locks").instance_id("worker-3");
-    /// # }
-    /// ```
-    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
-        self.config.instance_id = instance_id.into();
-        self
-    }
-
-    /// How long a grant lasts without renewal (default [`DEFAULT_LEASE`], 30 s): how
-    /// long a waiter watches an unchanged record before it takes the key over, so it
-    /// bounds how long a crashed instance keeps a key. With renewal on, a live holder
-    /// keeps it as long as it runs.
-    ///
-    /// # Panics
-    /// If `lease` is shorter than [`MIN_LEASE`] (30 ms).
-    pub fn lease(mut self, lease: Duration) -> Self {
-        assert!(
-            lease >= MIN_LEASE,
-            "DynamoDbBackend lease must be at least {MIN_LEASE:?}"
-        );
-        self.config.lease = lease;
-        self
-    }
-
-    /// Whether a held lease is renewed every lease/3 (default on). Off, a request that
-    /// runs longer than the lease loses it.
-    pub fn renewal(mut self, renewal: bool) -> Self {
-        self.config.renewal = renewal;
-        self
-    }
-
-    /// The start of every partition key value (default [`DEFAULT_PREFIX`],
-    /// `"keyed-lock:"`); a `:` is appended if it does not end with one. Applications
-    /// that share a table keep apart by prefix.
-    ///
-    /// # Panics
-    /// If `prefix` is empty: a prefix keeps lock items apart from the table's others.
-    pub fn prefix(mut self, prefix: &str) -> Self {
-        assert!(
-            !prefix.is_empty(),
-            "DynamoDbBackend prefix must not be empty"
-        );
-        self.config.prefix = ttl::with_colon(prefix);
-        self
-    }
-
-    /// What is taken off every validity period for the clock rates of this process and
-    /// of the waiters on other instances (default 1% of the lease + 2 ms): a lease
-    /// counts as valid until send time + lease − drift margin.
-    pub fn drift_margin(mut self, margin: Duration) -> Self {
-        self.config.drift = Some(margin);
-        self
-    }
-
-    /// The longest any DynamoDB call may take (default [`DEFAULT_COMMAND_TIMEOUT`],
-    /// 1 s), also used as the connect timeout. Past it the acquisition fails with
-    /// [`LockError::Backend`], and a release returns and goes on retrying in the
-    /// background.
-    ///
-    /// A retry inside a request's wait is also cut short at the end of the wait; only
-    /// the first attempt may outlast a wait shorter than one call.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.config.command_timeout = timeout;
-        self
-    }
-
-    /// The longest pause between two attempts of a waiter (default
-    /// [`DEFAULT_POLL_INTERVAL`], 500 ms). Pauses start at 5 ms and double up to it,
-    /// each a random time between half of its step and all of it.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.config.poll_interval = interval.max(Duration::from_millis(1));
-        self
-    }
+    settings::lease_settings!(config.settings; instance_id lease renewal drift_margin command_timeout poll_interval prefix);
 
     /// The name of the table's partition key attribute (default
     /// [`DEFAULT_PARTITION_KEY`], `pk`), a string.
@@ -458,7 +378,7 @@ impl DynamoDbBackendBuilder {
     /// infrastructure code.
     pub async fn create_table(&self) -> Result<(), SetupError> {
         let (client, endpoint) = table::Endpoint::record(&self.client);
-        let limit = self.config.command_timeout;
+        let limit = self.config.settings.command_timeout;
         table::create(&client, &endpoint, &self.layout, limit).await
     }
 
@@ -466,22 +386,17 @@ impl DynamoDbBackendBuilder {
     /// within the command timeout) and makes the backend. Its client is a copy of the
     /// given one with retries off (the backend retries by itself, within each request's
     /// wait) and every call bounded by the command timeout.
-    ///
-    /// # Panics
-    /// If the drift margin is not shorter than half the lease.
     pub async fn build(self) -> Result<DynamoDbBackend, SetupError> {
         let Self {
             client,
             layout,
             config,
         } = self;
-        let drift = config.drift();
-        assert!(
-            drift < config.lease / 2,
-            "DynamoDbBackend drift margin {drift:?} must be shorter than half the lease {:?}",
-            config.lease
-        );
-        let limit = config.command_timeout;
+        let config = Config {
+            settings: config.settings.check()?,
+            ..config
+        };
+        let limit = config.settings.command_timeout;
         let timeouts = TimeoutConfig::builder()
             .connect_timeout(limit)
             .operation_timeout(limit)
@@ -502,7 +417,6 @@ impl DynamoDbBackendBuilder {
                 client,
                 layout,
                 config,
-                drift,
                 watched: Default::default(),
             }),
         })
@@ -520,18 +434,18 @@ impl LockBackend for DynamoDbBackend {
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
-        let item = self
-            .inner
-            .layout
-            .item_key(&self.inner.config.prefix, name, key.as_str());
+        let item =
+            self.inner
+                .layout
+                .item_key(&self.inner.config.settings.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(Arc::new(item), wait))
     }
 
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
-        let item = self
-            .inner
-            .layout
-            .item_key(&self.inner.config.prefix, name, key.as_str());
+        let item =
+            self.inner
+                .layout
+                .item_key(&self.inner.config.settings.prefix, name, key.as_str());
         let inner = self.inner.clone();
         Box::pin(async move { inner.holder(item).await })
     }
@@ -552,17 +466,25 @@ mod tests {
 
     #[test]
     fn the_prefix_gets_a_colon_and_must_not_be_empty() {
-        assert_eq!(builder().prefix("app").config.prefix, "app:");
-        assert_eq!(builder().prefix("app:").config.prefix, "app:");
-        assert!(std::panic::catch_unwind(|| builder().prefix("")).is_err());
+        let prefix = |prefix| {
+            builder()
+                .prefix(prefix)
+                .config
+                .settings
+                .check()
+                .map(|s| s.prefix)
+        };
+        assert_eq!(prefix("app").unwrap(), "app:");
+        assert_eq!(prefix("app:").unwrap(), "app:");
+        assert!(matches!(prefix(""), Err(SetupError::Invalid(_))));
     }
 
     #[test]
     fn drift_defaults_to_one_percent_plus_two_ms() {
         let builder = builder().lease(Duration::from_secs(10));
-        assert_eq!(builder.config.drift(), Duration::from_millis(102));
+        assert_eq!(builder.config.settings.drift(), Duration::from_millis(102));
         let builder = builder.drift_margin(Duration::from_millis(7));
-        assert_eq!(builder.config.drift(), Duration::from_millis(7));
+        assert_eq!(builder.config.settings.drift(), Duration::from_millis(7));
     }
 
     #[test]

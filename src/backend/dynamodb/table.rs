@@ -1,7 +1,6 @@
 //! The lock table: checking that it fits the configured layout, and creating it for
 //! tests and local use.
 
-use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,6 +20,7 @@ use tokio::time::{sleep, timeout, Instant};
 
 use super::item::Layout;
 use crate::backend::server_clock::ServerClock;
+use crate::backend::SetupError;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 use crate::backend::located::with_cause;
@@ -28,51 +28,6 @@ use crate::backend::located::with_cause;
 /// How long [`create_table`](super::DynamoDbBackendBuilder::create_table) waits for a
 /// new table to become active.
 const ACTIVE_WITHIN: Duration = Duration::from_secs(60);
-
-/// Why a [`DynamoDbBackend`](super::DynamoDbBackend) could not be set up.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SetupError {
-    /// DynamoDB answered with an error, or could not be reached.
-    DynamoDb {
-        /// The client's endpoint URL, or its region if it has none.
-        endpoint: String,
-        /// What the SDK said.
-        error: Box<aws_sdk_dynamodb::Error>,
-    },
-    /// DynamoDB did not answer within the command timeout.
-    TimedOut {
-        /// The client's endpoint URL, or its region if it has none.
-        endpoint: String,
-        /// The command timeout.
-        limit: Duration,
-    },
-    /// The table's key schema is not the configured one, or it did not become active.
-    Table(String),
-}
-
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::DynamoDb { endpoint, error } => {
-                write!(f, "{ENGINE} at {endpoint}: {}", with_cause(&**error))
-            }
-            Self::TimedOut { endpoint, limit } => {
-                write!(f, "{ENGINE} at {endpoint} did not answer within {limit:?}")
-            }
-            Self::Table(problem) => write!(f, "dynamodb lock table: {problem}"),
-        }
-    }
-}
-
-impl std::error::Error for SetupError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::DynamoDb { error, .. } => Some(error),
-            _ => None,
-        }
-    }
-}
 
 /// How errors name the engine.
 pub(super) const ENGINE: &str = "DynamoDB";
@@ -195,14 +150,11 @@ where
     aws_sdk_dynamodb::Error: From<E>,
 {
     match timeout(limit, call).await {
-        Ok(result) => result.map_err(|error| SetupError::DynamoDb {
-            endpoint: endpoint.describe(),
-            error: Box::new(error.into()),
+        Ok(result) => result.map_err(|error| {
+            let error = aws_sdk_dynamodb::Error::from(error);
+            SetupError::failed(ENGINE, endpoint.describe(), with_cause(&error))
         }),
-        Err(_) => Err(SetupError::TimedOut {
-            endpoint: endpoint.describe(),
-            limit,
-        }),
+        Err(_) => Err(SetupError::no_answer(ENGINE, endpoint.describe(), limit)),
     }
 }
 
@@ -234,8 +186,8 @@ pub(super) async fn check(
     if key_named(KeyType::Hash) != Some(&*layout.partition_key)
         || key_named(KeyType::Range) != expected_sort
     {
-        return Err(SetupError::Table(format!(
-            "table {:?} has key schema {schema:?}; expected partition key {:?} and sort key {expected_sort:?}",
+        return Err(SetupError::Invalid(format!(
+            "the lock table {:?} has key schema {schema:?}; expected partition key {:?} and sort key {expected_sort:?}",
             layout.table, layout.partition_key
         )));
     }
@@ -263,12 +215,12 @@ pub(super) async fn create(
             .attribute_name(name)
             .attribute_type(ScalarAttributeType::S)
             .build()
-            .map_err(|error| SetupError::Table(error.to_string()))?;
+            .map_err(|error| SetupError::Invalid(error.to_string()))?;
         let element = KeySchemaElement::builder()
             .attribute_name(name)
             .key_type(kind)
             .build()
-            .map_err(|error| SetupError::Table(error.to_string()))?;
+            .map_err(|error| SetupError::Invalid(error.to_string()))?;
         create = create.attribute_definitions(definition).key_schema(element);
     }
     if let Err(error) = call(endpoint, limit, create.send()).await {
@@ -281,8 +233,8 @@ pub(super) async fn create(
     let give_up = Instant::now() + ACTIVE_WITHIN;
     while table_status(client, endpoint, layout, limit).await? != Some(TableStatus::Active) {
         if Instant::now() > give_up {
-            return Err(SetupError::Table(format!(
-                "table {:?} not active within {ACTIVE_WITHIN:?}",
+            return Err(SetupError::Invalid(format!(
+                "the lock table {:?} not active within {ACTIVE_WITHIN:?}",
                 layout.table
             )));
         }
@@ -293,7 +245,7 @@ pub(super) async fn create(
         .enabled(true)
         .attribute_name(&layout.ttl_attribute)
         .build()
-        .map_err(|error| SetupError::Table(error.to_string()))?;
+        .map_err(|error| SetupError::Invalid(error.to_string()))?;
     let described = call(
         endpoint,
         limit,

@@ -573,7 +573,7 @@ impl TtlBackend for Inner {
     type Target = Arc<Contender>;
 
     fn timing(&self) -> Timing {
-        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
+        self.config.timing()
     }
 
     /// A keep-alive, whatever `ttl` says: etcd renews a lease to the TTL it was

@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use tower_keyed_lock::backend::etcd::{EtcdBackend, SetupError};
+//! use tower_keyed_lock::backend::{etcd::EtcdBackend, SetupError};
 //! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
 //!
 //! # async fn run() -> Result<(), SetupError> {
@@ -191,7 +191,7 @@
 //! # Unsafe setups refused
 //!
 //! [`build`](EtcdBackendBuilder::build) connects to every endpoint and refuses, with a
-//! [`SetupError::Unsafe`] that names the problem:
+//! [`SetupError`] that names the problem:
 //!
 //! - endpoints that belong to different etcd clusters (two cluster ids): each cluster
 //!   would grant the same key;
@@ -202,9 +202,9 @@
 //!   member is named in a warning.
 //!
 //! An endpoint that does not answer within the command timeout is named in a warning;
-//! if none answers, [`SetupError::Connect`] names each one (without credentials) with
-//! why, as in `cannot connect to etcd at http://etcd-0:2379: Unavailable: tcp connect
-//! error: Connection refused (os error 111)`.
+//! if none answers, [`SetupError::Failed`] names each one (without credentials) with
+//! why, as in `etcd lock backend setup failed: at http://etcd-0:2379: Unavailable: tcp
+//! connect error: Connection refused (os error 111)`.
 //!
 //! etcd decides the rest itself: the quorum, linearizable reads (this backend never
 //! asks for serializable ones), and a shortest lease (a longer TTL than asked only
@@ -228,12 +228,13 @@ use std::time::Duration;
 use etcd_client::{Client, ConnectOptions};
 
 use self::keys::{with_slash, LockKeys};
-use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
+use super::settings::{self, Defaults, Settings};
+use super::SetupError;
+use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
 pub use self::failure::EtcdLockError;
-pub use self::setup::{SetupError, Unreachable};
 
 /// The default [`EtcdBackendBuilder::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -253,7 +254,7 @@ pub const MIN_LEASE: Duration = Duration::from_secs(1);
 /// use tower_keyed_lock::backend::etcd::EtcdBackend;
 /// use tower_keyed_lock::KeyedLockLayer;
 ///
-/// # async fn run() -> Result<(), tower_keyed_lock::backend::etcd::SetupError> {
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
 /// let backend = EtcdBackend::connect(["http://127.0.0.1:2379"]).await?;
 /// let layer = KeyedLockLayer::by_header("idempotency-key")
 ///     .name("deliveries")
@@ -273,7 +274,7 @@ pub struct EtcdBackend {
 /// use std::time::Duration;
 /// use tower_keyed_lock::backend::etcd::EtcdBackend;
 ///
-/// # async fn run() -> Result<(), tower_keyed_lock::backend::etcd::SetupError> {
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
 /// let backend = EtcdBackend::builder(["http://127.0.0.1:2379"])
 ///     .lease(Duration::from_secs(10))
 ///     .command_timeout(Duration::from_millis(500))
@@ -288,34 +289,27 @@ pub struct EtcdBackend {
 pub struct EtcdBackendBuilder {
     endpoints: Vec<String>,
     options: ConnectOptions,
-    config: Config,
+    config: Settings,
     refuse_stale_leader: bool,
 }
 
-#[derive(Clone, Debug)]
-struct Config {
-    lease: Duration,
-    drift: Option<Duration>,
-    command_timeout: Duration,
-    poll_interval: Duration,
-    prefix: String,
-    /// The value of every contender key, for [`LockBackend::holder`].
-    instance_id: String,
-}
+/// etcd's defaults and limits.
+static DEFAULTS: Defaults = Defaults {
+    engine: setup::ENGINE,
+    lease: DEFAULT_LEASE,
+    leases: MIN_LEASE..=Duration::MAX,
+    command_timeout: DEFAULT_COMMAND_TIMEOUT,
+    poll_interval: DEFAULT_POLL_INTERVAL,
+    prefix: DEFAULT_PREFIX,
+    prefix_rule: |prefix| Ok(with_slash(prefix)),
+};
 
 /// What every clone of a backend shares.
 struct Inner {
     client: Client,
-    config: Config,
-    drift: Duration,
+    config: Settings,
     /// The TTL asked of etcd, in whole seconds.
     ttl: i64,
-}
-
-impl Config {
-    fn drift(&self) -> Duration {
-        self.drift.unwrap_or_else(|| ttl::default_drift(self.lease))
-    }
 }
 
 impl EtcdBackend {
@@ -326,14 +320,7 @@ impl EtcdBackend {
             endpoints: endpoints.into_iter().map(Into::into).collect(),
             options: ConnectOptions::new(),
             refuse_stale_leader: false,
-            config: Config {
-                lease: DEFAULT_LEASE,
-                drift: None,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
-                poll_interval: DEFAULT_POLL_INTERVAL,
-                prefix: DEFAULT_PREFIX.to_owned(),
-                instance_id: default_instance_id(),
-            },
+            config: Settings::new(&DEFAULTS),
         }
     }
 
@@ -349,7 +336,7 @@ impl EtcdBackend {
     ///
     /// ```no_run
     /// # use tower_keyed_lock::backend::etcd::EtcdBackend;
-    /// # async fn run() -> Result<(), tower_keyed_lock::backend::etcd::SetupError> {
+    /// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
     /// # let backend = EtcdBackend::connect(["http://127.0.0.1:2379"]).await?;
     /// assert_eq!(backend.queue_prefix("orders", "42"), "keyed-lock/orders/42/");
     /// assert_eq!(backend.queue_prefix("orders", "a/b"), "keyed-lock/orders/a%2Fb/");
@@ -390,69 +377,7 @@ impl fmt::Debug for EtcdBackendBuilder {
 }
 
 impl EtcdBackendBuilder {
-    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
-    /// the value of every key it queues with, put by the transaction that joins the
-    /// queue, and read back by [`holder`](LockBackend::holder).
-    ///
-    /// ```
-    /// use tower_keyed_lock::backend::etcd::EtcdBackend;
-    /// let builder = EtcdBackend::builder(["127.0.0.1:2379"]).instance_id("worker-3");
-    /// ```
-    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
-        self.config.instance_id = instance_id.into();
-        self
-    }
-
-    /// How long a holder's etcd lease lasts without a keep-alive (default
-    /// [`DEFAULT_LEASE`], 30 s; rounded up to whole seconds for etcd). It bounds how
-    /// long a crashed instance keeps a key; a live holder keeps it as long as it runs.
-    ///
-    /// # Panics
-    /// If `lease` is shorter than [`MIN_LEASE`] (1 s).
-    pub fn lease(mut self, lease: Duration) -> Self {
-        assert!(
-            lease >= MIN_LEASE,
-            "EtcdBackend lease must be at least {MIN_LEASE:?}"
-        );
-        self.config.lease = lease;
-        self
-    }
-
-    /// What is taken off every validity period for clock drift between this process
-    /// and the etcd leader (default 1% of the lease + 2 ms): a lease counts as valid
-    /// until send time + lease − drift margin. Half the lease or more is refused by
-    /// [`build`](Self::build).
-    pub fn drift_margin(mut self, margin: Duration) -> Self {
-        self.config.drift = Some(margin);
-        self
-    }
-
-    /// The longest one request to etcd may take (default [`DEFAULT_COMMAND_TIMEOUT`],
-    /// 1 s). Past it an acquisition sends the request again while its wait lasts (a
-    /// zero wait tries for one command timeout, then fails with
-    /// [`LockError::Backend`]), a keep-alive counts as unanswered, and a release goes on
-    /// in the background. Also the connect timeout, and how long
-    /// [`build`](Self::build) waits for each endpoint.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.config.command_timeout = timeout.max(Duration::from_millis(1));
-        self
-    }
-
-    /// How long a waiter watches before it looks at the queue again without a watch
-    /// event (default [`DEFAULT_POLL_INTERVAL`], 1 s; a random time between half of it
-    /// and all of it). The watch is the fast path; this only bounds the cost of a lost
-    /// one.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.config.poll_interval = interval.max(Duration::from_millis(1));
-        self
-    }
-
-    /// The start of every etcd key of the backend (default [`DEFAULT_PREFIX`],
-    /// `"keyed-lock/"`); a `/` is appended if it does not end with one.
-    pub fn prefix(mut self, prefix: &str) -> Self {
-        self.config.prefix = with_slash(prefix);
-        self
-    }
+    settings::lease_settings!(config; instance_id lease renewal drift_margin command_timeout poll_interval prefix);
 
     /// The client's connection options (user and password, TLS with the client's TLS
     /// features); the backend adds its own timeouts and HTTP/2 keep-alive to them.
@@ -481,13 +406,7 @@ impl EtcdBackendBuilder {
             config,
             refuse_stale_leader,
         } = self;
-        let drift = config.drift();
-        if drift >= config.lease / 2 {
-            return Err(SetupError::Unsafe(format!(
-                "the drift margin {drift:?} is half the lease {:?} or more",
-                config.lease
-            )));
-        }
+        let config = config.check()?;
         let limit = config.command_timeout;
         // etcd's gRPC server refuses pings more often than every 5 s (ENHANCE_YOUR_CALM
         // closes the connection), so HTTP/2 keep-alive is the slow backstop for a dead
@@ -508,17 +427,13 @@ impl EtcdBackendBuilder {
                     .iter()
                     .map(|endpoint| setup::without_credentials(endpoint))
                     .collect();
-                SetupError::Connect(vec![Unreachable {
-                    endpoint: shown.join(", "),
-                    cause: Box::new(error),
-                }])
+                SetupError::failed(setup::ENGINE, shown.join(", "), setup::chain(&error))
             })?;
         let ttl = i64::try_from(config.lease.as_millis().div_ceil(1000)).unwrap_or(i64::MAX);
         Ok(EtcdBackend {
             inner: Arc::new(Inner {
                 client,
                 config,
-                drift,
                 ttl,
             }),
         })
@@ -568,7 +483,7 @@ mod tests {
             .build()
             .await;
         match refused {
-            Err(SetupError::Unsafe(why)) => assert!(why.contains("drift margin"), "{why}"),
+            Err(SetupError::Invalid(why)) => assert!(why.contains("drift margin"), "{why}"),
             other => panic!("not refused: {other:?}"),
         }
     }
@@ -576,7 +491,8 @@ mod tests {
     #[test]
     fn the_prefix_gets_a_slash() {
         let builder = EtcdBackend::builder(["http://127.0.0.1:2379"]);
-        assert_eq!(builder.clone().prefix("app").config.prefix, "app/");
-        assert_eq!(builder.prefix("app/").config.prefix, "app/");
+        let prefix = |builder: EtcdBackendBuilder| builder.config.check().unwrap().prefix;
+        assert_eq!(prefix(builder.clone().prefix("app")), "app/");
+        assert_eq!(prefix(builder.prefix("app/")), "app/");
     }
 }

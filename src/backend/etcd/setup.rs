@@ -5,86 +5,25 @@
 //! named in a warning (or refused, on request).
 
 use std::error::Error;
-use std::fmt;
 use std::time::Duration;
 
 use etcd_client::{Client, ConnectOptions};
 use tokio::time::timeout;
 
+use crate::backend::{ServerFailure, SetupError};
+
+/// How errors name the engine.
+pub(super) const ENGINE: &str = "etcd";
+
 /// The etcd releases from which a leader that stalled and resumed no longer revokes
 /// leases that its successor kept alive: 3.4.31, 3.5.13, 3.6.0.
 const STALE_LEADER_FIXED_IN: &str = "3.4.31, 3.5.13 and 3.6.0";
-
-/// Why [`EtcdBackendBuilder::build`](super::EtcdBackendBuilder::build) failed.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SetupError {
-    /// No endpoint could be reached (each one with why), or the client could not be
-    /// built.
-    Connect(Vec<Unreachable>),
-    /// A setup that breaks a guarantee of the lock, named.
-    Unsafe(String),
-}
-
-/// An endpoint that could not be reached, and why.
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct Unreachable {
-    /// The endpoint's URL, without credentials.
-    pub endpoint: String,
-    /// Why: the client's error, or no answer within the command timeout.
-    pub cause: Box<dyn Error + Send + Sync>,
-}
-
-/// An endpoint that said nothing within the command timeout.
-#[derive(Debug)]
-struct NoAnswer(Duration);
-
-impl fmt::Display for NoAnswer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "no answer within {:?}", self.0)
-    }
-}
-
-impl Error for NoAnswer {}
-
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SetupError::Connect(unreachable) => {
-                f.write_str("cannot connect to etcd")?;
-                for (n, endpoint) in unreachable.iter().enumerate() {
-                    let separator = if n == 0 { " at" } else { "; at" };
-                    write!(
-                        f,
-                        "{separator} {}: {}",
-                        endpoint.endpoint,
-                        chain(&*endpoint.cause)
-                    )?;
-                }
-                Ok(())
-            }
-            SetupError::Unsafe(why) => write!(f, "unsafe etcd lock setup refused: {why}"),
-        }
-    }
-}
-
-impl Error for SetupError {
-    fn source(&self) -> Option<&(dyn Error + 'static)> {
-        match self {
-            SetupError::Connect(unreachable) => unreachable
-                .first()
-                .map(|endpoint| &*endpoint.cause as &(dyn Error + 'static)),
-            SetupError::Unsafe(_) => None,
-        }
-    }
-}
 
 /// `error` and its sources, `: ` between them, each said once. The etcd client's
 /// errors hide their sources (a gRPC status prints its source's `Debug`, a transport
 /// error says only "transport error"), where the reason is (a refused connection, a
 /// name that does not resolve), so they are walked here.
-fn chain(error: &(dyn Error + 'static)) -> String {
+pub(super) fn chain(error: &(dyn Error + 'static)) -> String {
     const UNINFORMATIVE: &str = "transport error";
     let mut said: Vec<String> = Vec::new();
     let mut source = match error.downcast_ref::<etcd_client::Error>() {
@@ -154,7 +93,7 @@ pub(super) async fn check_endpoints(
             let mut client = Client::connect([endpoint], Some(options.clone())).await?;
             client.status().await
         };
-        let cause: Box<dyn Error + Send + Sync> = match timeout(limit, probe).await {
+        let failure = match timeout(limit, probe).await {
             Ok(Ok(status)) => {
                 members.push(Member {
                     endpoint: shown,
@@ -163,17 +102,17 @@ pub(super) async fn check_endpoints(
                 });
                 continue;
             }
-            Ok(Err(error)) => Box::new(error),
-            Err(_) => Box::new(NoAnswer(limit)),
+            Ok(Err(error)) => ServerFailure::new(shown, chain(&error)),
+            Err(_) => ServerFailure::no_answer(shown, limit),
         };
-        tracing::warn!(endpoint = %shown, error = %chain(&*cause), "etcd endpoint unreachable");
-        unreachable.push(Unreachable {
-            endpoint: shown,
-            cause,
-        });
+        tracing::warn!(endpoint = %failure.server, error = %failure.cause, "etcd endpoint unreachable");
+        unreachable.push(failure);
     }
     if members.is_empty() {
-        return Err(SetupError::Connect(unreachable));
+        return Err(SetupError::Failed {
+            engine: ENGINE,
+            failures: unreachable,
+        });
     }
     if members
         .iter()
@@ -285,19 +224,19 @@ mod tests {
 
     #[test]
     fn every_unreachable_endpoint_is_named_with_its_cause() {
-        let error = SetupError::Connect(vec![
-            Unreachable {
-                endpoint: "http://a:2379".into(),
-                cause: Box::new(NoAnswer(Duration::from_millis(500))),
-            },
-            Unreachable {
-                endpoint: "http://b:2379".into(),
-                cause: Box::new(etcd_client::Error::InvalidArgs("bad".into())),
-            },
-        ]);
+        let error = SetupError::Failed {
+            engine: ENGINE,
+            failures: vec![
+                ServerFailure::no_answer("http://a:2379", Duration::from_millis(500)),
+                ServerFailure::new(
+                    "http://b:2379",
+                    chain(&etcd_client::Error::InvalidArgs("bad".into())),
+                ),
+            ],
+        };
         assert_eq!(
             error.to_string(),
-            "cannot connect to etcd at http://a:2379: no answer within 500ms; at \
+            "etcd lock backend setup failed: at http://a:2379: no answer within 500ms; at \
              http://b:2379: invalid arguments: bad"
         );
         assert!(error.source().is_some());

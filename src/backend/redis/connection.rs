@@ -108,27 +108,12 @@ fn cluster_nodes(client: &ClusterClient) -> Vec<String> {
 }
 
 impl Target {
-    /// The engine and where it is, for errors: `Redis at host:port`, or `Redis Cluster
-    /// at host:port, host:port, ...` (its initial nodes); never the credentials of the
-    /// URLs.
-    pub(in crate::backend) fn describe(&self) -> String {
+    /// Where it is: `host:port`, or a cluster's initial nodes (empty if unknown).
+    pub(in crate::backend) fn address(&self) -> String {
         match self {
-            Self::Single(client) => format!("Redis at {}", client.get_connection_info().addr()),
-            Self::Cluster(client) => match cluster_nodes(client).as_slice() {
-                [] => "Redis Cluster".to_owned(),
-                nodes => format!("Redis Cluster at {}", nodes.join(", ")),
-            },
+            Self::Single(client) => client.get_connection_info().addr().to_string(),
+            Self::Cluster(client) => cluster_nodes(client).join(", "),
         }
-    }
-
-    /// `error` of a first contact with this target, with the engine and address
-    /// before the cause; its kind is kept.
-    pub(in crate::backend) fn unreachable(&self, error: &RedisError) -> RedisError {
-        RedisError::from((
-            error.kind(),
-            "could not connect",
-            format!("{}: {error}", self.describe()),
-        ))
     }
 
     /// A connection that connects on its first command (no await here).

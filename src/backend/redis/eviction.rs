@@ -66,12 +66,13 @@ pub(in crate::backend) async fn policies(
     }
 }
 
-/// Refuses unless every policy is `noeviction` or the risk was accepted (then warns).
-/// A policy that could not be read at all is refused the same way: it may evict.
+/// Refuses unless every policy is `noeviction` or the risk was accepted (then warns):
+/// the refusal says what and the fix. A policy that could not be read at all is refused
+/// the same way: it may evict.
 pub(in crate::backend) fn check(
     read: Result<Vec<(Option<String>, String)>, RedisError>,
     allowed: bool,
-) -> Result<(), RedisError> {
+) -> Result<(), String> {
     let problem = match read {
         Ok(policies) => match problem(policies) {
             None => return Ok(()),
@@ -87,7 +88,7 @@ pub(in crate::backend) fn check(
         );
         return Ok(());
     }
-    Err(refusal(&problem))
+    Err(refusal_text(&problem))
 }
 
 /// What may evict among `policies`, or `None` if every one is `noeviction`.
@@ -108,14 +109,19 @@ pub(in crate::backend) fn refusal(problem: &str) -> RedisError {
     RedisError::from((
         ErrorKind::InvalidClientConfig,
         "Redis may evict lock keys",
-        format!(
-            "{problem}: under memory pressure a held lock key can be evicted and \
-             granted to another instance before its holder is told. Set \
-             `maxmemory-policy noeviction` on every server that holds locks (a Redis \
-             of its own for locks, if a cache needs eviction), or accept the risk \
-             with RedisBackendBuilder::allow_unsafe_eviction_policy(true)"
-        ),
+        refusal_text(problem),
     ))
+}
+
+/// Why `problem` is refused, and the fix.
+fn refusal_text(problem: &str) -> String {
+    format!(
+        "{problem}: under memory pressure a held lock key can be evicted and granted to \
+         another instance before its holder is told. Set `maxmemory-policy noeviction` on \
+         every server that holds locks (a Redis of its own for locks, if a cache needs \
+         eviction), or accept the risk with \
+         RedisBackendBuilder::allow_unsafe_eviction_policy(true)"
+    )
 }
 
 /// How often a running backend with leases of `lease` re-reads the policy.

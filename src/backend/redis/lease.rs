@@ -135,7 +135,10 @@ impl Inner {
         let mut token_sent = false;
         // The last attempt's failure, if no attempt was answered since.
         let mut last_failure: Option<BoxError> = None;
-        let mut backoff = Backoff::new(FIRST_RETRY, self.config.command_timeout.max(FIRST_RETRY));
+        let mut backoff = Backoff::new(
+            FIRST_RETRY,
+            self.config.settings.command_timeout.max(FIRST_RETRY),
+        );
         // After a failed attempt (no answer, a broken connection, an answer out of
         // turn): only the wait bounds the waiting (DESIGN rule 11), so the attempt is
         // tried again after a jittered pause, with a fresh token, until the wait ends.
@@ -173,13 +176,13 @@ impl Inner {
             // The first attempt gets a whole command timeout (a zero wait still tries
             // once); later ones end with the wait.
             let limit = match first {
-                true => sent_at + self.config.command_timeout,
-                false => (sent_at + self.config.command_timeout).min(deadline),
+                true => sent_at + self.config.settings.command_timeout,
+                false => (sent_at + self.config.settings.command_timeout).min(deadline),
             };
             first = false;
             in_flight.sent(sent_at);
             // Only a whole command timeout says the connection may be silent.
-            let counts = limit == sent_at + self.config.command_timeout;
+            let counts = limit == sent_at + self.config.settings.command_timeout;
             // Queued for a grant only if it waits after a refusal: one that does not
             // (a zero wait) would be granted the key after it is gone.
             let queues = sent_at < deadline && self.takes_grants(&keys);
@@ -216,7 +219,7 @@ impl Inner {
                     let wait = Duration::from_millis(wait_ms);
                     self.warn_of_restart_guard(wait);
                     if Instant::now() + wait >= deadline {
-                        let guard = restart_guard(self.config.lease, wait);
+                        let guard = restart_guard(self.config.settings.lease, wait);
                         return Err(LockError::Backend(Box::new(guard)));
                     }
                     sleep(wait).await;
@@ -226,7 +229,7 @@ impl Inner {
                     return Err(out_of_time(last_failure))
                 }
                 Err(Failure::TimedOut) => {
-                    let timeout = CommandTimeout(self.config.command_timeout);
+                    let timeout = CommandTimeout(self.config.settings.command_timeout);
                     last_failure = Some(Box::new(timeout));
                     retry!()
                 }
@@ -319,7 +322,7 @@ impl Inner {
         }
         *until = Some(now + wait);
         tracing::warn!(
-            lease = ?self.config.lease,
+            lease = ?self.config.settings.lease,
             grants_resume_in = ?wait,
             "redis restart guard: the server started less than a lease and a second ago \
              and may have lost locks still held elsewhere, so it grants none until then; \
@@ -331,7 +334,7 @@ impl Inner {
 
     /// How long to wait for a release message before trying again.
     fn pause(&self, holder_ttl_ms: i64) -> Duration {
-        let mut poll = self.config.poll_interval;
+        let mut poll = self.config.settings.poll_interval;
         if !*self.subscribed.borrow() {
             poll = poll.min(UNSUBSCRIBED_POLL);
         }
@@ -354,9 +357,9 @@ impl Inner {
     ) -> Result<Attempt, Failure> {
         let fence_ttl = self.config.record_ttl_ms(self.config.first_ttl());
         // Outlasts this waiter's longest pause and its next attempt's round trip.
-        let waiting_ttl = self.config.poll_interval + self.config.command_timeout;
+        let waiting_ttl = self.config.settings.poll_interval + self.config.settings.command_timeout;
         let restart_guard = match self.config.restart_guard {
-            true => millis(self.config.lease),
+            true => millis(self.config.settings.lease),
             false => 0,
         };
         // Shared and permit holders go through their own script (a sorted set of
@@ -391,7 +394,7 @@ impl Inner {
                 .arg(fence_ttl)
                 .arg(millis(waiting_ttl))
                 .arg(restart_guard)
-                .arg(&*self.config.instance_id);
+                .arg(&*self.config.settings.instance_id);
             match permits {
                 Some(permits) => command.arg(permits),
                 None => command.arg(u8::from(sent_before)),
@@ -495,7 +498,7 @@ impl Inner {
     /// every lock's path, and a server that lost its script cache costs one round trip
     /// more, once; a release that gets no answer is retried in the background anyway.
     async fn delete_if_ours(&self, keys: &RedisKeys, token: &str) -> GiveBack {
-        let mark = millis(GIVEN_BACK_MARK.max(self.config.lease));
+        let mark = millis(GIVEN_BACK_MARK.max(self.config.settings.lease));
         let (script, command) = match keys.holders() {
             None => (
                 &*RELEASE,
@@ -530,7 +533,7 @@ impl Inner {
         };
         let mut command = command;
         command.arg(token).arg(&self.channel).arg(mark);
-        let limit = Instant::now() + self.config.command_timeout;
+        let limit = Instant::now() + self.config.settings.command_timeout;
         let release = self.commands.run(limit, true, |mut connection| async move {
             script.run::<i64>(&command, &mut connection).await
         });
@@ -553,9 +556,7 @@ impl TtlBackend for Inner {
     type Target = Arc<RedisKeys>;
 
     fn timing(&self) -> Timing {
-        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
-            .renewal(self.config.renewal)
-            .max_hold(self.config.max_hold)
+        self.config.settings.timing().max_hold(self.config.max_hold)
     }
 
     async fn renew(
@@ -567,7 +568,7 @@ impl TtlBackend for Inner {
         limit: Instant,
     ) -> Renewal {
         // Only a whole command timeout says the connection may be silent.
-        let counts = limit == sent + self.config.command_timeout;
+        let counts = limit == sent + self.config.settings.command_timeout;
         match self.renew_once(keys, token, ttl, limit, counts).await {
             Ok(true) => Renewal::Renewed,
             Ok(false) => Renewal::NotOurs,
@@ -600,7 +601,7 @@ impl TtlBackend for Inner {
     /// give-back is answered, the attempt may still come; once it is, the attempt was
     /// run before it, or the mark it leaves refuses it.
     fn give_back_until(&self, sent_at: Instant) -> Instant {
-        sent_at + GIVEN_BACK_MARK.max(self.config.lease)
+        sent_at + GIVEN_BACK_MARK.max(self.config.settings.lease)
     }
 
     /// At once: a give-back that finds the key not ours marks the token, and the

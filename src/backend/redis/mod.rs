@@ -7,7 +7,7 @@
 //! use tower_keyed_lock::KeyedLockLayer;
 //!
 //! # async fn pay() {}
-//! # async fn app() -> Result<Router, redis::RedisError> {
+//! # async fn app() -> Result<Router, tower_keyed_lock::backend::SetupError> {
 //! let backend = RedisBackend::builder(redis::Client::open("redis://127.0.0.1/")?)
 //!     .lease(Duration::from_secs(10))
 //!     .build()
@@ -379,10 +379,9 @@ use self::keys::RedisKeys;
 pub(crate) use self::scripts::last_token;
 use self::scripts::{ACQUIRE, ACQUIRE_COUNTED, HOLDER};
 use self::subscriber::{Releases, Subscriber};
-use super::{
-    default_instance_id, from_unix_millis, ttl, Acquisition, BoxFuture, Holder, LockBackend,
-    LockMode,
-};
+use super::settings::{self, Defaults, Settings};
+use super::SetupError;
+use super::{from_unix_millis, ttl, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
 #[cfg(feature = "replay")]
 use super::{Acquired, Place, RecordLookup};
 use crate::error::LockError;
@@ -406,7 +405,7 @@ pub const MIN_LEASE: Duration = Duration::from_millis(10);
 /// use tower_keyed_lock::backend::redis::RedisBackend;
 /// use tower_keyed_lock::KeyedLockLayer;
 ///
-/// # async fn run() -> Result<(), redis::RedisError> {
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
 /// let layer = KeyedLockLayer::by_header("idempotency-key")
 ///     .name("deliveries")
@@ -426,7 +425,7 @@ pub struct RedisBackend {
 /// use std::time::Duration;
 /// use tower_keyed_lock::backend::redis::RedisBackend;
 ///
-/// # async fn run() -> Result<(), redis::RedisError> {
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let backend = RedisBackend::builder(redis::Client::open("redis://127.0.0.1/")?)
 ///     .lease(Duration::from_secs(10))
 ///     .max_hold(Some(Duration::from_secs(60)))
@@ -447,23 +446,34 @@ pub struct RedisBackendBuilder {
 
 #[derive(Clone, Debug)]
 struct Config {
-    lease: Duration,
-    renewal: bool,
+    settings: Settings,
     max_hold: Option<Duration>,
-    /// Empty, or ends with `:`; no braces.
-    prefix: String,
-    /// `None`: 1% of the lease + 2 ms.
-    drift: Option<Duration>,
-    command_timeout: Duration,
-    poll_interval: Duration,
     /// How long the holder record (with the last fencing token) outlives the lock's TTL; `None`:
     /// for ever (the opt-out).
     record_window: Option<RecordWindow>,
     restart_guard: bool,
     replicas: Option<Replicas>,
     allow_eviction: bool,
-    /// Recorded with every grant, for [`LockBackend::holder`].
-    instance_id: Arc<str>,
+}
+
+/// Redis's defaults and limits.
+static DEFAULTS: Defaults = Defaults {
+    engine: "Redis",
+    lease: DEFAULT_LEASE,
+    leases: MIN_LEASE..=Duration::MAX,
+    command_timeout: DEFAULT_COMMAND_TIMEOUT,
+    poll_interval: DEFAULT_POLL_INTERVAL,
+    prefix: DEFAULT_PREFIX,
+    prefix_rule: key_prefix,
+};
+
+/// A prefix as Redis keys start with it: ending with `:`, and without braces, which
+/// would break the Redis Cluster hash tag.
+pub(super) fn key_prefix(prefix: &str) -> Result<String, String> {
+    if prefix.contains(['{', '}']) {
+        return Err("contains a brace, which would break the Redis Cluster hash tag".into());
+    }
+    Ok(settings::ending_with(prefix, ':'))
 }
 
 /// How many replicas must acknowledge a grant or renewal, and for how long to wait.
@@ -491,13 +501,10 @@ impl Replicas {
 }
 
 impl Config {
-    fn drift(&self) -> Duration {
-        self.drift.unwrap_or(ttl::default_drift(self.lease))
-    }
-
     /// The TTL an acquisition asks for: the lease, shortened to `max_hold`.
     fn first_ttl(&self) -> Duration {
-        self.max_hold.map_or(self.lease, |max| max.min(self.lease))
+        self.max_hold
+            .map_or(self.settings.lease, |max| max.min(self.settings.lease))
     }
 
     /// The window the holder record outlives the lock by: at least
@@ -505,8 +512,8 @@ impl Config {
     /// steps back by more than it).
     fn record_window(&self) -> Option<Duration> {
         self.record_window.map(|window| match window {
-            RecordWindow::OneLease => self.lease,
-            RecordWindow::After(window) => window.max(self.lease),
+            RecordWindow::OneLease => self.settings.lease,
+            RecordWindow::After(window) => window.max(self.settings.lease),
         })
     }
 
@@ -532,7 +539,6 @@ struct Inner {
     /// What may evict lock keys, re-read while the backend runs.
     eviction: eviction::EvictionState,
     config: Config,
-    drift: Duration,
     /// The shared release channel; empty on a cluster (a shard channel per lock).
     channel: String,
     releases: Arc<Releases>,
@@ -558,7 +564,7 @@ impl RedisBackend {
     /// ```no_run
     /// use tower_keyed_lock::backend::redis::RedisBackend;
     ///
-    /// # async fn run() -> Result<(), redis::RedisError> {
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// let nodes = ["redis://10.0.0.1:6379/", "redis://10.0.0.2:6379/"];
     /// let client = redis::cluster::ClusterClientBuilder::new(nodes)
     ///     .use_protocol(redis::ProtocolVersion::RESP3)
@@ -576,18 +582,12 @@ impl RedisBackend {
         RedisBackendBuilder {
             target,
             config: Config {
-                lease: DEFAULT_LEASE,
-                renewal: true,
+                settings: Settings::new(&DEFAULTS),
                 max_hold: None,
-                prefix: DEFAULT_PREFIX.to_owned(),
-                drift: None,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
-                poll_interval: DEFAULT_POLL_INTERVAL,
                 record_window: Some(RecordWindow::OneLease),
                 restart_guard: true,
                 replicas: None,
                 allow_eviction: false,
-                instance_id: default_instance_id().into(),
             },
         }
     }
@@ -598,14 +598,16 @@ impl RedisBackend {
     /// ```no_run
     /// use tower_keyed_lock::backend::redis::RedisBackend;
     ///
-    /// # async fn run() -> Result<(), redis::RedisError> {
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
     /// # let _ = backend;
     /// # Ok(())
     /// # }
     /// ```
-    pub async fn connect(url: &str) -> Result<Self, RedisError> {
-        Self::builder(Client::open(url)?).build().await
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        let client = Client::open(url)
+            .map_err(|error| SetupError::Invalid(format!("the Redis URL: {error}")))?;
+        Self::builder(client).build().await
     }
 
     /// The Redis key that holds the lock of `key` for the layer called `name` (see
@@ -614,7 +616,7 @@ impl RedisBackend {
     ///
     /// ```no_run
     /// # use tower_keyed_lock::backend::redis::RedisBackend;
-    /// # async fn run() -> Result<(), redis::RedisError> {
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// # let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
     /// assert_eq!(backend.lock_key("orders", "42"), "{keyed-lock:orders:42}:lock");
     /// assert!(backend.lock_key("orders", "a:b").starts_with("{keyed-lock:orders:#"));
@@ -622,7 +624,7 @@ impl RedisBackend {
     /// # }
     /// ```
     pub fn lock_key(&self, name: &str, key: &str) -> String {
-        RedisKeys::new(&self.inner.config.prefix, name, key)
+        RedisKeys::new(&self.inner.config.settings.prefix, name, key)
             .lock
             .to_string()
     }
@@ -652,94 +654,13 @@ impl fmt::Debug for RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
-    /// Who this instance is, recorded with every grant in the same script (a
-    /// `:holder` key under the lock's hash tag) and read back by
-    /// [`holder`](LockBackend::holder). Default:
-    /// [`default_instance_id`] (`<hostname>:<pid>`).
-    ///
-    /// ```
-    /// # fn f(client: redis::Client) {
-    /// use tower_keyed_lock::backend::redis::RedisBackend;
-    /// let builder = RedisBackend::builder(client).instance_id("billing-worker-3");
-    /// # }
-    /// ```
-    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
-        self.config.instance_id = instance_id.into().into();
-        self
-    }
-
-    /// How long a grant lasts in Redis without renewal (default [`DEFAULT_LEASE`],
-    /// 30 s). It bounds how long a crashed instance keeps a key; with renewal on, a
-    /// live holder keeps it as long as it runs.
-    ///
-    /// # Panics
-    /// If `lease` is shorter than [`MIN_LEASE`] (10 ms).
-    pub fn lease(mut self, lease: Duration) -> Self {
-        assert!(
-            lease >= MIN_LEASE,
-            "RedisBackend lease must be at least {MIN_LEASE:?}"
-        );
-        self.config.lease = lease;
-        self
-    }
-
-    /// Whether a held lease is renewed every lease/3 (default on). Off, a request that
-    /// runs longer than the lease loses it.
-    pub fn renewal(mut self, renewal: bool) -> Self {
-        self.config.renewal = renewal;
-        self
-    }
+    settings::lease_settings!(config.settings; instance_id lease renewal drift_margin command_timeout poll_interval prefix);
 
     /// The longest a lease lasts however often it is renewed (default `None`: no
     /// limit): the key expires in Redis, and the lease is lost, `max_hold` after the
     /// acquisition was sent. A stuck handler cannot hold a key forever.
     pub fn max_hold(mut self, max_hold: Option<Duration>) -> Self {
         self.config.max_hold = max_hold;
-        self
-    }
-
-    /// The start of every Redis key and of the release channel (default
-    /// [`DEFAULT_PREFIX`], `"keyed-lock:"`); a `:` is appended if it does not end with
-    /// one. Applications that share a Redis keep apart by prefix.
-    ///
-    /// # Panics
-    /// If `prefix` contains `{` or `}`, which would break the Redis Cluster hash tag.
-    pub fn prefix(mut self, prefix: &str) -> Self {
-        assert!(
-            !prefix.contains(['{', '}']),
-            "RedisBackend prefix must not contain braces: {prefix:?}"
-        );
-        self.config.prefix = ttl::with_colon(prefix);
-        self
-    }
-
-    /// What is taken off every validity period for clock drift between this process
-    /// and Redis (default 1% of the lease + 2 ms): a lease counts as valid until
-    /// send time + lease − drift margin.
-    pub fn drift_margin(mut self, margin: Duration) -> Self {
-        self.config.drift = Some(margin);
-        self
-    }
-
-    /// The longest any Redis command may take (default [`DEFAULT_COMMAND_TIMEOUT`],
-    /// 1 s). Past it the acquisition fails with [`LockError::Backend`], and a release
-    /// returns and goes on retrying in the background (at worst the key expires by its
-    /// lease). Also used as the connect timeout. Three timeouts in a row replace the
-    /// connection (see [Connections](self#connections)).
-    ///
-    /// A retry inside a request's wait is also cut short at the end of the wait; only
-    /// the first attempt may outlast a wait shorter than one command.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.config.command_timeout = timeout;
-        self
-    }
-
-    /// How long a waiter sleeps between attempts when no release message wakes it
-    /// (default [`DEFAULT_POLL_INTERVAL`], 1 s): a random time between half of it and
-    /// all of it, cut to the holder's remaining TTL and to the end of the wait. Release
-    /// messages are the fast path; this only bounds the cost of a lost one.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.config.poll_interval = interval.max(Duration::from_millis(1));
         self
     }
 
@@ -846,34 +767,34 @@ impl RedisBackendBuilder {
     /// its `maxmemory-policy` is not `noeviction` (or cannot be read), or the
     /// subscription fails (it needs RESP3: Redis 6 or newer).
     ///
-    /// # Panics
-    /// If the drift margin is not shorter than half the lease.
-    pub async fn build(self) -> Result<RedisBackend, RedisError> {
+    pub async fn build(self) -> Result<RedisBackend, SetupError> {
         let Self { target, config } = self;
-        let drift = config.drift();
-        assert!(
-            drift < config.lease / 2,
-            "RedisBackend drift margin {drift:?} must be shorter than half the lease {:?}",
-            config.lease
-        );
-        let limit = config.command_timeout;
+        let config = Config {
+            settings: config.settings.check()?,
+            ..config
+        };
+        let limit = config.settings.command_timeout;
+        let failed =
+            |cause: RedisError| SetupError::failed(DEFAULTS.engine, target.address(), cause);
         // The kernel's own backstop for a dead path; replacing a silent connection
         // after a few command timeouts is the fast one. A cluster client keeps the
         // TCP settings it was built with.
-        let target = match target {
-            Target::Single(client) => Target::Single(with_tcp_settings(
-                &client,
-                (limit * 10).max(Duration::from_secs(5)),
-            )?),
-            cluster @ Target::Cluster(_) => cluster,
+        let target = match &target {
+            Target::Single(client) => Target::Single(
+                with_tcp_settings(client, (limit * 10).max(Duration::from_secs(5)))
+                    .map_err(failed)?,
+            ),
+            cluster @ Target::Cluster(_) => cluster.clone(),
         };
-        let commands = Commands::new(target.clone(), limit)?;
+        let commands = Commands::new(target.clone(), limit).map_err(failed)?;
         let ping = commands.run(Instant::now() + limit, false, |mut connection| async move {
             redis::cmd("PING").query_async::<()>(&mut connection).await
         });
         ping.await.map_err(|failure| match failure {
-            connection::Failure::Redis(error) => target.unreachable(&error),
-            connection::Failure::TimedOut => target.unreachable(&timed_out("no answer to PING")),
+            connection::Failure::Redis(error) => failed(error),
+            connection::Failure::TimedOut => {
+                SetupError::no_answer(DEFAULTS.engine, target.address(), limit)
+            }
         })?;
         // The scripts of every lock, cached before the first one: its acquire and
         // release are then one round trip each. Best effort: a script missing later
@@ -904,15 +825,15 @@ impl RedisBackendBuilder {
                 connection::Failure::Redis(error) => error,
                 connection::Failure::TimedOut => timed_out("reading maxmemory-policy"),
             });
-        eviction::check(policies, config.allow_eviction)?;
+        eviction::check(policies, config.allow_eviction).map_err(SetupError::Unsafe)?;
         let commands = Arc::new(commands);
         let eviction = eviction::watch(
             &commands,
-            eviction::recheck_interval(config.lease),
+            eviction::recheck_interval(config.settings.lease),
             config.allow_eviction,
         );
 
-        let shared_channel = format!("{}release", config.prefix);
+        let shared_channel = format!("{}release", config.settings.prefix);
         let (releases, changes, channel) = match &target {
             Target::Single(_) => {
                 let (releases, changes) = Releases::shared_channel();
@@ -924,8 +845,8 @@ impl RedisBackendBuilder {
                 (releases, changes, String::new())
             }
         };
-        let subscriber = Subscriber::new(&target, shared_channel, limit)?;
-        let first = subscriber.subscribe(&releases).await?;
+        let subscriber = Subscriber::new(&target, shared_channel, limit).map_err(failed)?;
+        let first = subscriber.subscribe(&releases).await.map_err(failed)?;
         let (subscribed_tx, subscribed) = watch::channel(true);
         let (stop, stopped) = oneshot::channel();
         tokio::spawn(subscriber.run(first, releases.clone(), changes, subscribed_tx, stopped));
@@ -936,7 +857,6 @@ impl RedisBackendBuilder {
                 commands,
                 eviction,
                 config,
-                drift,
                 channel,
                 releases,
                 subscribed,
@@ -958,7 +878,7 @@ impl RedisBackend {
 
     /// Where the replay record of `scope` for `key` of the layer `name` lives.
     pub(crate) fn record_key(&self, name: &str, key: &str, scope: &str) -> String {
-        RedisKeys::new(&self.inner.config.prefix, name, key).record_of(scope)
+        RedisKeys::new(&self.inner.config.settings.prefix, name, key).record_of(scope)
     }
 
     /// Writes `record` as the replay record of `scope` and releases the lock of `key`,
@@ -972,7 +892,7 @@ impl RedisBackend {
         record: Vec<u8>,
         ttl_ms: u64,
     ) -> Result<bool, RedisError> {
-        let keys = RedisKeys::new(&self.inner.config.prefix, name, key);
+        let keys = RedisKeys::new(&self.inner.config.settings.prefix, name, key);
         let mut command = redis::cmd("EVAL");
         command
             .arg(scripts::PUT_AND_RELEASE)
@@ -1001,7 +921,7 @@ impl RedisBackend {
     where
         F: std::future::Future<Output = Result<T, RedisError>>,
     {
-        let limit = Instant::now() + self.inner.config.command_timeout;
+        let limit = Instant::now() + self.inner.config.settings.command_timeout;
         match self.inner.commands.run(limit, true, command).await {
             Ok(value) => Ok(value),
             Err(connection::Failure::Redis(error)) => Err(error),
@@ -1029,7 +949,8 @@ impl LockBackend for RedisBackend {
     }
 
     fn acquire_mode(&self, name: &str, key: &Key, mode: LockMode, wait: Duration) -> Acquisition {
-        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str()).with_mode(mode);
+        let keys =
+            RedisKeys::new(&self.inner.config.settings.prefix, name, key.as_str()).with_mode(mode);
         let acquire = self.inner.clone().acquire(Arc::new(keys), wait);
         Box::pin(async move { acquire.await?.into_lease() })
     }
@@ -1055,7 +976,7 @@ impl LockBackend for RedisBackend {
         if *engine != self.engine_id() {
             return None;
         }
-        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str())
+        let keys = RedisKeys::new(&self.inner.config.settings.prefix, name, key.as_str())
             .looking_for(record.clone());
         Some(Box::pin(self.inner.clone().acquire(Arc::new(keys), wait)))
     }
@@ -1065,13 +986,13 @@ impl LockBackend for RedisBackend {
         true
     }
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
-        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
+        let keys = RedisKeys::new(&self.inner.config.settings.prefix, name, key.as_str());
         let inner = self.inner.clone();
         Box::pin(async move {
             let script = Script::new(HOLDER);
             let mut invocation = script.key(&*keys.lock);
             invocation.key(keys.holder());
-            let limit = Instant::now() + inner.config.command_timeout;
+            let limit = Instant::now() + inner.config.settings.command_timeout;
             let answer: Vec<redis::Value> = inner
                 .commands
                 .run(limit, true, |mut connection| async move {
@@ -1122,20 +1043,22 @@ mod tests {
     #[test]
     fn the_prefix_gets_a_colon_and_refuses_braces() {
         let builder = RedisBackend::builder(Client::open("redis://127.0.0.1/").unwrap());
-        assert_eq!(builder.clone().prefix("app").config.prefix, "app:");
-        assert_eq!(builder.clone().prefix("app:").config.prefix, "app:");
-        assert_eq!(builder.clone().prefix("").config.prefix, "");
-        let braces =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| builder.prefix("a{b}")));
-        assert!(braces.is_err());
+        let prefix = |prefix| {
+            let settings = builder.clone().prefix(prefix).config.settings;
+            settings.check().map(|settings| settings.prefix)
+        };
+        assert_eq!(prefix("app").unwrap(), "app:");
+        assert_eq!(prefix("app:").unwrap(), "app:");
+        assert_eq!(prefix("").unwrap(), "");
+        assert!(matches!(prefix("a{b}"), Err(SetupError::Invalid(_))));
     }
 
     #[test]
     fn drift_defaults_to_one_percent_plus_two_ms() {
         let builder = RedisBackend::builder(Client::open("redis://127.0.0.1/").unwrap())
             .lease(Duration::from_secs(10));
-        assert_eq!(builder.config.drift(), Duration::from_millis(102));
+        assert_eq!(builder.config.settings.drift(), Duration::from_millis(102));
         let builder = builder.drift_margin(Duration::from_millis(7));
-        assert_eq!(builder.config.drift(), Duration::from_millis(7));
+        assert_eq!(builder.config.settings.drift(), Duration::from_millis(7));
     }
 }

@@ -40,7 +40,8 @@ const SPLIT_RETRY: Duration = Duration::from_millis(10);
 /// then costs that vote for a lease, as it would after a mark of any length. Bounded
 /// so, a released key leaves nothing on a master after at most ten leases.
 fn given_back_mark(config: &super::Config) -> Duration {
-    give_up(config.command_timeout).clamp(config.lease, config.lease * 10)
+    give_up(config.settings.command_timeout)
+        .clamp(config.settings.lease, config.settings.lease * 10)
 }
 
 /// Too few masters answered for any majority: which did not, and why.
@@ -83,16 +84,16 @@ impl Inner {
         // acquisition. Nothing runs past this: the first attempt gets a whole command
         // timeout, later ones end here, so an acquisition ends within its wait plus one
         // command timeout (as `LockBackend::acquire` asks).
-        let split_deadline = deadline.max(Instant::now() + self.config.command_timeout);
+        let split_deadline = deadline.max(Instant::now() + self.config.settings.command_timeout);
         let timing = self.timing();
-        let mut backoff = Backoff::new(FIRST_RETRY, self.config.poll_interval);
+        let mut backoff = Backoff::new(FIRST_RETRY, self.config.settings.poll_interval);
         let mut first = true;
         loop {
             // A fresh token per attempt: a give-back marks its token on the masters
             // that did not hold it, and a later attempt must not be refused by that.
             let mut in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
             let sent_at = Instant::now();
-            let mut limit = sent_at + self.config.command_timeout;
+            let mut limit = sent_at + self.config.settings.command_timeout;
             if !std::mem::take(&mut first) {
                 limit = limit.min(split_deadline);
             }
@@ -106,7 +107,7 @@ impl Inner {
             }
             self.give_back_partial(&keys, in_flight, &votes, split_deadline)
                 .await;
-            if votes.unreachable() && limit < sent_at + self.config.command_timeout {
+            if votes.unreachable() && limit < sent_at + self.config.settings.command_timeout {
                 // Cut short by the end of the wait, not silent for a command timeout.
                 return Err(LockError::Timeout);
             }
@@ -124,7 +125,7 @@ impl Inner {
                 let wait = Duration::from_millis(votes.restart_wait_ms.unwrap_or_default());
                 if now + wait >= deadline {
                     return Err(LockError::Backend(Box::new(restart_guard(
-                        self.config.lease,
+                        self.config.settings.lease,
                         wait,
                     ))));
                 }
@@ -182,7 +183,7 @@ impl Inner {
     ) -> (Votes, Vec<(String, String)>) {
         let ttl_ms = millis(self.timing().first_ttl());
         let guard_ms = match self.config.restart_guard {
-            true => millis(self.config.lease),
+            true => millis(self.config.settings.lease),
             false => 0,
         };
         let mut votes = Votes::new(self.masters.len());
@@ -198,7 +199,7 @@ impl Inner {
                         ttl_ms,
                         guard_ms,
                         limit,
-                        &inner.config.instance_id,
+                        &inner.config.settings.instance_id,
                     )
                     .await;
                 (master, vote, error)
@@ -230,8 +231,7 @@ impl TtlBackend for Inner {
     type Target = Arc<RedisKeys>;
 
     fn timing(&self) -> Timing {
-        Timing::new(self.config.lease, self.drift, self.config.command_timeout)
-            .renewal(self.config.renewal)
+        self.config.settings.timing()
     }
 
     /// Renewed only when a majority extended the key before `limit` (the end of the

@@ -92,7 +92,7 @@ impl Master {
     }
 
     /// The `maxmemory-policy` check of the Redis backend, on this master.
-    pub(super) async fn check_eviction(&self, allowed: bool) -> Result<(), RedisError> {
+    pub(super) async fn check_eviction(&self, allowed: bool) -> Result<(), String> {
         let limit = Instant::now() + 2 * self.command_timeout;
         let policies = self
             .run(limit, crate::backend::redis::eviction::policies)

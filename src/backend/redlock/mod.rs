@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use tower_keyed_lock::backend::redlock::{RedlockBackend, SetupError};
+//! use tower_keyed_lock::backend::{redlock::RedlockBackend, SetupError};
 //! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
 //!
 //! # async fn run() -> Result<(), SetupError> {
@@ -189,7 +189,10 @@ use std::time::Duration;
 use redis::{Client, RedisError};
 
 use self::master::Master;
-use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
+use super::settings::{self, Defaults, Settings};
+use super::{ttl, Acquisition, BoxFuture, Holder, LockBackend};
+use super::{ServerFailure, SetupError};
+use crate::backend::redis::key_prefix;
 use crate::backend::redis::keys::RedisKeys;
 use crate::error::LockError;
 use crate::key::Key;
@@ -234,107 +237,28 @@ pub struct RedlockBackendBuilder {
 
 #[derive(Clone, Debug)]
 struct Config {
-    lease: Duration,
-    renewal: bool,
-    /// Empty, or ends with `:`; no braces.
-    prefix: String,
-    /// `None`: 1% of the lease + 2 ms.
-    drift: Option<Duration>,
-    command_timeout: Duration,
-    poll_interval: Duration,
+    settings: Settings,
     restart_guard: bool,
     allow_eviction: bool,
     fencing: bool,
-    /// Recorded with every grant, for [`LockBackend::holder`].
-    instance_id: String,
 }
+
+/// Redlock's defaults and limits: a Redis backend's, with shorter command timeouts.
+static DEFAULTS: Defaults = Defaults {
+    engine: "Redlock",
+    lease: DEFAULT_LEASE,
+    leases: MIN_LEASE..=Duration::MAX,
+    command_timeout: DEFAULT_COMMAND_TIMEOUT,
+    poll_interval: DEFAULT_POLL_INTERVAL,
+    prefix: DEFAULT_PREFIX,
+    prefix_rule: key_prefix,
+};
 
 struct Inner {
     masters: Arc<[Master]>,
     config: Config,
-    drift: Duration,
     /// Leases held for less than a renewal period, with no task of their own.
     schedule: ttl::Schedule<Inner>,
-}
-
-/// Why [`RedlockBackendBuilder::build`] refused.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SetupError {
-    /// Fewer than [`MIN_MASTERS`] masters.
-    TooFewMasters(usize),
-    /// One master listed twice: its vote would count twice.
-    SameMasterTwice(String),
-    /// Fencing tokens were asked for ([`RedlockBackendBuilder::fencing`]); see
-    /// [`NO_FENCING_TOKENS`].
-    NoFencingTokens,
-    /// The timing settings contradict each other.
-    Timing(String),
-    /// A master's URL is invalid, or it may evict lock keys.
-    Master {
-        /// The URL, or the `host:port`, of the master.
-        master: String,
-        /// What Redis or the client said.
-        error: RedisError,
-    },
-    /// Fewer than a majority of the masters answered `PING` in time.
-    NoMajority {
-        /// How many answered.
-        answered: usize,
-        /// How many there are.
-        masters: usize,
-        /// `(host:port, cause)` of every master that did not answer.
-        failed: Vec<(String, String)>,
-    },
-}
-
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::TooFewMasters(given) => write!(
-                f,
-                "Redlock needs at least {MIN_MASTERS} independent Redis masters (5 is \
-                 usual), {given} given"
-            ),
-            Self::SameMasterTwice(master) => write!(
-                f,
-                "Redis master {master} is listed twice: its vote would count twice"
-            ),
-            Self::NoFencingTokens => f.write_str(NO_FENCING_TOKENS),
-            Self::Timing(problem) => write!(f, "Redlock timing: {problem}"),
-            Self::Master { master, error } => write!(f, "Redis master {master}: {error}"),
-            Self::NoMajority {
-                answered,
-                masters,
-                failed,
-            } => {
-                write!(
-                    f,
-                    "Redlock: only {answered} of {masters} Redis masters answered, {} needed",
-                    quorum::majority(*masters)
-                )?;
-                if !failed.is_empty() {
-                    write!(f, "; no answer from {}", quorum::failed_masters(failed))?;
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
-impl std::error::Error for SetupError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Master { error, .. } => Some(error),
-            _ => None,
-        }
-    }
-}
-
-impl Config {
-    fn drift(&self) -> Duration {
-        self.drift.unwrap_or(ttl::default_drift(self.lease))
-    }
 }
 
 impl RedlockBackend {
@@ -345,16 +269,10 @@ impl RedlockBackend {
         RedlockBackendBuilder {
             urls: masters.into_iter().map(Into::into).collect(),
             config: Config {
-                lease: DEFAULT_LEASE,
-                renewal: true,
-                prefix: DEFAULT_PREFIX.to_owned(),
-                drift: None,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
-                poll_interval: DEFAULT_POLL_INTERVAL,
+                settings: Settings::new(&DEFAULTS),
                 restart_guard: true,
                 allow_eviction: false,
                 fencing: false,
-                instance_id: default_instance_id(),
             },
         }
     }
@@ -369,7 +287,7 @@ impl RedlockBackend {
     /// # }
     /// ```
     pub fn lock_key(&self, name: &str, key: &str) -> String {
-        RedisKeys::new(&self.inner.config.prefix, name, key)
+        RedisKeys::new(&self.inner.config.settings.prefix, name, key)
             .lock
             .to_string()
     }
@@ -403,71 +321,7 @@ impl fmt::Debug for RedlockBackendBuilder {
 }
 
 impl RedlockBackendBuilder {
-    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
-    /// recorded on each master by the script that grants it there, and read back by
-    /// [`holder`](LockBackend::holder).
-    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
-        self.config.instance_id = instance_id.into();
-        self
-    }
-
-    /// How long a grant lasts on each master without renewal (default
-    /// [`DEFAULT_LEASE`], 30 s): it bounds how long a crashed instance keeps a key, and
-    /// how long the restart guard keeps a restarted master from voting.
-    ///
-    /// # Panics
-    /// If `lease` is shorter than [`MIN_LEASE`].
-    pub fn lease(mut self, lease: Duration) -> Self {
-        assert!(
-            lease >= MIN_LEASE,
-            "RedlockBackend lease must be at least {MIN_LEASE:?}"
-        );
-        self.config.lease = lease;
-        self
-    }
-
-    /// Whether a held lease is renewed every lease/3 (default on).
-    pub fn renewal(mut self, renewal: bool) -> Self {
-        self.config.renewal = renewal;
-        self
-    }
-
-    /// The start of every Redis key (default [`DEFAULT_PREFIX`]); a `:` is appended if
-    /// it does not end with one.
-    ///
-    /// # Panics
-    /// If `prefix` contains `{` or `}`.
-    pub fn prefix(mut self, prefix: &str) -> Self {
-        assert!(
-            !prefix.contains(['{', '}']),
-            "RedlockBackend prefix must not contain braces: {prefix:?}"
-        );
-        self.config.prefix = ttl::with_colon(prefix);
-        self
-    }
-
-    /// What is taken off every validity period for clock drift between this process
-    /// and the masters (default 1% of the lease + 2 ms, antirez's figure).
-    pub fn drift_margin(mut self, margin: Duration) -> Self {
-        self.config.drift = Some(margin);
-        self
-    }
-
-    /// The longest one command to one master may take (default
-    /// [`DEFAULT_COMMAND_TIMEOUT`], 100 ms): past it, that master counts as not
-    /// answering. Small against the lease, so that a dead master costs an attempt
-    /// little of its validity; at most a third of the lease. Also the connect timeout.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.config.command_timeout = timeout;
-        self
-    }
-
-    /// The longest pause between two attempts on a held key (default
-    /// [`DEFAULT_POLL_INTERVAL`], 200 ms); pauses start at 5 ms and double, jittered.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.config.poll_interval = interval.max(Duration::from_millis(1));
-        self
-    }
+    settings::lease_settings!(config.settings; instance_id lease renewal drift_margin command_timeout poll_interval prefix);
 
     /// Whether a master up for less than a lease (plus one second) votes for nobody
     /// (default on). See [Failures of the masters](self#failures-of-the-masters).
@@ -487,8 +341,8 @@ impl RedlockBackendBuilder {
     }
 
     /// Asks for fencing tokens, which Redlock cannot give: `true` makes
-    /// [`build`](Self::build) fail with [`SetupError::NoFencingTokens`], naming the
-    /// reason ([`NO_FENCING_TOKENS`]). The setting exists so that a configuration
+    /// [`build`](Self::build) fail with [`SetupError::Unsafe`], naming the reason
+    /// ([`NO_FENCING_TOKENS`]). The setting exists so that a configuration
     /// carried over from a backend that fences (`PostgresBackend::fencing(true)`) is
     /// refused, not silently unfenced.
     pub fn fencing(mut self, fencing: bool) -> Self {
@@ -503,39 +357,43 @@ impl RedlockBackendBuilder {
     pub async fn build(self) -> Result<RedlockBackend, SetupError> {
         let Self { urls, config } = self;
         if config.fencing {
-            return Err(SetupError::NoFencingTokens);
+            return Err(SetupError::Unsafe(NO_FENCING_TOKENS.to_owned()));
         }
         if urls.len() < MIN_MASTERS {
-            return Err(SetupError::TooFewMasters(urls.len()));
-        }
-        let drift = config.drift();
-        if drift >= config.lease / 2 {
-            return Err(SetupError::Timing(format!(
-                "the drift margin {drift:?} must be shorter than half the lease {:?}",
-                config.lease
+            return Err(SetupError::Invalid(format!(
+                "Redlock needs at least {MIN_MASTERS} independent Redis masters (5 is \
+                 usual), {} given",
+                urls.len()
             )));
         }
-        if config.command_timeout.is_zero() || config.command_timeout * 3 > config.lease {
-            return Err(SetupError::Timing(format!(
-                "the command timeout {:?} must be more than zero and at most a third of \
-                 the lease {:?}",
-                config.command_timeout, config.lease
+        let config = Config {
+            settings: config.settings.check()?,
+            ..config
+        };
+        let (lease, command_timeout) = (config.settings.lease, config.settings.command_timeout);
+        if command_timeout * 3 > lease {
+            return Err(SetupError::Invalid(format!(
+                "the command timeout {command_timeout:?} must be at most a third of the \
+                 lease {lease:?}"
             )));
         }
         let mut masters = Vec::with_capacity(urls.len());
         let mut addresses = Vec::with_capacity(urls.len());
         for url in &urls {
-            let master_error = |error| SetupError::Master {
-                master: url.clone(),
-                error,
+            let invalid = |error: RedisError| {
+                SetupError::Invalid(format!("the Redis master URL {url:?}: {error}"))
             };
-            let client = Client::open(url.as_str()).map_err(master_error)?;
+            let client = Client::open(url.as_str()).map_err(invalid)?;
             let address = client.get_connection_info().addr().clone();
             if addresses.contains(&address) {
-                return Err(SetupError::SameMasterTwice(address.to_string()));
+                return Err(SetupError::Invalid(format!(
+                    "Redis master {address} is listed twice: its vote would count twice"
+                )));
             }
             addresses.push(address);
-            masters.push(Master::new(&client, config.command_timeout).map_err(master_error)?);
+            let master = Master::new(&client, command_timeout)
+                .map_err(|error| SetupError::failed(DEFAULTS.engine, url.clone(), error))?;
+            masters.push(master);
         }
         let masters: Arc<[Master]> = masters.into();
         // Every master at once: a dead one costs one command timeout, not one each.
@@ -562,29 +420,25 @@ impl RedlockBackendBuilder {
                         %error,
                         "redlock master did not answer at start; used when it does"
                     );
-                    failed.push((masters[index].address.clone(), error.to_string()));
+                    failed.push(ServerFailure::new(masters[index].address.clone(), error));
                 }
-                Err(error) => {
-                    return Err(SetupError::Master {
-                        master: masters[index].address.clone(),
-                        error,
-                    })
+                Err(refusal) => {
+                    let master = &masters[index].address;
+                    return Err(SetupError::Unsafe(format!("master {master}: {refusal}")));
                 }
             }
         }
         if answered < quorum::majority(masters.len()) {
-            failed.sort();
-            return Err(SetupError::NoMajority {
-                answered,
-                masters: masters.len(),
-                failed,
+            failed.sort_by(|a, b| a.server.cmp(&b.server));
+            return Err(SetupError::Failed {
+                engine: DEFAULTS.engine,
+                failures: failed,
             });
         }
         Ok(RedlockBackend {
             inner: Arc::new(Inner {
                 masters,
                 config,
-                drift,
                 // Nothing shows a hold gone before a renewal does.
                 schedule: ttl::Schedule::new(Box::new(|| Box::pin(std::future::pending()))),
             }),
@@ -603,12 +457,12 @@ impl LockBackend for RedlockBackend {
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
-        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
+        let keys = RedisKeys::new(&self.inner.config.settings.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))
     }
 
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
-        let keys = RedisKeys::new(&self.inner.config.prefix, name, key.as_str());
+        let keys = RedisKeys::new(&self.inner.config.settings.prefix, name, key.as_str());
         Box::pin(self.inner.clone().holder(Arc::new(keys)))
     }
 
@@ -628,10 +482,9 @@ mod tests {
     #[tokio::test]
     async fn too_few_masters_are_refused() {
         let two = RedlockBackend::builder(["redis://127.0.0.1:1/", "redis://127.0.0.1:2/"]);
-        assert!(matches!(
-            two.build().await,
-            Err(SetupError::TooFewMasters(2))
-        ));
+        let error = two.build().await.unwrap_err();
+        assert!(matches!(error, SetupError::Invalid(_)), "{error}");
+        assert!(error.to_string().contains("at least 3"), "{error}");
     }
 
     #[tokio::test]
@@ -642,7 +495,8 @@ mod tests {
             "redis://127.0.0.1:1/0",
         ];
         let error = RedlockBackend::builder(urls).build().await.unwrap_err();
-        assert!(matches!(error, SetupError::SameMasterTwice(_)), "{error}");
+        assert!(matches!(error, SetupError::Invalid(_)), "{error}");
+        assert!(error.to_string().contains("listed twice"), "{error}");
     }
 
     #[tokio::test]
@@ -657,7 +511,7 @@ mod tests {
             .build()
             .await
             .unwrap_err();
-        assert!(matches!(error, SetupError::NoFencingTokens));
+        assert!(matches!(error, SetupError::Unsafe(_)), "{error}");
         assert!(
             error.to_string().contains("cannot issue fencing tokens"),
             "{error}"
@@ -677,6 +531,10 @@ mod tests {
             .build()
             .await
             .unwrap_err();
-        assert!(matches!(error, SetupError::Timing(_)), "{error}");
+        assert!(matches!(error, SetupError::Invalid(_)), "{error}");
+        assert!(
+            error.to_string().contains("a third of the lease"),
+            "{error}"
+        );
     }
 }

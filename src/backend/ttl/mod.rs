@@ -107,16 +107,6 @@ pub(crate) fn default_drift(lease: Duration) -> Duration {
     lease / 100 + Duration::from_millis(2)
 }
 
-/// `prefix` with a trailing `:` (unless empty), so the parts after it never run into
-/// it.
-pub(crate) fn with_colon(prefix: &str) -> String {
-    let mut prefix = prefix.to_owned();
-    if !prefix.is_empty() && !prefix.ends_with(':') {
-        prefix.push(':');
-    }
-    prefix
-}
-
 /// When a wait that starts now ends (a wait too long for the clock: in a year).
 pub(crate) fn deadline_after(wait: Duration) -> Instant {
     let now = Instant::now();

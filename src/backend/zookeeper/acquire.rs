@@ -242,7 +242,7 @@ impl Inner {
         path: LockPath,
         wait: Duration,
     ) -> Result<Lease, LockError> {
-        let mut attempt = Attempt::new(wait, self.config.command_timeout);
+        let mut attempt = Attempt::new(wait, self.config.settings.command_timeout);
         let mut connect = Connect::First;
         loop {
             // No session to be had: the ensemble is out of reach, whatever the wait
@@ -298,7 +298,7 @@ impl Inner {
             Connect::AfterLoss => {
                 let limit = attempt
                     .deadline
-                    .min(Instant::now() + self.config.command_timeout);
+                    .min(Instant::now() + self.config.settings.command_timeout);
                 match timeout_at(limit, self.session()).await {
                     Ok(session) => session.map_err(Failure::Transient),
                     Err(_) if limit == attempt.deadline => Err(Failure::WaitOver),
@@ -400,7 +400,7 @@ impl Inner {
                 // Deleted (released, its session ended), or any other event: look again.
                 _ = watcher.changed() => {}
                 // The backstop for a watch that never fires.
-                () = sleep(jitter(self.config.poll_interval)) => {}
+                () = sleep(jitter(self.config.settings.poll_interval)) => {}
             }
         }
     }
@@ -442,7 +442,11 @@ impl Inner {
             in_flight.sent(Instant::now());
             let created = timeout_at(
                 limit,
-                client.create(&prefix, self.config.instance_id.as_bytes(), &ephemeral),
+                client.create(
+                    &prefix,
+                    self.config.settings.instance_id.as_bytes(),
+                    &ephemeral,
+                ),
             )
             .await;
             let failure = match created {
@@ -609,7 +613,7 @@ impl Inner {
             // Lost: its nodes are gone or going with it.
             return GiveBack::Cleared;
         };
-        let limit = Instant::now() + self.config.command_timeout;
+        let limit = Instant::now() + self.config.settings.command_timeout;
         let nodes = match contender.node() {
             Some(node) => vec![node.to_owned()],
             None => match timeout_at(limit, client.list_children(&contender.path.queue)).await {
@@ -642,7 +646,7 @@ impl Inner {
     /// whole session timeout) or was heard while the deletes failed; then its nodes
     /// stay until it ends.
     pub(super) fn give_back_horizon(&self) -> Duration {
-        4 * self.config.session_timeout + self.config.command_timeout
+        4 * self.config.settings.lease + self.config.settings.command_timeout
     }
 }
 
@@ -652,12 +656,8 @@ impl TtlBackend for Inner {
     type Target = Arc<Contender>;
 
     fn timing(&self) -> Timing {
-        Timing::new(
-            self.config.session_timeout,
-            self.drift,
-            self.config.command_timeout,
-        )
-        .renewal(false)
+        // The session, kept alive by the client, is what a ZooKeeper hold lasts by.
+        self.config.settings.timing().renewal(false)
     }
 
     /// Never asked: ZooKeeper leases are not granted by the engine (`lease::grant`

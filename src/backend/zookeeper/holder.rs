@@ -19,7 +19,7 @@ impl Inner {
         let client = session
             .client()
             .ok_or_else(|| backend(ZooKeeperLockError::SessionLost))?;
-        let limit = Instant::now() + self.config.command_timeout;
+        let limit = Instant::now() + self.config.settings.command_timeout;
         let timed_out = || backend(ZooKeeperLockError::TimedOut("reading the holder"));
         // The session's server may be a follower behind the leader: without the sync,
         // a grant another instance already saw could be missing from the read.

@@ -30,7 +30,7 @@ pub(super) fn grant(inner: &Arc<Inner>, contender: Arc<Contender>, fence: u64) -
         node,
         health,
         lost,
-        inner.config.command_timeout,
+        inner.config.settings.command_timeout,
     ));
     let release = ZooKeeperRelease {
         inner: inner.clone(),

@@ -10,7 +10,7 @@
 //!
 //! # async fn run() -> Result<(), SetupError> {
 //! let backend = ZooKeeperBackend::builder("zk-0:2181,zk-1:2181,zk-2:2181")
-//!     .session_timeout(Duration::from_secs(10))
+//!     .lease(Duration::from_secs(10))
 //!     .build()
 //!     .await?;
 //! // Requests with one idempotency key run one at a time, across every instance…
@@ -68,7 +68,7 @@
 //! with its timing made explicit:
 //!
 //! - **Session.** The backend keeps one ZooKeeper session (opened on first use, with
-//!   [`session_timeout`](ZooKeeperBackendBuilder::session_timeout)); every contender's
+//!   [`lease`](ZooKeeperBackendBuilder::lease), the session timeout); every contender's
 //!   node belongs to it and goes when it ends.
 //! - **Queue.** An acquisition creates its node, ephemeral and sequential, named with
 //!   its token ("protected", as Curator calls it). The sequence number is its place in
@@ -222,19 +222,23 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Mutex as AsyncMutex;
-use zookeeper_client as zk;
 
 use self::config::Config;
 use self::keys::{check_prefix, normalize_prefix, LockPath};
 use self::session::Session;
-use super::{default_instance_id, ttl, Acquisition, BoxFuture, Holder, LockBackend};
+use super::settings::{self, Defaults, Settings};
+use super::SetupError;
+use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
 pub use self::acquire::ZooKeeperLockError;
 
-/// The default [`ZooKeeperBackendBuilder::session_timeout`].
-pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
+/// The default [`ZooKeeperBackendBuilder::lease`]: the session timeout asked.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
+/// The shortest lease (session timeout) asked; ZooKeeper keeps it between 2 and 20 of
+/// its ticks.
+pub const MIN_LEASE: Duration = Duration::from_millis(100);
 /// The default [`ZooKeeperBackendBuilder::command_timeout`].
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// The default [`ZooKeeperBackendBuilder::poll_interval`].
@@ -249,7 +253,7 @@ pub const DEFAULT_PREFIX: &str = "/keyed-lock";
 /// use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
 /// use tower_keyed_lock::KeyedLockLayer;
 ///
-/// # async fn run() -> Result<(), tower_keyed_lock::backend::zookeeper::SetupError> {
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
 /// let backend = ZooKeeperBackend::connect("127.0.0.1:2181").await?;
 /// let layer = KeyedLockLayer::by_header("idempotency-key")
 ///     .name("deliveries")
@@ -269,9 +273,9 @@ pub struct ZooKeeperBackend {
 /// use std::time::Duration;
 /// use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
 ///
-/// # async fn run() -> Result<(), tower_keyed_lock::backend::zookeeper::SetupError> {
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
 /// let backend = ZooKeeperBackend::builder("127.0.0.1:2181")
-///     .session_timeout(Duration::from_secs(6))
+///     .lease(Duration::from_secs(6))
 ///     .command_timeout(Duration::from_millis(500))
 ///     .prefix("/billing/locks")
 ///     .build()
@@ -287,55 +291,32 @@ pub struct ZooKeeperBackendBuilder {
 
 /// What every clone of a backend shares.
 struct Inner {
-    /// With `session_timeout` the negotiated one and `drift` decided.
+    /// With the lease the session timeout ZooKeeper granted.
     config: Config,
-    drift: Duration,
     /// The session in use; replaced by the next acquisition once lost.
     session: AsyncMutex<Option<Arc<Session>>>,
 }
 
-/// Why [`ZooKeeperBackendBuilder::build`] failed.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SetupError {
-    /// No session could be opened with the ensemble at `servers` (the connect string,
-    /// without credentials).
-    Connect {
-        /// The connect string.
-        servers: String,
-        /// Why.
-        error: zk::Error,
-    },
-    /// A setup that breaks a guarantee of the lock, named.
-    Unsafe(String),
-}
+/// ZooKeeper's defaults and limits.
+static DEFAULTS: Defaults = Defaults {
+    engine: "ZooKeeper",
+    lease: DEFAULT_LEASE,
+    leases: MIN_LEASE..=Duration::MAX,
+    command_timeout: DEFAULT_COMMAND_TIMEOUT,
+    poll_interval: DEFAULT_POLL_INTERVAL,
+    prefix: DEFAULT_PREFIX,
+    prefix_rule: node_prefix,
+};
 
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SetupError::Connect { servers, error } => {
-                write!(f, "cannot connect to ZooKeeper at {servers}: {error}")
-            }
-            SetupError::Unsafe(why) => write!(f, "unsafe ZooKeeper lock setup refused: {why}"),
-        }
-    }
-}
-
-impl std::error::Error for SetupError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            SetupError::Connect { error, .. } => Some(error),
-            SetupError::Unsafe(_) => None,
-        }
-    }
+/// A prefix as node paths start with it: a leading `/` added, trailing ones removed,
+/// not under `/zookeeper`, without empty, `.` or `..` parts.
+fn node_prefix(prefix: &str) -> Result<String, String> {
+    let prefix = normalize_prefix(prefix);
+    check_prefix(&prefix)?;
+    Ok(prefix)
 }
 
 impl Config {
-    fn drift(&self) -> Duration {
-        self.drift
-            .unwrap_or_else(|| ttl::default_drift(self.session_timeout))
-    }
-
     /// The connect string as errors show it: any `user:password@` before a host left
     /// out (ZooKeeper's connect strings carry none, but a pasted URL might).
     fn shown_servers(&self) -> String {
@@ -352,7 +333,7 @@ impl Config {
     /// How long opening a session may take: the command timeout per server.
     fn connect_timeout(&self) -> Duration {
         let servers = self.servers.split(',').count().max(1);
-        self.command_timeout * u32::try_from(servers).unwrap_or(u32::MAX)
+        self.settings.command_timeout * u32::try_from(servers).unwrap_or(u32::MAX)
     }
 }
 
@@ -364,12 +345,7 @@ impl ZooKeeperBackend {
         ZooKeeperBackendBuilder {
             config: Config {
                 servers: servers.into(),
-                session_timeout: DEFAULT_SESSION_TIMEOUT,
-                drift: None,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
-                poll_interval: DEFAULT_POLL_INTERVAL,
-                prefix: DEFAULT_PREFIX.to_owned(),
-                instance_id: default_instance_id(),
+                settings: Settings::new(&DEFAULTS),
             },
         }
     }
@@ -385,7 +361,7 @@ impl ZooKeeperBackend {
     ///
     /// ```no_run
     /// # use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
-    /// # async fn run() -> Result<(), tower_keyed_lock::backend::zookeeper::SetupError> {
+    /// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
     /// # let backend = ZooKeeperBackend::connect("127.0.0.1:2181").await?;
     /// assert_eq!(backend.queue_path("orders", "42"), "/keyed-lock/orders/42");
     /// assert_eq!(backend.queue_path("orders", "a/b"), "/keyed-lock/orders/a%2Fb");
@@ -393,13 +369,13 @@ impl ZooKeeperBackend {
     /// # }
     /// ```
     pub fn queue_path(&self, name: &str, key: &str) -> String {
-        LockPath::new(&self.inner.config.prefix, name, key).queue
+        LockPath::new(&self.inner.config.settings.prefix, name, key).queue
     }
 
     /// The session timeout the ensemble granted (it may shorten or lengthen the one
     /// asked to its own bounds).
     pub fn session_timeout(&self) -> Duration {
-        self.inner.config.session_timeout
+        self.inner.config.settings.lease
     }
 }
 
@@ -412,97 +388,35 @@ impl fmt::Debug for ZooKeeperBackend {
 }
 
 impl ZooKeeperBackendBuilder {
-    /// Who this instance is (default [`default_instance_id`], `<hostname>:<pid>`):
-    /// the data of every node it queues with, written by the create that joins the
-    /// queue, and read back by [`holder`](LockBackend::holder).
-    ///
-    /// ```
-    /// use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
-    /// let builder = ZooKeeperBackend::builder("127.0.0.1:2181").instance_id("worker-3");
-    /// ```
-    pub fn instance_id(mut self, instance_id: impl Into<String>) -> Self {
-        self.config.instance_id = instance_id.into();
-        self
-    }
-
-    /// The session timeout asked of ZooKeeper (default [`DEFAULT_SESSION_TIMEOUT`],
-    /// 10 s; the server keeps it between 2 and 20 of its ticks). It bounds how long a
-    /// crashed instance keeps a key, and how long a holder cut off from the quorum
-    /// holds before it is told; a live holder keeps the key as long as it runs.
-    pub fn session_timeout(mut self, timeout: Duration) -> Self {
-        self.config.session_timeout = timeout.max(Duration::from_millis(1));
-        self
-    }
-
-    /// What is taken off every validity period for clock drift between this process
-    /// and the ZooKeeper leader (default 1% of the session timeout + 2 ms). Half the
-    /// negotiated session timeout or more is refused by [`build`](Self::build).
-    pub fn drift_margin(mut self, margin: Duration) -> Self {
-        self.config.drift = Some(margin);
-        self
-    }
-
-    /// The longest one request to ZooKeeper may take (default
-    /// [`DEFAULT_COMMAND_TIMEOUT`], 1 s). Past it a waiting acquisition tries again
-    /// within its wait while ZooKeeper can be reached (and fails with
-    /// [`LockError::Backend`] if the wait ends or the ensemble is out of reach first),
-    /// a heartbeat counts as unanswered, and a release goes on in the background.
-    /// Opening a session may take it once per server.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.config.command_timeout = timeout.max(Duration::from_millis(1));
-        self
-    }
-
-    /// How long a waiter watches before it reads the queue again without a watch
-    /// event (default [`DEFAULT_POLL_INTERVAL`], 1 s; a random time between half of it
-    /// and all of it).
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.config.poll_interval = interval.max(Duration::from_millis(1));
-        self
-    }
-
-    /// The path under which every lock node lives (default [`DEFAULT_PREFIX`],
-    /// `"/keyed-lock"`); a leading `/` is added and trailing ones removed.
-    pub fn prefix(mut self, prefix: &str) -> Self {
-        self.config.prefix = normalize_prefix(prefix);
-        self
-    }
+    // No `renewal`: the client keeps the session alive, and the session is the lease.
+    settings::lease_settings!(config.settings; instance_id lease drift_margin command_timeout poll_interval prefix);
 
     /// Opens a session to check the setup (see
     /// [Unsafe setups refused](self#unsafe-setups-refused)).
     pub async fn build(self) -> Result<ZooKeeperBackend, SetupError> {
-        let mut config = self.config;
-        check_prefix(&config.prefix).map_err(SetupError::Unsafe)?;
-        let asked = config.drift();
-        if asked >= config.session_timeout / 2 {
-            return Err(SetupError::Unsafe(format!(
-                "the drift margin {asked:?} is half the session timeout {:?} or more",
-                config.session_timeout
-            )));
-        }
-        config.drift = Some(asked);
+        let mut config = Config {
+            settings: self.config.settings.check()?,
+            ..self.config
+        };
         let session = Session::open(&config)
             .await
-            .map_err(|error| SetupError::Connect {
-                servers: config.shown_servers(),
-                error,
-            })?;
+            .map_err(|error| SetupError::failed(DEFAULTS.engine, config.shown_servers(), error))?;
         let negotiated = session.timeout();
-        if config.drift.unwrap_or(asked) >= negotiated / 2 {
-            return Err(SetupError::Unsafe(format!(
-                "the drift margin {asked:?} is half the session timeout ZooKeeper granted \
+        let drift = config.settings.drift();
+        if drift >= negotiated / 2 {
+            return Err(SetupError::Invalid(format!(
+                "the drift margin {drift:?} is half the session timeout ZooKeeper granted \
                  ({negotiated:?}, asked {:?}) or more",
-                config.session_timeout
+                config.settings.lease
             )));
         }
-        config.session_timeout = negotiated;
+        config.settings.lease = negotiated;
         // Closed: the first acquisition opens the session the locks use, so that its
         // tasks run on the runtime the locks are used from (a process whose runtime
         // stalls or dies takes its session with it, as it should).
         drop(session);
         Ok(ZooKeeperBackend {
             inner: Arc::new(Inner {
-                drift: asked,
                 config,
                 session: AsyncMutex::new(None),
             }),
@@ -541,12 +455,12 @@ impl LockBackend for ZooKeeperBackend {
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
-        let path = LockPath::new(&self.inner.config.prefix, name, key.as_str());
+        let path = LockPath::new(&self.inner.config.settings.prefix, name, key.as_str());
         Box::pin(self.inner.clone().acquire(path, wait))
     }
 
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
-        let path = LockPath::new(&self.inner.config.prefix, name, key.as_str());
+        let path = LockPath::new(&self.inner.config.settings.prefix, name, key.as_str());
         let inner = self.inner.clone();
         Box::pin(async move { inner.holder(path).await })
     }
@@ -558,22 +472,21 @@ mod tests {
 
     #[test]
     fn drift_defaults_to_one_percent_plus_two_ms() {
-        let builder =
-            ZooKeeperBackend::builder("127.0.0.1:2181").session_timeout(Duration::from_secs(10));
-        assert_eq!(builder.config.drift(), Duration::from_millis(102));
+        let builder = ZooKeeperBackend::builder("127.0.0.1:2181").lease(Duration::from_secs(10));
+        assert_eq!(builder.config.settings.drift(), Duration::from_millis(102));
         let builder = builder.drift_margin(Duration::from_millis(7));
-        assert_eq!(builder.config.drift(), Duration::from_millis(7));
+        assert_eq!(builder.config.settings.drift(), Duration::from_millis(7));
     }
 
     #[tokio::test]
     async fn a_drift_of_half_the_timeout_and_a_bad_prefix_are_refused_by_name() {
         let refused = ZooKeeperBackend::builder("127.0.0.1:1")
-            .session_timeout(Duration::from_secs(2))
+            .lease(Duration::from_secs(2))
             .drift_margin(Duration::from_secs(1))
             .build()
             .await;
         match refused {
-            Err(SetupError::Unsafe(why)) => assert!(why.contains("drift margin"), "{why}"),
+            Err(SetupError::Invalid(why)) => assert!(why.contains("drift margin"), "{why}"),
             other => panic!("not refused: {other:?}"),
         }
         for prefix in ["/zookeeper/locks", "/", "/a/../b"] {
@@ -582,7 +495,7 @@ mod tests {
                 .build()
                 .await;
             assert!(
-                matches!(refused, Err(SetupError::Unsafe(_))),
+                matches!(refused, Err(SetupError::Invalid(_))),
                 "{prefix}: {refused:?}"
             );
         }

@@ -49,8 +49,8 @@ impl Session {
     pub(super) async fn open(config: &Config) -> Result<Arc<Self>, zk::Error> {
         let started = Instant::now();
         let connect = zk::Client::connector()
-            .with_session_timeout(config.session_timeout)
-            .with_connection_timeout(config.command_timeout)
+            .with_session_timeout(config.settings.lease)
+            .with_connection_timeout(config.settings.command_timeout)
             .connect(&config.servers);
         let client = match timeout_at(started + config.connect_timeout(), connect).await {
             Ok(client) => client?,
@@ -60,7 +60,7 @@ impl Session {
         // figure, never ours.
         let timeout = client.session_timeout();
         let (health, _) = watch::channel(Health {
-            valid_until: valid_until(started, timeout, config.drift()),
+            valid_until: valid_until(started, timeout, config.settings.drift()),
             lost: false,
             unanswered: false,
             expired: false,
@@ -72,8 +72,8 @@ impl Session {
                 client.state_watcher(),
                 started,
                 timeout,
-                config.drift(),
-                config.command_timeout,
+                config.settings.drift(),
+                config.settings.command_timeout,
             ));
             Session {
                 client: Mutex::new(Some(client)),

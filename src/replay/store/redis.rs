@@ -48,7 +48,7 @@ return 0
 /// use tower_keyed_lock::replay::{RedisReplayStore, ReplayLayer};
 /// use tower_keyed_lock::KeyedLockLayer;
 ///
-/// # async fn run() -> Result<(), redis::RedisError> {
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
 /// let backend = RedisBackend::connect("redis://127.0.0.1/").await?;
 /// let store = RedisReplayStore::new(&backend);
 /// let replay = ReplayLayer::new(store);
