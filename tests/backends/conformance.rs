@@ -528,7 +528,7 @@ async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: 
             outcome.is_err(),
             "granted through a silent path: {outcome:?}"
         );
-        let bound = lateness.allowing(wait + 2 * fixture.network_timeout() + SLACK);
+        let bound = lateness.allowing(wait + 2 * fixture.command_timeout() + SLACK);
         assert!(
             took < bound,
             "an acquisition took {took:?} on a silent path (bound {bound:?})"
@@ -554,7 +554,7 @@ async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
     let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
     let b = fixture.instance("b").await;
     let guard = a.lock("slow").await.unwrap();
-    proxy.delay(fixture.network_timeout() / 4);
+    proxy.delay(fixture.command_timeout() / 4);
     tokio::time::sleep(2 * fixture.loss_bound()).await;
     assert!(
         !guard.is_lost(),
@@ -591,7 +591,7 @@ async fn the_health_check_fails_on_a_silent_path_and_recovers<F: Proxied>(fixtur
         !silent.is_healthy(),
         "healthy through a silent path: {silent}"
     );
-    let bound = lateness.allowing(HEALTH_PROBE_WAIT + 2 * fixture.network_timeout() + SLACK);
+    let bound = lateness.allowing(HEALTH_PROBE_WAIT + 2 * fixture.command_timeout() + SLACK);
     assert!(
         took < bound,
         "the health check took {took:?} on a silent path (bound {bound:?})"
@@ -730,11 +730,11 @@ async fn a_dropped_path_does_not_end_a_wait<F: Proxied>(fixture: &F) {
     })
     .await;
     proxy.reset();
-    sleep(fixture.network_timeout()).await;
+    sleep(fixture.command_timeout()).await;
     proxy.blackhole();
-    sleep(fixture.network_timeout()).await;
+    sleep(fixture.command_timeout()).await;
     proxy.heal();
-    sleep(fixture.network_timeout()).await;
+    sleep(fixture.command_timeout()).await;
     let released = Instant::now();
     guard.release().await;
     let mut failures = Vec::new();

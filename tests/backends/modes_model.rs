@@ -301,7 +301,7 @@ fn model_holds_through<F: Fixture + Proxied + Send + Sync>(fault: Fault, cases: 
         (proxy, instances)
     });
     let proxy = Arc::new(proxy);
-    let network = fixture.network_timeout();
+    let network = fixture.command_timeout();
     let mut runner = TestRunner::new(Config {
         cases,
         failure_persistence: None,

@@ -17,11 +17,11 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
-use tower_keyed_lock::backend::mysql::{lock_name, MySqlBackend, DEFAULT_NAMESPACE};
+use tower_keyed_lock::backend::mysql::{lock_name, MySqlBackend, DEFAULT_PREFIX};
 use tower_keyed_lock::{DistributedLocks, Key, LockBackend, LockError};
 
 const LIVENESS: Duration = Duration::from_millis(100);
-const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
 /// Long enough for anything that should happen on a loaded machine.
 const PATIENCE: Duration = Duration::from_secs(10);
 /// Slack on bounds the backend documents, for a loaded machine.
@@ -32,7 +32,7 @@ fn backend(url: &str) -> MySqlBackend {
     MySqlBackend::from_url(url)
         .unwrap()
         .liveness_interval(LIVENESS)
-        .network_timeout(NETWORK_TIMEOUT)
+        .command_timeout(COMMAND_TIMEOUT)
         .fencing(true)
 }
 
@@ -75,7 +75,7 @@ async fn long_names_are_hashed_stably_and_still_exclude() {
     let (one, two) = (format!("{shared}-1"), format!("{shared}-2"));
     let guard = a.lock(&one).await.unwrap();
     // The server holds the hashed name, the one `lock_name` documents.
-    let hashed = lock_name(DEFAULT_NAMESPACE, NAME, &one);
+    let hashed = lock_name(DEFAULT_PREFIX, NAME, &one);
     assert_eq!(hashed.len(), 64);
     assert!(holder(&server, &hashed).is_some(), "{hashed} is not held");
     assert!(matches!(b.try_lock(&one).await, Err(LockError::Busy)));
@@ -89,7 +89,7 @@ async fn long_names_are_hashed_stably_and_still_exclude() {
     assert_eq!(holder(&server, &hashed), None);
     // A plain name stays readable in the server.
     let guard = a.lock("42").await.unwrap();
-    assert!(holder(&server, &format!("{DEFAULT_NAMESPACE}:{NAME}:42")).is_some());
+    assert!(holder(&server, &format!("{DEFAULT_PREFIX}:{NAME}:42")).is_some());
     guard.release().await;
 }
 
@@ -98,11 +98,11 @@ async fn a_killed_session_raises_the_lost_signal() {
     let server = MySqlServer::start();
     let (a, b) = (locks(&server.url()), locks(&server.url()));
     let guard = a.lock("k").await.unwrap();
-    let name = lock_name(DEFAULT_NAMESPACE, NAME, "k");
+    let name = lock_name(DEFAULT_PREFIX, NAME, "k");
     let id = holder(&server, &name).expect("held");
     let killed = Instant::now();
     server.admin(&format!("KILL {id}"));
-    tokio::time::timeout(LIVENESS + NETWORK_TIMEOUT + SLACK, guard.lost())
+    tokio::time::timeout(LIVENESS + COMMAND_TIMEOUT + SLACK, guard.lost())
         .await
         .expect("the holder of a killed session was not told");
     eprintln!("KILL: the holder was told after {:?}", killed.elapsed());
@@ -125,7 +125,7 @@ async fn a_paused_server_is_a_lost_lease_and_no_hang() {
     let guard = a.lock("k").await.unwrap();
     server.pause();
     let paused = Instant::now();
-    tokio::time::timeout(LIVENESS + NETWORK_TIMEOUT + SLACK, guard.lost())
+    tokio::time::timeout(LIVENESS + COMMAND_TIMEOUT + SLACK, guard.lost())
         .await
         .expect("the holder on a paused server was not told");
     let told = paused.elapsed();
@@ -134,7 +134,7 @@ async fn a_paused_server_is_a_lost_lease_and_no_hang() {
     let outcome = a.lock_timeout("other", wait).await;
     assert!(outcome.is_err(), "granted by a paused server");
     assert!(
-        started.elapsed() < wait + 2 * NETWORK_TIMEOUT + SLACK,
+        started.elapsed() < wait + 2 * COMMAND_TIMEOUT + SLACK,
         "an acquisition on a paused server took {:?}",
         started.elapsed()
     );
@@ -311,14 +311,14 @@ async fn a_proxy_that_multiplexes_sessions_is_refused() {
     let guard = a.lock("k").await.unwrap();
     a.lock("other").await.unwrap().release().await;
     proxy.swap();
-    tokio::time::timeout(LIVENESS + NETWORK_TIMEOUT + SLACK, guard.lost())
+    tokio::time::timeout(LIVENESS + COMMAND_TIMEOUT + SLACK, guard.lost())
         .await
         .expect("a holder whose session was handed to another client was not told");
     drop(guard);
     // The pooled connection now talks to the session that holds "k": refused by name,
     // never granted again. (The release waits up to a network timeout for the closed
     // session to end, which here it never does: its connection went to another client.)
-    let refused = a.lock_timeout("k", NETWORK_TIMEOUT + SLACK).await;
+    let refused = a.lock_timeout("k", COMMAND_TIMEOUT + SLACK).await;
     match refused {
         Err(LockError::Backend(error)) => {
             assert!(error.to_string().contains("multiplexes"), "{error}")
@@ -345,7 +345,7 @@ async fn an_acquisition_cancelled_at_any_await_leaves_nothing_held() {
         lease.release().await;
         took
     };
-    let freed_within = NETWORK_TIMEOUT + SLACK;
+    let freed_within = COMMAND_TIMEOUT + SLACK;
     let warm = backend(&server.url());
     warm.acquire(NAME, &key, PATIENCE)
         .await
@@ -586,11 +586,11 @@ async fn a_release_during_a_liveness_check_never_desyncs_the_connection() {
     let checked_often = MySqlBackend::from_url(&server.url())
         .unwrap()
         .liveness_interval(Duration::from_millis(1))
-        .network_timeout(NETWORK_TIMEOUT)
+        .command_timeout(COMMAND_TIMEOUT)
         .fencing(true);
     let a = DistributedLocks::new(NAME, checked_often);
     let b = locks(&server.url());
-    let name = lock_name(DEFAULT_NAMESPACE, NAME, "k");
+    let name = lock_name(DEFAULT_PREFIX, NAME, "k");
     let mut last_token = 0;
     for turn in 0..150u64 {
         let guard = a
@@ -636,7 +636,7 @@ async fn a_killed_holder_is_told_as_the_next_holder_is_granted() {
     let server = MySqlServer::start();
     let (a, b) = (locks(&server.url()), locks(&server.url()));
     let guard = a.lock("k").await.unwrap();
-    let id = holder(&server, &lock_name(DEFAULT_NAMESPACE, NAME, "k")).expect("held");
+    let id = holder(&server, &lock_name(DEFAULT_PREFIX, NAME, "k")).expect("held");
     let waiter = tokio::spawn(async move {
         let taken = b
             .lock_timeout("k", PATIENCE)
@@ -683,7 +683,7 @@ async fn a_server_crash_or_stop_tells_the_holder_at_once() {
     let backend = MySqlBackend::from_url(&server.url())
         .unwrap()
         .liveness_interval(interval)
-        .network_timeout(NETWORK_TIMEOUT)
+        .command_timeout(COMMAND_TIMEOUT)
         .fencing(true);
     let a = DistributedLocks::new(NAME, backend);
     for crash in [true, false] {
@@ -734,7 +734,7 @@ async fn a_release_reports_a_lock_already_gone() {
     let guard = a.lock("k").await.unwrap();
     guard.release_checked().await.expect("held until released");
     let guard = a.lock("k").await.unwrap();
-    let id = holder(&server, &lock_name(DEFAULT_NAMESPACE, NAME, "k")).expect("held");
+    let id = holder(&server, &lock_name(DEFAULT_PREFIX, NAME, "k")).expect("held");
     server.admin(&format!("KILL {id}"));
     let gone = guard
         .release_checked()
@@ -750,7 +750,7 @@ async fn a_release_reports_a_lock_already_gone() {
     let backend = backend(&server.url());
     let key = Key::new("raw", 256).unwrap();
     let lease = backend.acquire(NAME, &key, PATIENCE).await.unwrap();
-    let id = holder(&server, &lock_name(DEFAULT_NAMESPACE, NAME, "raw")).expect("held");
+    let id = holder(&server, &lock_name(DEFAULT_PREFIX, NAME, "raw")).expect("held");
     server.admin(&format!("KILL {id}"));
     assert!(lease.release_checked().await.is_err());
     let lease = backend.acquire(NAME, &key, PATIENCE).await.unwrap();

@@ -13,9 +13,8 @@ use axum::Router;
 use http::StatusCode;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::{
-    lock_id, LockScope, PostgresBackend, SetupError, LOCK_ID_SQL,
-};
+use tower_keyed_lock::backend::postgres::{lock_id, LockScope, PostgresBackend, LOCK_ID_SQL};
+use tower_keyed_lock::backend::SetupError;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo};
 
 use crate::support::pg_server::PgServer;
@@ -280,7 +279,7 @@ fn lock_ids_are_pinned() {
     }
     let backend = PostgresBackend::from_config_str("host=localhost")
         .unwrap()
-        .namespace("billing");
+        .prefix("billing");
     assert_eq!(backend.lock_id("orders", "42"), PINNED[2].3);
 }
 
@@ -668,7 +667,7 @@ async fn silent_holding_connection_raises_lease_lost() {
     let pg = PgServer::start();
     let admin = admin(&pg).await;
     let (probe, mut entered) = Probe::gated();
-    let a = backend(&pg, "silent-a").network_timeout(Duration::from_millis(300));
+    let a = backend(&pg, "silent-a").command_timeout(Duration::from_millis(300));
     let server = Arc::new(serve(app(layer(a.clone(), PATIENCE), probe.clone())).await);
 
     let request = spawn_post(&server, "/lost/1");
@@ -809,7 +808,7 @@ async fn unreachable_server_acquisition_error_names_postgres_and_the_address() {
     }
 }
 
-/// Building against an unreachable server fails with [`SetupError::Connect`], whose
+/// Building against an unreachable server fails with [`SetupError::Failed`], whose
 /// message names PostgreSQL and the address (never the password), then the cause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unreachable_server_build_error_names_postgres_and_the_address() {
@@ -822,7 +821,7 @@ async fn unreachable_server_build_error_names_postgres_and_the_address() {
             .build()
             .await;
         match built {
-            Err(error @ SetupError::Connect(_)) => {
+            Err(error @ SetupError::Failed { .. }) => {
                 println!("{scope:?}: {error}");
                 assert_names_postgres_and_the_address(&error.to_string(), port);
                 assert!(std::error::Error::source(&error).is_some(), "no cause");
@@ -858,7 +857,7 @@ impl Drop for Stopped {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn silent_database_answers_503_within_the_network_timeout() {
+async fn silent_database_answers_503_within_the_command_timeout() {
     // Accepts connections and never says a word.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -871,7 +870,7 @@ async fn silent_database_answers_503_within_the_network_timeout() {
     let network = Duration::from_millis(300);
     let backend = PostgresBackend::from_config_str(&format!("host=127.0.0.1 port={port}"))
         .unwrap()
-        .network_timeout(network);
+        .command_timeout(network);
     let (probe, _entered) = Probe::open(Duration::ZERO);
     let server = serve(app(layer(backend, Duration::from_secs(5)), probe)).await;
 
@@ -1189,7 +1188,7 @@ async fn a_session_ended_while_idle_in_the_pool_is_replaced() {
     use tower_keyed_lock::backend::LockMode;
     let pg = PgServer::start();
     let network = Duration::from_millis(100);
-    let b = backend(&pg, "idle-pool").network_timeout(network);
+    let b = backend(&pg, "idle-pool").command_timeout(network);
     // The server's idle limit: liveness interval + 2 × network timeout.
     let idle_limit = Duration::from_millis(100) + 2 * network;
     for mode in [LockMode::Exclusive, LockMode::Shared] {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{
-    LockScope, PostgresBackend, DEFAULT_LIVENESS_INTERVAL, DEFAULT_NETWORK_TIMEOUT,
+    LockScope, PostgresBackend, DEFAULT_COMMAND_TIMEOUT, DEFAULT_LIVENESS_INTERVAL,
 };
 use tower_keyed_lock::{Key, Lease, LockBackend, LockError};
 
@@ -55,7 +55,7 @@ fn backend(host_port: &str, instance: &str) -> PostgresBackend {
     PostgresBackend::from_config(config)
         .instance_id(instance)
         .liveness_interval(LIVENESS)
-        .network_timeout(NETWORK)
+        .command_timeout(NETWORK)
         .fencing(true)
 }
 
@@ -365,7 +365,7 @@ async fn silent_path_never_hangs_an_acquisition_and_heals() {
 /// release. Slower than the network timeout, the holder is told, closes its
 /// connection, and the other instance is granted after it was told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn delayed_path_keeps_the_lease_until_it_exceeds_the_network_timeout() {
+async fn delayed_path_keeps_the_lease_until_it_exceeds_the_command_timeout() {
     let pg = PgServer::start();
     let admin = admin(&pg).await;
     let proxy = TcpProxy::start(pg_addr(&pg)).await;
@@ -437,7 +437,7 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
         (millis(200), millis(250), millis(400), trials()),
         (
             DEFAULT_LIVENESS_INTERVAL,
-            DEFAULT_NETWORK_TIMEOUT,
+            DEFAULT_COMMAND_TIMEOUT,
             millis(2_300),
             1,
         ),
@@ -454,7 +454,7 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
             let timed = |backend: PostgresBackend| {
                 backend
                     .liveness_interval(liveness)
-                    .network_timeout(network)
+                    .command_timeout(network)
                     .lock_scope(scope)
             };
             let a = timed(backend(&proxy.host_port(), "late-a"));
@@ -465,7 +465,7 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
             let untested = |backend: PostgresBackend| {
                 backend
                     .liveness_interval(DEFAULT_LIVENESS_INTERVAL)
-                    .network_timeout(DEFAULT_NETWORK_TIMEOUT)
+                    .command_timeout(DEFAULT_COMMAND_TIMEOUT)
                     .lock_scope(scope)
             };
             let b = untested(direct(&pg, "late-b"));

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend, SetupError};
+use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
+use tower_keyed_lock::backend::SetupError;
 use tower_keyed_lock::{Key, LockBackend, LockError};
 
 use crate::support::pg_server::PgServer;
@@ -26,7 +27,7 @@ fn backend(conn: &str, instance: &str, scope: LockScope) -> PostgresBackend {
     config.application_name(instance);
     PostgresBackend::from_config(config)
         .liveness_interval(Duration::from_millis(100))
-        .network_timeout(Duration::from_millis(500))
+        .command_timeout(Duration::from_millis(500))
         .lock_scope(scope)
 }
 
@@ -373,7 +374,7 @@ const RESET_ON_SESSION_END: &[(&str, &str)] = &[
 /// liveness checks every 100 ms, a network timeout of 300 ms.
 fn checked_instance(conn: &str, name: &str) -> PostgresBackend {
     backend(conn, name, LockScope::Session)
-        .network_timeout(Duration::from_millis(300))
+        .command_timeout(Duration::from_millis(300))
         .fencing(true)
 }
 
@@ -495,7 +496,7 @@ async fn session_scope_behind_a_transaction_pooler_is_refused_at_build_every_tim
             // The default network timeout: the test is about the pooler, not the
             // speed of this machine's round trips.
             let built = checked_instance(&bouncer.conn_str(), "a")
-                .network_timeout(Duration::from_secs(2))
+                .command_timeout(Duration::from_secs(2))
                 .build()
                 .await;
             slowest = slowest.max(started.elapsed());
@@ -536,7 +537,7 @@ async fn session_scope_direct_and_through_session_pooling_is_accepted_at_build()
         for build in 0..BUILDS {
             let started = Instant::now();
             let backend = checked_instance(&conn, "a")
-                .network_timeout(Duration::from_secs(2))
+                .command_timeout(Duration::from_secs(2))
                 .max_connections(1)
                 .build()
                 .await

@@ -24,7 +24,7 @@ fn instance(pg: &PgServer) -> KeyedLockLayer<PathParam> {
         .expect("a valid connection string")
         .max_connections(16)
         .liveness_interval(Duration::from_millis(100))
-        .network_timeout(Duration::from_millis(500));
+        .command_timeout(Duration::from_millis(500));
     KeyedLockLayer::by_path("id")
         .name("soak")
         .wait_timeout(Duration::from_secs(2))

@@ -90,7 +90,7 @@ pub trait Proxied: Remote {
     fn backend_via(&self, host_port: &str) -> impl Future<Output = Arc<dyn LockBackend>> + Send;
 
     /// The longest one round trip may take before the backend counts it as lost.
-    fn network_timeout(&self) -> Duration;
+    fn command_timeout(&self) -> Duration;
 
     /// How long after another instance is granted a key the holder may hear that its
     /// lease is lost when its connection is reset: zero for a TTL lease (the record
@@ -200,8 +200,8 @@ impl<F: Proxied + Send + Sync + 'static> Proxied for Scoped<F> {
         })
     }
 
-    fn network_timeout(&self) -> Duration {
-        self.fixture.network_timeout()
+    fn command_timeout(&self) -> Duration {
+        self.fixture.command_timeout()
     }
 
     fn reset_notice(&self) -> Duration {
@@ -434,7 +434,7 @@ mod redis {
             Arc::new(backend_on(client).await)
         }
 
-        fn network_timeout(&self) -> Duration {
+        fn command_timeout(&self) -> Duration {
             COMMAND_TIMEOUT
         }
     }
@@ -592,7 +592,7 @@ mod postgres {
     use tower_keyed_lock::PostgresBackend;
 
     const LIVENESS: Duration = Duration::from_millis(100);
-    const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
 
     pub struct Postgres(pub PgServer);
 
@@ -611,7 +611,7 @@ mod postgres {
         config.application_name(name);
         let backend = PostgresBackend::from_config(config)
             .liveness_interval(LIVENESS)
-            .network_timeout(NETWORK_TIMEOUT)
+            .command_timeout(COMMAND_TIMEOUT)
             .fencing(true);
         Arc::new(backend)
     }
@@ -633,8 +633,8 @@ mod postgres {
             backend_on(config, "proxied")
         }
 
-        fn network_timeout(&self) -> Duration {
-            NETWORK_TIMEOUT
+        fn command_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
         }
 
         fn reset_notice(&self) -> Duration {
@@ -654,7 +654,7 @@ mod postgres {
         }
 
         fn loss_bound(&self) -> Duration {
-            LIVENESS + NETWORK_TIMEOUT
+            LIVENESS + COMMAND_TIMEOUT
         }
 
         /// The server is this test's alone: everything on it is the lock's.
@@ -683,7 +683,7 @@ mod pgbouncer {
 
     const LIVENESS: Duration = Duration::from_millis(100);
     // No fault test runs through this pooler: every call gets the generous bound.
-    const NETWORK_TIMEOUT: Duration = GENEROUS_TIMEOUT;
+    const COMMAND_TIMEOUT: Duration = GENEROUS_TIMEOUT;
 
     /// PostgreSQL behind PgBouncer in transaction pooling, locks in transaction scope:
     /// the set-up the backend accepts behind a transaction pooler.
@@ -719,7 +719,7 @@ mod pgbouncer {
             let backend = PostgresBackend::from_config(config)
                 .lock_scope(LockScope::Transaction)
                 .liveness_interval(LIVENESS)
-                .network_timeout(NETWORK_TIMEOUT)
+                .command_timeout(COMMAND_TIMEOUT)
                 .fencing(true);
             Arc::new(backend)
         }
@@ -729,7 +729,7 @@ mod pgbouncer {
         }
 
         fn loss_bound(&self) -> Duration {
-            LIVENESS + NETWORK_TIMEOUT
+            LIVENESS + COMMAND_TIMEOUT
         }
 
         /// Counted on the server, not through the pooler.
@@ -755,7 +755,7 @@ mod mysql {
     use tower_keyed_lock::MySqlBackend;
 
     pub const LIVENESS: Duration = Duration::from_millis(100);
-    pub const NETWORK_TIMEOUT: Duration = Duration::from_millis(500);
+    pub const COMMAND_TIMEOUT: Duration = Duration::from_millis(500);
 
     /// MariaDB, `GET_LOCK`: a session lock like PostgreSQL's, on a server of its own.
     pub struct MySql(pub MySqlServer);
@@ -780,7 +780,7 @@ mod mysql {
         MySqlBackend::from_url(url)
             .expect("a valid URL")
             .liveness_interval(LIVENESS)
-            .network_timeout(NETWORK_TIMEOUT)
+            .command_timeout(COMMAND_TIMEOUT)
             .fencing(true)
     }
 
@@ -793,8 +793,8 @@ mod mysql {
             Arc::new(backend_on(&self.0.url_via(host_port)))
         }
 
-        fn network_timeout(&self) -> Duration {
-            NETWORK_TIMEOUT
+        fn command_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
         }
 
         fn reset_notice(&self) -> Duration {
@@ -814,7 +814,7 @@ mod mysql {
         }
 
         fn loss_bound(&self) -> Duration {
-            LIVENESS + NETWORK_TIMEOUT
+            LIVENESS + COMMAND_TIMEOUT
         }
 
         /// The server is this test's alone: the rows of every table outside the system
@@ -912,7 +912,7 @@ mod dynamodb {
             backend_on(&format!("http://{host_port}"), COMMAND_TIMEOUT).await
         }
 
-        fn network_timeout(&self) -> Duration {
+        fn command_timeout(&self) -> Duration {
             COMMAND_TIMEOUT
         }
     }
@@ -1021,7 +1021,7 @@ mod etcd {
             Arc::new(backend_on(vec![format!("http://{host_port}")]).await)
         }
 
-        fn network_timeout(&self) -> Duration {
+        fn command_timeout(&self) -> Duration {
             COMMAND_TIMEOUT
         }
     }
@@ -1265,7 +1265,7 @@ mod azure_blob {
             Arc::new(Self::backend_on(container_url(host_port, CONTAINER)).await)
         }
 
-        fn network_timeout(&self) -> Duration {
+        fn command_timeout(&self) -> Duration {
             COMMAND_TIMEOUT
         }
     }
@@ -1373,7 +1373,7 @@ pub mod zookeeper {
             Arc::new(ZooKeeper::backend_with(host_port, COMMAND_TIMEOUT).await)
         }
 
-        fn network_timeout(&self) -> Duration {
+        fn command_timeout(&self) -> Duration {
             COMMAND_TIMEOUT
         }
     }

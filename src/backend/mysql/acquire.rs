@@ -18,7 +18,7 @@ use crate::locks::LockError;
 pub(super) struct Granted {
     pub(super) token: Option<u64>,
     /// When the round trip that counts for the grant was sent: it answered within the
-    /// network timeout, so the server's idle limit runs from after this instant.
+    /// command timeout, so the server's idle limit runs from after this instant.
     pub(super) since: Instant,
 }
 
@@ -46,9 +46,9 @@ impl Inner {
             let mut sent = Instant::now();
             let remaining = deadline.saturating_duration_since(sent);
             let mut answer = session
-                .rows(&sql(remaining), remaining + self.network_timeout)
+                .rows(&sql(remaining), remaining + self.command_timeout)
                 .await;
-            if first && answer.is_err() && session.reused && sent.elapsed() < self.network_timeout {
+            if first && answer.is_err() && session.reused && sent.elapsed() < self.command_timeout {
                 // A pooled connection that died idle (a server restart, a kill) fails at
                 // once: its session, and any lock of it, is gone; try once more on a
                 // fresh connection.
@@ -57,7 +57,7 @@ impl Inner {
                 sent = Instant::now();
                 let remaining = deadline.saturating_duration_since(sent);
                 answer = session
-                    .rows(&sql(remaining), remaining + self.network_timeout)
+                    .rows(&sql(remaining), remaining + self.command_timeout)
                     .await;
             }
             first = false;
@@ -94,7 +94,7 @@ impl Inner {
                 _ => return Err(MyError::message("GET_LOCK failed in the server").into()),
             }
         };
-        let prompt = sent.elapsed() <= self.network_timeout;
+        let prompt = sent.elapsed() <= self.command_timeout;
         let granted = self
             .after_grant(&mut session, &literal, id as u64, sent, prompt)
             .await?;
@@ -102,12 +102,12 @@ impl Inner {
     }
 
     /// What follows a grant on `session` (`CONNECTION_ID()` `id`), whose statement was
-    /// sent at `sent` and answered within the network timeout if `prompt`: the fencing
+    /// sent at `sent` and answered within the command timeout if `prompt`: the fencing
     /// token, taken in a round trip of its own right after the grant, and a check that
     /// the session still holds the lock — needed when the grant's answer came late
     /// (the server's idle limit runs from the grant, which a late answer does not date)
     /// and on a session never checked before (a proxy may reset sessions between
-    /// statements). Not confirmed within the network timeout, the grant is given back:
+    /// statements). Not confirmed within the command timeout, the grant is given back:
     /// the caller drops the session, which closes it.
     async fn after_grant(
         &self,
@@ -132,12 +132,12 @@ impl Inner {
         };
         let confirm_sent = Instant::now();
         let rows = session
-            .rows(&sql, self.network_timeout)
+            .rows(&sql, self.command_timeout)
             .await
             .map_err(|error| {
                 tracing::warn!(%error, "MySQL lock grant not confirmed in time; given back");
                 MyError::with_detail(
-                    "MySQL did not confirm the lock grant within the network timeout (the \
+                    "MySQL did not confirm the lock grant within the command timeout (the \
                      server could free it before the holder would hear of it): given back",
                     error.to_string(),
                 )
@@ -165,12 +165,12 @@ impl Inner {
         })
     }
 
-    /// A pooled session within `deadline` (plus the network timeout to connect).
+    /// A pooled session within `deadline` (plus the command timeout to connect).
     pub(super) async fn session(&self, deadline: Instant) -> Result<Session, LockError> {
         self.pool
             .get(
                 deadline,
-                self.network_timeout,
+                self.command_timeout,
                 self.max_pooled_idle(),
                 &self.session_setup(),
             )

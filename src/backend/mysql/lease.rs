@@ -25,7 +25,7 @@ impl Inner {
     /// Hands the locked session (`CONNECTION_ID()` `id`) to a task that watches it until
     /// the lease is released. The lease counts from `granted.since`, the sending of the
     /// last round trip known to have reset the server's idle limit, so the holder is
-    /// told a network timeout before that limit can end the session.
+    /// told a command timeout before that limit can end the session.
     pub(super) fn hold(
         self: Arc<Self>,
         session: Session,
@@ -51,9 +51,9 @@ impl Inner {
     /// While it runs, the session's end (`KILL`, a reset, a server restart or crash)
     /// fails it at once: the server shuts the connection down, and the driver, which
     /// is reading its answer, sees it. Every answer is a liveness check, counted from
-    /// the end of its sleep: the sleep ends one network timeout before the lease's
+    /// the end of its sleep: the sleep ends one command timeout before the lease's
     /// `deadline` (where a check sent at the same instant would be due to answer), so
-    /// an answer one network timeout late still comes in time. On release the
+    /// an answer one command timeout late still comes in time. On release the
     /// statement is interrupted (`KILL QUERY` on the pool's control connection) and
     /// `RELEASE_LOCK` follows on the same connection once both the statement and the
     /// `KILL QUERY` have answered.
@@ -84,14 +84,14 @@ impl Inner {
     }
 
     /// Closes `session` (`id`), which may still hold the lock named by `literal`, and
-    /// returns once the server shows it no longer does, or after one network timeout,
+    /// returns once the server shows it no longer does, or after one command timeout,
     /// or at the first look that fails (the server is gone, and its locks with it). A
     /// closed session's locks are freed as the server ends it, a moment after the
     /// close: without this wait a release would return before another instance can
     /// take the key.
     async fn close_until_freed(&self, session: Session, literal: &str, id: u64) {
         drop(session);
-        let give_up = Instant::now() + self.network_timeout;
+        let give_up = Instant::now() + self.command_timeout;
         let setup = self.session_setup();
         loop {
             let left = give_up.saturating_duration_since(Instant::now());
@@ -135,7 +135,7 @@ impl Inner {
                 lost.lose_at_deadline();
                 return Err(LostReason::Expired);
             };
-            let sleep = limit.saturating_sub(self.network_timeout);
+            let sleep = limit.saturating_sub(self.command_timeout);
             let pending = format!(
                 "SELECT SLEEP({}), CONNECTION_ID(), IS_USED_LOCK({literal}) <=> CONNECTION_ID()",
                 seconds(sleep)
@@ -208,7 +208,7 @@ impl Inner {
         // Released: only a session known to hold nothing goes back to the pool
         // (`Ok`); otherwise it is closed, so the server frees its locks.
         let release = format!("SELECT CONNECTION_ID(), RELEASE_LOCK({literal})");
-        match session.rows(&release, self.network_timeout).await {
+        match session.rows(&release, self.command_timeout).await {
             Ok(rows) => {
                 let row = rows.last();
                 let answered_by = row.and_then(|row| number(row, 0));
@@ -240,7 +240,7 @@ impl Inner {
         self.pool
             .interrupt(
                 id,
-                self.network_timeout,
+                self.command_timeout,
                 self.max_pooled_idle(),
                 &self.session_setup(),
             )
@@ -249,10 +249,10 @@ impl Inner {
 
     /// Until when a session known alive at `alive_at` (its idle limit reset by a round
     /// trip sent then, or by a statement that ran until then) counts as held: the next
-    /// answer's timeout, at least one network timeout before the server's idle limit
+    /// answer's timeout, at least one command timeout before the server's idle limit
     /// can end the session.
     fn valid_until(&self, alive_at: Instant) -> Instant {
-        alive_at + self.liveness_interval + self.network_timeout
+        alive_at + self.liveness_interval + self.command_timeout
     }
 }
 

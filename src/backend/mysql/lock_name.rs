@@ -1,4 +1,4 @@
-//! The stable lock name of a key: `<namespace>:<layer name>:<key>`, or a SHA-256 digest
+//! The stable lock name of a key: `<prefix>:<layer name>:<key>`, or a SHA-256 digest
 //! of it when that is longer than MySQL's limit of 64 characters.
 
 use sha2::{Digest, Sha256};
@@ -7,18 +7,18 @@ use sha2::{Digest, Sha256};
 /// MariaDB takes them, but the backend keeps one rule for both).
 pub const MAX_LOCK_NAME_LEN: usize = 64;
 
-/// The longest [`namespace`](super::MySqlBackend::namespace): a hashed name keeps at
+/// The longest [`prefix`](super::MySqlBackend::prefix): a hashed name keeps at
 /// least 39 hex digits (156 bits) of the digest after it.
-pub(super) const MAX_NAMESPACE_LEN: usize = 24;
+pub(super) const MAX_PREFIX_LEN: usize = 24;
 
-/// The `GET_LOCK` name of `key` under the layer `name` in `namespace`, the same on every
+/// The `GET_LOCK` name of `key` under the layer `name` in `prefix`, the same on every
 /// build and machine.
 ///
-/// `<namespace>:<name>:<key>` when that is at most [`MAX_LOCK_NAME_LEN`] bytes;
-/// otherwise `<namespace>#` followed by the first hex digits of SHA-256 over the
-/// namespace, the layer name and the key (each as its UTF-8 bytes prefixed by their
+/// `<prefix>:<name>:<key>` when that is at most [`MAX_LOCK_NAME_LEN`] bytes;
+/// otherwise `<prefix>#` followed by the first hex digits of SHA-256 over the
+/// prefix, the layer name and the key (each as its UTF-8 bytes prefixed by their
 /// length as a big-endian `u32`, as the PostgreSQL backend hashes them), up to 64
-/// characters in all. A plain name has a `:` right after the namespace, a hashed one a
+/// characters in all. A plain name has a `:` right after the prefix, a hashed one a
 /// `#`, so the two never meet. The backend sends the name as a hex literal (its UTF-8
 /// bytes), so any key is safe in SQL.
 ///
@@ -31,19 +31,19 @@ pub(super) const MAX_NAMESPACE_LEN: usize = 24;
 /// assert!(long.starts_with("tkl#"));
 /// assert_eq!(long, lock_name("tkl", "orders", &"x".repeat(100))); // stable
 /// ```
-pub fn lock_name(namespace: &str, name: &str, key: &str) -> String {
-    let plain = format!("{namespace}:{name}:{key}");
+pub fn lock_name(prefix: &str, name: &str, key: &str) -> String {
+    let plain = format!("{prefix}:{name}:{key}");
     if plain.len() <= MAX_LOCK_NAME_LEN {
         return plain;
     }
     let mut hasher = Sha256::new();
-    for part in [namespace, name, key] {
+    for part in [prefix, name, key] {
         hasher.update((part.len() as u32).to_be_bytes());
         hasher.update(part.as_bytes());
     }
     let digest = hasher.finalize();
     let mut hashed = String::with_capacity(MAX_LOCK_NAME_LEN);
-    hashed.push_str(namespace);
+    hashed.push_str(prefix);
     hashed.push('#');
     for byte in digest {
         for nibble in [byte >> 4, byte & 0xf] {

@@ -47,10 +47,10 @@
 //!
 //! # Key mapping
 //!
-//! A key becomes the lock name `<namespace>:<layer name>:<key>`
-//! ([`namespace`](MySqlBackend::namespace), default [`DEFAULT_NAMESPACE`]); a name
+//! A key becomes the lock name `<prefix>:<layer name>:<key>`
+//! ([`prefix`](MySqlBackend::prefix), default [`DEFAULT_PREFIX`]); a name
 //! longer than [`MAX_LOCK_NAME_LEN`] (64) bytes — MySQL's limit — becomes
-//! `<namespace>#` and the first hex digits of a SHA-256 digest of the three parts, 64
+//! `<prefix>#` and the first hex digits of a SHA-256 digest of the three parts, 64
 //! characters in all: the same on every build and machine ([`lock_name`] has the
 //! exact rule). The name is sent as a hex literal of its UTF-8 bytes, so no key needs
 //! escaping, and another program takes the same lock with
@@ -60,13 +60,13 @@
 //!
 //! ```python
 //! import hashlib, struct
-//! def lock_name(namespace, name, key):
-//!     plain = f"{namespace}:{name}:{key}"
+//! def lock_name(prefix, name, key):
+//!     plain = f"{prefix}:{name}:{key}"
 //!     if len(plain.encode()) <= 64:
 //!         return plain
-//!     parts = [s.encode() for s in (namespace, name, key)]
+//!     parts = [s.encode() for s in (prefix, name, key)]
 //!     message = b"".join(struct.pack(">I", len(p)) + p for p in parts)
-//!     hashed = namespace + "#" + hashlib.sha256(message).hexdigest()
+//!     hashed = prefix + "#" + hashlib.sha256(message).hexdigest()
 //!     return hashed[:64]
 //! ```
 //!
@@ -85,7 +85,7 @@
 //! instead (see [proxies](self#proxies)).
 //!
 //! A grant counts only from a round trip answered within the
-//! [`network_timeout`](MySqlBackend::network_timeout): the server's idle limit runs
+//! [`command_timeout`](MySqlBackend::command_timeout): the server's idle limit runs
 //! from the moment it grants, which a late answer does not date. A `GET_LOCK` that
 //! waited answers later than that, so one more round trip confirms the grant
 //! (`IS_USED_LOCK(name) = CONNECTION_ID()`); if it does not answer in time, the grant
@@ -105,7 +105,7 @@
 //! answered, an error or a timeout) closes it. The server frees a closed session's
 //! locks a moment after the close, so a release that closed a session which may still
 //! hold the lock returns once the control connection no longer sees it held (at most
-//! a network timeout later): another instance can then take the key at once. If the
+//! a command timeout later): another instance can then take the key at once. If the
 //! `KILL QUERY` cannot be sent, the statement ends by itself within one liveness
 //! interval. A connection whose state is unknown — a timeout or broken connection
 //! while acquiring or releasing, a task dropped mid-statement — is never pooled nor
@@ -130,35 +130,35 @@
 //! its next check. Each answer is also the liveness check, every
 //! [`liveness_interval`](MySqlBackend::liveness_interval) (default
 //! [`DEFAULT_LIVENESS_INTERVAL`], 1 s): the sleep `<s>` lasts until the next check is
-//! due. A statement that fails, does not answer within one network timeout (default
-//! [`DEFAULT_NETWORK_TIMEOUT`], 2 s) of that, is answered by another session or finds
+//! due. A statement that fails, does not answer within one command timeout (default
+//! [`DEFAULT_COMMAND_TIMEOUT`], 2 s) of that, is answered by another session or finds
 //! the lock gone raises the lease-lost signal of [`LockInfo`](crate::LockInfo); the
 //! layer counts it in `keyed_lock_lease_lost_total`, and
 //! [`abort_on_lease_lost`](crate::KeyedLockLayer::abort_on_lease_lost) turns it into
 //! 503. "Lost" is a fact of the clock: the lease's deadline is the end of the last
 //! answered sleep (or the sending of the round trip that confirmed the grant) plus one
-//! interval plus one network timeout, and
+//! interval plus one command timeout, and
 //! [`LeaseSignal::is_lost`](crate::LeaseSignal::is_lost) reads it even when no task
 //! ran.
 //!
 //! A network that goes silent frees nothing by itself: the server does not know the
 //! holder is gone. So every session the backend opens sets `wait_timeout`,
 //! `net_read_timeout` and `net_write_timeout` to one liveness interval plus two
-//! network timeouts, rounded up to whole seconds (the settings' unit): 5 s with the
+//! command timeouts, rounded up to whole seconds (the settings' unit): 5 s with the
 //! defaults. A live holder is never idle that long (its pending statement keeps the
 //! session busy); a holder cut off is told at most one interval plus one network
-//! timeout after the end of its last answered sleep, at least one network timeout
+//! timeout after the end of its last answered sleep, at least one command timeout
 //! *before* the server, counting that limit from the same end or later, ends the
 //! session and frees the lock (measured: see `RELIABILITY.md`). The limit stays on
 //! pooled connections too, so a partition strands no session; the pool closes a
-//! connection idle for that limit less a network timeout rather than reuse it.
+//! connection idle for that limit less a command timeout rather than reuse it.
 //!
 //! A holder process that dies without closing its connection (a crash) is freed when
 //! its pending sleep ends: the server notices the closed connection only when it
 //! answers, at most one liveness interval later.
 //!
-//! An acquisition takes at most its wait plus one network timeout in all; a release
-//! two round trips after the interrupt (at most one network timeout each), or, when
+//! An acquisition takes at most its wait plus one command timeout in all; a release
+//! two round trips after the interrupt (at most one command timeout each), or, when
 //! the interrupt cannot be sent, the rest of the pending sleep plus one round trip.
 //!
 //! # Fencing tokens
@@ -265,18 +265,18 @@ use tokio::time::timeout;
 pub use self::lock_name::{lock_name, MAX_LOCK_NAME_LEN};
 
 use self::error::MyError;
-use self::lock_name::MAX_NAMESPACE_LEN;
+use self::lock_name::MAX_PREFIX_LEN;
 use self::session::Pool;
 use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
-/// The default [`MySqlBackend::namespace`].
-pub const DEFAULT_NAMESPACE: &str = "tkl";
+/// The default [`MySqlBackend::prefix`].
+pub const DEFAULT_PREFIX: &str = "tkl";
 /// The default [`MySqlBackend::liveness_interval`].
 pub const DEFAULT_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
-/// The default [`MySqlBackend::network_timeout`].
-pub const DEFAULT_NETWORK_TIMEOUT: Duration = Duration::from_secs(2);
+/// The default [`MySqlBackend::command_timeout`].
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 /// The default [`MySqlBackend::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
 /// The default [`MySqlBackend::fencing_table`].
@@ -294,9 +294,9 @@ pub const DEFAULT_FENCING_TABLE: &str = "tower_keyed_lock_fencing";
 /// let backend = MySqlBackend::from_url("mysql://app:secret@db.internal:3306/app")
 ///     .unwrap()
 ///     .max_connections(32)                            // default 16
-///     .namespace("billing")                           // default "tkl"
+///     .prefix("billing")                           // default "tkl"
 ///     .liveness_interval(Duration::from_millis(500))  // default 1 s
-///     .network_timeout(Duration::from_secs(1))        // default 2 s
+///     .command_timeout(Duration::from_secs(1))        // default 2 s
 ///     .fencing(true);                                 // default off
 /// ```
 #[derive(Clone)]
@@ -307,9 +307,9 @@ pub struct MySqlBackend {
 #[derive(Clone)]
 struct Inner {
     pool: Arc<Pool>,
-    namespace: Arc<str>,
+    prefix: Arc<str>,
     liveness_interval: Duration,
-    network_timeout: Duration,
+    command_timeout: Duration,
     /// Kept while fencing is off, so turning it back on keeps the name.
     table: Arc<str>,
     fencing: Option<Fencing>,
@@ -353,9 +353,9 @@ impl MySqlBackend {
         Self {
             inner: Arc::new(Inner {
                 pool: Arc::new(Pool::new(opts.into(), DEFAULT_MAX_CONNECTIONS)),
-                namespace: DEFAULT_NAMESPACE.into(),
+                prefix: DEFAULT_PREFIX.into(),
                 liveness_interval: DEFAULT_LIVENESS_INTERVAL,
-                network_timeout: DEFAULT_NETWORK_TIMEOUT,
+                command_timeout: DEFAULT_COMMAND_TIMEOUT,
                 table: DEFAULT_FENCING_TABLE.into(),
                 fencing: None,
                 checked: Arc::default(),
@@ -382,27 +382,27 @@ impl MySqlBackend {
         })
     }
 
-    /// The first part of every lock name (default [`DEFAULT_NAMESPACE`]): applications
-    /// that share a server but must not share locks use different namespaces.
+    /// The first part of every lock name (default [`DEFAULT_PREFIX`]): applications
+    /// that share a server but must not share locks use different prefixes.
     ///
     /// # Panics
-    /// If `namespace` is empty, longer than 24 bytes, not ASCII, or holds `:` or `#` (a
+    /// If `prefix` is empty, longer than 24 bytes, not ASCII, or holds `:` or `#` (a
     /// configuration mistake: names would no longer be told apart).
-    pub fn namespace(self, namespace: impl Into<String>) -> Self {
-        let namespace: String = namespace.into();
+    pub fn prefix(self, prefix: impl Into<String>) -> Self {
+        let prefix: String = prefix.into();
         assert!(
-            !namespace.is_empty()
-                && namespace.is_ascii()
-                && namespace.len() <= MAX_NAMESPACE_LEN
-                && !namespace.contains([':', '#']),
-            "namespace: {namespace:?} must be 1 to {MAX_NAMESPACE_LEN} ASCII bytes without ':' or '#'"
+            !prefix.is_empty()
+                && prefix.is_ascii()
+                && prefix.len() <= MAX_PREFIX_LEN
+                && !prefix.contains([':', '#']),
+            "prefix: {prefix:?} must be 1 to {MAX_PREFIX_LEN} ASCII bytes without ':' or '#'"
         );
-        self.configure(|inner| inner.namespace = namespace.into())
+        self.configure(|inner| inner.prefix = prefix.into())
     }
 
     /// How often a held lock's session is checked (default 1 s): the statement kept
     /// pending on it answers this often. A server gone silent is noticed at most this
-    /// long plus the network timeout after its last answer, and a holder process that
+    /// long plus the command timeout after its last answer, and a holder process that
     /// crashed keeps its lock at most this long. Part of the server-side idle limit
     /// (see [Timing](self#timing)).
     ///
@@ -420,9 +420,9 @@ impl MySqlBackend {
     ///
     /// # Panics
     /// If `timeout` is zero.
-    pub fn network_timeout(self, timeout: Duration) -> Self {
-        assert!(!timeout.is_zero(), "network_timeout must not be zero");
-        self.configure(|inner| inner.network_timeout = timeout)
+    pub fn command_timeout(self, timeout: Duration) -> Self {
+        assert!(!timeout.is_zero(), "command_timeout must not be zero");
+        self.configure(|inner| inner.command_timeout = timeout)
     }
 
     /// Issues a fencing token with every grant (off by default), from the counter in
@@ -462,19 +462,19 @@ impl MySqlBackend {
         })
     }
 
-    /// The lock name of `key` under the layer `name` with this backend's namespace.
+    /// The lock name of `key` under the layer `name` with this backend's prefix.
     ///
     /// ```
     /// use tower_keyed_lock::backend::mysql::{lock_name, MySqlBackend};
     ///
     /// let backend = MySqlBackend::from_url("mysql://localhost/app")
     ///     .unwrap()
-    ///     .namespace("billing");
+    ///     .prefix("billing");
     /// assert_eq!(backend.lock_name("orders", "42"), "billing:orders:42");
     /// assert_eq!(backend.lock_name("orders", "42"), lock_name("billing", "orders", "42"));
     /// ```
     pub fn lock_name(&self, name: &str, key: &str) -> String {
-        lock_name(&self.inner.namespace, name, key)
+        lock_name(&self.inner.prefix, name, key)
     }
 
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
@@ -489,20 +489,20 @@ impl MySqlBackend {
 impl Inner {
     /// How long the server lets a session sit idle (`wait_timeout`, and the read and
     /// write timeouts) before it ends it and frees its locks: one liveness interval
-    /// plus two network timeouts, rounded up to whole seconds. A live holder is never
+    /// plus two command timeouts, rounded up to whole seconds. A live holder is never
     /// idle that long, and a holder cut off declares the lease lost at most one
-    /// interval plus one network timeout after its last answered check: a network
+    /// interval plus one command timeout after its last answered check: a network
     /// timeout or more before the server frees the lock.
     fn server_idle_limit(&self) -> Duration {
-        let limit = self.liveness_interval + 2 * self.network_timeout;
+        let limit = self.liveness_interval + 2 * self.command_timeout;
         Duration::from_secs(limit.as_nanos().div_ceil(1_000_000_000) as u64)
     }
 
     /// How long a pooled connection may sit idle before it is closed instead of reused:
-    /// the server's idle limit less a network timeout.
+    /// the server's idle limit less a command timeout.
     fn max_pooled_idle(&self) -> Duration {
         self.server_idle_limit()
-            .saturating_sub(self.network_timeout)
+            .saturating_sub(self.command_timeout)
     }
 }
 
@@ -510,9 +510,9 @@ impl fmt::Debug for MySqlBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inner = &self.inner;
         f.debug_struct("MySqlBackend")
-            .field("namespace", &inner.namespace)
+            .field("prefix", &inner.prefix)
             .field("liveness_interval", &inner.liveness_interval)
-            .field("network_timeout", &inner.network_timeout)
+            .field("command_timeout", &inner.command_timeout)
             .field("fencing_table", &inner.fencing.as_ref().map(|f| &*f.table))
             .field("max_connections", &inner.pool.max())
             .field("idle_connections", &inner.pool.idle())
@@ -544,15 +544,15 @@ impl LockBackend for MySqlBackend {
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let name = self.lock_name(name, key.as_str());
         let inner = self.inner.clone();
-        // The whole acquisition stays within the wait plus one network timeout, however
+        // The whole acquisition stays within the wait plus one command timeout, however
         // many round trips were slow. Cut short, it drops its connection: closed, so
         // whatever the server granted it is freed.
-        let limit = wait.saturating_add(inner.network_timeout);
+        let limit = wait.saturating_add(inner.command_timeout);
         Box::pin(async move {
             match timeout(limit, inner.acquire(name, wait)).await {
                 Ok(result) => result,
                 Err(_) => Err(MyError::message(
-                    "MySQL did not answer within the wait plus the network timeout",
+                    "MySQL did not answer within the wait plus the command timeout",
                 )
                 .into_lock_error()),
             }
@@ -578,9 +578,9 @@ mod tests {
     }
 
     #[test]
-    fn namespaces_are_checked() {
+    fn prefixes_are_checked() {
         for bad in ["", "a:b", "a#b", "é", &"n".repeat(25)] {
-            let result = std::panic::catch_unwind(|| backend().namespace(bad));
+            let result = std::panic::catch_unwind(|| backend().prefix(bad));
             assert!(result.is_err(), "{bad:?} was accepted");
         }
     }
@@ -589,7 +589,7 @@ mod tests {
     fn the_idle_limit_is_whole_seconds_past_the_deadline() {
         let backend = backend()
             .liveness_interval(Duration::from_millis(100))
-            .network_timeout(Duration::from_millis(500));
+            .command_timeout(Duration::from_millis(500));
         assert_eq!(backend.inner.server_idle_limit(), Duration::from_secs(2));
         assert_eq!(backend.inner.max_pooled_idle(), Duration::from_millis(1500));
         assert_eq!(

@@ -1,5 +1,5 @@
 //! The backend's own pool of connections: taking one within the wait, round trips
-//! bounded by the network timeout, and closing a connection whose state is unknown
+//! bounded by the command timeout, and closing a connection whose state is unknown
 //! instead of pooling it.
 //!
 //! `mysql_async`'s pool is not used: a connection dropped mid-statement goes back to it
@@ -106,14 +106,14 @@ impl Pool {
     }
 
     /// A connection, waiting for a free slot at most until `deadline` (then
-    /// [`LockError::Timeout`]: the pool is exhausted), plus `network_timeout` to open
+    /// [`LockError::Timeout`]: the pool is exhausted), plus `command_timeout` to open
     /// a new one. A pooled connection idle for `max_idle` or longer is closed instead
     /// of reused: the server may be about to end it (its `wait_timeout`). A new one
     /// runs `setup` first.
     pub(super) async fn get(
         self: &Arc<Self>,
         deadline: Instant,
-        network_timeout: Duration,
+        command_timeout: Duration,
         max_idle: Duration,
         setup: &str,
     ) -> Result<Session, LockError> {
@@ -129,7 +129,7 @@ impl Pool {
             match idle {
                 Some(idle) if idle.since.elapsed() < max_idle => break Some(idle),
                 // Too old: the server may end it any moment.
-                Some(idle) => close(idle.conn, network_timeout),
+                Some(idle) => close(idle.conn, command_timeout),
                 None => break None,
             }
         };
@@ -140,30 +140,30 @@ impl Pool {
                 reused: true,
                 unknown: false,
                 pool: self.clone(),
-                close_within: network_timeout,
+                close_within: command_timeout,
                 _permit: permit,
             });
         }
-        let conn = self.connect(network_timeout, setup).await?;
+        let conn = self.connect(command_timeout, setup).await?;
         Ok(Session {
             conn: Some(conn),
             state: SessionState::default(),
             reused: false,
             unknown: false,
             pool: self.clone(),
-            close_within: network_timeout,
+            close_within: command_timeout,
             _permit: permit,
         })
     }
 
-    /// A new connection that ran `setup`, within `network_timeout`.
-    async fn connect(&self, network_timeout: Duration, setup: &str) -> Result<Conn, MyError> {
+    /// A new connection that ran `setup`, within `command_timeout`.
+    async fn connect(&self, command_timeout: Duration, setup: &str) -> Result<Conn, MyError> {
         let connect = async {
             let mut conn = Conn::new(self.opts.clone()).await?;
             conn.query_drop(setup).await?;
             Ok::<_, mysql_async::Error>(conn)
         };
-        match timeout(network_timeout, connect).await {
+        match timeout(command_timeout, connect).await {
             Ok(Ok(conn)) => Ok(conn),
             Ok(Err(error)) => Err(MyError::new(
                 format!("cannot connect to MySQL at {}", self.address()),
@@ -177,7 +177,7 @@ impl Pool {
     }
 
     /// Ends the statement that session `id` runs now (`KILL QUERY id`) on the control
-    /// connection, within `network_timeout` (plus a connect, `setup` first, if the
+    /// connection, within `command_timeout` (plus a connect, `setup` first, if the
     /// control connection is missing or was idle `max_idle`). `Ok` once the server
     /// answered: the `KILL QUERY` was carried out, so a statement that session starts
     /// after its current one ends runs uninterrupted (a `KILL QUERY` that finds the
@@ -187,12 +187,12 @@ impl Pool {
     pub(super) async fn interrupt(
         &self,
         id: u64,
-        network_timeout: Duration,
+        command_timeout: Duration,
         max_idle: Duration,
         setup: &str,
     ) -> Result<(), MyError> {
         let kill = format!("KILL QUERY {id}");
-        let answer = self.on_control("KILL QUERY", &kill, network_timeout, max_idle, setup);
+        let answer = self.on_control("KILL QUERY", &kill, command_timeout, max_idle, setup);
         answer.await.map(|_| ())
     }
 
@@ -202,41 +202,41 @@ impl Pool {
         &self,
         id: u64,
         name: &str,
-        network_timeout: Duration,
+        command_timeout: Duration,
         max_idle: Duration,
         setup: &str,
     ) -> Result<bool, MyError> {
         let ask = format!("SELECT IS_USED_LOCK({name}) <=> {id}");
-        let answer = self.on_control("IS_USED_LOCK", &ask, network_timeout, max_idle, setup);
+        let answer = self.on_control("IS_USED_LOCK", &ask, command_timeout, max_idle, setup);
         let row = answer.await?;
         Ok(row.as_ref().and_then(|row| number(row, 0)) == Some(1))
     }
 
     /// Runs `sql` (`what`, for errors) on the control connection within
-    /// `network_timeout` (plus a connect, `setup` first, if it is missing or was idle
+    /// `command_timeout` (plus a connect, `setup` first, if it is missing or was idle
     /// `max_idle`); its first row.
     async fn on_control(
         &self,
         what: &'static str,
         sql: &str,
-        network_timeout: Duration,
+        command_timeout: Duration,
         max_idle: Duration,
         setup: &str,
     ) -> Result<Option<Row>, MyError> {
         // One statement at a time on the control connection: releases take turns.
-        let mut control = match timeout(network_timeout, self.control.lock()).await {
+        let mut control = match timeout(command_timeout, self.control.lock()).await {
             Ok(control) => control,
             Err(_) => return Err(MyError::message("the control connection stayed busy")),
         };
         let mut conn = match control.take() {
             Some((conn, since)) if since.elapsed() < max_idle => conn,
             Some((conn, _)) => {
-                close(conn, network_timeout);
-                self.connect(network_timeout, setup).await?
+                close(conn, command_timeout);
+                self.connect(command_timeout, setup).await?
             }
-            None => self.connect(network_timeout, setup).await?,
+            None => self.connect(command_timeout, setup).await?,
         };
-        match timeout(network_timeout, conn.query_first::<Row, _>(sql)).await {
+        match timeout(command_timeout, conn.query_first::<Row, _>(sql)).await {
             Ok(Ok(row)) => {
                 *control = Some((conn, Instant::now()));
                 Ok(row)
@@ -248,11 +248,11 @@ impl Pool {
                 Err(MyError::new(format!("{what} failed"), error))
             }
             Ok(Err(error)) => {
-                close(conn, network_timeout);
+                close(conn, command_timeout);
                 Err(MyError::new(format!("{what} failed"), error))
             }
             Err(_) => {
-                close(conn, network_timeout);
+                close(conn, command_timeout);
                 Err(MyError::message(format!("{what} was not answered in time")))
             }
         }

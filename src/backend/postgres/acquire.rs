@@ -53,7 +53,7 @@ struct Granted {
     token: Option<u64>,
     /// When the granting statement was sent.
     sent: Instant,
-    /// Whether its answer came within the network timeout of `sent`.
+    /// Whether its answer came within the command timeout of `sent`.
     prompt: bool,
     /// Whether it waited in PostgreSQL's queue (after a try that found the lock held).
     waited: bool,
@@ -181,7 +181,7 @@ impl Inner {
                 session.give_back();
                 return Ok(Acquired::Recorded(stored.unwrap_or_default()));
             }
-            // The try answered within the network timeout (its limit).
+            // The try answered within the command timeout (its limit).
             Some(true) => Granted {
                 token: grant.token,
                 sent,
@@ -270,7 +270,7 @@ impl Inner {
             try_sql.push_str(&format!("; SELECT {record} AS stored"));
         }
         let (session, sent, tried) = self
-            .first_query(deadline, || try_sql.clone(), self.network_timeout)
+            .first_query(deadline, || try_sql.clone(), self.command_timeout)
             .await?;
         let tried = tried.and_then(|answer| {
             let mut rows = answer.iter().filter_map(|message| match message {
@@ -308,7 +308,7 @@ impl Inner {
         )
     }
 
-    /// Confirms in a round trip of its own, within the network timeout, that the
+    /// Confirms in a round trip of its own, within the command timeout, that the
     /// session (server process `pid`) still holds `id` with this acquisition's
     /// `marker` after the granting transaction ended; returns when it was sent, which
     /// the server's idle limit runs from at the earliest. Not confirmed, the grant is
@@ -367,12 +367,12 @@ impl Inner {
         // hand-off's path (200 µs of a 0.6 ms hand-off, measured).
         let sent = Instant::now();
         let wait = self.wait_prepared(session, id, shared, pid, marker, millis);
-        let answer = timeout(remaining + self.network_timeout, wait).await;
+        let answer = timeout(remaining + self.command_timeout, wait).await;
         match answer {
             Ok(Ok(row)) => Ok(Some(Granted {
                 token: granted_row_token(row)?,
                 sent,
-                prompt: sent.elapsed() <= self.network_timeout,
+                prompt: sent.elapsed() <= self.command_timeout,
                 waited: true,
             })),
             Ok(Err(error)) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {

@@ -100,7 +100,7 @@ impl PgError {
     }
 
     /// A grant whose confirming round trip to lock `id` failed or did not answer within
-    /// the network timeout: the server may end the session before the holder's first
+    /// the command timeout: the server may end the session before the holder's first
     /// liveness check, so the grant is given back.
     pub(super) fn unconfirmed(id: i64, error: PgError) -> LockError {
         tracing::warn!(lock_id = id, %error, "PostgreSQL lock grant not confirmed in time; given back");
@@ -108,7 +108,7 @@ impl PgError {
         Self {
             unanswered: transient,
             ..Self::message(
-                "PostgreSQL did not confirm the lock grant within the network timeout (the \
+                "PostgreSQL did not confirm the lock grant within the command timeout (the \
              server could free it before the holder would hear of it): given back",
             )
         }

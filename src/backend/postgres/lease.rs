@@ -26,8 +26,8 @@ const CLOSED_CHECK_PERIOD: Duration = Duration::from_millis(5);
 impl Inner {
     /// Hands the locked session (server process `pid`) to a task that watches it until
     /// the lease is released. `since` is when the last round trip known to have reset
-    /// the server's idle limit was sent (it answered within the network timeout): the
-    /// liveness checks count from there, so the holder is told a network timeout
+    /// the server's idle limit was sent (it answered within the command timeout): the
+    /// liveness checks count from there, so the holder is told a command timeout
     /// before that limit can run out.
     /// `lock` is the lock id, whether it is held shared, and a permit's key lock id
     /// held shared beside it.
@@ -172,10 +172,10 @@ impl Inner {
     }
 
     /// Until when a session whose idle limit was reset by a round trip sent at `sent`
-    /// counts as held: the next liveness check's timeout, one network timeout before
+    /// counts as held: the next liveness check's timeout, one command timeout before
     /// the server's idle limit can end the session.
     fn valid_until(&self, sent: Instant) -> Instant {
-        sent + self.liveness_interval + self.network_timeout
+        sent + self.liveness_interval + self.command_timeout
     }
 
     /// Unlocks a session lock; `Ok` when the session is known to hold nothing now.

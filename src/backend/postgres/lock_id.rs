@@ -2,7 +2,7 @@
 
 use sha2::{Digest, Sha256};
 
-/// The SQL that computes a lock id, as [`lock_id`] does: `$1` the namespace, `$2` the
+/// The SQL that computes a lock id, as [`lock_id`] does: `$1` the prefix, `$2` the
 /// layer name, `$3` the key (all `text`); returns a `bigint`.
 ///
 /// ```no_run
@@ -20,7 +20,7 @@ pub const LOCK_ID_SQL: &str = "SELECT ('x' || substr(encode(sha256(\
     int4send(octet_length(convert_to($3, 'UTF8'))) || convert_to($3, 'UTF8')\
     ), 'hex'), 1, 16))::bit(64)::bigint";
 
-/// The advisory lock id of `key` under the layer `name` and `namespace`: the first 8
+/// The advisory lock id of `key` under the layer `name` and `prefix`: the first 8
 /// bytes, big-endian, of SHA-256 over the three strings, each prefixed by its length in
 /// bytes as a big-endian `u32`. Stable across builds and machines; see the
 /// [module docs](super#lock-ids) for SQL and Python versions.
@@ -30,9 +30,9 @@ pub const LOCK_ID_SQL: &str = "SELECT ('x' || substr(encode(sha256(\
 ///
 /// assert_eq!(lock_id("tower-keyed-lock", "orders", "42"), -2_357_060_318_159_420_717);
 /// ```
-pub fn lock_id(namespace: &str, name: &str, key: &str) -> i64 {
+pub fn lock_id(prefix: &str, name: &str, key: &str) -> i64 {
     let mut hasher = Sha256::new();
-    for part in [namespace, name, key] {
+    for part in [prefix, name, key] {
         // Length-prefixed, so ("ab", "c") and ("a", "bc") differ. Keys are at most
         // `max_key_len` bytes, far below u32::MAX.
         let len = u32::try_from(part.len()).unwrap_or(u32::MAX);

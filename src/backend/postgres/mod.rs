@@ -48,7 +48,7 @@
 //! lock id and a random number of this acquisition) until the unlock.
 //!
 //! A grant counts only from a round trip that answered within the
-//! [`network_timeout`](PostgresBackend::network_timeout): PostgreSQL's idle limit runs
+//! [`command_timeout`](PostgresBackend::command_timeout): PostgreSQL's idle limit runs
 //! from the moment it grants, which a late answer does not date. A statement that
 //! waited in PostgreSQL's queue usually answers later than that, so one more round trip
 //! confirms the grant; if the confirmation does not answer in time, the grant is given
@@ -91,7 +91,7 @@
 //! So with [`LockScope::Session`] the backend checks, once, that each server session
 //! belongs to its client connection alone: when it is built
 //! ([`build`](PostgresBackend::build), which then fails with
-//! [`SetupError::Unsafe`] naming the pooler mode and the fix), or else on its first
+//! [`SetupError::Unsafe`](crate::backend::SetupError::Unsafe) naming the pooler mode and the fix), or else on its first
 //! acquisition (every acquisition then fails with a [`LockError::Backend`] carrying that
 //! error). The check ends a session of its own from the server's side while the client
 //! is idle (`idle_session_timeout`): a session of its own takes the client connection
@@ -99,7 +99,7 @@
 //! session without the check's marker. It refuses a transaction or statement pooler
 //! every time, whatever the pool size and `server_reset_query_always`; a direct
 //! connection or session pooling is never refused (it may take a few round trips on a
-//! loaded server, at most four network timeouts). The reasoning, and why a slow round
+//! loaded server, at most four command timeouts). The reasoning, and why a slow round
 //! trip restarts the check instead of deciding it, is in `pooler.rs`. PostgreSQL before
 //! 14 has no `idle_session_timeout`: the check is skipped with a warning.
 //!
@@ -152,8 +152,8 @@
 //! # Lock ids
 //!
 //! A key becomes a 64-bit advisory lock id — the same on every build and machine:
-//! SHA-256 over the namespace ([`namespace`](PostgresBackend::namespace), default
-//! [`DEFAULT_NAMESPACE`]), the layer [`name`](crate::KeyedLockLayer::name) and the key,
+//! SHA-256 over the prefix ([`prefix`](PostgresBackend::prefix), default
+//! [`DEFAULT_PREFIX`]), the layer [`name`](crate::KeyedLockLayer::name) and the key,
 //! each as its UTF-8 bytes prefixed by their length as a big-endian `u32`; the first 8
 //! bytes of the digest, read as a big-endian `i64`, are the id ([`lock_id`]). In SQL
 //! ([`LOCK_ID_SQL`], PostgreSQL 11 or later):
@@ -164,15 +164,15 @@
 //!            int4send(octet_length(convert_to($2, 'UTF8'))) || convert_to($2, 'UTF8') ||
 //!            int4send(octet_length(convert_to($3, 'UTF8'))) || convert_to($3, 'UTF8')
 //!        ), 'hex'), 1, 16))::bit(64)::bigint
-//! -- $1 namespace, $2 layer name, $3 key
+//! -- $1 prefix, $2 layer name, $3 key
 //! ```
 //!
 //! In Python:
 //!
 //! ```python
 //! import hashlib, struct
-//! def lock_id(namespace, name, key):
-//!     parts = [s.encode() for s in (namespace, name, key)]
+//! def lock_id(prefix, name, key):
+//!     parts = [s.encode() for s in (prefix, name, key)]
 //!     message = b"".join(struct.pack(">I", len(p)) + p for p in parts)
 //!     return struct.unpack(">q", hashlib.sha256(message).digest()[:8])[0]
 //! ```
@@ -193,7 +193,7 @@
 //! [`liveness_interval`](PostgresBackend::liveness_interval) (default
 //! [`DEFAULT_LIVENESS_INTERVAL`], 1 s) it asks `SELECT pg_backend_pid()`. A closed
 //! connection, a check that fails, takes longer than the
-//! [`network_timeout`](PostgresBackend::network_timeout) or is answered by another
+//! [`command_timeout`](PostgresBackend::command_timeout) or is answered by another
 //! server process raises the lease-lost signal of [`LockInfo`](crate::LockInfo), the
 //! layer counts it in `keyed_lock_lease_lost_total`, and
 //! [`abort_on_lease_lost`](crate::KeyedLockLayer::abort_on_lease_lost) turns it into
@@ -202,7 +202,7 @@
 //! A network that goes silent frees nothing by itself: PostgreSQL does not know the
 //! holder is gone, and without help an idle session would keep its lock until TCP
 //! keepalive gives up (hours by default). So every session the backend uses carries a
-//! server-side limit of one liveness interval plus two network timeouts (5 s with the
+//! server-side limit of one liveness interval plus two command timeouts (5 s with the
 //! defaults): `idle_session_timeout` (PostgreSQL 14 or later; for
 //! [`LockScope::Transaction`], `idle_in_transaction_session_timeout` while the lock is
 //! held) ends a session that heard nothing for that long, and `tcp_user_timeout`
@@ -211,11 +211,11 @@
 //! on pooled connections too, so a partition strands no server session, holding a lock
 //! or not; its cost is that a pooled connection idle for that long is closed by the
 //! server and opened again when next needed. A holder cut off is told at most
-//! one interval plus one network timeout after its last answered check, one network
+//! one interval plus one command timeout after its last answered check, one network
 //! timeout *before* the server frees the lock; the checks count from the sending of
 //! the round trip that [counted the grant](self#how-a-key-is-locked), so that holds
 //! from the first check on (measured: 300 ms ahead with a 300 ms
-//! network timeout; see `RELIABILITY.md`).
+//! command timeout; see `RELIABILITY.md`).
 //!
 //! The signal is not a guard everywhere: when the session ends on the server's side
 //! first (`pg_terminate_backend`, a server restart), a waiting instance is granted
@@ -251,7 +251,7 @@
 //!   marker, the confirmation, the liveness checks). PostgreSQL's own lock queue keeps
 //!   writers from starving: a shared request that conflicts with a *waiting* exclusive
 //!   one waits behind it, whichever instance sent either.
-//! - **Permits**: `n` lock ids per key (the namespace followed by a NUL and the
+//! - **Permits**: `n` lock ids per key (the prefix followed by a NUL and the
 //!   permit's place, see [`lock_id`]), each an exclusive session lock; an acquisition
 //!   tries them in turn from a random place, and when all are taken sleeps between half
 //!   of [`PERMIT_POLL`] and all of it before the next round, until its wait is over.
@@ -300,7 +300,7 @@
 //! `cannot connect to PostgreSQL at <host:port>: ` and the whole cause (the address of
 //! a backend made with [`from_config`](PostgresBackend::from_config); never a user or
 //! password); [`build`](PostgresBackend::build) fails with it as
-//! [`SetupError::Connect`]. Only the wait bounds the waiting: once the server answered
+//! [`SetupError::Failed`](crate::backend::SetupError::Failed). Only the wait bounds the waiting: once the server answered
 //! an acquisition's try, a connection that breaks or a statement left unanswered during
 //! its wait (before a grant is confirmed) is not the end of it — the broken session is
 //! closed, never pooled (the server frees any lock it was granted, and that grant is
@@ -309,11 +309,11 @@
 //! its wait ends; then it fails with the last such error (503) if nothing was answered
 //! since, else [`LockError::Timeout`]. A server out of reach before it ever answered is
 //! told at once (503). An acquisition takes at most the
-//! request's remaining wait plus one [`network_timeout`](PostgresBackend::network_timeout)
+//! request's remaining wait plus one [`command_timeout`](PostgresBackend::command_timeout)
 //! in all, however many round trips were slow (the first ones of a session-scope
-//! backend not [built](PostgresBackend::build), up to four network timeouts more, for
+//! backend not [built](PostgresBackend::build), up to four command timeouts more, for
 //! the [session check](self#lock-scopes-and-poolers)); an unlock or a liveness check at
-//! most one network timeout. After an outage the pool reconnects by itself: connections that
+//! most one command timeout. After an outage the pool reconnects by itself: connections that
 //! died are dropped when next taken from the pool.
 
 // One concern per file: `lock_id` is the stable hash of a key and its SQL form,
@@ -350,7 +350,6 @@ use tokio_postgres::NoTls;
 
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
-pub use self::setup::SetupError;
 
 use self::error::PgError;
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
@@ -359,12 +358,12 @@ use super::{Place, RecordLookup};
 use crate::error::LockError;
 use crate::key::Key;
 
-/// The default [`PostgresBackend::namespace`].
-pub const DEFAULT_NAMESPACE: &str = "tower-keyed-lock";
+/// The default [`PostgresBackend::prefix`].
+pub const DEFAULT_PREFIX: &str = "tower-keyed-lock";
 /// The default [`PostgresBackend::liveness_interval`].
 pub const DEFAULT_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
-/// The default [`PostgresBackend::network_timeout`].
-pub const DEFAULT_NETWORK_TIMEOUT: Duration = Duration::from_secs(2);
+/// The default [`PostgresBackend::command_timeout`].
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 /// The pool size of [`PostgresBackend::from_config`] (change it with
 /// [`PostgresBackend::max_connections`]).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
@@ -383,9 +382,9 @@ pub const DEFAULT_FENCING_SEQUENCE: &str = "tower_keyed_lock_fencing";
 /// let backend = PostgresBackend::from_config_str("postgresql://app@db.internal/app")
 ///     .unwrap()
 ///     .max_connections(32)                            // default 16
-///     .namespace("billing")                           // default "tower-keyed-lock"
+///     .prefix("billing")                           // default "tower-keyed-lock"
 ///     .liveness_interval(Duration::from_millis(500))  // default 1 s
-///     .network_timeout(Duration::from_secs(1))        // default 2 s
+///     .command_timeout(Duration::from_secs(1))        // default 2 s
 ///     .fencing(true);                                 // default off
 /// ```
 #[derive(Clone)]
@@ -401,9 +400,9 @@ struct Inner {
     pool_config: Option<tokio_postgres::Config>,
     /// Set once the pool turned out to have no runtime for its timeouts.
     pool_without_runtime: Arc<AtomicBool>,
-    namespace: Arc<str>,
+    prefix: Arc<str>,
     liveness_interval: Duration,
-    network_timeout: Duration,
+    command_timeout: Duration,
     /// Kept while fencing is off, so turning it back on keeps the name.
     sequence: Arc<str>,
     fencing: Option<Fencing>,
@@ -459,7 +458,7 @@ impl PostgresBackend {
     /// config.dbname = Some("app".into());
     /// config.pool = Some(deadpool_postgres::PoolConfig::new(32));
     /// let pool = config.create_pool(Some(Runtime::Tokio1), NoTls).unwrap();
-    /// let backend = PostgresBackend::new(pool).namespace("billing");
+    /// let backend = PostgresBackend::new(pool).prefix("billing");
     /// ```
     pub fn new(pool: Pool) -> Self {
         Self {
@@ -467,9 +466,9 @@ impl PostgresBackend {
                 pool,
                 pool_config: None,
                 pool_without_runtime: Arc::default(),
-                namespace: DEFAULT_NAMESPACE.into(),
+                prefix: DEFAULT_PREFIX.into(),
                 liveness_interval: DEFAULT_LIVENESS_INTERVAL,
-                network_timeout: DEFAULT_NETWORK_TIMEOUT,
+                command_timeout: DEFAULT_COMMAND_TIMEOUT,
                 sequence: DEFAULT_FENCING_SEQUENCE.into(),
                 fencing: None,
                 scope: LockScope::Session,
@@ -540,15 +539,15 @@ impl PostgresBackend {
         self.configure(|inner| inner.instance_literal = literal.into())
     }
 
-    /// The first part of every lock id (default [`DEFAULT_NAMESPACE`]): applications
-    /// that share a database but must not share locks use different namespaces.
-    pub fn namespace(self, namespace: impl Into<String>) -> Self {
-        let namespace: String = namespace.into();
-        self.configure(|inner| inner.namespace = namespace.into())
+    /// The first part of every lock id (default [`DEFAULT_PREFIX`]): applications
+    /// that share a database but must not share locks use different prefixes.
+    pub fn prefix(self, prefix: impl Into<String>) -> Self {
+        let prefix: String = prefix.into();
+        self.configure(|inner| inner.prefix = prefix.into())
     }
 
     /// How often held connections are checked with a round trip (default 1 s): a
-    /// server gone silent is noticed at most this long plus the network timeout after
+    /// server gone silent is noticed at most this long plus the command timeout after
     /// its last answer (a closed connection is noticed within 5 ms, without a round
     /// trip). Each check is one `SELECT pg_backend_pid()`. Also part of the server-side
     /// limit of a holding session (see [Lost locks](self#lost-locks)).
@@ -564,13 +563,13 @@ impl PostgresBackend {
     /// liveness check, the unlock — beyond the request's own wait (default 2 s). A
     /// statement past it leaves its connection in an unknown state, so the connection
     /// is closed rather than reused. The server-side limit of a holding session is one
-    /// liveness interval plus two network timeouts (see [Lost locks](self#lost-locks)).
+    /// liveness interval plus two command timeouts (see [Lost locks](self#lost-locks)).
     ///
     /// # Panics
     /// If `timeout` is zero.
-    pub fn network_timeout(self, timeout: Duration) -> Self {
-        assert!(!timeout.is_zero(), "network_timeout must not be zero");
-        self.configure(|inner| inner.network_timeout = timeout)
+    pub fn command_timeout(self, timeout: Duration) -> Self {
+        assert!(!timeout.is_zero(), "command_timeout must not be zero");
+        self.configure(|inner| inner.command_timeout = timeout)
     }
 
     /// Issues a fencing token with every grant (off by default): `nextval` of the
@@ -619,18 +618,18 @@ impl PostgresBackend {
         &self.inner.pool
     }
 
-    /// The lock id of `key` under the layer `name` with this backend's namespace.
+    /// The lock id of `key` under the layer `name` with this backend's prefix.
     ///
     /// ```
     /// use tower_keyed_lock::backend::postgres::{lock_id, PostgresBackend};
     ///
     /// let backend = PostgresBackend::from_config_str("host=localhost")
     ///     .unwrap()
-    ///     .namespace("billing");
+    ///     .prefix("billing");
     /// assert_eq!(backend.lock_id("orders", "42"), lock_id("billing", "orders", "42"));
     /// ```
     pub fn lock_id(&self, name: &str, key: &str) -> i64 {
-        lock_id(&self.inner.namespace, name, key)
+        lock_id(&self.inner.prefix, name, key)
     }
 
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
@@ -673,13 +672,13 @@ impl Inner {
     /// How long PostgreSQL lets a holding session sit idle (`idle_session_timeout`,
     /// `tcp_user_timeout`; `idle_in_transaction_session_timeout` for transaction-scoped
     /// locks) before it ends it and frees the lock: one liveness interval plus two
-    /// network timeouts. A live holder is never idle that long (its checks come every
-    /// interval, and one slower than a network timeout already lost the lease), and a
+    /// command timeouts. A live holder is never idle that long (its checks come every
+    /// interval, and one slower than a command timeout already lost the lease), and a
     /// holder cut off declares the lease lost at most one interval plus one network
-    /// timeout after its last answered check: a network timeout before the server
+    /// timeout after its last answered check: a command timeout before the server
     /// frees the lock.
     fn server_idle_limit(&self) -> Duration {
-        self.liveness_interval + 2 * self.network_timeout
+        self.liveness_interval + 2 * self.command_timeout
     }
 }
 
@@ -688,9 +687,9 @@ impl fmt::Debug for PostgresBackend {
         let inner = &self.inner;
         let status = inner.pool.status();
         f.debug_struct("PostgresBackend")
-            .field("namespace", &inner.namespace)
+            .field("prefix", &inner.prefix)
             .field("liveness_interval", &inner.liveness_interval)
-            .field("network_timeout", &inner.network_timeout)
+            .field("command_timeout", &inner.command_timeout)
             .field(
                 "fencing_sequence",
                 &inner.fencing.as_ref().map(|f| &*f.sequence),
@@ -800,7 +799,7 @@ impl PostgresBackend {
         let id = self.lock_id(name, key.as_str());
         let permits = match mode {
             LockMode::Permit { of } => {
-                permits::permit_ids(&self.inner.namespace, name, key.as_str(), of)
+                permits::permit_ids(&self.inner.prefix, name, key.as_str(), of)
             }
             _ => Vec::new(),
         };
@@ -809,17 +808,17 @@ impl PostgresBackend {
         // PostgreSQL's `lock_timeout` is an `int` of milliseconds (24.8 days): a longer
         // wait (`Duration::MAX` for "no limit" included) ends there, with a timeout.
         let wait = wait.min(Duration::from_millis(i32::MAX as u64));
-        // The whole acquisition stays within the wait plus one network timeout, however
+        // The whole acquisition stays within the wait plus one command timeout, however
         // many round trips were slow. Cut short, it drops its connection: closed, so
         // whatever PostgreSQL granted it is freed.
-        let limit = wait + inner.network_timeout;
+        let limit = wait + inner.command_timeout;
         Box::pin(async move {
-            // Once per backend, outside the wait (up to four network timeouts).
+            // Once per backend, outside the wait (up to four command timeouts).
             if inner.scope == LockScope::Session {
                 inner
                     .check_own_sessions()
                     .await
-                    .map_err(SetupError::into_lock_error)?;
+                    .map_err(setup::into_lock_error)?;
             }
             let acquire = async {
                 let deadline = Instant::now() + wait;
@@ -846,7 +845,7 @@ impl PostgresBackend {
             match timeout(limit, acquire).await {
                 Ok(result) => result,
                 Err(_) => Err(PgError::message(
-                    "PostgreSQL did not answer within the wait plus the network timeout",
+                    "PostgreSQL did not answer within the wait plus the command timeout",
                 )
                 .into_lock_error()),
             }

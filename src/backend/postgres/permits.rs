@@ -29,16 +29,10 @@ use crate::error::LockError;
 pub const PERMIT_POLL: Duration = Duration::from_millis(100);
 
 /// The lock ids of the `permits` permits of `key` for the locks named `name`: distinct
-/// from the key's own lock id (the namespace gains a NUL and the permit's place).
-pub(super) fn permit_ids(namespace: &str, name: &str, key: &str, permits: usize) -> Vec<i64> {
+/// from the key's own lock id (the prefix gains a NUL and the permit's place).
+pub(super) fn permit_ids(prefix: &str, name: &str, key: &str, permits: usize) -> Vec<i64> {
     (0..permits)
-        .map(|place| {
-            lock_id(
-                &format!("{namespace}\0permit {place} of {permits}"),
-                name,
-                key,
-            )
-        })
+        .map(|place| lock_id(&format!("{prefix}\0permit {place} of {permits}"), name, key))
         .collect()
 }
 

@@ -41,7 +41,7 @@
 //! pooler's other clients keep that session busy so it is never idle), the probe asks
 //! again: the next statement found the session still there with its marker, and a
 //! second connection looks for the marker too — seeing it means sharing, refused; the
-//! grace doubles, up to four network timeouts in all. A statement that met the
+//! grace doubles, up to four command timeouts in all. A statement that met the
 //! session's end says nothing either way: the probe starts again on a fresh
 //! connection. Still undecided at the end, the setup is refused as unconfirmed (not
 //! kept: the next acquisition tries again).
@@ -60,8 +60,8 @@ use tokio::time::Instant;
 use super::acquire::nonce;
 use super::error::PgError;
 use super::session::{last_row, Session};
-use super::setup::SetupError;
 use super::Inner;
+use crate::backend::SetupError;
 
 /// The session setting that names the probe (a random value), so its next statement
 /// can tell whether it runs on the same server session.
@@ -138,9 +138,9 @@ impl Inner {
     }
 
     async fn probe_sessions(&self) -> Result<Sessions, SetupError> {
-        let limit = 4 * self.network_timeout;
+        let limit = 4 * self.command_timeout;
         let deadline = Instant::now() + limit;
-        let mut idle_limit = FIRST_IDLE_LIMIT.min(self.network_timeout);
+        let mut idle_limit = FIRST_IDLE_LIMIT.min(self.command_timeout);
         for _ in 0..PROBE_STARTS {
             if Instant::now() >= deadline {
                 break;
@@ -178,7 +178,7 @@ impl Inner {
         let session = self
             .session(deadline)
             .await
-            .map_err(SetupError::from_lock_error)?;
+            .map_err(|error| self.setup_failed_with(error))?;
         let first = format!(
             "SELECT pg_backend_pid(), set_config('{PROBE_MARKER}', '{marker}', false), \
                     CASE WHEN current_setting('idle_session_timeout', true) IS NOT NULL \
@@ -192,7 +192,7 @@ impl Inner {
             // ended the session (one a transaction pooler handed over after an earlier
             // probe's idle limit ended it), and says nothing of this setup.
             Err(error) if error.code.is_some() && !error.closed && !session.is_closed() => {
-                return Err(SetupError::Statement(Box::new(error)))
+                return Err(self.setup_failed(error))
             }
             // A pooled connection whose session had ended, one the pooler closed as it
             // linked it to a session that ended, or no answer in time (the dropped
@@ -202,8 +202,12 @@ impl Inner {
         if let Some(slow) = slower_than(sent, idle_limit) {
             return Ok(Probed::Slow(slow));
         }
-        let row = last_row(&answer).ok_or_else(odd_answer)?;
-        let pid = row.get(0).ok_or_else(odd_answer)?.to_owned();
+        let row =
+            last_row(&answer).ok_or_else(|| self.setup_failed(PgError::message(ODD_ANSWER)))?;
+        let pid = row
+            .get(0)
+            .ok_or_else(|| self.setup_failed(PgError::message(ODD_ANSWER)))?
+            .to_owned();
         if row.get(2).is_none() {
             session.give_back();
             return Ok(Probed::Found(Sessions::Unchecked));
@@ -226,7 +230,8 @@ impl Inner {
                 // for a busy pooler): nothing learned on this connection.
                 Err(_) => return Ok(Probed::Inconclusive),
             };
-            let row = last_row(&answer).ok_or_else(odd_answer)?;
+            let row =
+                last_row(&answer).ok_or_else(|| self.setup_failed(PgError::message(ODD_ANSWER)))?;
             if row.get(0) != Some(pid.as_str()) || row.get(1) != Some(marker.as_str()) {
                 return Ok(Probed::Found(Sessions::Shared));
             }
@@ -237,8 +242,8 @@ impl Inner {
             }
             // Still the same session, with the marker: does another client see it?
             if other.is_none() {
-                // Not past a network timeout: a pool of one has no second connection.
-                let until = (Instant::now() + self.network_timeout).min(deadline);
+                // Not past a command timeout: a pool of one has no second connection.
+                let until = (Instant::now() + self.command_timeout).min(deadline);
                 other = self.session(until).await.ok();
             }
             if let Some(looking) = &other {
@@ -252,7 +257,7 @@ impl Inner {
                     Err(_) => other = None,
                 }
             }
-            grace = (grace * 2).min(self.network_timeout);
+            grace = (grace * 2).min(self.command_timeout);
         }
     }
 }
@@ -277,8 +282,5 @@ async fn closed_within(session: &Session, grace: Duration, deadline: Instant) ->
     }
 }
 
-fn odd_answer() -> SetupError {
-    SetupError::Statement(Box::new(PgError::message(
-        "PostgreSQL answered the session check oddly",
-    )))
-}
+/// What a session check that made no sense of PostgreSQL's answer says.
+const ODD_ANSWER: &str = "PostgreSQL answered the session check oddly";

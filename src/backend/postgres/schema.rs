@@ -30,7 +30,7 @@ pub(crate) async fn create_if_missing(
     if last_row(&answer).and_then(|row| row.get(0)) == Some("t") {
         return Ok(());
     }
-    let lock = lock_id(super::DEFAULT_NAMESPACE, "schema", name);
+    let lock = lock_id(super::DEFAULT_PREFIX, "schema", name);
     let sql = format!(
         "SELECT pg_advisory_xact_lock({lock}); \
          DO $create$ BEGIN IF to_regclass('{name}') IS NULL THEN {create}; END IF; END \

@@ -51,15 +51,15 @@ impl Drop for Session {
 
 impl Inner {
     /// A pooled connection, waiting for one at most until `deadline` (then
-    /// [`LockError::Timeout`]: the pool is exhausted) plus the network timeout to open
+    /// [`LockError::Timeout`]: the pool is exhausted) plus the command timeout to open
     /// a new one.
     pub(super) async fn session(&self, deadline: Instant) -> Result<Session, LockError> {
         let wait = deadline.saturating_duration_since(Instant::now());
         let timeouts = Timeouts {
             // Zero means "try once" to deadpool, as to the layer.
             wait: Some(wait),
-            create: Some(self.network_timeout),
-            recycle: Some(self.network_timeout),
+            create: Some(self.command_timeout),
+            recycle: Some(self.command_timeout),
         };
         let mut got = Err(PoolError::NoRuntimeSpecified);
         if !self.pool_without_runtime.load(Ordering::Relaxed) {
@@ -77,7 +77,7 @@ impl Inner {
             let status = self.pool.status();
             let limit = match status.available == 0 && status.size >= status.max_size {
                 true => wait,
-                false => wait + self.network_timeout,
+                false => wait + self.command_timeout,
             };
             got = match timeout(limit, self.pool.timeout_get(&untimed)).await {
                 Ok(got) => got,
@@ -124,12 +124,12 @@ impl Inner {
         }
     }
 
-    /// Runs one round trip within the network timeout.
+    /// Runs one round trip within the command timeout.
     pub(super) async fn round_trip<T>(
         &self,
         query: impl Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, PgError> {
-        self.round_trip_within(self.network_timeout, query).await
+        self.round_trip_within(self.command_timeout, query).await
     }
 
     /// Runs one round trip within `limit`.

@@ -4,74 +4,44 @@
 //! be reached.
 
 use std::error::Error;
-use std::fmt;
 
 use tokio::time::Instant;
 use tokio_postgres::config::Host;
 
-use super::error::{PgError, CONNECT, UNSAFE_SEQUENCE};
-use super::{LockScope, PostgresBackend};
+use super::error::{PgError, UNSAFE_SEQUENCE};
+use super::{Inner, LockScope, PostgresBackend};
+use crate::backend::SetupError;
 use crate::error::LockError;
 
-/// Why [`PostgresBackend::build`] refused to build (also the source of the
-/// [`LockError::Backend`] of the first acquisitions of a backend used without it).
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SetupError {
-    /// PostgreSQL could not be reached: the error says `cannot connect to PostgreSQL at
-    /// <host:port>` (when the backend built its pool; the password never), then why.
-    Connect(Box<dyn Error + Send + Sync>),
-    /// A statement of the checks failed or went unanswered.
-    Statement(Box<dyn Error + Send + Sync>),
-    /// The setup would break a guarantee: the message names what and the fix (a
-    /// transaction pooler in front of session locks, a fencing sequence that could go
-    /// backwards).
-    Unsafe(String),
-}
+/// How errors name the engine.
+const ENGINE: &str = "PostgreSQL";
 
-impl fmt::Display for SetupError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SetupError::Connect(error) => write!(f, "{error}"),
-            SetupError::Statement(error) => write!(f, "PostgreSQL setup check failed: {error}"),
-            SetupError::Unsafe(why) => write!(f, "unsafe PostgreSQL lock setup refused: {why}"),
-        }
-    }
-}
-
-impl Error for SetupError {
-    fn source(&self) -> Option<&(dyn Error + 'static)> {
-        match self {
-            SetupError::Connect(error) | SetupError::Statement(error) => Some(&**error),
-            SetupError::Unsafe(_) => None,
-        }
-    }
-}
-
-impl SetupError {
-    /// A [`LockError`] of an acquisition: the check runs on first use too.
-    pub(super) fn into_lock_error(self) -> LockError {
-        LockError::Backend(Box::new(self))
+impl Inner {
+    /// A setup step failed with `cause`, at this backend's server.
+    pub(super) fn setup_failed(
+        &self,
+        cause: impl Into<Box<dyn Error + Send + Sync>>,
+    ) -> SetupError {
+        let server = self.address.as_deref().unwrap_or("the pool's server");
+        SetupError::failed(ENGINE, server, cause)
     }
 
-    /// A failure of a step that reports a [`LockError`]: not reachable, or failed.
-    pub(super) fn from_lock_error(error: LockError) -> Self {
+    /// A setup step that reports a [`LockError`] failed: not reachable, or failed.
+    pub(super) fn setup_failed_with(&self, error: LockError) -> SetupError {
         match error {
-            LockError::Backend(error) if is_connect(&*error) => SetupError::Connect(error),
-            LockError::Backend(error) => SetupError::Statement(error),
-            LockError::Timeout => SetupError::Connect(Box::new(PgError::message(
-                "no pooled connection to PostgreSQL came within the network timeout",
-            ))),
-            other => SetupError::Statement(Box::new(other)),
+            LockError::Backend(error) => self.setup_failed(error),
+            LockError::Timeout => self.setup_failed(PgError::message(
+                "no pooled connection to PostgreSQL came within the command timeout",
+            )),
+            other => self.setup_failed(other),
         }
     }
 }
 
-/// Whether `error` is the backend's failure to connect.
-fn is_connect(error: &(dyn Error + Send + Sync + 'static)) -> bool {
-    error
-        .downcast_ref::<PgError>()
-        .is_some_and(|error| error.what == CONNECT)
+/// The [`LockError`] of an acquisition whose setup check (run on first use too)
+/// failed.
+pub(super) fn into_lock_error(error: SetupError) -> LockError {
+    LockError::Backend(Box::new(error))
 }
 
 /// Where `config` connects to, for errors: `host:port` for each host (`[v6]:port`, a
@@ -111,7 +81,7 @@ pub(super) fn address(config: &tokio_postgres::Config) -> String {
 impl PostgresBackend {
     /// Connects now and checks the setup, instead of at the first acquisition:
     ///
-    /// - PostgreSQL is reachable (else [`SetupError::Connect`], naming its address);
+    /// - PostgreSQL is reachable (else [`SetupError::Failed`], naming its address);
     /// - with [`LockScope::Session`] (the default), each session belongs to its client
     ///   connection alone: a transaction or statement pooler in between (PgBouncer
     ///   `pool_mode=transaction` or `statement`) is refused with
@@ -120,7 +90,7 @@ impl PostgresBackend {
     /// - with [`fencing`](Self::fencing), the sequence exists (it is created if
     ///   missing) and issues increasing tokens.
     ///
-    /// Takes up to four [`network_timeout`](Self::network_timeout)s. A backend used
+    /// Takes up to four [`command_timeout`](Self::command_timeout)s. A backend used
     /// without it runs the same checks on its first acquisitions, and fails them with
     /// the same error.
     ///
@@ -137,7 +107,7 @@ impl PostgresBackend {
     /// ```
     pub async fn build(self) -> Result<PostgresBackend, SetupError> {
         let inner = &self.inner;
-        let deadline = Instant::now() + inner.network_timeout;
+        let deadline = Instant::now() + inner.command_timeout;
         match inner.scope {
             LockScope::Session => inner.check_own_sessions().await?,
             // Only reachable: one round trip on a pooled connection.
@@ -145,16 +115,16 @@ impl PostgresBackend {
                 let session = inner
                     .session(deadline)
                     .await
-                    .map_err(SetupError::from_lock_error)?;
+                    .map_err(|error| inner.setup_failed_with(error))?;
                 inner
                     .round_trip(session.simple_query("SELECT 1"))
                     .await
-                    .map_err(|error| SetupError::Statement(Box::new(error)))?;
+                    .map_err(|error| inner.setup_failed(error))?;
                 session.give_back();
             }
         }
         inner
-            .prepare_fencing(Instant::now() + inner.network_timeout)
+            .prepare_fencing(Instant::now() + inner.command_timeout)
             .await
             .map_err(|error| match error {
                 LockError::Backend(error)
@@ -164,7 +134,7 @@ impl PostgresBackend {
                 {
                     SetupError::Unsafe(error.to_string())
                 }
-                error => SetupError::from_lock_error(error),
+                error => inner.setup_failed_with(error),
             })?;
         Ok(self)
     }

@@ -48,9 +48,9 @@ impl Inner {
             }
         };
         let (session, sent, answer) = self
-            .first_query(deadline, sql, wait + self.network_timeout)
+            .first_query(deadline, sql, wait + self.command_timeout)
             .await?;
-        let prompt = sent.elapsed() <= self.network_timeout;
+        let prompt = sent.elapsed() <= self.command_timeout;
         // On every early return below, `session` is dropped: closed, not pooled, so
         // its transaction and lock end.
         let grant = match answer {
@@ -78,7 +78,7 @@ impl Inner {
         Ok(self.hold(session, (id, false, None), grant.pid, grant.token, since))
     }
 
-    /// Confirms within the network timeout that the transaction holding `id` is still
+    /// Confirms within the command timeout that the transaction holding `id` is still
     /// there on server process `pid`; returns when the round trip was sent. Not
     /// confirmed, the grant is given back (the caller drops the session: closed).
     async fn confirm_in_transaction(
