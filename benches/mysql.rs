@@ -48,13 +48,15 @@ fn main() {
         .build()
         .expect("a tokio runtime");
 
-    let backend = MySqlBackend::from_url(&server.url())
-        .unwrap()
-        .max_connections(1);
-    let fencing = MySqlBackend::from_url(&server.url())
+    let backend = MySqlBackend::builder_from_url(&server.url())
         .unwrap()
         .max_connections(1)
-        .fencing(true);
+        .build_lazy();
+    let fencing = MySqlBackend::builder_from_url(&server.url())
+        .unwrap()
+        .max_connections(1)
+        .fencing(true)
+        .build_lazy();
     let key = Key::new("order-1", 64).unwrap();
     let mut bare = rt.block_on(Bare::connect(&server.url()));
 
@@ -161,8 +163,18 @@ fn hand_off(server: &MySqlServer, turns: usize) {
         .build()
         .unwrap();
     let mut times = rt.block_on(async {
-        let a = DistributedLocks::new(NAME, MySqlBackend::from_url(&server.url()).unwrap());
-        let b = DistributedLocks::new(NAME, MySqlBackend::from_url(&server.url()).unwrap());
+        let a = DistributedLocks::new(
+            NAME,
+            MySqlBackend::builder_from_url(&server.url())
+                .unwrap()
+                .build_lazy(),
+        );
+        let b = DistributedLocks::new(
+            NAME,
+            MySqlBackend::builder_from_url(&server.url())
+                .unwrap()
+                .build_lazy(),
+        );
         let mut times = Vec::with_capacity(turns);
         for _ in 0..turns {
             let held = a.lock("hand-off").await.unwrap();

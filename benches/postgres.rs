@@ -105,10 +105,11 @@ fn main() {
 
 /// The backend as the bench uses it: fencing on, a pool for `TASKS` keys at once.
 fn backend(conn: &str) -> PostgresBackend {
-    PostgresBackend::from_config_str(conn)
+    PostgresBackend::builder_from_str(conn)
         .unwrap()
         .max_connections(TASKS)
         .fencing(true)
+        .build_lazy()
 }
 
 fn task_key(task: usize) -> String {

@@ -164,7 +164,9 @@ async fn redis_layers(client: redis::Client) -> (KeyedLockLayer<HeaderKey>, Redi
 /// pool of its own, looked up by the lock.
 fn postgres_layers(config: &str) -> (KeyedLockLayer<HeaderKey>, PostgresReplayStore) {
     let config: tokio_postgres::Config = config.parse().unwrap();
-    let backend = PostgresBackend::from_config(config.clone()).fencing(true);
+    let backend = PostgresBackend::builder_from_config(config.clone())
+        .fencing(true)
+        .build_lazy();
     let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
         .max_size(8)
         .build()

@@ -260,9 +260,10 @@ impl Shared {
             }
             #[cfg(feature = "mysql")]
             Shared::MySql(url) => {
-                let backend = tower_keyed_lock::MySqlBackend::from_url(url)
+                let backend = tower_keyed_lock::MySqlBackend::builder_from_url(url)
                     .expect("a valid MySQL URL")
-                    .fencing(true);
+                    .fencing(true)
+                    .build_lazy();
                 Ok(DistributedLocks::new("cron", backend))
             }
             #[cfg(feature = "azure-blob")]

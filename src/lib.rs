@@ -37,7 +37,10 @@
 //! use tower_keyed_lock::{DistributedLocks, LockError, PostgresBackend};
 //! # async fn send_invoices() {}
 //!
-//! let backend = PostgresBackend::from_config_str("host=db user=app dbname=app")?.fencing(true);
+//! let backend = PostgresBackend::builder_from_str("host=db user=app dbname=app")?
+//!     .fencing(true)
+//!     .build()
+//!     .await?;
 //! let jobs = DistributedLocks::new("jobs", backend);
 //! match jobs.try_lock("send-invoices").await {
 //!     Ok(guard) => {

@@ -148,7 +148,11 @@ pub fn postgres_instances(
 ) -> (Arc<dyn LockBackend>, Arc<dyn LockBackend>) {
     let backend = || {
         let config = server.conn_str().parse().expect("a connection string");
-        Arc::new(PostgresBackend::from_config(config).fencing(true)) as Arc<dyn LockBackend>
+        Arc::new(
+            PostgresBackend::builder_from_config(config)
+                .fencing(true)
+                .build_lazy(),
+        ) as Arc<dyn LockBackend>
     };
     (backend(), backend())
 }

@@ -17,7 +17,10 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
-use tower_keyed_lock::backend::mysql::{lock_name, MySqlBackend, DEFAULT_PREFIX};
+use tower_keyed_lock::backend::mysql::{
+    lock_name, MySqlBackend, MySqlBackendBuilder, DEFAULT_PREFIX,
+};
+use tower_keyed_lock::backend::SetupError;
 use tower_keyed_lock::{DistributedLocks, Key, LockBackend, LockError};
 
 const LIVENESS: Duration = Duration::from_millis(100);
@@ -28,12 +31,17 @@ const PATIENCE: Duration = Duration::from_secs(10);
 const SLACK: Duration = Duration::from_millis(500);
 const NAME: &str = "jobs";
 
-fn backend(url: &str) -> MySqlBackend {
-    MySqlBackend::from_url(url)
+fn builder(url: &str) -> MySqlBackendBuilder {
+    MySqlBackend::builder_from_url(url)
         .unwrap()
         .liveness_interval(LIVENESS)
         .command_timeout(COMMAND_TIMEOUT)
         .fencing(true)
+}
+
+/// [`builder`] as it is, connecting on first use.
+fn backend(url: &str) -> MySqlBackend {
+    builder(url).build_lazy()
 }
 
 fn locks(url: &str) -> DistributedLocks {
@@ -187,7 +195,12 @@ async fn unsafe_fencing_tables_are_refused_by_name() {
         "CREATE TABLE {}.volatile (id TINYINT UNSIGNED PRIMARY KEY, token BIGINT UNSIGNED NOT NULL) ENGINE = MEMORY",
         crate::support::mysql_server::DATABASE
     ));
-    let refused = DistributedLocks::new(NAME, backend(&server.url()).fencing_table("volatile"));
+    let refused = DistributedLocks::new(
+        NAME,
+        builder(&server.url())
+            .fencing_table("volatile")
+            .build_lazy(),
+    );
     let error = refused.lock_timeout("k", PATIENCE).await.unwrap_err();
     let message = format!("{error}: {:?}", std::error::Error::source(&error));
     assert!(message.contains("InnoDB"), "{message}");
@@ -583,11 +596,12 @@ async fn faults_in_turn_never_grant_a_key_twice_unsignalled() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_during_a_liveness_check_never_desyncs_the_connection() {
     let server = MySqlServer::start();
-    let checked_often = MySqlBackend::from_url(&server.url())
+    let checked_often = MySqlBackend::builder_from_url(&server.url())
         .unwrap()
         .liveness_interval(Duration::from_millis(1))
         .command_timeout(COMMAND_TIMEOUT)
-        .fencing(true);
+        .fencing(true)
+        .build_lazy();
     let a = DistributedLocks::new(NAME, checked_often);
     let b = locks(&server.url());
     let name = lock_name(DEFAULT_PREFIX, NAME, "k");
@@ -680,11 +694,12 @@ async fn a_killed_holder_is_told_as_the_next_holder_is_granted() {
 async fn a_server_crash_or_stop_tells_the_holder_at_once() {
     let interval = Duration::from_secs(2);
     let mut server = MySqlServer::start();
-    let backend = MySqlBackend::from_url(&server.url())
+    let backend = MySqlBackend::builder_from_url(&server.url())
         .unwrap()
         .liveness_interval(interval)
         .command_timeout(COMMAND_TIMEOUT)
-        .fencing(true);
+        .fencing(true)
+        .build_lazy();
     let a = DistributedLocks::new(NAME, backend);
     for crash in [true, false] {
         let guard = a.lock_timeout("k", PATIENCE).await.unwrap();
@@ -782,4 +797,56 @@ async fn an_unreachable_server_is_named_with_its_address_and_cause() {
     // The cause follows the address.
     let address_end = message.find(&format!("{port}")).unwrap() + port.to_string().len();
     assert!(message.len() > address_end + 2, "no cause: {message}");
+}
+
+/// `build` connects and checks the server before handing out the backend: against
+/// nothing it fails with the address (never the password) and the cause; against a
+/// server it builds a backend that locks, and refuses a fencing table that could lose
+/// its counter, as the first acquisition of a lazily built backend does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn build_checks_the_server_first() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("mysql://locker:s3cret-pw@127.0.0.1:{port}/test");
+    let error = builder(&url)
+        .build()
+        .await
+        .expect_err("nothing listens there");
+    let message = error.to_string();
+    eprintln!("unreachable at build: {message}");
+    assert!(matches!(error, SetupError::Failed { .. }), "{error:?}");
+    assert!(
+        message.contains(&format!(
+            "MySQL lock backend setup failed: at 127.0.0.1:{port}: "
+        )),
+        "{message}"
+    );
+    assert!(
+        !message.contains("s3cret-pw"),
+        "the password leaked: {message}"
+    );
+
+    let server = MySqlServer::start();
+    let built = builder(&server.url())
+        .build()
+        .await
+        .expect("a server to build on");
+    let locks = DistributedLocks::new(NAME, built);
+    let guard = locks.try_lock("k").await.expect("a free key");
+    assert!(guard.fencing_token().is_some());
+    guard.release().await;
+
+    server.admin(&format!(
+        "CREATE TABLE {}.volatile (id TINYINT UNSIGNED PRIMARY KEY, token BIGINT UNSIGNED NOT NULL) ENGINE = MEMORY",
+        crate::support::mysql_server::DATABASE
+    ));
+    let refused = builder(&server.url())
+        .fencing_table("volatile")
+        .build()
+        .await
+        .expect_err("a MEMORY table loses its counter on a restart");
+    assert!(refused.to_string().contains("InnoDB"), "{refused}");
 }

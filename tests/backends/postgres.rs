@@ -13,7 +13,9 @@ use axum::Router;
 use http::StatusCode;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::{lock_id, LockScope, PostgresBackend, LOCK_ID_SQL};
+use tower_keyed_lock::backend::postgres::{
+    lock_id, LockScope, PostgresBackend, PostgresBackendBuilder, LOCK_ID_SQL,
+};
 use tower_keyed_lock::backend::SetupError;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, LockInfo};
 
@@ -28,12 +30,17 @@ const PATIENCE: Duration = Duration::from_secs(10);
 
 /// A backend as an application would build it, with a fast liveness check and an
 /// application name that tells the instances apart in `pg_stat_activity` and the log.
-fn backend(pg: &PgServer, instance: &str) -> PostgresBackend {
+fn builder(pg: &PgServer, instance: &str) -> PostgresBackendBuilder {
     let mut config: tokio_postgres::Config = pg.conn_str().parse().unwrap();
     config.application_name(instance);
     // Superuser-only setting, fine here: the log then shows every statement.
     config.options("-c log_statement=all");
-    PostgresBackend::from_config(config).liveness_interval(Duration::from_millis(100))
+    PostgresBackend::builder_from_config(config).liveness_interval(Duration::from_millis(100))
+}
+
+/// [`builder`] with its defaults, connecting on first use.
+fn backend(pg: &PgServer, instance: &str) -> PostgresBackend {
+    builder(pg, instance).build_lazy()
 }
 
 /// A connection of the test's own, to look at the server.
@@ -277,9 +284,10 @@ fn lock_ids_are_pinned() {
             "{namespace}/{name}/{key}"
         );
     }
-    let backend = PostgresBackend::from_config_str("host=localhost")
+    let backend = PostgresBackend::builder_from_str("host=localhost")
         .unwrap()
-        .prefix("billing");
+        .prefix("billing")
+        .build_lazy();
     assert_eq!(backend.lock_id("orders", "42"), PINNED[2].3);
 }
 
@@ -667,7 +675,9 @@ async fn silent_holding_connection_raises_lease_lost() {
     let pg = PgServer::start();
     let admin = admin(&pg).await;
     let (probe, mut entered) = Probe::gated();
-    let a = backend(&pg, "silent-a").command_timeout(Duration::from_millis(300));
+    let a = builder(&pg, "silent-a")
+        .command_timeout(Duration::from_millis(300))
+        .build_lazy();
     let server = Arc::new(serve(app(layer(a.clone(), PATIENCE), probe.clone())).await);
 
     let request = spawn_post(&server, "/lost/1");
@@ -757,7 +767,11 @@ async fn unreachable_database_answers_503_promptly() {
     let port = crate::support::pg_server::free_port();
     let conn = format!("host=127.0.0.1 port={port} user=postgres");
     let (probe, _entered) = Probe::open(Duration::ZERO);
-    let backend = || PostgresBackend::from_config_str(&conn).unwrap();
+    let backend = || {
+        PostgresBackend::builder_from_str(&conn)
+            .unwrap()
+            .build_lazy()
+    };
     let wait = Duration::from_secs(5);
     let closed = serve(app(layer(backend(), wait), probe.clone())).await;
     let open = serve(app(layer(backend(), wait).fail_open(true), probe.clone())).await;
@@ -793,9 +807,10 @@ async fn unreachable_server_acquisition_error_names_postgres_and_the_address() {
     let port = crate::support::pg_server::free_port();
     let conn = format!("host=127.0.0.1 port={port} user=app password=hunter2 dbname=app");
     for scope in [LockScope::Session, LockScope::Transaction] {
-        let backend = PostgresBackend::from_config_str(&conn)
+        let backend = PostgresBackend::builder_from_str(&conn)
             .unwrap()
-            .lock_scope(scope);
+            .lock_scope(scope)
+            .build_lazy();
         match backend
             .acquire("orders", &Key::new("1", 64).unwrap(), Duration::ZERO)
             .await
@@ -815,7 +830,7 @@ async fn unreachable_server_build_error_names_postgres_and_the_address() {
     let port = crate::support::pg_server::free_port();
     let conn = format!("postgresql://app:hunter2@127.0.0.1:{port}/app");
     for scope in [LockScope::Session, LockScope::Transaction] {
-        let built = PostgresBackend::from_config_str(&conn)
+        let built = PostgresBackend::builder_from_str(&conn)
             .unwrap()
             .lock_scope(scope)
             .build()
@@ -868,9 +883,10 @@ async fn silent_database_answers_503_within_the_command_timeout() {
         }
     });
     let network = Duration::from_millis(300);
-    let backend = PostgresBackend::from_config_str(&format!("host=127.0.0.1 port={port}"))
+    let backend = PostgresBackend::builder_from_str(&format!("host=127.0.0.1 port={port}"))
         .unwrap()
-        .command_timeout(network);
+        .command_timeout(network)
+        .build_lazy();
     let (probe, _entered) = Probe::open(Duration::ZERO);
     let server = serve(app(layer(backend, Duration::from_secs(5)), probe)).await;
 
@@ -892,7 +908,7 @@ async fn exhausted_pool_times_out_with_409() {
     let pg = PgServer::start();
     let (probe, mut entered) = Probe::gated();
     let wait = Duration::from_millis(300);
-    let layer = layer(backend(&pg, "small").max_connections(1), wait);
+    let layer = layer(builder(&pg, "small").max_connections(1).build_lazy(), wait);
     let server = Arc::new(serve(app(layer, probe.clone())).await);
 
     let holder = spawn_post(&server, "/orders/a");
@@ -919,7 +935,7 @@ async fn pool_without_runtime_works() {
         .max_size(1)
         .build()
         .unwrap();
-    let backend = PostgresBackend::new(pool);
+    let backend = PostgresBackend::builder(pool).build_lazy();
     let (one, two) = (Key::new("1", 64).unwrap(), Key::new("2", 64).unwrap());
     let wait = Duration::from_millis(200);
     let mut pids = Vec::new();
@@ -954,14 +970,14 @@ async fn fencing_tokens_strictly_increase() {
     let (probe, mut entered) = Probe::gated();
     let a = Arc::new(
         serve(app(
-            layer(backend(&pg, "fence-a").fencing(true), PATIENCE),
+            layer(builder(&pg, "fence-a").fencing(true).build_lazy(), PATIENCE),
             probe.clone(),
         ))
         .await,
     );
     let b = Arc::new(
         serve(app(
-            layer(backend(&pg, "fence-b").fencing(true), PATIENCE),
+            layer(builder(&pg, "fence-b").fencing(true).build_lazy(), PATIENCE),
             probe.clone(),
         ))
         .await,
@@ -1017,9 +1033,13 @@ async fn fencing_sequence_that_could_go_backwards_is_refused() {
     let key = Key::new("1", 64).unwrap();
     let mut refused = Vec::new();
     for sequence in ["cached_tokens", "cycling_tokens"] {
-        let a = backend(&pg, "fence-a").fencing_sequence(sequence);
+        let a = builder(&pg, "fence-a")
+            .fencing_sequence(sequence)
+            .build_lazy();
         refused.push(a.clone());
-        let b = backend(&pg, "fence-b").fencing_sequence(sequence);
+        let b = builder(&pg, "fence-b")
+            .fencing_sequence(sequence)
+            .build_lazy();
         let mut tokens = Vec::new();
         for i in 0..4 {
             let instance = if i % 2 == 0 { &a } else { &b };
@@ -1096,10 +1116,11 @@ async fn released_keys_leave_nothing_but_the_fencing_sequence() {
     const KEYS: usize = 1_000;
     const TASKS: usize = 8;
     let mut pg = PgServer::start();
-    let backend = PostgresBackend::from_config_str(&pg.conn_str())
+    let backend = PostgresBackend::builder_from_str(&pg.conn_str())
         .unwrap()
         .max_connections(TASKS)
-        .fencing(true);
+        .fencing(true)
+        .build_lazy();
     let lock = |backend: PostgresBackend, key: String| async move {
         let lease = backend
             .acquire("footprint", &Key::new(&key, 64).unwrap(), PATIENCE)
@@ -1188,7 +1209,9 @@ async fn a_session_ended_while_idle_in_the_pool_is_replaced() {
     use tower_keyed_lock::backend::LockMode;
     let pg = PgServer::start();
     let network = Duration::from_millis(100);
-    let b = backend(&pg, "idle-pool").command_timeout(network);
+    let b = builder(&pg, "idle-pool")
+        .command_timeout(network)
+        .build_lazy();
     // The server's idle limit: liveness interval + 2 × network timeout.
     let idle_limit = Duration::from_millis(100) + 2 * network;
     for mode in [LockMode::Exclusive, LockMode::Shared] {

@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, NoTls};
 use tower_keyed_lock::backend::postgres::{
-    LockScope, PostgresBackend, DEFAULT_COMMAND_TIMEOUT, DEFAULT_LIVENESS_INTERVAL,
+    LockScope, PostgresBackend, PostgresBackendBuilder, DEFAULT_COMMAND_TIMEOUT,
+    DEFAULT_LIVENESS_INTERVAL,
 };
 use tower_keyed_lock::{Key, Lease, LockBackend, LockError};
 
@@ -41,7 +42,7 @@ fn pg_addr(pg: &PgServer) -> SocketAddr {
 }
 
 /// An instance whose connections go to `host_port` (the proxy or the server).
-fn backend(host_port: &str, instance: &str) -> PostgresBackend {
+fn builder(host_port: &str, instance: &str) -> PostgresBackendBuilder {
     let (host, port) = host_port.split_once(':').unwrap();
     let mut config = tokio_postgres::Config::new();
     config
@@ -52,15 +53,24 @@ fn backend(host_port: &str, instance: &str) -> PostgresBackend {
         .application_name(instance);
     // A holding session's application name is its holder record, which ends with
     // the instance id: `instance` still finds it (`tkl % <instance>`).
-    PostgresBackend::from_config(config)
+    PostgresBackend::builder_from_config(config)
         .instance_id(instance)
         .liveness_interval(LIVENESS)
         .command_timeout(NETWORK)
         .fencing(true)
 }
 
+/// [`builder`] as it is, connecting on first use.
+fn backend(host_port: &str, instance: &str) -> PostgresBackend {
+    builder(host_port, instance).build_lazy()
+}
+
+fn direct_builder(pg: &PgServer, instance: &str) -> PostgresBackendBuilder {
+    builder(&format!("127.0.0.1:{}", pg.port()), instance)
+}
+
 fn direct(pg: &PgServer, instance: &str) -> PostgresBackend {
-    backend(&format!("127.0.0.1:{}", pg.port()), instance)
+    direct_builder(pg, instance).build_lazy()
 }
 
 fn key(key: &str) -> Key {
@@ -217,7 +227,9 @@ async fn terminated_holder_is_told_as_soon_as_its_connection_closes() {
     let admin = admin(&pg).await;
     let (mut windows, mut told) = (Vec::new(), Vec::new());
     for trial in 0..trials() {
-        let holder = direct(&pg, "terminated").liveness_interval(Duration::from_secs(5));
+        let holder = direct_builder(&pg, "terminated")
+            .liveness_interval(Duration::from_secs(5))
+            .build_lazy();
         let other = direct(&pg, "waiting");
         let name = format!("terminate-{trial}");
         let lease = holder
@@ -279,7 +291,9 @@ async fn terminated_holder_is_told_as_soon_as_its_connection_closes() {
 async fn silent_path_never_hangs_an_acquisition_and_heals() {
     let pg = PgServer::start();
     let proxy = TcpProxy::start(pg_addr(&pg)).await;
-    let cut_off = backend(&proxy.host_port(), "cut-off").max_connections(3);
+    let cut_off = builder(&proxy.host_port(), "cut-off")
+        .max_connections(3)
+        .build_lazy();
     let other = direct(&pg, "other");
     // Two pooled connections through the proxy.
     let warm = [
@@ -451,25 +465,27 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder() {
         let mut margins = Vec::new();
         for trial in 0..trials {
             let proxy = TcpProxy::start(pg_addr(&pg)).await;
-            let timed = |backend: PostgresBackend| {
-                backend
+            let timed = |builder: PostgresBackendBuilder| {
+                builder
                     .liveness_interval(liveness)
                     .command_timeout(network)
                     .lock_scope(scope)
+                    .build_lazy()
             };
-            let a = timed(backend(&proxy.host_port(), "late-a"));
+            let a = timed(builder(&proxy.host_port(), "late-a"));
             warm(&a).await;
             // B and C, the holders before and after A, are not what is tested: the
             // default timeouts, so that a slow connect on a loaded machine fails no
             // trial.
-            let untested = |backend: PostgresBackend| {
-                backend
+            let untested = |builder: PostgresBackendBuilder| {
+                builder
                     .liveness_interval(DEFAULT_LIVENESS_INTERVAL)
                     .command_timeout(DEFAULT_COMMAND_TIMEOUT)
                     .lock_scope(scope)
+                    .build_lazy()
             };
-            let b = untested(direct(&pg, "late-b"));
-            let c = untested(direct(&pg, "late-c"));
+            let b = untested(direct_builder(&pg, "late-b"));
+            let c = untested(direct_builder(&pg, "late-c"));
             let name = format!("late-{scope:?}-{network:?}-{trial}");
 
             let held = b

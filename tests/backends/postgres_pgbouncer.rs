@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend};
+use tower_keyed_lock::backend::postgres::{LockScope, PostgresBackend, PostgresBackendBuilder};
 use tower_keyed_lock::backend::SetupError;
 use tower_keyed_lock::{Key, LockBackend, LockError};
 
@@ -22,13 +22,18 @@ const PATIENCE: Duration = Duration::from_secs(10);
 
 /// A backend as an instance would build it, connecting to `conn` (PgBouncer or the
 /// server itself), with fast liveness checks.
-fn backend(conn: &str, instance: &str, scope: LockScope) -> PostgresBackend {
+fn builder(conn: &str, instance: &str, scope: LockScope) -> PostgresBackendBuilder {
     let mut config: tokio_postgres::Config = conn.parse().unwrap();
     config.application_name(instance);
-    PostgresBackend::from_config(config)
+    PostgresBackend::builder_from_config(config)
         .liveness_interval(Duration::from_millis(100))
         .command_timeout(Duration::from_millis(500))
         .lock_scope(scope)
+}
+
+/// [`builder`] as it is, connecting on first use.
+fn backend(conn: &str, instance: &str, scope: LockScope) -> PostgresBackend {
+    builder(conn, instance, scope).build_lazy()
 }
 
 fn key(key: &str) -> Key {
@@ -141,7 +146,7 @@ async fn holder_moved_to_another_server_process_is_told_lost() {
     let pg = PgServer::start();
     let admin = connect(&pg.conn_str()).await;
     let bouncer = PgBouncer::start(&pg, PoolMode::Session, 2);
-    let a = backend(&bouncer.conn_str(), "a", LockScope::Session)
+    let a = builder(&bouncer.conn_str(), "a", LockScope::Session)
         .build()
         .await
         .expect("session pooling is accepted");
@@ -202,7 +207,11 @@ async fn holder_moved_to_another_server_process_is_told_lost() {
 async fn session_locks_through_session_pooling_serialize() {
     let pg = PgServer::start();
     let bouncer = PgBouncer::start(&pg, PoolMode::Session, 20);
-    let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Session).fencing(true);
+    let instance = |name| {
+        builder(&bouncer.conn_str(), name, LockScope::Session)
+            .fencing(true)
+            .build_lazy()
+    };
     assert_serialized(instance("a"), instance("b")).await;
     let admin = connect(&pg.conn_str()).await;
     eventually("every lock is released", || async {
@@ -346,7 +355,11 @@ async fn session_locks_through_a_resetting_transaction_pooler_are_refused() {
     let pg = PgServer::start();
     for pool_size in [1, 4] {
         let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, pool_size, RESET_ALWAYS);
-        let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Session).fencing(true);
+        let instance = |name| {
+            builder(&bouncer.conn_str(), name, LockScope::Session)
+                .fencing(true)
+                .build_lazy()
+        };
         let tally = hammer(
             instance("a"),
             instance("b"),
@@ -372,8 +385,8 @@ const RESET_ON_SESSION_END: &[(&str, &str)] = &[
 
 /// An instance as the pooler checks below configure it: session scope, fencing on,
 /// liveness checks every 100 ms, a network timeout of 300 ms.
-fn checked_instance(conn: &str, name: &str) -> PostgresBackend {
-    backend(conn, name, LockScope::Session)
+fn checked_instance(conn: &str, name: &str) -> PostgresBackendBuilder {
+    builder(conn, name, LockScope::Session)
         .command_timeout(Duration::from_millis(300))
         .fencing(true)
 }
@@ -411,8 +424,8 @@ async fn session_scope_behind_a_transaction_pooler_never_grants() {
             run: pooler_run(),
         };
         let (a, b) = (
-            checked_instance(&bouncer.conn_str(), "a"),
-            checked_instance(&bouncer.conn_str(), "b"),
+            checked_instance(&bouncer.conn_str(), "a").build_lazy(),
+            checked_instance(&bouncer.conn_str(), "b").build_lazy(),
         );
         let tally = hammer(a, b, workload).await;
         // Every client has ended: what do the server sessions still hold?
@@ -559,7 +572,11 @@ async fn session_scope_direct_and_through_session_pooling_is_accepted_at_build()
 async fn transaction_locks_through_a_resetting_transaction_pooler_serialize() {
     let pg = PgServer::start();
     let bouncer = PgBouncer::start_with(&pg, PoolMode::Transaction, 20, RESET_ALWAYS);
-    let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Transaction).fencing(true);
+    let instance = |name| {
+        builder(&bouncer.conn_str(), name, LockScope::Transaction)
+            .fencing(true)
+            .build_lazy()
+    };
     let tally = hammer(
         instance("a"),
         instance("b"),
@@ -580,7 +597,11 @@ async fn transaction_locks_through_a_resetting_transaction_pooler_serialize() {
 async fn transaction_locks_through_transaction_pooling_serialize() {
     let pg = PgServer::start();
     let bouncer = PgBouncer::start(&pg, PoolMode::Transaction, 20);
-    let instance = |name| backend(&bouncer.conn_str(), name, LockScope::Transaction).fencing(true);
+    let instance = |name| {
+        builder(&bouncer.conn_str(), name, LockScope::Transaction)
+            .fencing(true)
+            .build_lazy()
+    };
     assert_serialized(instance("a"), instance("b")).await;
     let admin = connect(&pg.conn_str()).await;
     eventually("every lock is released", || async {
@@ -592,7 +613,11 @@ async fn transaction_locks_through_transaction_pooling_serialize() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transaction_locks_serialize_on_direct_connections() {
     let pg = PgServer::start();
-    let instance = |name| backend(&pg.conn_str(), name, LockScope::Transaction).fencing(true);
+    let instance = |name| {
+        builder(&pg.conn_str(), name, LockScope::Transaction)
+            .fencing(true)
+            .build_lazy()
+    };
     assert_serialized(instance("a"), instance("b")).await;
 }
 
@@ -649,7 +674,7 @@ async fn assert_dropped_acquisitions_leave_no_lock(pg: &PgServer, conn: &str, sc
     let holder = backend(conn, "holder", scope);
     for delay_ms in [0, 1, 2, 3, 5, 10, 30, 100] {
         // A fresh instance each time: its first acquisition also prepares the sequence.
-        let waiter = backend(conn, "waiter", scope).fencing(true);
+        let waiter = builder(conn, "waiter", scope).fencing(true).build_lazy();
         // Not `ZERO`: the last round's dropped attempt may have been read by the server
         // after its client closed the connection, and hold the key until the server
         // notices (a moment, never for good: a leaked lock would fail this wait too).

@@ -13,7 +13,7 @@ use axum::{Extension, Router};
 use deadpool_postgres::{Manager, Pool};
 use http::StatusCode;
 use tokio_postgres::NoTls;
-use tower_keyed_lock::backend::postgres::PostgresBackend;
+use tower_keyed_lock::backend::postgres::{PostgresBackend, PostgresBackendBuilder};
 use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockInfo};
 
@@ -24,15 +24,20 @@ use crate::support::tcp_proxy::TcpProxy;
 
 const NAME: &str = "replay-postgres";
 
-fn backend(config: &str, instance: &str) -> PostgresBackend {
+fn builder(config: &str, instance: &str) -> PostgresBackendBuilder {
     let mut config: tokio_postgres::Config = config.parse().unwrap();
     config.application_name(instance);
     // A holding session's application name is its holder record, ending with the
     // instance id: `tkl % <instance>` finds it.
-    PostgresBackend::from_config(config)
+    PostgresBackend::builder_from_config(config)
         .instance_id(instance)
         .liveness_interval(Duration::from_millis(100))
         .fencing(true)
+}
+
+/// [`builder`] as it is, connecting on first use.
+fn backend(config: &str, instance: &str) -> PostgresBackend {
+    builder(config, instance).build_lazy()
 }
 
 /// The store's own pool, as the store docs advise.
@@ -263,7 +268,9 @@ async fn silent_store_fails_closed_with_503() {
 #[tokio::test]
 async fn store_without_fencing_tokens_is_refused() {
     let pg = PgServer::start();
-    let backend = backend(&pg.conn_str(), "instance").fencing(false);
+    let backend = builder(&pg.conn_str(), "instance")
+        .fencing(false)
+        .build_lazy();
     let store = PostgresReplayStore::new(pool(&pg.conn_str()));
     let kit = Kit {
         lock: Box::new(move || {
@@ -288,7 +295,9 @@ async fn store_without_fencing_tokens_is_refused() {
 #[tokio::test]
 async fn store_without_fencing_tokens_is_refused_at_build_time() {
     let pg = PgServer::start();
-    let unfenced = backend(&pg.conn_str(), "instance").fencing(false);
+    let unfenced = builder(&pg.conn_str(), "instance")
+        .fencing(false)
+        .build_lazy();
     let store = PostgresReplayStore::new(pool(&pg.conn_str()));
     let lock = || KeyedLockLayer::by_header("idempotency-key").name(NAME);
     let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -303,7 +312,7 @@ async fn store_without_fencing_tokens_is_refused_at_build_time() {
     assert!(message.contains("fencing(true)"), "{message}");
 
     let _ = lock()
-        .backend(unfenced.fencing(true))
+        .backend(builder(&pg.conn_str(), "instance").build_lazy())
         .replay(ReplayLayer::new(store));
 }
 
@@ -342,8 +351,9 @@ async fn first_use_by_many_instances_at_once_sets_up_the_schema_safely_and_quiet
             let barrier = Arc::new(tokio::sync::Barrier::new(2 * INSTANCES));
             let mut tasks = Vec::new();
             for instance in 0..INSTANCES {
-                let backend = backend(&pg.conn_str(), &format!("instance-{instance}"))
-                    .fencing_sequence(&format!("{schema}.tokens"));
+                let backend = builder(&pg.conn_str(), &format!("instance-{instance}"))
+                    .fencing_sequence(&format!("{schema}.tokens"))
+                    .build_lazy();
                 let key = Key::new(&format!("{start}-{instance}"), 64).unwrap();
                 let barrier_ = barrier.clone();
                 tasks.push(tokio::spawn(async move {
@@ -449,7 +459,9 @@ async fn round_trips_are_counted_on_the_wire() {
         proxy.addr.port()
     );
     // No liveness check falls inside a request.
-    let backend = backend(&via_proxy, "instance").liveness_interval(Duration::from_secs(30));
+    let backend = builder(&via_proxy, "instance")
+        .liveness_interval(Duration::from_secs(30))
+        .build_lazy();
     let store = PostgresReplayStore::new(pool(&via_proxy)).looked_up_by(&backend);
     let counted = Counted::new(&proxy);
     let app = |stacking: Stacking| {

@@ -20,11 +20,12 @@ fn requests() -> u64 {
 
 /// One instance of the service: its own pool and its own layer.
 fn instance(pg: &PgServer) -> KeyedLockLayer<PathParam> {
-    let backend = PostgresBackend::from_config_str(&pg.conn_str())
+    let backend = PostgresBackend::builder_from_str(&pg.conn_str())
         .expect("a valid connection string")
         .max_connections(16)
         .liveness_interval(Duration::from_millis(100))
-        .command_timeout(Duration::from_millis(500));
+        .command_timeout(Duration::from_millis(500))
+        .build_lazy();
     KeyedLockLayer::by_path("id")
         .name("soak")
         .wait_timeout(Duration::from_secs(2))

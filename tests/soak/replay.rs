@@ -222,10 +222,11 @@ async fn two_instances_sharing_postgres() {
     let effects = Arc::new(Effects::default());
     let mut instances = Vec::new();
     for _ in 0..2 {
-        let backend = PostgresBackend::from_config_str(&pg.conn_str())
+        let backend = PostgresBackend::builder_from_str(&pg.conn_str())
             .unwrap()
             .max_connections(16)
-            .fencing(true);
+            .fencing(true)
+            .build_lazy();
         let config: tokio_postgres::Config = pg.conn_str().parse().unwrap();
         let pool = Pool::builder(Manager::new(config, tokio_postgres::NoTls))
             .max_size(8)

@@ -609,10 +609,11 @@ mod postgres {
     fn backend_on(mut config: tokio_postgres::Config, name: &str) -> Arc<dyn LockBackend> {
         // Tells the instances apart in `pg_stat_activity` and the server log.
         config.application_name(name);
-        let backend = PostgresBackend::from_config(config)
+        let backend = PostgresBackend::builder_from_config(config)
             .liveness_interval(LIVENESS)
             .command_timeout(COMMAND_TIMEOUT)
-            .fencing(true);
+            .fencing(true)
+            .build_lazy();
         Arc::new(backend)
     }
 
@@ -716,11 +717,12 @@ mod pgbouncer {
         async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
             let mut config: tokio_postgres::Config = self.bouncer.conn_str().parse().unwrap();
             config.application_name(name);
-            let backend = PostgresBackend::from_config(config)
+            let backend = PostgresBackend::builder_from_config(config)
                 .lock_scope(LockScope::Transaction)
                 .liveness_interval(LIVENESS)
                 .command_timeout(COMMAND_TIMEOUT)
-                .fencing(true);
+                .fencing(true)
+                .build_lazy();
             Arc::new(backend)
         }
 
@@ -777,11 +779,12 @@ mod mysql {
     }
 
     pub fn backend_on(url: &str) -> MySqlBackend {
-        MySqlBackend::from_url(url)
+        MySqlBackend::builder_from_url(url)
             .expect("a valid URL")
             .liveness_interval(LIVENESS)
             .command_timeout(COMMAND_TIMEOUT)
             .fencing(true)
+            .build_lazy()
     }
 
     impl Proxied for MySql {

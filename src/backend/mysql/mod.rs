@@ -1,16 +1,17 @@
 //! MySQL / MariaDB backend: serializes a key across every instance that shares one
 //! server, with named locks (`GET_LOCK`).
 //!
-//! ```
+//! ```no_run
 //! use std::time::Duration;
 //! use tower_keyed_lock::backend::mysql::MySqlBackend;
 //! use tower_keyed_lock::DistributedLocks;
 //!
-//! # fn main() -> Result<(), mysql_async::UrlError> {
-//! // Connects lazily: nothing is sent until the first lock.
-//! let backend = MySqlBackend::from_url("mysql://app@db.internal/app")?
+//! # async fn setup() -> Result<(), tower_keyed_lock::backend::SetupError> {
+//! let backend = MySqlBackend::builder_from_url("mysql://app@db.internal/app")?
 //!     .max_connections(32) // keys held (or waited for) at once by this instance
-//!     .fencing(true);
+//!     .fencing(true)
+//!     .build() // connects, and checks the server
+//!     .await?;
 //! let jobs = DistributedLocks::new("jobs", backend);
 //! # let _ = jobs;
 //! # Ok(())
@@ -33,7 +34,9 @@
 //! use tower_keyed_lock::backend::mysql::MySqlBackend;
 //! use tower_keyed_lock::KeyedLockLayer;
 //!
-//! let backend = MySqlBackend::from_url("mysql://app@db.internal/app").unwrap();
+//! let backend = MySqlBackend::builder_from_url("mysql://app@db.internal/app")
+//!     .unwrap()
+//!     .build_lazy(); // connects on first use
 //! let app: Router = Router::new()
 //!     .route("/orders/{order_id}/pay", post(|| async { "paid" }))
 //!     .layer(
@@ -48,7 +51,7 @@
 //! # Key mapping
 //!
 //! A key becomes the lock name `<prefix>:<layer name>:<key>`
-//! ([`prefix`](MySqlBackend::prefix), default [`DEFAULT_PREFIX`]); a name
+//! ([`prefix`](MySqlBackendBuilder::prefix), default [`DEFAULT_PREFIX`]); a name
 //! longer than [`MAX_LOCK_NAME_LEN`] (64) bytes — MySQL's limit — becomes
 //! `<prefix>#` and the first hex digits of a SHA-256 digest of the three parts, 64
 //! characters in all: the same on every build and machine ([`lock_name`] has the
@@ -260,13 +263,14 @@ use std::time::Duration;
 
 use mysql_async::Opts;
 use tokio::sync::OnceCell;
-use tokio::time::timeout;
+use tokio::time::{timeout, Instant};
 
 pub use self::lock_name::{lock_name, MAX_LOCK_NAME_LEN};
 
 use self::error::MyError;
 use self::lock_name::MAX_PREFIX_LEN;
 use self::session::Pool;
+use super::SetupError;
 use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
@@ -284,24 +288,34 @@ pub const DEFAULT_FENCING_TABLE: &str = "tower_keyed_lock_fencing";
 
 /// A [`LockBackend`] on MySQL / MariaDB named locks. See the [module docs](self).
 ///
-/// Cheap to clone; clones share the pool. Builder methods take and return the backend,
-/// before it is handed to [`KeyedLockLayer::backend`](crate::KeyedLockLayer::backend).
+/// Cheap to clone; clones share the pool.
 ///
-/// ```
+/// ```no_run
 /// use std::time::Duration;
 /// use tower_keyed_lock::backend::mysql::MySqlBackend;
 ///
-/// let backend = MySqlBackend::from_url("mysql://app:secret@db.internal:3306/app")
-///     .unwrap()
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
+/// let backend = MySqlBackend::builder_from_url("mysql://app:secret@db.internal:3306/app")?
 ///     .max_connections(32)                            // default 16
-///     .prefix("billing")                           // default "tkl"
+///     .prefix("billing")                              // default "tkl"
 ///     .liveness_interval(Duration::from_millis(500))  // default 1 s
 ///     .command_timeout(Duration::from_secs(1))        // default 2 s
-///     .fencing(true);                                 // default off
+///     .fencing(true)                                  // default off
+///     .build()
+///     .await?;
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Clone)]
 pub struct MySqlBackend {
     inner: Arc<Inner>,
+}
+
+/// Configures a [`MySqlBackend`]; made by [`MySqlBackend::builder`].
+#[derive(Clone)]
+#[must_use]
+pub struct MySqlBackendBuilder {
+    inner: Inner,
 }
 
 #[derive(Clone)]
@@ -334,10 +348,10 @@ impl Fencing {
 }
 
 impl MySqlBackend {
-    /// A backend with a pool of its own ([`DEFAULT_MAX_CONNECTIONS`] connections) to
-    /// the server `opts` describe. Connects lazily. The pool settings of `opts` are not
-    /// used: the backend pools its connections itself (see
-    /// [How a key is locked](self#how-a-key-is-locked)).
+    /// Starts configuring a backend with a pool of its own
+    /// ([`DEFAULT_MAX_CONNECTIONS`] connections) to the server `opts` describe. The
+    /// pool settings of `opts` are not used: the backend pools its connections itself
+    /// (see [How a key is locked](self#how-a-key-is-locked)).
     ///
     /// ```
     /// use mysql_async::OptsBuilder;
@@ -347,11 +361,11 @@ impl MySqlBackend {
     ///     .ip_or_hostname("db.internal")
     ///     .user(Some("app"))
     ///     .db_name(Some("app"));
-    /// let backend = MySqlBackend::new(opts);
+    /// let builder = MySqlBackend::builder(opts);
     /// ```
-    pub fn new(opts: impl Into<Opts>) -> Self {
-        Self {
-            inner: Arc::new(Inner {
+    pub fn builder(opts: impl Into<Opts>) -> MySqlBackendBuilder {
+        MySqlBackendBuilder {
+            inner: Inner {
                 pool: Arc::new(Pool::new(opts.into(), DEFAULT_MAX_CONNECTIONS)),
                 prefix: DEFAULT_PREFIX.into(),
                 liveness_interval: DEFAULT_LIVENESS_INTERVAL,
@@ -359,14 +373,66 @@ impl MySqlBackend {
                 table: DEFAULT_FENCING_TABLE.into(),
                 fencing: None,
                 checked: Arc::default(),
-            }),
+            },
         }
     }
 
-    /// [`new`](Self::new) with a `mysql://user:password@host:port/database` URL. Fails
-    /// only if the URL does not parse; nothing is connected yet.
-    pub fn from_url(url: &str) -> Result<Self, mysql_async::UrlError> {
-        Ok(Self::new(Opts::from_url(url)?))
+    /// [`builder`](Self::builder) with a `mysql://user:password@host:port/database`
+    /// URL. Fails only if the URL does not parse ([`SetupError::Invalid`]).
+    pub fn builder_from_url(url: &str) -> Result<MySqlBackendBuilder, SetupError> {
+        let opts = Opts::from_url(url)
+            .map_err(|error| SetupError::Invalid(format!("the MySQL URL: {error}")))?;
+        Ok(Self::builder(opts))
+    }
+
+    /// A backend with the default settings on the server at `url`; see
+    /// [`MySqlBackendBuilder::build`].
+    pub async fn connect(url: &str) -> Result<Self, SetupError> {
+        Self::builder_from_url(url)?.build().await
+    }
+
+    /// The lock name of `key` under the layer `name` with this backend's prefix.
+    ///
+    /// ```
+    /// use tower_keyed_lock::backend::mysql::{lock_name, MySqlBackend};
+    ///
+    /// let backend = MySqlBackend::builder_from_url("mysql://localhost/app")
+    ///     .unwrap()
+    ///     .prefix("billing")
+    ///     .build_lazy();
+    /// assert_eq!(backend.lock_name("orders", "42"), "billing:orders:42");
+    /// assert_eq!(backend.lock_name("orders", "42"), lock_name("billing", "orders", "42"));
+    /// ```
+    pub fn lock_name(&self, name: &str, key: &str) -> String {
+        lock_name(&self.inner.prefix, name, key)
+    }
+}
+
+impl MySqlBackendBuilder {
+    /// Connects and checks the server: that `GET_LOCK` is shared by every client of it
+    /// (see [Proxies](self#proxies)), and, with fencing, the counter table; within one
+    /// command timeout per step.
+    pub async fn build(self) -> Result<MySqlBackend, SetupError> {
+        let backend = self.build_lazy();
+        let inner = &backend.inner;
+        let deadline = Instant::now() + 4 * inner.command_timeout;
+        inner.prepare(deadline).await.map_err(|error| {
+            let server = inner.pool.address();
+            match error {
+                LockError::Backend(cause) => SetupError::failed("MySQL", server, cause),
+                other => SetupError::failed("MySQL", server, other),
+            }
+        })?;
+        Ok(backend)
+    }
+
+    /// The backend, connecting on first use: for a service that must start while the
+    /// server is down. The checks of [`build`](Self::build) then run at its first
+    /// acquisitions, and fail them with the same error until they pass.
+    pub fn build_lazy(self) -> MySqlBackend {
+        MySqlBackend {
+            inner: Arc::new(self.inner),
+        }
     }
 
     /// The most connections this backend opens (default [`DEFAULT_MAX_CONNECTIONS`]):
@@ -462,26 +528,10 @@ impl MySqlBackend {
         })
     }
 
-    /// The lock name of `key` under the layer `name` with this backend's prefix.
-    ///
-    /// ```
-    /// use tower_keyed_lock::backend::mysql::{lock_name, MySqlBackend};
-    ///
-    /// let backend = MySqlBackend::from_url("mysql://localhost/app")
-    ///     .unwrap()
-    ///     .prefix("billing");
-    /// assert_eq!(backend.lock_name("orders", "42"), "billing:orders:42");
-    /// assert_eq!(backend.lock_name("orders", "42"), lock_name("billing", "orders", "42"));
-    /// ```
-    pub fn lock_name(&self, name: &str, key: &str) -> String {
-        lock_name(&self.inner.prefix, name, key)
-    }
-
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
-        let inner = Arc::make_mut(&mut self.inner);
-        change(inner);
+        change(&mut self.inner);
         // New settings are checked anew.
-        inner.checked = Arc::default();
+        self.inner.checked = Arc::default();
         self
     }
 }
@@ -508,8 +558,20 @@ impl Inner {
 
 impl fmt::Debug for MySqlBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let inner = &self.inner;
-        f.debug_struct("MySqlBackend")
+        self.inner.debug("MySqlBackend", f)
+    }
+}
+
+impl fmt::Debug for MySqlBackendBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.debug("MySqlBackendBuilder", f)
+    }
+}
+
+impl Inner {
+    fn debug(&self, name: &str, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = self;
+        f.debug_struct(name)
             .field("prefix", &inner.prefix)
             .field("liveness_interval", &inner.liveness_interval)
             .field("command_timeout", &inner.command_timeout)
@@ -530,7 +592,7 @@ impl LockBackend for MySqlBackend {
         "mysql"
     }
 
-    /// Only with [`fencing(true)`](MySqlBackend::fencing).
+    /// Only with [`fencing(true)`](MySqlBackendBuilder::fencing).
     fn issues_fencing_tokens(&self) -> bool {
         self.inner.fencing.is_some()
     }
@@ -564,8 +626,8 @@ impl LockBackend for MySqlBackend {
 mod tests {
     use super::*;
 
-    fn backend() -> MySqlBackend {
-        MySqlBackend::from_url("mysql://localhost/app").unwrap()
+    fn backend() -> MySqlBackendBuilder {
+        MySqlBackend::builder_from_url("mysql://localhost/app").unwrap()
     }
 
     #[test]
@@ -593,7 +655,7 @@ mod tests {
         assert_eq!(backend.inner.server_idle_limit(), Duration::from_secs(2));
         assert_eq!(backend.inner.max_pooled_idle(), Duration::from_millis(1500));
         assert_eq!(
-            MySqlBackend::from_url("mysql://x/y")
+            MySqlBackend::builder_from_url("mysql://x/y")
                 .unwrap()
                 .inner
                 .server_idle_limit(),

@@ -88,7 +88,7 @@ impl Pool {
     }
 
     /// The server's address for errors: host and port, never the credentials.
-    fn address(&self) -> String {
+    pub(super) fn address(&self) -> String {
         format!("{}:{}", self.opts.ip_or_hostname(), self.opts.tcp_port())
     }
 

@@ -1,17 +1,18 @@
 //! PostgreSQL backend: serializes a key across every instance that shares one database,
 //! with session-level advisory locks.
 //!
-//! ```
+//! ```no_run
 //! use std::time::Duration;
 //! use axum::{routing::post, Router};
 //! use tower_keyed_lock::backend::postgres::PostgresBackend;
 //! use tower_keyed_lock::KeyedLockLayer;
 //!
-//! # fn main() -> Result<(), tokio_postgres::Error> {
-//! // Connects lazily: nothing is sent until the first request.
-//! let backend = PostgresBackend::from_config_str("host=db.internal user=app dbname=app")?
+//! # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
+//! let backend = PostgresBackend::builder_from_str("host=db.internal user=app dbname=app")?
 //!     .max_connections(32) // keys held (or waited for) at once by this instance
-//!     .fencing(true);
+//!     .fencing(true)
+//!     .build() // connects, and checks the setup
+//!     .await?;
 //!
 //! let app: Router = Router::new()
 //!     .route("/orders/{order_id}/pay", post(|| async { "paid" }))
@@ -21,6 +22,7 @@
 //!             .wait_timeout(Duration::from_secs(2))
 //!             .backend(backend),
 //!     );
+//! # let _ = app;
 //! # Ok(())
 //! # }
 //! ```
@@ -91,7 +93,7 @@
 //! So with [`LockScope::Session`] the backend checks, once, that each server session
 //! belongs to its client connection alone: when it is built
 //! ([`build`](PostgresBackend::build), which then fails with
-//! [`SetupError::Unsafe`](crate::backend::SetupError::Unsafe) naming the pooler mode and the fix), or else on its first
+//! [`SetupError::Unsafe`] naming the pooler mode and the fix), or else on its first
 //! acquisition (every acquisition then fails with a [`LockError::Backend`] carrying that
 //! error). The check ends a session of its own from the server's side while the client
 //! is idle (`idle_session_timeout`): a session of its own takes the client connection
@@ -140,9 +142,9 @@
 //!
 //! A session-level lock lives on its connection, so **each key held, or waited for
 //! in PostgreSQL, by this instance pins one pooled connection** until it is released.
-//! Size the pool ([`max_connections`](PostgresBackend::max_connections), default
+//! Size the pool ([`max_connections`](PostgresBackendBuilder::max_connections), default
 //! [`DEFAULT_MAX_CONNECTIONS`], or the size of the pool you pass to
-//! [`PostgresBackend::new`]) for the keys you expect to hold at once per instance;
+//! [`PostgresBackend::builder`]) for the keys you expect to hold at once per instance;
 //! the in-process tier already makes every key cost at most one connection per
 //! instance. When the pool is exhausted, a request waits for a connection within its
 //! [`wait_timeout`](crate::KeyedLockLayer::wait_timeout) and then gets the timeout
@@ -298,9 +300,9 @@
 //! the request runs under the in-process lock alone with
 //! [`fail_open`](crate::KeyedLockLayer::fail_open). A connection that fails says
 //! `cannot connect to PostgreSQL at <host:port>: ` and the whole cause (the address of
-//! a backend made with [`from_config`](PostgresBackend::from_config); never a user or
-//! password); [`build`](PostgresBackend::build) fails with it as
-//! [`SetupError::Failed`](crate::backend::SetupError::Failed). Only the wait bounds the waiting: once the server answered
+//! a backend made with [`builder_from_config`](PostgresBackend::builder_from_config);
+//! never a user or password); [`build`](PostgresBackendBuilder::build) fails with it as
+//! [`SetupError::Failed`]. Only the wait bounds the waiting: once the server answered
 //! an acquisition's try, a connection that breaks or a statement left unanswered during
 //! its wait (before a grant is confirmed) is not the end of it — the broken session is
 //! closed, never pooled (the server frees any lock it was granted, and that grant is
@@ -355,41 +357,53 @@ use self::error::PgError;
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
 #[cfg(feature = "replay")]
 use super::{Place, RecordLookup};
+use crate::backend::SetupError;
 use crate::error::LockError;
 use crate::key::Key;
 
-/// The default [`PostgresBackend::prefix`].
+/// The default [`PostgresBackendBuilder::prefix`].
 pub const DEFAULT_PREFIX: &str = "tower-keyed-lock";
-/// The default [`PostgresBackend::liveness_interval`].
+/// The default [`PostgresBackendBuilder::liveness_interval`].
 pub const DEFAULT_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
-/// The default [`PostgresBackend::command_timeout`].
+/// The default [`PostgresBackendBuilder::command_timeout`].
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
-/// The pool size of [`PostgresBackend::from_config`] (change it with
-/// [`PostgresBackend::max_connections`]).
+/// The pool size of [`PostgresBackend::builder_from_config`] (change it with
+/// [`PostgresBackendBuilder::max_connections`]).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
-/// The default [`PostgresBackend::fencing_sequence`].
+/// The default [`PostgresBackendBuilder::fencing_sequence`].
 pub const DEFAULT_FENCING_SEQUENCE: &str = "tower_keyed_lock_fencing";
 
 /// A [`LockBackend`] on PostgreSQL advisory locks. See the [module docs](self).
 ///
-/// Cheap to clone; clones share the pool. Builder methods take and return the backend,
-/// before it is handed to [`KeyedLockLayer::backend`](crate::KeyedLockLayer::backend).
+/// Cheap to clone; clones share the pool.
 ///
-/// ```
+/// ```no_run
 /// use std::time::Duration;
 /// use tower_keyed_lock::backend::postgres::PostgresBackend;
 ///
-/// let backend = PostgresBackend::from_config_str("postgresql://app@db.internal/app")
-///     .unwrap()
+/// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
+/// let backend = PostgresBackend::builder_from_str("postgresql://app@db.internal/app")?
 ///     .max_connections(32)                            // default 16
-///     .prefix("billing")                           // default "tower-keyed-lock"
+///     .prefix("billing")                              // default "tower-keyed-lock"
 ///     .liveness_interval(Duration::from_millis(500))  // default 1 s
 ///     .command_timeout(Duration::from_secs(1))        // default 2 s
-///     .fencing(true);                                 // default off
+///     .fencing(true)                                  // default off
+///     .build()
+///     .await?;
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Clone)]
 pub struct PostgresBackend {
     inner: Arc<Inner>,
+}
+
+/// Configures a [`PostgresBackend`]; made by [`PostgresBackend::builder`] (on a pool of
+/// yours) or [`PostgresBackend::builder_from_config`] (a pool of its own).
+#[derive(Clone)]
+#[must_use]
+pub struct PostgresBackendBuilder {
+    inner: Inner,
 }
 
 #[derive(Clone)]
@@ -442,27 +456,30 @@ pub enum LockScope {
 }
 
 impl PostgresBackend {
-    /// A backend on `pool`, which it should own: every key held pins one of its
-    /// connections (see [Pool size](self#pool-size)). Build the pool with a runtime
-    /// (`Runtime::Tokio1`), so that the backend can tell a pool exhausted (the timeout
-    /// response when the wait is over) from a database slow to connect (503); without
-    /// one it guesses from the pool's status.
+    /// Starts configuring a backend on `pool`, which it should own: every key held pins
+    /// one of its connections (see [Pool size](self#pool-size)). Build the pool with a
+    /// runtime (`Runtime::Tokio1`), so that the backend can tell a pool exhausted (the
+    /// timeout response when the wait is over) from a database slow to connect (503);
+    /// without one it guesses from the pool's status.
     ///
-    /// ```
+    /// ```no_run
     /// use deadpool_postgres::{Config, Runtime};
     /// use tokio_postgres::NoTls;
     /// use tower_keyed_lock::backend::postgres::PostgresBackend;
     ///
+    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
     /// let mut config = Config::new();
     /// config.host = Some("db.internal".into());
     /// config.dbname = Some("app".into());
     /// config.pool = Some(deadpool_postgres::PoolConfig::new(32));
-    /// let pool = config.create_pool(Some(Runtime::Tokio1), NoTls).unwrap();
-    /// let backend = PostgresBackend::new(pool).prefix("billing");
+    /// let pool = config.create_pool(Some(Runtime::Tokio1), NoTls)?;
+    /// let backend = PostgresBackend::builder(pool).prefix("billing").build().await?;
+    /// # Ok(())
+    /// # }
     /// ```
-    pub fn new(pool: Pool) -> Self {
-        Self {
-            inner: Arc::new(Inner {
+    pub fn builder(pool: Pool) -> PostgresBackendBuilder {
+        PostgresBackendBuilder {
+            inner: Inner {
                 pool,
                 pool_config: None,
                 pool_without_runtime: Arc::default(),
@@ -476,45 +493,75 @@ impl PostgresBackend {
                 address: None,
                 sessions: Arc::default(),
                 statements: Default::default(),
-            }),
+            },
         }
     }
 
-    /// A backend with a pool of its own ([`DEFAULT_MAX_CONNECTIONS`] connections) to
-    /// the database `config` describes, without TLS. Connects lazily. Sets the
-    /// application name `tower-keyed-lock` unless `config` has one, so the lock
-    /// connections are easy to find in `pg_stat_activity`.
-    pub fn from_config(mut config: tokio_postgres::Config) -> Self {
+    /// Starts configuring a backend with a pool of its own
+    /// ([`DEFAULT_MAX_CONNECTIONS`] connections, without TLS) to the database `config`
+    /// describes. Sets the application name `tower-keyed-lock` unless `config` has one,
+    /// so the lock connections are easy to find in `pg_stat_activity`.
+    pub fn builder_from_config(mut config: tokio_postgres::Config) -> PostgresBackendBuilder {
         if config.get_application_name().is_none() {
             config.application_name("tower-keyed-lock");
         }
-        let mut backend = Self::new(own_pool(config.clone(), DEFAULT_MAX_CONNECTIONS));
-        let inner = Arc::make_mut(&mut backend.inner);
-        inner.address = Some(setup::address(&config).into());
-        inner.pool_config = Some(config);
-        backend
+        let mut builder = Self::builder(own_pool(config.clone(), DEFAULT_MAX_CONNECTIONS));
+        builder.inner.address = Some(setup::address(&config).into());
+        builder.inner.pool_config = Some(config);
+        builder
     }
 
-    /// [`from_config`](Self::from_config) with a connection string: `key=value` pairs
-    /// (`host=db user=app dbname=app`) or a `postgresql://` URL. Fails only if the
-    /// string does not parse; nothing is connected yet.
-    pub fn from_config_str(config: &str) -> Result<Self, tokio_postgres::Error> {
-        Ok(Self::from_config(config.parse()?))
+    /// [`builder_from_config`](Self::builder_from_config) with a connection string:
+    /// `key=value` pairs (`host=db user=app dbname=app`) or a `postgresql://` URL. Fails
+    /// only if the string does not parse ([`SetupError::Invalid`]).
+    pub fn builder_from_str(config: &str) -> Result<PostgresBackendBuilder, SetupError> {
+        let config = config.parse().map_err(|error| {
+            SetupError::Invalid(format!("the PostgreSQL connection string: {error}"))
+        })?;
+        Ok(Self::builder_from_config(config))
     }
 
-    /// The size of the pool made by [`from_config`](Self::from_config) (default
+    /// A backend with the default settings and a pool of its own, on the database the
+    /// connection string `config` names; see [`PostgresBackendBuilder::build`].
+    pub async fn connect(config: &str) -> Result<Self, SetupError> {
+        Self::builder_from_str(config)?.build().await
+    }
+
+    /// The pool the locks are taken on.
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// The lock id of `key` under the layer `name` with this backend's prefix.
+    ///
+    /// ```
+    /// use tower_keyed_lock::backend::postgres::{lock_id, PostgresBackend};
+    ///
+    /// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
+    /// let backend = PostgresBackend::connect("host=localhost").await?;
+    /// assert_eq!(backend.lock_id("orders", "42"), lock_id("tower-keyed-lock", "orders", "42"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn lock_id(&self, name: &str, key: &str) -> i64 {
+        lock_id(&self.inner.prefix, name, key)
+    }
+}
+
+impl PostgresBackendBuilder {
+    /// The size of the pool made by
+    /// [`builder_from_config`](PostgresBackend::builder_from_config) (default
     /// [`DEFAULT_MAX_CONNECTIONS`]): the most keys this instance can hold, or wait for
-    /// in PostgreSQL, at once (see [Pool size](self#pool-size)). Replaces the pool, so
-    /// call it before the backend is used.
+    /// in PostgreSQL, at once (see [Pool size](self#pool-size)).
     ///
     /// # Panics
-    /// If `max` is zero, or if the pool was passed to [`new`](Self::new): size that
-    /// pool when you build it.
+    /// If `max` is zero, or if the pool was passed to
+    /// [`builder`](PostgresBackend::builder): size that pool when you build it.
     pub fn max_connections(self, max: usize) -> Self {
         assert!(max > 0, "max_connections must be at least 1");
         self.configure(|inner| {
             let config = inner.pool_config.clone().expect(
-                "max_connections: the pool was passed to PostgresBackend::new; size it there",
+                "max_connections: the pool was passed to PostgresBackend::builder; size it there",
             );
             inner.pool = own_pool(config, max);
             inner.pool_without_runtime = Arc::default();
@@ -530,7 +577,7 @@ impl PostgresBackend {
     ///
     /// ```
     /// # use tower_keyed_lock::backend::postgres::PostgresBackend;
-    /// let backend = PostgresBackend::from_config_str("host=db user=app")
+    /// let builder = PostgresBackend::builder_from_str("host=db user=app")
     ///     .unwrap()
     ///     .instance_id("billing-7");
     /// ```
@@ -613,30 +660,10 @@ impl PostgresBackend {
         self.configure(|inner| inner.scope = scope)
     }
 
-    /// The pool the locks are taken on.
-    pub fn pool(&self) -> &Pool {
-        &self.inner.pool
-    }
-
-    /// The lock id of `key` under the layer `name` with this backend's prefix.
-    ///
-    /// ```
-    /// use tower_keyed_lock::backend::postgres::{lock_id, PostgresBackend};
-    ///
-    /// let backend = PostgresBackend::from_config_str("host=localhost")
-    ///     .unwrap()
-    ///     .prefix("billing");
-    /// assert_eq!(backend.lock_id("orders", "42"), lock_id("billing", "orders", "42"));
-    /// ```
-    pub fn lock_id(&self, name: &str, key: &str) -> i64 {
-        lock_id(&self.inner.prefix, name, key)
-    }
-
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
-        let inner = Arc::make_mut(&mut self.inner);
-        change(inner);
+        change(&mut self.inner);
         // Made again from the new settings.
-        inner.statements = Default::default();
+        self.inner.statements = Default::default();
         self
     }
 }
@@ -684,9 +711,20 @@ impl Inner {
 
 impl fmt::Debug for PostgresBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let inner = &self.inner;
-        let status = inner.pool.status();
-        f.debug_struct("PostgresBackend")
+        self.inner.debug("PostgresBackend", f)
+    }
+}
+
+impl fmt::Debug for PostgresBackendBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.debug("PostgresBackendBuilder", f)
+    }
+}
+
+impl Inner {
+    fn debug(&self, name: &str, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (inner, status) = (self, self.pool.status());
+        f.debug_struct(name)
             .field("prefix", &inner.prefix)
             .field("liveness_interval", &inner.liveness_interval)
             .field("command_timeout", &inner.command_timeout)
@@ -859,7 +897,7 @@ mod tests {
 
     #[test]
     fn sequence_names_are_checked() {
-        let backend = || PostgresBackend::from_config_str("host=localhost").unwrap();
+        let backend = || PostgresBackend::builder_from_str("host=localhost").unwrap();
         let _ = backend().fencing_sequence("locks.tokens");
         for bad in ["", "a b", "x;drop", "a.b.c", "1abc", "a'b"] {
             let result = std::panic::catch_unwind(|| backend().fencing_sequence(bad));
@@ -869,7 +907,7 @@ mod tests {
 
     #[test]
     fn fencing_keeps_the_sequence() {
-        let backend = PostgresBackend::from_config_str("host=localhost")
+        let backend = PostgresBackend::builder_from_str("host=localhost")
             .unwrap()
             .fencing_sequence("tokens")
             .fencing(false)

@@ -4,12 +4,13 @@
 //! be reached.
 
 use std::error::Error;
+use std::sync::Arc;
 
 use tokio::time::Instant;
 use tokio_postgres::config::Host;
 
 use super::error::{PgError, UNSAFE_SEQUENCE};
-use super::{Inner, LockScope, PostgresBackend};
+use super::{Inner, LockScope, PostgresBackend, PostgresBackendBuilder};
 use crate::backend::SetupError;
 use crate::error::LockError;
 
@@ -78,8 +79,19 @@ pub(super) fn address(config: &tokio_postgres::Config) -> String {
     }
 }
 
-impl PostgresBackend {
-    /// Connects now and checks the setup, instead of at the first acquisition:
+impl PostgresBackendBuilder {
+    /// The backend, connecting on first use (as sqlx's `connect_lazy`): for a service
+    /// that must start while the database is down. The checks of
+    /// [`build`](Self::build) then run at its first acquisitions, and fail them with
+    /// the same error (503, or the in-process lock alone with
+    /// [`fail_open`](crate::KeyedLockLayer::fail_open)) until they pass.
+    pub fn build_lazy(self) -> PostgresBackend {
+        PostgresBackend {
+            inner: Arc::new(self.inner),
+        }
+    }
+
+    /// Connects and checks the setup:
     ///
     /// - PostgreSQL is reachable (else [`SetupError::Failed`], naming its address);
     /// - with [`LockScope::Session`] (the default), each session belongs to its client
@@ -90,15 +102,13 @@ impl PostgresBackend {
     /// - with [`fencing`](Self::fencing), the sequence exists (it is created if
     ///   missing) and issues increasing tokens.
     ///
-    /// Takes up to four [`command_timeout`](Self::command_timeout)s. A backend used
-    /// without it runs the same checks on its first acquisitions, and fails them with
-    /// the same error.
+    /// Takes up to four [`command_timeout`](Self::command_timeout)s.
     ///
     /// ```no_run
-    /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+    /// # async fn run() -> Result<(), tower_keyed_lock::backend::SetupError> {
     /// use tower_keyed_lock::backend::postgres::PostgresBackend;
     ///
-    /// let backend = PostgresBackend::from_config_str("host=db.internal user=app dbname=app")?
+    /// let backend = PostgresBackend::builder_from_str("host=db.internal user=app dbname=app")?
     ///     .fencing(true)
     ///     .build()
     ///     .await?;
@@ -106,7 +116,8 @@ impl PostgresBackend {
     /// # }
     /// ```
     pub async fn build(self) -> Result<PostgresBackend, SetupError> {
-        let inner = &self.inner;
+        let backend = self.build_lazy();
+        let inner = &backend.inner;
         let deadline = Instant::now() + inner.command_timeout;
         match inner.scope {
             LockScope::Session => inner.check_own_sessions().await?,
@@ -136,7 +147,7 @@ impl PostgresBackend {
                 }
                 error => inner.setup_failed_with(error),
             })?;
-        Ok(self)
+        Ok(backend)
     }
 }
 

@@ -115,8 +115,11 @@ impl PostgresReplayStore {
     /// use tower_keyed_lock::replay::{PostgresReplayStore, ReplayLayer};
     /// use tower_keyed_lock::KeyedLockLayer;
     ///
-    /// # fn run(pool: deadpool_postgres::Pool) -> Result<(), Box<dyn std::error::Error>> {
-    /// let backend = PostgresBackend::from_config_str("host=db user=app")?.fencing(true);
+    /// # async fn run(pool: deadpool_postgres::Pool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let backend = PostgresBackend::builder_from_str("host=db user=app")?
+    ///     .fencing(true)
+    ///     .build()
+    ///     .await?;
     /// let store = PostgresReplayStore::new(pool).looked_up_by(&backend);
     /// let layer = KeyedLockLayer::by_header("idempotency-key")
     ///     .backend(backend)
