@@ -690,12 +690,12 @@ async fn a_fenced_replay_store_stacked_by_hand_is_refused_per_request() {
 }
 
 /// `message` names Redlock and each of `masters` (`host:port`), each followed by a
-/// cause in parentheses.
+/// cause: in parentheses (an acquisition's error), or after a colon (a setup error's).
 fn names_every_master(message: &str, masters: &[String]) {
     assert!(message.contains("Redlock"), "{message}");
     for master in masters {
         assert!(
-            message.contains(&format!("{master} (")),
+            message.contains(&format!("{master} (")) || message.contains(&format!("at {master}: ")),
             "{master} not named with a cause: {message}"
         );
     }

@@ -7,7 +7,7 @@
 //! use tower_keyed_lock::KeyedLockLayer;
 //!
 //! # async fn pay() {}
-//! # async fn app() -> Result<Router, tower_keyed_lock::backend::SetupError> {
+//! # async fn app() -> Result<Router, Box<dyn std::error::Error>> {
 //! let backend = RedisBackend::builder(redis::Client::open("redis://127.0.0.1/")?)
 //!     .lease(Duration::from_secs(10))
 //!     .build()
@@ -774,8 +774,11 @@ impl RedisBackendBuilder {
             ..config
         };
         let limit = config.settings.command_timeout;
-        let failed =
-            |cause: RedisError| SetupError::failed(DEFAULTS.engine, target.address(), cause);
+        let engine = match &target {
+            Target::Single(_) => DEFAULTS.engine,
+            Target::Cluster(_) => "Redis Cluster",
+        };
+        let failed = |cause: RedisError| SetupError::failed(engine, target.address(), cause);
         // The kernel's own backstop for a dead path; replacing a silent connection
         // after a few command timeouts is the fast one. A cluster client keeps the
         // TCP settings it was built with.
@@ -792,9 +795,7 @@ impl RedisBackendBuilder {
         });
         ping.await.map_err(|failure| match failure {
             connection::Failure::Redis(error) => failed(error),
-            connection::Failure::TimedOut => {
-                SetupError::no_answer(DEFAULTS.engine, target.address(), limit)
-            }
+            connection::Failure::TimedOut => SetupError::no_answer(engine, target.address(), limit),
         })?;
         // The scripts of every lock, cached before the first one: its acquire and
         // release are then one round trip each. Best effort: a script missing later

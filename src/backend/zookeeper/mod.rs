@@ -5,7 +5,7 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use tower_keyed_lock::backend::zookeeper::{SetupError, ZooKeeperBackend};
+//! use tower_keyed_lock::backend::{zookeeper::ZooKeeperBackend, SetupError};
 //! use tower_keyed_lock::{DistributedLocks, KeyedLockLayer};
 //!
 //! # async fn run() -> Result<(), SetupError> {
