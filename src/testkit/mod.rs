@@ -91,16 +91,32 @@
 //! | [`fencing_tokens_across_modes`] | writer tokens increase across modes; a reader's is at least the last writer's and below the next |
 //! | [`dropped_shared_and_permit_acquisitions_leave_nothing_held`] | a cancelled shared or permit acquisition, at any point, leaves the key free |
 //! | [`exclusive_and_permits_exclude_each_other`] | an exclusive instance and a permit instance under one name exclude each other on a key |
+//!
+//! Backends whose instances reach their engine over TCP also run [`FAULT_CHECKS`]
+//! ([`run_faults`]): implement [`Proxied`] (a backend whose connections go to a given
+//! `host:port`), and each check puts a [`FaultProxy`] in one instance's path:
+//!
+//! | check | the guarantee |
+//! |---|---|
+//! | [`a_cut_off_holder_is_told_before_another_instance_is_granted`] | a holder whose path went silent (no reset) is told its lease is lost before another instance is granted the key |
+//! | [`no_acquisition_outlives_its_wait_on_a_silent_path`] | on a silent path an acquisition fails within its wait plus about one command timeout, and the backend serves again once the path heals |
+//! | [`a_slow_path_keeps_the_lease`] | a path a quarter of the command timeout slower each way keeps the lease, and the key, for twice the loss bound |
+//! | [`a_reset_connection_is_a_lost_lease_and_recovers`] | a holder whose connections are reset is told before another grant (within [`Proxied::reset_notice`]), and reconnects |
+//! | [`the_health_check_fails_on_a_silent_path_and_recovers`] | the health check on a silent path is unhealthy within about one command timeout, and healthy after the heal |
+//! | [`a_dropped_path_does_not_end_a_wait`] | a reset, then a silent path, during their waits ends no waiter's wait: all granted in arrival order, one at a time, after the release |
 
+mod faults;
 mod footprint;
 mod health;
 mod holder;
 mod inside;
 mod isolated;
+mod lateness;
 mod lease;
 mod memory;
 mod modes;
 mod mutual;
+mod proxy;
 mod several;
 
 use std::future::Future;
@@ -110,9 +126,16 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
+pub use self::faults::{
+    a_cut_off_holder_is_told_before_another_instance_is_granted,
+    a_dropped_path_does_not_end_a_wait, a_reset_connection_is_a_lost_lease_and_recovers,
+    a_slow_path_keeps_the_lease, no_acquisition_outlives_its_wait_on_a_silent_path,
+    the_health_check_fails_on_a_silent_path_and_recovers, FaultProxy, Proxied,
+};
 pub use self::footprint::{released_keys_leave_no_records, FOOTPRINT_KEYS, MOST_RECORDS_AT_REST};
 pub use self::health::health_answers;
 pub use self::holder::the_holder_is_read_without_taking_the_key;
+pub use self::lateness::Lateness;
 pub use self::lease::{
     a_crashed_holder_is_taken_over, a_released_lease_is_never_renewed,
     a_stalled_holder_sees_its_lease_lost,
@@ -220,6 +243,27 @@ pub async fn run_modes<D: Deployment>(deployment: &D) {
     exclusive_and_permits_exclude_each_other(deployment).await;
 }
 
+/// The names of the checks [`run_faults`] runs, in its order: for backends whose
+/// instances reach their engine over TCP, through a [`FaultProxy`].
+pub const FAULT_CHECKS: [&str; 6] = [
+    "a_cut_off_holder_is_told_before_another_instance_is_granted",
+    "no_acquisition_outlives_its_wait_on_a_silent_path",
+    "a_slow_path_keeps_the_lease",
+    "a_reset_connection_is_a_lost_lease_and_recovers",
+    "the_health_check_fails_on_a_silent_path_and_recovers",
+    "a_dropped_path_does_not_end_a_wait",
+];
+
+/// Runs every check of [`FAULT_CHECKS`], each on keys of its own.
+pub async fn run_faults<P: Proxied>(deployment: &P) {
+    a_cut_off_holder_is_told_before_another_instance_is_granted(deployment).await;
+    no_acquisition_outlives_its_wait_on_a_silent_path(deployment).await;
+    a_slow_path_keeps_the_lease(deployment).await;
+    a_reset_connection_is_a_lost_lease_and_recovers(deployment).await;
+    the_health_check_fails_on_a_silent_path_and_recovers(deployment).await;
+    a_dropped_path_does_not_end_a_wait(deployment).await;
+}
+
 /// One instance of the application: locks named like the check, on a fresh backend.
 async fn instance<D: Deployment>(deployment: &D, check: &'static str) -> DistributedLocks {
     DistributedLocks::builder(check)
@@ -229,9 +273,14 @@ async fn instance<D: Deployment>(deployment: &D, check: &'static str) -> Distrib
 
 /// `future`, or a panic naming `what` after [`PATIENCE`].
 async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(PATIENCE, future).await {
+    within_for(what, PATIENCE, future).await
+}
+
+/// `future`, or a panic naming `what` after `limit`.
+async fn within_for<T>(what: &str, limit: Duration, future: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, future).await {
         Ok(output) => output,
-        Err(_) => panic!("conformance: {what} did not happen within {PATIENCE:?}"),
+        Err(_) => panic!("conformance: {what} did not happen within {limit:?}"),
     }
 }
 
@@ -266,14 +315,19 @@ async fn while_turns_are_taken(what: &str, turns: &AtomicUsize, tasks: Vec<JoinH
 
 #[cfg(test)]
 mod tests {
-    use super::{CHECKS, MODE_CHECKS};
+    use super::{CHECKS, FAULT_CHECKS, MODE_CHECKS};
 
     /// A check listed is a check run: each runner calls exactly the checks its list
     /// names, in its order (the RELIABILITY table is checked against the lists).
     #[test]
     fn every_listed_check_is_run() {
         let source = include_str!("mod.rs");
-        for (runner, listed) in [("run_all", &CHECKS[..]), ("run_modes", &MODE_CHECKS[..])] {
+        let runners = [
+            ("run_all", &CHECKS[..]),
+            ("run_modes", &MODE_CHECKS[..]),
+            ("run_faults", &FAULT_CHECKS[..]),
+        ];
+        for (runner, listed) in runners {
             let body = source
                 .split(&format!("pub async fn {runner}<"))
                 .nth(1)

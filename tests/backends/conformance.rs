@@ -24,16 +24,12 @@ use std::time::{Duration, SystemTime};
 use tokio::time::{sleep, sleep_until, Instant};
 use tower_keyed_lock::backend::{
     default_instance_id, Acquisition, BoxFuture, Holder, LeaseLostSender, LostReason, ReleaseLease,
-    HEALTH_PROBE_WAIT,
 };
 use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
 
-use crate::support::fixtures::within;
 use crate::support::fixtures::{Fixture, Proxied, Remote};
-use crate::support::lateness::Lateness;
-use crate::support::tcp_proxy::TcpProxy;
 
 /// A fixture's server, as the suite sees it: shared by the checks running at once
 /// ([`shared`](crate::support::fixtures::shared)), each under names of its own, except
@@ -55,6 +51,24 @@ impl<F: Fixture + Remote + Send + Sync> Deployment for Conformance<F> {
 
     fn record_window(&self) -> Duration {
         self.0.record_window()
+    }
+}
+
+impl<F: Fixture + Proxied + Send + Sync> tower_keyed_lock::testkit::Proxied for Conformance<F> {
+    fn upstream(&self) -> std::net::SocketAddr {
+        self.0.upstream()
+    }
+
+    async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+        self.0.backend_via(host_port).await
+    }
+
+    fn command_timeout(&self) -> Duration {
+        self.0.command_timeout()
+    }
+
+    fn reset_notice(&self) -> Duration {
+        self.0.reset_notice()
     }
 }
 
@@ -251,7 +265,10 @@ macro_rules! faults {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $check() {
-                crate::conformance::$check(&<$fixture as crate::support::fixtures::Fixture>::start()).await;
+                crate::conformance::show_figures();
+                let fixture = <$fixture as crate::support::fixtures::Fixture>::start();
+                let deployment = crate::conformance::Conformance(std::sync::Arc::new(fixture));
+                tower_keyed_lock::testkit::$check(&deployment).await;
             }
         )*
     };
@@ -458,309 +475,6 @@ async fn different_keys_run_in_parallel_across_instances_over_http<F: Remote>(fi
     assert!(
         statuses.iter().all(|status| *status == StatusCode::OK),
         "different keys did not all run at once: {statuses:?}"
-    );
-}
-
-/// Slack for a loaded machine on bounds the backends document (a wait plus one network
-/// timeout): far below what a hang on a silent TCP path costs (minutes).
-const SLACK: Duration = Duration::from_secs(1);
-
-/// The holder's path goes silent (no reset: a partition, a dead NAT entry). Another
-/// instance waits for the key. The holder must be told its lease is lost before that
-/// instance is granted.
-async fn a_cut_off_holder_is_told_before_another_instance_is_granted<F: Proxied>(fixture: &F) {
-    let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
-    let b = fixture.instance("b").await;
-    let guard = a.lock("cut").await.unwrap();
-    let signal = guard.lease().expect("a remote lease").clone();
-    let told = tokio::spawn(async move {
-        signal.lost().await;
-        Instant::now()
-    });
-    proxy.blackhole();
-    let cut = Instant::now();
-    let taken = within(
-        "b takes the cut-off holder's key",
-        3 * PATIENCE,
-        b.lock_timeout("cut", 3 * PATIENCE),
-    )
-    .await
-    .expect("b is granted the key once the holder's lease is gone");
-    let granted = Instant::now();
-    let told = within("the holder is told", PATIENCE, told).await.unwrap();
-    assert!(
-        told <= granted,
-        "unsignalled overlap: b was granted {:?} before the cut-off holder was told",
-        told - granted
-    );
-    assert!(guard.is_lost());
-    eprintln!(
-        "cut off: holder told after {:?}, other instance granted after {:?} (margin {:?})",
-        told - cut,
-        granted - cut,
-        granted - told
-    );
-    taken.release().await;
-}
-
-/// Through a silent path, an acquisition ends (with an error or a timeout) within its
-/// wait plus about one network timeout, never hanging; once the path heals, the backend
-/// serves again without a restart.
-async fn no_acquisition_outlives_its_wait_on_a_silent_path<F: Proxied>(fixture: &F) {
-    let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
-    // A connection in use before the fault.
-    a.lock("warm").await.unwrap().release().await;
-    let lateness = Lateness::watch();
-    proxy.blackhole();
-    let wait = Duration::from_millis(300);
-    for key in ["silent-1", "silent-2", "silent-3"] {
-        let started = Instant::now();
-        let outcome = within(
-            "an acquisition on a silent path",
-            PATIENCE,
-            a.lock_timeout(key, wait),
-        )
-        .await;
-        let took = started.elapsed();
-        assert!(
-            outcome.is_err(),
-            "granted through a silent path: {outcome:?}"
-        );
-        let bound = lateness.allowing(wait + 2 * fixture.command_timeout() + SLACK);
-        assert!(
-            took < bound,
-            "an acquisition took {took:?} on a silent path (bound {bound:?})"
-        );
-    }
-    proxy.heal();
-    let healed = within("the backend serves again", 3 * PATIENCE, async {
-        loop {
-            match a.lock_timeout("after", PATIENCE).await {
-                Ok(guard) => break guard,
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
-    })
-    .await;
-    healed.release().await;
-}
-
-/// A path slower than usual but within the network timeout (a quarter of it each way)
-/// keeps the lease: renewals or liveness checks get through, for twice the loss bound.
-async fn a_slow_path_keeps_the_lease<F: Proxied>(fixture: &F) {
-    let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
-    let b = fixture.instance("b").await;
-    let guard = a.lock("slow").await.unwrap();
-    proxy.delay(fixture.command_timeout() / 4);
-    tokio::time::sleep(2 * fixture.loss_bound()).await;
-    assert!(
-        !guard.is_lost(),
-        "a slow path within the network timeout lost the lease"
-    );
-    assert!(
-        matches!(b.try_lock("slow").await, Err(LockError::Busy)),
-        "another instance took the key of a holder on a slow path"
-    );
-    proxy.delay(Duration::ZERO);
-    guard.release().await;
-}
-
-/// The health check through a silent path says unhealthy, with the engine's error,
-/// within about one network timeout (never hanging), and healthy again once the path
-/// heals.
-async fn the_health_check_fails_on_a_silent_path_and_recovers<F: Proxied>(fixture: &F) {
-    let proxy = TcpProxy::start(fixture.upstream()).await;
-    let backend = fixture.backend_via(&proxy.host_port()).await;
-    // Healthy before the fault (setup: on a loaded machine a first check can outlast
-    // the command timeout).
-    until_healthy(&*backend, "before the fault", PATIENCE).await;
-    let lateness = Lateness::watch();
-    proxy.blackhole();
-    let started = Instant::now();
-    let silent = within(
-        "the health check on a silent path",
-        PATIENCE,
-        backend.health(),
-    )
-    .await;
-    let took = started.elapsed();
-    assert!(
-        !silent.is_healthy(),
-        "healthy through a silent path: {silent}"
-    );
-    let bound = lateness.allowing(HEALTH_PROBE_WAIT + 2 * fixture.command_timeout() + SLACK);
-    assert!(
-        took < bound,
-        "the health check took {took:?} on a silent path (bound {bound:?})"
-    );
-    eprintln!("health on a silent path: {silent} after {took:?}");
-    proxy.heal();
-    until_healthy(&*backend, "after the heal", 3 * PATIENCE).await;
-}
-
-/// Asks `backend`'s health check until it says healthy, failing after `limit`.
-async fn until_healthy(backend: &dyn LockBackend, when: &str, limit: Duration) {
-    within(&format!("healthy {when}"), limit, async {
-        loop {
-            let health = backend.health().await;
-            if health.is_healthy() {
-                break;
-            }
-            eprintln!("{when}: {health}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-}
-
-/// Every connection of the holder is reset: the holder is told (before, or as, any
-/// other instance is granted), and the backend reconnects for the next acquisition.
-async fn a_reset_connection_is_a_lost_lease_and_recovers<F: Proxied>(fixture: &F) {
-    let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
-    let b = fixture.instance("b").await;
-    let guard = a.lock("reset").await.unwrap();
-    let signal = guard.lease().expect("a remote lease").clone();
-    let told = tokio::spawn(async move {
-        signal.lost().await;
-        Instant::now()
-    });
-    proxy.reset();
-    // A session lock dies with its connection; a TTL lease survives a reset if the
-    // renewal reconnects in time. Either way, no overlap without the signal.
-    let wait = 2 * fixture.loss_bound();
-    let waiting = Instant::now();
-    match b.lock_timeout("reset", wait).await {
-        Ok(taken) => {
-            let granted = Instant::now();
-            let told = within("the holder is told", PATIENCE, told).await.unwrap();
-            let late = told.saturating_duration_since(granted);
-            assert!(
-                late <= fixture.reset_notice(),
-                "after a reset the holder was told {late:?} after another instance was granted \
-                 (bound {:?})",
-                fixture.reset_notice()
-            );
-            eprintln!("reset: the holder was told {late:?} after the other grant");
-            // Its renewals went unanswered, or the connection holding the lock broke:
-            // the local deadline comes before the engine's, so never "not the owner".
-            assert_eq!(guard.lost_reason(), Some(LostReason::Unreachable));
-            taken.release().await;
-        }
-        Err(LockError::Timeout) => {
-            assert!(!guard.is_lost(), "lost, yet nobody else could take the key")
-        }
-        // A wait that ran out while its last look at the engine went unanswered (a
-        // loaded machine) ends with that failure, not `Timeout`: never granted all the same.
-        Err(LockError::Backend(error)) if waiting.elapsed() >= wait => {
-            eprintln!("reset: b's wait ran out, its last look unanswered: {error}");
-            assert!(!guard.is_lost(), "lost, yet nobody else could take the key")
-        }
-        Err(error) => panic!("b failed: {error}"),
-    }
-    drop(guard);
-    let again = within("a reconnects", 3 * PATIENCE, async {
-        loop {
-            match a.lock_timeout("reset-after", PATIENCE).await {
-                Ok(guard) => break guard,
-                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-            }
-        }
-    })
-    .await;
-    again.release().await;
-}
-
-/// The only path of an instance is dropped while its waiters queue: instance `a`
-/// (direct) holds a key, four waiters on `b` (through the proxy) queue for it with waits
-/// of 30 s, one after another; every connection of `b` is reset, then its path goes
-/// silent for a network timeout and heals; `a` releases. Every waiter is granted before
-/// its wait ends, in the order it arrived (`b`'s own queue is FIFO whatever the engine),
-/// one at a time, none before `a` released: a broken connection or an unanswered
-/// command during a wait is tried again within the wait, never the end of it.
-async fn a_dropped_path_does_not_end_a_wait<F: Proxied>(fixture: &F) {
-    use crate::support::fixtures::poll_once;
-    const WAIT: Duration = Duration::from_secs(30);
-    let proxy = TcpProxy::start(fixture.upstream()).await;
-    let a = fixture.instance("a").await;
-    let b = crate::support::fixtures::locks_on(fixture.backend_via(&proxy.host_port()).await);
-    // A connection in use before the fault.
-    b.lock("warm").await.unwrap().release().await;
-    let guard = a.lock("dropped").await.unwrap();
-    let overlap = Arc::new(crate::support::Overlap::default());
-    let grants = Arc::new(Mutex::new(Vec::new()));
-    let before = proxy.round_trips();
-    let mut waiters = Vec::new();
-    for n in 0..4 {
-        let started = Instant::now();
-        let mut acquire = b.lock_timeout("dropped", WAIT);
-        // Polled once, it has its place in `b`'s queue: the next one arrives after it.
-        assert!(
-            poll_once(&mut acquire).is_pending(),
-            "waiter {n} was not queued"
-        );
-        let (overlap, grants) = (overlap.clone(), grants.clone());
-        waiters.push(tokio::spawn(async move {
-            let outcome = acquire.await;
-            let granted = Instant::now();
-            let guard = outcome.map_err(|error| {
-                format!(
-                    "waiter {n} failed after {:?} of its {WAIT:?} wait: {error}",
-                    granted - started
-                )
-            })?;
-            {
-                let _inside = overlap.enter();
-                grants.lock().unwrap().push((n, granted, started + WAIT));
-                sleep(Duration::from_millis(20)).await;
-            }
-            guard.release().await;
-            Ok::<(), String>(())
-        }));
-    }
-    // The first waiter is at the engine: it has sent the server a request since (a
-    // blocking lock call is one round trip for as long as it waits).
-    within("the first waiter reaches the server", PATIENCE, async {
-        while proxy.round_trips() <= before {
-            sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    proxy.reset();
-    sleep(fixture.command_timeout()).await;
-    proxy.blackhole();
-    sleep(fixture.command_timeout()).await;
-    proxy.heal();
-    sleep(fixture.command_timeout()).await;
-    let released = Instant::now();
-    guard.release().await;
-    let mut failures = Vec::new();
-    for waiter in waiters {
-        if let Err(failure) = within("every waiter ends", 2 * WAIT, waiter).await.unwrap() {
-            failures.push(failure);
-        }
-    }
-    assert!(failures.is_empty(), "waits ended early: {failures:#?}");
-    let grants = grants.lock().unwrap().clone();
-    let order: Vec<usize> = grants.iter().map(|(n, _, _)| *n).collect();
-    assert_eq!(order, [0, 1, 2, 3], "not in arrival order");
-    for (n, granted, wait_ends) in &grants {
-        assert!(
-            granted < wait_ends,
-            "waiter {n} granted after its wait ended"
-        );
-        assert!(
-            *granted >= released,
-            "waiter {n} granted before the holder released"
-        );
-    }
-    assert_eq!(overlap.max(), 1, "two waiters held the key at once");
-    eprintln!(
-        "dropped path: 4 waiters granted in order, the last {:?} after the release",
-        grants[3].1 - released
     );
 }
 
