@@ -26,6 +26,7 @@ use tower_keyed_lock::backend::{
     default_instance_id, Acquisition, BoxFuture, Holder, LeaseLostSender, LostReason, ReleaseLease,
 };
 use tower_keyed_lock::testkit::Deployment;
+#[cfg(feature = "axum")]
 use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
 

@@ -1,5 +1,9 @@
-//! How late this process wakes its timers: the testkit's [`Lateness`].
+//! How late this process wakes its timers, compiled from the testkit's source into the
+//! test tree: the tests of each engine use it whether or not the `testkit` feature is on.
+
+#[path = "../../src/testkit/lateness.rs"]
+mod source;
 
 // Not every test binary that includes the support tree uses it.
 #[allow(unused_imports)]
-pub use tower_keyed_lock::testkit::Lateness;
+pub use source::Lateness;
