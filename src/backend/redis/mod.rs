@@ -766,7 +766,6 @@ impl RedisBackendBuilder {
     /// last clone of the backend and its leases). Fails if Redis cannot be reached,
     /// its `maxmemory-policy` is not `noeviction` (or cannot be read), or the
     /// subscription fails (it needs RESP3: Redis 6 or newer).
-    ///
     pub async fn build(self) -> Result<RedisBackend, SetupError> {
         let Self { target, config } = self;
         let config = Config {
