@@ -18,16 +18,14 @@ use azure_storage_blob::models::{
     BlobClientGetPropertiesResultHeaders, BlobClientSetMetadataOptions, LeaseState,
 };
 use azure_storage_blob::BlobClient;
-use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
+use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
 use super::metadata::{grant_metadata, FENCE};
 use super::Inner;
-pub(super) use crate::backend::located::with_cause;
 use crate::backend::located::Located;
 use crate::backend::ttl::{
-    self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
-use crate::backend::Lease;
 use crate::LockError;
 
 /// The first pause of a waiter; pauses double from here up to `poll_interval`.
@@ -111,8 +109,8 @@ fn is_transient(error: &azure_core::Error) -> bool {
     }
 }
 
-/// What one acquire attempt found.
-enum Attempt {
+/// What one try to take a blob found.
+enum Taken {
     /// The lease is ours, sent at `sent_at`, with this fencing token written under it.
     /// `etag`: the blob's after the write.
     Granted {
@@ -194,11 +192,6 @@ impl Inner {
         }
     }
 
-    /// `error` as the application gets it, with the engine and the container named.
-    fn failed(&self, error: AttemptError) -> LockError {
-        self.named(error.into_boxed())
-    }
-
     /// `error` inside [`LockError::Backend`], after the engine and the container.
     pub(super) fn named(&self, error: BoxError) -> LockError {
         LockError::Backend(Box::new(Located::new(
@@ -206,12 +199,6 @@ impl Inner {
             self.address.clone(),
             error,
         )))
-    }
-
-    /// What an acquisition whose wait is over fails with: the transient failure it was
-    /// going through, if any; else a plain timeout.
-    fn wait_over(&self, failing: Option<AttemptError>) -> LockError {
-        failing.map_or(LockError::Timeout, |error| self.failed(error))
     }
 
     /// Takes Azure's clock from the `Date` of an answer to a request sent at `sent`.
@@ -226,82 +213,18 @@ impl Inner {
         }
     }
 
-    pub(super) async fn acquire(
-        self: Arc<Self>,
-        blob: Arc<BlobClient>,
-        wait: Duration,
-    ) -> Result<Lease, LockError> {
-        let deadline = ttl::deadline_after(wait);
-        let mut backoff = Backoff::new(FIRST_POLL, self.config.poll_interval);
-        // The last attempt's failure, if it was transient (tried again within the wait).
-        // Until Azure first answers, the failure is its silence: a wait that ends before
-        // any answer is an unreachable engine, not a key held by someone else.
-        let mut failing: Option<AttemptError> = Some(AttemptError::Lock(
-            AzureBlobLockError::CommandTimeout(self.config.command_timeout),
-        ));
-        loop {
-            // An attempt ends with the wait, or one command timeout after it started if
-            // that is later (a zero wait still tries once): no acquisition outlives its
-            // wait by more than one command timeout.
-            let cap = deadline.max(Instant::now() + self.config.command_timeout);
-            // Armed while a lease call is unanswered or a granted lease is not handed
-            // over: dropping it (an error, the wait over, this future dropped) releases
-            // what the token may hold.
-            let held = Held {
-                blob: blob.clone(),
-                grant: None,
-            };
-            let mut in_flight = InFlight::new(self.clone(), held, lease_id(&fresh_token()?));
-            match self.attempt(&blob, &mut in_flight, cap).await {
-                Ok(Attempt::Granted {
-                    fence,
-                    etag,
-                    sent_at,
-                }) => {
-                    let token = in_flight.granted();
-                    let held = Held {
-                        blob,
-                        grant: Some((fence, etag)),
-                    };
-                    return Ok(ttl::grant(&self, held, token, Some(fence), sent_at));
-                }
-                Ok(Attempt::Held | Attempt::Changed) => failing = None,
-                Err(AttemptError::WaitOver) => return Err(self.wait_over(failing)),
-                // No answer, Azure busy, or the container gone (made again by the next
-                // attempt): tried again within the wait.
-                Err(error) if error.transient() => {
-                    tracing::debug!(
-                        error = %error.describe(),
-                        "azure blob acquire attempt failed; tried again within the wait"
-                    );
-                    failing = Some(error);
-                }
-                Err(error) => return Err(self.failed(error)),
-            }
-            drop(in_flight);
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(self.wait_over(failing));
-            }
-            sleep(backoff.pause().min(deadline - now)).await;
-            if Instant::now() >= deadline {
-                return Err(self.wait_over(failing));
-            }
-        }
-    }
-
     /// One attempt, read again once if the blob changed between its read and the lease
-    /// (see [`Attempt::Changed`]): a key freed by a release is never answered "held"
+    /// (see [`Taken::Changed`]): a key freed by a release is never answered "held"
     /// because its blob was being deleted meanwhile.
-    async fn attempt(
+    async fn try_take(
         &self,
         blob: &BlobClient,
         in_flight: &mut InFlight<Self>,
         cap: Instant,
-    ) -> Result<Attempt, AttemptError> {
+    ) -> Result<Taken, AttemptError> {
         match self.attempt_once(blob, in_flight, cap).await? {
-            Attempt::Changed => match self.attempt_once(blob, in_flight, cap).await? {
-                Attempt::Changed => Ok(Attempt::Held),
+            Taken::Changed => match self.attempt_once(blob, in_flight, cap).await? {
+                Taken::Changed => Ok(Taken::Held),
                 other => Ok(other),
             },
             other => Ok(other),
@@ -316,7 +239,7 @@ impl Inner {
         blob: &BlobClient,
         in_flight: &mut InFlight<Self>,
         cap: Instant,
-    ) -> Result<Attempt, AttemptError> {
+    ) -> Result<Taken, AttemptError> {
         let properties = match self.bounded(cap, blob.get_properties(None)).await? {
             Ok(properties) => properties,
             Err(error) if status(&error) == Some(StatusCode::NotFound) => {
@@ -327,9 +250,9 @@ impl Inner {
                 match self.create(blob, fence, cap).await? {
                     Some(made) => {
                         let lease = self.take_lease(blob, in_flight, cap, Some(made)).await?;
-                        return Ok(lease.map_or(Attempt::Held, |(etag, sent_at)| {
+                        return Ok(lease.map_or(Taken::Held, |(etag, sent_at)| {
                             self.clock.saw_token(fence);
-                            Attempt::Granted {
+                            Taken::Granted {
                                 fence,
                                 etag,
                                 sent_at,
@@ -346,7 +269,7 @@ impl Inner {
             properties.lease_state()?,
             Some(LeaseState::Leased | LeaseState::Breaking)
         ) {
-            return Ok(Attempt::Held);
+            return Ok(Taken::Held);
         }
         let metadata = properties.metadata()?;
         let fence = next_fence(
@@ -360,7 +283,7 @@ impl Inner {
             .take_lease(blob, in_flight, cap, properties.etag()?)
             .await?
         else {
-            return Ok(Attempt::Changed);
+            return Ok(Taken::Changed);
         };
         let metadata = grant_metadata(fence, &self.config.instance_id);
         let write = blob.set_metadata(
@@ -378,7 +301,7 @@ impl Inner {
                     .headers()
                     .get_optional_str(&HeaderName::from_static("etag"))
                     .map(Etag::from);
-                Ok(Attempt::Granted {
+                Ok(Taken::Granted {
                     fence,
                     etag,
                     sent_at,
@@ -386,7 +309,7 @@ impl Inner {
             }
             // Broken or changed in between: the grant does not count, and the guard
             // gives back the lease if it is still ours.
-            Err(error) if is_conflict(&error) => Ok(Attempt::Held),
+            Err(error) if is_conflict(&error) => Ok(Taken::Held),
             Err(error) => Err(error.into()),
         }
     }
@@ -498,15 +421,6 @@ impl AttemptError {
         }
     }
 
-    /// The error and its deepest cause, for a log line.
-    fn describe(&self) -> String {
-        match self {
-            Self::Lock(error) => error.to_string(),
-            Self::Azure(error) => with_cause(error),
-            Self::WaitOver => LockError::Timeout.to_string(),
-        }
-    }
-
     fn into_boxed(self) -> BoxError {
         match self {
             Self::Lock(error) => Box::new(error),
@@ -605,6 +519,63 @@ async fn delete_released(blob: Arc<BlobClient>, etag: Etag, due: Instant, limit:
             Ok(Err(error)) => tracing::debug!(%error, "azure blob delete after release failed"),
             Err(_) => tracing::debug!("azure blob delete after release timed out"),
         }
+    }
+}
+
+impl Contend for Inner {
+    type Key = Arc<BlobClient>;
+
+    fn command_timeout(&self) -> Duration {
+        self.config.command_timeout
+    }
+
+    fn pauses(&self) -> Backoff {
+        Backoff::new(FIRST_POLL, self.config.poll_interval)
+    }
+
+    async fn attempt(self: &Arc<Self>, blob: &Arc<BlobClient>, limit: Instant) -> Attempt {
+        let token = match fresh_token() {
+            Ok(token) => lease_id(&token),
+            Err(error) => return Attempt::Failed(Box::new(error)),
+        };
+        // Armed while a lease call is unanswered or a granted lease is not handed over:
+        // dropping it (an error, the wait over, this future dropped) releases what the
+        // token may hold.
+        let held = Held {
+            blob: blob.clone(),
+            grant: None,
+        };
+        let mut in_flight = InFlight::new(self.clone(), held, token);
+        match self.try_take(blob, &mut in_flight, limit).await {
+            Ok(Taken::Granted {
+                fence,
+                etag,
+                sent_at,
+            }) => {
+                let token = in_flight.granted();
+                let held = Held {
+                    blob: blob.clone(),
+                    grant: Some((fence, etag)),
+                };
+                Attempt::Granted(ttl::grant(self, held, token, Some(fence), sent_at))
+            }
+            Ok(Taken::Held | Taken::Changed) => Attempt::Held { free_by: None },
+            Err(AttemptError::WaitOver) => Attempt::OutOfTime,
+            // No answer, Azure busy, or the container gone (made again by the next
+            // attempt): tried again within the wait.
+            Err(error) if error.transient() => Attempt::Retry(error.into_boxed()),
+            Err(error) => Attempt::Failed(error.into_boxed()),
+        }
+    }
+
+    fn named(&self, error: BoxError) -> LockError {
+        Inner::named(self, error)
+    }
+
+    fn no_answer(&self) -> BoxError {
+        Box::new(AzureBlobLockError::CommandTimeout(
+            self.config.command_timeout,
+        ))
     }
 }
 

@@ -223,7 +223,7 @@ use azure_storage_blob::{BlobContainerClient, BlobContainerClientOptions};
 
 use self::names::{blob_name, with_slash, MAX_PREFIX_LEN};
 use super::settings::{self, Defaults, Settings};
-use super::{Acquisition, BoxFuture, Holder, LockBackend, SetupError};
+use super::{ttl, Acquisition, BoxFuture, Holder, LockBackend, SetupError};
 use crate::backend::located::with_cause;
 use crate::backend::server_clock::ServerClock;
 use crate::error::LockError;
@@ -495,7 +495,8 @@ impl LockBackend for AzureBlobBackend {
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let blob = self.blob_name(name, key.as_str());
         let blob = Arc::new(self.inner.container.blob_client(&blob));
-        Box::pin(self.inner.clone().acquire(blob, wait))
+        let inner = self.inner.clone();
+        Box::pin(async move { ttl::acquire(&inner, &blob, wait).await })
     }
 
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {

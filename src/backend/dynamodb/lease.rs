@@ -13,7 +13,7 @@ use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
-use tokio::time::{sleep, sleep_until, timeout, timeout_at, Instant};
+use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 
 use super::holder;
 use super::item::{self, epoch_seconds, millis, Holder};
@@ -21,9 +21,8 @@ use super::retry::{is_transient, CommandTimeout};
 use super::Inner;
 use crate::backend::located::Located;
 use crate::backend::ttl::{
-    self, fresh_token, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
-use crate::backend::Lease;
 use crate::LockError;
 
 /// The primary key of one lock item.
@@ -45,8 +44,8 @@ const FIRST_POLL: Duration = Duration::from_millis(5);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// What one acquire attempt found.
-enum Attempt {
+/// What one conditional write found.
+enum Written {
     Granted {
         fence: u64,
     },
@@ -89,16 +88,6 @@ fn is_refused(error: &SdkError<UpdateItemError>) -> bool {
     matches!(error, SdkError::ServiceError(service) if service.raw().status().is_client_error())
 }
 
-/// How a wait that reached its deadline ends: [`LockError::Timeout`] if the key was
-/// held, [`LockError::Backend`] if DynamoDB's last answer was a failure (throttled
-/// until the end, failing on its side): the layer then answers 503, not 409.
-fn out_of_time(inner: &Inner, last_failure: Option<BoxError>) -> LockError {
-    match last_failure {
-        Some(error) => inner.named(error),
-        None => LockError::Timeout,
-    }
-}
-
 fn is_condition_failed(error: &SdkError<UpdateItemError>) -> bool {
     matches!(
         error.as_service_error(),
@@ -114,99 +103,6 @@ impl Inner {
             self.endpoint.describe().into(),
             error,
         )))
-    }
-
-    pub(super) async fn acquire(
-        self: Arc<Self>,
-        item: ItemKey,
-        wait: Duration,
-    ) -> Result<Lease, LockError> {
-        let deadline = ttl::deadline_after(wait);
-        let mut backoff = Backoff::new(FIRST_POLL, self.config.settings.poll_interval);
-        // What was seen of the holder is kept in the backend, across acquisitions.
-        let id = match item.get(&self.layout.partition_key) {
-            Some(AttributeValue::S(value)) => value.clone(),
-            _ => String::new(),
-        };
-        // When the version seen on the key goes stale, if it is held.
-        let mut stale_at: Option<Instant> = None;
-        // The error of the last attempt, if it failed rather than found the key held.
-        let mut last_failure: Option<BoxError> = None;
-        let mut first = true;
-        loop {
-            let sent_at = Instant::now();
-            let stale = self.watched.stale_version(&id, sent_at);
-            // The first attempt gets a whole command timeout (a zero wait still tries
-            // once); later ones end with the wait.
-            let limit = match first {
-                true => sent_at + self.config.settings.command_timeout,
-                false => (sent_at + self.config.settings.command_timeout).min(deadline),
-            };
-            first = false;
-            // Armed until the answer is known: if it never comes (error, timeout, or
-            // this future dropped) the write may still have happened, and dropping
-            // `in_flight` gives the token's hold back.
-            let held = Held {
-                item: item.clone(),
-                fence: None,
-            };
-            let mut in_flight = InFlight::new(self.clone(), held, fresh_token()?);
-            in_flight.sent(sent_at);
-            let attempt = self.attempt(&item, in_flight.token(), stale.as_deref());
-            match timeout_at(limit, attempt).await {
-                Ok(Ok(Attempt::Granted { fence })) => {
-                    self.watched.forget(&id);
-                    self.endpoint.clock.saw_token(fence);
-                    let token = in_flight.granted();
-                    let held = Held {
-                        item,
-                        fence: Some(fence),
-                    };
-                    return Ok(ttl::grant(&self, held, token, Some(fence), sent_at));
-                }
-                Ok(Ok(Attempt::Held(holder))) => {
-                    in_flight.answered();
-                    last_failure = None;
-                    stale_at = self.watched.saw(&id, holder, Instant::now());
-                }
-                // Throttled, a failure on DynamoDB's side, or no answer (the endpoint
-                // unreachable, the connection broken): try again after a pause.
-                Ok(Err(error)) if error.transient => {
-                    tracing::debug!(error = %error.error, "dynamodb acquire attempt failed; retrying");
-                    if !error.maybe_applied {
-                        in_flight.answered();
-                    }
-                    last_failure = Some(error.error);
-                }
-                Ok(Err(error)) => {
-                    if !error.maybe_applied {
-                        in_flight.answered();
-                    }
-                    return Err(self.named(error.error));
-                }
-                Err(_) if limit == deadline => return Err(out_of_time(&self, last_failure)),
-                // No answer within a whole command timeout: tried again within the
-                // wait, as a broken connection is; `in_flight` stays armed.
-                Err(_) => {
-                    let timeout = CommandTimeout(self.config.settings.command_timeout);
-                    tracing::debug!(%timeout, "dynamodb acquire attempt; retrying");
-                    last_failure = Some(Box::new(timeout));
-                }
-            }
-            drop(in_flight);
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(out_of_time(&self, last_failure));
-            }
-            let mut pause = backoff.pause().min(deadline - now);
-            if let Some(stale_at) = stale_at.filter(|stale_at| now < *stale_at) {
-                pause = pause.min(stale_at - now);
-            }
-            sleep(pause).await;
-            if Instant::now() >= deadline {
-                return Err(out_of_time(&self, last_failure));
-            }
-        }
     }
 
     /// An update of the lock item, with the attribute names every update uses.
@@ -244,12 +140,12 @@ impl Inner {
     /// One conditional write: takes the key if it is free, or if its record version
     /// is still `stale` (a holder that stopped renewing), with a fresh owner token and
     /// the next fencing token.
-    async fn attempt(
+    async fn write_grant(
         &self,
         item: &ItemKey,
         token: &str,
         stale: Option<&str>,
-    ) -> Result<Attempt, CallError> {
+    ) -> Result<Written, CallError> {
         let mut update = self
             .update(item)
             .update_expression(
@@ -283,7 +179,7 @@ impl Inner {
         };
         match update.send().await {
             Ok(output) => match item::fence(output.attributes()) {
-                Some(fence) => Ok(Attempt::Granted { fence }),
+                Some(fence) => Ok(Written::Granted { fence }),
                 // Applied, but unreadable: give the token back.
                 None => Err(CallError {
                     error: "dynamodb returned no fence counter".into(),
@@ -299,7 +195,7 @@ impl Inner {
                 // `None` also when no old item came back (DynamoDB returns it since
                 // 2023): the next attempt then finds out again.
                 let holder = old.and_then(|old| Holder::from_item(old, self.config.settings.lease));
-                Ok(Attempt::Held(holder))
+                Ok(Written::Held(holder))
             }
             Err(error) => Err(error.into()),
         }
@@ -468,6 +364,81 @@ fn is_delete_condition_failed(error: &SdkError<DeleteItemError>) -> bool {
         error.as_service_error(),
         Some(DeleteItemError::ConditionalCheckFailedException(_))
     )
+}
+
+impl Contend for Inner {
+    type Key = ItemKey;
+
+    fn command_timeout(&self) -> Duration {
+        self.config.settings.command_timeout
+    }
+
+    fn pauses(&self) -> Backoff {
+        Backoff::new(FIRST_POLL, self.config.settings.poll_interval)
+    }
+
+    /// Takes the key if it is free, or over a holder whose record stopped changing for
+    /// a lease as this process saw it (what was seen is kept across acquisitions).
+    async fn attempt(self: &Arc<Self>, item: &ItemKey, _limit: Instant) -> Attempt {
+        let id = match item.get(&self.layout.partition_key) {
+            Some(AttributeValue::S(value)) => value.clone(),
+            _ => String::new(),
+        };
+        let sent_at = Instant::now();
+        let stale = self.watched.stale_version(&id, sent_at);
+        let token = match fresh_token() {
+            Ok(token) => token,
+            Err(error) => return Attempt::Failed(Box::new(error)),
+        };
+        // Armed until the answer is known: if it never comes (error, timeout, or this
+        // future dropped) the write may still have happened, and dropping `in_flight`
+        // gives the token's hold back.
+        let held = Held {
+            item: item.clone(),
+            fence: None,
+        };
+        let mut in_flight = InFlight::new(self.clone(), held, token);
+        in_flight.sent(sent_at);
+        match self
+            .write_grant(item, in_flight.token(), stale.as_deref())
+            .await
+        {
+            Ok(Written::Granted { fence }) => {
+                self.watched.forget(&id);
+                self.endpoint.clock.saw_token(fence);
+                let token = in_flight.granted();
+                let held = Held {
+                    item: item.clone(),
+                    fence: Some(fence),
+                };
+                Attempt::Granted(ttl::grant(self, held, token, Some(fence), sent_at))
+            }
+            Ok(Written::Held(holder)) => {
+                in_flight.answered();
+                let free_by = self.watched.saw(&id, holder, Instant::now());
+                Attempt::Held { free_by }
+            }
+            // Throttled, a failure on DynamoDB's side, or no answer (the endpoint
+            // unreachable, the connection broken): tried again after a pause.
+            Err(error) => {
+                if !error.maybe_applied {
+                    in_flight.answered();
+                }
+                match error.transient {
+                    true => Attempt::Retry(error.error),
+                    false => Attempt::Failed(error.error),
+                }
+            }
+        }
+    }
+
+    fn named(&self, error: BoxError) -> LockError {
+        Inner::named(self, error)
+    }
+
+    fn no_answer(&self) -> BoxError {
+        Box::new(CommandTimeout(self.config.settings.command_timeout))
+    }
 }
 
 impl TtlBackend for Inner {

@@ -186,7 +186,7 @@ use aws_sdk_dynamodb::Client;
 use self::item::{partition_value, Layout};
 use super::settings::{self, Defaults, Settings};
 use super::SetupError;
-use super::{Acquisition, BoxFuture, Holder, LockBackend};
+use super::{ttl, Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -438,7 +438,8 @@ impl LockBackend for DynamoDbBackend {
             self.inner
                 .layout
                 .item_key(&self.inner.config.settings.prefix, name, key.as_str());
-        Box::pin(self.inner.clone().acquire(Arc::new(item), wait))
+        let inner = self.inner.clone();
+        Box::pin(async move { ttl::acquire(&inner, &Arc::new(item), wait).await })
     }
 
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {

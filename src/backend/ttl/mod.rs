@@ -18,6 +18,8 @@
 //! - `give_back`: giving a token's hold back, retried in the background until the
 //!   record would expire anyway, and the in-flight guard that gives back what an
 //!   attempt whose answer never came may have been granted;
+//! - `acquire`: the acquire loop of the engines that take a record by a conditional
+//!   write and wait by looking again (DynamoDB, Azure Blob);
 //! - `backoff`: jittered pauses; `token`: fresh random tokens.
 
 // etcd uses the engine without the helpers of record-based engines (random tokens, the
@@ -27,6 +29,8 @@
     allow(dead_code, unused_imports)
 )]
 
+#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+mod acquire;
 mod backoff;
 mod give_back;
 mod lease;
@@ -39,6 +43,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+pub(crate) use self::acquire::{acquire, Attempt, Contend};
 #[cfg(any(feature = "redis", feature = "etcd", feature = "zookeeper"))]
 pub(crate) use self::backoff::jitter;
 pub(crate) use self::backoff::Backoff;
