@@ -87,7 +87,7 @@
 //! - `RedisReplayStore` (features `replay` + `redis`): records beside the lock's keys,
 //!   written by a script that checks the lock's fence.
 //! - `PostgresReplayStore` (features `replay` + `postgres`): a table, writes ordered by
-//!   fencing token, so its lock backend must issue them (`PostgresBackend::fencing(true)`);
+//!   fencing token, so its lock backend must issue them (`PostgresBackendBuilder::fencing(true)`);
 //!   under one that does not, it is refused the same way.
 //!
 //! # What the fences prevent, and what they do not

@@ -21,7 +21,7 @@ pub(crate) type PrincipalFn = dyn Fn(&Extensions) -> Option<String> + Send + Syn
 /// issues none.
 pub(crate) const NO_FENCING_TOKENS: &str = "the replay store needs fencing tokens (it \
     writes only with a token above the stored one) and the lock backend issues none, so \
-    nothing would ever be stored: use PostgresBackend::fencing(true) (a RedlockBackend \
+    nothing would ever be stored: use PostgresBackendBuilder::fencing(true) (a RedlockBackend \
     never issues them: it cannot do so safely)";
 
 /// A request's fingerprint from its head and buffered body: the built-in one, or one

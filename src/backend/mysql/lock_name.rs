@@ -7,7 +7,7 @@ use sha2::{Digest, Sha256};
 /// MariaDB takes them, but the backend keeps one rule for both).
 pub const MAX_LOCK_NAME_LEN: usize = 64;
 
-/// The longest [`prefix`](super::MySqlBackend::prefix): a hashed name keeps at
+/// The longest [`prefix`](super::MySqlBackendBuilder::prefix): a hashed name keeps at
 /// least 39 hex digits (156 bits) of the digest after it.
 pub(super) const MAX_PREFIX_LEN: usize = 24;
 

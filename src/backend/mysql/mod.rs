@@ -88,7 +88,7 @@
 //! instead (see [proxies](self#proxies)).
 //!
 //! A grant counts only from a round trip answered within the
-//! [`command_timeout`](MySqlBackend::command_timeout): the server's idle limit runs
+//! [`command_timeout`](MySqlBackendBuilder::command_timeout): the server's idle limit runs
 //! from the moment it grants, which a late answer does not date. A `GET_LOCK` that
 //! waited answers later than that, so one more round trip confirms the grant
 //! (`IS_USED_LOCK(name) = CONNECTION_ID()`); if it does not answer in time, the grant
@@ -131,7 +131,7 @@
 //! it the moment the server shuts the connection: the holder is told at once (the
 //! server fails the statement before it frees the lock; see `RELIABILITY.md`), not at
 //! its next check. Each answer is also the liveness check, every
-//! [`liveness_interval`](MySqlBackend::liveness_interval) (default
+//! [`liveness_interval`](MySqlBackendBuilder::liveness_interval) (default
 //! [`DEFAULT_LIVENESS_INTERVAL`], 1 s): the sleep `<s>` lasts until the next check is
 //! due. A statement that fails, does not answer within one command timeout (default
 //! [`DEFAULT_COMMAND_TIMEOUT`], 2 s) of that, is answered by another session or finds
@@ -166,11 +166,11 @@
 //!
 //! # Fencing tokens
 //!
-//! With [`fencing(true)`](MySqlBackend::fencing), the holder takes a token right after
+//! With [`fencing(true)`](MySqlBackendBuilder::fencing), the holder takes a token right after
 //! the grant, in the same session:
 //! `INSERT INTO <table> (id, token) VALUES (1, LAST_INSERT_ID(1)) ON DUPLICATE KEY
 //! UPDATE token = LAST_INSERT_ID(token + 1)`, one counter row in an InnoDB table
-//! ([`fencing_table`](MySqlBackend::fencing_table), default
+//! ([`fencing_table`](MySqlBackendBuilder::fencing_table), default
 //! [`DEFAULT_FENCING_TABLE`]), committed by that statement (the backend's sessions run
 //! with `autocommit = 1`). The next holder of a key is granted only after this one
 //! released, so its increment comes later: the tokens of a key strictly increase from
@@ -208,7 +208,7 @@
 //!
 //! **Each key held, or waited for in the server, by this instance pins one
 //! connection** until it is released. Size the pool
-//! ([`max_connections`](MySqlBackend::max_connections), default
+//! ([`max_connections`](MySqlBackendBuilder::max_connections), default
 //! [`DEFAULT_MAX_CONNECTIONS`]) for the keys you expect to hold at once per instance;
 //! the in-process tier already makes every key cost at most one connection per
 //! instance. Releases also use one control connection per backend, opened on the
@@ -275,15 +275,15 @@ use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
 use crate::key::Key;
 
-/// The default [`MySqlBackend::prefix`].
+/// The default [`MySqlBackendBuilder::prefix`].
 pub const DEFAULT_PREFIX: &str = "tkl";
-/// The default [`MySqlBackend::liveness_interval`].
+/// The default [`MySqlBackendBuilder::liveness_interval`].
 pub const DEFAULT_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
-/// The default [`MySqlBackend::command_timeout`].
+/// The default [`MySqlBackendBuilder::command_timeout`].
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
-/// The default [`MySqlBackend::max_connections`].
+/// The default [`MySqlBackendBuilder::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
-/// The default [`MySqlBackend::fencing_table`].
+/// The default [`MySqlBackendBuilder::fencing_table`].
 pub const DEFAULT_FENCING_TABLE: &str = "tower_keyed_lock_fencing";
 
 /// A [`LockBackend`] on MySQL / MariaDB named locks. See the [module docs](self).

@@ -50,7 +50,7 @@
 //! lock id and a random number of this acquisition) until the unlock.
 //!
 //! A grant counts only from a round trip that answered within the
-//! [`command_timeout`](PostgresBackend::command_timeout): PostgreSQL's idle limit runs
+//! [`command_timeout`](PostgresBackendBuilder::command_timeout): PostgreSQL's idle limit runs
 //! from the moment it grants, which a late answer does not date. A statement that
 //! waited in PostgreSQL's queue usually answers later than that, so one more round trip
 //! confirms the grant; if the confirmation does not answer in time, the grant is given
@@ -92,7 +92,7 @@
 //!
 //! So with [`LockScope::Session`] the backend checks, once, that each server session
 //! belongs to its client connection alone: when it is built
-//! ([`build`](PostgresBackend::build), which then fails with
+//! ([`build`](PostgresBackendBuilder::build), which then fails with
 //! [`SetupError::Unsafe`] naming the pooler mode and the fix), or else on its first
 //! acquisition (every acquisition then fails with a [`LockError::Backend`] carrying that
 //! error). The check ends a session of its own from the server's side while the client
@@ -124,7 +124,7 @@
 //! clears too), so later grants on it need no extra round trip.
 //!
 //! Behind a transaction pooler use [`LockScope::Transaction`]
-//! ([`lock_scope`](PostgresBackend::lock_scope)): the lock is
+//! ([`lock_scope`](PostgresBackendBuilder::lock_scope)): the lock is
 //! `pg_advisory_xact_lock(id)`, taken in one round trip with
 //! `BEGIN; SET LOCAL idle_in_transaction_session_timeout …; SET LOCAL lock_timeout …`
 //! (or `pg_try_advisory_xact_lock` for a zero wait), inside a transaction held open
@@ -154,7 +154,7 @@
 //! # Lock ids
 //!
 //! A key becomes a 64-bit advisory lock id — the same on every build and machine:
-//! SHA-256 over the prefix ([`prefix`](PostgresBackend::prefix), default
+//! SHA-256 over the prefix ([`prefix`](PostgresBackendBuilder::prefix), default
 //! [`DEFAULT_PREFIX`]), the layer [`name`](crate::KeyedLockLayer::name) and the key,
 //! each as its UTF-8 bytes prefixed by their length as a big-endian `u32`; the first 8
 //! bytes of the digest, read as a big-endian `i64`, are the id ([`lock_id`]). In SQL
@@ -192,10 +192,10 @@
 //!
 //! The holder watches its connection: every 5 ms it looks whether the connection has
 //! closed (no round trip: whether its connection task ended), and every
-//! [`liveness_interval`](PostgresBackend::liveness_interval) (default
+//! [`liveness_interval`](PostgresBackendBuilder::liveness_interval) (default
 //! [`DEFAULT_LIVENESS_INTERVAL`], 1 s) it asks `SELECT pg_backend_pid()`. A closed
 //! connection, a check that fails, takes longer than the
-//! [`command_timeout`](PostgresBackend::command_timeout) or is answered by another
+//! [`command_timeout`](PostgresBackendBuilder::command_timeout) or is answered by another
 //! server process raises the lease-lost signal of [`LockInfo`](crate::LockInfo), the
 //! layer counts it in `keyed_lock_lease_lost_total`, and
 //! [`abort_on_lease_lost`](crate::KeyedLockLayer::abort_on_lease_lost) turns it into
@@ -228,7 +228,7 @@
 //!
 //! # Fencing tokens
 //!
-//! With [`fencing(true)`](PostgresBackend::fencing) every grant also takes `nextval` of
+//! With [`fencing(true)`](PostgresBackendBuilder::fencing) every grant also takes `nextval` of
 //! a sequence (default [`DEFAULT_FENCING_SEQUENCE`]) in the statement that grants the
 //! lock, so the tokens of one key strictly increase from holder to holder; the handler
 //! reads it with [`LockInfo::fencing_token`](crate::LockInfo::fencing_token). The
@@ -269,7 +269,7 @@
 //!   Readers and permit holders do not exclude each other. Each acquirer counts
 //!   against its own `n` (its own `n` lock ids): instances configured with different
 //!   `n` under one name do not share their permits.
-//! - **Fencing** (with [`fencing`](PostgresBackend::fencing)): writers and permit
+//! - **Fencing** (with [`fencing`](PostgresBackendBuilder::fencing)): writers and permit
 //!   holders take `nextval` of the sequence, so writers' tokens keep increasing across
 //!   shared and exclusive grants. A reader takes none: its token is the sequence's last
 //!   value when it was granted — at least the token of the last writer of its key
@@ -284,7 +284,7 @@
 //! reads `pg_locks` for the lock's id and the holding session's `application_name` in
 //! `pg_stat_activity`: one round trip, nothing taken. The statement that grants a lock
 //! writes `tkl <grant time in ms, the server's clock> <fencing token or -> <instance
-//! id>` there ([`instance_id`](PostgresBackend::instance_id)), in the same statement as
+//! id>` there ([`instance_id`](PostgresBackendBuilder::instance_id)), in the same statement as
 //! the grant; session scope saves the session's own name first and the unlock restores
 //! it, transaction scope sets it with `set_config(.., true)`, so the transaction's end
 //! restores it. `application_name` was chosen over a table: no write of its own per
@@ -311,9 +311,9 @@
 //! its wait ends; then it fails with the last such error (503) if nothing was answered
 //! since, else [`LockError::Timeout`]. A server out of reach before it ever answered is
 //! told at once (503). An acquisition takes at most the
-//! request's remaining wait plus one [`command_timeout`](PostgresBackend::command_timeout)
+//! request's remaining wait plus one [`command_timeout`](PostgresBackendBuilder::command_timeout)
 //! in all, however many round trips were slow (the first ones of a session-scope
-//! backend not [built](PostgresBackend::build), up to four command timeouts more, for
+//! backend not [built](PostgresBackendBuilder::build), up to four command timeouts more, for
 //! the [session check](self#lock-scopes-and-poolers)); an unlock or a liveness check at
 //! most one command timeout. After an outage the pool reconnects by itself: connections that
 //! died are dropped when next taken from the pool.
@@ -766,7 +766,7 @@ impl LockBackend for PostgresBackend {
         "postgres"
     }
 
-    /// Only with [`fencing(true)`](PostgresBackend::fencing).
+    /// Only with [`fencing(true)`](PostgresBackendBuilder::fencing).
     fn issues_fencing_tokens(&self) -> bool {
         self.inner.fencing.is_some()
     }

@@ -105,7 +105,7 @@ fn shared_sessions() -> SetupError {
          its client connection open, and the client's next statement ran on another \
          session): a transaction or statement pooler is in between, such as PgBouncer in \
          pool_mode=transaction or pool_mode=statement. Use LockScope::Transaction \
-         (PostgresBackend::lock_scope), or session pooling (pool_mode=session), or a direct \
+         (PostgresBackendBuilder::lock_scope), or session pooling (pool_mode=session), or a direct \
          connection"
             .to_owned(),
     )

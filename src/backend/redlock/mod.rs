@@ -343,7 +343,7 @@ impl RedlockBackendBuilder {
     /// Asks for fencing tokens, which Redlock cannot give: `true` makes
     /// [`build`](Self::build) fail with [`SetupError::Unsafe`], naming the reason
     /// ([`NO_FENCING_TOKENS`]). The setting exists so that a configuration
-    /// carried over from a backend that fences (`PostgresBackend::fencing(true)`) is
+    /// carried over from a backend that fences (`PostgresBackendBuilder::fencing(true)`) is
     /// refused, not silently unfenced.
     pub fn fencing(mut self, fencing: bool) -> Self {
         self.config.fencing = fencing;

@@ -41,7 +41,7 @@ const PURGE_EVERY: u64 = 256;
 /// A write is one conditional upsert: it inserts, or replaces a row whose `fence` is
 /// lower than the writer's token, so a holder whose lock was lost never overwrites its
 /// successor's record. It needs the fencing tokens of the PostgreSQL backend
-/// ([`fencing(true)`](crate::backend::postgres::PostgresBackend::fencing)): under a
+/// ([`fencing(true)`](crate::backend::postgres::PostgresBackendBuilder::fencing)): under a
 /// backend without them it could never store, so
 /// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay) refuses it (a panic naming
 /// the fix), and layers stacked by hand answer 500 (misconfigured) before the handler
@@ -274,7 +274,7 @@ impl ReplayStore for PostgresReplayStore {
         let key = key.clone();
         Box::pin(async move {
             let token = token.ok_or_else(|| {
-                StoreError::new("the PostgreSQL replay store needs fencing tokens: PostgresBackend::fencing(true)")
+                StoreError::new("the PostgreSQL replay store needs fencing tokens: PostgresBackendBuilder::fencing(true)")
             })?;
             let (fence, ttl_ms) = fence_and_ttl(token, ttl)?;
             let client = store.client().await?;
