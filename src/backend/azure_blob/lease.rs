@@ -525,10 +525,6 @@ async fn delete_released(blob: Arc<BlobClient>, etag: Etag, due: Instant, limit:
 impl Contend for Inner {
     type Key = Arc<BlobClient>;
 
-    fn command_timeout(&self) -> Duration {
-        self.config.command_timeout
-    }
-
     fn pauses(&self) -> Backoff {
         Backoff::new(FIRST_POLL, self.config.poll_interval)
     }

@@ -369,10 +369,6 @@ fn is_delete_condition_failed(error: &SdkError<DeleteItemError>) -> bool {
 impl Contend for Inner {
     type Key = ItemKey;
 
-    fn command_timeout(&self) -> Duration {
-        self.config.settings.command_timeout
-    }
-
     fn pauses(&self) -> Backoff {
         Backoff::new(FIRST_POLL, self.config.settings.poll_interval)
     }

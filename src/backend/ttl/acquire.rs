@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tokio::time::{sleep, timeout_at, Instant};
 
-use super::{deadline_after, Backoff};
+use super::{deadline_after, Backoff, TtlBackend};
 use crate::backend::Lease;
 use crate::LockError;
 
@@ -42,14 +42,11 @@ pub(crate) enum Attempt {
     OutOfTime,
 }
 
-/// An engine's side of the acquire loop.
-pub(crate) trait Contend: Send + Sync + 'static {
+/// An engine's side of the acquire loop; its [`timing`](TtlBackend::timing)'s command
+/// timeout is the longest one attempt may take.
+pub(crate) trait Contend: TtlBackend {
     /// What one acquisition contends for (an item's key, a blob).
     type Key: Send + Sync;
-
-    /// The longest one attempt may take, and the wait's allowance past its end for the
-    /// first attempt.
-    fn command_timeout(&self) -> Duration;
 
     /// The pauses between attempts: jittered, from short to the poll interval.
     fn pauses(&self) -> Backoff;
@@ -77,7 +74,7 @@ pub(crate) async fn acquire<B: Contend>(
     wait: Duration,
 ) -> Result<Lease, LockError> {
     let deadline = deadline_after(wait);
-    let command_timeout = backend.command_timeout();
+    let command_timeout = backend.timing().command_timeout;
     let mut backoff = backend.pauses();
     // The last attempt's failure, if no attempt was answered since.
     let mut failing: Option<BoxError> = None;
