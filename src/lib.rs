@@ -122,6 +122,7 @@ mod body;
 pub mod buffer;
 pub mod distributed;
 mod error;
+mod json_text;
 pub mod key;
 pub mod layer;
 pub mod locks;

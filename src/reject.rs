@@ -99,11 +99,11 @@ impl Rejection {
         let title = self.status.canonical_reason().unwrap_or("Error");
         let mut body = String::with_capacity(128 + self.detail.len());
         body.push_str(r#"{"type":"about:blank","title":"#);
-        push_json_string(&mut body, title);
+        crate::json_text::push_string(&mut body, title);
         let _ = write!(body, r#","status":{},"detail":"#, self.status.as_u16());
-        push_json_string(&mut body, &self.detail);
+        crate::json_text::push_string(&mut body, &self.detail);
         body.push_str(r#","reason":"#);
-        push_json_string(&mut body, self.kind.as_str());
+        crate::json_text::push_string(&mut body, self.kind.as_str());
         body.push('}');
 
         let mut response = Response::new(Bytes::from(body));
@@ -296,24 +296,6 @@ fn retry_after_secs(duration: Duration) -> u64 {
         .as_secs()
         .saturating_add(u64::from(duration.subsec_nanos() > 0));
     rounded_up.max(1)
-}
-
-/// Appends `s` as a JSON string literal: quotes, backslashes and control
-/// characters are escaped, everything else is copied as is.
-fn push_json_string(out: &mut String, s: &str) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            // Every control char is at most U+009F, so four hex digits fit.
-            c if c.is_control() => {
-                let _ = write!(out, "\\u{:04x}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 #[cfg(test)]
@@ -526,7 +508,7 @@ mod tests {
         #[test]
         fn json_string_round_trips(s in any::<String>()) {
             let mut literal = String::new();
-            push_json_string(&mut literal, &s);
+            crate::json_text::push_string(&mut literal, &s);
             prop_assert!(!literal.chars().any(char::is_control));
             prop_assert_eq!(decode_json_string(&literal), Some(s));
         }

@@ -231,37 +231,27 @@ impl Health {
             Some(Err(_)) => "unavailable",
             None => "unchecked",
         };
-        let mut json = format!(r#"{{"status":"{status}","engine":{}"#, quoted(self.engine));
+        let mut json = format!(
+            r#"{{"status":"{status}","engine":{}"#,
+            crate::json_text::quoted(self.engine)
+        );
         if let Some(round_trip) = self.round_trip() {
             json += &format!(r#","round_trip_ms":{:.3}"#, round_trip.as_secs_f64() * 1e3);
         }
         if let Some(error) = self.error() {
-            json += &format!(r#","error":{}"#, quoted(error));
+            json += &format!(r#","error":{}"#, crate::json_text::quoted(error));
         }
         if let Some(left) = self.restart_guard_left {
             json += &format!(r#","restart_guard_left_ms":{}"#, left.as_millis());
         }
         if let Some(last) = &self.last_error {
-            json += &format!(r#","last_error":{}"#, quoted(&last.message));
+            json += &format!(
+                r#","last_error":{}"#,
+                crate::json_text::quoted(&last.message)
+            );
         }
         json + "}"
     }
-}
-
-/// `text` as a JSON string.
-fn quoted(text: &str) -> String {
-    let mut out = String::with_capacity(text.len() + 2);
-    out.push('"');
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if u32::from(c) < 0x20 => out.push_str(&format!("\\u{:04x}", u32::from(c))),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 #[cfg(test)]
