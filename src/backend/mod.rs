@@ -23,7 +23,8 @@
 //!   engine implements and hands out.
 //! - `lost.rs`: [`LostReason`], why a lease was lost.
 //! - `mode.rs`: [`LockMode`]: exclusive, shared, or one of `n` permits.
-//! - `health.rs`: [`Health`], the health check every engine gets.
+//! - `health.rs`: [`Health`], the health check every engine gets; `deployment/`: the
+//!   deployment check ([`DeploymentReport`]), its findings and its live run.
 //! - `holder.rs`: [`Holder`], who holds a key, and the default instance id.
 //! - `retry_later.rs`: [`RetryLater`], an error that says when to come back.
 //! - `record.rs`: [`RecordLookup`] and [`Acquired`]: a replay record read in an
@@ -49,6 +50,7 @@ use crate::key::Key;
 #[cfg(feature = "azure-blob")]
 #[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
 pub mod azure_blob;
+pub mod deployment;
 mod detach;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
@@ -103,6 +105,7 @@ mod ttl;
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub mod zookeeper;
 
+pub use deployment::{DeploymentReport, Finding, Verdict};
 pub(crate) use detach::Detach;
 pub use health::{Health, LastError, HEALTH_LOCK_NAME, HEALTH_PROBE_KEY, HEALTH_PROBE_WAIT};
 #[cfg(any(
@@ -265,6 +268,16 @@ pub trait LockBackend: Send + Sync + 'static {
     fn identity(&self) -> Option<BackendIdentity> {
         None
     }
+
+    /// What the engine's configuration means for the locks, for
+    /// [`DistributedLocks::check_deployment`](crate::DistributedLocks::check_deployment):
+    /// one [`Finding`] per thing read from the servers (an eviction policy, a pooler in
+    /// between, the server's clock against this machine's), each saying what it saw,
+    /// why it matters and the fix. It reads only, and touches no key. The default: no
+    /// findings (the check's live run still runs).
+    fn check_configuration(&self) -> BoxFuture<Vec<Finding>> {
+        Box::pin(async { Vec::new() })
+    }
 }
 
 /// A shared backend is a backend: one client can serve several layers and job locks.
@@ -317,6 +330,10 @@ impl<B: LockBackend + ?Sized> LockBackend for Arc<B> {
         (**self)
             .identity()
             .or_else(|| Some(BackendIdentity::of(self)))
+    }
+
+    fn check_configuration(&self) -> BoxFuture<Vec<Finding>> {
+        (**self).check_configuration()
     }
 }
 

@@ -99,6 +99,7 @@ macro_rules! conformance {
                 a_released_lease_is_never_renewed,
                 several_keys_all_or_nothing,
                 health_answers,
+                the_deployment_live_run_passes,
             );
         }
     };
