@@ -16,6 +16,7 @@ mod conformance;
 mod modes_model;
 
 mod azure_blob;
+mod deployment;
 mod etcd;
 mod mysql;
 // These go through the HTTP layer (`by_path`): the `axum` feature too.

@@ -250,6 +250,7 @@
 // `session` also keeps the control connection that interrupts a holder's pending
 // statement on release.
 mod acquire;
+mod deployment;
 mod error;
 mod holder;
 mod lease;
@@ -586,6 +587,11 @@ impl LockBackend for MySqlBackend {
     /// Clones share one client: one backend.
     fn identity(&self) -> Option<crate::backend::BackendIdentity> {
         Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
+    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
+        let inner = self.inner.clone();
+        Box::pin(async move { deployment::findings(&inner).await })
     }
 
     fn engine(&self) -> &'static str {

@@ -327,6 +327,7 @@
 // sessions are the client's own, `setup` builds the backend (and `SetupError`). This
 // file has the public type and its configuration.
 mod acquire;
+mod deployment;
 mod error;
 mod fencing;
 mod holder;
@@ -760,6 +761,11 @@ impl LockBackend for PostgresBackend {
     /// Clones share one client: one backend.
     fn identity(&self) -> Option<crate::backend::BackendIdentity> {
         Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
+    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
+        let inner = self.inner.clone();
+        Box::pin(async move { deployment::findings(&inner).await })
     }
 
     fn engine(&self) -> &'static str {

@@ -193,6 +193,11 @@ impl Commands {
         self.timeout
     }
 
+    /// Whether the connection is to one server (not a cluster).
+    pub(in crate::backend) fn is_single(&self) -> bool {
+        matches!(self.target, Target::Single(_))
+    }
+
     /// Notified (one stored permit) when the connection broke or was replaced.
     pub(in crate::backend) fn trouble(&self) -> Arc<Notify> {
         self.trouble.clone()

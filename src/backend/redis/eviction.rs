@@ -92,7 +92,7 @@ pub(in crate::backend) fn check(
 }
 
 /// What may evict among `policies`, or `None` if every one is `noeviction`.
-fn problem(policies: Vec<(Option<String>, String)>) -> Option<String> {
+pub(super) fn problem(policies: Vec<(Option<String>, String)>) -> Option<String> {
     let evicting: Vec<String> = policies
         .into_iter()
         .filter(|(_, policy)| policy != NOEVICTION)

@@ -353,9 +353,11 @@
 // One concern per file: `keys` names the Redis keys, `scripts` holds the Lua run on
 // Redis, `cached` sends it by SHA1, `lease` acquires, renews and gives back leases, and `subscriber` turns release
 // messages into wake-ups. This file has the public types and their configuration.
+// `deployment` reads what the deployment check reports.
 // `cached`, `connection`, `eviction`, `keys` and `scripts` also serve `backend::redlock`.
 pub(super) mod cached;
 pub(super) mod connection;
+mod deployment;
 pub(super) mod eviction;
 pub(super) mod keys;
 mod lease;
@@ -938,6 +940,11 @@ impl LockBackend for RedisBackend {
     /// Clones share one client: one backend.
     fn identity(&self) -> Option<crate::backend::BackendIdentity> {
         Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
+    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
+        let inner = self.inner.clone();
+        Box::pin(async move { deployment::findings(&inner).await })
     }
 
     fn engine(&self) -> &'static str {
