@@ -2,30 +2,17 @@
 //! wrong, one finding each: the check must name what it saw and fail or warn. (On
 //! servers set up right, the conformance check `the_deployment_live_run_passes` runs it on
 //! every engine.)
-#![cfg(feature = "redis")]
 
-use std::time::Duration;
+use tower_keyed_lock::backend::{DeploymentReport, LockBackend, Verdict};
+use tower_keyed_lock::DistributedLocks;
 
-use tower_keyed_lock::backend::redis::RedisBackendBuilder;
-use tower_keyed_lock::backend::{DeploymentReport, Verdict};
-use tower_keyed_lock::{DistributedLocks, RedisBackend};
-
-use crate::support::redis_server::RedisServer;
-
-/// A fresh server's restart guard holds grants for a lease: a short one keeps the
-/// live run within its wait.
-fn builder(redis: &RedisServer) -> RedisBackendBuilder {
-    RedisBackend::builder(redis.client()).lease(Duration::from_secs(1))
-}
-
-async fn check(backend: RedisBackend) -> DeploymentReport {
+async fn check(backend: impl LockBackend) -> DeploymentReport {
     DistributedLocks::new("deployment", backend)
         .check_deployment()
         .await
 }
 
-/// Asserts that `check` has `verdict` and that what it saw mentions `saw`; returns the
-/// report's text for more.
+/// Asserts that `check` has `verdict` and that what it saw mentions `saw`.
 fn assert_finding(report: &DeploymentReport, check: &str, verdict: Verdict, saw: &str) {
     let finding = report
         .finding(check)
@@ -37,51 +24,115 @@ fn assert_finding(report: &DeploymentReport, check: &str, verdict: Verdict, saw:
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_evicting_redis_fails_the_check() {
-    let redis = RedisServer::start_with_args(&["--maxmemory-policy", "allkeys-lru"]);
-    let backend = builder(&redis)
-        .allow_unsafe_eviction_policy(true)
-        .build()
-        .await
-        .expect("built with the opt-in");
-    let report = check(backend).await;
-    assert_finding(&report, "eviction_policy", Verdict::Fail, "allkeys-lru");
-    assert!(!report.is_safe(), "{report}");
-    // The live run still ran: the locks themselves work.
-    assert_finding(&report, "exclusion", Verdict::Pass, "refused");
-    let json = report.to_json();
-    assert!(json.contains(r#""verdict":"fail""#), "{json}");
-    assert!(
-        json.contains("noeviction"),
-        "the fix is in the JSON: {json}"
-    );
+#[cfg(feature = "redis")]
+mod redis {
+    use std::time::Duration;
+
+    use tower_keyed_lock::backend::redis::RedisBackendBuilder;
+    use tower_keyed_lock::backend::Verdict;
+    use tower_keyed_lock::RedisBackend;
+
+    use super::{assert_finding, check};
+    use crate::support::redis_server::RedisServer;
+
+    /// A fresh server's restart guard holds grants for a lease: a short one keeps the
+    /// live run within its wait.
+    fn builder(redis: &RedisServer) -> RedisBackendBuilder {
+        RedisBackend::builder(redis.client()).lease(Duration::from_secs(1))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_evicting_redis_fails_the_check() {
+        let redis = RedisServer::start_with_args(&["--maxmemory-policy", "allkeys-lru"]);
+        let backend = builder(&redis)
+            .allow_unsafe_eviction_policy(true)
+            .build()
+            .await
+            .expect("built with the opt-in");
+        let report = check(backend).await;
+        assert_finding(&report, "eviction_policy", Verdict::Fail, "allkeys-lru");
+        assert!(!report.is_safe(), "{report}");
+        // The live run still ran: the locks themselves work.
+        assert_finding(&report, "exclusion", Verdict::Pass, "refused");
+        let json = report.to_json();
+        assert!(json.contains(r#""verdict":"fail""#), "{json}");
+        assert!(
+            json.contains("noeviction"),
+            "the fix is in the JSON: {json}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redis_without_persistence_or_restart_guard_fails_the_check() {
+        let redis = RedisServer::start_with_args(&["--appendonly", "no", "--save", ""]);
+        let unguarded = builder(&redis).restart_guard(false).build().await.unwrap();
+        let report = check(unguarded).await;
+        assert_finding(&report, "persistence", Verdict::Fail, "appendonly no");
+        // With the guard (the default), a restart cannot grant a held lock again.
+        let guarded = builder(&redis).build().await.unwrap();
+        let report = check(guarded).await;
+        assert_finding(&report, "persistence", Verdict::Pass, "appendonly no");
+        assert!(report.is_safe(), "{report}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_primary_with_an_unawaited_replica_is_a_warning() {
+        let primary = RedisServer::start();
+        let replica = RedisServer::start_replica_of(&primary);
+        let backend = builder(&primary).build().await.unwrap();
+        let report = check(backend).await;
+        assert_finding(&report, "replicas", Verdict::Warn, "1 connected replica");
+        assert!(report.is_safe(), "a warning is not a failure:\n{report}");
+        // Pointed at the replica itself: nothing can be granted.
+        let on_replica = builder(&replica).build().await.unwrap();
+        let report = check(on_replica).await;
+        assert_finding(&report, "replicas", Verdict::Fail, "role slave");
+        assert_finding(&report, "round_trip", Verdict::Fail, "not granted");
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_without_persistence_or_restart_guard_fails_the_check() {
-    let redis = RedisServer::start_with_args(&["--appendonly", "no", "--save", ""]);
-    let unguarded = builder(&redis).restart_guard(false).build().await.unwrap();
-    let report = check(unguarded).await;
-    assert_finding(&report, "persistence", Verdict::Fail, "appendonly no");
-    // With the guard (the default), a restart cannot grant a held lock again.
-    let guarded = builder(&redis).build().await.unwrap();
-    let report = check(guarded).await;
-    assert_finding(&report, "persistence", Verdict::Pass, "appendonly no");
-    assert!(report.is_safe(), "{report}");
-}
+#[cfg(feature = "postgres")]
+mod postgres {
+    use tower_keyed_lock::backend::postgres::PostgresBackend;
+    use tower_keyed_lock::backend::Verdict;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_primary_with_an_unawaited_replica_is_a_warning() {
-    let primary = RedisServer::start();
-    let replica = RedisServer::start_replica_of(&primary);
-    let backend = builder(&primary).build().await.unwrap();
-    let report = check(backend).await;
-    assert_finding(&report, "replicas", Verdict::Warn, "1 connected replica");
-    assert!(report.is_safe(), "a warning is not a failure:\n{report}");
-    // Pointed at the replica itself: nothing can be granted.
-    let on_replica = builder(&replica).build().await.unwrap();
-    let report = check(on_replica).await;
-    assert_finding(&report, "replicas", Verdict::Fail, "role slave");
-    assert_finding(&report, "round_trip", Verdict::Fail, "not granted");
+    use super::{assert_finding, check};
+    use crate::support::pg_server::PgServer;
+
+    /// PostgreSQL issues fencing tokens only with `fencing(true)`: without, the check
+    /// warns and names the setting; with, the tokens it saw go up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_without_fencing_is_told_how_to_turn_it_on() {
+        let pg = PgServer::start();
+        let unfenced = PostgresBackend::builder_from_str(&pg.conn_str()).unwrap();
+        let report = check(unfenced.build().await.unwrap()).await;
+        assert_finding(
+            &report,
+            "fencing_tokens",
+            Verdict::Warn,
+            "no fencing tokens",
+        );
+        let fix = report
+            .finding("fencing_tokens")
+            .unwrap()
+            .fix
+            .as_deref()
+            .unwrap_or("");
+        assert!(fix.contains("fencing(true)"), "{report}");
+        assert_finding(&report, "lock_scope", Verdict::Pass, "session locks");
+        assert_finding(&report, "server_version", Verdict::Pass, "PostgreSQL ");
+        assert_finding(&report, "clock_offset", Verdict::Pass, "this machine's");
+
+        let fenced = PostgresBackend::builder_from_str(&pg.conn_str())
+            .unwrap()
+            .fencing(true);
+        let report = check(fenced.build().await.unwrap()).await;
+        assert_finding(
+            &report,
+            "fencing_tokens",
+            Verdict::Pass,
+            "each above the last",
+        );
+        assert!(report.is_safe(), "{report}");
+    }
 }
