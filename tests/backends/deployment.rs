@@ -136,3 +136,141 @@ mod postgres {
         assert!(report.is_safe(), "{report}");
     }
 }
+
+#[cfg(feature = "etcd")]
+mod etcd {
+    use tower_keyed_lock::backend::etcd::EtcdBackend;
+    use tower_keyed_lock::backend::Verdict;
+
+    use super::{assert_finding, check};
+    use crate::support::etcd_server::EtcdCluster;
+
+    /// Whether etcd `version` lets a stale leader revoke live leases: the oracle,
+    /// written from etcd's changelogs (fixed in 3.4.31, 3.5.13, 3.6.0).
+    fn unfixed(version: &str) -> bool {
+        let numbers: Vec<u32> = version.split('.').filter_map(|n| n.parse().ok()).collect();
+        match numbers[..] {
+            [3, 4, patch, ..] => patch < 31,
+            [3, 5, patch, ..] => patch < 13,
+            [major, minor, ..] => (major, minor) < (3, 4),
+            _ => panic!("unreadable etcd version {version:?}"),
+        }
+    }
+
+    /// The member's version is named, and one without the stale-leader fix (Debian 12
+    /// ships 3.4.23) is a warning that names the releases with it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn etcd_names_its_version_against_the_stale_leader_fix() {
+        let cluster = EtcdCluster::start();
+        let backend = EtcdBackend::connect(cluster.endpoints()).await.unwrap();
+        let mut client = etcd_client::Client::connect(cluster.endpoints(), None)
+            .await
+            .unwrap();
+        let version = client.status().await.unwrap().version().to_owned();
+        let report = check(backend).await;
+        let expected = if unfixed(&version) {
+            Verdict::Warn
+        } else {
+            Verdict::Pass
+        };
+        assert_finding(&report, "server_version", expected, &version);
+        if expected == Verdict::Warn {
+            let fix = report
+                .finding("server_version")
+                .unwrap()
+                .fix
+                .as_deref()
+                .unwrap();
+            assert!(
+                fix.contains("3.4.31") && fix.contains("refuse_stale_leader_revocation"),
+                "{report}"
+            );
+        }
+    }
+}
+
+#[cfg(feature = "zookeeper")]
+mod zookeeper {
+    use std::time::Duration;
+
+    use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
+    use tower_keyed_lock::backend::Verdict;
+
+    use super::{assert_finding, check};
+    use crate::support::zookeeper_server::{ZooKeeperEnsemble, TICK};
+
+    /// A lease past the ensemble's bound (20 ticks) is granted shorter: a warning that
+    /// says both; a lease within the bounds passes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_session_timeout_moved_by_the_ensemble_is_a_warning() {
+        let ensemble = ZooKeeperEnsemble::start();
+        let build = |lease: Duration| {
+            ZooKeeperBackend::builder(ensemble.connect_string())
+                .lease(lease)
+                .build()
+        };
+        let report = check(build(TICK * 40).await.unwrap()).await;
+        let granted = format!("{:?} granted for the {:?} asked", TICK * 20, TICK * 40);
+        assert_finding(&report, "session_timeout", Verdict::Warn, &granted);
+        let report = check(build(TICK * 10).await.unwrap()).await;
+        assert_finding(&report, "session_timeout", Verdict::Pass, "granted");
+    }
+}
+
+#[cfg(feature = "dynamodb")]
+mod dynamodb {
+    use aws_sdk_dynamodb::types::{
+        AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+    };
+    use tower_keyed_lock::backend::dynamodb::{DynamoDbBackend, DEFAULT_PARTITION_KEY};
+    use tower_keyed_lock::backend::Verdict;
+
+    use super::{assert_finding, check};
+    use crate::support::dynamo_server::DynamoServer;
+
+    /// A lock table made without TTL (by hand, not by `create_table`) keeps the items
+    /// of crashed holders: a warning with the command that turns it on; the table the
+    /// backend makes has it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lock_table_without_ttl_is_a_warning() {
+        let dynamo = DynamoServer::start();
+        let client = dynamo.client();
+        let definition = AttributeDefinition::builder()
+            .attribute_name(DEFAULT_PARTITION_KEY)
+            .attribute_type(ScalarAttributeType::S)
+            .build()
+            .unwrap();
+        let schema = KeySchemaElement::builder()
+            .attribute_name(DEFAULT_PARTITION_KEY)
+            .key_type(KeyType::Hash)
+            .build()
+            .unwrap();
+        client
+            .create_table()
+            .table_name("by-hand")
+            .billing_mode(BillingMode::PayPerRequest)
+            .attribute_definitions(definition)
+            .key_schema(schema)
+            .send()
+            .await
+            .unwrap();
+        let by_hand = DynamoDbBackend::builder(client.clone(), "by-hand")
+            .build()
+            .await
+            .unwrap();
+        let report = check(by_hand).await;
+        assert_finding(&report, "time_to_live", Verdict::Warn, "table by-hand");
+        let fix = report
+            .finding("time_to_live")
+            .unwrap()
+            .fix
+            .as_deref()
+            .unwrap();
+        assert!(fix.contains("update-time-to-live"), "{report}");
+
+        let made = DynamoDbBackend::builder(client, "made");
+        made.create_table().await.unwrap();
+        let report = check(made.build().await.unwrap()).await;
+        assert_finding(&report, "time_to_live", Verdict::Pass, "ENABLED");
+    }
+}

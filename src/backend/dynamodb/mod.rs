@@ -168,6 +168,7 @@
 // gives back leases, `retry` paces attempts and sorts errors, and `table` checks and
 // creates the table, and `holder` reads who holds a key. This file has the public
 // types and their configuration.
+mod deployment;
 mod holder;
 mod item;
 mod lease;
@@ -427,6 +428,11 @@ impl LockBackend for DynamoDbBackend {
     /// Clones share one client: one backend.
     fn identity(&self) -> Option<crate::backend::BackendIdentity> {
         Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
+    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
+        let inner = self.inner.clone();
+        Box::pin(async move { deployment::findings(&inner).await })
     }
 
     fn engine(&self) -> &'static str {

@@ -194,6 +194,33 @@ pub(super) async fn check(
     Ok(())
 }
 
+/// The attribute the table's TTL is on and its status (`ENABLED`, `DISABLED`, …), as
+/// `DescribeTimeToLive` says.
+pub(super) async fn time_to_live(
+    client: &Client,
+    endpoint: &Endpoint,
+    layout: &Layout,
+    limit: Duration,
+) -> Result<(Option<String>, String), SetupError> {
+    let described = call(
+        endpoint,
+        limit,
+        client
+            .describe_time_to_live()
+            .table_name(&layout.table)
+            .send(),
+    )
+    .await?;
+    let description = described.time_to_live_description();
+    let attribute = description
+        .and_then(|d| d.attribute_name())
+        .map(str::to_owned);
+    let status = description
+        .and_then(|d| d.time_to_live_status())
+        .map_or("DISABLED", |status| status.as_str());
+    Ok((attribute, status.to_owned()))
+}
+
 /// Creates the table (on-demand capacity, string keys) unless it exists, waits until
 /// it is active, and turns on its TTL attribute.
 pub(super) async fn create(

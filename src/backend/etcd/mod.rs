@@ -215,6 +215,7 @@
 // failures are tried again and runs one step, `holder` reads the oldest key of a
 // queue, `setup` checks the endpoints when the backend is built. This file has the
 // public types and their configuration.
+mod deployment;
 mod failure;
 mod holder;
 mod keys;
@@ -444,6 +445,11 @@ impl LockBackend for EtcdBackend {
     /// Clones share one client: one backend.
     fn identity(&self) -> Option<crate::backend::BackendIdentity> {
         Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
+    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
+        let inner = self.inner.clone();
+        Box::pin(async move { deployment::findings(&inner).await })
     }
 
     fn engine(&self) -> &'static str {

@@ -17,7 +17,7 @@ pub(super) const ENGINE: &str = "etcd";
 
 /// The etcd releases from which a leader that stalled and resumed no longer revokes
 /// leases that its successor kept alive: 3.4.31, 3.5.13, 3.6.0.
-const STALE_LEADER_FIXED_IN: &str = "3.4.31, 3.5.13 and 3.6.0";
+pub(super) const STALE_LEADER_FIXED_IN: &str = "3.4.31, 3.5.13 and 3.6.0";
 
 /// `error` and its sources, `: ` between them, each said once. The etcd client's
 /// errors hide their sources (a gRPC status prints its source's `Debug`, a transport
@@ -157,7 +157,7 @@ pub(super) async fn check_endpoints(
 /// before it learns it was replaced, leases that its successor kept alive. Fixed in
 /// 3.4.31, 3.5.13 and 3.6.0; a version that cannot be read is given the benefit of
 /// the doubt.
-fn revokes_from_a_stale_leader(version: &str) -> bool {
+pub(super) fn revokes_from_a_stale_leader(version: &str) -> bool {
     let mut parts = version
         .trim_start_matches('v')
         .split(['.', '-', '+'])

@@ -9,4 +9,7 @@ pub(super) struct Config {
     pub(super) servers: String,
     /// The lease is the session timeout: asked, then as ZooKeeper granted it.
     pub(super) settings: Settings,
+    /// The session timeout asked, before ZooKeeper granted one (for the deployment
+    /// check: its bounds may have changed it).
+    pub(super) asked: std::time::Duration,
 }

@@ -212,6 +212,7 @@
 mod acquire;
 mod config;
 mod contender;
+mod deployment;
 mod holder;
 mod keys;
 mod lease;
@@ -346,6 +347,7 @@ impl ZooKeeperBackend {
             config: Config {
                 servers: servers.into(),
                 settings: Settings::new(&DEFAULTS),
+                asked: DEFAULTS.lease,
             },
         }
     }
@@ -410,6 +412,7 @@ impl ZooKeeperBackendBuilder {
                 config.settings.lease
             )));
         }
+        config.asked = config.settings.lease;
         config.settings.lease = negotiated;
         // Closed: the first acquisition opens the session the locks use, so that its
         // tasks run on the runtime the locks are used from (a process whose runtime
@@ -448,6 +451,12 @@ impl LockBackend for ZooKeeperBackend {
     /// Clones share one client: one backend.
     fn identity(&self) -> Option<crate::backend::BackendIdentity> {
         Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
+    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
+        let config = &self.inner.config;
+        let finding = deployment::session_timeout(config.asked, config.settings.lease);
+        Box::pin(async move { vec![finding] })
     }
 
     fn engine(&self) -> &'static str {
