@@ -317,6 +317,8 @@ pub struct MySqlBackend {
 #[must_use]
 pub struct MySqlBackendBuilder {
     inner: Inner,
+    /// The first setting refused, which [`build`](Self::build) returns.
+    invalid: Option<String>,
 }
 
 #[derive(Clone)]
@@ -375,6 +377,7 @@ impl MySqlBackend {
                 fencing: None,
                 checked: Arc::default(),
             },
+            invalid: None,
         }
     }
 
@@ -414,6 +417,9 @@ impl MySqlBackendBuilder {
     /// (see [Proxies](self#proxies)), and, with fencing, the counter table; within one
     /// command timeout per step.
     pub async fn build(self) -> Result<MySqlBackend, SetupError> {
+        if let Some(problem) = self.invalid {
+            return Err(SetupError::Invalid(problem));
+        }
         let backend = self.build_lazy();
         let inner = &backend.inner;
         let deadline = Instant::now() + 4 * inner.command_timeout;
@@ -430,7 +436,14 @@ impl MySqlBackendBuilder {
     /// The backend, connecting on first use: for a service that must start while the
     /// server is down. The checks of [`build`](Self::build) then run at its first
     /// acquisitions, and fail them with the same error until they pass.
+    ///
+    /// # Panics
+    /// If a setting was refused (what [`build`](Self::build) returns as
+    /// [`SetupError::Invalid`]): a configuration mistake, not a server's state.
     pub fn build_lazy(self) -> MySqlBackend {
+        if let Some(problem) = self.invalid {
+            panic!("MySqlBackendBuilder: {problem}");
+        }
         MySqlBackend {
             inner: Arc::new(self.inner),
         }
@@ -439,11 +452,11 @@ impl MySqlBackendBuilder {
     /// The most connections this backend opens (default [`DEFAULT_MAX_CONNECTIONS`]):
     /// the most keys this instance can hold, or wait for in the server, at once (see
     /// [Pool size](self#pool-size)). Call it before the backend is used.
-    ///
-    /// # Panics
-    /// If `max` is zero.
+    /// Zero is refused by [`build`](Self::build).
     pub fn max_connections(self, max: usize) -> Self {
-        assert!(max > 0, "max_connections must be at least 1");
+        if max == 0 {
+            return self.refuse("max_connections must be at least 1".into());
+        }
         self.configure(|inner| {
             inner.pool = Arc::new(Pool::new(inner.pool.opts().clone(), max));
         })
@@ -451,19 +464,19 @@ impl MySqlBackendBuilder {
 
     /// The first part of every lock name (default [`DEFAULT_PREFIX`]): applications
     /// that share a server but must not share locks use different prefixes.
-    ///
-    /// # Panics
-    /// If `prefix` is empty, longer than 24 bytes, not ASCII, or holds `:` or `#` (a
-    /// configuration mistake: names would no longer be told apart).
+    /// A prefix that is empty, longer than 24 bytes, not ASCII, or holds `:` or `#` is
+    /// refused by [`build`](Self::build): names would no longer be told apart.
     pub fn prefix(self, prefix: impl Into<String>) -> Self {
         let prefix: String = prefix.into();
-        assert!(
-            !prefix.is_empty()
-                && prefix.is_ascii()
-                && prefix.len() <= MAX_PREFIX_LEN
-                && !prefix.contains([':', '#']),
-            "prefix: {prefix:?} must be 1 to {MAX_PREFIX_LEN} ASCII bytes without ':' or '#'"
-        );
+        let valid = !prefix.is_empty()
+            && prefix.is_ascii()
+            && prefix.len() <= MAX_PREFIX_LEN
+            && !prefix.contains([':', '#']);
+        if !valid {
+            return self.refuse(format!(
+                "prefix: {prefix:?} must be 1 to {MAX_PREFIX_LEN} ASCII bytes without ':' or '#'"
+            ));
+        }
         self.configure(|inner| inner.prefix = prefix.into())
     }
 
@@ -472,11 +485,11 @@ impl MySqlBackendBuilder {
     /// long plus the command timeout after its last answer, and a holder process that
     /// crashed keeps its lock at most this long. Part of the server-side idle limit
     /// (see [Timing](self#timing)).
-    ///
-    /// # Panics
-    /// If `interval` is zero.
+    /// Zero is refused by [`build`](Self::build).
     pub fn liveness_interval(self, interval: Duration) -> Self {
-        assert!(!interval.is_zero(), "liveness_interval must not be zero");
+        if interval.is_zero() {
+            return self.refuse("liveness_interval must not be zero".into());
+        }
         self.configure(|inner| inner.liveness_interval = interval)
     }
 
@@ -484,11 +497,11 @@ impl MySqlBackendBuilder {
     /// check, the release — beyond the request's own wait (default 2 s). A statement
     /// past it leaves its connection in an unknown state, so the connection is closed
     /// rather than reused.
-    ///
-    /// # Panics
-    /// If `timeout` is zero.
+    /// Zero is refused by [`build`](Self::build).
     pub fn command_timeout(self, timeout: Duration) -> Self {
-        assert!(!timeout.is_zero(), "command_timeout must not be zero");
+        if timeout.is_zero() {
+            return self.refuse("command_timeout must not be zero".into());
+        }
         self.configure(|inner| inner.command_timeout = timeout)
     }
 
@@ -505,10 +518,8 @@ impl MySqlBackendBuilder {
 
     /// The table of the fencing counter (default [`DEFAULT_FENCING_TABLE`]): a plain or
     /// database-qualified name of unquoted identifiers (`tokens`, `locks.tokens`); a
-    /// plain name lives in the connection's database. Enables fencing.
-    ///
-    /// # Panics
-    /// If `name` is not such a name (a configuration mistake).
+    /// plain name lives in the connection's database. Enables fencing. Any other name is
+    /// refused by [`build`](Self::build).
     pub fn fencing_table(self, name: &str) -> Self {
         let valid_part = |part: &str| {
             !part.is_empty()
@@ -517,16 +528,23 @@ impl MySqlBackendBuilder {
                 && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
         };
         let parts: Vec<&str> = name.split('.').collect();
-        assert!(
-            parts.len() <= 2 && parts.iter().all(|part| valid_part(part)),
-            "fencing_table: {name:?} is not a plain or database-qualified identifier"
-        );
+        if parts.len() > 2 || !parts.iter().all(|part| valid_part(part)) {
+            return self.refuse(format!(
+                "fencing_table: {name:?} is not a plain or database-qualified identifier"
+            ));
+        }
         self.configure(|inner| {
             inner.table = name.into();
             inner.fencing = Some(Fencing {
                 table: inner.table.clone(),
             });
         })
+    }
+
+    /// Keeps the first refused setting for [`build`](Self::build) to return.
+    fn refuse(mut self, problem: String) -> Self {
+        self.invalid.get_or_insert(problem);
+        self
     }
 
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
@@ -640,16 +658,34 @@ mod tests {
     fn table_names_are_checked() {
         let _ = backend().fencing_table("locks.tokens");
         for bad in ["", "a b", "x;drop", "a.b.c", "1abc", "a'b", "a`b"] {
-            let result = std::panic::catch_unwind(|| backend().fencing_table(bad));
-            assert!(result.is_err(), "{bad:?} was accepted");
+            let invalid = backend().fencing_table(bad).invalid;
+            assert!(
+                invalid.is_some_and(|problem| problem.contains("fencing_table")),
+                "{bad:?} was accepted"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_setting_is_the_error_of_build() {
+        let builder = backend().max_connections(0).prefix("a:b");
+        // The first refused setting, before any connection is tried.
+        match builder.build().await {
+            Err(SetupError::Invalid(problem)) => {
+                assert!(problem.contains("max_connections"), "{problem}")
+            }
+            other => panic!("expected Invalid, got {:?}", other.map(|_| ())),
         }
     }
 
     #[test]
     fn prefixes_are_checked() {
         for bad in ["", "a:b", "a#b", "é", &"n".repeat(25)] {
-            let result = std::panic::catch_unwind(|| backend().prefix(bad));
-            assert!(result.is_err(), "{bad:?} was accepted");
+            let invalid = backend().prefix(bad).invalid;
+            assert!(
+                invalid.is_some_and(|problem| problem.contains("prefix")),
+                "{bad:?} was accepted"
+            );
         }
     }
 

@@ -405,6 +405,8 @@ pub struct PostgresBackend {
 #[must_use]
 pub struct PostgresBackendBuilder {
     inner: Inner,
+    /// The first setting refused, which [`build`](Self::build) returns.
+    invalid: Option<String>,
 }
 
 #[derive(Clone)]
@@ -495,6 +497,7 @@ impl PostgresBackend {
                 sessions: Arc::default(),
                 statements: Default::default(),
             },
+            invalid: None,
         }
     }
 
@@ -555,15 +558,19 @@ impl PostgresBackendBuilder {
     /// [`DEFAULT_MAX_CONNECTIONS`]): the most keys this instance can hold, or wait for
     /// in PostgreSQL, at once (see [Pool size](self#pool-size)).
     ///
-    /// # Panics
-    /// If `max` is zero, or if the pool was passed to
-    /// [`builder`](PostgresBackend::builder): size that pool when you build it.
+    /// Zero, or a pool passed to [`builder`](PostgresBackend::builder) (size that
+    /// pool when you build it), is refused by [`build`](Self::build).
     pub fn max_connections(self, max: usize) -> Self {
-        assert!(max > 0, "max_connections must be at least 1");
-        self.configure(|inner| {
-            let config = inner.pool_config.clone().expect(
-                "max_connections: the pool was passed to PostgresBackend::builder; size it there",
+        if max == 0 {
+            return self.refuse("max_connections must be at least 1".into());
+        }
+        let Some(config) = self.inner.pool_config.clone() else {
+            return self.refuse(
+                "max_connections: the pool was passed to PostgresBackend::builder; size it there"
+                    .into(),
             );
+        };
+        self.configure(|inner| {
             inner.pool = own_pool(config, max);
             inner.pool_without_runtime = Arc::default();
             inner.sessions = Arc::default();
@@ -599,11 +606,11 @@ impl PostgresBackendBuilder {
     /// its last answer (a closed connection is noticed within 5 ms, without a round
     /// trip). Each check is one `SELECT pg_backend_pid()`. Also part of the server-side
     /// limit of a holding session (see [Lost locks](self#lost-locks)).
-    ///
-    /// # Panics
-    /// If `interval` is zero.
+    /// Zero is refused by [`build`](Self::build).
     pub fn liveness_interval(self, interval: Duration) -> Self {
-        assert!(!interval.is_zero(), "liveness_interval must not be zero");
+        if interval.is_zero() {
+            return self.refuse("liveness_interval must not be zero".into());
+        }
         self.configure(|inner| inner.liveness_interval = interval)
     }
 
@@ -612,11 +619,11 @@ impl PostgresBackendBuilder {
     /// statement past it leaves its connection in an unknown state, so the connection
     /// is closed rather than reused. The server-side limit of a holding session is one
     /// liveness interval plus two command timeouts (see [Lost locks](self#lost-locks)).
-    ///
-    /// # Panics
-    /// If `timeout` is zero.
+    /// Zero is refused by [`build`](Self::build).
     pub fn command_timeout(self, timeout: Duration) -> Self {
-        assert!(!timeout.is_zero(), "command_timeout must not be zero");
+        if timeout.is_zero() {
+            return self.refuse("command_timeout must not be zero".into());
+        }
         self.configure(|inner| inner.command_timeout = timeout)
     }
 
@@ -631,10 +638,8 @@ impl PostgresBackendBuilder {
 
     /// The sequence of the fencing tokens (default [`DEFAULT_FENCING_SEQUENCE`]): a
     /// plain or schema-qualified name of unquoted identifiers (`tokens`,
-    /// `locks.tokens`). Enables fencing.
-    ///
-    /// # Panics
-    /// If `name` is not such a name (a configuration mistake).
+    /// `locks.tokens`). Enables fencing. Any other name is refused by
+    /// [`build`](Self::build).
     pub fn fencing_sequence(self, name: &str) -> Self {
         let valid_part = |part: &str| {
             !part.is_empty()
@@ -643,10 +648,11 @@ impl PostgresBackendBuilder {
                 && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
         };
         let parts: Vec<&str> = name.split('.').collect();
-        assert!(
-            parts.len() <= 2 && parts.iter().all(|part| valid_part(part)),
-            "fencing_sequence: {name:?} is not a plain or schema-qualified identifier"
-        );
+        if parts.len() > 2 || !parts.iter().all(|part| valid_part(part)) {
+            return self.refuse(format!(
+                "fencing_sequence: {name:?} is not a plain or schema-qualified identifier"
+            ));
+        }
         self.configure(|inner| {
             inner.sequence = name.into();
             inner.fencing = Some(Fencing::new(inner.sequence.clone()));
@@ -659,6 +665,12 @@ impl PostgresBackendBuilder {
     /// scope is refused there.
     pub fn lock_scope(self, scope: LockScope) -> Self {
         self.configure(|inner| inner.scope = scope)
+    }
+
+    /// Keeps the first refused setting for [`build`](Self::build) to return.
+    fn refuse(mut self, problem: String) -> Self {
+        self.invalid.get_or_insert(problem);
+        self
     }
 
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
@@ -906,9 +918,36 @@ mod tests {
         let backend = || PostgresBackend::builder_from_str("host=localhost").unwrap();
         let _ = backend().fencing_sequence("locks.tokens");
         for bad in ["", "a b", "x;drop", "a.b.c", "1abc", "a'b"] {
-            let result = std::panic::catch_unwind(|| backend().fencing_sequence(bad));
-            assert!(result.is_err(), "{bad:?} was accepted");
+            let invalid = backend().fencing_sequence(bad).invalid;
+            assert!(
+                invalid.is_some_and(|problem| problem.contains("fencing_sequence")),
+                "{bad:?} was accepted"
+            );
         }
+    }
+
+    #[tokio::test]
+    async fn a_refused_setting_is_the_error_of_build() {
+        let builder = PostgresBackend::builder_from_str("host=localhost")
+            .unwrap()
+            .command_timeout(Duration::ZERO)
+            .liveness_interval(Duration::ZERO);
+        // The first refused setting, before any connection is tried.
+        match builder.build().await {
+            Err(SetupError::Invalid(problem)) => {
+                assert!(problem.contains("command_timeout"), "{problem}")
+            }
+            other => panic!("expected Invalid, got {:?}", other.map(|_| ())),
+        }
+        let pool = PostgresBackend::builder_from_str("host=localhost")
+            .unwrap()
+            .build_lazy()
+            .inner
+            .pool
+            .clone();
+        // A pool of the caller's is sized by the caller.
+        let invalid = PostgresBackend::builder(pool).max_connections(4).invalid;
+        assert!(invalid.is_some_and(|problem| problem.contains("size it there")));
     }
 
     #[test]

@@ -85,7 +85,14 @@ impl PostgresBackendBuilder {
     /// [`build`](Self::build) then run at its first acquisitions, and fail them with
     /// the same error (503, or the in-process lock alone with
     /// [`fail_open`](crate::KeyedLockLayer::fail_open)) until they pass.
+    ///
+    /// # Panics
+    /// If a setting was refused (what [`build`](Self::build) returns as
+    /// [`SetupError::Invalid`]): a configuration mistake, not a server's state.
     pub fn build_lazy(self) -> PostgresBackend {
+        if let Some(problem) = self.invalid {
+            panic!("PostgresBackendBuilder: {problem}");
+        }
         PostgresBackend {
             inner: Arc::new(self.inner),
         }
@@ -116,6 +123,9 @@ impl PostgresBackendBuilder {
     /// # }
     /// ```
     pub async fn build(self) -> Result<PostgresBackend, SetupError> {
+        if let Some(problem) = self.invalid {
+            return Err(SetupError::Invalid(problem));
+        }
         let backend = self.build_lazy();
         let inner = &backend.inner;
         let deadline = Instant::now() + inner.command_timeout;
