@@ -377,8 +377,11 @@ impl DistributedLocks {
             );
             return DeploymentReport::new("in-process", vec![only]);
         };
+        // The live run first: an engine read through the `Date` of its answers knows its
+        // clock better after it. The configuration comes first in the report.
+        let live = crate::backend::deployment::live_run(&**backend).await;
         let mut findings = backend.check_configuration().await;
-        findings.extend(crate::backend::deployment::live_run(&**backend).await);
+        findings.extend(live);
         DeploymentReport::new(backend.engine(), findings)
     }
 

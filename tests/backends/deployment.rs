@@ -272,5 +272,27 @@ mod dynamodb {
         made.create_table().await.unwrap();
         let report = check(made.build().await.unwrap()).await;
         assert_finding(&report, "time_to_live", Verdict::Pass, "ENABLED");
+        // moto runs on this machine's clock: within the `Date`s' uncertainty.
+        assert_finding(&report, "clock_offset", Verdict::Pass, "this machine's");
+    }
+}
+
+#[cfg(feature = "azure-blob")]
+mod azure_blob {
+    use tower_keyed_lock::backend::Verdict;
+
+    use super::{assert_finding, check};
+    use crate::support::fixtures::{AzureBlob, Fixture, AZURE_LEASE};
+
+    /// Azure's lease period and clock (read from the `Date` of its answers during the
+    /// live run) are reported; Azurite runs on this machine's clock, so the offset is
+    /// within its uncertainty.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn azure_reports_its_lease_period_and_clock() {
+        let fixture = AzureBlob::start();
+        let report = check(fixture.azure_backend().await).await;
+        let lease = format!("blob leases of {} s", AZURE_LEASE.as_secs());
+        assert_finding(&report, "lease_period", Verdict::Pass, &lease);
+        assert_finding(&report, "clock_offset", Verdict::Pass, "this machine's");
     }
 }

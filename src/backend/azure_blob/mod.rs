@@ -208,6 +208,7 @@
 // renews and gives back (Azure's steps of the `backend::ttl` engine), `holder` reads
 // the blob's lease state and holder metadata. This file has the public types and their
 // configuration.
+mod deployment;
 mod holder;
 mod lease;
 mod metadata;
@@ -486,6 +487,11 @@ impl LockBackend for AzureBlobBackend {
     /// Clones share one client: one backend.
     fn identity(&self) -> Option<crate::backend::BackendIdentity> {
         Some(crate::backend::BackendIdentity::of(&self.inner))
+    }
+
+    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
+        let findings = deployment::findings(&self.inner);
+        Box::pin(async move { findings })
     }
 
     fn engine(&self) -> &'static str {

@@ -136,6 +136,29 @@ impl Finding {
     }
 }
 
+/// The `clock_offset` finding of an engine whose answers carry a `Date` (Azure Blob,
+/// DynamoDB): the middle of the interval that the answers so far pin the server's
+/// clock to, give or take half its width (whole-second dates: about half a second
+/// after one answer, a round trip after many).
+#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+pub(crate) fn clock_offset_seen(clock: &crate::backend::server_clock::ServerClock) -> Finding {
+    let now = tokio::time::Instant::now();
+    let read_at = SystemTime::now();
+    match (clock.at_least(now), clock.at_most(now)) {
+        (Some(low), Some(high)) => Finding::clock_offset(
+            SystemTime::UNIX_EPOCH + Duration::from_micros(low / 2 + high / 2),
+            read_at,
+            Duration::from_micros(high.saturating_sub(low) / 2),
+        ),
+        _ => Finding::warn(
+            "clock_offset",
+            "not read: no dated answer from the server yet",
+            "the check could not tell",
+            "run the check again once the engine answers",
+        ),
+    }
+}
+
 /// A server clock further than this from the checking machine's (beyond the
 /// measurement's uncertainty) is a warning.
 pub const CLOCK_OFFSET_WARNING: Duration = Duration::from_millis(500);
