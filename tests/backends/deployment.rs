@@ -91,6 +91,55 @@ mod redis {
     }
 }
 
+#[cfg(feature = "redis")]
+mod redlock {
+    use std::time::Duration;
+
+    use tower_keyed_lock::backend::redlock::RedlockBackend;
+    use tower_keyed_lock::backend::Verdict;
+
+    use super::check;
+    use crate::support::redis_server::RedisServer;
+
+    /// One evicting master of three fails the check, named by its address; each
+    /// master's clock is reported.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_evicting_master_is_named() {
+        let masters = [
+            RedisServer::start(),
+            RedisServer::start_with_args(&["--maxmemory-policy", "volatile-lru"]),
+            RedisServer::start(),
+        ];
+        let backend = RedlockBackend::builder(masters.iter().map(RedisServer::url))
+            .lease(Duration::from_secs(1))
+            .allow_unsafe_eviction_policy(true)
+            .build()
+            .await
+            .unwrap();
+        let report = check(backend).await;
+        let evictions: Vec<_> = (report.findings().iter())
+            .filter(|finding| finding.check == "eviction_policy")
+            .collect();
+        assert_eq!(evictions.len(), 3, "{report}");
+        for (master, finding) in masters.iter().zip(&evictions) {
+            let address = format!("127.0.0.1:{}", master.port());
+            assert!(finding.saw.starts_with(&address), "{address}:\n{report}");
+        }
+        let verdicts: Vec<_> = evictions.iter().map(|finding| finding.verdict).collect();
+        assert_eq!(
+            verdicts,
+            [Verdict::Pass, Verdict::Fail, Verdict::Pass],
+            "{report}"
+        );
+        assert!(evictions[1].saw.contains("volatile-lru"), "{report}");
+        let clocks = (report.findings().iter())
+            .filter(|finding| finding.check == "clock_offset" && finding.verdict == Verdict::Pass)
+            .count();
+        assert_eq!(clocks, 3, "{report}");
+        assert!(!report.is_safe(), "{report}");
+    }
+}
+
 #[cfg(feature = "postgres")]
 mod postgres {
     use tower_keyed_lock::backend::postgres::PostgresBackend;

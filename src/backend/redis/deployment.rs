@@ -16,7 +16,7 @@ use crate::backend::Finding;
 pub(super) async fn findings(inner: &Inner) -> Vec<Finding> {
     let limit = || Instant::now() + inner.commands.timeout() * 2;
     let policies = inner.commands.run(limit(), false, eviction::policies).await;
-    let mut findings = vec![eviction_policy(policies)];
+    let mut findings = vec![eviction_policy(policies.map_err(unread_because))];
     // Persistence and replicas are read on one server; a cluster's nodes are each
     // their own, which this check does not walk.
     if inner.commands.is_single() {
@@ -26,24 +26,21 @@ pub(super) async fn findings(inner: &Inner) -> Vec<Finding> {
                 findings.push(persistence(&state, inner.config.restart_guard));
                 findings.push(replicas(&state, inner.config.replicas.is_some()));
             }
-            Err(failure) => findings.push(unread("persistence", failure)),
+            Err(failure) => findings.push(unread("persistence", unread_because(failure))),
         }
     }
     let read_at = SystemTime::now();
     let sent = Instant::now();
-    match inner.commands.run(limit(), false, server_time).await {
-        Ok(server) => {
-            let round_trip = sent.elapsed();
-            let midway = read_at + round_trip / 2;
-            // TIME is in µs: half the round trip is the whole uncertainty.
-            findings.push(Finding::clock_offset(server, midway, round_trip / 2));
-        }
-        Err(failure) => findings.push(unread("clock_offset", failure)),
-    }
+    let time = inner.commands.run(limit(), false, server_time).await;
+    findings.push(clock_offset(time.map_err(unread_because), read_at, sent));
     findings
 }
 
-fn eviction_policy(read: Result<Vec<(Option<String>, String)>, Failure>) -> Finding {
+/// The `eviction_policy` finding of what the servers' policies read as, or why they
+/// could not be read. (Redlock's masters too.)
+pub(in crate::backend) fn eviction_policy(
+    read: Result<Vec<(Option<String>, String)>, String>,
+) -> Finding {
     const CHECK: &str = "eviction_policy";
     const WHY: &str = "under any policy but noeviction, Redis drops keys under memory \
         pressure, a held lock among them, and grants it to another instance before its \
@@ -58,7 +55,7 @@ fn eviction_policy(read: Result<Vec<(Option<String>, String)>, Failure>) -> Find
                 "set `maxmemory-policy noeviction` on every server that holds locks (a Redis of its own for locks, if a cache needs eviction)",
             ),
         },
-        Err(failure) => unread(CHECK, failure),
+        Err(why) => unread(CHECK, why),
     }
 }
 
@@ -167,20 +164,41 @@ fn replicas(state: &ServerState, waits_for_replicas: bool) -> Finding {
     )
 }
 
+/// The `clock_offset` finding of a `TIME` sent at `sent` (`read_at` on the wall clock).
+pub(in crate::backend) fn clock_offset(
+    time: Result<SystemTime, String>,
+    read_at: SystemTime,
+    sent: Instant,
+) -> Finding {
+    match time {
+        Ok(server) => {
+            let round_trip = sent.elapsed();
+            // TIME is in µs: half the round trip is the whole uncertainty.
+            Finding::clock_offset(server, read_at + round_trip / 2, round_trip / 2)
+        }
+        Err(why) => unread("clock_offset", why),
+    }
+}
+
 /// `TIME`: the server's clock.
-async fn server_time(mut connection: Connection) -> Result<SystemTime, RedisError> {
+pub(in crate::backend) async fn server_time(
+    mut connection: Connection,
+) -> Result<SystemTime, RedisError> {
     let (seconds, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut connection).await?;
     Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(seconds) + Duration::from_micros(micros))
 }
 
-fn unread(check: &'static str, failure: Failure) -> Finding {
-    let saw = match failure {
-        Failure::Redis(error) => format!("could not be read: {error}"),
-        Failure::TimedOut => "could not be read: no answer within two command timeouts".to_owned(),
-    };
+fn unread_because(failure: Failure) -> String {
+    match failure {
+        Failure::Redis(error) => error.to_string(),
+        Failure::TimedOut => "no answer within two command timeouts".to_owned(),
+    }
+}
+
+fn unread(check: &'static str, why: String) -> Finding {
     Finding::warn(
         check,
-        saw,
+        format!("could not be read: {why}"),
         "the check could not tell",
         "check that Redis answers and that this user may run CONFIG GET, INFO and TIME",
     )

@@ -357,7 +357,7 @@
 // `cached`, `connection`, `eviction`, `keys` and `scripts` also serve `backend::redlock`.
 pub(super) mod cached;
 pub(super) mod connection;
-mod deployment;
+pub(super) mod deployment;
 pub(super) mod eviction;
 pub(super) mod keys;
 mod lease;

@@ -1,7 +1,7 @@
 //! One Redis master: its connection (the Redis backend's, replaced when it goes
 //! silent) and the three commands Redlock sends it.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use redis::{Client, RedisError};
 use tokio::time::Instant;
@@ -31,6 +31,7 @@ use crate::backend::redis::cached::CachedScript;
 use crate::backend::redis::connection::{with_tcp_settings, Commands, Failure, Target};
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::redis::scripts::{HOLDER, RENEW};
+use crate::backend::Finding;
 
 /// What one master answered to an acquire attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,6 +99,26 @@ impl Master {
             .run(limit, crate::backend::redis::eviction::policies)
             .await;
         crate::backend::redis::eviction::check(policies, allowed)
+    }
+
+    /// This master's findings for the deployment check: its eviction policy and its
+    /// clock.
+    pub(super) async fn findings(&self) -> [Finding; 2] {
+        use crate::backend::redis::deployment::{clock_offset, eviction_policy, server_time};
+
+        let limit = Instant::now() + 2 * self.command_timeout;
+        let policies = self
+            .run(limit, crate::backend::redis::eviction::policies)
+            .await;
+        let mut eviction = eviction_policy(policies.map_err(|error| error.to_string()));
+        let read_at = SystemTime::now();
+        let sent = Instant::now();
+        let time = self.run(sent + 2 * self.command_timeout, server_time).await;
+        let mut clock = clock_offset(time.map_err(|error| error.to_string()), read_at, sent);
+        for finding in [&mut eviction, &mut clock] {
+            finding.saw = format!("{}: {}", self.address, finding.saw);
+        }
+        [eviction, clock]
     }
 
     /// One acquire attempt on this master; the error, if it gave no vote.

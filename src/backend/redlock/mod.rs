@@ -452,6 +452,24 @@ impl LockBackend for RedlockBackend {
         Some(crate::backend::BackendIdentity::of(&self.inner))
     }
 
+    /// Each master's eviction policy and clock, side by side.
+    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let mut reads = tokio::task::JoinSet::new();
+            for index in 0..inner.masters.len() {
+                let inner = inner.clone();
+                reads.spawn(async move { (index, inner.masters[index].findings().await) });
+            }
+            // In the masters' order, whichever answered first.
+            let mut read = reads.join_all().await;
+            read.sort_by_key(|(index, _)| *index);
+            read.into_iter()
+                .flat_map(|(_, findings)| findings)
+                .collect()
+        })
+    }
+
     fn engine(&self) -> &'static str {
         "redlock"
     }
