@@ -273,19 +273,8 @@ pub(super) async fn create(
         .attribute_name(&layout.ttl_attribute)
         .build()
         .map_err(|error| SetupError::Invalid(error.to_string()))?;
-    let described = call(
-        endpoint,
-        limit,
-        client
-            .describe_time_to_live()
-            .table_name(&layout.table)
-            .send(),
-    )
-    .await?;
-    let enabled = described
-        .time_to_live_description()
-        .and_then(|description| description.attribute_name());
-    if enabled != Some(&*layout.ttl_attribute) {
+    let (enabled, _) = time_to_live(client, endpoint, layout, limit).await?;
+    if enabled.as_deref() != Some(&*layout.ttl_attribute) {
         call(
             endpoint,
             limit,
