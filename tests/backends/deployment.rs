@@ -148,6 +148,45 @@ mod postgres {
     use super::{assert_finding, check};
     use crate::support::pg_server::PgServer;
 
+    /// `cargo run --example check_deployment -- <url> --json` on a working server:
+    /// the report as JSON, and exit status 0. (The example is built with the tests.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_example_checks_a_url() {
+        let pg = PgServer::start();
+        let example = std::env::current_exe()
+            .unwrap()
+            .parent()
+            .and_then(|deps| deps.parent())
+            .map(|target| target.join("examples/check_deployment"))
+            .unwrap();
+        assert!(
+            example.exists(),
+            "{} not built: build the examples (cargo test builds them)",
+            example.display()
+        );
+        let url = format!("postgres://postgres@127.0.0.1:{}/postgres", pg.port());
+        let output = tokio::process::Command::new(&example)
+            .args([&url, "--json"])
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success(),
+            "exit {:?}: {stdout}{stderr}",
+            output.status
+        );
+        assert!(
+            stdout.starts_with(r#"{"engine":"postgres","verdict":"#),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains(r#""check":"exclusion","verdict":"pass""#),
+            "{stdout}"
+        );
+    }
+
     /// PostgreSQL issues fencing tokens only with `fencing(true)`: without, the check
     /// warns and names the setting; with, the tokens it saw go up.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
