@@ -2,6 +2,18 @@
 //! wrong, one finding each: the check must name what it saw and fail or warn. (On
 //! servers set up right, the conformance check `the_deployment_live_run_passes` runs it on
 //! every engine.)
+#![cfg_attr(
+    not(any(
+        feature = "redis",
+        feature = "postgres",
+        feature = "dynamodb",
+        feature = "etcd",
+        feature = "mysql",
+        feature = "azure-blob",
+        feature = "zookeeper"
+    )),
+    allow(dead_code)
+)]
 
 use tower_keyed_lock::backend::{DeploymentReport, LockBackend, Verdict};
 use tower_keyed_lock::DistributedLocks;
@@ -382,5 +394,25 @@ mod azure_blob {
         let lease = format!("blob leases of {} s", AZURE_LEASE.as_secs());
         assert_finding(&report, "lease_period", Verdict::Pass, &lease);
         assert_finding(&report, "clock_offset", Verdict::Pass, "this machine's");
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use tower_keyed_lock::backend::mysql::MySqlBackend;
+    use tower_keyed_lock::backend::Verdict;
+
+    use super::{assert_finding, check};
+    use crate::support::mysql_server::MySqlServer;
+
+    /// The server is named with its version, and its clock (`NOW(6)`) read against
+    /// this machine's: the same machine here, so within the round trip.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql_names_its_server_and_clock() {
+        let server = MySqlServer::start();
+        let report = check(MySqlBackend::connect(&server.url()).await.unwrap()).await;
+        assert_finding(&report, "server", Verdict::Pass, "MariaDB");
+        assert_finding(&report, "clock_offset", Verdict::Pass, "this machine's");
+        assert!(report.is_safe(), "{report}");
     }
 }
