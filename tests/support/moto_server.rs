@@ -1,10 +1,12 @@
-//! A real DynamoDB-compatible server (moto, from PyPI) on a free port of 127.0.0.1,
-//! killed on drop, and clients for it with static fake credentials.
+//! A real AWS-compatible server (moto, from PyPI: DynamoDB, and S3 with path-style
+//! addressing, from one server app) on a free port of 127.0.0.1, killed on drop, and
+//! clients for it with static fake credentials.
 //!
-//! moto runs each request in a thread of its own and does not lock an item between a
-//! condition check and the write, so two conditional writes can both pass. DynamoDB
-//! applies conditional writes on an item atomically; to give the tests that guarantee,
-//! the launcher below runs moto's WSGI app behind one lock (one request at a time).
+//! moto runs each request in a thread of its own and does not lock an item or object
+//! between a condition check and the write, so two conditional writes can both pass.
+//! DynamoDB and S3 apply conditional writes on an item or object atomically; to give
+//! the tests that guarantee, the launcher below runs moto's WSGI app behind one lock
+//! (one request at a time).
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -12,8 +14,6 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
-use aws_sdk_dynamodb::Client;
 
 /// The launcher: moto's server app, one request at a time, on `127.0.0.1:argv[1]`
 /// (0: a free port). It binds first and prints the port it got: a port picked by the
@@ -59,12 +59,12 @@ print(server.server_port, flush=True)
 server.serve_forever()
 "#;
 
-pub struct DynamoServer {
+pub struct MotoServer {
     port: u16,
     child: Option<Child>,
 }
 
-impl DynamoServer {
+impl MotoServer {
     /// Starts a server on a free port; panics if moto is not installed.
     pub fn start() -> Self {
         let mut last_error = String::new();
@@ -90,9 +90,17 @@ impl DynamoServer {
         format!("http://127.0.0.1:{}", self.port)
     }
 
-    /// A client of this server (its own connection pool: one instance of an app).
-    pub fn client(&self) -> Client {
+    /// A DynamoDB client of this server (its own connection pool: one instance of an
+    /// app).
+    #[cfg(feature = "dynamodb")]
+    pub fn client(&self) -> aws_sdk_dynamodb::Client {
         client_for(&self.url())
+    }
+
+    /// An S3 client of this server (its own connection pool: one instance of an app).
+    #[cfg(feature = "s3")]
+    pub fn s3_client(&self) -> aws_sdk_s3::Client {
+        s3_client_for(&self.url())
     }
 
     /// The process id of the running server.
@@ -143,7 +151,7 @@ impl DynamoServer {
             .spawn()
             .map_err(|error| match error.kind() {
                 std::io::ErrorKind::NotFound => panic!(
-                    "python3 is not on PATH: the DynamoDB tests run moto; run ./scripts/test, \
+                    "python3 is not on PATH: the DynamoDB and S3 tests run moto; run ./scripts/test, \
                      which installs it"
                 ),
                 _ => format!("spawning moto: {error}"),
@@ -190,7 +198,7 @@ impl DynamoServer {
     }
 }
 
-impl Drop for DynamoServer {
+impl Drop for MotoServer {
     fn drop(&mut self) {
         // SIGKILL also ends a paused (stopped) process.
         self.stop();
@@ -198,14 +206,31 @@ impl Drop for DynamoServer {
 }
 
 /// A client of the DynamoDB endpoint at `url` with static fake credentials.
-pub fn client_for(url: &str) -> Client {
+#[cfg(feature = "dynamodb")]
+pub fn client_for(url: &str) -> aws_sdk_dynamodb::Client {
+    use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
     let config = aws_sdk_dynamodb::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new("us-east-1"))
         .endpoint_url(url)
         .credentials_provider(Credentials::new("test", "test", None, None, "static"))
         .build();
-    Client::from_conf(config)
+    aws_sdk_dynamodb::Client::from_conf(config)
+}
+
+/// A client of the S3 endpoint at `url` (path-style: the bucket in the path, as moto
+/// serves it on an address) with static fake credentials.
+#[cfg(feature = "s3")]
+pub fn s3_client_for(url: &str) -> aws_sdk_s3::Client {
+    use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
+    let config = aws_sdk_s3::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .endpoint_url(url)
+        .force_path_style(true)
+        .credentials_provider(Credentials::new("test", "test", None, None, "static"))
+        .build();
+    aws_sdk_s3::Client::from_conf(config)
 }
 
 fn signal(pid: u32, signal: &str) {
