@@ -113,3 +113,243 @@ async fn a_second_create_of_one_object_gets_412() {
         .map(|raw| raw.status().as_u16());
     assert_eq!(status, Some(412), "a write on a stale ETag: {stale:?}");
 }
+
+/// Three instances add one to a counter 20 times each with a read, a pause and a
+/// write: under the lock no increment is lost, and the tokens the holders saw strictly
+/// increase in the order they held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn instances_exclude_each_other_around_a_shared_counter() {
+    let (fixture, backend) = start().await;
+    let counter = Arc::new(AtomicU64::new(0));
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut instances = Vec::new();
+    for name in ["a", "b", "c"] {
+        let locks = fixture.instance(name).await;
+        let (counter, tokens) = (counter.clone(), tokens.clone());
+        instances.push(tokio::spawn(async move {
+            for _ in 0..20 {
+                let guard = locks.lock_timeout("counter", PATIENCE).await.unwrap();
+                let read = counter.load(SeqCst);
+                sleep(Duration::from_millis(1)).await;
+                counter.store(read + 1, SeqCst);
+                tokens.lock().unwrap().push(guard.fencing_token().unwrap());
+                guard.release().await;
+            }
+        }));
+    }
+    for instance in instances {
+        within("an instance's increments", 6 * PATIENCE, instance)
+            .await
+            .unwrap();
+    }
+    assert_eq!(counter.load(SeqCst), 60, "an increment was lost");
+    let tokens = tokens.lock().unwrap().clone();
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "tokens out of holding order: {tokens:?}"
+    );
+    // The object, if not deleted yet, holds the last token issued.
+    let fence = object_fence(&fixture, &backend, "counter").await;
+    assert!(
+        fence.is_none() || fence == tokens.last().copied(),
+        "the object's token {fence:?}, the last issued {:?}",
+        tokens.last()
+    );
+}
+
+/// The holder's process dies without releasing (its runtime dropped, no renewal): its
+/// object stays, named as held, until another instance has seen it unchanged for a
+/// lease on its own clock, then that instance takes it over with a higher token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_crashed_holder_is_taken_over_one_lease_after_it_was_seen() {
+    let (fixture, _backend) = start().await;
+    let backend = fixture.backend("crashed").await;
+    let (granted, crashed_token) = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let granted = runtime.block_on(async {
+            let sent = Instant::now();
+            let guard = locks_on(backend).lock("crash").await.unwrap();
+            let token = guard.fencing_token().unwrap();
+            std::mem::forget(guard);
+            (sent, token)
+        });
+        // The crash: every task of the holder (its renewal) stops here.
+        drop(runtime);
+        granted
+    })
+    .join()
+    .unwrap();
+    let other = fixture.instance("other").await;
+    let holder = other.holder("crash").await.unwrap();
+    assert_eq!(
+        holder.and_then(|holder| holder.fencing_token()),
+        Some(crashed_token),
+        "the crashed holder is still named"
+    );
+    let seen = Instant::now();
+    let taken = within(
+        "the takeover of a crashed holder's object",
+        LEASE + PATIENCE,
+        other.lock_timeout("crash", LEASE + PATIENCE),
+    )
+    .await
+    .expect("the crashed holder's object is taken over one lease later");
+    let (after_grant, after_seen) = (granted.elapsed(), seen.elapsed());
+    eprintln!("crashed holder: taken over {after_seen:?} after it was seen held");
+    assert!(
+        after_seen >= LEASE,
+        "taken over {after_seen:?} after it was first seen, within the holder's lease {LEASE:?}"
+    );
+    assert!(
+        after_grant < LEASE + PATIENCE,
+        "taken over only {after_grant:?} after the crash"
+    );
+    assert!(taken.fencing_token().unwrap() > crashed_token);
+    taken.release().await;
+}
+
+/// A holder that renews is never taken over, however long it holds: every renewal
+/// writes a new ETag, so a waiter's lease-long watch starts again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_renewing_holder_is_never_taken_over() {
+    let (fixture, _backend) = start().await;
+    let holder = fixture.instance("holder").await;
+    let other = fixture.instance("other").await;
+    let guard = holder.lock("kept").await.unwrap();
+    let waited = other.lock_timeout("kept", 3 * LEASE).await;
+    assert!(
+        matches!(waited, Err(tower_keyed_lock::LockError::Timeout)),
+        "a renewing holder's key was taken or failed: {waited:?}"
+    );
+    assert!(!guard.is_lost(), "the renewing holder lost its lease");
+    let token = guard.fencing_token().unwrap();
+    guard.release().await;
+    let next = within("the released key", PATIENCE, other.lock_timeout("kept", PATIENCE))
+        .await
+        .unwrap();
+    assert!(next.fencing_token().unwrap() > token);
+    next.release().await;
+}
+
+/// Fencing tokens never go back for a key, whatever happened to its object: released
+/// late enough to be deleted at once, released early (written free, deleted later), or
+/// deleted by hand; each next grant comes from a backend built anew (nothing
+/// remembered in process), so only S3's clock keeps the tokens going up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokens_never_go_back_across_deleted_objects() {
+    let (fixture, backend) = start().await;
+    let fresh = || async {
+        let backend = servers::S3::backend_on(&fixture.0.url(), GENEROUS_TIMEOUT).await;
+        locks_on(Arc::new(backend))
+    };
+    let key = "fenced";
+    let prefix = backend.object_name(servers::NAME, "");
+    let prefix = prefix.trim_end_matches(|c| c != '/');
+
+    // Held past S3's clock: the release deletes the object at once.
+    let first = fresh().await.lock(key).await.unwrap();
+    let t1 = first.fencing_token().unwrap();
+    sleep(PAST_A_TOKEN).await;
+    first.release().await;
+    assert_eq!(fixture.objects(prefix).await, 0, "the released object stays");
+
+    // Released at once: written free, and a grant before the delete counts on.
+    let second = fresh().await.lock(key).await.unwrap();
+    let t2 = second.fencing_token().unwrap();
+    assert!(t2 > t1, "{t2} after {t1}, across a deleted object");
+    second.release().await;
+    assert_eq!(object_fence(&fixture, &backend, key).await, Some(t2));
+    let third = fresh().await.lock(key).await.unwrap();
+    let t3 = third.fencing_token().unwrap();
+    assert_eq!(t3, t2 + 1, "a grant on a free object counts on");
+    third.release().await;
+    // …then the object goes within the record window.
+    let window = tower_keyed_lock::backend::s3::record_window(GENEROUS_TIMEOUT);
+    let gone_by = Instant::now() + window;
+    while fixture.objects(prefix).await > 0 {
+        assert!(Instant::now() < gone_by, "the released object outlived {window:?}");
+        sleep(Duration::from_millis(100)).await;
+    }
+    let fourth = fresh().await.lock(key).await.unwrap();
+    let t4 = fourth.fencing_token().unwrap();
+    assert!(t4 > t3, "{t4} after {t3}, across an object deleted later");
+
+    // Deleted by hand while held, past S3's clock: the holder is told at its next
+    // renewal, and the next object's tokens start above.
+    sleep(PAST_A_TOKEN).await;
+    fixture
+        .0
+        .s3_client()
+        .delete_object()
+        .bucket(servers::S3_BUCKET)
+        .key(backend.object_name(servers::NAME, key))
+        .send()
+        .await
+        .unwrap();
+    within("the holder is told", PATIENCE, fourth.lost()).await;
+    let fifth = fresh().await.lock(key).await.unwrap();
+    let t5 = fifth.fencing_token().unwrap();
+    assert!(t5 > t4, "{t5} after {t4}, across an object deleted by hand");
+    fifth.release().await;
+    drop(fourth);
+}
+
+/// A store that ignores `If-None-Match` and `If-Match` is refused when the backend is
+/// built, by name, and leaves no probe object behind; so is a bucket that does not
+/// exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_that_ignores_conditions_or_a_missing_bucket_is_refused() {
+    let server = MotoServer::start_ignoring_preconditions();
+    let client = server.s3_client();
+    within(
+        "creating the bucket",
+        PATIENCE,
+        client.create_bucket().bucket("locks").send(),
+    )
+    .await
+    .expect("creating the bucket");
+    let built = S3Backend::builder(client.clone(), "locks").build().await;
+    match built {
+        Err(SetupError::Unsafe(why)) => assert!(why.contains("If-None-Match"), "{why}"),
+        other => panic!("a store ignoring conditions was not refused: {other:?}"),
+    }
+    let left = client.list_objects_v2().bucket("locks").send().await.unwrap();
+    assert_eq!(left.contents().len(), 0, "the probe object stays");
+
+    let built = S3Backend::builder(client, "no-such-bucket").build().await;
+    match built {
+        Err(error @ SetupError::Failed { .. }) => {
+            assert!(error.to_string().contains("S3"), "{error}")
+        }
+        other => panic!("a missing bucket was not refused: {other:?}"),
+    }
+}
+
+/// The object of a held key is where [`S3Backend::object_name`] says, names its holder
+/// and token, and the backend's `holder` reads the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_object_is_where_its_name_says_and_names_the_holder() {
+    let (fixture, backend) = start().await;
+    let locks = DistributedLocks::new(servers::NAME, backend.clone());
+    let guard = locks.lock("a/b c").await.unwrap();
+    let name = backend.object_name(servers::NAME, "a/b c");
+    assert_eq!(name, format!("keyed-lock/{}/a%2Fb%20c", servers::NAME));
+    let token = guard.fencing_token().unwrap();
+    assert_eq!(object_fence(&fixture, &backend, "a/b c").await, Some(token));
+    let key = tower_keyed_lock::Key::new("a/b c", 256).unwrap();
+    let holder = backend
+        .holder(servers::NAME, &key)
+        .await
+        .unwrap()
+        .expect("held");
+    assert_eq!(holder.fencing_token(), Some(token));
+    assert_eq!(
+        holder.instance(),
+        Some(tower_keyed_lock::backend::default_instance_id().as_str())
+    );
+    guard.release().await;
+    assert!(backend.holder(servers::NAME, &key).await.unwrap().is_none());
+}

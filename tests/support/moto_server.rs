@@ -27,6 +27,10 @@ use std::time::{Duration, Instant};
 /// behind the pause then outlast the command timeout. The launcher empties that
 /// registry every 256 requests.
 ///
+/// With `MOTO_IGNORE_PRECONDITIONS` set, it drops `If-Match` and `If-None-Match` from
+/// every request before moto sees it: a store that ignores conditional writes, which a
+/// backend must refuse to run on.
+///
 /// With `MOTO_SLOW_LOG` set to a file, every request that took over 200 ms is logged
 /// there with where the time went: waiting for the lock, and in moto.
 const LAUNCHER: &str = r#"
@@ -39,8 +43,12 @@ lock = threading.Lock()
 served = 0
 slow_log = os.environ.get("MOTO_SLOW_LOG")
 slow_log = open(slow_log, "a", buffering=1) if slow_log else None
+ignore_preconditions = bool(os.environ.get("MOTO_IGNORE_PRECONDITIONS"))
 def one_at_a_time(environ, start_response):
     global served
+    if ignore_preconditions:
+        environ.pop("HTTP_IF_MATCH", None)
+        environ.pop("HTTP_IF_NONE_MATCH", None)
     started = time.monotonic()
     with lock:
         locked = time.monotonic()
@@ -62,17 +70,29 @@ server.serve_forever()
 pub struct MotoServer {
     port: u16,
     child: Option<Child>,
+    ignore_preconditions: bool,
 }
 
 impl MotoServer {
     /// Starts a server on a free port; panics if moto is not installed.
     pub fn start() -> Self {
+        Self::launch(false)
+    }
+
+    /// Starts a server that drops every request's `If-Match` and `If-None-Match`: a
+    /// store that ignores conditional writes.
+    pub fn start_ignoring_preconditions() -> Self {
+        Self::launch(true)
+    }
+
+    fn launch(ignore_preconditions: bool) -> Self {
         let mut last_error = String::new();
         for _ in 0..5 {
             // Port 0: moto binds a free port and says which.
             let mut server = Self {
                 port: 0,
                 child: None,
+                ignore_preconditions,
             };
             match server.spawn() {
                 Ok(()) => return server,
@@ -143,7 +163,11 @@ impl MotoServer {
     }
 
     fn spawn(&mut self) -> Result<(), String> {
-        let mut child = Command::new("python3")
+        let mut command = Command::new("python3");
+        if self.ignore_preconditions {
+            command.env("MOTO_IGNORE_PRECONDITIONS", "1");
+        }
+        let mut child = command
             .args(["-c", LAUNCHER, &self.port.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
