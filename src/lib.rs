@@ -198,6 +198,10 @@ pub use reject::{Rejection, RejectionKind};
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 #[doc(no_inline)]
 pub use aws_sdk_dynamodb;
+#[cfg(feature = "s3")]
+#[cfg_attr(docsrs, doc(cfg(feature = "s3")))]
+#[doc(no_inline)]
+pub use aws_sdk_s3;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 #[doc(no_inline)]

@@ -7,7 +7,8 @@
 //! DynamoDB and S3 apply conditional writes on an item or object atomically; to give
 //! the tests that guarantee, the launcher below runs moto's WSGI app behind one lock
 //! (one request at a time).
-#![allow(dead_code)]
+// The benchmarks' crate, which has no features, includes this file for its launcher.
+#![allow(dead_code, unexpected_cfgs)]
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
