@@ -295,7 +295,10 @@ impl Shared {
                 // The first instance makes the bucket; the others find it made.
                 if let Err(error) = client.create_bucket().bucket(S3_BUCKET).send().await {
                     let code = aws_sdk_s3::error::ProvideErrorMetadata::code(&error);
-                    if !matches!(code, Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")) {
+                    if !matches!(
+                        code,
+                        Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")
+                    ) {
                         return Err(format!("makes the bucket: {error:?}"));
                     }
                 }

@@ -18,10 +18,10 @@ use tower_keyed_lock::backend::LostReason;
 use tower_keyed_lock::backend::SetupError;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, PathParam};
 
-use crate::support::moto_server::MotoServer;
 use crate::support::fixtures::until;
 use crate::support::instances::{gate, gated_router, hold, path_escape, within};
 use crate::support::lateness::Lateness;
+use crate::support::moto_server::MotoServer;
 use crate::support::recorder::counter;
 use crate::support::{serve, Server};
 

@@ -227,9 +227,13 @@ async fn a_renewing_holder_is_never_taken_over() {
     assert!(!guard.is_lost(), "the renewing holder lost its lease");
     let token = guard.fencing_token().unwrap();
     guard.release().await;
-    let next = within("the released key", PATIENCE, other.lock_timeout("kept", PATIENCE))
-        .await
-        .unwrap();
+    let next = within(
+        "the released key",
+        PATIENCE,
+        other.lock_timeout("kept", PATIENCE),
+    )
+    .await
+    .unwrap();
     assert!(next.fencing_token().unwrap() > token);
     next.release().await;
 }
@@ -254,7 +258,11 @@ async fn tokens_never_go_back_across_deleted_objects() {
     let t1 = first.fencing_token().unwrap();
     sleep(PAST_A_TOKEN).await;
     first.release().await;
-    assert_eq!(fixture.objects(prefix).await, 0, "the released object stays");
+    assert_eq!(
+        fixture.objects(prefix).await,
+        0,
+        "the released object stays"
+    );
 
     // Released at once: written free, and a grant before the delete counts on.
     let second = fresh().await.lock(key).await.unwrap();
@@ -270,7 +278,10 @@ async fn tokens_never_go_back_across_deleted_objects() {
     let window = tower_keyed_lock::backend::s3::record_window(GENEROUS_TIMEOUT);
     let gone_by = Instant::now() + window;
     while fixture.objects(prefix).await > 0 {
-        assert!(Instant::now() < gone_by, "the released object outlived {window:?}");
+        assert!(
+            Instant::now() < gone_by,
+            "the released object outlived {window:?}"
+        );
         sleep(Duration::from_millis(100)).await;
     }
     let fourth = fresh().await.lock(key).await.unwrap();
@@ -316,7 +327,12 @@ async fn a_store_that_ignores_conditions_or_a_missing_bucket_is_refused() {
         Err(SetupError::Unsafe(why)) => assert!(why.contains("If-None-Match"), "{why}"),
         other => panic!("a store ignoring conditions was not refused: {other:?}"),
     }
-    let left = client.list_objects_v2().bucket("locks").send().await.unwrap();
+    let left = client
+        .list_objects_v2()
+        .bucket("locks")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(left.contents().len(), 0, "the probe object stays");
 
     let built = S3Backend::builder(client, "no-such-bucket").build().await;

@@ -971,7 +971,7 @@ mod dynamodb {
 
 #[cfg(feature = "s3")]
 #[allow(unused_imports)] // the conformance and s3 binaries use it
-pub use self::s3::{S3, BUCKET as S3_BUCKET};
+pub use self::s3::{BUCKET as S3_BUCKET, S3};
 
 #[cfg(feature = "s3")]
 mod s3 {
@@ -1025,7 +1025,10 @@ mod s3 {
             if let Err(error) = made {
                 let code = aws_sdk_s3::error::ProvideErrorMetadata::code(&error);
                 assert!(
-                    matches!(code, Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")),
+                    matches!(
+                        code,
+                        Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")
+                    ),
                     "creating the bucket: {error:?}"
                 );
             }

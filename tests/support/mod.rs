@@ -31,10 +31,10 @@ use tokio::net::{TcpListener, TcpStream};
 
 #[cfg(feature = "azure-blob")]
 pub mod azurite_server;
-#[cfg(any(feature = "dynamodb", feature = "s3"))]
-pub mod moto_server;
 #[cfg(feature = "etcd")]
 pub mod etcd_server;
+#[cfg(any(feature = "dynamodb", feature = "s3"))]
+pub mod moto_server;
 #[cfg(feature = "mysql")]
 pub mod mysql_server;
 #[macro_use]

@@ -15,7 +15,6 @@ use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-
 /// The launcher: moto's server app, one request at a time, on `127.0.0.1:argv[1]`
 /// (0: a free port). It binds first and prints the port it got: a port picked by the
 /// test and bound later could meanwhile go to another test's server, which would then

@@ -70,7 +70,10 @@ mod tests {
             object_name("p/", "n", &long),
             format!("p/n/#{}", sha256_hex(&long))
         );
-        assert_eq!(object_name("p/", "", "k"), format!("p/#{}/k", sha256_hex("")));
+        assert_eq!(
+            object_name("p/", "", "k"),
+            format!("p/#{}/k", sha256_hex(""))
+        );
         let widest = "/".repeat(MAX_PLAIN_LEN / 3);
         let longest = object_name(&"p".repeat(MAX_PREFIX_LEN), &widest, &widest);
         assert!(longest.len() < 1024, "{}", longest.len());

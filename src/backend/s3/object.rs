@@ -131,13 +131,20 @@ impl Inner {
             Ok(result) => result,
             Err(_) => Err(CallError {
                 cut: cap < own,
-                ..CallError::local(S3LockError::CommandTimeout(self.config.command_timeout), true)
+                ..CallError::local(
+                    S3LockError::CommandTimeout(self.config.command_timeout),
+                    true,
+                )
             }),
         }
     }
 
     /// Reads `object`: `None` if there is none.
-    pub(super) async fn read(&self, object: &str, cap: Instant) -> Result<Option<Found>, CallError> {
+    pub(super) async fn read(
+        &self,
+        object: &str,
+        cap: Instant,
+    ) -> Result<Option<Found>, CallError> {
         let call = async {
             let answer = self
                 .client
@@ -180,13 +187,12 @@ impl Inner {
         condition: Condition<'_>,
         cap: Instant,
     ) -> Result<Outcome<String>, CallError> {
-        let version = crate::backend::ttl::fresh_token()
-            .map_err(|error| CallError {
-                error: Box::new(error),
-                transient: false,
-                maybe_applied: false,
-                cut: false,
-            })?;
+        let version = crate::backend::ttl::fresh_token().map_err(|error| CallError {
+            error: Box::new(error),
+            transient: false,
+            maybe_applied: false,
+            cut: false,
+        })?;
         let put = self
             .client
             .put_object()

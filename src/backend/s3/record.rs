@@ -126,7 +126,12 @@ mod tests {
 
     #[test]
     fn foreign_bodies_are_refused() {
-        for body in [&b""[..], b"hello", b"tower-keyed-lock s3 1\nowner x\n", b"\xff"] {
+        for body in [
+            &b""[..],
+            b"hello",
+            b"tower-keyed-lock s3 1\nowner x\n",
+            b"\xff",
+        ] {
             assert!(Record::parse(body).is_err(), "{body:?}");
         }
         let instance = Record {

@@ -27,7 +27,11 @@ pub(super) async fn check(
     limit: Duration,
 ) -> Result<(), SetupError> {
     let failed = |what: &str, error: &(dyn std::error::Error + 'static)| {
-        SetupError::failed(ENGINE, endpoint.describe(), format!("{what}: {}", with_cause(error)))
+        SetupError::failed(
+            ENGINE,
+            endpoint.describe(),
+            format!("{what}: {}", with_cause(error)),
+        )
     };
     let no_answer = |_| SetupError::no_answer(ENGINE, endpoint.describe(), limit);
     timeout(limit, client.head_bucket().bucket(bucket).send())
@@ -52,30 +56,38 @@ pub(super) async fn check(
     let mut unsafe_setup = None;
     match timeout(limit, put("second").if_none_match("*").send()).await {
         Err(elapsed) => unsafe_setup = Some(Err(no_answer(elapsed))),
-        Ok(Ok(_)) => unsafe_setup = Some(Err(SetupError::Unsafe(format!(
-            "S3 at {} ignores `If-None-Match: *`: a second create of one object succeeded, so \
+        Ok(Ok(_)) => {
+            unsafe_setup = Some(Err(SetupError::Unsafe(format!(
+                "S3 at {} ignores `If-None-Match: *`: a second create of one object succeeded, so \
              two instances could hold one key; use a store that enforces conditional writes",
-            endpoint.describe()
-        )))),
+                endpoint.describe()
+            ))))
+        }
         Ok(Err(error)) if matches!(status(&error), Some(412 | 409)) => {}
         Ok(Err(error)) => unsafe_setup = Some(Err(failed("probing `If-None-Match`", &error))),
     }
     if unsafe_setup.is_none() {
         match timeout(limit, put("third").if_match("\"0\"").send()).await {
             Err(elapsed) => unsafe_setup = Some(Err(no_answer(elapsed))),
-            Ok(Ok(_)) => unsafe_setup = Some(Err(SetupError::Unsafe(format!(
+            Ok(Ok(_)) => {
+                unsafe_setup = Some(Err(SetupError::Unsafe(format!(
                 "S3 at {} ignores `If-Match`: a write conditional on another ETag succeeded, so \
                  a holder's renewal could overwrite a takeover; use a store that enforces \
                  conditional writes",
                 endpoint.describe()
-            )))),
+            ))))
+            }
             Ok(Err(error)) if matches!(status(&error), Some(412 | 409)) => {}
             Ok(Err(error)) => unsafe_setup = Some(Err(failed("probing `If-Match`", &error))),
         }
     }
     // The probe object goes whatever the probe found (unconditionally: it is ours).
     let _ = created;
-    let deleted = timeout(limit, client.delete_object().bucket(bucket).key(&probe).send()).await;
+    let deleted = timeout(
+        limit,
+        client.delete_object().bucket(bucket).key(&probe).send(),
+    )
+    .await;
     if let Some(refused) = unsafe_setup {
         return refused;
     }

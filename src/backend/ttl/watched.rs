@@ -69,7 +69,10 @@ impl Watched {
             seen.remove(item);
             return None;
         };
-        if let Some(known) = seen.get(item).filter(|known| known.version == holder.version) {
+        if let Some(known) = seen
+            .get(item)
+            .filter(|known| known.version == holder.version)
+        {
             return Some(known.stale_at());
         }
         let fresh = Seen {
