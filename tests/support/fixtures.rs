@@ -1667,6 +1667,7 @@ macro_rules! for_each_fixture {
         for_each_fixture!(@remote redis_cluster, RedisCluster, ["redis"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
         for_each_fixture!(@remote postgres, Postgres, ["postgres"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
         for_each_fixture!(@remote dynamodb, DynamoDb, ["dynamodb"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
+        for_each_fixture!(@remote s3, S3, ["s3"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
         for_each_fixture!(@remote mysql, MySql, ["mysql"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
         for_each_fixture!(@remote zookeeper, ZooKeeper, ["zookeeper"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
     };
