@@ -257,12 +257,9 @@ impl Inner {
                     Err(_) => return Renewal::Unknown,
                 },
             };
-            let record = Record {
-                lease: self.config.lease,
-                ..record.clone()
-            };
+            // The grant's record again, under a fresh record version: a new ETag.
             match self
-                .write(&held.object, &record, Condition::Matches(&etag), cap)
+                .write(&held.object, record, Condition::Matches(&etag), cap)
                 .await
             {
                 Ok(Outcome::Done(etag)) => {

@@ -181,7 +181,8 @@
 //! [`build`](S3BackendBuilder::build) refuses, with a [`SetupError`] that names the
 //! problem: a lease under 30 ms, a drift margin of half the lease or more, an empty
 //! or too long prefix ([`SetupError::Invalid`]); a bucket that does not answer
-//! `HeadBucket` ([`SetupError::Failed`]); and a store that does not enforce
+//! `HeadBucket` (a 403 passes: a policy may grant the objects under the prefix only)
+//! or refuses the probe's writes ([`SetupError::Failed`]); and a store that does not enforce
 //! conditional writes ([`SetupError::Unsafe`]): a probe object under the prefix is
 //! created with `If-None-Match: *`, created again the same way (which must be refused),
 //! written with `If-Match` on another ETag (which must be refused too), then deleted.

@@ -15,10 +15,12 @@ use crate::backend::aws::Endpoint;
 use crate::backend::located::with_cause;
 use crate::backend::SetupError;
 
-/// Checks the bucket with `HeadBucket`, then probes conditional writes under the
+/// Checks the bucket with `HeadBucket` (a 403 passes: a policy may grant the lock its
+/// objects and nothing on the bucket), then probes conditional writes under the
 /// prefix: an object created with `If-None-Match: *` must refuse a second such create
-/// (412 or 409), and a write with `If-Match` on another ETag; the probe object is
-/// deleted after. Each call within `limit`.
+/// (412, or 409 for a conflicting write), and a write with `If-Match` on another ETag;
+/// the probe object is deleted after, whatever the probe found. Each call within
+/// `limit`.
 pub(super) async fn check(
     client: &Client,
     endpoint: &Endpoint,
@@ -27,17 +29,21 @@ pub(super) async fn check(
     limit: Duration,
 ) -> Result<(), SetupError> {
     let failed = |what: &str, error: &(dyn std::error::Error + 'static)| {
-        SetupError::failed(
-            ENGINE,
-            endpoint.describe(),
-            format!("{what}: {}", with_cause(error)),
-        )
+        let cause = format!("{what}: {}", with_cause(error));
+        SetupError::failed(ENGINE, endpoint.describe(), cause)
     };
     let no_answer = |_| SetupError::no_answer(ENGINE, endpoint.describe(), limit);
-    timeout(limit, client.head_bucket().bucket(bucket).send())
+    let headed = timeout(limit, client.head_bucket().bucket(bucket).send())
         .await
-        .map_err(no_answer)?
-        .map_err(|error| failed(&format!("the lock bucket {bucket:?} is not usable"), &error))?;
+        .map_err(no_answer)?;
+    if let Err(error) = headed {
+        if status(&error) != Some(403) {
+            return Err(failed(
+                &format!("the lock bucket {bucket:?} is not usable"),
+                &error,
+            ));
+        }
+    }
 
     let token = crate::backend::ttl::fresh_token()
         .map_err(|error| SetupError::failed(ENGINE, endpoint.describe(), error.to_string()))?;
@@ -49,50 +55,48 @@ pub(super) async fn check(
             .key(&probe)
             .body(ByteStream::from_static(body.as_bytes()))
     };
-    let created = timeout(limit, put("first").if_none_match("*").send())
+    timeout(limit, put("first").if_none_match("*").send())
         .await
         .map_err(no_answer)?
         .map_err(|error| failed("writing a probe object under the prefix", &error))?;
-    let mut unsafe_setup = None;
-    match timeout(limit, put("second").if_none_match("*").send()).await {
-        Err(elapsed) => unsafe_setup = Some(Err(no_answer(elapsed))),
-        Ok(Ok(_)) => {
-            unsafe_setup = Some(Err(SetupError::Unsafe(format!(
-                "S3 at {} ignores `If-None-Match: *`: a second create of one object succeeded, so \
-             two instances could hold one key; use a store that enforces conditional writes",
-                endpoint.describe()
-            ))))
+    let refused = |header: &str, why: &str| {
+        SetupError::Unsafe(format!(
+            "S3 at {} ignores `{header}`: {why}, so two instances could hold one key; use a \
+             store that enforces conditional writes",
+            endpoint.describe()
+        ))
+    };
+    let probes = [
+        (
+            "If-None-Match",
+            put("second").if_none_match("*"),
+            "a second create of one object succeeded",
+        ),
+        (
+            "If-Match",
+            put("third").if_match("\"0\""),
+            "a write conditional on another ETag succeeded",
+        ),
+    ];
+    let mut found = Ok(());
+    for (header, write, why) in probes {
+        found = match timeout(limit, write.send()).await {
+            Err(elapsed) => Err(no_answer(elapsed)),
+            Ok(Ok(_)) => Err(refused(header, why)),
+            Ok(Err(error)) if matches!(status(&error), Some(412 | 409)) => Ok(()),
+            Ok(Err(error)) => Err(failed(&format!("probing `{header}`"), &error)),
+        };
+        if found.is_err() {
+            break;
         }
-        Ok(Err(error)) if matches!(status(&error), Some(412 | 409)) => {}
-        Ok(Err(error)) => unsafe_setup = Some(Err(failed("probing `If-None-Match`", &error))),
     }
-    if unsafe_setup.is_none() {
-        match timeout(limit, put("third").if_match("\"0\"").send()).await {
-            Err(elapsed) => unsafe_setup = Some(Err(no_answer(elapsed))),
-            Ok(Ok(_)) => {
-                unsafe_setup = Some(Err(SetupError::Unsafe(format!(
-                "S3 at {} ignores `If-Match`: a write conditional on another ETag succeeded, so \
-                 a holder's renewal could overwrite a takeover; use a store that enforces \
-                 conditional writes",
-                endpoint.describe()
-            ))))
-            }
-            Ok(Err(error)) if matches!(status(&error), Some(412 | 409)) => {}
-            Ok(Err(error)) => unsafe_setup = Some(Err(failed("probing `If-Match`", &error))),
-        }
-    }
-    // The probe object goes whatever the probe found (unconditionally: it is ours).
-    let _ = created;
+    // The probe object is ours: deleted unconditionally.
     let deleted = timeout(
         limit,
         client.delete_object().bucket(bucket).key(&probe).send(),
     )
-    .await;
-    if let Some(refused) = unsafe_setup {
-        return refused;
-    }
-    deleted
-        .map_err(no_answer)?
-        .map_err(|error| failed("deleting the probe object", &error))?;
-    Ok(())
+    .await
+    .map_err(no_answer)
+    .and_then(|deleted| deleted.map_err(|error| failed("deleting the probe object", &error)));
+    found.and(deleted.map(|_| ()))
 }
