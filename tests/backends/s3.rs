@@ -4,7 +4,8 @@
 //! meaningless), then a crashed holder taken over one lease later, fencing tokens that
 //! never go back across a released (deleted) object and across an object deleted by
 //! hand, the footprint of released keys, a setup on a store that ignores conditions
-//! refused, and the object names seen from S3.
+//! refused, 409 conflicts tried again (never an error), and the object names seen from
+//! S3.
 #![cfg(feature = "s3")]
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
@@ -19,7 +20,7 @@ use tower_keyed_lock::{DistributedLocks, LockBackend};
 use crate::support::fixtures::{
     self as servers, locks_on, within, Fixture, Remote, GENEROUS_TIMEOUT, PATIENCE,
 };
-use crate::support::moto_server::MotoServer;
+use crate::support::moto_server::{Misbehaviour, MotoServer};
 
 /// The fixture's lease (the TTL-lease fixtures').
 const LEASE: Duration = Duration::from_secs(1);
@@ -313,7 +314,7 @@ async fn tokens_never_go_back_across_deleted_objects() {
 /// exist.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_store_that_ignores_conditions_or_a_missing_bucket_is_refused() {
-    let server = MotoServer::start_ignoring_preconditions();
+    let server = MotoServer::misbehaving(Misbehaviour::IgnorePreconditions);
     let client = server.s3_client();
     within(
         "creating the bucket",
@@ -368,4 +369,44 @@ async fn the_object_is_where_its_name_says_and_names_the_holder() {
     );
     guard.release().await;
     assert!(backend.holder(servers::NAME, &key).await.unwrap().is_none());
+}
+
+/// S3 answers 409 (`ConditionalRequestConflict`) when conditional writes on one object
+/// race; like 412, it means "not granted, try again": with every third conditional
+/// write or delete answered so, two instances taking one key in turn still get it
+/// every time within the wait, one at a time, with tokens in holding order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn conflicts_409_are_tried_again_never_errors() {
+    let fixture = servers::S3(MotoServer::misbehaving(Misbehaviour::ConflictEvery(3)));
+    let inside = Arc::new(AtomicU64::new(0));
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut instances = Vec::new();
+    for name in ["a", "b"] {
+        let locks = fixture.instance(name).await;
+        let (inside, tokens) = (inside.clone(), tokens.clone());
+        instances.push(tokio::spawn(async move {
+            for round in 0..10 {
+                let guard = locks
+                    .lock_timeout("contended", PATIENCE)
+                    .await
+                    .unwrap_or_else(|error| panic!("{name}, round {round}: {error}"));
+                assert_eq!(inside.fetch_add(1, SeqCst), 0, "two holders at once");
+                tokens.lock().unwrap().push(guard.fencing_token().unwrap());
+                sleep(Duration::from_millis(5)).await;
+                inside.fetch_sub(1, SeqCst);
+                guard.release().await;
+            }
+        }));
+    }
+    for instance in instances {
+        within("an instance's rounds", 4 * PATIENCE, instance)
+            .await
+            .unwrap();
+    }
+    let tokens = tokens.lock().unwrap().clone();
+    assert_eq!(tokens.len(), 20);
+    assert!(
+        tokens.windows(2).all(|pair| pair[0] < pair[1]),
+        "tokens out of holding order: {tokens:?}"
+    );
 }

@@ -27,9 +27,13 @@ use std::time::{Duration, Instant};
 /// behind the pause then outlast the command timeout. The launcher empties that
 /// registry every 256 requests.
 ///
-/// With `MOTO_IGNORE_PRECONDITIONS` set, it drops `If-Match` and `If-None-Match` from
-/// every request before moto sees it: a store that ignores conditional writes, which a
-/// backend must refuse to run on.
+/// Two misbehaviours of a store, for the tests that a backend meets them: with
+/// `MOTO_IGNORE_PRECONDITIONS` set, it drops `If-Match` and `If-None-Match` from every
+/// request before moto sees it (a store that ignores conditional writes, which a backend
+/// must refuse to run on); with `MOTO_CONFLICT_EVERY=n`, it answers every n-th
+/// conditional write or delete (but those of a setup probe) 409
+/// `ConditionalRequestConflict` without applying it, as S3 does when conditional
+/// writes on one object race.
 ///
 /// With `MOTO_SLOW_LOG` set to a file, every request that took over 200 ms is logged
 /// there with where the time went: waiting for the lock, and in moto.
@@ -44,6 +48,21 @@ served = 0
 slow_log = os.environ.get("MOTO_SLOW_LOG")
 slow_log = open(slow_log, "a", buffering=1) if slow_log else None
 ignore_preconditions = bool(os.environ.get("MOTO_IGNORE_PRECONDITIONS"))
+conflict_every = int(os.environ.get("MOTO_CONFLICT_EVERY") or 0)
+conditional = 0
+CONFLICT = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ConditionalRequestConflict'
+            b'</Code><Message>A conflicting conditional operation is currently in progress '
+            b'against this resource.</Message></Error>')
+def conflicts(environ):
+    global conditional
+    if not conflict_every or environ.get("REQUEST_METHOD") not in ("PUT", "DELETE"):
+        return False
+    if not (environ.get("HTTP_IF_MATCH") or environ.get("HTTP_IF_NONE_MATCH")):
+        return False
+    if "probe" in environ.get("PATH_INFO", ""):
+        return False
+    conditional += 1
+    return conditional % conflict_every == 0
 def one_at_a_time(environ, start_response):
     global served
     if ignore_preconditions:
@@ -52,6 +71,11 @@ def one_at_a_time(environ, start_response):
     started = time.monotonic()
     with lock:
         locked = time.monotonic()
+        if conflicts(environ):
+            environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            start_response("409 Conflict", [("Content-Type", "application/xml"),
+                                            ("Content-Length", str(len(CONFLICT)))])
+            return [CONFLICT]
         body = list(app(environ, start_response))
         served += 1
         if served % 256 == 0:
@@ -70,29 +94,35 @@ server.serve_forever()
 pub struct MotoServer {
     port: u16,
     child: Option<Child>,
-    ignore_preconditions: bool,
+    misbehaviour: Misbehaviour,
+}
+
+/// How a server started for a test departs from a store's rules (see [`LAUNCHER`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Misbehaviour {
+    /// None: moto as it is, one request at a time.
+    None,
+    /// `If-Match` and `If-None-Match` dropped from every request.
+    IgnorePreconditions,
+    /// Every n-th conditional write or delete answered 409, not applied.
+    ConflictEvery(u32),
 }
 
 impl MotoServer {
     /// Starts a server on a free port; panics if moto is not installed.
     pub fn start() -> Self {
-        Self::launch(false)
+        Self::misbehaving(Misbehaviour::None)
     }
 
-    /// Starts a server that drops every request's `If-Match` and `If-None-Match`: a
-    /// store that ignores conditional writes.
-    pub fn start_ignoring_preconditions() -> Self {
-        Self::launch(true)
-    }
-
-    fn launch(ignore_preconditions: bool) -> Self {
+    /// Starts a server that departs from a store's rules as `misbehaviour` says.
+    pub fn misbehaving(misbehaviour: Misbehaviour) -> Self {
         let mut last_error = String::new();
         for _ in 0..5 {
             // Port 0: moto binds a free port and says which.
             let mut server = Self {
                 port: 0,
                 child: None,
-                ignore_preconditions,
+                misbehaviour,
             };
             match server.spawn() {
                 Ok(()) => return server,
@@ -164,8 +194,14 @@ impl MotoServer {
 
     fn spawn(&mut self) -> Result<(), String> {
         let mut command = Command::new("python3");
-        if self.ignore_preconditions {
-            command.env("MOTO_IGNORE_PRECONDITIONS", "1");
+        match self.misbehaviour {
+            Misbehaviour::None => {}
+            Misbehaviour::IgnorePreconditions => {
+                command.env("MOTO_IGNORE_PRECONDITIONS", "1");
+            }
+            Misbehaviour::ConflictEvery(n) => {
+                command.env("MOTO_CONFLICT_EVERY", n.to_string());
+            }
         }
         let mut child = command
             .args(["-c", LAUNCHER, &self.port.to_string()])
