@@ -28,8 +28,11 @@
 //! token). With `SCHEDULED_JOB_ENGINE=azure-blob`
 //! (and the `azure-blob` feature) they share an Azurite (Azure Blob Storage's emulator,
 //! from npm; `scripts/test` installs it) of the example's own: blob leases are 15 s at
-//! least, so the takeover comes about 15 s after the crash. It checks what it shows and
-//! exits non-zero otherwise: every
+//! least, so the takeover comes about 15 s after the crash. With
+//! `SCHEDULED_JOB_ENGINE=s3` (and the `s3` feature) they share a bucket on moto's S3
+//! server (from PyPI; `scripts/test` installs it) of the example's own: S3 keeps no
+//! expiry, so another instance takes the crashed holder's object over once it has seen
+//! it unchanged for a lease. It checks what it shows and exits non-zero otherwise: every
 //! tick before the crash ran exactly once, the job's writes carry increasing fencing
 //! tokens, and the takeover came within the lease.
 
@@ -98,6 +101,15 @@ const AZURE_LEASE: Duration = Duration::from_secs(15);
 #[path = "../tests/support/azurite_server.rs"]
 mod azurite_server;
 
+// The tests' moto launcher (S3 with path-style addressing, one request at a time).
+#[cfg(feature = "s3")]
+#[path = "../tests/support/moto_server.rs"]
+mod moto_server;
+
+/// The bucket the instances share on moto.
+#[cfg(feature = "s3")]
+const S3_BUCKET: &str = "jobs";
+
 // Ports below the kernel's ephemeral range: a readiness probe that connects again and
 // again to a port of that range can connect to itself (TCP simultaneous open, as the
 // probe's own source port comes round to it) and then wait for an answer it sent.
@@ -151,6 +163,8 @@ enum Shared {
     MySql(String),
     #[cfg(feature = "azure-blob")]
     AzureBlob(String),
+    #[cfg(feature = "s3")]
+    S3(String),
     #[cfg(feature = "zookeeper")]
     ZooKeeper(String),
     InProcess(DistributedLocks),
@@ -275,6 +289,26 @@ impl Shared {
                     .map_err(|error| format!("reaches Azurite: {error:?}"))?;
                 Ok(DistributedLocks::new("cron", backend))
             }
+            #[cfg(feature = "s3")]
+            Shared::S3(url) => {
+                let client = moto_server::s3_client_for(url);
+                // The first instance makes the bucket; the others find it made.
+                if let Err(error) = client.create_bucket().bucket(S3_BUCKET).send().await {
+                    let code = aws_sdk_s3::error::ProvideErrorMetadata::code(&error);
+                    if !matches!(
+                        code,
+                        Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")
+                    ) {
+                        return Err(format!("makes the bucket: {error:?}"));
+                    }
+                }
+                let backend = tower_keyed_lock::S3Backend::builder(client, S3_BUCKET)
+                    .lease(LEASE)
+                    .build()
+                    .await
+                    .map_err(|error| format!("reaches moto's S3: {error:?}"))?;
+                Ok(DistributedLocks::new("cron", backend))
+            }
             #[cfg(feature = "zookeeper")]
             Shared::ZooKeeper(servers) => {
                 let backend = tower_keyed_lock::ZooKeeperBackend::builder(servers.as_str())
@@ -299,6 +333,8 @@ fn main() {
     let mysql = (engine == "mysql").then(mysql_process::MariaDb::start);
     #[cfg(feature = "azure-blob")]
     let azurite = (engine == "azure-blob").then(azurite_server::AzuriteServer::start);
+    #[cfg(feature = "s3")]
+    let moto = (engine == "s3").then(moto_server::MotoServer::start);
     #[cfg(feature = "zookeeper")]
     let zookeeper = (engine == "zookeeper")
         .then(zookeeper_process::ZooKeeperProcess::start)
@@ -364,6 +400,12 @@ fn main() {
             println!("azurite-blob started on port {}", server.port());
             Shared::AzureBlob(server.container_url("jobs"))
         }
+        #[cfg(feature = "s3")]
+        "s3" => {
+            let server = moto.as_ref().expect("started above");
+            println!("moto (S3) started on port {}", server.port());
+            Shared::S3(server.url())
+        }
         #[cfg(not(feature = "redis"))]
         "redis" | "redlock" => in_process("built without the `redis` feature"),
         #[cfg(not(feature = "etcd"))]
@@ -374,8 +416,10 @@ fn main() {
         "azure-blob" => in_process("built without the `azure-blob` feature"),
         #[cfg(not(feature = "zookeeper"))]
         "zookeeper" => in_process("built without the `zookeeper` feature"),
+        #[cfg(not(feature = "s3"))]
+        "s3" => in_process("built without the `s3` feature"),
         other => panic!(
-            "SCHEDULED_JOB_ENGINE={other:?}: use redis, redlock, etcd, zookeeper, mysql or azure-blob"
+            "SCHEDULED_JOB_ENGINE={other:?}: use redis, redlock, etcd, zookeeper, mysql, azure-blob or s3"
         ),
     };
     let shared = Arc::new(shared);
@@ -516,7 +560,7 @@ fn check(ledger: &Ledger, shared: &Shared) {
         // In process the crash dropped the guard: the next tick takes over.
         assert_eq!(takeover.tick, CRASH_TICK + 1);
     } else {
-        // A lease (Redis, etcd, Azure Blob, a ZooKeeper session) or MySQL's pending
+        // A lease (Redis, etcd, Azure Blob, S3, a ZooKeeper session) or MySQL's pending
         // statement: the key stayed held until it ran out.
         let (lease, loss_bound) = (shared.lease(), shared.loss_bound());
         assert!(after >= lease * 2 / 3, "taken over after {after:?}");

@@ -79,6 +79,9 @@
 //!   cluster-wide revision).
 //! - `azure-blob`: `AzureBlobBackend`, the same through Azure Blob Storage blob leases
 //!   (renewal, fencing tokens in blob metadata, polling waiters; needs Rust 1.88).
+//! - `s3`: `S3Backend`, the same through conditional writes on Amazon S3 objects
+//!   (`If-None-Match`, `If-Match`; renewal, fencing tokens, takeover timed on the local
+//!   clock, polling waiters; needs Rust 1.94.1).
 //! - `zookeeper`: `ZooKeeperBackend`, the same through ZooKeeper (an ephemeral
 //!   sequential node per contender, waiters queued in arrival order across instances
 //!   and woken by a watch on their predecessor, fencing tokens from the node's zxid).
@@ -163,6 +166,9 @@ pub use backend::redis::RedisBackend;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redlock::RedlockBackend;
+#[cfg(feature = "s3")]
+#[cfg_attr(docsrs, doc(cfg(feature = "s3")))]
+pub use backend::s3::S3Backend;
 #[cfg(feature = "zookeeper")]
 #[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub use backend::zookeeper::ZooKeeperBackend;
@@ -193,6 +199,10 @@ pub use reject::{Rejection, RejectionKind};
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 #[doc(no_inline)]
 pub use aws_sdk_dynamodb;
+#[cfg(feature = "s3")]
+#[cfg_attr(docsrs, doc(cfg(feature = "s3")))]
+#[doc(no_inline)]
+pub use aws_sdk_s3;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 #[doc(no_inline)]

@@ -170,7 +170,7 @@ pub fn default_instance_id() -> String {
 }
 
 /// Milliseconds since the Unix epoch, as engines store a grant time.
-#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 pub(crate) fn unix_millis(time: SystemTime) -> u64 {
     time.duration_since(UNIX_EPOCH).map_or(0, |since| {
         u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
@@ -183,7 +183,8 @@ pub(crate) fn unix_millis(time: SystemTime) -> u64 {
     feature = "dynamodb",
     feature = "azure-blob",
     feature = "zookeeper",
-    feature = "postgres"
+    feature = "postgres",
+    feature = "s3"
 ))]
 pub(crate) fn from_unix_millis(millis: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_millis(millis)

@@ -36,24 +36,24 @@ pub(crate) fn push_component(
 }
 
 /// A name or key longer than this once escaped is hashed (etcd keys, blob names).
-#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+#[cfg(any(feature = "etcd", feature = "azure-blob", feature = "s3"))]
 pub(crate) const MAX_PLAIN_LEN: usize = 128;
 
 /// The bytes etcd keys and blob names keep as they are: every other byte is `%XX`.
-#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+#[cfg(any(feature = "etcd", feature = "azure-blob", feature = "s3"))]
 fn url_safe(byte: u8) -> bool {
     byte.is_ascii_alphanumeric() || b"-_.~:@+=,".contains(&byte)
 }
 
 /// [`push_component`] with the bytes of [`url_safe`] plain and [`MAX_PLAIN_LEN`]: no
 /// `/`, `%` or `#` ever appears raw.
-#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+#[cfg(any(feature = "etcd", feature = "azure-blob", feature = "s3"))]
 pub(crate) fn push_url_safe(out: &mut String, text: &str) {
     push_component(out, text, url_safe, MAX_PLAIN_LEN);
 }
 
 /// `prefix` as the start of every name: a trailing `/` added if missing.
-#[cfg(any(feature = "etcd", feature = "azure-blob"))]
+#[cfg(any(feature = "etcd", feature = "azure-blob", feature = "s3"))]
 pub(crate) fn with_slash(prefix: &str) -> String {
     let mut prefix = prefix.to_owned();
     if !prefix.ends_with('/') {

@@ -29,13 +29,15 @@
 //! - `retry_later.rs`: [`RetryLater`], an error that says when to come back.
 //! - `record.rs`: [`RecordLookup`] and [`Acquired`]: a replay record read in an
 //!   acquisition's own round trip; `RecordWrite`, one written in a release's.
-//! - `key_component.rs`: a key as a path component (etcd, ZooKeeper, Azure Blob).
+//! - `key_component.rs`: a key as a path component (etcd, ZooKeeper, Azure Blob, S3).
 //! - `settings.rs`: the settings every lease engine's builder shares, and their check;
 //!   `setup_error.rs`: [`SetupError`], why a backend could not be built.
 //! - `ttl/`: the TTL-lease engine (attempt, renewal, give-back, timing) that the
 //!   lease-based engines share.
+//! - `server_clock.rs`: a lock server's clock, from the `Date` of its answers;
+//!   `aws/`: what the engines on the AWS SDK share.
 //! - `redis/`, `redlock/`, `postgres/`, `dynamodb/`, `etcd/`, `zookeeper/`, `mysql/`,
-//!   `azure_blob/`: one engine each.
+//!   `azure_blob/`, `s3/`: one engine each.
 
 use std::fmt;
 use std::sync::Arc;
@@ -47,6 +49,8 @@ use tokio::time::Instant;
 use crate::error::LockError;
 use crate::key::Key;
 
+#[cfg(any(feature = "dynamodb", feature = "s3"))]
+mod aws;
 #[cfg(feature = "azure-blob")]
 #[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
 pub mod azure_blob;
@@ -60,9 +64,14 @@ pub mod dynamodb;
 pub mod etcd;
 pub(crate) mod health;
 mod holder;
-#[cfg(any(feature = "etcd", feature = "zookeeper", feature = "azure-blob"))]
+#[cfg(any(
+    feature = "etcd",
+    feature = "zookeeper",
+    feature = "azure-blob",
+    feature = "s3"
+))]
 mod key_component;
-#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 mod located;
 mod lost;
 mod mode;
@@ -80,14 +89,18 @@ pub mod redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redlock;
 mod retry_later;
-#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+#[cfg(feature = "s3")]
+#[cfg_attr(docsrs, doc(cfg(feature = "s3")))]
+pub mod s3;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 mod server_clock;
 #[cfg(any(
     feature = "redis",
     feature = "dynamodb",
     feature = "etcd",
     feature = "zookeeper",
-    feature = "azure-blob"
+    feature = "azure-blob",
+    feature = "s3"
 ))]
 mod settings;
 // Each engine's feature uses only some of the helpers.
@@ -98,7 +111,8 @@ mod setup_error;
     feature = "dynamodb",
     feature = "etcd",
     feature = "azure-blob",
-    feature = "zookeeper"
+    feature = "zookeeper",
+    feature = "s3"
 ))]
 mod ttl;
 #[cfg(feature = "zookeeper")]
@@ -113,10 +127,11 @@ pub use health::{Health, LastError, HEALTH_LOCK_NAME, HEALTH_PROBE_KEY, HEALTH_P
     feature = "dynamodb",
     feature = "azure-blob",
     feature = "zookeeper",
-    feature = "postgres"
+    feature = "postgres",
+    feature = "s3"
 ))]
 pub(crate) use holder::from_unix_millis;
-#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 pub(crate) use holder::unix_millis;
 pub use holder::{default_instance_id, Holder};
 pub use lost::LostReason;

@@ -1,7 +1,7 @@
 //! The backend conformance suite (`tower_keyed_lock::testkit`), run for every backend
 //! against real servers — Redis, a Redis Cluster, PostgreSQL (also through PgBouncer),
 //! DynamoDB (moto), etcd, MariaDB, Redlock's five Redis masters, Azure Blob Storage
-//! (Azurite), ZooKeeper — and for a backend written outside the crate, as a user would
+//! (Azurite), S3 (moto), ZooKeeper — and for a backend written outside the crate, as a user would
 //! write one.
 #![cfg(feature = "testkit")]
 #![cfg_attr(
@@ -12,7 +12,8 @@
         feature = "etcd",
         feature = "mysql",
         feature = "azure-blob",
-        feature = "zookeeper"
+        feature = "zookeeper",
+        feature = "s3"
     )),
     allow(dead_code)
 )]
@@ -169,6 +170,7 @@ conformance!(
     "postgres"
 );
 conformance!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+conformance!(s3, crate::support::fixtures::S3, "s3");
 conformance!(etcd, crate::support::fixtures::Etcd, "etcd");
 conformance!(mysql, crate::support::fixtures::MySql, "mysql");
 conformance!(redlock, crate::support::fixtures::Redlock, "redis");
@@ -205,6 +207,7 @@ mod footprint {
     footprint!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
     footprint!(redlock, crate::support::fixtures::Redlock, "redis");
     footprint!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    footprint!(s3, crate::support::fixtures::S3, "s3");
     footprint!(
         azure_blob,
         crate::support::fixtures::AzureBlob,
@@ -234,6 +237,7 @@ mod inspect {
         "postgres"
     );
     holder!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    holder!(s3, crate::support::fixtures::S3, "s3");
     holder!(zookeeper, crate::support::fixtures::ZooKeeper, "zookeeper");
     holder!(etcd, crate::support::fixtures::Etcd, "etcd");
     holder!(redlock, crate::support::fixtures::Redlock, "redis");
@@ -278,7 +282,7 @@ macro_rules! faults {
 
 // `a_dropped_path_does_not_end_a_wait` runs on the engines whose waits retry a broken
 // connection or an unanswered command within the wait (etcd, MySQL, Azure Blob,
-// ZooKeeper, Redis, DynamoDB, PostgreSQL): all of them.
+// ZooKeeper, Redis, DynamoDB, S3, PostgreSQL): all of them.
 mod faults {
     faults!(
         redis,
@@ -296,6 +300,12 @@ mod faults {
         dynamodb,
         crate::support::fixtures::DynamoDb,
         "dynamodb",
+        [a_dropped_path_does_not_end_a_wait]
+    );
+    faults!(
+        s3,
+        crate::support::fixtures::S3,
+        "s3",
         [a_dropped_path_does_not_end_a_wait]
     );
     faults!(
@@ -367,6 +377,7 @@ mod through_the_layer {
         "postgres"
     );
     through_the_layer!(dynamodb, crate::support::fixtures::DynamoDb, "dynamodb");
+    through_the_layer!(s3, crate::support::fixtures::S3, "s3");
     through_the_layer!(etcd, crate::support::fixtures::Etcd, "etcd");
     through_the_layer!(mysql, crate::support::fixtures::MySql, "mysql");
     through_the_layer!(redlock, crate::support::fixtures::Redlock, "redis");
@@ -766,11 +777,12 @@ async fn the_memory_backend_loses_a_lease_on_demand() {
         feature = "mysql",
         feature = "azure-blob",
         feature = "zookeeper",
+        feature = "s3",
         feature = "axum"
     )),
     allow(dead_code)
 )]
-const COLUMNS: [(&str, &str); 11] = [
+const COLUMNS: [(&str, &str); 12] = [
     ("Redis", "redis"),
     ("Redis Cluster", "redis_cluster"),
     ("PostgreSQL", "postgres"),
@@ -783,6 +795,7 @@ const COLUMNS: [(&str, &str); 11] = [
     ("MySQL (MariaDB)", "mysql"),
     ("Redlock (5 Redis masters)", "redlock"),
     ("Azure Blob (Azurite)", "azure_blob"),
+    ("S3 (moto)", "s3"),
     ("ZooKeeper", "zookeeper"),
     ("a backend outside the crate", "outside"),
 ];
@@ -797,6 +810,7 @@ const COLUMNS: [(&str, &str); 11] = [
     feature = "mysql",
     feature = "azure-blob",
     feature = "zookeeper",
+    feature = "s3",
     feature = "axum"
 ))]
 #[test]

@@ -326,7 +326,7 @@ mod dynamodb {
     use tower_keyed_lock::backend::Verdict;
 
     use super::{assert_finding, check};
-    use crate::support::dynamo_server::DynamoServer;
+    use crate::support::moto_server::MotoServer as DynamoServer;
 
     /// A lock table made without TTL (by hand, not by `create_table`) keeps the items
     /// of crashed holders: a warning with the command that turns it on; the table the
@@ -413,6 +413,64 @@ mod mysql {
         let report = check(MySqlBackend::connect(&server.url()).await.unwrap()).await;
         assert_finding(&report, "server", Verdict::Pass, "MariaDB");
         assert_finding(&report, "clock_offset", Verdict::Pass, "this machine's");
+        assert!(report.is_safe(), "{report}");
+    }
+}
+
+#[cfg(feature = "s3")]
+mod s3 {
+    use tower_keyed_lock::backend::s3::S3Backend;
+    use tower_keyed_lock::backend::Verdict;
+
+    use super::{assert_finding, check};
+    use crate::support::moto_server::{Misbehaviour, MotoServer};
+
+    async fn backend(server: &MotoServer) -> S3Backend {
+        let client = server.s3_client();
+        client.create_bucket().bucket("locks").send().await.unwrap();
+        S3Backend::builder(client, "locks").build().await.unwrap()
+    }
+
+    /// The store's conditional writes are probed again (a second create refused); its
+    /// clock, read from the `Date` of its answers, is within their uncertainty.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn s3_probes_conditional_writes_and_reads_its_clock() {
+        let server = MotoServer::start();
+        let report = check(backend(&server).await).await;
+        assert_finding(
+            &report,
+            "conditional_writes",
+            Verdict::Pass,
+            "were both refused",
+        );
+        assert_finding(&report, "clock_offset", Verdict::Pass, "this machine's");
+        assert!(report.is_safe(), "{report}");
+    }
+
+    /// A store whose clock is 30 s ahead (its host's time sync broken) is a warning
+    /// that says by how much; the locks, timed by each side's own clock, still work.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_clock_far_off_is_a_warning() {
+        let server = MotoServer::misbehaving(Misbehaviour::ClockAhead(30));
+        let report = check(backend(&server).await).await;
+        assert_finding(
+            &report,
+            "clock_offset",
+            Verdict::Warn,
+            "ahead of this machine's",
+        );
+        let saw = &report.finding("clock_offset").unwrap().saw;
+        let offset: f64 = saw
+            .trim_start_matches("the server's clock is ")
+            .split(' ')
+            .next()
+            .and_then(|ms| ms.parse().ok())
+            .unwrap_or_else(|| panic!("no offset in {saw:?}"));
+        assert!(
+            (29_000.0..32_000.0).contains(&offset),
+            "about 30 s: {report}"
+        );
+        assert_finding(&report, "exclusion", Verdict::Pass, "refused");
         assert!(report.is_safe(), "{report}");
     }
 }

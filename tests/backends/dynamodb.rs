@@ -18,10 +18,10 @@ use tower_keyed_lock::backend::LostReason;
 use tower_keyed_lock::backend::SetupError;
 use tower_keyed_lock::{Key, KeyedLockLayer, LockBackend, LockError, PathParam};
 
-use crate::support::dynamo_server::DynamoServer;
 use crate::support::fixtures::until;
 use crate::support::instances::{gate, gated_router, hold, path_escape, within};
 use crate::support::lateness::Lateness;
+use crate::support::moto_server::MotoServer;
 use crate::support::recorder::counter;
 use crate::support::{serve, Server};
 
@@ -34,7 +34,7 @@ const TABLE: &str = "locks";
 
 /// One instance's backend (its own client), on a table it creates if missing.
 async fn connect(
-    server: &DynamoServer,
+    server: &MotoServer,
     configure: impl FnOnce(DynamoDbBackendBuilder) -> DynamoDbBackendBuilder,
 ) -> DynamoDbBackend {
     let builder = configure(DynamoDbBackend::builder(server.client(), TABLE));
@@ -123,7 +123,7 @@ async fn free(backend: &DynamoDbBackend, name: &'static str, key: &Key) -> bool 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_key_held_on_another_instance_times_out_with_409() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let (gate, mut entered) = gate();
     let backend_a = connect(&dynamo, |b| b).await;
@@ -199,7 +199,7 @@ async fn a_key_held_on_another_instance_times_out_with_409() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_hot_keys_item_goes_after_its_last_release() {
     use tower_keyed_lock::backend::dynamodb::{record_window, DEFAULT_COMMAND_TIMEOUT};
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let (a, b) = (connect(&dynamo, |b| b).await, connect(&dynamo, |b| b).await);
     let key = Key::new("hot", 256).unwrap();
@@ -229,7 +229,7 @@ async fn a_hot_keys_item_goes_after_its_last_release() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fence_tokens_keep_growing_after_the_item_is_deleted() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let backend = connect(&dynamo, |b| b).await;
     let key = Key::new("order-1", 256).unwrap();
@@ -274,7 +274,7 @@ async fn fence_tokens_keep_growing_after_the_item_is_deleted() {
 /// first token was seen 40 µs below the last: the docs say so.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn fence_tokens_keep_growing_across_a_server_restarted_empty() {
-    let mut dynamo = DynamoServer::start();
+    let mut dynamo = MotoServer::start();
     let key = Key::new("order-1", 256).unwrap();
     let before = connect(&dynamo, |b| b).await;
     let mut last = 0;
@@ -307,7 +307,7 @@ async fn fence_tokens_keep_growing_across_a_server_restarted_empty() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn renewal_keeps_a_key_held_past_several_leases() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let lease = Duration::from_millis(300);
     let (gate, mut entered) = gate();
@@ -360,7 +360,7 @@ async fn renewal_keeps_a_key_held_past_several_leases() {
 /// after the waiter first saw its record version, timed on the waiter's clock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_record_that_stops_changing_is_taken_over_after_one_lease() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let backend = connect(&dynamo, |b| b).await;
     let key = Key::new("crashed", 256).unwrap();
@@ -432,7 +432,7 @@ async fn a_record_that_stops_changing_is_taken_over_after_one_lease() {
 /// Clears or overwrites the holder's item; the holder must see the lease lost within
 /// one renewal period.
 async fn lease_lost_when(overwrite: bool, layer_name: &'static str) {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     // Renewal every 200 ms; the local deadline alone would take 594 ms or more.
     let lease = Duration::from_millis(600);
@@ -519,7 +519,7 @@ async fn an_overwritten_owner_is_a_lost_lease_within_one_renewal_period() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn abort_on_lease_lost_answers_503() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let (gate, mut entered) = gate();
     let backend = connect(&dynamo, |b| b.lease(Duration::from_millis(600))).await;
@@ -550,7 +550,7 @@ async fn abort_on_lease_lost_answers_503() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn without_renewal_a_lease_is_lost_at_its_local_deadline() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let (gate, mut entered) = gate();
     let backend = connect(&dynamo, |b| {
         b.lease(Duration::from_millis(300)).renewal(false)
@@ -583,7 +583,7 @@ async fn without_renewal_a_lease_is_lost_at_its_local_deadline() {
 /// whole lease unchanged on its clock, which is after the holder's signal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_paused_server_loses_the_lease_before_another_instance_gets_the_key() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let lease = Duration::from_millis(600);
     let configure =
         |b: DynamoDbBackendBuilder| b.lease(lease).command_timeout(Duration::from_millis(200));
@@ -651,7 +651,7 @@ async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() 
     // unanswered attempts until its wait ends, then fails (or opens), not before.
     const WAIT: Duration = Duration::from_millis(300);
     const COMMAND_TIMEOUT: Duration = Duration::from_millis(200);
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let configure = |b: DynamoDbBackendBuilder| b.command_timeout(COMMAND_TIMEOUT);
     let (gate, _entered) = gate();
     let server = Arc::new(
@@ -717,7 +717,7 @@ async fn a_killed_and_restarted_server_fails_closed_then_recovers() {
     // Only the wait bounds the waiting (DESIGN rule 11): with the server gone, a
     // request fails when its wait ends, so the wait here is short.
     const WAIT: Duration = Duration::from_millis(300);
-    let mut dynamo = DynamoServer::start();
+    let mut dynamo = MotoServer::start();
     let configure = |b: DynamoDbBackendBuilder| b.command_timeout(Duration::from_millis(300));
     let (gate, _entered) = gate();
     let server = Arc::new(
@@ -756,7 +756,7 @@ async fn a_killed_and_restarted_server_fails_closed_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_client_that_disconnects_while_holding_leaves_no_key() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let (gate, mut entered) = gate();
     let backend = connect(&dynamo, |b| b).await;
@@ -780,7 +780,7 @@ async fn a_client_that_disconnects_while_holding_leaves_no_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn clients_that_disconnect_while_waiting_leave_no_key() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let (gate, mut entered) = gate();
     let backend_a = connect(&dynamo, |b| b).await;
@@ -826,7 +826,7 @@ async fn clients_that_disconnect_while_waiting_leave_no_key() {
 /// key far longer than the check allows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_acquire_dropped_at_any_point_leaves_nothing_held() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let (a, b) = (connect(&dynamo, |b| b).await, connect(&dynamo, |b| b).await);
     let key = Key::new("order-3", 256).unwrap();
@@ -872,7 +872,7 @@ async fn an_acquire_dropped_at_any_point_leaves_nothing_held() {
 /// give-back must clear it rather than leave it for a takeover (30 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_acquire_dropped_mid_call_gives_back_what_it_may_hold() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let (a, b) = (connect(&dynamo, |b| b).await, connect(&dynamo, |b| b).await);
     let key = Key::new("order-3", 256).unwrap();
@@ -900,7 +900,7 @@ async fn an_acquire_dropped_mid_call_gives_back_what_it_may_hold() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn odd_keys_get_their_own_items() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let (gate, mut entered) = gate();
     let long = "k".repeat(100);
@@ -967,7 +967,7 @@ async fn odd_keys_get_their_own_items() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_single_table_design_with_a_sort_key_and_its_own_names() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let client = dynamo.client();
     let configure = |b: DynamoDbBackendBuilder| {
         b.partition_key("PK")
@@ -1047,7 +1047,7 @@ async fn an_unreachable_endpoint_fails_setup_promptly() {
         .local_addr()
         .unwrap()
         .port();
-    let client = crate::support::dynamo_server::client_for(&format!("http://127.0.0.1:{port}"));
+    let client = crate::support::moto_server::client_for(&format!("http://127.0.0.1:{port}"));
     let started = Instant::now();
     let result = DynamoDbBackend::builder(client, TABLE)
         .command_timeout(Duration::from_millis(300))
@@ -1193,11 +1193,11 @@ impl ThrottlingFront {
 /// write is known not to be applied, so nothing is given back for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn throttled_writes_are_retried_then_fail_as_backend_errors() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let front = ThrottlingFront::start(dynamo.url()).await;
     connect(&dynamo, |b| b).await; // creates the table
     let backend =
-        DynamoDbBackend::builder(crate::support::dynamo_server::client_for(&front.url), TABLE)
+        DynamoDbBackend::builder(crate::support::moto_server::client_for(&front.url), TABLE)
             .command_timeout(Duration::from_secs(2))
             .build()
             .await

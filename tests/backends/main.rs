@@ -5,7 +5,7 @@
 //! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_handoff`, `redis_sentinel`), PostgreSQL
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
 //! (`etcd`), MySQL (`mysql`), Redlock (`redlock`), Azure Blob Storage on Azurite
-//! (`azure_blob`), ZooKeeper (`zookeeper`); and
+//! (`azure_blob`), S3 on moto (`s3`), ZooKeeper (`zookeeper`); and
 //! the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
 //! `tests/redis_restart_guard.rs`, a process of its own.
 
@@ -34,5 +34,6 @@ mod redis_faults;
 mod redis_handoff;
 mod redis_sentinel;
 mod redlock;
+mod s3;
 mod tcp_proxy;
 mod zookeeper;

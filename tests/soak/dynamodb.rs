@@ -11,7 +11,7 @@ use std::time::Duration;
 use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
 use tower_keyed_lock::{KeyedLockLayer, PathParam};
 
-use crate::support::dynamo_server::DynamoServer;
+use crate::support::moto_server::MotoServer;
 use crate::support::soak::Soak;
 
 fn requests() -> u64 {
@@ -23,7 +23,7 @@ fn requests() -> u64 {
 
 /// One instance of the service: its own client and backend, its own layer.
 async fn instance(
-    dynamo: &DynamoServer,
+    dynamo: &MotoServer,
     lease: Duration,
     command_timeout: Duration,
 ) -> KeyedLockLayer<PathParam> {
@@ -42,7 +42,7 @@ async fn instance(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_sharing_dynamodb_never_overlap() {
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     // Generous: moto on a loaded machine now and then takes over a second per call.
     let timeout = Duration::from_secs(2);
     let layers = [
@@ -82,7 +82,7 @@ async fn two_instances_sharing_dynamodb_never_overlap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamodb_frozen_during_a_soak() {
     let lease = Duration::from_millis(500);
-    let dynamo = DynamoServer::start();
+    let dynamo = MotoServer::start();
     let timeout = Duration::from_millis(400);
     let layers = [
         instance(&dynamo, lease, timeout).await,

@@ -863,14 +863,14 @@ pub use self::dynamodb::DynamoDb;
 mod dynamodb {
     use super::ttl_lease::LEASE;
     use super::*;
-    use crate::support::dynamo_server::{client_for, DynamoServer};
+    use crate::support::moto_server::{client_for, MotoServer};
     use tower_keyed_lock::backend::dynamodb::DynamoDbBackend;
 
     const TABLE: &str = "locks";
 
     /// moto, a DynamoDB-compatible server: waiting by polling, taking over a record
     /// that stopped changing.
-    pub struct DynamoDb(pub DynamoServer);
+    pub struct DynamoDb(pub MotoServer);
 
     impl Fixture for DynamoDb {
         /// moto serves one request at a time: checks side by side would queue there,
@@ -878,7 +878,7 @@ mod dynamodb {
         const SHAREABLE: bool = false;
 
         fn start() -> Self {
-            DynamoDb(DynamoServer::start())
+            DynamoDb(MotoServer::start())
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
@@ -965,6 +965,141 @@ mod dynamodb {
         /// The backends of [`Remote::backend`] wait a generous command timeout.
         fn record_window(&self) -> Duration {
             tower_keyed_lock::backend::dynamodb::record_window(GENEROUS_TIMEOUT)
+        }
+    }
+}
+
+#[cfg(feature = "s3")]
+#[allow(unused_imports)] // the conformance and s3 binaries use it
+pub use self::s3::{BUCKET as S3_BUCKET, S3};
+
+#[cfg(feature = "s3")]
+mod s3 {
+    use super::ttl_lease::LEASE;
+    use super::*;
+    use crate::support::moto_server::{s3_client_for, MotoServer};
+    use tower_keyed_lock::backend::s3::S3Backend;
+
+    /// Every instance's bucket.
+    pub const BUCKET: &str = "locks";
+
+    /// moto's S3: one object per key taken by conditional writes, polling waiters,
+    /// taking over an object that stopped changing.
+    pub struct S3(pub MotoServer);
+
+    impl Fixture for S3 {
+        /// moto serves one request at a time: checks side by side would queue there,
+        /// past the bounds they measure.
+        const SHAREABLE: bool = false;
+
+        fn start() -> Self {
+            S3(MotoServer::start())
+        }
+
+        async fn instance(&self, name: &str) -> DistributedLocks {
+            locks_on(self.backend(name).await)
+        }
+
+        /// A give-back is a call to moto, which answers one request at a time (slow on
+        /// a loaded machine); a key left to be taken over instead would take the whole
+        /// lease.
+        fn freed_within(&self) -> Duration {
+            LEASE * 9 / 10
+        }
+    }
+
+    const COMMAND_TIMEOUT: Duration = FAULT_TIMEOUT;
+
+    impl S3 {
+        /// A backend on moto at `url`, configured as every instance of the fixture; the
+        /// bucket is made first if missing.
+        pub async fn backend_on(url: &str, command_timeout: Duration) -> S3Backend {
+            let client = s3_client_for(url);
+            // moto answers its first requests slowly (it loads its backends).
+            let made = within(
+                "creating the bucket",
+                PATIENCE,
+                client.create_bucket().bucket(BUCKET).send(),
+            )
+            .await;
+            if let Err(error) = made {
+                let code = aws_sdk_s3::error::ProvideErrorMetadata::code(&error);
+                assert!(
+                    matches!(
+                        code,
+                        Some("BucketAlreadyOwnedByYou" | "BucketAlreadyExists")
+                    ),
+                    "creating the bucket: {error:?}"
+                );
+            }
+            S3Backend::builder(client, BUCKET)
+                .lease(LEASE)
+                .command_timeout(command_timeout)
+                .poll_interval(Duration::from_millis(50))
+                .build()
+                .await
+                .expect("the backend connects to moto's S3")
+        }
+
+        /// The objects under `prefix` in the bucket (`ListObjectsV2`, in pages).
+        pub async fn objects(&self, prefix: &str) -> usize {
+            let client = self.0.s3_client();
+            let mut count = 0;
+            let mut token = None;
+            loop {
+                let page = client
+                    .list_objects_v2()
+                    .bucket(BUCKET)
+                    .prefix(prefix)
+                    .set_continuation_token(token)
+                    .send()
+                    .await
+                    .expect("listing the lock bucket");
+                count += page.contents().len();
+                token = page.next_continuation_token().map(str::to_owned);
+                if token.is_none() {
+                    return count;
+                }
+            }
+        }
+    }
+
+    impl Proxied for S3 {
+        fn upstream(&self) -> std::net::SocketAddr {
+            std::net::SocketAddr::from(([127, 0, 0, 1], self.0.port()))
+        }
+
+        async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
+            Arc::new(Self::backend_on(&format!("http://{host_port}"), COMMAND_TIMEOUT).await)
+        }
+
+        fn command_timeout(&self) -> Duration {
+            COMMAND_TIMEOUT
+        }
+    }
+
+    impl Remote for S3 {
+        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+            Arc::new(Self::backend_on(&self.0.url(), GENEROUS_TIMEOUT).await)
+        }
+
+        fn kill(&mut self) {
+            self.0.stop();
+        }
+
+        fn loss_bound(&self) -> Duration {
+            LEASE
+        }
+
+        /// The bucket's objects of the lock name.
+        async fn records(&self, name: &str) -> usize {
+            let prefix = format!("{}{name}/", tower_keyed_lock::backend::s3::DEFAULT_PREFIX);
+            self.objects(&prefix).await
+        }
+
+        /// The backends of [`Remote::backend`] wait a generous command timeout.
+        fn record_window(&self) -> Duration {
+            tower_keyed_lock::backend::s3::record_window(GENEROUS_TIMEOUT)
         }
     }
 }
@@ -1532,6 +1667,7 @@ macro_rules! for_each_fixture {
         for_each_fixture!(@remote redis_cluster, RedisCluster, ["redis"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
         for_each_fixture!(@remote postgres, Postgres, ["postgres"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
         for_each_fixture!(@remote dynamodb, DynamoDb, ["dynamodb"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
+        for_each_fixture!(@remote s3, S3, ["s3"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
         for_each_fixture!(@remote mysql, MySql, ["mysql"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
         for_each_fixture!(@remote zookeeper, ZooKeeper, ["zookeeper"]; [$($all,)* $($remote),*]; [$($($alone),*)?]);
     };

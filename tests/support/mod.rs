@@ -2,7 +2,7 @@
 //! (`mod support;` in `tests/<area>/main.rs` or a single-file test):
 //!
 //! - servers each test starts on free ports: `redis_server` (single, Sentinel),
-//!   `redis_cluster`, `pg_server`, `pgbouncer`, `dynamo_server` (moto);
+//!   `redis_cluster`, `pg_server`, `pgbouncer`, `moto_server` (moto: DynamoDB, S3);
 //!   `redis_monitor`: the commands a Redis server runs, to count round trips;
 //! - `fixtures`: those servers behind one trait (`Fixture`, `Remote`, `Proxied`) and
 //!   `for_each_fixture!`, so a distributed test body is written once;
@@ -31,10 +31,10 @@ use tokio::net::{TcpListener, TcpStream};
 
 #[cfg(feature = "azure-blob")]
 pub mod azurite_server;
-#[cfg(feature = "dynamodb")]
-pub mod dynamo_server;
 #[cfg(feature = "etcd")]
 pub mod etcd_server;
+#[cfg(any(feature = "dynamodb", feature = "s3"))]
+pub mod moto_server;
 #[cfg(feature = "mysql")]
 pub mod mysql_server;
 #[macro_use]

@@ -137,10 +137,10 @@ impl Finding {
 }
 
 /// The `clock_offset` finding of an engine whose answers carry a `Date` (Azure Blob,
-/// DynamoDB): the middle of the interval that the answers so far pin the server's
+/// DynamoDB, S3): the middle of the interval that the answers so far pin the server's
 /// clock to, give or take half its width (whole-second dates: about half a second
 /// after one answer, a round trip after many).
-#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 pub(crate) fn clock_offset_seen(clock: &crate::backend::server_clock::ServerClock) -> Finding {
     let now = tokio::time::Instant::now();
     let read_at = SystemTime::now();

@@ -411,7 +411,11 @@ impl Contend for Inner {
             }
             Ok(Written::Held(holder)) => {
                 in_flight.answered();
-                let free_by = self.watched.saw(&id, holder, Instant::now());
+                let version = holder.map(|holder| ttl::Version {
+                    version: holder.rvn,
+                    lease: holder.lease,
+                });
+                let free_by = self.watched.saw(&id, version, Instant::now());
                 Attempt::Held { free_by }
             }
             // Throttled, a failure on DynamoDB's side, or no answer (the endpoint

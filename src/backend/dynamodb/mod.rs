@@ -174,7 +174,6 @@ mod item;
 mod lease;
 mod retry;
 mod table;
-mod watched;
 
 use std::fmt;
 use std::sync::Arc;
@@ -286,7 +285,7 @@ struct Inner {
     endpoint: Arc<table::Endpoint>,
     layout: Layout,
     config: Config,
-    watched: watched::Watched,
+    watched: ttl::Watched,
 }
 
 impl DynamoDbBackend {
@@ -378,7 +377,7 @@ impl DynamoDbBackendBuilder {
     /// until it is active. For tests and local use; production tables belong in your
     /// infrastructure code.
     pub async fn create_table(&self) -> Result<(), SetupError> {
-        let (client, endpoint) = table::Endpoint::record(&self.client);
+        let (client, endpoint) = table::record(&self.client);
         let limit = self.config.settings.command_timeout;
         table::create(&client, &endpoint, &self.layout, limit).await
     }
@@ -410,7 +409,7 @@ impl DynamoDbBackendBuilder {
                 .timeout_config(timeouts)
                 .build(),
         );
-        let (client, endpoint) = table::Endpoint::record(&client);
+        let (client, endpoint) = table::record(&client);
         table::check(&client, &endpoint, &layout, limit).await?;
         Ok(DynamoDbBackend {
             inner: Arc::new(Inner {

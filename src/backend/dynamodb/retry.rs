@@ -18,24 +18,10 @@ const TRANSIENT_CODES: &[&str] = &[
     "TransactionConflictException",
 ];
 
-/// Whether `error` is transient: worth another attempt inside the request's wait.
-/// Besides the service's "not now" answers, a call that never got an answer is: the
-/// endpoint unreachable or the connection broken (a dispatch failure), the SDK's own
-/// timeout, an answer cut short. Only the wait bounds the waiting (DESIGN rule 11): a
-/// wait whose every attempt failed ends at its deadline with the last failure, as
-/// [`LockError::Backend`](crate::LockError::Backend). A request the SDK could not
-/// build is not transient.
+/// Whether `error` is transient: worth another attempt inside the request's wait
+/// (see [`aws::is_transient`](crate::backend::aws::is_transient)).
 pub(super) fn is_transient<E: ProvideErrorMetadata>(error: &SdkError<E>) -> bool {
-    match error {
-        SdkError::ServiceError(service) => {
-            let code = service.err().code().unwrap_or_default();
-            TRANSIENT_CODES.contains(&code) || service.raw().status().is_server_error()
-        }
-        SdkError::DispatchFailure(_) | SdkError::TimeoutError(_) | SdkError::ResponseError(_) => {
-            true
-        }
-        _ => false,
-    }
+    crate::backend::aws::is_transient(error, TRANSIENT_CODES)
 }
 
 /// A DynamoDB call that took longer than the command timeout.

@@ -5,24 +5,17 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_dynamodb::config::interceptors::{
-    BeforeDeserializationInterceptorContextRef, BeforeTransmitInterceptorContextRef,
-};
-use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
-use aws_sdk_dynamodb::primitives::{DateTime, DateTimeFormat};
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType, TableStatus,
     TimeToLiveSpecification,
 };
 use aws_sdk_dynamodb::Client;
-use aws_smithy_types::config_bag::{Storable, StoreReplace};
 use tokio::time::{sleep, timeout, Instant};
 
 use super::item::Layout;
-use crate::backend::server_clock::ServerClock;
+pub(super) use crate::backend::aws::Endpoint;
 use crate::backend::SetupError;
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
 use crate::backend::located::with_cause;
 
 /// How long [`create_table`](super::DynamoDbBackendBuilder::create_table) waits for a
@@ -32,111 +25,15 @@ const ACTIVE_WITHIN: Duration = Duration::from_secs(60);
 /// How errors name the engine.
 pub(super) const ENGINE: &str = "DynamoDB";
 
-/// Where the client sends its requests, for errors: the scheme and host of the last
-/// request it was about to send (the resolved endpoint: AWS's regional one, a local
-/// DynamoDB, a proxy), read by an interceptor since the SDK's config does not tell it;
-/// before any request, `region <name>`.
-///
-/// The same interceptor reads DynamoDB's clock from the `Date` of every answer.
-#[derive(Debug)]
-pub(super) struct Endpoint {
-    seen: std::sync::Mutex<Option<String>>,
-    region: Option<String>,
-    pub(super) clock: ServerClock,
-}
-
-impl Endpoint {
-    /// `client` with this recorder added to its interceptors, and the recorder.
-    pub(super) fn record(client: &Client) -> (Client, Arc<Endpoint>) {
-        let endpoint = Arc::new(Endpoint {
-            seen: std::sync::Mutex::new(None),
-            region: client.config().region().map(|region| region.to_string()),
-            clock: ServerClock::default(),
-        });
-        let config = client
-            .config()
-            .to_builder()
-            .interceptor(Recorder(endpoint.clone()))
-            .build();
-        (Client::from_conf(config), endpoint)
-    }
-
-    /// `scheme://host[:port]` of the last request, or the region before any.
-    pub(super) fn describe(&self) -> String {
-        let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        match (seen, &self.region) {
-            (Some(endpoint), _) => endpoint,
-            (None, Some(region)) => format!("region {region}"),
-            (None, None) => "(no endpoint or region)".to_owned(),
-        }
-    }
-}
-
-/// The interceptor that fills an [`Endpoint`].
-#[derive(Debug)]
-struct Recorder(Arc<Endpoint>);
-
-/// When a request's attempt went out, kept in its config bag until the answer.
-#[derive(Clone, Copy, Debug)]
-struct SentAt(tokio::time::Instant);
-
-impl Storable for SentAt {
-    type Storer = StoreReplace<Self>;
-}
-
-impl Intercept for Recorder {
-    fn name(&self) -> &'static str {
-        "tower_keyed_lock::EndpointRecorder"
-    }
-
-    fn read_before_transmit(
-        &self,
-        context: &BeforeTransmitInterceptorContextRef<'_>,
-        _components: &RuntimeComponents,
-        cfg: &mut ConfigBag,
-    ) -> Result<(), BoxError> {
-        cfg.interceptor_state()
-            .store_put(SentAt(tokio::time::Instant::now()));
-        let uri = context.request().uri();
-        // The scheme and authority only: never a path or a query.
-        let end = uri
-            .find("://")
-            .map(|scheme| scheme + 3)
-            .and_then(|start| uri[start..].find(['/', '?']).map(|end| start + end))
-            .unwrap_or(uri.len());
-        let authority = &uri[..end];
-        // Credentials in the authority (`user:pass@host`) are left out.
-        let authority = match (authority.find("://"), authority.rfind('@')) {
-            (Some(scheme), Some(at)) => {
-                format!("{}{}", &authority[..scheme + 3], &authority[at + 1..])
-            }
-            _ => authority.to_owned(),
-        };
-        let mut seen = self.0.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if seen.as_deref() != Some(&*authority) {
-            *seen = Some(authority);
-        }
-        Ok(())
-    }
-
-    fn read_before_deserialization(
-        &self,
-        context: &BeforeDeserializationInterceptorContextRef<'_>,
-        _components: &RuntimeComponents,
-        cfg: &mut ConfigBag,
-    ) -> Result<(), BoxError> {
-        let received = tokio::time::Instant::now();
-        let date = context
-            .response()
-            .headers()
-            .get("date")
-            .and_then(|date| DateTime::from_str(date, DateTimeFormat::HttpDate).ok())
-            .and_then(|date| u64::try_from(date.secs()).ok());
-        if let (Some(secs), Some(SentAt(sent))) = (date, cfg.load::<SentAt>()) {
-            self.0.clock.observe(secs, *sent, received);
-        }
-        Ok(())
-    }
+/// `client` with an [`Endpoint`] recorder added to its interceptors, and the recorder.
+pub(super) fn record(client: &Client) -> (Client, Arc<Endpoint>) {
+    let endpoint = Endpoint::new(client.config().region().map(|region| region.to_string()));
+    let config = client
+        .config()
+        .to_builder()
+        .interceptor(endpoint.interceptor())
+        .build();
+    (Client::from_conf(config), endpoint)
 }
 
 /// Runs one call within `limit`, mapping its error into a [`SetupError`] that names

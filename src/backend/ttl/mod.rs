@@ -19,17 +19,20 @@
 //!   record would expire anyway, and the in-flight guard that gives back what an
 //!   attempt whose answer never came may have been granted;
 //! - `acquire`: the acquire loop of the engines that take a record by a conditional
-//!   write and wait by looking again (DynamoDB, Azure Blob);
+//!   write and wait by looking again (DynamoDB, Azure Blob, S3);
+//! - `watched`: the record versions a backend saw on other holders' records, for the
+//!   engines that take a record over once it stopped changing for a lease (DynamoDB,
+//!   S3);
 //! - `backoff`: jittered pauses; `token`: fresh random tokens.
 
 // etcd uses the engine without the helpers of record-based engines (random tokens, the
 // Redis prefix rule, re-arming an attempt's guard).
 #![cfg_attr(
-    not(any(feature = "redis", feature = "dynamodb")),
+    not(any(feature = "redis", feature = "dynamodb", feature = "s3")),
     allow(dead_code, unused_imports)
 )]
 
-#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 mod acquire;
 mod backoff;
 mod give_back;
@@ -37,13 +40,15 @@ mod lease;
 mod renewal;
 mod schedule;
 mod token;
+#[cfg(any(feature = "dynamodb", feature = "s3"))]
+mod watched;
 
 use std::future::Future;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-#[cfg(any(feature = "dynamodb", feature = "azure-blob"))]
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 pub(crate) use self::acquire::{acquire, Attempt, Contend};
 #[cfg(any(feature = "redis", feature = "etcd", feature = "zookeeper"))]
 pub(crate) use self::backoff::jitter;
@@ -56,6 +61,8 @@ pub(crate) use self::lease::grant;
 #[cfg_attr(not(feature = "redis"), allow(unused_imports))]
 pub(crate) use self::schedule::{GoneForAll, Schedule};
 pub(crate) use self::token::{fresh_token, sha256_hex};
+#[cfg(any(feature = "dynamodb", feature = "s3"))]
+pub(crate) use self::watched::{Version, Watched};
 
 /// The timing every lease of one backend follows.
 #[derive(Debug, Clone, Copy)]

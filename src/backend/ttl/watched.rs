@@ -1,6 +1,8 @@
-//! What this backend has seen of other holders' records, per key, and since when: the
+//! What a backend has seen of other holders' records, per key, and since when: the
 //! clock of a takeover runs across acquisitions, so short waits that follow one another
-//! still reach the end of a crashed holder's lease.
+//! still reach the end of a crashed holder's lease. For the engines whose records have
+//! no expiry of their own (DynamoDB, S3): a record version unchanged for a lease, as
+//! the waiter's own clock measures it, is a holder that stopped renewing.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -8,7 +10,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::item::Holder;
+/// Another holder's record as an attempt found it: its version (rewritten at every
+/// grant and renewal) and the lease its holder wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Version {
+    pub(crate) version: String,
+    pub(crate) lease: Duration,
+}
 
 /// The most keys remembered at once. A key beyond it is watched by each acquisition
 /// alone again (a crashed holder is then taken over only by a wait of a whole lease);
@@ -18,7 +26,7 @@ const MAX_WATCHED: usize = 16_384;
 /// A record version seen on another owner's item, and since when (on our monotonic
 /// clock). If it is still the same a whole lease later, its holder stopped renewing.
 struct Seen {
-    rvn: String,
+    version: String,
     since: Instant,
     lease: Duration,
 }
@@ -29,21 +37,21 @@ impl Seen {
     }
 }
 
-/// The record versions seen per lock item (by partition key value), shared by every
-/// acquisition of one backend.
+/// The record versions seen per lock record (by its name at the engine), shared by
+/// every acquisition of one backend.
 #[derive(Default)]
-pub(super) struct Watched(Mutex<HashMap<String, Seen>>);
+pub(crate) struct Watched(Mutex<HashMap<String, Seen>>);
 
 impl Watched {
     /// The version to take over at `now`: the one seen unchanged for a whole lease.
-    pub(super) fn stale_version(&self, item: &str, now: Instant) -> Option<String> {
+    pub(crate) fn stale_version(&self, item: &str, now: Instant) -> Option<String> {
         let seen = self
             .0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         seen.get(item)
             .filter(|seen| now >= seen.stale_at())
-            .map(|seen| seen.rvn.clone())
+            .map(|seen| seen.version.clone())
     }
 
     /// Notes what an attempt found on `item` (`None`: free again), answered at `now`;
@@ -52,7 +60,7 @@ impl Watched {
     /// A version's clock starts when this backend first sees it: its holder wrote it
     /// earlier, so the holder's own deadline (send time + lease − drift) passes before
     /// ours does.
-    pub(super) fn saw(&self, item: &str, holder: Option<Holder>, now: Instant) -> Option<Instant> {
+    pub(crate) fn saw(&self, item: &str, holder: Option<Version>, now: Instant) -> Option<Instant> {
         let mut seen = self
             .0
             .lock()
@@ -61,11 +69,14 @@ impl Watched {
             seen.remove(item);
             return None;
         };
-        if let Some(known) = seen.get(item).filter(|known| known.rvn == holder.rvn) {
+        if let Some(known) = seen
+            .get(item)
+            .filter(|known| known.version == holder.version)
+        {
             return Some(known.stale_at());
         }
         let fresh = Seen {
-            rvn: holder.rvn,
+            version: holder.version,
             since: now,
             lease: holder.lease,
         };
@@ -83,7 +94,7 @@ impl Watched {
     }
 
     /// Forgets `item`: this backend was just granted it.
-    pub(super) fn forget(&self, item: &str) {
+    pub(crate) fn forget(&self, item: &str) {
         let mut seen = self
             .0
             .lock()
@@ -101,9 +112,9 @@ impl Watched {
 mod tests {
     use super::*;
 
-    fn holder(rvn: &str) -> Option<Holder> {
-        Some(Holder {
-            rvn: rvn.to_owned(),
+    fn holder(version: &str) -> Option<Version> {
+        Some(Version {
+            version: version.to_owned(),
             lease: Duration::from_secs(1),
         })
     }
