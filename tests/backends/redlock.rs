@@ -763,14 +763,27 @@ async fn distinct_keys_leave_nothing_and_holder_records_expire_with_the_lock() {
     let holder = backend
         .lock_key(servers::NAME, "held")
         .replace(":lock", ":holder");
-    for master in &masters.0 {
-        let pttl: i64 = cli(master.port(), &["PTTL", &holder])
-            .trim()
-            .parse()
-            .unwrap();
-        let most = i64::try_from((2 * LEASE).as_millis()).unwrap();
-        assert!(0 < pttl && pttl <= most, "holder record PTTL {pttl} ms");
-    }
+    // A grant is a majority's: a master that answered late (or not at all, under load)
+    // may hold no record (PTTL -2). A record without a TTL (-1), or one longer than the
+    // bound, fails on any master.
+    let most = i64::try_from((2 * LEASE).as_millis()).unwrap();
+    let pttls: Vec<i64> = (masters.0.iter())
+        .map(|master| {
+            cli(master.port(), &["PTTL", &holder])
+                .trim()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    let holding = pttls
+        .iter()
+        .filter(|&&pttl| 0 < pttl && pttl <= most)
+        .count();
+    let absent = pttls.iter().filter(|&&pttl| pttl == -2).count();
+    assert!(
+        holding > masters.0.len() / 2 && holding + absent == masters.0.len(),
+        "holder record PTTLs {pttls:?} ms: a majority within {most} ms, the rest absent"
+    );
     guard.release().await;
     for n in 0..KEYS {
         let guard = locks.lock(&format!("order-{n}")).await.unwrap();
