@@ -250,6 +250,21 @@ mod tests {
         assert_eq!(timing.lease, Duration::from_secs(30));
     }
 
+    /// Every lease engine's builder sets these through `lease_settings!`: one test.
+    #[test]
+    fn the_drift_is_one_percent_of_the_lease_and_two_ms_unless_set() {
+        let settings = Settings {
+            lease: Duration::from_secs(10),
+            ..Settings::new(&TEST)
+        };
+        assert_eq!(settings.drift(), Duration::from_millis(102));
+        let set = Settings {
+            drift: Some(Duration::from_millis(7)),
+            ..settings
+        };
+        assert_eq!(set.drift(), Duration::from_millis(7));
+    }
+
     #[test]
     fn each_setting_out_of_range_is_refused_by_name() {
         let base = || Settings::new(&TEST);

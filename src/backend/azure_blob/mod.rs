@@ -519,13 +519,6 @@ impl LockBackend for AzureBlobBackend {
 mod tests {
     use super::*;
 
-    #[test]
-    fn drift_defaults_to_one_percent_plus_two_ms() {
-        let builder =
-            AzureBlobBackend::builder("http://127.0.0.1:1/a/c").lease(Duration::from_secs(20));
-        assert_eq!(builder.config.drift(), Duration::from_millis(202));
-    }
-
     #[tokio::test]
     async fn settings_outside_azures_range_are_refused_by_name() {
         let base = AzureBlobBackend::builder("http://127.0.0.1:1/a/c");

@@ -486,14 +486,6 @@ mod tests {
     }
 
     #[test]
-    fn drift_defaults_to_one_percent_plus_two_ms() {
-        let builder = builder().lease(Duration::from_secs(10));
-        assert_eq!(builder.config.settings.drift(), Duration::from_millis(102));
-        let builder = builder.drift_margin(Duration::from_millis(7));
-        assert_eq!(builder.config.settings.drift(), Duration::from_millis(7));
-    }
-
-    #[test]
     fn a_sort_key_joins_the_item_key() {
         let builder = builder().partition_key("PK").sort_key("SK", "lock");
         let key = builder.layout.item_key("p:", "orders", "1");

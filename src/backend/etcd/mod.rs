@@ -472,15 +472,6 @@ impl LockBackend for EtcdBackend {
 mod tests {
     use super::*;
 
-    #[test]
-    fn drift_defaults_to_one_percent_plus_two_ms() {
-        let builder =
-            EtcdBackend::builder(["http://127.0.0.1:2379"]).lease(Duration::from_secs(10));
-        assert_eq!(builder.config.drift(), Duration::from_millis(102));
-        let builder = builder.drift_margin(Duration::from_millis(7));
-        assert_eq!(builder.config.drift(), Duration::from_millis(7));
-    }
-
     #[tokio::test]
     async fn a_drift_of_half_the_lease_is_refused_by_name() {
         let refused = EtcdBackend::builder(["http://127.0.0.1:1"])

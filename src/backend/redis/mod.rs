@@ -1059,13 +1059,4 @@ mod tests {
         assert_eq!(prefix("").unwrap(), "");
         assert!(matches!(prefix("a{b}"), Err(SetupError::Invalid(_))));
     }
-
-    #[test]
-    fn drift_defaults_to_one_percent_plus_two_ms() {
-        let builder = RedisBackend::builder(Client::open("redis://127.0.0.1/").unwrap())
-            .lease(Duration::from_secs(10));
-        assert_eq!(builder.config.settings.drift(), Duration::from_millis(102));
-        let builder = builder.drift_margin(Duration::from_millis(7));
-        assert_eq!(builder.config.settings.drift(), Duration::from_millis(7));
-    }
 }

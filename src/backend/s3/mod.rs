@@ -448,12 +448,6 @@ mod tests {
         S3Backend::builder(Client::from_conf(config), "locks")
     }
 
-    #[test]
-    fn drift_defaults_to_one_percent_plus_two_ms() {
-        let builder = builder().lease(Duration::from_secs(10));
-        assert_eq!(builder.config.drift(), Duration::from_millis(102));
-    }
-
     #[tokio::test]
     async fn bad_settings_are_refused_by_name_before_any_call() {
         let refused = [

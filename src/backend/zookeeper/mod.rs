@@ -479,14 +479,6 @@ impl LockBackend for ZooKeeperBackend {
 mod tests {
     use super::*;
 
-    #[test]
-    fn drift_defaults_to_one_percent_plus_two_ms() {
-        let builder = ZooKeeperBackend::builder("127.0.0.1:2181").lease(Duration::from_secs(10));
-        assert_eq!(builder.config.settings.drift(), Duration::from_millis(102));
-        let builder = builder.drift_margin(Duration::from_millis(7));
-        assert_eq!(builder.config.settings.drift(), Duration::from_millis(7));
-    }
-
     #[tokio::test]
     async fn a_drift_of_half_the_timeout_and_a_bad_prefix_are_refused_by_name() {
         let refused = ZooKeeperBackend::builder("127.0.0.1:1")
