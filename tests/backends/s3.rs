@@ -115,47 +115,23 @@ async fn a_second_create_of_one_object_gets_412() {
     assert_eq!(status, Some(412), "a write on a stale ETag: {stale:?}");
 }
 
-/// Three instances add one to a counter 20 times each with a read, a pause and a
-/// write: under the lock no increment is lost, and the tokens the holders saw strictly
-/// increase in the order they held.
+/// The object is the record: while a key is held its object carries the holder's
+/// token, and each grant, by another instance too, writes a higher one. (Exclusion
+/// and token order across instances are the conformance suite's.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn instances_exclude_each_other_around_a_shared_counter() {
+async fn the_object_carries_each_holders_token() {
     let (fixture, backend) = start().await;
-    let counter = Arc::new(AtomicU64::new(0));
-    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut instances = Vec::new();
-    for name in ["a", "b", "c"] {
+    let mut last = 0;
+    for name in ["a", "b", "a"] {
         let locks = fixture.instance(name).await;
-        let (counter, tokens) = (counter.clone(), tokens.clone());
-        instances.push(tokio::spawn(async move {
-            for _ in 0..20 {
-                let guard = locks.lock_timeout("counter", PATIENCE).await.unwrap();
-                let read = counter.load(SeqCst);
-                sleep(Duration::from_millis(1)).await;
-                counter.store(read + 1, SeqCst);
-                tokens.lock().unwrap().push(guard.fencing_token().unwrap());
-                guard.release().await;
-            }
-        }));
+        let guard = locks.lock_timeout("counter", PATIENCE).await.unwrap();
+        let token = guard.fencing_token().expect("S3 issues fencing tokens");
+        assert!(token > last, "token {token} after {last}");
+        let stored = object_fence(&fixture, &backend, "counter").await;
+        assert_eq!(stored, Some(token), "the held object's token");
+        last = token;
+        guard.release().await;
     }
-    for instance in instances {
-        within("an instance's increments", 6 * PATIENCE, instance)
-            .await
-            .unwrap();
-    }
-    assert_eq!(counter.load(SeqCst), 60, "an increment was lost");
-    let tokens = tokens.lock().unwrap().clone();
-    assert!(
-        tokens.windows(2).all(|pair| pair[0] < pair[1]),
-        "tokens out of holding order: {tokens:?}"
-    );
-    // The object, if not deleted yet, holds the last token issued.
-    let fence = object_fence(&fixture, &backend, "counter").await;
-    assert!(
-        fence.is_none() || fence == tokens.last().copied(),
-        "the object's token {fence:?}, the last issued {:?}",
-        tokens.last()
-    );
 }
 
 /// The holder's process dies without releasing (its runtime dropped, no renewal): its
