@@ -51,12 +51,15 @@ async fn main() -> ExitCode {
 
 type BoxError = Box<dyn std::error::Error>;
 
-/// The backend for `url`'s scheme, built with its defaults (its own setup checks
-/// included: a refusal is the first finding).
+/// The backend for `url`'s scheme, built with its defaults: its own setup checks run
+/// first, and a refusal (an evicting Redis, a transaction pooler) is the error.
 async fn backend(url: &str) -> Result<Arc<dyn LockBackend>, BoxError> {
-    let (scheme, rest) = url.split_once("://").unwrap_or((url, ""));
-    // Only some engines take the part after the scheme apart.
-    let _ = rest;
+    // etcd and ZooKeeper take the part after the scheme as their servers.
+    #[cfg_attr(
+        not(any(feature = "etcd", feature = "zookeeper")),
+        allow(unused_variables)
+    )]
+    let (scheme, servers) = url.split_once("://").unwrap_or((url, ""));
     match scheme {
         #[cfg(feature = "redis")]
         "redis" | "rediss" => Ok(Arc::new(tower_keyed_lock::RedisBackend::connect(url).await?)),
@@ -70,12 +73,12 @@ async fn backend(url: &str) -> Result<Arc<dyn LockBackend>, BoxError> {
         )),
         #[cfg(feature = "etcd")]
         "etcd" => Ok(Arc::new(
-            tower_keyed_lock::backend::etcd::EtcdBackend::connect(rest.split(',').map(|e| format!("http://{e}")))
+            tower_keyed_lock::backend::etcd::EtcdBackend::connect(servers.split(',').map(|e| format!("http://{e}")))
                 .await?,
         )),
         #[cfg(feature = "zookeeper")]
         "zookeeper" => Ok(Arc::new(
-            tower_keyed_lock::backend::zookeeper::ZooKeeperBackend::connect(rest).await?,
+            tower_keyed_lock::backend::zookeeper::ZooKeeperBackend::connect(servers).await?,
         )),
         other => Err(format!(
             "no engine for `{other}://` in this build: build with its feature (--features redis, postgres, mysql, etcd or zookeeper)"
