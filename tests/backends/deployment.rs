@@ -243,19 +243,8 @@ mod etcd {
     use tower_keyed_lock::backend::Verdict;
 
     use super::{assert_finding, check};
+    use crate::etcd::stale_leader_fixed;
     use crate::support::etcd_server::EtcdCluster;
-
-    /// Whether etcd `version` lets a stale leader revoke live leases: the oracle,
-    /// written from etcd's changelogs (fixed in 3.4.31, 3.5.13, 3.6.0).
-    fn unfixed(version: &str) -> bool {
-        let numbers: Vec<u32> = version.split('.').filter_map(|n| n.parse().ok()).collect();
-        match numbers[..] {
-            [3, 4, patch, ..] => patch < 31,
-            [3, 5, patch, ..] => patch < 13,
-            [major, minor, ..] => (major, minor) < (3, 4),
-            _ => panic!("unreadable etcd version {version:?}"),
-        }
-    }
 
     /// The member's version is named, and one without the stale-leader fix (Debian 12
     /// ships 3.4.23) is a warning that names the releases with it.
@@ -268,10 +257,9 @@ mod etcd {
             .unwrap();
         let version = client.status().await.unwrap().version().to_owned();
         let report = check(backend).await;
-        let expected = if unfixed(&version) {
-            Verdict::Warn
-        } else {
-            Verdict::Pass
+        let expected = match stale_leader_fixed(&version) {
+            true => Verdict::Pass,
+            false => Verdict::Warn,
         };
         assert_finding(&report, "server_version", expected, &version);
         if expected == Verdict::Warn {
