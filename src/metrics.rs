@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | [`WAIT_SECONDS`] | histogram: arrival → guard, rejection or client gone | `outcome` = `acquired` \| `timeout` \| `queue_full` \| `cancelled` |
 //! | [`HOLD_SECONDS`] | histogram: time the guard was held | |
-//! | [`ACQUIRED_TOTAL`] | counter | `contended` = `true` \| `false` |
+//! | [`ACQUIRED_TOTAL`] | counter: `contended` when the acquisition needed more than one attempt (it queued in this process, or the engine found the key held elsewhere or tried again) | `contended` = `true` \| `false` |
 //! | [`REJECTED_TOTAL`] | counter | `reason` = `timeout` \| `queue_full` \| `too_many_keys` \| `missing_key` \| `invalid_key` \| `backend` \| `lease_lost` \| `fingerprint_mismatch` \| `body_too_large` \| `body_unread` \| `misconfigured` \| `shutting_down` |
 //! | [`WAITING`] | gauge: requests waiting now | |
 //! | [`KEYS`] | gauge: keys with a holder or waiter now (layers sharing a `name` add up) | |
@@ -180,7 +180,8 @@ const OPENTELEMETRY: Names = Names {
 pub const WAIT_SECONDS: &str = "keyed_lock_wait_seconds";
 /// Histogram of the time a guard was held.
 pub const HOLD_SECONDS: &str = "keyed_lock_hold_seconds";
-/// Counter of acquired guards.
+/// Counter of acquired guards, `contended` when an acquisition needed more than one
+/// attempt (see [`DistributedGuard::contended`](crate::DistributedGuard::contended)).
 pub const ACQUIRED_TOTAL: &str = "keyed_lock_acquired_total";
 /// Counter of rejected requests.
 pub const REJECTED_TOTAL: &str = "keyed_lock_rejected_total";

@@ -385,6 +385,8 @@ pub(crate) const PERMITS: &str = "several permits per key across instances (this
 /// the lock (in a task of its own, since release is a round trip).
 pub struct Lease {
     fencing_token: Option<u64>,
+    /// The acquisition's first attempt did not get the key (see [`Lease::contended`]).
+    contended: bool,
     signal: LeaseSignal,
     /// Shared with the locks' shutdown, which may give the lease back at its deadline
     /// while the holder still runs (see [`CutOff`]), and with a replay store that gives
@@ -467,9 +469,26 @@ impl Lease {
     ) -> Self {
         Self {
             fencing_token,
+            contended: false,
             signal,
             release: Arc::new(std::sync::Mutex::new(Some(Box::new(release)))),
         }
+    }
+
+    /// This lease, saying whether its acquisition needed more than one attempt (see
+    /// [`contended`](Self::contended)). A backend sets it on every lease it grants after
+    /// finding the key held, queueing behind another holder, or trying again.
+    pub fn with_contention(mut self, contended: bool) -> Self {
+        self.contended = contended;
+        self
+    }
+
+    /// Whether the acquisition needed more than one attempt: its first attempt found
+    /// the key held elsewhere (or queued behind another holder at the engine), or failed
+    /// and was tried again. Counted as `contended="true"` in
+    /// [`ACQUIRED_TOTAL`](crate::metrics::ACQUIRED_TOTAL).
+    pub fn contended(&self) -> bool {
+        self.contended
     }
 
     /// The slot of this lease's release, for a replay store that gives the lease back
@@ -542,6 +561,7 @@ impl fmt::Debug for Lease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lease")
             .field("fencing_token", &self.fencing_token)
+            .field("contended", &self.contended)
             .field("lost", &self.signal.is_lost())
             .finish()
     }

@@ -77,6 +77,21 @@ impl Acquired {
             )),
         }
     }
+
+    /// The same, its lease marked contended if `contended` (an acquisition that was
+    /// tried again), as contended as before otherwise.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn contended_if(self, contended: bool) -> Self {
+        let mark = |lease: Lease| match contended {
+            true => lease.with_contention(true),
+            false => lease,
+        };
+        match self {
+            Acquired::NotRecorded(lease) => Acquired::NotRecorded(mark(lease)),
+            Acquired::Granted(lease) => Acquired::Granted(mark(lease)),
+            recorded @ Acquired::Recorded(_) => recorded,
+        }
+    }
 }
 
 /// What a request's acquisition found of its replay record, handed to the replay layer

@@ -36,8 +36,8 @@ pub struct DistributedAcquire {
     timeout: Option<Duration>,
     /// Counted in the `waiting` gauge of metered locks, until it resolves or is dropped.
     counted: bool,
-    /// It had to wait (returned `Pending` at least once): a contended acquisition.
-    waited: bool,
+    /// It queued behind another holder in this process.
+    queued_locally: bool,
     /// `keyed_lock.wait` of metered locks (a layer has its own), entered while polled;
     /// its `outcome` is recorded when the acquisition ends.
     span: tracing::Span,
@@ -135,7 +135,7 @@ impl DistributedAcquire {
             started: Instant::now(),
             timeout,
             counted,
-            waited: false,
+            queued_locally: false,
             span,
             lookup: None,
         }
@@ -157,9 +157,9 @@ impl DistributedAcquire {
         };
         self.span.record("outcome", outcome);
         match result {
-            Ok(_) => {
+            Ok(guard) => {
                 metrics.wait_acquired.record(waited);
-                match self.waited {
+                match guard.contended() {
                     true => metrics.acquired_contended.increment(1),
                     false => metrics.acquired_uncontended.increment(1),
                 }
@@ -233,6 +233,7 @@ impl DistributedAcquire {
         failed: Option<LockError>,
     ) -> DistributedGuard {
         DistributedGuard::new(self.locks.clone(), local, lease, failed)
+            .queued_locally(self.queued_locally)
     }
 
     /// The guard of a remote acquisition's answer: the key held (and whether the
@@ -261,17 +262,9 @@ impl Future for DistributedAcquire {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         // A clone to enter, as `poll_state` borrows all of `this` (free when disabled).
-        let polled = this.span.clone().in_scope(|| this.poll_state(cx));
-        match polled {
-            Poll::Pending => {
-                this.waited = true;
-                Poll::Pending
-            }
-            Poll::Ready(result) => {
-                this.record(&result);
-                Poll::Ready(result)
-            }
-        }
+        let result = ready!(this.span.clone().in_scope(|| this.poll_state(cx)));
+        this.record(&result);
+        Poll::Ready(result)
     }
 }
 
@@ -317,7 +310,10 @@ impl DistributedAcquire {
                             this.state = State::Done;
                             return Poll::Ready(Err(LockError::ShuttingDown));
                         }
-                        Poll::Pending => return Poll::Pending,
+                        Poll::Pending => {
+                            this.queued_locally = true;
+                            return Poll::Pending;
+                        }
                     };
                     this.state = State::Done;
                     let local = match result {

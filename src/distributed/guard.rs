@@ -36,6 +36,8 @@ pub struct DistributedGuard {
     /// What the remote acquisition found of a replay record it looked for; `None` if
     /// it did not look. Boxed, as the lease is.
     looked: Option<Box<Looked>>,
+    /// The acquisition needed more than one attempt (see [`Self::contended`]).
+    contended: bool,
 }
 
 /// What the remote acquisition found of the replay record it looked for.
@@ -77,7 +79,9 @@ impl DistributedGuard {
         let shutdown_id = lease
             .as_ref()
             .map(|lease| locks.shutdown.register(lease.cut_off()));
+        let contended = lease.as_ref().is_some_and(Lease::contended);
         Self {
+            contended,
             shutdown_id,
             locks,
             local: Some(local),
@@ -87,6 +91,13 @@ impl DistributedGuard {
             hold_until: None,
             looked: None,
         }
+    }
+
+    /// The guard of an acquisition that queued behind another holder in this process
+    /// if `queued`.
+    pub(super) fn queued_locally(mut self, queued: bool) -> Self {
+        self.contended |= queued;
+        self
     }
 
     /// The guard, with what its acquisition found of a replay record.
@@ -185,6 +196,14 @@ impl DistributedGuard {
     /// [`DistributedLocks::lock_shared`](super::DistributedLocks::lock_shared)).
     pub fn fencing_token(&self) -> Option<u64> {
         self.lease.as_deref().and_then(Lease::fencing_token)
+    }
+
+    /// Whether the acquisition needed more than one attempt: it queued behind another
+    /// holder in this process, or the backend found the key held elsewhere (or tried
+    /// again after a failure) before granting it. What
+    /// [`ACQUIRED_TOTAL`](crate::metrics::ACQUIRED_TOTAL) counts as `contended="true"`.
+    pub fn contended(&self) -> bool {
+        self.contended
     }
 
     /// The lost-lease signal of the remote lease; `None` in process.

@@ -178,7 +178,7 @@ where
         request.extensions_mut().insert(found);
     }
     let shared = ticket.shared.clone();
-    let waited = ticket.acquired();
+    let waited = ticket.acquired(guard.contended());
     if let Some(error) = guard.failed_open() {
         // Fail open: run under the local lock only, and say so.
         shared.metrics().rejected(RejectionKind::Backend);
@@ -361,12 +361,12 @@ impl WaitTicket {
         }
     }
 
-    /// Records an acquisition; returns the time waited.
-    fn acquired(&mut self) -> std::time::Duration {
+    /// Records an acquisition, `contended` as its guard says; returns the time waited.
+    fn acquired(&mut self, contended: bool) -> std::time::Duration {
         self.ended = true;
         let waited = self.arrived.elapsed();
         let metrics = self.shared.metrics();
-        match self.contended {
+        match self.contended || contended {
             true => metrics.acquired_contended.increment(1),
             false => metrics.acquired_uncontended.increment(1),
         }

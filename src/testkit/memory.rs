@@ -139,6 +139,8 @@ impl MemoryBackend {
     ) -> Result<Lease, LockError> {
         let deadline = Instant::now() + wait;
         let mut waiting: Option<WaitingWriter> = None;
+        // Whether a look found the key held: the grant after it was contended.
+        let mut contended = false;
         loop {
             let changed = self.engine.changed.notified();
             tokio::pin!(changed);
@@ -152,8 +154,9 @@ impl MemoryBackend {
                     let lease = self.grant(&mut state, &id, mode, now);
                     drop(state);
                     drop(waiting);
-                    return Ok(lease);
+                    return Ok(lease.with_contention(contended));
                 }
+                contended = true;
                 let entry = state.keys.entry(id.clone()).or_default();
                 if mode == LockMode::Exclusive && waiting.is_none() && now < deadline {
                     entry.waiting_writers += 1;

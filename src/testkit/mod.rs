@@ -77,6 +77,7 @@
 //! | [`health_answers`] | the health check of a reachable engine is healthy with a round trip, from several instances at once, and leaves nothing held |
 //! | [`the_holder_is_read_without_taking_the_key`] | [`DistributedLocks::holder`] is `None` for a free key, names the holder's instance id and fencing token while held, `None` after the release, and never takes or keeps the key |
 //! | [`the_deployment_live_run_passes`] | [`DistributedLocks::check_deployment`] runs live on a working engine and passes: a held key refused to a second acquisition, hand-offs, nothing left held, tokens going up where issued |
+//! | [`contention_is_reported`] | a guard granted only after another instance released the key says it was [`contended`](crate::DistributedGuard::contended); guards of free keys say they were not |
 //! | [`released_keys_leave_no_records`] | the server's state follows the keys in use: after [`FOOTPRINT_KEYS`] distinct keys are locked and released and the record window has passed, the namespace holds at most [`MOST_RECORDS_AT_REST`] records |
 //!
 //! Backends that hold a key shared and count permits ([`LockBackend::supports`]) also
@@ -106,6 +107,7 @@
 //! | [`the_health_check_fails_on_a_silent_path_and_recovers`] | the health check on a silent path is unhealthy within about one command timeout, and healthy after the heal |
 //! | [`a_dropped_path_does_not_end_a_wait`] | a reset, then a silent path, during their waits ends no waiter's wait: all granted in arrival order, one at a time, after the release |
 
+mod contention;
 mod deployment;
 mod faults;
 mod footprint;
@@ -128,6 +130,7 @@ use std::time::Duration;
 
 use tokio::task::JoinHandle;
 
+pub use self::contention::contention_is_reported;
 pub use self::deployment::the_deployment_live_run_passes;
 pub use self::faults::{
     a_cut_off_holder_is_told_before_another_instance_is_granted,
@@ -190,7 +193,7 @@ pub trait Deployment: Send + Sync {
 }
 
 /// The names of the checks [`run_all`] runs, in its order.
-pub const CHECKS: [&str; 13] = [
+pub const CHECKS: [&str; 14] = [
     "one_holder_at_a_time",
     "busy_and_timeout",
     "release_hands_over",
@@ -204,6 +207,7 @@ pub const CHECKS: [&str; 13] = [
     "the_holder_is_read_without_taking_the_key",
     "released_keys_leave_no_records",
     "the_deployment_live_run_passes",
+    "contention_is_reported",
 ];
 
 /// Runs every check of [`CHECKS`], each on keys of its own.
@@ -221,6 +225,7 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     the_holder_is_read_without_taking_the_key(deployment).await;
     released_keys_leave_no_records(deployment).await;
     the_deployment_live_run_passes(deployment).await;
+    contention_is_reported(deployment).await;
 }
 
 /// The names of the checks [`run_modes`] runs, in its order: for backends that hold

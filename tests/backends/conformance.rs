@@ -101,6 +101,7 @@ macro_rules! conformance {
                 several_keys_all_or_nothing,
                 health_answers,
                 the_deployment_live_run_passes,
+                contention_is_reported,
             );
         }
     };
@@ -602,6 +603,7 @@ impl LockBackend for TableBackend {
         let key = format!("{name}:{}", key.as_str());
         Box::pin(async move {
             let deadline = Instant::now() + wait;
+            let mut first = true;
             loop {
                 let sent = Instant::now();
                 if let Some((owner, fence)) = service.try_grant(&key, sent) {
@@ -613,8 +615,10 @@ impl LockBackend for TableBackend {
                         owner,
                         renewal,
                     };
-                    return Ok(Lease::new(Some(fence), signal, release));
+                    let lease = Lease::new(Some(fence), signal, release);
+                    return Ok(lease.with_contention(!first));
                 }
+                first = false;
                 if Instant::now() >= deadline {
                     return Err(LockError::Timeout);
                 }

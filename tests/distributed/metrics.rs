@@ -2,6 +2,7 @@
 //! acquisitions by contention, rejections by reason, hold times, waiting and keys
 //! gauges, and leases lost while held.
 
+use std::future::Future;
 use std::time::Duration;
 
 use metrics_util::debugging::DebugValue;
@@ -138,4 +139,72 @@ async fn a_lease_lost_while_held_is_counted() {
         );
     }
     assert_eq!(samples("keyed_lock_hold_seconds", NAME, None), 1);
+}
+
+/// A backend that answers after a round trip's pause, and says its grant was
+/// contended when `contended`.
+struct AnswersLater {
+    contended: bool,
+}
+
+impl LockBackend for AnswersLater {
+    fn acquire(&self, _: &str, _: &Key, _: Duration) -> Acquisition {
+        let contended = self.contended;
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let (_sender, signal) = LeaseSignal::new();
+            Ok(Lease::new(Some(1), signal, Nothing).with_contention(contended))
+        })
+    }
+}
+
+/// Contention is what the backend says of its attempts, or a wait in this process: a
+/// remote acquisition is not contended for having waited on the network.
+#[tokio::test]
+async fn contention_is_the_backends_word_or_a_local_wait() {
+    recorder::install();
+    let acquired = |name, contended| {
+        recorder::counter(
+            "keyed_lock_acquired_total",
+            name,
+            &[("contended", contended)],
+        )
+    };
+
+    const FREE: &str = "metrics-remote-free";
+    let locks = DistributedLocks::new(FREE, AnswersLater { contended: false });
+    let guard = locks.lock("a").await.unwrap();
+    assert!(
+        !guard.contended(),
+        "a first-try grant said it was contended"
+    );
+    drop(guard);
+    assert_eq!((acquired(FREE, "false"), acquired(FREE, "true")), (1, 0));
+
+    const HELD: &str = "metrics-remote-held";
+    let locks = DistributedLocks::new(HELD, AnswersLater { contended: true });
+    let guard = locks.lock("a").await.unwrap();
+    assert!(
+        guard.contended(),
+        "the backend's contended grant was not passed on"
+    );
+    drop(guard);
+    assert_eq!((acquired(HELD, "false"), acquired(HELD, "true")), (0, 1));
+
+    // Queued behind a holder of this process, then granted at once remotely.
+    const LOCAL: &str = "metrics-local-queue";
+    let locks = DistributedLocks::new(LOCAL, AnswersLater { contended: false });
+    let held = locks.lock("a").await.unwrap();
+    let mut waiter = locks.lock("a");
+    std::future::poll_fn(|cx| {
+        let polled = std::pin::Pin::new(&mut waiter).poll(cx);
+        assert!(polled.is_pending(), "a held key was granted again");
+        std::task::Poll::Ready(())
+    })
+    .await;
+    drop(held);
+    let granted = waiter.await.unwrap();
+    assert!(granted.contended(), "a local wait was not contention");
+    drop(granted);
+    assert_eq!((acquired(LOCAL, "false"), acquired(LOCAL, "true")), (1, 1));
 }

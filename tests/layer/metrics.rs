@@ -382,3 +382,34 @@ mod with_a_backend {
         );
     }
 }
+
+/// Two instances' layers on one engine: a request that waited for the other
+/// instance's holder counts as contended, though nothing waited in its own process.
+#[cfg(feature = "testkit")]
+#[tokio::test]
+async fn a_wait_at_the_backend_counts_as_contended() {
+    use tower_keyed_lock::testkit::MemoryBackend;
+
+    recorder::install();
+    let engine = MemoryBackend::new();
+    let layer = || {
+        KeyedLockLayer::by_path("order_id")
+            .name("across-instances")
+            .backend(engine.clone())
+    };
+    let (first, started, finish) = gated_app(layer());
+    let (second, _, _) = gated_app(layer());
+    let holder = tokio::spawn(first.oneshot(post_to("/orders/1/gate")));
+    started.notified().await;
+    let mut waiter = Box::pin(second.oneshot(post_to("/orders/1")));
+    let queued = tokio::time::timeout(Duration::from_millis(50), &mut waiter).await;
+    assert!(queued.is_err(), "the other instance's request did not wait");
+    finish.notify_one();
+    holder.await.unwrap().unwrap();
+    assert_eq!(waiter.await.unwrap().status(), StatusCode::OK);
+
+    let series = series_of("across-instances", &[]);
+    let acquired = "keyed_lock_acquired_total";
+    assert_eq!(counter(&series, acquired, &[("contended", "false")]), 1);
+    assert_eq!(counter(&series, acquired, &[("contended", "true")]), 1);
+}

@@ -132,10 +132,13 @@ impl Inner {
         // shorter wait (a zero wait still tries once); a later round's end with it.
         let mut budget = deadline.max(Instant::now() + self.config.command_timeout);
         let mut backoff = Backoff::new(REQUEUE_PAUSE, self.config.poll_interval);
+        // A later round follows a lost place: its grant was contended.
+        let mut requeued = false;
         loop {
-            match self.contend(&keys, deadline, budget).await? {
+            match self.contend(&keys, deadline, budget, requeued).await? {
                 Round::Granted(lease) => return Ok(lease),
                 Round::Requeue(why) => {
+                    requeued = true;
                     let pause = backoff.pause();
                     if Instant::now() + pause >= deadline {
                         return Err(why);
@@ -150,12 +153,13 @@ impl Inner {
 
     /// One round: a lease, a place in the queue, and the wait for every older
     /// contender to leave. Requests of the lease and the queue end by `budget`; the
-    /// wait ends at `deadline`.
+    /// wait ends at `deadline`. `requeued`: a round before lost its place.
     async fn contend(
         self: &Arc<Self>,
         keys: &LockKeys,
         deadline: Instant,
         budget: Instant,
+        requeued: bool,
     ) -> Result<Round, LockError> {
         let command_timeout = self.config.command_timeout;
 
@@ -222,6 +226,8 @@ impl Inner {
             .ok_or_else(|| backend(EtcdLockError::Unexpected("the key just put is not there")))?;
         let mut first =
             first_key(&answer, 1).map(|(key, _)| key).as_deref() == Some(contender.key.as_bytes());
+        // Queued behind an older contender, or again: the grant was contended.
+        let contended = requeued || !first;
 
         // 3. Wait for every older contender to leave: watch the newest older one's
         // key, look again when it is deleted (or the backstop poll fires), keep this
@@ -265,13 +271,8 @@ impl Inner {
                     in_flight.granted();
                     self.watch_own_key(&contender, place);
                     let fence = u64::try_from(place).ok();
-                    return Ok(Round::Granted(ttl::grant(
-                        self,
-                        contender,
-                        String::new(),
-                        fence,
-                        confirmed,
-                    )));
+                    let lease = ttl::grant(self, contender, String::new(), fence, confirmed);
+                    return Ok(Round::Granted(lease.with_contention(contended)));
                 }
                 // The place is ours, but the lease is not known to live long enough:
                 // renew it now, then look again.

@@ -34,14 +34,18 @@ impl Inner {
         let mut session = self.session(deadline).await?;
         // A session that already holds this lock would be granted it again (GET_LOCK is
         // re-entrant): only a session shared with another client can be found so.
+        // `IS_FREE_LOCK`, evaluated before the `GET_LOCK` to its right, says whether the
+        // grant waited for another holder.
         let sql = |remaining: Duration| {
             format!(
-                "SELECT CONNECTION_ID(), \
+                "SELECT CONNECTION_ID(), IS_FREE_LOCK({literal}), \
                  IF(IS_USED_LOCK({literal}) <=> CONNECTION_ID(), -1, GET_LOCK({literal}, {secs}))",
                 secs = server.wait_argument(remaining),
             )
         };
         let mut first = true;
+        // Whether a statement found the lock held (or ran more than once): contended.
+        let mut contended = false;
         let (sent, id) = loop {
             let mut sent = Instant::now();
             let remaining = deadline.saturating_duration_since(sent);
@@ -73,7 +77,8 @@ impl Inner {
             if !session.same_session(id as u64) {
                 return Err(MyError::shared_session().into());
             }
-            match number(row, 1) {
+            contended |= number(row, 1) != Some(1);
+            match number(row, 2) {
                 Some(1) => break (sent, id),
                 Some(0) => {
                     // Not granted: nothing is held, the session is clean.
@@ -83,6 +88,7 @@ impl Inner {
                         session.give_back();
                         return Err(LockError::Timeout);
                     }
+                    contended = true;
                     // The server waited less than asked: a MySQL server waits whole
                     // seconds, so the last fraction of the wait is polled.
                     if sent.elapsed() < POLL {
@@ -98,7 +104,9 @@ impl Inner {
         let granted = self
             .after_grant(&mut session, &literal, id as u64, sent, prompt)
             .await?;
-        Ok(self.hold(session, name, id as u64, granted))
+        Ok(self
+            .hold(session, name, id as u64, granted)
+            .with_contention(contended))
     }
 
     /// What follows a grant on `session` (`CONNECTION_ID()` `id`), whose statement was

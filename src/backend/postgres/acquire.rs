@@ -119,6 +119,8 @@ impl Inner {
     ) -> Result<Acquired, LockError> {
         let mut backoff = Backoff::new(RETRY_PAUSE, MAX_RETRY_PAUSE);
         let mut answered = false;
+        // Whether an attempt failed before: a grant now was contended.
+        let mut retried = false;
         loop {
             let error = match self
                 .clone()
@@ -128,8 +130,9 @@ impl Inner {
                 // Before the server ever answered (it is down, or out of reach), the
                 // outage is told at once (503) rather than waited out.
                 Err(error) if answered && is_transient(&error) => error,
-                done => return done,
+                done => return done.map(|acquired| acquired.contended_if(retried)),
             };
+            retried = true;
             // The last pause ends with the wait: nothing answered since the failure.
             let pause = backoff
                 .pause()
@@ -210,7 +213,9 @@ impl Inner {
             false => self.confirm(&session, id, grant.pid, &marker).await?,
         };
         let waited = granted.waited;
-        let lease = self.hold(session, (id, shared, key), grant.pid, granted.token, since);
+        let lease = self
+            .hold(session, (id, shared, key), grant.pid, granted.token, since)
+            .with_contention(waited);
         Ok(match (stored, record.is_some() && !waited) {
             // Written and released just before the try: the lease is dropped, which
             // gives the lock back off the request's path.

@@ -15,6 +15,9 @@ use super::Inner;
 use crate::backend::Lease;
 use crate::error::LockError;
 
+/// A transaction-local setting: whether the lock was free when the wait began.
+const FREE_AT_TRY: &str = "tower_keyed_lock.free_at_try";
+
 impl Inner {
     /// Takes the transaction lock `id`, waiting at most `wait`, until `deadline` (fencing
     /// prepared).
@@ -39,11 +42,16 @@ impl Inner {
                            pg_try_advisory_xact_lock({id}) AS locked) AS try"
                 )
             } else {
-                // PostgreSQL's own queue, bounded by the wait.
+                // PostgreSQL's own queue, bounded by the wait. A try first, its answer kept
+                // for the last row, says whether the lock was held (then the wait was
+                // contended); a transaction lock taken twice is still one, ended with
+                // the transaction.
                 format!(
-                    "{begin}; SET LOCAL lock_timeout = '{millis}ms'; \
+                    "{begin}; SELECT set_config('{FREE_AT_TRY}', \
+                                       pg_try_advisory_xact_lock({id})::text, true); \
+                     SET LOCAL lock_timeout = '{millis}ms'; \
                      SELECT pg_advisory_xact_lock({id}); SET LOCAL lock_timeout TO DEFAULT; \
-                     SELECT pg_backend_pid(), true, {token}"
+                     SELECT pg_backend_pid(), true, {token}, current_setting('{FREE_AT_TRY}')"
                 )
             }
         };
@@ -53,11 +61,13 @@ impl Inner {
         let prompt = sent.elapsed() <= self.command_timeout;
         // On every early return below, `session` is dropped: closed, not pooled, so
         // its transaction and lock end.
-        let grant = match answer {
+        let (grant, waited) = match answer {
             Ok(answer) => {
                 let row = last_row(&answer)
                     .ok_or_else(|| PgError::message("no answer to the lock").into_lock_error())?;
-                Grant::parse(row).map_err(PgError::into_lock_error)?
+                // Only the wait's answer has the fourth column.
+                let waited = row.try_get(3).ok().flatten() == Some("false");
+                (Grant::parse(row).map_err(PgError::into_lock_error)?, waited)
             }
             Err(PgError {
                 code: Some(code), ..
@@ -75,7 +85,8 @@ impl Inner {
             true => sent,
             false => self.confirm_in_transaction(&session, id, grant.pid).await?,
         };
-        Ok(self.hold(session, (id, false, None), grant.pid, grant.token, since))
+        let lease = self.hold(session, (id, false, None), grant.pid, grant.token, since);
+        Ok(lease.with_contention(waited))
     }
 
     /// Confirms within the command timeout that the transaction holding `id` is still

@@ -131,6 +131,8 @@ impl Inner {
         // One token for every attempt of this acquisition (a reconnection aside).
         let mut in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
         let mut first = true;
+        // How many attempts were sent: a grant after more than one was contended.
+        let mut attempts = 0u32;
         // Whether an attempt of the current token was sent: it may be in the intent set.
         let mut token_sent = false;
         // The last attempt's failure, if no attempt was answered since.
@@ -180,6 +182,7 @@ impl Inner {
                 false => (sent_at + self.config.settings.command_timeout).min(deadline),
             };
             first = false;
+            attempts += 1;
             in_flight.sent(sent_at);
             // Only a whole command timeout says the connection may be silent.
             let counts = limit == sent_at + self.config.settings.command_timeout;
@@ -195,7 +198,8 @@ impl Inner {
                     let token = in_flight.granted();
                     // Each attempt looked for the record (when there is one to look for).
                     let looked = keys.record.is_some();
-                    let lease = ttl::grant(&self, keys, token, fence, sent_at);
+                    let lease = ttl::grant(&self, keys, token, fence, sent_at)
+                        .with_contention(attempts > 1);
                     return Ok(match looked {
                         true => Acquired::NotRecorded(lease),
                         false => Acquired::Granted(lease),
@@ -270,7 +274,7 @@ impl Inner {
                 if let Some(fence) = interest.take_grant(in_flight.token()) {
                     let token = in_flight.granted();
                     let lease = ttl::grant(&self, keys, token, Some(fence), sent_at);
-                    return Ok(Acquired::Granted(lease));
+                    return Ok(Acquired::Granted(lease.with_contention(true)));
                 }
                 if interest.releases() != releases_seen {
                     break;

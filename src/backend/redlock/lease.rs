@@ -88,6 +88,8 @@ impl Inner {
         let timing = self.timing();
         let mut backoff = Backoff::new(FIRST_RETRY, self.config.settings.poll_interval);
         let mut first = true;
+        // Whether an attempt was refused (or failed) before: a later grant was contended.
+        let mut contended = false;
         loop {
             // A fresh token per attempt: a give-back marks its token on the masters
             // that did not hold it, and a later attempt must not be refused by that.
@@ -96,6 +98,7 @@ impl Inner {
             let mut limit = sent_at + self.config.settings.command_timeout;
             if !std::mem::take(&mut first) {
                 limit = limit.min(split_deadline);
+                contended = true;
             }
             in_flight.sent(sent_at);
             let (votes, failed) = self.attempt(&keys, in_flight.token(), limit).await;
@@ -103,7 +106,8 @@ impl Inner {
             // the drift margin. A majority reached after it is worth nothing.
             if votes.won() && Instant::now() < timing.valid_until(sent_at, timing.first_ttl()) {
                 let token = in_flight.granted();
-                return Ok(ttl::grant(&self, keys, token, None, sent_at));
+                let lease = ttl::grant(&self, keys, token, None, sent_at);
+                return Ok(lease.with_contention(contended));
             }
             self.give_back_partial(&keys, in_flight, &votes, split_deadline)
                 .await;

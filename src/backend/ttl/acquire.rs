@@ -85,14 +85,14 @@ pub(crate) async fn acquire<B: Contend>(
     let mut first = true;
     loop {
         let sent_at = Instant::now();
-        let limit = match std::mem::take(&mut first) {
+        let limit = match first {
             true => sent_at + command_timeout,
             false => (sent_at + command_timeout).min(deadline),
         };
         let mut free_by = None;
         let attempt = timeout_at(limit, backend.attempt(key, limit)).await;
         match attempt.unwrap_or(Attempt::OutOfTime) {
-            Attempt::Granted(lease) => return Ok(lease),
+            Attempt::Granted(lease) => return Ok(lease.with_contention(!first)),
             Attempt::Held { free_by: by } => {
                 failing = None;
                 free_by = by;
@@ -107,6 +107,7 @@ pub(crate) async fn acquire<B: Contend>(
             // as a broken connection is.
             Attempt::OutOfTime => failing = Some(backend.no_answer()),
         }
+        first = false;
         let now = Instant::now();
         if now >= deadline {
             return Err(out_of_time(failing));

@@ -143,6 +143,9 @@ struct Attempt {
     looked: bool,
     backoff: Backoff,
     failing: Option<ZooKeeperLockError>,
+    /// Whether the acquisition queued behind another contender or tried a step again:
+    /// its grant was contended.
+    contended: bool,
 }
 
 impl Attempt {
@@ -153,6 +156,7 @@ impl Attempt {
             looked: false,
             backoff: Self::backoff(command_timeout),
             failing: None,
+            contended: false,
         }
     }
 
@@ -201,6 +205,7 @@ impl Attempt {
         }
         tracing::debug!(%error, ?pause, "ZooKeeper step failed; tried again within the wait");
         self.failing = Some(error);
+        self.contended = true;
         sleep(pause).await;
         Ok(())
     }
@@ -333,7 +338,7 @@ impl Inner {
                     return Err(Failure::SessionLost);
                 };
                 in_flight.granted();
-                Ok(lease)
+                Ok(lease.with_contention(attempt.contended))
             }
             Err(failure @ (Failure::SessionLost | Failure::SessionExpired)) => {
                 // Never used again: the next try opens a new session. ZooKeeper was in
@@ -372,7 +377,10 @@ impl Inner {
             }
             let predecessor = match self.look(contender, attempt).await {
                 Ok(Turn::Ours) => return Ok(fence),
-                Ok(Turn::Behind(predecessor)) => predecessor,
+                Ok(Turn::Behind(predecessor)) => {
+                    attempt.contended = true;
+                    predecessor
+                }
                 Err(Failure::Transient(error)) => {
                     attempt.pause(error).await?;
                     continue;
