@@ -556,7 +556,7 @@ impl Contend for Inner {
                 Attempt::Granted(ttl::grant(self, held, token, Some(fence), sent_at))
             }
             Ok(Taken::Held | Taken::Changed) => Attempt::Held { free_by: None },
-            Err(AttemptError::WaitOver) => Attempt::OutOfTime,
+            Err(AttemptError::WaitOver) => Attempt::OutOfTime(None),
             // No answer, Azure busy, or the container gone (made again by the next
             // attempt): tried again within the wait.
             Err(error) if error.transient() => Attempt::Retry(error.into_boxed()),

@@ -1,30 +1,27 @@
 //! Redlock's steps of the TTL-lease engine: an attempt on every master at once that
 //! counts when a majority granted within the validity budget, renewal that must reach a
-//! majority, give-back on every master. The life cycle around them (validity deadline,
-//! renewal every lease/3, background give-back, the in-flight guard) is the engine's
-//! (`backend::ttl`).
+//! majority, give-back on every master. The life cycle around them (the acquire loop,
+//! validity deadline, renewal every lease/3, background give-back, the in-flight guard)
+//! is the engine's (`backend::ttl`).
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::{sleep, Instant};
+use tokio::time::{timeout_at, Instant};
 
-use super::master::{give_up, Reply};
+use super::master::{give_up, Reply, Vote};
 use super::quorum::{ask_all, failed_masters, majority, Replies, Votes};
 use super::Inner;
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::ttl::{
-    self, fresh_token, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Timing, TtlBackend,
 };
-use crate::backend::{Lease, RetryLater};
+use crate::backend::RetryLater;
 use crate::LockError;
 
 /// The first pause between attempts on a held key; it doubles up to the poll interval.
 const FIRST_RETRY: Duration = Duration::from_millis(5);
-
-/// The longest pause before retrying an attempt that split the votes with others.
-const SPLIT_RETRY: Duration = Duration::from_millis(10);
 
 /// How long a give-back's mark refuses a late attempt of its token on a master, and
 /// how long after an unanswered attempt its give-back keeps trying: as long as the
@@ -71,89 +68,79 @@ impl fmt::Display for NoMajority {
 
 impl std::error::Error for NoMajority {}
 
-impl Inner {
-    pub(super) async fn acquire(
-        self: Arc<Self>,
-        keys: Arc<RedisKeys>,
-        wait: Duration,
-    ) -> Result<Lease, LockError> {
-        let deadline = ttl::deadline_after(wait);
-        // Contenders that split the votes all lose, the key free. Such an attempt is
-        // retried after a short random pause even past the wait, up to one command
-        // timeout from the start, so that one of them wins even a try-once
-        // acquisition. Nothing runs past this: the first attempt gets a whole command
-        // timeout, later ones end here, so an acquisition ends within its wait plus one
-        // command timeout (as `LockBackend::acquire` asks).
-        let split_deadline = deadline.max(Instant::now() + self.config.settings.command_timeout);
+impl Contend for Inner {
+    type Key = Arc<RedisKeys>;
+
+    fn pauses(&self) -> Backoff {
+        Backoff::new(FIRST_RETRY, self.config.settings.poll_interval)
+    }
+
+    /// An attempt on every master at once, with a fresh token: a give-back marks its
+    /// token on the masters that did not hold it, and a later attempt must not be
+    /// refused by that. It counts if a majority granted it within the validity budget
+    /// (the lease minus the time the majority took, minus the drift margin): a majority
+    /// reached after it is worth nothing.
+    async fn attempt(self: &Arc<Self>, keys: &Arc<RedisKeys>, limit: Instant) -> Attempt {
+        let token = match fresh_token() {
+            Ok(token) => token,
+            Err(error) => return Attempt::Failed(Box::new(error)),
+        };
+        let mut in_flight = InFlight::new(self.clone(), keys.clone(), token);
+        let sent_at = Instant::now();
+        in_flight.sent(sent_at);
+        let (votes, failed) = self.ask(keys, in_flight.token(), limit).await;
         let timing = self.timing();
-        let mut backoff = Backoff::new(FIRST_RETRY, self.config.settings.poll_interval);
-        let mut first = true;
-        // Whether an attempt was refused (or failed) before: a later grant was contended.
-        let mut contended = false;
-        loop {
-            // A fresh token per attempt: a give-back marks its token on the masters
-            // that did not hold it, and a later attempt must not be refused by that.
-            let mut in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
-            let sent_at = Instant::now();
-            let mut limit = sent_at + self.config.settings.command_timeout;
-            if !std::mem::take(&mut first) {
-                limit = limit.min(split_deadline);
-                contended = true;
-            }
-            in_flight.sent(sent_at);
-            let (votes, failed) = self.attempt(&keys, in_flight.token(), limit).await;
-            // The validity budget: the lease minus the time the majority took, minus
-            // the drift margin. A majority reached after it is worth nothing.
-            if votes.won() && Instant::now() < timing.valid_until(sent_at, timing.first_ttl()) {
-                let token = in_flight.granted();
-                let lease = ttl::grant(&self, keys, token, None, sent_at);
-                return Ok(lease.with_contention(contended));
-            }
-            self.give_back_partial(&keys, in_flight, &votes, split_deadline)
-                .await;
-            if votes.unreachable() && limit < sent_at + self.config.settings.command_timeout {
-                // Cut short by the end of the wait, not silent for a command timeout.
-                return Err(LockError::Timeout);
-            }
-            if votes.unreachable() {
-                let answered = self.masters.len() - votes.no_answer;
-                let error = NoMajority {
-                    answered,
-                    masters: self.masters.len(),
-                    failed,
-                };
-                return Err(LockError::Backend(Box::new(error)));
-            }
-            let now = Instant::now();
-            if votes.held_back_by_restarts() {
-                let wait = Duration::from_millis(votes.restart_wait_ms.unwrap_or_default());
-                if now + wait >= deadline {
-                    return Err(LockError::Backend(Box::new(restart_guard(
-                        self.config.settings.lease,
-                        wait,
-                    ))));
-                }
-                sleep(wait).await;
-                continue;
-            }
-            let (until, mut pause) = match votes.granted {
-                0 => (deadline, backoff.pause()),
-                _ => (split_deadline, jitter(SPLIT_RETRY)),
+        if votes.won() && Instant::now() < timing.valid_until(sent_at, timing.first_ttl()) {
+            let token = in_flight.granted();
+            return Attempt::Granted(ttl::grant(self, keys.clone(), token, None, sent_at));
+        }
+        self.give_back_partial(keys, in_flight, &votes, limit).await;
+        if votes.unreachable() {
+            let error = Box::new(NoMajority {
+                answered: self.masters.len() - votes.no_answer,
+                masters: self.masters.len(),
+                failed,
+            });
+            // Refused before the limit (masters down): definite. Silent until it: as
+            // any attempt that went unanswered, a timeout if the wait cut it short.
+            return match Instant::now() < limit {
+                true => Attempt::Failed(error),
+                false => Attempt::OutOfTime(Some(error)),
             };
-            if now >= until {
-                return Err(LockError::Timeout);
-            }
-            // One ms past the shortest hold, a master is free again.
-            if let Some(ms) = votes.shortest_hold_ms {
-                pause = pause.min(Duration::from_millis(ms + 1));
-            }
-            sleep(pause.min(until - now)).await;
-            if Instant::now() >= until {
-                return Err(LockError::Timeout);
-            }
+        }
+        // One ms past the shortest hold, a master is free again.
+        let free_by = votes
+            .shortest_hold_ms
+            .map(|ms| Instant::now() + Duration::from_millis(ms + 1));
+        if votes.held_back_by_restarts() {
+            let wait = Duration::from_millis(votes.restart_wait_ms.unwrap_or_default());
+            let refusal = restart_guard(self.config.settings.lease, wait);
+            return Attempt::HeldBack {
+                until: Instant::now() + wait,
+                refusal: Box::new(refusal),
+            };
+        }
+        match votes.granted {
+            0 => Attempt::Held { free_by },
+            _ => Attempt::Raced { free_by },
         }
     }
 
+    fn named(&self, error: Box<dyn std::error::Error + Send + Sync>) -> LockError {
+        LockError::Backend(error)
+    }
+
+    fn no_answer(&self) -> Box<dyn std::error::Error + Send + Sync> {
+        let masters = self.masters.len();
+        Box::new(NoMajority {
+            answered: 0,
+            masters,
+            failed: Vec::new(),
+        })
+    }
+}
+
+impl Inner {
     /// Settles an attempt that won nothing: a split vote's partial grant is given back
     /// at once (by `until`), so that it holds no other contender off during the next
     /// pause; whatever may still be held under the token after that (a master that did
@@ -179,7 +166,7 @@ impl Inner {
 
     /// One attempt on every master at once, each answer due by `limit`; decided as
     /// soon as a majority granted, else when every master answered (or `limit`).
-    async fn attempt(
+    async fn ask(
         self: &Arc<Self>,
         keys: &Arc<RedisKeys>,
         token: &str,
@@ -209,13 +196,24 @@ impl Inner {
                 (master, vote, error)
             }
         };
-        ask_all(self.masters.len(), ask, |(master, vote, error)| {
+        let mut answered = vec![false; self.masters.len()];
+        let asked = ask_all(self.masters.len(), ask, |(master, vote, error)| {
+            answered[master] = true;
             if let Some(error) = error {
                 failed.push((self.masters[master].address.clone(), error.to_string()));
             }
             votes.count(vote)
-        })
-        .await;
+        });
+        // Each master's request ends at `limit`, in a task of its own that may run only
+        // after the acquire loop cut this attempt there: what has not come in by then
+        // counts as no answer here, so the attempt keeps its verdict and names them.
+        if timeout_at(limit, asked).await.is_err() {
+            for (master, _) in answered.iter().enumerate().filter(|(_, seen)| !**seen) {
+                votes.count(Vote::NoAnswer);
+                let address = self.masters[master].address.clone();
+                failed.push((address, "no answer within the command timeout".to_owned()));
+            }
+        }
         (votes, failed)
     }
 }

@@ -476,7 +476,8 @@ impl LockBackend for RedlockBackend {
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = RedisKeys::new(&self.inner.config.settings.prefix, name, key.as_str());
-        Box::pin(self.inner.clone().acquire(Arc::new(keys), wait))
+        let inner = self.inner.clone();
+        Box::pin(async move { ttl::acquire(&inner, &Arc::new(keys), wait).await })
     }
 
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {

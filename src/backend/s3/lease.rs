@@ -327,7 +327,7 @@ impl Contend for Inner {
                 Attempt::Granted(ttl::grant(self, held, token, Some(fence), sent_at))
             }
             Ok(Taken::Held { free_by }) => Attempt::Held { free_by },
-            Err(error) if error.cut => Attempt::OutOfTime,
+            Err(error) if error.cut => Attempt::OutOfTime(None),
             // No answer, S3 busy or failing: tried again within the wait.
             Err(error) if error.transient => Attempt::Retry(error.error),
             Err(error) => Attempt::Failed(error.error),

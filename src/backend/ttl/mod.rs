@@ -19,7 +19,7 @@
 //!   record would expire anyway, and the in-flight guard that gives back what an
 //!   attempt whose answer never came may have been granted;
 //! - `acquire`: the acquire loop of the engines that take a record by a conditional
-//!   write and wait by looking again (DynamoDB, Azure Blob, S3);
+//!   write and wait by looking again (DynamoDB, Azure Blob, S3, Redlock);
 //! - `watched`: the record versions a backend saw on other holders' records, for the
 //!   engines that take a record over once it stopped changing for a lease (DynamoDB,
 //!   S3);
@@ -32,7 +32,12 @@
     allow(dead_code, unused_imports)
 )]
 
-#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "dynamodb",
+    feature = "azure-blob",
+    feature = "s3"
+))]
 mod acquire;
 mod backoff;
 mod give_back;
@@ -48,9 +53,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
+#[cfg(any(
+    feature = "redis",
+    feature = "dynamodb",
+    feature = "azure-blob",
+    feature = "s3"
+))]
 pub(crate) use self::acquire::{acquire, Attempt, Contend};
-#[cfg(any(feature = "redis", feature = "etcd", feature = "zookeeper"))]
 pub(crate) use self::backoff::jitter;
 pub(crate) use self::backoff::Backoff;
 #[cfg(feature = "zookeeper")]
