@@ -8,7 +8,8 @@
 //!   deadline, pauses (SIGSTOP), resumes, stops, kills and starts it again; on drop it
 //!   is shut down and waited for. Every panic about it names it and ends with the tail
 //!   of its log;
-//! - [`retry`]: a bounded number of tries, for a cluster started as a whole;
+//! - [`retry`]: a bounded number of tries, for a cluster started as a whole, and
+//!   [`gave_up`]: when to stop waiting for one;
 //! - [`missing`]: the panic for a server that is not installed.
 #![allow(dead_code)]
 
@@ -70,6 +71,29 @@ pub fn retry<T>(tries: usize, mut attempt: impl FnMut() -> Result<T, String>) ->
     Err(format!(
         "did not start in {tries} tries: {}",
         failures.join("; ")
+    ))
+}
+
+/// Why waiting for a cluster to get ready should stop: one of its `members` exited on
+/// its own, or `limit` has passed since `started`; with each member's last log lines.
+pub fn gave_up(members: &[ServerProcess], started: Instant, limit: Duration) -> Option<String> {
+    let exited: Vec<String> = members.iter().filter_map(ServerProcess::exited).collect();
+    if exited.is_empty() && started.elapsed() <= limit {
+        return None;
+    }
+    let logs: String = members
+        .iter()
+        .map(|member| {
+            format!(
+                "{}: {}\n",
+                member.name(),
+                member.tail(5).replace('\n', " | ")
+            )
+        })
+        .collect();
+    Some(format!(
+        "after {:?} {exited:?}; logs:\n{logs}",
+        started.elapsed()
     ))
 }
 
