@@ -154,6 +154,16 @@ pub struct ServerProcess {
     dir: TempDir,
     log: PathBuf,
     ports: Vec<u16>,
+    /// How to run it, fixed before it starts (boxed: a launcher stays small to move).
+    settings: Box<Settings>,
+    /// `None` while stopped.
+    child: Mutex<Option<Child>>,
+    launches: usize,
+    /// Where the current launch's output starts in the log.
+    log_start: u64,
+}
+
+struct Settings {
     /// Free ports each try of `start` picks; 0 when the server announces its port.
     free_ports: usize,
     announced_port: Option<fn(&str) -> Option<u16>>,
@@ -166,11 +176,6 @@ pub struct ServerProcess {
     pid_file: Option<PathBuf>,
     /// Sent on drop before SIGKILL, for a server that leaves things behind when killed.
     shutdown_signal: Option<&'static str>,
-    /// `None` while stopped.
-    child: Mutex<Option<Child>>,
-    launches: usize,
-    /// Where the current launch's output starts in the log.
-    log_start: u64,
 }
 
 impl ServerProcess {
@@ -184,14 +189,16 @@ impl ServerProcess {
             dir,
             log,
             ports: Vec::new(),
-            free_ports: 1,
-            announced_port: None,
-            command: Arc::new(|_| panic!("a server process needs a command")),
-            ready: Arc::new(|_| true),
-            ready_within: Duration::from_secs(10),
-            poll_every: Duration::from_millis(10),
-            pid_file: None,
-            shutdown_signal: None,
+            settings: Box::new(Settings {
+                free_ports: 1,
+                announced_port: None,
+                command: Arc::new(|_| panic!("a server process needs a command")),
+                ready: Arc::new(|_| true),
+                ready_within: Duration::from_secs(10),
+                poll_every: Duration::from_millis(10),
+                pid_file: None,
+                shutdown_signal: None,
+            }),
             child: Mutex::new(None),
             launches: 0,
             log_start: 0,
@@ -204,7 +211,7 @@ impl ServerProcess {
         mut self,
         command: impl Fn(&ServerProcess) -> Command + Send + Sync + 'static,
     ) -> Self {
-        self.command = Arc::new(command);
+        self.settings.command = Arc::new(command);
         self
     }
 
@@ -214,31 +221,31 @@ impl ServerProcess {
         mut self,
         ready: impl Fn(&ServerProcess) -> bool + Send + Sync + 'static,
     ) -> Self {
-        self.ready = Arc::new(ready);
+        self.settings.ready = Arc::new(ready);
         self
     }
 
     /// How long a launch may take to get ready on a loaded machine.
     pub fn ready_within(mut self, limit: Duration) -> Self {
-        self.ready_within = limit;
+        self.settings.ready_within = limit;
         self
     }
 
     /// How often readiness is polled (a probe that starts a process costs more).
     pub fn poll_every(mut self, interval: Duration) -> Self {
-        self.poll_every = interval;
+        self.settings.poll_every = interval;
         self
     }
 
     /// How many free ports each try of [`start`](Self::start) picks.
     pub fn free_ports(mut self, count: usize) -> Self {
-        self.free_ports = count;
+        self.settings.free_ports = count;
         self
     }
 
     /// Ports its cluster chose, instead of free ones.
     pub fn on_ports(mut self, ports: Vec<u16>) -> Self {
-        self.free_ports = 0;
+        self.settings.free_ports = 0;
         self.ports = ports;
         self
     }
@@ -247,21 +254,21 @@ impl ServerProcess {
     /// `parse` reads; no other test's server can take it between a look and the bind.
     /// [`port`](Self::port) is 0 until then; a restart asks for the same port again.
     pub fn port_announced(mut self, parse: fn(&str) -> Option<u16>) -> Self {
-        self.free_ports = 0;
+        self.settings.free_ports = 0;
         self.ports = vec![0];
-        self.announced_port = Some(parse);
+        self.settings.announced_port = Some(parse);
         self
     }
 
     /// The server writes its pid to `file`: signals go there (the child is `runuser`).
     pub fn pid_file(mut self, file: PathBuf) -> Self {
-        self.pid_file = Some(file);
+        self.settings.pid_file = Some(file);
         self
     }
 
     /// Signal sent on drop, up to 10 s before SIGKILL, for a clean end.
     pub fn shutdown_signal(mut self, signal: &'static str) -> Self {
-        self.shutdown_signal = Some(signal);
+        self.settings.shutdown_signal = Some(signal);
         self
     }
 
@@ -269,8 +276,8 @@ impl ServerProcess {
     /// `tries` tries; panics with the last failure and the log's tail.
     pub fn start(mut self, tries: usize) -> Self {
         let started = retry(tries, || {
-            if self.free_ports > 0 {
-                self.ports = (0..self.free_ports).map(|_| free_port()).collect();
+            if self.settings.free_ports > 0 {
+                self.ports = (0..self.settings.free_ports).map(|_| free_port()).collect();
             }
             self.launch();
             self.wait_ready()
@@ -285,7 +292,7 @@ impl ServerProcess {
     /// saying how to install it, if the program is not there.
     pub fn launch(&mut self) {
         assert!(!self.is_running(), "{} is already running", self.name);
-        let mut command = (self.command.clone())(self);
+        let mut command = (self.settings.command.clone())(self);
         let log = fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -312,14 +319,14 @@ impl ServerProcess {
     /// Polls readiness until it holds; kills the launch and says why if the process
     /// exits first or the deadline passes.
     pub fn wait_ready(&mut self) -> Result<(), String> {
-        let deadline = Instant::now() + self.ready_within;
+        let deadline = Instant::now() + self.settings.ready_within;
         loop {
-            if let Some(parse) = self.announced_port.filter(|_| self.port() == 0) {
+            if let Some(parse) = self.settings.announced_port.filter(|_| self.port() == 0) {
                 if let Some(port) = self.output().lines().find_map(parse) {
                     self.ports = vec![port];
                 }
             }
-            if self.port_known() && (self.ready.clone())(self) {
+            if self.port_known() && (self.settings.ready.clone())(self) {
                 return Ok(());
             }
             if let Some(exit) = self.exited() {
@@ -330,17 +337,17 @@ impl ServerProcess {
                 return Err(format!(
                     "{} not ready within {:?}",
                     self.describe(),
-                    self.ready_within
+                    self.settings.ready_within
                 ));
             }
-            std::thread::sleep(self.poll_every);
+            std::thread::sleep(self.settings.poll_every);
         }
     }
 
     /// Launches the stopped server again on the same ports and directory, trying again
     /// while it exits at once (its port not yet released) within the readiness deadline.
     pub fn start_again(&mut self) {
-        let deadline = Instant::now() + self.ready_within;
+        let deadline = Instant::now() + self.settings.ready_within;
         loop {
             self.launch();
             match self.wait_ready() {
@@ -480,7 +487,7 @@ impl ServerProcess {
     }
 
     fn port_known(&self) -> bool {
-        self.announced_port.is_none() || self.port() != 0
+        self.settings.announced_port.is_none() || self.port() != 0
     }
 
     /// What the current launch wrote so far.
@@ -495,14 +502,14 @@ impl ServerProcess {
     }
 
     fn pid_in_file(&self) -> Option<u32> {
-        let text = fs::read_to_string(self.pid_file.as_ref()?).ok()?;
+        let text = fs::read_to_string(self.settings.pid_file.as_ref()?).ok()?;
         text.lines().next()?.trim().parse().ok()
     }
 }
 
 impl Drop for ServerProcess {
     fn drop(&mut self) {
-        if let Some(signal) = self.shutdown_signal {
+        if let Some(signal) = self.settings.shutdown_signal {
             self.stop(signal, Duration::from_secs(10));
         }
         self.kill();
