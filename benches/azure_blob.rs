@@ -21,6 +21,7 @@
 #[path = "../tests/support/azurite_server.rs"]
 mod azurite_server;
 mod support;
+use support::process;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -20,7 +20,7 @@
 #[path = "../tests/support/etcd_server.rs"]
 mod etcd_server;
 mod support;
-use support::ports;
+use support::{ports, process};
 
 use std::sync::Arc;
 use std::time::Duration;

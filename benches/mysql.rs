@@ -22,6 +22,8 @@
 mod mysql_server;
 #[path = "../tests/support/ports.rs"]
 mod ports;
+#[path = "../tests/support/process.rs"]
+mod process;
 
 use std::time::{Duration, Instant};
 

@@ -23,6 +23,7 @@
 #[path = "../tests/support/moto_server.rs"]
 mod moto_server;
 mod support;
+use support::process;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -26,6 +26,9 @@ const NAMES: [&str; 3] = ["candidate-1", "candidate-2", "candidate-3"];
 #[path = "../tests/support/ports.rs"]
 mod ports;
 #[cfg(feature = "redis")]
+#[path = "../tests/support/process.rs"]
+mod process;
+#[cfg(feature = "redis")]
 #[path = "../tests/support/redis_server.rs"]
 mod redis_server;
 

@@ -115,6 +115,10 @@ const S3_BUCKET: &str = "jobs";
 // probe's own source port comes round to it) and then wait for an answer it sent.
 #[path = "../tests/support/ports.rs"]
 mod ports;
+// What those launchers run their servers with.
+#[cfg(any(feature = "azure-blob", feature = "s3"))]
+#[path = "../tests/support/process.rs"]
+mod process;
 
 /// Sends `request` to a server of the example's own on 127.0.0.1 and reads its answer,
 /// waiting at most a second for each: `None` until it serves.

@@ -36,6 +36,8 @@ struct Running {
 // The test suite's launcher (started on a free port, stopped on drop).
 #[path = "../tests/support/ports.rs"]
 mod ports;
+#[path = "../tests/support/process.rs"]
+mod process;
 #[path = "../tests/support/redis_server.rs"]
 mod redis_server;
 

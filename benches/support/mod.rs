@@ -13,6 +13,8 @@ pub mod tcp_proxy;
 pub mod pg_server;
 #[path = "../../tests/support/ports.rs"]
 pub mod ports;
+#[path = "../../tests/support/process.rs"]
+pub mod process;
 #[path = "../../tests/support/redis_server.rs"]
 pub mod redis_server;
 

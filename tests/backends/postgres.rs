@@ -764,7 +764,7 @@ async fn outage_fails_closed_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unreachable_database_answers_503_promptly() {
-    let port = crate::support::pg_server::free_port();
+    let port = crate::support::ports::free_port();
     let conn = format!("host=127.0.0.1 port={port} user=postgres");
     let (probe, _entered) = Probe::open(Duration::ZERO);
     let backend = || {
@@ -804,7 +804,7 @@ fn assert_names_postgres_and_the_address(message: &str, port: u16) {
 /// PostgreSQL and its address (never the password), then the cause; both scopes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unreachable_server_acquisition_error_names_postgres_and_the_address() {
-    let port = crate::support::pg_server::free_port();
+    let port = crate::support::ports::free_port();
     let conn = format!("host=127.0.0.1 port={port} user=app password=hunter2 dbname=app");
     for scope in [LockScope::Session, LockScope::Transaction] {
         let backend = PostgresBackend::builder_from_str(&conn)
@@ -827,7 +827,7 @@ async fn unreachable_server_acquisition_error_names_postgres_and_the_address() {
 /// message names PostgreSQL and the address (never the password), then the cause.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unreachable_server_build_error_names_postgres_and_the_address() {
-    let port = crate::support::pg_server::free_port();
+    let port = crate::support::ports::free_port();
     let conn = format!("postgresql://app:hunter2@127.0.0.1:{port}/app");
     for scope in [LockScope::Session, LockScope::Transaction] {
         let built = PostgresBackend::builder_from_str(&conn)

@@ -9,14 +9,15 @@
 //! metadata and conditional calls the lock uses are the same in both.
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use base64::Engine as _;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+
+use super::process::{missing, runs, ServerProcess, TempDir};
 
 /// Azurite's well-known development account and key (public, in Azurite's docs).
 pub const ACCOUNT: &str = "devstoreaccount1";
@@ -28,9 +29,7 @@ const ACCOUNT_KEY: &str =
 const STARTUP: Duration = Duration::from_secs(90);
 
 pub struct AzuriteServer {
-    port: u16,
-    child: Option<Child>,
-    dir: PathBuf,
+    process: ServerProcess,
 }
 
 /// The `azurite-blob` to run, or a panic that says how to install it.
@@ -38,111 +37,65 @@ fn azurite_binary() -> PathBuf {
     if let Ok(binary) = std::env::var("AZURITE_BLOB") {
         return PathBuf::from(binary);
     }
-    let on_path = Command::new("azurite-blob")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success());
-    if on_path {
+    if runs("azurite-blob", &["--version"]) {
         return PathBuf::from("azurite-blob");
     }
     let home = std::env::var("HOME").unwrap_or_default();
     let cached =
         PathBuf::from(home).join(".cache/tower-keyed-lock/azurite/node_modules/.bin/azurite-blob");
-    assert!(
-        cached.exists(),
-        "`azurite-blob` not found: the Azure Blob tests need Azurite (scripts/test installs \
-         it: `npm install --prefix ~/.cache/tower-keyed-lock/azurite azurite@3.35.0`, Node 20), \
-         or AZURITE_BLOB set to one"
-    );
+    if !cached.exists() {
+        missing(
+            "`azurite-blob`",
+            " (npm package azurite@3.35.0 on Node 20, into ~/.cache/tower-keyed-lock/azurite), \
+             or set AZURITE_BLOB to one",
+        );
+    }
     cached
 }
 
 impl AzuriteServer {
     /// Starts Azurite on a free port; panics if it is not installed or does not start.
     pub fn start() -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "tower-keyed-lock-azurite-{}-{}",
-            std::process::id(),
-            next_id()
-        ));
-        std::fs::create_dir_all(&dir).expect("creating Azurite's directory");
-        let mut child = Command::new(azurite_binary())
-            // Port 0: Azurite binds a free port and says which, so no other test's
-            // server can take it between a look and the bind.
-            .args(["--blobHost", "127.0.0.1", "--blobPort", "0"])
-            .args(["--inMemoryPersistence", "--extentMemoryLimit", "64"])
-            .args(["--skipApiVersionCheck", "--disableTelemetry", "--silent"])
-            // In memory it writes nothing; its working directory is a temporary one all
-            // the same.
-            .current_dir(&dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawning azurite-blob");
-        let (sender, receiver) = std::sync::mpsc::channel();
-        let stdout = child.stdout.take().expect("piped stdout");
-        std::thread::spawn(move || {
-            let mut sender = Some(sender);
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
+        let binary = azurite_binary();
+        let process = ServerProcess::new("azurite-blob", TempDir::new("azurite"))
+            .command(move |process| {
+                let mut command = Command::new(&binary);
+                command
+                    // Port 0: Azurite binds a free port and says which, so no other
+                    // test's server can take it between a look and the bind.
+                    .args(["--blobHost", "127.0.0.1", "--blobPort", "0"])
+                    .args(["--inMemoryPersistence", "--extentMemoryLimit", "64"])
+                    .args(["--skipApiVersionCheck", "--disableTelemetry", "--silent"])
+                    // In memory it writes nothing; its working directory is a temporary
+                    // one all the same.
+                    .current_dir(process.dir());
+                command
+            })
+            .port_announced(|line| {
                 let port = line
                     .split("successfully listens on http://127.0.0.1:")
-                    .nth(1)
-                    .and_then(|port| port.trim().parse::<u16>().ok());
-                if let Some(port) = port {
-                    if let Some(sender) = sender.take() {
-                        let _ = sender.send(port);
-                    }
-                }
-                // Keeps reading, so Azurite never blocks on a full pipe.
-            }
-        });
-        let port = match receiver.recv_timeout(STARTUP) {
-            Ok(port) => port,
-            Err(_) => {
-                let exited = child.try_wait();
-                let _ = child.kill();
-                panic!("azurite-blob did not start within {STARTUP:?} (exit: {exited:?})");
-            }
-        };
-        AzuriteServer {
-            port,
-            child: Some(child),
-            dir,
-        }
+                    .nth(1)?;
+                port.trim().parse().ok()
+            })
+            .ready_within(STARTUP)
+            .poll_every(Duration::from_millis(50))
+            .start(1);
+        AzuriteServer { process }
     }
 
     pub fn port(&self) -> u16 {
-        self.port
+        self.process.port()
     }
 
     /// The URL of `container` on this server, signed for the lock's calls.
     pub fn container_url(&self, container: &str) -> String {
-        container_url(&format!("127.0.0.1:{}", self.port), container)
+        container_url(&format!("127.0.0.1:{}", self.port()), container)
     }
 
     /// Kills the server (SIGKILL: everything in it is gone, like a lost account).
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
-}
-
-impl Drop for AzuriteServer {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn next_id() -> usize {
-    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    NEXT.fetch_add(1, SeqCst)
 }
 
 /// The URL of `container` of the development account at `host_port` (Azurite's

@@ -3,11 +3,11 @@
 //! member is killed and its data directory removed on drop.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::ports::free_port;
+use super::process::{gave_up, missing, retry, runs, ServerProcess, TempDir};
 
 /// Raft heartbeat and election timeout of the test cluster. With these, etcd's shortest
 /// lease is (3 × 6 / 2) heartbeats = 900 ms, rounded up to 1 s: a 1 s lease is granted
@@ -19,31 +19,19 @@ pub const ELECTION_TIMEOUT: Duration = Duration::from_millis(600);
 const STARTUP: Duration = Duration::from_secs(30);
 
 pub struct EtcdCluster {
-    members: Vec<Member>,
-    dir: PathBuf,
-}
-
-struct Member {
-    name: String,
-    client_port: u16,
-    peer_port: u16,
-    child: Option<Child>,
+    /// Each on a client port and a peer port.
+    members: Vec<ServerProcess>,
 }
 
 /// The path of the `etcd` binary, or a panic that says how to install it.
 fn etcd_binary() -> String {
     let binary = std::env::var("ETCD_BIN").unwrap_or_else(|_| "etcd".to_owned());
-    let found = Command::new(&binary)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success());
-    assert!(
-        found,
-        "`{binary}` not found: the etcd tests need an etcd server (Debian: \
-         `apt-get install etcd-server`; scripts/test installs it), or ETCD_BIN set to one"
-    );
+    if !runs(&binary, &["--version"]) {
+        missing(
+            &format!("`{binary}`"),
+            " (Debian package etcd-server), or set ETCD_BIN to an etcd binary",
+        );
+    }
     binary
 }
 
@@ -57,98 +45,50 @@ impl EtcdCluster {
     /// Starts `size` members.
     pub fn start_with(size: usize) -> Self {
         let binary = etcd_binary();
-        // Ports are free when we look; a clash (another process took one first) shows
-        // as a member that does not start, and the whole cluster is tried again.
-        let mut last_error = String::new();
-        for attempt in 0..3 {
-            let base = if std::path::Path::new("/dev/shm").is_dir() {
-                PathBuf::from("/dev/shm")
-            } else {
-                std::env::temp_dir()
-            };
-            let dir = base.join(format!(
-                "tower-keyed-lock-etcd-{}-{}-{attempt}",
-                std::process::id(),
-                free_port()
-            ));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).expect("creating the etcd data directory");
-            let members = (0..size)
-                .map(|n| Member {
-                    name: format!("m{n}"),
-                    client_port: free_port(),
-                    peer_port: free_port(),
-                    child: None,
+        // A clash on a port shows as a member that does not start: the whole cluster
+        // is tried again, on fresh ports and directories.
+        let started = retry(3, || {
+            let ports: Vec<Vec<u16>> = (0..size).map(|_| vec![free_port(), free_port()]).collect();
+            let initial_cluster = ports
+                .iter()
+                .enumerate()
+                .map(|(n, ports)| format!("m{n}=http://127.0.0.1:{}", ports[1]))
+                .collect::<Vec<_>>()
+                .join(",");
+            let members = ports
+                .into_iter()
+                .enumerate()
+                .map(|(n, ports)| {
+                    let (binary, initial_cluster) = (binary.clone(), initial_cluster.clone());
+                    ServerProcess::new(format!("etcd member m{n}"), TempDir::in_memory("etcd"))
+                        .on_ports(ports)
+                        .command(move |process| {
+                            member_command(&binary, &format!("m{n}"), &initial_cluster, process)
+                        })
                 })
                 .collect();
-            let mut cluster = EtcdCluster { members, dir };
-            for index in 0..size {
-                cluster.spawn(&binary, index, "new");
+            let mut cluster = EtcdCluster { members };
+            for member in &mut cluster.members {
+                member.launch();
             }
-            match cluster.wait_for_leader(STARTUP) {
-                Ok(()) => return cluster,
-                Err(error) => last_error = error,
-            }
-        }
-        panic!("could not start an etcd cluster: {last_error}");
-    }
-
-    fn initial_cluster(&self) -> String {
-        self.members
-            .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-
-    fn spawn(&mut self, binary: &str, index: usize, state: &str) {
-        let initial_cluster = self.initial_cluster();
-        let data = self.dir.join(&self.members[index].name);
-        let log = std::fs::File::create(self.dir.join(format!("{}.log", self.members[index].name)))
-            .expect("creating the etcd log");
-        let member = &mut self.members[index];
-        let client = format!("http://127.0.0.1:{}", member.client_port);
-        let peer = format!("http://127.0.0.1:{}", member.peer_port);
-        let child = Command::new(binary)
-            .args(["--name", &member.name])
-            .arg("--data-dir")
-            .arg(&data)
-            .args(["--listen-client-urls", &client])
-            .args(["--advertise-client-urls", &client])
-            .args(["--listen-peer-urls", &peer])
-            .args(["--initial-advertise-peer-urls", &peer])
-            .args(["--initial-cluster", &initial_cluster])
-            .args(["--initial-cluster-state", state])
-            .args(["--initial-cluster-token", "tower-keyed-lock"])
-            .args(["--heartbeat-interval", &HEARTBEAT.as_millis().to_string()])
-            .args([
-                "--election-timeout",
-                &ELECTION_TIMEOUT.as_millis().to_string(),
-            ])
-            .args(["--log-level", "warn"])
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawning etcd");
-        member.child = Some(child);
+            cluster.wait_for_leader(STARTUP).map(|()| cluster)
+        });
+        started.unwrap_or_else(|failures| panic!("could not start an etcd cluster: {failures}"))
     }
 
     /// The client URLs of every member, running or not.
     pub fn endpoints(&self) -> Vec<String> {
-        self.members
-            .iter()
-            .map(|m| format!("http://127.0.0.1:{}", m.client_port))
-            .collect()
+        (0..self.size()).map(|index| self.endpoint(index)).collect()
     }
 
     /// The client URL of member `index`.
     pub fn endpoint(&self, index: usize) -> String {
-        format!("http://127.0.0.1:{}", self.members[index].client_port)
+        format!("http://127.0.0.1:{}", self.client_port(index))
     }
 
     /// The client port of member `index`.
     pub fn client_port(&self, index: usize) -> u16 {
-        self.members[index].client_port
+        self.members[index].port()
     }
 
     pub fn size(&self) -> usize {
@@ -157,59 +97,45 @@ impl EtcdCluster {
 
     /// Kills member `index` (SIGKILL, like a crash); its data stays for a restart.
     pub fn kill(&mut self, index: usize) {
-        if let Some(mut child) = self.members[index].child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.members[index].kill();
     }
 
     /// Stops member `index` (SIGSTOP): it keeps its sockets and state but does nothing,
     /// like a process stalled by the scheduler or a slow disk, until [`resume`](Self::resume).
     pub fn pause(&self, index: usize) {
-        self.signal(index, "-STOP");
+        self.members[index].pause();
     }
 
     /// Lets a member stopped by [`pause`](Self::pause) run again (SIGCONT).
     pub fn resume(&self, index: usize) {
-        self.signal(index, "-CONT");
-    }
-
-    fn signal(&self, index: usize, signal: &str) {
-        let child = self.members[index].child.as_ref().expect("the member runs");
-        let sent = Command::new("kill")
-            .arg(signal)
-            .arg(child.id().to_string())
-            .status()
-            .is_ok_and(|status| status.success());
-        assert!(sent, "`kill {signal}` failed for etcd member {index}");
+        self.members[index].resume();
     }
 
     /// Kills every member.
     pub fn kill_all(&mut self) {
-        for index in 0..self.members.len() {
-            self.kill(index);
+        for member in &mut self.members {
+            member.kill();
         }
     }
 
     /// Starts member `index` again on its data directory (it rejoins the cluster).
     pub fn restart(&mut self, index: usize) {
-        self.kill(index);
-        let binary = etcd_binary();
-        self.spawn(&binary, index, "existing");
+        self.members[index].kill();
+        self.members[index].launch();
     }
 
     /// Whether member `index` runs.
     pub fn is_running(&self, index: usize) -> bool {
-        self.members[index].child.is_some()
+        self.members[index].is_running()
     }
 
     /// The index of the member that is leader now, as a running member reports it.
     pub fn leader(&self) -> Option<usize> {
         for (index, member) in self.members.iter().enumerate() {
-            if member.child.is_none() {
+            if !member.is_running() {
                 continue;
             }
-            let Some(status) = status(member.client_port) else {
+            let Some(status) = status(member.port()) else {
                 continue;
             };
             // `{"header":{..."member_id":"<id>"...},"leader":"<id>",...}` (grpc-gateway
@@ -228,29 +154,55 @@ impl EtcdCluster {
         None
     }
 
-    /// Waits until the running members have a leader.
+    /// Waits until the running members have a leader; fails at once if a member exited
+    /// on its own.
     pub fn wait_for_leader(&self, limit: Duration) -> Result<(), String> {
         let started = Instant::now();
         loop {
             if self.leader().is_some() {
                 return Ok(());
             }
-            if started.elapsed() > limit {
-                let logs: String = self
-                    .members
-                    .iter()
-                    .map(|m| {
-                        let log = std::fs::read_to_string(self.dir.join(format!("{}.log", m.name)))
-                            .unwrap_or_default();
-                        let tail: Vec<_> = log.lines().rev().take(5).collect();
-                        format!("{}: {}\n", m.name, tail.join(" | "))
-                    })
-                    .collect();
-                return Err(format!("no leader after {limit:?}; logs:\n{logs}"));
+            if let Some(why) = gave_up(&self.members, started, limit) {
+                return Err(format!("no leader {why}"));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// The command line of the etcd member `name`; a new cluster's on its first launch, an
+/// existing one's after.
+fn member_command(
+    binary: &str,
+    name: &str,
+    initial_cluster: &str,
+    process: &ServerProcess,
+) -> Command {
+    let client = format!("http://127.0.0.1:{}", process.ports()[0]);
+    let peer = format!("http://127.0.0.1:{}", process.ports()[1]);
+    let state = match process.launches() {
+        0 => "new",
+        _ => "existing",
+    };
+    let mut command = Command::new(binary);
+    command
+        .args(["--name", name])
+        .arg("--data-dir")
+        .arg(process.dir().join("data"))
+        .args(["--listen-client-urls", &client])
+        .args(["--advertise-client-urls", &client])
+        .args(["--listen-peer-urls", &peer])
+        .args(["--initial-advertise-peer-urls", &peer])
+        .args(["--initial-cluster", initial_cluster])
+        .args(["--initial-cluster-state", state])
+        .args(["--initial-cluster-token", "tower-keyed-lock"])
+        .args(["--heartbeat-interval", &HEARTBEAT.as_millis().to_string()])
+        .args([
+            "--election-timeout",
+            &ELECTION_TIMEOUT.as_millis().to_string(),
+        ])
+        .args(["--log-level", "warn"]);
+    command
 }
 
 /// `POST /v3/maintenance/status` on the grpc-gateway of a member: its JSON, if it
@@ -276,11 +228,4 @@ fn status(port: u16) -> Option<String> {
 fn field<'a>(json: &'a str, name: &str) -> Option<&'a str> {
     let start = json.find(&format!("\"{name}\":\""))? + name.len() + 4;
     json[start..].split('"').next()
-}
-
-impl Drop for EtcdCluster {
-    fn drop(&mut self) {
-        self.kill_all();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }

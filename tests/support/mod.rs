@@ -2,7 +2,10 @@
 //! (`mod support;` in `tests/<area>/main.rs` or a single-file test):
 //!
 //! - servers each test starts on free ports: `redis_server` (single, Sentinel),
-//!   `redis_cluster`, `pg_server`, `pgbouncer`, `moto_server` (moto: DynamoDB, S3);
+//!   `redis_cluster`, `pg_server`, `pgbouncer`, `mysql_server`, `etcd_server`,
+//!   `zookeeper_server`, `moto_server` (moto: DynamoDB, S3), `azurite_server`; each
+//!   says only how to run its server and tell it is ready: `process` runs them all
+//!   (free ports and retries, the log, readiness, pause, kill, restart, cleanup);
 //!   `redis_monitor`: the commands a Redis server runs, to count round trips;
 //! - `fixtures`: those servers behind one trait (`Fixture`, `Remote`, `Proxied`) and
 //!   `for_each_fixture!`, so a distributed test body is written once;
@@ -51,6 +54,7 @@ pub mod pg_server;
 #[cfg(feature = "postgres")]
 pub mod pgbouncer;
 pub mod ports;
+pub mod process;
 pub mod recorder;
 #[cfg(feature = "redis")]
 pub mod redis_cluster;

@@ -10,10 +10,13 @@
 // The benchmarks' crate, which has no features, includes this file for its launcher.
 #![allow(dead_code, unexpected_cfgs)]
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use super::process::{missing, runs, ServerProcess, TempDir};
 
 /// The launcher: moto's server app, one request at a time, on `127.0.0.1:argv[1]`
 /// (0: a free port). It binds first and prints the port it got: a port picked by the
@@ -92,9 +95,7 @@ server.serve_forever()
 "#;
 
 pub struct MotoServer {
-    port: u16,
-    child: Option<Child>,
-    misbehaviour: Misbehaviour,
+    process: ServerProcess,
 }
 
 /// How a server started for a test departs from a store's rules (see [`LAUNCHER`]).
@@ -119,28 +120,24 @@ impl MotoServer {
 
     /// Starts a server that departs from a store's rules as `misbehaviour` says.
     pub fn misbehaving(misbehaviour: Misbehaviour) -> Self {
-        let mut last_error = String::new();
-        for _ in 0..5 {
-            // Port 0: moto binds a free port and says which.
-            let mut server = Self {
-                port: 0,
-                child: None,
-                misbehaviour,
-            };
-            match server.spawn() {
-                Ok(()) => return server,
-                Err(error) => last_error = error,
-            }
-        }
-        panic!("could not start moto: {last_error}");
+        require_moto();
+        let process = ServerProcess::new("moto", TempDir::new("moto"))
+            .command(move |process| command(misbehaviour, process.port()))
+            // Port 0 at first: the launcher binds a free port and prints it.
+            .port_announced(|line| line.trim().parse().ok().filter(|&port| port != 0))
+            .ready_when(|process| answers(process.port()))
+            .ready_within(Duration::from_secs(30))
+            .poll_every(Duration::from_millis(50))
+            .start(5);
+        Self { process }
     }
 
     pub fn port(&self) -> u16 {
-        self.port
+        self.process.port()
     }
 
     pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        format!("http://127.0.0.1:{}", self.port())
     }
 
     /// A DynamoDB client of this server (its own connection pool: one instance of an
@@ -158,126 +155,66 @@ impl MotoServer {
 
     /// The process id of the running server.
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("moto is stopped").id()
+        self.process.pid().expect("moto is stopped")
     }
 
     /// Kills the server (SIGKILL: it loses every table, like a crash of a store
     /// without disk).
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Starts a fresh (empty) server on the same port.
     pub fn restart(&mut self) {
-        self.stop();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            match self.spawn() {
-                Ok(()) => return,
-                Err(error) if Instant::now() > deadline => {
-                    panic!("could not restart moto: {error}")
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(100)),
-            }
-        }
+        self.process.restart();
     }
 
     /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
     pub fn pause(&self) {
-        signal(self.pid(), "-STOP");
+        self.process.pause();
     }
 
     /// Undoes [`pause`](Self::pause).
     pub fn resume(&self) {
-        signal(self.pid(), "-CONT");
-    }
-
-    fn spawn(&mut self) -> Result<(), String> {
-        let mut command = Command::new("python3");
-        match self.misbehaviour {
-            Misbehaviour::None => {}
-            Misbehaviour::IgnorePreconditions => {
-                command.env("MOTO_IGNORE_PRECONDITIONS", "1");
-            }
-            Misbehaviour::ConflictEvery(n) => {
-                command.env("MOTO_CONFLICT_EVERY", n.to_string());
-            }
-            Misbehaviour::ClockAhead(seconds) => {
-                const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
-                assert!(
-                    std::path::Path::new(LIBFAKETIME).exists(),
-                    "{LIBFAKETIME} not found: this test needs libfaketime (Debian: \
-                     `apt-get install faketime`; scripts/test installs it)"
-                );
-                command
-                    .env("LD_PRELOAD", LIBFAKETIME)
-                    .env("FAKETIME", format!("+{seconds}"))
-                    // Only the wall clock is off.
-                    .env("DONT_FAKE_MONOTONIC", "1");
-            }
-        }
-        let mut child = command
-            .args(["-c", LAUNCHER, &self.port.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|error| match error.kind() {
-                std::io::ErrorKind::NotFound => panic!(
-                    "python3 is not on PATH: the DynamoDB and S3 tests run moto; run ./scripts/test, \
-                     which installs it"
-                ),
-                _ => format!("spawning moto: {error}"),
-            })?;
-        // The port line comes once moto listens (an empty read: it exited).
-        let mut line = String::new();
-        let mut stdout = BufReader::new(child.stdout.take().expect("stdout is piped"));
-        let _ = stdout.read_line(&mut line);
-        if let Ok(port) = line.trim().parse() {
-            self.port = port;
-        }
-        // Anything moto prints later must not find the pipe closed.
-        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                let mut stderr = String::new();
-                if let Some(mut pipe) = child.stderr.take() {
-                    let _ = pipe.read_to_string(&mut stderr);
-                }
-                if stderr.contains("No module named") {
-                    panic!(
-                        "moto is not installed: run ./scripts/test, which installs it \
-                         (or python3 -m pip install 'moto[server]'): {stderr}"
-                    );
-                }
-                return Err(format!("moto exited with {status}: {stderr}"));
-            }
-            if answers(self.port) {
-                // Werkzeug logs every request to stderr: stop reading it, drain it.
-                if let Some(mut pipe) = child.stderr.take() {
-                    std::thread::spawn(move || std::io::copy(&mut pipe, &mut std::io::sink()));
-                }
-                self.child = Some(child);
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err("moto did not answer within 30 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        self.process.resume();
     }
 }
 
-impl Drop for MotoServer {
-    fn drop(&mut self) {
-        // SIGKILL also ends a paused (stopped) process.
-        self.stop();
+/// The launcher on `port` (0: a free one), misbehaving as told.
+fn command(misbehaviour: Misbehaviour, port: u16) -> Command {
+    let mut command = Command::new("python3");
+    match misbehaviour {
+        Misbehaviour::None => {}
+        Misbehaviour::IgnorePreconditions => {
+            command.env("MOTO_IGNORE_PRECONDITIONS", "1");
+        }
+        Misbehaviour::ConflictEvery(n) => {
+            command.env("MOTO_CONFLICT_EVERY", n.to_string());
+        }
+        Misbehaviour::ClockAhead(seconds) => {
+            const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+            if !std::path::Path::new(LIBFAKETIME).exists() {
+                missing(LIBFAKETIME, " (Debian package faketime)");
+            }
+            command
+                .env("LD_PRELOAD", LIBFAKETIME)
+                .env("FAKETIME", format!("+{seconds}"))
+                // Only the wall clock is off.
+                .env("DONT_FAKE_MONOTONIC", "1");
+        }
+    }
+    command.args(["-c", LAUNCHER, &port.to_string()]);
+    command
+}
+
+/// Panics, saying how to install it, unless python3 can import moto (looked at once).
+fn require_moto() {
+    static FOUND: OnceLock<bool> = OnceLock::new();
+    if !*FOUND.get_or_init(|| runs("python3", &["-c", "import moto, werkzeug"])) {
+        missing(
+            "python3 with moto (`import moto` failed)",
+            " (pip package moto[server])",
+        );
     }
 }
 
@@ -307,14 +244,6 @@ pub fn s3_client_for(url: &str) -> aws_sdk_s3::Client {
         .credentials_provider(Credentials::new("test", "test", None, None, "static"))
         .build();
     aws_sdk_s3::Client::from_conf(config)
-}
-
-fn signal(pid: u32, signal: &str) {
-    let status = Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .status()
-        .expect("running kill");
-    assert!(status.success(), "kill {signal} {pid} failed");
 }
 
 /// Whether an HTTP server on `port` answers a request.

@@ -6,18 +6,14 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use super::process::{ServerProcess, TempDir};
+
 pub struct RedisServer {
-    port: u16,
-    child: Option<Child>,
-    /// Holds `dump.rdb` when the test saved a snapshot; removed on drop.
-    dir: PathBuf,
-    role: Role,
-    /// More `redis-server` arguments, such as `["--maxmemory-policy", "allkeys-lru"]`.
-    extra: Vec<String>,
+    /// Its directory holds `dump.rdb` when the test saved a snapshot.
+    process: ServerProcess,
 }
 
 /// What a server is started as.
@@ -50,13 +46,12 @@ impl RedisServer {
 
     /// Starts a replica of `primary` and waits until it is in sync.
     pub fn start_replica_of(primary: &RedisServer) -> Self {
-        let replica = Self::start_as(Role::Replica(primary.port), &[]);
+        let replica = Self::start_as(Role::Replica(primary.port()), &[]);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !info(replica.port, "replication").contains("master_link_status:up") {
-            assert!(
-                Instant::now() < deadline,
-                "the replica did not sync within 10 s"
-            );
+        while !info(replica.port(), "replication").contains("master_link_status:up") {
+            if Instant::now() > deadline {
+                replica.process.fail("the replica did not sync within 10 s");
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
         replica
@@ -69,41 +64,30 @@ impl RedisServer {
 
     /// Starts a Sentinel that monitors `primary` as [`SENTINEL_MASTER`].
     pub fn start_sentinel_of(primary: &RedisServer) -> Self {
-        Self::start_as(Role::Sentinel(primary.port), &[])
+        Self::start_as(Role::Sentinel(primary.port()), &[])
     }
 
     fn start_as(role: Role, extra: &[&str]) -> Self {
-        // The port is free when we look; another process may take it before Redis
-        // binds, so try a few.
-        let mut last_error = String::new();
-        for _ in 0..5 {
-            let port = super::ports::free_port();
-            let dir = std::env::temp_dir().join(format!(
-                "tower-keyed-lock-redis-{}-{port}",
-                std::process::id()
-            ));
-            std::fs::create_dir_all(&dir).expect("creating the redis data directory");
-            let mut server = Self {
-                port,
-                child: None,
-                dir,
-                role,
-                extra: extra.iter().map(|arg| (*arg).to_owned()).collect(),
-            };
-            match server.spawn() {
-                Ok(()) => return server,
-                Err(error) => last_error = error,
-            }
-        }
-        panic!("could not start redis-server: {last_error}");
+        let extra: Vec<String> = extra.iter().map(|arg| (*arg).to_owned()).collect();
+        let name = match role {
+            Role::Primary => "redis-server",
+            Role::Replica(_) => "redis replica",
+            Role::Sentinel(_) => "redis sentinel",
+            Role::ClusterNode => "redis cluster node",
+        };
+        let process = ServerProcess::new(name, TempDir::new("redis"))
+            .command(move |process| command(role, &extra, process))
+            .ready_when(|process| ping(process.port()))
+            .start(5);
+        Self { process }
     }
 
     pub fn port(&self) -> u16 {
-        self.port
+        self.process.port()
     }
 
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
+        format!("redis://127.0.0.1:{}/", self.port())
     }
 
     pub fn client(&self) -> redis::Client {
@@ -120,149 +104,88 @@ impl RedisServer {
 
     /// Whether the server process runs (it was not stopped).
     pub fn is_running(&self) -> bool {
-        self.child.is_some()
+        self.process.is_running()
     }
 
     /// The process id of the running server.
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("redis-server is stopped").id()
+        self.process.pid().expect("redis-server is stopped")
     }
 
     /// Kills the server (SIGKILL: no clean shutdown, like a crash).
     pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.process.kill();
     }
 
     /// Kills the server and starts a fresh (empty) one on the same port.
     pub fn restart(&mut self) {
-        self.stop();
-        let _ = std::fs::remove_file(self.dir.join("dump.rdb"));
-        self.start_again();
+        self.process.kill();
+        let _ = std::fs::remove_file(self.process.dir().join("dump.rdb"));
+        self.process.start_again();
     }
 
     /// Kills the server (SIGKILL, so nothing is saved on the way out) and starts it
     /// again on the same port from its last snapshot (`SAVE`): every write after the
     /// snapshot is lost, as after a crash with RDB persistence.
     pub fn restart_from_snapshot(&mut self) {
-        self.stop();
+        self.process.kill();
         assert!(
-            self.dir.join("dump.rdb").exists(),
+            self.process.dir().join("dump.rdb").exists(),
             "no snapshot to restart from: SAVE first"
         );
-        self.start_again();
-    }
-
-    fn start_again(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match self.spawn() {
-                Ok(()) => return,
-                Err(error) if Instant::now() > deadline => {
-                    panic!("could not restart redis-server: {error}")
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
-        }
+        self.process.start_again();
     }
 
     /// Freezes the server (SIGSTOP): connections stay open, nothing answers.
     pub fn pause(&self) {
-        signal(self.pid(), "-STOP");
+        self.process.pause();
     }
 
     /// Undoes [`pause`](Self::pause).
     pub fn resume(&self) {
-        signal(self.pid(), "-CONT");
+        self.process.resume();
     }
+}
 
-    fn spawn(&mut self) -> Result<(), String> {
-        let mut command = Command::new("redis-server");
-        match self.role {
-            Role::Sentinel(primary) => {
-                // Sentinel rewrites its configuration file, so it gets one of its own.
-                let config = self.dir.join("sentinel.conf");
-                let text = format!(
-                    "port {port}\nbind 127.0.0.1\ndir {dir}\n\
-                     sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary} 1\n\
-                     sentinel down-after-milliseconds {SENTINEL_MASTER} 500\n\
-                     sentinel failover-timeout {SENTINEL_MASTER} 2000\n",
-                    port = self.port,
-                    dir = self.dir.display(),
-                );
-                std::fs::write(&config, text).map_err(|error| error.to_string())?;
-                command.arg(&config).arg("--sentinel");
-            }
-            Role::Primary | Role::Replica(_) | Role::ClusterNode => {
-                command
-                    .args(["--port", &self.port.to_string()])
-                    .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
-                    .args(["--dir", &self.dir.to_string_lossy()])
-                    // Replicas sync at once, not after the default 5 s wait for others.
-                    .args(["--repl-diskless-sync-delay", "0"]);
-                match self.role {
-                    Role::Replica(primary) => {
-                        command.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
-                    }
-                    Role::ClusterNode => {
-                        command.args([
-                            "--cluster-enabled",
-                            "yes",
-                            "--cluster-node-timeout",
-                            "1000",
-                        ]);
-                    }
-                    _ => {}
+/// The command line of a server in `role`, on the process's port and directory.
+fn command(role: Role, extra: &[String], process: &ServerProcess) -> Command {
+    let (port, dir) = (process.port(), process.dir());
+    let mut command = Command::new("redis-server");
+    match role {
+        Role::Sentinel(primary) => {
+            // Sentinel rewrites its configuration file, so it gets one of its own.
+            let config = dir.join("sentinel.conf");
+            let text = format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\n\
+                 sentinel monitor {SENTINEL_MASTER} 127.0.0.1 {primary} 1\n\
+                 sentinel down-after-milliseconds {SENTINEL_MASTER} 500\n\
+                 sentinel failover-timeout {SENTINEL_MASTER} 2000\n",
+                dir = dir.display(),
+            );
+            std::fs::write(&config, text).expect("writing sentinel.conf");
+            command.arg(&config).arg("--sentinel");
+        }
+        Role::Primary | Role::Replica(_) | Role::ClusterNode => {
+            command
+                .args(["--port", &port.to_string()])
+                .args(["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"])
+                .arg("--dir")
+                .arg(dir)
+                // Replicas sync at once, not after the default 5 s wait for others.
+                .args(["--repl-diskless-sync-delay", "0"]);
+            match role {
+                Role::Replica(primary) => {
+                    command.args(["--replicaof", "127.0.0.1", &primary.to_string()]);
                 }
-                command.args(&self.extra);
+                Role::ClusterNode => {
+                    command.args(["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"]);
+                }
+                _ => {}
             }
-        }
-        let mut child = command
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|error| match error.kind() {
-                std::io::ErrorKind::NotFound => panic!(
-                    "redis-server is not on PATH: run ./scripts/test, which installs it \
-                     (or install redis-server yourself)"
-                ),
-                _ => format!("spawning redis-server: {error}"),
-            })?;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Some(status)) = child.try_wait() {
-                return Err(format!("redis-server exited with {status}"));
-            }
-            if ping(self.port) {
-                self.child = Some(child);
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err("redis-server did not answer PING within 10 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(10));
+            command.args(extra);
         }
     }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        // SIGKILL also ends a paused (stopped) process.
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn signal(pid: u32, signal: &str) {
-    let status = Command::new("kill")
-        .args([signal, &pid.to_string()])
-        .status()
-        .expect("running kill");
-    assert!(status.success(), "kill {signal} {pid} failed");
+    command
 }
 
 /// A section of `INFO` of the server on `port`, through `redis-cli`.

@@ -6,13 +6,14 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ports::free_port;
+use super::process::{gave_up, missing, retry, runs, ServerProcess, TempDir};
 
 /// ZooKeeper's tick in the test ensemble (unless started with one of its own): sessions
 /// may last 2 to 20 ticks (400 ms to 4 s); a follower that hears nothing from its leader
@@ -32,38 +33,28 @@ const STARTUP: Duration = Duration::from_secs(60);
 const DEFAULT_JAR: &str = "/usr/share/java/zookeeper.jar";
 
 pub struct ZooKeeperEnsemble {
-    servers: Vec<Server>,
-    dir: PathBuf,
+    /// Each on a client, a quorum and an election port.
+    servers: Vec<ServerProcess>,
     /// `links[from][to]`: the relays server `from` reaches server `to` through (quorum
     /// and election ports), when partitionable.
     links: Vec<Vec<Option<[Relay; 2]>>>,
-    /// The servers' tick.
-    tick: Duration,
-}
-
-struct Server {
-    client_port: u16,
-    quorum_port: u16,
-    election_port: u16,
-    child: Option<Child>,
 }
 
 /// The ZooKeeper jar, or a panic that says how to install it.
 fn zookeeper_jar() -> String {
     let jar = std::env::var("ZOOKEEPER_JAR").unwrap_or_else(|_| DEFAULT_JAR.to_owned());
-    assert!(
-        std::path::Path::new(&jar).is_file(),
-        "`{jar}` not found: the ZooKeeper tests need a ZooKeeper server (Debian: \
-         `apt-get install zookeeper`; scripts/test installs it), or ZOOKEEPER_JAR set to \
-         one"
-    );
-    let java = Command::new("java")
-        .arg("-version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success());
-    assert!(java, "`java` not found: ZooKeeper needs a Java runtime");
+    if !Path::new(&jar).is_file() {
+        missing(
+            &format!("`{jar}`"),
+            " (Debian package zookeeper), or set ZOOKEEPER_JAR to a ZooKeeper jar",
+        );
+    }
+    if !runs("java", &["-version"]) {
+        missing(
+            "`java` (ZooKeeper runs on Java)",
+            " (Debian package zookeeper)",
+        );
+    }
     jar
 }
 
@@ -87,126 +78,48 @@ impl ZooKeeperEnsemble {
 
     fn start_with(partitionable: bool, tick: Duration) -> Self {
         let jar = zookeeper_jar();
-        let mut last_error = String::new();
-        // Ports are free when we look; a clash shows as a server that does not start,
-        // and the whole ensemble is tried again.
-        for attempt in 0..3 {
-            let base = if std::path::Path::new("/dev/shm").is_dir() {
-                PathBuf::from("/dev/shm")
-            } else {
-                std::env::temp_dir()
-            };
-            let dir = base.join(format!(
-                "tower-keyed-lock-zookeeper-{}-{}-{attempt}",
-                std::process::id(),
-                free_port()
-            ));
-            let _ = std::fs::remove_dir_all(&dir);
-            std::fs::create_dir_all(&dir).expect("creating the ZooKeeper data directory");
-            let servers: Vec<Server> = (0..3)
-                .map(|_| Server {
-                    client_port: free_port(),
-                    quorum_port: free_port(),
-                    election_port: free_port(),
-                    child: None,
-                })
+        // A clash on a port shows as a server that does not start: the whole ensemble
+        // is tried again, on fresh ports and directories.
+        let started = retry(3, || {
+            let ports: Vec<Vec<u16>> = (0..3)
+                .map(|_| vec![free_port(), free_port(), free_port()])
                 .collect();
-            let links = (0..3)
+            let links: Vec<Vec<Option<[Relay; 2]>>> = (0..3)
                 .map(|from| {
                     (0..3)
                         .map(|to| {
-                            (partitionable && from != to).then(|| {
-                                [
-                                    Relay::start(servers[to].quorum_port),
-                                    Relay::start(servers[to].election_port),
-                                ]
-                            })
+                            (partitionable && from != to)
+                                .then(|| [Relay::start(ports[to][1]), Relay::start(ports[to][2])])
                         })
                         .collect()
                 })
                 .collect();
-            let mut ensemble = ZooKeeperEnsemble {
-                servers,
-                dir,
-                links,
-                tick,
-            };
-            for index in 0..3 {
-                ensemble.configure(index);
-                ensemble.spawn(&jar, index);
+            let servers = (0..3)
+                .map(|index| {
+                    let dir = TempDir::in_memory("zookeeper");
+                    let data = dir.path().join("data");
+                    let config = config(index, &ports, &links[index], tick, &data);
+                    let jar = jar.clone();
+                    ServerProcess::new(format!("zookeeper server s{index}"), dir)
+                        .on_ports(ports[index].clone())
+                        .command(move |process| {
+                            std::fs::create_dir_all(&data).expect("creating the data directory");
+                            std::fs::write(data.join("myid"), format!("{}\n", index + 1))
+                                .expect("writing myid");
+                            let path = process.dir().join("zoo.cfg");
+                            std::fs::write(&path, &config).expect("writing zoo.cfg");
+                            java(&jar, &path)
+                        })
+                })
+                .collect();
+            let mut ensemble = ZooKeeperEnsemble { servers, links };
+            for server in &mut ensemble.servers {
+                server.launch();
             }
-            match ensemble.wait_for_leader(STARTUP) {
-                Ok(()) => return ensemble,
-                Err(error) => last_error = error,
-            }
-        }
-        panic!("could not start a ZooKeeper ensemble: {last_error}");
-    }
-
-    /// Writes server `index`'s data directory (`myid`) and `zoo.cfg`: its own ports, and
-    /// the others' (through the relays, if any).
-    fn configure(&self, index: usize) {
-        let data = self.dir.join(format!("s{index}"));
-        std::fs::create_dir_all(&data).expect("creating a server's data directory");
-        std::fs::write(data.join("myid"), format!("{}\n", index + 1)).expect("writing myid");
-        let me = &self.servers[index];
-        let mut config = format!(
-            "tickTime={}\ninitLimit={INIT_LIMIT}\nsyncLimit={SYNC_LIMIT}\n\
-             dataDir={}\nclientPort={}\nclientPortAddress=127.0.0.1\n\
-             admin.enableServer=false\n4lw.commands.whitelist=srvr\n\
-             maxClientCnxns=0\npreAllocSize=1024\n",
-            self.tick.as_millis(),
-            data.display(),
-            me.client_port,
-        );
-        for (other, server) in self.servers.iter().enumerate() {
-            let (quorum, election) = match &self.links[index][other] {
-                Some([quorum, election]) => (quorum.port, election.port),
-                None => (server.quorum_port, server.election_port),
-            };
-            config.push_str(&format!(
-                "server.{}=127.0.0.1:{quorum}:{election}\n",
-                other + 1
-            ));
-        }
-        std::fs::write(self.config_path(index), config).expect("writing zoo.cfg");
-    }
-
-    fn config_path(&self, index: usize) -> PathBuf {
-        self.dir.join(format!("zoo-{index}.cfg"))
-    }
-
-    fn log_path(&self, index: usize) -> PathBuf {
-        self.dir.join(format!("s{index}.log"))
-    }
-
-    fn spawn(&mut self, jar: &str, index: usize) {
-        let log = std::fs::File::create(self.log_path(index)).expect("creating the log");
-        let child = Command::new("java")
-            // A small heap and the quick compiler: three JVMs on a shared 2-core box,
-            // where startup time counts more than peak speed.
-            .args([
-                "-Xmx256m",
-                "-Xms32m",
-                "-XX:+UseSerialGC",
-                "-XX:TieredStopAtLevel=1",
-            ])
-            .args(["-Dzookeeper.jmx.log4j.disable=true", "-cp", jar])
-            // Empty queues (container nodes) deleted within a second, as many as there
-            // are: the footprint check waits for one sweep.
-            .arg(format!(
-                "-Dznode.container.checkIntervalMs={}",
-                CONTAINER_SWEEP.as_millis()
-            ))
-            .arg("-Dznode.container.maxPerMinute=1000000")
-            .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
-            .arg(self.config_path(index))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("cloning the log"))
-            .stderr(log)
-            .spawn()
-            .expect("spawning java");
-        self.servers[index].child = Some(child);
+            ensemble.wait_for_leader(STARTUP).map(|()| ensemble)
+        });
+        started
+            .unwrap_or_else(|failures| panic!("could not start a ZooKeeper ensemble: {failures}"))
     }
 
     /// The connect string of every server, running or not.
@@ -219,12 +132,12 @@ impl ZooKeeperEnsemble {
 
     /// `127.0.0.1:<client port>` of server `index`.
     pub fn address(&self, index: usize) -> String {
-        format!("127.0.0.1:{}", self.servers[index].client_port)
+        format!("127.0.0.1:{}", self.servers[index].port())
     }
 
     /// The client address of server `index`.
     pub fn client_addr(&self, index: usize) -> SocketAddr {
-        SocketAddr::from(([127, 0, 0, 1], self.servers[index].client_port))
+        SocketAddr::from(([127, 0, 0, 1], self.servers[index].port()))
     }
 
     pub fn size(&self) -> usize {
@@ -233,46 +146,31 @@ impl ZooKeeperEnsemble {
 
     /// Kills server `index` (SIGKILL, like a crash); its data stays for a restart.
     pub fn kill(&mut self, index: usize) {
-        if let Some(mut child) = self.servers[index].child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.servers[index].kill();
     }
 
     /// Kills every server.
     pub fn kill_all(&mut self) {
-        for index in 0..self.servers.len() {
-            self.kill(index);
+        for server in &mut self.servers {
+            server.kill();
         }
     }
 
     /// Starts server `index` again on its data directory (it rejoins the ensemble).
     pub fn restart(&mut self, index: usize) {
-        self.kill(index);
-        let jar = zookeeper_jar();
-        self.spawn(&jar, index);
+        self.servers[index].kill();
+        self.servers[index].launch();
     }
 
     /// Stops server `index` without killing it (SIGSTOP): its sockets stay open and
     /// silent.
     pub fn pause(&self, index: usize) {
-        self.signal(index, "STOP");
+        self.servers[index].pause();
     }
 
     /// Lets a paused server run again (SIGCONT).
     pub fn resume(&self, index: usize) {
-        self.signal(index, "CONT");
-    }
-
-    fn signal(&self, index: usize, signal: &str) {
-        if let Some(child) = &self.servers[index].child {
-            let status = Command::new("kill")
-                .arg(format!("-{signal}"))
-                .arg(child.id().to_string())
-                .status()
-                .expect("running kill");
-            assert!(status.success(), "kill -{signal} failed");
-        }
+        self.servers[index].resume();
     }
 
     /// Cuts server `index` off from the others (both ways, every open link reset and
@@ -304,14 +202,16 @@ impl ZooKeeperEnsemble {
 
     /// Whether server `index` runs.
     pub fn is_running(&self, index: usize) -> bool {
-        self.servers[index].child.is_some()
+        self.servers[index].is_running()
     }
 
     /// What server `index` says it is (`leader`, `follower`, `standalone`), if it
     /// answers `srvr` within a second and serves.
     pub fn mode(&self, index: usize) -> Option<String> {
-        self.servers[index].child.as_ref()?;
-        let answer = four_letter(self.servers[index].client_port, "srvr")?;
+        if !self.is_running(index) {
+            return None;
+        }
+        let answer = four_letter(self.servers[index].port(), "srvr")?;
         let mode = answer
             .lines()
             .find_map(|line| line.strip_prefix("Mode: "))?;
@@ -323,7 +223,8 @@ impl ZooKeeperEnsemble {
         (0..self.servers.len()).find(|&index| self.mode(index).as_deref() == Some("leader"))
     }
 
-    /// Waits until a running server leads and every other running one follows.
+    /// Waits until a running server leads and every other running one follows; fails
+    /// at once if a server exited on its own.
     pub fn wait_for_leader(&self, limit: Duration) -> Result<(), String> {
         let started = Instant::now();
         loop {
@@ -338,17 +239,8 @@ impl ZooKeeperEnsemble {
             if leaders == 1 && modes.iter().all(Option::is_some) {
                 return Ok(());
             }
-            if started.elapsed() > limit {
-                let logs: String = (0..self.servers.len())
-                    .map(|index| {
-                        let log = std::fs::read_to_string(self.log_path(index)).unwrap_or_default();
-                        let tail: Vec<_> = log.lines().rev().take(5).collect();
-                        format!("s{index}: {}\n", tail.join(" | "))
-                    })
-                    .collect();
-                return Err(format!(
-                    "no leader after {limit:?} ({modes:?}); logs:\n{logs}"
-                ));
+            if let Some(why) = gave_up(&self.servers, started, limit) {
+                return Err(format!("no leader ({modes:?}) {why}"));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -368,6 +260,61 @@ impl ZooKeeperEnsemble {
     }
 }
 
+/// Server `index`'s `zoo.cfg`: its own ports, and the others' (through its relays to
+/// them, if any).
+fn config(
+    index: usize,
+    ports: &[Vec<u16>],
+    relays: &[Option<[Relay; 2]>],
+    tick: Duration,
+    data: &Path,
+) -> String {
+    let mut config = format!(
+        "tickTime={}\ninitLimit={INIT_LIMIT}\nsyncLimit={SYNC_LIMIT}\n\
+         dataDir={}\nclientPort={}\nclientPortAddress=127.0.0.1\n\
+         admin.enableServer=false\n4lw.commands.whitelist=srvr\n\
+         maxClientCnxns=0\npreAllocSize=1024\n",
+        tick.as_millis(),
+        data.display(),
+        ports[index][0],
+    );
+    for (other, ports) in ports.iter().enumerate() {
+        let (quorum, election) = match &relays[other] {
+            Some([quorum, election]) => (quorum.port, election.port),
+            None => (ports[1], ports[2]),
+        };
+        config.push_str(&format!(
+            "server.{}=127.0.0.1:{quorum}:{election}\n",
+            other + 1
+        ));
+    }
+    config
+}
+
+/// The server on `config`, in a JVM sized for three of them on a shared 2-core box.
+fn java(jar: &str, config: &Path) -> Command {
+    let mut command = Command::new("java");
+    command
+        // A small heap and the quick compiler: startup time counts more than peak speed.
+        .args([
+            "-Xmx256m",
+            "-Xms32m",
+            "-XX:+UseSerialGC",
+            "-XX:TieredStopAtLevel=1",
+        ])
+        .args(["-Dzookeeper.jmx.log4j.disable=true", "-cp", jar])
+        // Empty queues (container nodes) deleted within a second, as many as there
+        // are: the footprint check waits for one sweep.
+        .arg(format!(
+            "-Dznode.container.checkIntervalMs={}",
+            CONTAINER_SWEEP.as_millis()
+        ))
+        .arg("-Dznode.container.maxPerMinute=1000000")
+        .arg("org.apache.zookeeper.server.quorum.QuorumPeerMain")
+        .arg(config);
+    command
+}
+
 /// A four-letter-word command's answer from the server on `port`, within a second.
 fn four_letter(port: u16, command: &str) -> Option<String> {
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
@@ -379,16 +326,6 @@ fn four_letter(port: u16, command: &str) -> Option<String> {
     // A server without a quorum answers "This ZooKeeper instance is not currently
     // serving requests".
     answer.contains("Mode: ").then_some(answer)
-}
-
-impl Drop for ZooKeeperEnsemble {
-    fn drop(&mut self) {
-        for index in 0..self.servers.len() {
-            self.resume(index);
-        }
-        self.kill_all();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 /// A link between two servers: a thread-per-direction TCP relay on a free port to one
