@@ -17,8 +17,10 @@ use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
 use super::error::PgError;
 use super::holder::SAVED_NAME;
+use super::lease::Held;
 use super::session::{last_row, Session};
 use super::Inner;
+use crate::backend::session::Answered;
 use crate::backend::{Acquired, Lease};
 use crate::error::LockError;
 
@@ -51,10 +53,8 @@ pub(super) struct Grant {
 /// A lock granted, and the round trip that counts for it.
 struct Granted {
     token: Option<u64>,
-    /// When the granting statement was sent.
-    sent: Instant,
-    /// Whether its answer came within the command timeout of `sent`.
-    prompt: bool,
+    /// The granting statement.
+    answered: Answered,
     /// Whether it waited in PostgreSQL's queue (after a try that found the lock held).
     waited: bool,
 }
@@ -187,8 +187,7 @@ impl Inner {
             // The try answered within the command timeout (its limit).
             Some(true) => Granted {
                 token: grant.token,
-                sent,
-                prompt: true,
+                answered: Answered { sent, prompt: true },
                 waited: false,
             },
             Some(false) => {
@@ -208,13 +207,19 @@ impl Inner {
         // a late answer counts only once a round trip confirms the grant in time. A
         // session not yet seen to keep its lock past a transaction's end is confirmed
         // too: a pooler may reset it after every transaction.
-        let since = match granted.prompt && checked {
-            true => granted.sent,
-            false => self.confirm(&session, id, grant.pid, &marker).await?,
+        let since = match granted.answered.counts_from(checked) {
+            Some(since) => since,
+            None => self.confirm(&session, id, grant.pid, &marker).await?,
         };
         let waited = granted.waited;
+        let held = Held {
+            id,
+            shared,
+            key,
+            pid: grant.pid,
+        };
         let lease = self
-            .hold(session, (id, shared, key), grant.pid, granted.token, since)
+            .hold(session, held, granted.token, since)
             .with_contention(waited);
         Ok(match (stored, record.is_some() && !waited) {
             // Written and released just before the try: the lease is dropped, which
@@ -275,7 +280,11 @@ impl Inner {
             try_sql.push_str(&format!("; SELECT {record} AS stored"));
         }
         let (session, sent, tried) = self
-            .first_query(deadline, || try_sql.clone(), self.command_timeout)
+            .first_query(
+                deadline,
+                || try_sql.clone(),
+                self.settings.timing.command_timeout,
+            )
             .await?;
         let tried = tried.and_then(|answer| {
             let mut rows = answer.iter().filter_map(|message| match message {
@@ -372,12 +381,11 @@ impl Inner {
         // hand-off's path (200 µs of a 0.6 ms hand-off, measured).
         let sent = Instant::now();
         let wait = self.wait_prepared(session, id, shared, pid, marker, millis);
-        let answer = timeout(remaining + self.command_timeout, wait).await;
+        let answer = timeout(remaining + self.settings.timing.command_timeout, wait).await;
         match answer {
             Ok(Ok(row)) => Ok(Some(Granted {
                 token: granted_row_token(row)?,
-                sent,
-                prompt: sent.elapsed() <= self.command_timeout,
+                answered: self.settings.timing.answered(sent),
                 waited: true,
             })),
             Ok(Err(error)) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
@@ -395,8 +403,7 @@ impl Inner {
                             .map_err(PgError::into_lock_error)?;
                         Ok(Some(Granted {
                             token: self.granted_token(&granted)?,
-                            sent,
-                            prompt: true,
+                            answered: Answered { sent, prompt: true },
                             waited: true,
                         }))
                     }
