@@ -16,7 +16,7 @@ use super::error::{MyError, SHARED_SESSION};
 use super::lock_name::hex_literal;
 use super::session::{number, Session, QUERY_INTERRUPTED};
 use super::Inner;
-use crate::backend::session::{self, Checked, SessionLock, Timing};
+use crate::backend::session::{self, Checked, SessionLock};
 use crate::backend::{Lease, LostReason};
 
 /// A lock held on a session: its name (and the name as an SQL literal), and the
@@ -46,7 +46,8 @@ impl Inner {
     ) -> Lease {
         let literal = hex_literal(&name);
         let held = Held { name, literal, id };
-        session::hold(self, session, held, granted.token, granted.since)
+        let timing = self.settings.timing;
+        session::hold(self, timing, session, held, granted.token, granted.since)
     }
 
     /// Closes `session` (`id`), which may still hold the lock named by `literal`, and
@@ -81,14 +82,9 @@ impl Inner {
     ///
     /// [`Pool::interrupt`]: super::session::Pool::interrupt
     async fn interrupt(&self, id: u64) -> Result<(), MyError> {
-        self.pool
-            .interrupt(
-                id,
-                self.settings.timing.command_timeout,
-                self.max_pooled_idle(),
-                &self.session_setup(),
-            )
-            .await
+        let (limit, max_idle) = (self.settings.timing.command_timeout, self.max_pooled_idle());
+        let setup = self.session_setup();
+        self.pool.interrupt(id, limit, max_idle, &setup).await
     }
 }
 
@@ -99,11 +95,6 @@ impl SessionLock for Inner {
 
     const ENGINE: &'static str = "MySQL";
     const SHARED_SESSION: &'static str = SHARED_SESSION;
-    const REPORTS_RELEASE: bool = true;
-
-    fn timing(&self) -> Timing {
-        self.settings.timing
-    }
 
     /// The statement kept pending, `SELECT SLEEP(<until the check is due>),
     /// CONNECTION_ID(), IS_USED_LOCK(name) <=> CONNECTION_ID()`, answered by the

@@ -13,7 +13,7 @@ use super::error::PgError;
 use super::error::SHARED_SESSION;
 use super::session::{last_row, Session};
 use super::{Inner, LockScope};
-use crate::backend::session::{self, Checked, SessionLock, Timing};
+use crate::backend::session::{self, Checked, SessionLock};
 use crate::backend::{Lease, LostReason};
 #[cfg(feature = "replay")]
 use crate::backend::{Place, RecordWrite};
@@ -50,7 +50,8 @@ impl Inner {
         token: Option<u64>,
         since: Instant,
     ) -> Lease {
-        session::hold(self, session, held, token, since)
+        let timing = self.settings.timing;
+        session::hold(self, timing, session, held, token, since)
     }
 
     /// Unlocks a session lock; `Ok` when the session is known to hold nothing now.
@@ -96,10 +97,6 @@ impl SessionLock for Inner {
     // A checked release reports a lease lost before it; what the unlock found is
     // logged.
     const REPORTS_RELEASE: bool = false;
-
-    fn timing(&self) -> Timing {
-        self.settings.timing
-    }
 
     /// `SELECT pg_backend_pid()` once due; until then the connection is looked at every
     /// [`CLOSED_CHECK_PERIOD`]: a session that ended is noticed at once, not at the

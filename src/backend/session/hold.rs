@@ -21,7 +21,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::{Checked, SessionLock};
+use super::{Checked, SessionLock, Timing};
 #[cfg(feature = "replay")]
 use crate::backend::RecordWrite;
 use crate::backend::{BoxFuture, Lease, LeaseLostSender, LeaseSignal, LostReason, ReleaseLease};
@@ -32,12 +32,14 @@ use crate::LockError;
 /// else why the lock was not (or no longer) this holder's.
 type Ended = Result<(), LostReason>;
 
-/// Hands the locked `session` to a task that watches it until the lease is released.
-/// `since` is when the last round trip known to have reset the server's idle limit was
-/// sent (it answered within the command timeout): the lease counts from there, so the
-/// holder is told a command timeout before that limit can end the session.
+/// Hands the locked `session` to a task that watches it, with `timing`, until the
+/// lease is released. `since` is when the last round trip known to have reset the
+/// server's idle limit was sent (it answered within the command timeout): the lease
+/// counts from there, so the holder is told a command timeout before that limit can
+/// end the session.
 pub(crate) fn hold<E: SessionLock>(
     engine: Arc<E>,
+    timing: Timing,
     session: E::Session,
     held: E::Held,
     token: Option<u64>,
@@ -45,12 +47,17 @@ pub(crate) fn hold<E: SessionLock>(
 ) -> Lease {
     // Lost at the next check's timeout unless it answers in time: an instant on the
     // clock, so a holder whose runtime stalls knows it too.
-    let deadline = engine.timing().valid_until(since);
+    let deadline = timing.valid_until(since);
     let (lost, signal) = LeaseSignal::with_deadline(deadline);
     let (stop, stopped) = oneshot::channel();
     #[cfg(feature = "replay")]
     let writes_records = engine.writes_records(&held);
-    let task = tokio::spawn(watch(engine, session, held, deadline, lost, stopped));
+    let watched = Watched {
+        timing,
+        deadline,
+        lost,
+    };
+    let task = tokio::spawn(watch(engine, session, held, watched, stopped));
     Lease::new(
         token,
         signal,
@@ -63,17 +70,24 @@ pub(crate) fn hold<E: SessionLock>(
     )
 }
 
+/// What the holding task keeps of a lease: its timing, its deadline, and the sender of
+/// its lost signal.
+struct Watched {
+    timing: Timing,
+    deadline: Instant,
+    lost: LeaseLostSender,
+}
+
 /// Watches the held session until release or loss, then gives it back to the pool if
 /// it is known to hold nothing, or closes it.
 async fn watch<E: SessionLock>(
     engine: Arc<E>,
     mut session: E::Session,
     held: E::Held,
-    deadline: Instant,
-    lost: LeaseLostSender,
+    watched: Watched,
     stop: oneshot::Receiver<E::Release>,
 ) -> Ended {
-    let ended = hold_until_released(&*engine, &mut session, &held, deadline, &lost, stop).await;
+    let ended = hold_until_released(&*engine, &mut session, &held, watched, stop).await;
     match ended {
         Ok(()) => engine.give_back(session),
         // A record write still in `stop` was dropped with it, which tells its writer.
@@ -87,11 +101,14 @@ async fn hold_until_released<E: SessionLock>(
     engine: &E,
     session: &mut E::Session,
     held: &E::Held,
-    mut deadline: Instant,
-    lost: &LeaseLostSender,
+    watched: Watched,
     mut stop: oneshot::Receiver<E::Release>,
 ) -> Ended {
-    let timing = engine.timing();
+    let Watched {
+        timing,
+        mut deadline,
+        lost,
+    } = watched;
     let engine_name = E::ENGINE;
     loop {
         if Instant::now() >= deadline {

@@ -81,10 +81,7 @@ pub(crate) trait SessionLock: Send + Sync + 'static {
     const SHARED_SESSION: &'static str;
     /// Whether a checked release reports what the unlock found (else only a lease
     /// lost before it).
-    const REPORTS_RELEASE: bool;
-
-    /// The timing of this backend's locks.
-    fn timing(&self) -> Timing;
+    const REPORTS_RELEASE: bool = true;
 
     /// The next liveness check of `session`, which holds `held` until `deadline`: due
     /// at [`Timing::check_due`], answered by `deadline` at the latest.
