@@ -245,8 +245,11 @@
 // One concern per file: `lock_name` is the stable name of a key, `session` the pool of
 // connections that closes those in an unknown state, `acquire` runs `GET_LOCK` and the
 // round trip after the grant, `server` the first-use checks and the fencing table,
-// `lease` checks a held lock and releases it, `holder` tells whether a key is held, and
-// `error` is the backend's error. This file has the public type and its configuration.
+// `lease` is this engine's side of a held lock (the pending statement that checks it, its
+// interrupt and `RELEASE_LOCK`; the holding task, the lease's deadline and the release
+// are the session-lock core's, in `backend/session`), `holder` tells whether a key is
+// held, and `error` is the backend's error. This file has the public type and its
+// configuration.
 // `session` also keeps the control connection that interrupts a holder's pending
 // statement on release.
 mod acquire;

@@ -174,6 +174,12 @@ impl Inner {
         // On every early return below, `session` is dropped: closed, not pooled.
         let (grant, checked, stored) = tried.map_err(PgError::into_lock_error)?;
         *answered = true;
+        let held = Held {
+            id,
+            shared,
+            key,
+            pid: grant.pid,
+        };
         let granted = match grant.locked {
             None => {
                 tracing::error!(lock_id = id, "{}", super::error::SHARED_SESSION);
@@ -190,18 +196,13 @@ impl Inner {
                 answered: Answered { sent, prompt: true },
                 waited: false,
             },
-            Some(false) => {
-                match self
-                    .wait_lock(&session, id, shared, grant.pid, &marker, deadline)
-                    .await?
-                {
-                    Some(granted) => granted,
-                    None => {
-                        session.give_back();
-                        return Err(LockError::Timeout);
-                    }
+            Some(false) => match self.wait_lock(&session, &held, &marker, deadline).await? {
+                Some(granted) => granted,
+                None => {
+                    session.give_back();
+                    return Err(LockError::Timeout);
                 }
-            }
+            },
         };
         // PostgreSQL's idle limit runs from the grant, which the answer does not date:
         // a late answer counts only once a round trip confirms the grant in time. A
@@ -209,15 +210,9 @@ impl Inner {
         // too: a pooler may reset it after every transaction.
         let since = match granted.answered.counts_from(checked) {
             Some(since) => since,
-            None => self.confirm(&session, id, grant.pid, &marker).await?,
+            None => self.confirm(&session, &held, &marker).await?,
         };
         let waited = granted.waited;
-        let held = Held {
-            id,
-            shared,
-            key,
-            pid: grant.pid,
-        };
         let lease = self
             .hold(session, held, granted.token, since)
             .with_contention(waited);
@@ -323,17 +318,18 @@ impl Inner {
     }
 
     /// Confirms in a round trip of its own, within the command timeout, that the
-    /// session (server process `pid`) still holds `id` with this acquisition's
-    /// `marker` after the granting transaction ended; returns when it was sent, which
-    /// the server's idle limit runs from at the earliest. Not confirmed, the grant is
-    /// given back (the caller drops the session: closed). Marks the session checked.
+    /// session (server process `held.pid`) still holds `held.id` with this
+    /// acquisition's `marker` after the granting transaction ended; returns when it was
+    /// sent, which the server's idle limit runs from at the earliest. Not confirmed, the
+    /// grant is given back (the caller drops the session: closed). Marks the session
+    /// checked.
     async fn confirm(
         &self,
         session: &Session,
-        id: i64,
-        pid: i32,
+        held: &Held,
         marker: &str,
     ) -> Result<Instant, LockError> {
+        let Held { id, pid, .. } = *held;
         let sql = format!(
             "SELECT held, CASE WHEN held THEN set_config('{CHECKED_MARKER}', 'on', false) END \
              FROM (SELECT {holds} AND current_setting('{LEASE_MARKER}', true) = '{marker}' \
@@ -352,18 +348,19 @@ impl Inner {
         }
     }
 
-    /// Waits in PostgreSQL's own queue until granted (`Some`) or `deadline` (`None`).
-    /// Returns `None` with the session unlocked and clean. `pid` is the server process
-    /// of the try: the wait must run on it too.
+    /// Waits in PostgreSQL's own queue for `held` until granted (`Some`) or `deadline`
+    /// (`None`). Returns `None` with the session unlocked and clean. `held.pid` is the
+    /// server process of the try: the wait must run on it too.
     async fn wait_lock(
         &self,
         session: &Session,
-        id: i64,
-        shared: bool,
-        pid: i32,
+        held: &Held,
         marker: &str,
         deadline: Instant,
     ) -> Result<Option<Granted>, LockError> {
+        let Held {
+            id, shared, pid, ..
+        } = *held;
         let remaining = deadline.saturating_duration_since(Instant::now());
         // `lock_timeout = 0` would mean "wait forever".
         let millis = whole_millis(remaining);
@@ -380,7 +377,7 @@ impl Inner {
         // wait, where a statement of its own would be planned after it, on the
         // hand-off's path (200 µs of a 0.6 ms hand-off, measured).
         let sent = Instant::now();
-        let wait = self.wait_prepared(session, id, shared, pid, marker, millis);
+        let wait = self.wait_prepared(session, held, marker, millis);
         let answer = timeout(remaining + self.settings.timing.command_timeout, wait).await;
         match answer {
             Ok(Ok(row)) => Ok(Some(Granted {

@@ -63,7 +63,7 @@ impl Inner {
             pid,
         } = *held;
         let answer = match key {
-            None => self.unlock_prepared(session, id, shared, pid).await,
+            None => self.unlock_prepared(session, held).await,
             Some(_) => self
                 .round_trip(session.simple_query(&Inner::unlock_sql(id, shared, key, pid)))
                 .await

@@ -322,10 +322,12 @@
 // `session` takes pooled connections and closes those in an unknown state, `acquire`
 // runs the session lock's try and wait statements, `xact` the transaction lock's,
 // `fencing` checks the sequence, `schema` creates it (and the replay store's table)
-// safely under concurrency, `lease` watches a held lock and releases it, and `error` is
-// the backend's error, `holder` records and reads who holds a lock, `pooler` checks that
-// sessions are the client's own, `setup` builds the backend (and `SetupError`). This
-// file has the public type and its configuration.
+// safely under concurrency, `lease` is this engine's side of a held lock (its liveness
+// check and unlock; the holding task, the lease's deadline and the release are the
+// session-lock core's, in `backend/session`), and `error` is the backend's error,
+// `holder` records and reads who holds a lock, `pooler` checks that sessions are the
+// client's own, `setup` builds the backend (and `SetupError`). This file has the public
+// type and its configuration.
 mod acquire;
 mod deployment;
 mod error;
