@@ -226,3 +226,130 @@ impl<E: SessionLock> ReleaseLease for SessionRelease<E> {
         Some(written)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// An engine whose checks answer from a script (then never), and which writes down
+    /// what the core asked of it.
+    struct Scripted {
+        checks: Mutex<VecDeque<Checked>>,
+        unlock: Result<(), LostReason>,
+        asked: Mutex<Vec<&'static str>>,
+    }
+
+    impl Scripted {
+        fn new(checks: impl IntoIterator<Item = Checked>, unlock: Ended) -> Arc<Self> {
+            Arc::new(Scripted {
+                checks: Mutex::new(checks.into_iter().collect()),
+                unlock,
+                asked: Mutex::default(),
+            })
+        }
+
+        fn asked(&self) -> Vec<&'static str> {
+            self.asked.lock().unwrap().clone()
+        }
+    }
+
+    impl SessionLock for Scripted {
+        type Session = ();
+        type Held = &'static str;
+        type Release = ();
+
+        const ENGINE: &'static str = "Scripted";
+        const SHARED_SESSION: &'static str = "shared";
+
+        async fn check(&self, (): &mut (), _: &&'static str, _: Instant) -> Checked {
+            let next = self.checks.lock().unwrap().pop_front();
+            match next {
+                Some(checked) => checked,
+                None => std::future::pending().await,
+            }
+        }
+
+        async fn unlock(&self, (): &mut (), _: &&'static str, (): ()) -> Ended {
+            self.asked.lock().unwrap().push("unlock");
+            self.unlock
+        }
+
+        fn give_back(&self, (): ()) {
+            self.asked.lock().unwrap().push("give back");
+        }
+
+        async fn close(&self, (): (), _: &&'static str, _: LostReason) {
+            self.asked.lock().unwrap().push("close");
+        }
+    }
+
+    const TIMING: Timing = Timing {
+        liveness_interval: Duration::from_millis(100),
+        command_timeout: Duration::from_millis(50),
+    };
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answer_moves_the_deadline_and_a_clean_unlock_pools_the_session() {
+        let since = Instant::now();
+        let alive_at = since + Duration::from_millis(80);
+        let engine = Scripted::new([Checked::Alive(alive_at)], Ok(()));
+        let lease = hold(engine.clone(), TIMING, (), "k", Some(7), since);
+        assert_eq!(
+            lease.signal().valid_until(),
+            Some(TIMING.valid_until(since))
+        );
+        tokio::task::yield_now().await;
+        assert_eq!(
+            lease.signal().valid_until(),
+            Some(TIMING.valid_until(alive_at))
+        );
+        assert_eq!(lease.fencing_token(), Some(7));
+        assert_eq!(lease.release_checked().await, Ok(()));
+        assert_eq!(engine.asked(), ["unlock", "give back"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_found_not_holding_raises_the_signal_and_is_closed() {
+        let engine = Scripted::new([Checked::NotOwner], Ok(()));
+        let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+        tokio::task::yield_now().await;
+        assert_eq!(lease.signal().lost_reason(), Some(LostReason::NotOwner));
+        assert_eq!(lease.release_checked().await, Err(LostReason::NotOwner));
+        assert_eq!(engine.asked(), ["close"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_broken_session_is_unreachable_and_never_unlocked() {
+        let engine = Scripted::new([Checked::Failed("reset".into())], Ok(()));
+        let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+        tokio::task::yield_now().await;
+        assert_eq!(lease.signal().lost_reason(), Some(LostReason::Unreachable));
+        lease.release().await;
+        assert_eq!(engine.asked(), ["close"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unlock_that_finds_the_lock_gone_closes_the_session_and_says_so() {
+        let engine = Scripted::new([], Err(LostReason::NotOwner));
+        let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+        assert_eq!(lease.release_checked().await, Err(LostReason::NotOwner));
+        assert_eq!(engine.asked(), ["unlock", "close"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_holder_that_stalled_past_its_deadline_is_lost_and_its_session_closed() {
+        let since = Instant::now();
+        let engine = Scripted::new([Checked::Alive(since)], Ok(()));
+        let lease = hold(engine.clone(), TIMING, (), "k", None, since);
+        // The holding task first runs past the deadline (a stalled runtime): no check
+        // is sent, the lease is lost by the clock, and the session is closed, not
+        // unlocked.
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert_eq!(lease.signal().lost_reason(), Some(LostReason::Expired));
+        lease.release().await;
+        assert_eq!(engine.asked(), ["close"]);
+    }
+}
