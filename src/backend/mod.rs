@@ -94,6 +94,8 @@ mod retry_later;
 pub mod s3;
 #[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 mod server_clock;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod session;
 #[cfg(any(
     feature = "redis",
     feature = "dynamodb",

@@ -11,6 +11,7 @@ use super::error::MyError;
 use super::lock_name::hex_literal;
 use super::session::{number, Session};
 use super::Inner;
+use crate::backend::session::Answered;
 use crate::backend::Lease;
 use crate::locks::LockError;
 
@@ -50,9 +51,16 @@ impl Inner {
             let mut sent = Instant::now();
             let remaining = deadline.saturating_duration_since(sent);
             let mut answer = session
-                .rows(&sql(remaining), remaining + self.command_timeout)
+                .rows(
+                    &sql(remaining),
+                    remaining + self.settings.timing.command_timeout,
+                )
                 .await;
-            if first && answer.is_err() && session.reused && sent.elapsed() < self.command_timeout {
+            if first
+                && answer.is_err()
+                && session.reused
+                && sent.elapsed() < self.settings.timing.command_timeout
+            {
                 // A pooled connection that died idle (a server restart, a kill) fails at
                 // once: its session, and any lock of it, is gone; try once more on a
                 // fresh connection.
@@ -61,7 +69,10 @@ impl Inner {
                 sent = Instant::now();
                 let remaining = deadline.saturating_duration_since(sent);
                 answer = session
-                    .rows(&sql(remaining), remaining + self.command_timeout)
+                    .rows(
+                        &sql(remaining),
+                        remaining + self.settings.timing.command_timeout,
+                    )
                     .await;
             }
             first = false;
@@ -100,47 +111,41 @@ impl Inner {
                 _ => return Err(MyError::message("GET_LOCK failed in the server").into()),
             }
         };
-        let prompt = sent.elapsed() <= self.command_timeout;
+        let answered = self.settings.timing.answered(sent);
         let granted = self
-            .after_grant(&mut session, &literal, id as u64, sent, prompt)
+            .after_grant(&mut session, &literal, id as u64, answered)
             .await?;
         Ok(self
             .hold(session, name, id as u64, granted)
             .with_contention(contended))
     }
 
-    /// What follows a grant on `session` (`CONNECTION_ID()` `id`), whose statement was
-    /// sent at `sent` and answered within the command timeout if `prompt`: the fencing
-    /// token, taken in a round trip of its own right after the grant, and a check that
-    /// the session still holds the lock — needed when the grant's answer came late
-    /// (the server's idle limit runs from the grant, which a late answer does not date)
-    /// and on a session never checked before (a proxy may reset sessions between
-    /// statements). Not confirmed within the command timeout, the grant is given back:
-    /// the caller drops the session, which closes it.
+    /// What follows a grant on `session` (`CONNECTION_ID()` `id`), `answered` by its
+    /// statement: the fencing token, taken in a round trip of its own right after the
+    /// grant, and a check that the session still holds the lock — needed unless the
+    /// grant counts by itself ([`Answered::counts_from`]: its answer came in time, on a
+    /// session checked before, since a proxy may reset sessions between statements).
+    /// Not confirmed within the command timeout, the grant is given back: the caller
+    /// drops the session, which closes it.
     async fn after_grant(
         &self,
         session: &mut Session,
         literal: &str,
         id: u64,
-        sent: Instant,
-        prompt: bool,
+        answered: Answered,
     ) -> Result<Granted, LockError> {
         let check = format!(
             "SELECT CONNECTION_ID(), IS_USED_LOCK({literal}) <=> CONNECTION_ID(), LAST_INSERT_ID()"
         );
-        let sql = match &self.fencing {
-            Some(fencing) => format!("{}; {check}", fencing.increment_sql()),
-            None if prompt && session.state.checked => {
-                return Ok(Granted {
-                    token: None,
-                    since: sent,
-                })
-            }
-            None => check,
+        let counted = answered.counts_from(session.state.checked);
+        let sql = match (&self.fencing, counted) {
+            (Some(fencing), _) => format!("{}; {check}", fencing.increment_sql()),
+            (None, Some(since)) => return Ok(Granted { token: None, since }),
+            (None, None) => check,
         };
         let confirm_sent = Instant::now();
         let rows = session
-            .rows(&sql, self.command_timeout)
+            .rows(&sql, self.settings.timing.command_timeout)
             .await
             .map_err(|error| {
                 tracing::warn!(%error, "MySQL lock grant not confirmed in time; given back");
@@ -178,7 +183,7 @@ impl Inner {
         self.pool
             .get(
                 deadline,
-                self.command_timeout,
+                self.settings.timing.command_timeout,
                 self.max_pooled_idle(),
                 &self.session_setup(),
             )

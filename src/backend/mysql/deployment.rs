@@ -17,12 +17,12 @@ pub(super) async fn findings(inner: &Inner) -> Vec<Finding> {
     let sql = "SELECT VERSION(), CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)";
     let read = async {
         let mut session = inner
-            .session(Instant::now() + inner.command_timeout)
+            .session(Instant::now() + inner.settings.timing.command_timeout)
             .await?;
         let sent_at = SystemTime::now();
         let started = Instant::now();
         let rows = session
-            .rows(sql, inner.command_timeout)
+            .rows(sql, inner.settings.timing.command_timeout)
             .await
             .map_err(|error| error.into_lock_error())?;
         let round_trip = started.elapsed();

@@ -12,10 +12,12 @@ use crate::locks::LockError;
 impl Inner {
     /// One round trip: `IS_USED_LOCK(name)`, the holding connection's id or NULL.
     pub(super) async fn holder(&self, name: String) -> Result<Option<Holder>, LockError> {
-        let mut session = self.session(Instant::now() + self.command_timeout).await?;
+        let mut session = self
+            .session(Instant::now() + self.settings.timing.command_timeout)
+            .await?;
         let sql = format!("SELECT IS_USED_LOCK({})", hex_literal(&name));
         let rows = session
-            .rows(&sql, self.command_timeout)
+            .rows(&sql, self.settings.timing.command_timeout)
             .await
             .map_err(|error| error.into_lock_error())?;
         let held = rows.last().and_then(|row| number(row, 0)).is_some();

@@ -245,8 +245,11 @@
 // One concern per file: `lock_name` is the stable name of a key, `session` the pool of
 // connections that closes those in an unknown state, `acquire` runs `GET_LOCK` and the
 // round trip after the grant, `server` the first-use checks and the fencing table,
-// `lease` checks a held lock and releases it, `holder` tells whether a key is held, and
-// `error` is the backend's error. This file has the public type and its configuration.
+// `lease` is this engine's side of a held lock (the pending statement that checks it, its
+// interrupt and `RELEASE_LOCK`; the holding task, the lease's deadline and the release
+// are the session-lock core's, in `backend/session`), `holder` tells whether a key is
+// held, and `error` is the backend's error. This file has the public type and its
+// configuration.
 // `session` also keeps the control connection that interrupts a holder's pending
 // statement on release.
 mod acquire;
@@ -264,13 +267,14 @@ use std::time::Duration;
 
 use mysql_async::Opts;
 use tokio::sync::OnceCell;
-use tokio::time::{timeout, Instant};
+use tokio::time::Instant;
 
 pub use self::lock_name::{lock_name, MAX_LOCK_NAME_LEN};
 
 use self::error::MyError;
 use self::lock_name::MAX_PREFIX_LEN;
 use self::session::Pool;
+use super::session::{self as session_core, Builder as _, Settings};
 use super::SetupError;
 use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
@@ -279,9 +283,9 @@ use crate::key::Key;
 /// The default [`MySqlBackendBuilder::prefix`].
 pub const DEFAULT_PREFIX: &str = "tkl";
 /// The default [`MySqlBackendBuilder::liveness_interval`].
-pub const DEFAULT_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
+pub const DEFAULT_LIVENESS_INTERVAL: Duration = session_core::DEFAULT_LIVENESS_INTERVAL;
 /// The default [`MySqlBackendBuilder::command_timeout`].
-pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = session_core::DEFAULT_COMMAND_TIMEOUT;
 /// The default [`MySqlBackendBuilder::max_connections`].
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
 /// The default [`MySqlBackendBuilder::fencing_table`].
@@ -324,9 +328,8 @@ pub struct MySqlBackendBuilder {
 #[derive(Clone)]
 struct Inner {
     pool: Arc<Pool>,
-    prefix: Arc<str>,
-    liveness_interval: Duration,
-    command_timeout: Duration,
+    /// The prefix and the timing (see `backend/session`).
+    settings: Settings,
     /// Kept while fencing is off, so turning it back on keeps the name.
     table: Arc<str>,
     fencing: Option<Fencing>,
@@ -370,9 +373,7 @@ impl MySqlBackend {
         MySqlBackendBuilder {
             inner: Inner {
                 pool: Arc::new(Pool::new(opts.into(), DEFAULT_MAX_CONNECTIONS)),
-                prefix: DEFAULT_PREFIX.into(),
-                liveness_interval: DEFAULT_LIVENESS_INTERVAL,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
+                settings: Settings::new(DEFAULT_PREFIX),
                 table: DEFAULT_FENCING_TABLE.into(),
                 fencing: None,
                 checked: Arc::default(),
@@ -408,7 +409,7 @@ impl MySqlBackend {
     /// assert_eq!(backend.lock_name("orders", "42"), lock_name("billing", "orders", "42"));
     /// ```
     pub fn lock_name(&self, name: &str, key: &str) -> String {
-        lock_name(&self.inner.prefix, name, key)
+        lock_name(&self.inner.settings.prefix, name, key)
     }
 }
 
@@ -422,7 +423,7 @@ impl MySqlBackendBuilder {
         }
         let backend = self.build_lazy();
         let inner = &backend.inner;
-        let deadline = Instant::now() + 4 * inner.command_timeout;
+        let deadline = Instant::now() + 4 * inner.settings.timing.command_timeout;
         inner.prepare(deadline).await.map_err(|error| {
             let server = inner.pool.address();
             match error {
@@ -454,8 +455,8 @@ impl MySqlBackendBuilder {
     /// [Pool size](self#pool-size)). Call it before the backend is used.
     /// Zero is refused by [`build`](Self::build).
     pub fn max_connections(self, max: usize) -> Self {
-        if max == 0 {
-            return self.refuse("max_connections must be at least 1".into());
+        if let Some(problem) = session_core::refused_pool_size(max) {
+            return self.refuse(problem);
         }
         self.configure(|inner| {
             inner.pool = Arc::new(Pool::new(inner.pool.opts().clone(), max));
@@ -477,7 +478,7 @@ impl MySqlBackendBuilder {
                 "prefix: {prefix:?} must be 1 to {MAX_PREFIX_LEN} ASCII bytes without ':' or '#'"
             ));
         }
-        self.configure(|inner| inner.prefix = prefix.into())
+        self.with_prefix(prefix)
     }
 
     /// How often a held lock's session is checked (default 1 s): the statement kept
@@ -487,10 +488,7 @@ impl MySqlBackendBuilder {
     /// (see [Timing](self#timing)).
     /// Zero is refused by [`build`](Self::build).
     pub fn liveness_interval(self, interval: Duration) -> Self {
-        if interval.is_zero() {
-            return self.refuse("liveness_interval must not be zero".into());
-        }
-        self.configure(|inner| inner.liveness_interval = interval)
+        self.with_liveness_interval(interval)
     }
 
     /// The longest wait for one answer from the server — connecting, a statement, a
@@ -499,10 +497,7 @@ impl MySqlBackendBuilder {
     /// rather than reused.
     /// Zero is refused by [`build`](Self::build).
     pub fn command_timeout(self, timeout: Duration) -> Self {
-        if timeout.is_zero() {
-            return self.refuse("command_timeout must not be zero".into());
-        }
-        self.configure(|inner| inner.command_timeout = timeout)
+        self.with_command_timeout(timeout)
     }
 
     /// Issues a fencing token with every grant (off by default), from the counter in
@@ -521,14 +516,8 @@ impl MySqlBackendBuilder {
     /// plain name lives in the connection's database. Enables fencing. Any other name is
     /// refused by [`build`](Self::build).
     pub fn fencing_table(self, name: &str) -> Self {
-        let valid_part = |part: &str| {
-            !part.is_empty()
-                && part.len() <= 64
-                && !part.starts_with(|c: char| c.is_ascii_digit())
-                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        };
-        let parts: Vec<&str> = name.split('.').collect();
-        if parts.len() > 2 || !parts.iter().all(|part| valid_part(part)) {
+        // MySQL's identifiers are at most 64 bytes.
+        if !session_core::is_plain_or_qualified(name, 64) {
             return self.refuse(format!(
                 "fencing_table: {name:?} is not a plain or database-qualified identifier"
             ));
@@ -541,12 +530,6 @@ impl MySqlBackendBuilder {
         })
     }
 
-    /// Keeps the first refused setting for [`build`](Self::build) to return.
-    fn refuse(mut self, problem: String) -> Self {
-        self.invalid.get_or_insert(problem);
-        self
-    }
-
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
         change(&mut self.inner);
         // New settings are checked anew.
@@ -555,15 +538,25 @@ impl MySqlBackendBuilder {
     }
 }
 
+impl session_core::Builder for MySqlBackendBuilder {
+    fn configure_settings(self, change: impl FnOnce(&mut Settings)) -> Self {
+        self.configure(|inner| change(&mut inner.settings))
+    }
+
+    fn refuse(mut self, problem: String) -> Self {
+        self.invalid.get_or_insert(problem);
+        self
+    }
+}
+
 impl Inner {
     /// How long the server lets a session sit idle (`wait_timeout`, and the read and
-    /// write timeouts) before it ends it and frees its locks: one liveness interval
-    /// plus two command timeouts, rounded up to whole seconds. A live holder is never
-    /// idle that long, and a holder cut off declares the lease lost at most one
-    /// interval plus one command timeout after its last answered check: a network
-    /// timeout or more before the server frees the lock.
+    /// write timeouts) before it ends it and frees its locks: `Timing::server_idle_limit`
+    /// rounded up to whole seconds (the settings' unit), so a holder cut off still
+    /// declares the lease lost a network timeout or more before the server frees the
+    /// lock.
     fn server_idle_limit(&self) -> Duration {
-        let limit = self.liveness_interval + 2 * self.command_timeout;
+        let limit = self.settings.timing.server_idle_limit();
         Duration::from_secs(limit.as_nanos().div_ceil(1_000_000_000) as u64)
     }
 
@@ -571,7 +564,7 @@ impl Inner {
     /// the server's idle limit less a command timeout.
     fn max_pooled_idle(&self) -> Duration {
         self.server_idle_limit()
-            .saturating_sub(self.command_timeout)
+            .saturating_sub(self.settings.timing.command_timeout)
     }
 }
 
@@ -590,11 +583,9 @@ impl fmt::Debug for MySqlBackendBuilder {
 impl Inner {
     fn debug(&self, name: &str, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let inner = self;
-        f.debug_struct(name)
-            .field("prefix", &inner.prefix)
-            .field("liveness_interval", &inner.liveness_interval)
-            .field("command_timeout", &inner.command_timeout)
-            .field("fencing_table", &inner.fencing.as_ref().map(|f| &*f.table))
+        let mut f = f.debug_struct(name);
+        inner.settings.debug_fields(&mut f);
+        f.field("fencing_table", &inner.fencing.as_ref().map(|f| &*f.table))
             .field("max_connections", &inner.pool.max())
             .field("idle_connections", &inner.pool.idle())
             .finish()
@@ -630,18 +621,13 @@ impl LockBackend for MySqlBackend {
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let name = self.lock_name(name, key.as_str());
         let inner = self.inner.clone();
-        // The whole acquisition stays within the wait plus one command timeout, however
-        // many round trips were slow. Cut short, it drops its connection: closed, so
-        // whatever the server granted it is freed.
-        let limit = wait.saturating_add(inner.command_timeout);
+        let unanswered = || {
+            MyError::message("MySQL did not answer within the wait plus the command timeout")
+                .into_lock_error()
+        };
         Box::pin(async move {
-            match timeout(limit, inner.acquire(name, wait)).await {
-                Ok(result) => result,
-                Err(_) => Err(MyError::message(
-                    "MySQL did not answer within the wait plus the command timeout",
-                )
-                .into_lock_error()),
-            }
+            let timing = inner.settings.timing;
+            session_core::within_wait(timing, wait, inner.acquire(name, wait), unanswered).await
         })
     }
 }

@@ -45,7 +45,7 @@ impl Inner {
 
     async fn check_server(&self, deadline: Instant) -> Result<Server, LockError> {
         let mut session = self.session(deadline).await?;
-        let limit = self.command_timeout;
+        let limit = self.settings.timing.command_timeout;
         let rows = session
             .rows("SELECT VERSION() LIKE '%MariaDB%'", limit)
             .await?;

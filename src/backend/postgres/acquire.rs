@@ -17,8 +17,10 @@ use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
 use super::error::PgError;
 use super::holder::SAVED_NAME;
+use super::lease::Held;
 use super::session::{last_row, Session};
 use super::Inner;
+use crate::backend::session::Answered;
 use crate::backend::{Acquired, Lease};
 use crate::error::LockError;
 
@@ -51,10 +53,8 @@ pub(super) struct Grant {
 /// A lock granted, and the round trip that counts for it.
 struct Granted {
     token: Option<u64>,
-    /// When the granting statement was sent.
-    sent: Instant,
-    /// Whether its answer came within the command timeout of `sent`.
-    prompt: bool,
+    /// The granting statement.
+    answered: Answered,
     /// Whether it waited in PostgreSQL's queue (after a try that found the lock held).
     waited: bool,
 }
@@ -174,6 +174,12 @@ impl Inner {
         // On every early return below, `session` is dropped: closed, not pooled.
         let (grant, checked, stored) = tried.map_err(PgError::into_lock_error)?;
         *answered = true;
+        let held = Held {
+            id,
+            shared,
+            key,
+            pid: grant.pid,
+        };
         let granted = match grant.locked {
             None => {
                 tracing::error!(lock_id = id, "{}", super::error::SHARED_SESSION);
@@ -187,34 +193,28 @@ impl Inner {
             // The try answered within the command timeout (its limit).
             Some(true) => Granted {
                 token: grant.token,
-                sent,
-                prompt: true,
+                answered: Answered { sent, prompt: true },
                 waited: false,
             },
-            Some(false) => {
-                match self
-                    .wait_lock(&session, id, shared, grant.pid, &marker, deadline)
-                    .await?
-                {
-                    Some(granted) => granted,
-                    None => {
-                        session.give_back();
-                        return Err(LockError::Timeout);
-                    }
+            Some(false) => match self.wait_lock(&session, &held, &marker, deadline).await? {
+                Some(granted) => granted,
+                None => {
+                    session.give_back();
+                    return Err(LockError::Timeout);
                 }
-            }
+            },
         };
         // PostgreSQL's idle limit runs from the grant, which the answer does not date:
         // a late answer counts only once a round trip confirms the grant in time. A
         // session not yet seen to keep its lock past a transaction's end is confirmed
         // too: a pooler may reset it after every transaction.
-        let since = match granted.prompt && checked {
-            true => granted.sent,
-            false => self.confirm(&session, id, grant.pid, &marker).await?,
+        let since = match granted.answered.counts_from(checked) {
+            Some(since) => since,
+            None => self.confirm(&session, &held, &marker).await?,
         };
         let waited = granted.waited;
         let lease = self
-            .hold(session, (id, shared, key), grant.pid, granted.token, since)
+            .hold(session, held, granted.token, since)
             .with_contention(waited);
         Ok(match (stored, record.is_some() && !waited) {
             // Written and released just before the try: the lease is dropped, which
@@ -275,7 +275,11 @@ impl Inner {
             try_sql.push_str(&format!("; SELECT {record} AS stored"));
         }
         let (session, sent, tried) = self
-            .first_query(deadline, || try_sql.clone(), self.command_timeout)
+            .first_query(
+                deadline,
+                || try_sql.clone(),
+                self.settings.timing.command_timeout,
+            )
             .await?;
         let tried = tried.and_then(|answer| {
             let mut rows = answer.iter().filter_map(|message| match message {
@@ -314,17 +318,18 @@ impl Inner {
     }
 
     /// Confirms in a round trip of its own, within the command timeout, that the
-    /// session (server process `pid`) still holds `id` with this acquisition's
-    /// `marker` after the granting transaction ended; returns when it was sent, which
-    /// the server's idle limit runs from at the earliest. Not confirmed, the grant is
-    /// given back (the caller drops the session: closed). Marks the session checked.
+    /// session (server process `held.pid`) still holds `held.id` with this
+    /// acquisition's `marker` after the granting transaction ended; returns when it was
+    /// sent, which the server's idle limit runs from at the earliest. Not confirmed, the
+    /// grant is given back (the caller drops the session: closed). Marks the session
+    /// checked.
     async fn confirm(
         &self,
         session: &Session,
-        id: i64,
-        pid: i32,
+        held: &Held,
         marker: &str,
     ) -> Result<Instant, LockError> {
+        let Held { id, pid, .. } = *held;
         let sql = format!(
             "SELECT held, CASE WHEN held THEN set_config('{CHECKED_MARKER}', 'on', false) END \
              FROM (SELECT {holds} AND current_setting('{LEASE_MARKER}', true) = '{marker}' \
@@ -343,18 +348,19 @@ impl Inner {
         }
     }
 
-    /// Waits in PostgreSQL's own queue until granted (`Some`) or `deadline` (`None`).
-    /// Returns `None` with the session unlocked and clean. `pid` is the server process
-    /// of the try: the wait must run on it too.
+    /// Waits in PostgreSQL's own queue for `held` until granted (`Some`) or `deadline`
+    /// (`None`). Returns `None` with the session unlocked and clean. `held.pid` is the
+    /// server process of the try: the wait must run on it too.
     async fn wait_lock(
         &self,
         session: &Session,
-        id: i64,
-        shared: bool,
-        pid: i32,
+        held: &Held,
         marker: &str,
         deadline: Instant,
     ) -> Result<Option<Granted>, LockError> {
+        let Held {
+            id, shared, pid, ..
+        } = *held;
         let remaining = deadline.saturating_duration_since(Instant::now());
         // `lock_timeout = 0` would mean "wait forever".
         let millis = whole_millis(remaining);
@@ -371,13 +377,12 @@ impl Inner {
         // wait, where a statement of its own would be planned after it, on the
         // hand-off's path (200 µs of a 0.6 ms hand-off, measured).
         let sent = Instant::now();
-        let wait = self.wait_prepared(session, id, shared, pid, marker, millis);
-        let answer = timeout(remaining + self.command_timeout, wait).await;
+        let wait = self.wait_prepared(session, held, marker, millis);
+        let answer = timeout(remaining + self.settings.timing.command_timeout, wait).await;
         match answer {
             Ok(Ok(row)) => Ok(Some(Granted {
                 token: granted_row_token(row)?,
-                sent,
-                prompt: sent.elapsed() <= self.command_timeout,
+                answered: self.settings.timing.answered(sent),
                 waited: true,
             })),
             Ok(Err(error)) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
@@ -395,8 +400,7 @@ impl Inner {
                             .map_err(PgError::into_lock_error)?;
                         Ok(Some(Granted {
                             token: self.granted_token(&granted)?,
-                            sent,
-                            prompt: true,
+                            answered: Answered { sent, prompt: true },
                             waited: true,
                         }))
                     }

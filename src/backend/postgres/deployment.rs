@@ -78,7 +78,7 @@ async fn read(inner: &Inner) -> Result<Read, LockError> {
     let sql = "SELECT current_setting('server_version_num'), \
                (extract(epoch from clock_timestamp()) * 1000000)::bigint";
     let session = inner
-        .session(Instant::now() + inner.command_timeout)
+        .session(Instant::now() + inner.settings.timing.command_timeout)
         .await?;
     let sent_at = SystemTime::now();
     let started = Instant::now();

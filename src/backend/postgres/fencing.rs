@@ -47,7 +47,7 @@ impl Inner {
             let create = format!("CREATE SEQUENCE {sequence}");
             // Two round trips when it is missing: the look, then the creation.
             let created = self.round_trip_within(
-                2 * self.command_timeout,
+                2 * self.settings.timing.command_timeout,
                 create_if_missing(&session, sequence, &create),
             );
             match created.await {

@@ -70,7 +70,9 @@ impl Inner {
              WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
              AND l.classid::bigint = {high} AND l.objid::bigint = {low} LIMIT 1"
         );
-        let session = self.session(Instant::now() + self.command_timeout).await?;
+        let session = self
+            .session(Instant::now() + self.settings.timing.command_timeout)
+            .await?;
         let answer = self
             .round_trip(session.simple_query(&sql))
             .await

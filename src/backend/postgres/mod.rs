@@ -322,10 +322,12 @@
 // `session` takes pooled connections and closes those in an unknown state, `acquire`
 // runs the session lock's try and wait statements, `xact` the transaction lock's,
 // `fencing` checks the sequence, `schema` creates it (and the replay store's table)
-// safely under concurrency, `lease` watches a held lock and releases it, and `error` is
-// the backend's error, `holder` records and reads who holds a lock, `pooler` checks that
-// sessions are the client's own, `setup` builds the backend (and `SetupError`). This
-// file has the public type and its configuration.
+// safely under concurrency, `lease` is this engine's side of a held lock (its liveness
+// check and unlock; the holding task, the lease's deadline and the release are the
+// session-lock core's, in `backend/session`), and `error` is the backend's error,
+// `holder` records and reads who holds a lock, `pooler` checks that sessions are the
+// client's own, `setup` builds the backend (and `SetupError`). This file has the public
+// type and its configuration.
 mod acquire;
 mod deployment;
 mod error;
@@ -348,13 +350,14 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio::sync::OnceCell;
-use tokio::time::{timeout, Instant};
+use tokio::time::Instant;
 use tokio_postgres::NoTls;
 
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
 
 use self::error::PgError;
+use super::session::{self as session_core, Builder as _, Settings};
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
 #[cfg(feature = "replay")]
 use super::{Place, RecordLookup};
@@ -365,9 +368,9 @@ use crate::key::Key;
 /// The default [`PostgresBackendBuilder::prefix`].
 pub const DEFAULT_PREFIX: &str = "tower-keyed-lock";
 /// The default [`PostgresBackendBuilder::liveness_interval`].
-pub const DEFAULT_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
+pub const DEFAULT_LIVENESS_INTERVAL: Duration = session_core::DEFAULT_LIVENESS_INTERVAL;
 /// The default [`PostgresBackendBuilder::command_timeout`].
-pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = session_core::DEFAULT_COMMAND_TIMEOUT;
 /// The pool size of [`PostgresBackend::builder_from_config`] (change it with
 /// [`PostgresBackendBuilder::max_connections`]).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 16;
@@ -417,9 +420,8 @@ struct Inner {
     pool_config: Option<tokio_postgres::Config>,
     /// Set once the pool turned out to have no runtime for its timeouts.
     pool_without_runtime: Arc<AtomicBool>,
-    prefix: Arc<str>,
-    liveness_interval: Duration,
-    command_timeout: Duration,
+    /// The prefix and the timing (see `backend/session`).
+    settings: Settings,
     /// Kept while fencing is off, so turning it back on keeps the name.
     sequence: Arc<str>,
     fencing: Option<Fencing>,
@@ -486,9 +488,7 @@ impl PostgresBackend {
                 pool,
                 pool_config: None,
                 pool_without_runtime: Arc::default(),
-                prefix: DEFAULT_PREFIX.into(),
-                liveness_interval: DEFAULT_LIVENESS_INTERVAL,
-                command_timeout: DEFAULT_COMMAND_TIMEOUT,
+                settings: Settings::new(DEFAULT_PREFIX),
                 sequence: DEFAULT_FENCING_SEQUENCE.into(),
                 fencing: None,
                 scope: LockScope::Session,
@@ -548,7 +548,7 @@ impl PostgresBackend {
     /// # }
     /// ```
     pub fn lock_id(&self, name: &str, key: &str) -> i64 {
-        lock_id(&self.inner.prefix, name, key)
+        lock_id(&self.inner.settings.prefix, name, key)
     }
 }
 
@@ -561,8 +561,8 @@ impl PostgresBackendBuilder {
     /// Zero, or a pool passed to [`builder`](PostgresBackend::builder) (size that
     /// pool when you build it), is refused by [`build`](Self::build).
     pub fn max_connections(self, max: usize) -> Self {
-        if max == 0 {
-            return self.refuse("max_connections must be at least 1".into());
+        if let Some(problem) = session_core::refused_pool_size(max) {
+            return self.refuse(problem);
         }
         let Some(config) = self.inner.pool_config.clone() else {
             return self.refuse(
@@ -597,8 +597,7 @@ impl PostgresBackendBuilder {
     /// The first part of every lock id (default [`DEFAULT_PREFIX`]): applications
     /// that share a database but must not share locks use different prefixes.
     pub fn prefix(self, prefix: impl Into<String>) -> Self {
-        let prefix: String = prefix.into();
-        self.configure(|inner| inner.prefix = prefix.into())
+        self.with_prefix(prefix.into())
     }
 
     /// How often held connections are checked with a round trip (default 1 s): a
@@ -608,10 +607,7 @@ impl PostgresBackendBuilder {
     /// limit of a holding session (see [Lost locks](self#lost-locks)).
     /// Zero is refused by [`build`](Self::build).
     pub fn liveness_interval(self, interval: Duration) -> Self {
-        if interval.is_zero() {
-            return self.refuse("liveness_interval must not be zero".into());
-        }
-        self.configure(|inner| inner.liveness_interval = interval)
+        self.with_liveness_interval(interval)
     }
 
     /// The longest wait for one answer from PostgreSQL — connecting, a statement, a
@@ -621,10 +617,7 @@ impl PostgresBackendBuilder {
     /// liveness interval plus two command timeouts (see [Lost locks](self#lost-locks)).
     /// Zero is refused by [`build`](Self::build).
     pub fn command_timeout(self, timeout: Duration) -> Self {
-        if timeout.is_zero() {
-            return self.refuse("command_timeout must not be zero".into());
-        }
-        self.configure(|inner| inner.command_timeout = timeout)
+        self.with_command_timeout(timeout)
     }
 
     /// Issues a fencing token with every grant (off by default): `nextval` of the
@@ -641,14 +634,8 @@ impl PostgresBackendBuilder {
     /// `locks.tokens`). Enables fencing. Any other name is refused by
     /// [`build`](Self::build).
     pub fn fencing_sequence(self, name: &str) -> Self {
-        let valid_part = |part: &str| {
-            !part.is_empty()
-                && part.len() <= 63
-                && !part.starts_with(|c: char| c.is_ascii_digit())
-                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        };
-        let parts: Vec<&str> = name.split('.').collect();
-        if parts.len() > 2 || !parts.iter().all(|part| valid_part(part)) {
+        // PostgreSQL's identifiers are at most 63 bytes.
+        if !session_core::is_plain_or_qualified(name, 63) {
             return self.refuse(format!(
                 "fencing_sequence: {name:?} is not a plain or schema-qualified identifier"
             ));
@@ -667,16 +654,21 @@ impl PostgresBackendBuilder {
         self.configure(|inner| inner.scope = scope)
     }
 
-    /// Keeps the first refused setting for [`build`](Self::build) to return.
-    fn refuse(mut self, problem: String) -> Self {
-        self.invalid.get_or_insert(problem);
-        self
-    }
-
     fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
         change(&mut self.inner);
         // Made again from the new settings.
         self.inner.statements = Default::default();
+        self
+    }
+}
+
+impl session_core::Builder for PostgresBackendBuilder {
+    fn configure_settings(self, change: impl FnOnce(&mut Settings)) -> Self {
+        self.configure(|inner| change(&mut inner.settings))
+    }
+
+    fn refuse(mut self, problem: String) -> Self {
+        self.invalid.get_or_insert(problem);
         self
     }
 }
@@ -711,14 +703,9 @@ impl Fencing {
 impl Inner {
     /// How long PostgreSQL lets a holding session sit idle (`idle_session_timeout`,
     /// `tcp_user_timeout`; `idle_in_transaction_session_timeout` for transaction-scoped
-    /// locks) before it ends it and frees the lock: one liveness interval plus two
-    /// command timeouts. A live holder is never idle that long (its checks come every
-    /// interval, and one slower than a command timeout already lost the lease), and a
-    /// holder cut off declares the lease lost at most one interval plus one network
-    /// timeout after its last answered check: a command timeout before the server
-    /// frees the lock.
+    /// locks) before it ends it and frees the lock: see `Timing::server_idle_limit`.
     fn server_idle_limit(&self) -> Duration {
-        self.liveness_interval + 2 * self.command_timeout
+        self.settings.timing.server_idle_limit()
     }
 }
 
@@ -737,18 +724,16 @@ impl fmt::Debug for PostgresBackendBuilder {
 impl Inner {
     fn debug(&self, name: &str, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (inner, status) = (self, self.pool.status());
-        f.debug_struct(name)
-            .field("prefix", &inner.prefix)
-            .field("liveness_interval", &inner.liveness_interval)
-            .field("command_timeout", &inner.command_timeout)
-            .field(
-                "fencing_sequence",
-                &inner.fencing.as_ref().map(|f| &*f.sequence),
-            )
-            .field("lock_scope", &inner.scope)
-            .field("max_connections", &status.max_size)
-            .field("connections", &status.size)
-            .finish()
+        let mut f = f.debug_struct(name);
+        inner.settings.debug_fields(&mut f);
+        f.field(
+            "fencing_sequence",
+            &inner.fencing.as_ref().map(|f| &*f.sequence),
+        )
+        .field("lock_scope", &inner.scope)
+        .field("max_connections", &status.max_size)
+        .field("connections", &status.size)
+        .finish()
     }
 }
 
@@ -763,9 +748,10 @@ impl PostgresBackend {
 
 #[cfg(feature = "replay")]
 impl Inner {
-    /// [`PostgresBackend::engine_id`], from a lease's side.
-    fn engine_id(self: &Arc<Self>) -> usize {
-        Arc::as_ptr(self) as usize
+    /// [`PostgresBackend::engine_id`], from a lease's side: where the backend's shared
+    /// state lives.
+    fn engine_id(&self) -> usize {
+        std::ptr::from_ref(self) as usize
     }
 }
 
@@ -855,7 +841,7 @@ impl PostgresBackend {
         let id = self.lock_id(name, key.as_str());
         let permits = match mode {
             LockMode::Permit { of } => {
-                permits::permit_ids(&self.inner.prefix, name, key.as_str(), of)
+                permits::permit_ids(&self.inner.settings.prefix, name, key.as_str(), of)
             }
             _ => Vec::new(),
         };
@@ -864,10 +850,6 @@ impl PostgresBackend {
         // PostgreSQL's `lock_timeout` is an `int` of milliseconds (24.8 days): a longer
         // wait (`Duration::MAX` for "no limit" included) ends there, with a timeout.
         let wait = wait.min(Duration::from_millis(i32::MAX as u64));
-        // The whole acquisition stays within the wait plus one command timeout, however
-        // many round trips were slow. Cut short, it drops its connection: closed, so
-        // whatever PostgreSQL granted it is freed.
-        let limit = wait + inner.command_timeout;
         Box::pin(async move {
             // Once per backend, outside the wait (up to four command timeouts).
             if inner.scope == LockScope::Session {
@@ -876,6 +858,7 @@ impl PostgresBackend {
                     .await
                     .map_err(setup::into_lock_error)?;
             }
+            let timing = inner.settings.timing;
             let acquire = async {
                 let deadline = Instant::now() + wait;
                 inner.prepare_fencing(deadline).await?;
@@ -898,13 +881,13 @@ impl PostgresBackend {
                         .map(Acquired::Granted),
                 }
             };
-            match timeout(limit, acquire).await {
-                Ok(result) => result,
-                Err(_) => Err(PgError::message(
+            let unanswered = || {
+                PgError::message(
                     "PostgreSQL did not answer within the wait plus the command timeout",
                 )
-                .into_lock_error()),
-            }
+                .into_lock_error()
+            };
+            session_core::within_wait(timing, wait, acquire, unanswered).await
         })
     }
 }

@@ -138,9 +138,9 @@ impl Inner {
     }
 
     async fn probe_sessions(&self) -> Result<Sessions, SetupError> {
-        let limit = 4 * self.command_timeout;
+        let limit = 4 * self.settings.timing.command_timeout;
         let deadline = Instant::now() + limit;
-        let mut idle_limit = FIRST_IDLE_LIMIT.min(self.command_timeout);
+        let mut idle_limit = FIRST_IDLE_LIMIT.min(self.settings.timing.command_timeout);
         for _ in 0..PROBE_STARTS {
             if Instant::now() >= deadline {
                 break;
@@ -243,7 +243,7 @@ impl Inner {
             // Still the same session, with the marker: does another client see it?
             if other.is_none() {
                 // Not past a command timeout: a pool of one has no second connection.
-                let until = (Instant::now() + self.command_timeout).min(deadline);
+                let until = (Instant::now() + self.settings.timing.command_timeout).min(deadline);
                 other = self.session(until).await.ok();
             }
             if let Some(looking) = &other {
@@ -257,7 +257,7 @@ impl Inner {
                     Err(_) => other = None,
                 }
             }
-            grace = (grace * 2).min(self.command_timeout);
+            grace = (grace * 2).min(self.settings.timing.command_timeout);
         }
     }
 }

@@ -17,6 +17,7 @@ use tokio::time::Instant;
 use super::acquire::{shared_suffix, Grant, CHECKED_MARKER, LEASE_MARKER, LIMITED_SETTINGS};
 use super::error::PgError;
 use super::holder::SAVED_NAME;
+use super::lease::Held;
 use super::session::Session;
 use super::Inner;
 use crate::error::LockError;
@@ -160,18 +161,19 @@ impl Inner {
         (sent, parsed)
     }
 
-    /// Waits in PostgreSQL's queue for `id` on server process `pid` at most `millis`
-    /// (the `lock_timeout`), then takes the grant's token and marks the session with
-    /// `marker`: the row, or none on another server process.
+    /// Waits in PostgreSQL's queue for `held` (its lock id, on its server process) at
+    /// most `millis` (the `lock_timeout`), then takes the grant's token and marks the
+    /// session with `marker`: the row, or none on another server process.
     pub(super) async fn wait_prepared(
         &self,
         session: &Session,
-        id: i64,
-        shared: bool,
-        pid: i32,
+        held: &Held,
         marker: &str,
         millis: u128,
     ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
+        let Held {
+            id, shared, pid, ..
+        } = *held;
         let sql = &self.statements().wait[usize::from(shared)];
         let statement = session.prepare_cached(sql).await?;
         let limit = format!("{millis}ms");
@@ -180,16 +182,17 @@ impl Inner {
             .await
     }
 
-    /// Unlocks `id` on server process `pid` and clears the session's marker and holder
-    /// record: `Some(held)`, or `None` when another server process answered (left
-    /// alone).
+    /// Unlocks `held` (its lock id, on its server process) and clears the session's
+    /// marker and holder record: `Some(held)`, or `None` when another server process
+    /// answered (left alone).
     pub(super) async fn unlock_prepared(
         &self,
         session: &Session,
-        id: i64,
-        shared: bool,
-        pid: i32,
+        held: &Held,
     ) -> Result<Option<bool>, PgError> {
+        let Held {
+            id, shared, pid, ..
+        } = *held;
         let sql = &self.statements().unlock[usize::from(shared)];
         let statement = self.round_trip(session.prepare_cached(sql)).await?;
         let row = self

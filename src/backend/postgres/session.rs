@@ -58,8 +58,8 @@ impl Inner {
         let timeouts = Timeouts {
             // Zero means "try once" to deadpool, as to the layer.
             wait: Some(wait),
-            create: Some(self.command_timeout),
-            recycle: Some(self.command_timeout),
+            create: Some(self.settings.timing.command_timeout),
+            recycle: Some(self.settings.timing.command_timeout),
         };
         let mut got = Err(PoolError::NoRuntimeSpecified);
         if !self.pool_without_runtime.load(Ordering::Relaxed) {
@@ -77,7 +77,7 @@ impl Inner {
             let status = self.pool.status();
             let limit = match status.available == 0 && status.size >= status.max_size {
                 true => wait,
-                false => wait + self.command_timeout,
+                false => wait + self.settings.timing.command_timeout,
             };
             got = match timeout(limit, self.pool.timeout_get(&untimed)).await {
                 Ok(got) => got,
@@ -129,7 +129,8 @@ impl Inner {
         &self,
         query: impl Future<Output = Result<T, tokio_postgres::Error>>,
     ) -> Result<T, PgError> {
-        self.round_trip_within(self.command_timeout, query).await
+        self.round_trip_within(self.settings.timing.command_timeout, query)
+            .await
     }
 
     /// Runs one round trip within `limit`.

@@ -128,7 +128,7 @@ impl PostgresBackendBuilder {
         }
         let backend = self.build_lazy();
         let inner = &backend.inner;
-        let deadline = Instant::now() + inner.command_timeout;
+        let deadline = Instant::now() + inner.settings.timing.command_timeout;
         match inner.scope {
             LockScope::Session => inner.check_own_sessions().await?,
             // Only reachable: one round trip on a pooled connection.
@@ -145,7 +145,7 @@ impl PostgresBackendBuilder {
             }
         }
         inner
-            .prepare_fencing(Instant::now() + inner.command_timeout)
+            .prepare_fencing(Instant::now() + inner.settings.timing.command_timeout)
             .await
             .map_err(|error| match error {
                 LockError::Backend(error)

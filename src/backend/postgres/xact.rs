@@ -10,6 +10,7 @@ use tokio_postgres::error::SqlState;
 
 use super::acquire::{whole_millis, Grant};
 use super::error::PgError;
+use super::lease::Held;
 use super::session::{last_row, Session};
 use super::Inner;
 use crate::backend::Lease;
@@ -56,9 +57,9 @@ impl Inner {
             }
         };
         let (session, sent, answer) = self
-            .first_query(deadline, sql, wait + self.command_timeout)
+            .first_query(deadline, sql, wait + self.settings.timing.command_timeout)
             .await?;
-        let prompt = sent.elapsed() <= self.command_timeout;
+        let answered = self.settings.timing.answered(sent);
         // On every early return below, `session` is dropped: closed, not pooled, so
         // its transaction and lock end.
         let (grant, waited) = match answer {
@@ -81,11 +82,18 @@ impl Inner {
         }
         // PostgreSQL's idle-in-transaction limit runs from the grant, which a late
         // answer does not date: it counts only once a round trip confirms it in time.
-        let since = match prompt {
-            true => sent,
-            false => self.confirm_in_transaction(&session, id, grant.pid).await?,
+        // (Nothing resets a session inside an open transaction: it counts as checked.)
+        let since = match answered.counts_from(true) {
+            Some(since) => since,
+            None => self.confirm_in_transaction(&session, id, grant.pid).await?,
         };
-        let lease = self.hold(session, (id, false, None), grant.pid, grant.token, since);
+        let held = Held {
+            id,
+            shared: false,
+            key: None,
+            pid: grant.pid,
+        };
+        let lease = self.hold(session, held, grant.token, since);
         Ok(lease.with_contention(waited))
     }
 

@@ -1,0 +1,108 @@
+//! The settings both session backends' builders share — the prefix, the liveness
+//! interval and the command timeout — with their checks written once: a builder keeps
+//! the first setting it refused, and `build` returns it.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::Timing;
+
+/// What both session backends keep of their builders' settings.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    /// The first part of every lock's name or id.
+    pub(crate) prefix: Arc<str>,
+    pub(crate) timing: Timing,
+}
+
+impl Settings {
+    /// The engine's default `prefix`, with the default timing.
+    pub(crate) fn new(prefix: &str) -> Self {
+        Settings {
+            prefix: prefix.into(),
+            timing: Timing::default(),
+        }
+    }
+
+    /// Adds the shared settings to a backend's or builder's `Debug`.
+    pub(crate) fn debug_fields(&self, f: &mut fmt::DebugStruct<'_, '_>) {
+        f.field("prefix", &self.prefix)
+            .field("liveness_interval", &self.timing.liveness_interval)
+            .field("command_timeout", &self.timing.command_timeout);
+    }
+}
+
+/// A session backend's builder: the shared setters' checks run here, once.
+pub(crate) trait Builder: Sized {
+    /// Applies `change` to the shared settings (and drops whatever was made from the
+    /// old ones).
+    fn configure_settings(self, change: impl FnOnce(&mut Settings)) -> Self;
+
+    /// Keeps the first refused setting for `build` to return.
+    fn refuse(self, problem: String) -> Self;
+
+    /// Sets the liveness interval; zero is refused.
+    fn with_liveness_interval(self, interval: Duration) -> Self {
+        if interval.is_zero() {
+            return self.refuse("liveness_interval must not be zero".into());
+        }
+        self.configure_settings(|settings| settings.timing.liveness_interval = interval)
+    }
+
+    /// Sets the command timeout; zero is refused.
+    fn with_command_timeout(self, timeout: Duration) -> Self {
+        if timeout.is_zero() {
+            return self.refuse("command_timeout must not be zero".into());
+        }
+        self.configure_settings(|settings| settings.timing.command_timeout = timeout)
+    }
+
+    /// Sets the prefix, as given.
+    fn with_prefix(self, prefix: String) -> Self {
+        self.configure_settings(|settings| settings.prefix = prefix.into())
+    }
+}
+
+/// Why a pool size is refused: zero connections could hold no lock.
+pub(crate) fn refused_pool_size(max: usize) -> Option<String> {
+    (max == 0).then(|| "max_connections must be at least 1".into())
+}
+
+/// Whether `name` is a plain or qualified (`schema.name`) name of unquoted identifiers
+/// of at most `max_part` bytes each: safe to format into SQL as it is.
+pub(crate) fn is_plain_or_qualified(name: &str, max_part: usize) -> bool {
+    let valid_part = |part: &str| {
+        !part.is_empty()
+            && part.len() <= max_part
+            && !part.starts_with(|c: char| c.is_ascii_digit())
+            && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    let parts: Vec<&str> = name.split('.').collect();
+    parts.len() <= 2 && parts.iter().all(|part| valid_part(part))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_plain_or_qualified_identifiers() {
+        for good in ["tokens", "locks.tokens", "_a1", &"n".repeat(63)] {
+            assert!(is_plain_or_qualified(good, 63), "{good:?} was refused");
+        }
+        for bad in [
+            "",
+            "a b",
+            "x;drop",
+            "a.b.c",
+            "1abc",
+            "a'b",
+            "a`b",
+            ".a",
+            &"n".repeat(64),
+        ] {
+            assert!(!is_plain_or_qualified(bad, 63), "{bad:?} was accepted");
+        }
+    }
+}
