@@ -105,8 +105,10 @@
 //!   granted is given back there until it answers (for as long as its mark lasts).
 //!   A master that is down (refuses connections) costs nothing: nothing reached it.
 //! - **A majority down** (3 of 5): no attempt can be granted; acquisitions fail with
-//!   [`LockError::Backend`] once a majority did not answer (the layer answers
-//!   503), and holders are told their lease is lost at their deadline.
+//!   [`LockError::Backend`] as soon as a majority refused (the layer answers 503), and
+//!   holders are told their lease is lost at their deadline. A majority *silent* for a
+//!   command timeout is tried again within the wait (the wait bounds the waiting),
+//!   then fails the same way, naming the masters that did not answer.
 //! - **A master restarted empty** (no persistence, or a snapshot older than the grant)
 //!   forgets the keys it held, and its vote could complete a second majority while a
 //!   holder still counts on the first. The **restart guard** (on by default; antirez's
