@@ -127,7 +127,9 @@
 //! ([`lock_scope`](PostgresBackendBuilder::lock_scope)): the lock is
 //! `pg_advisory_xact_lock(id)`, taken in one round trip with
 //! `BEGIN; SET LOCAL idle_in_transaction_session_timeout …; SET LOCAL lock_timeout …`
-//! (or `pg_try_advisory_xact_lock` for a zero wait), inside a transaction held open
+//! (or `pg_try_advisory_xact_lock` alone for a zero wait; before a wait, the same try,
+//! its answer kept with `set_config(.., true)` for the last row, says whether the lock
+//! was [contended](crate::backend::Lease::contended)), inside a transaction held open
 //! until release, which ends it with `ROLLBACK`. The open transaction pins the server
 //! session to the connection, so the pooler cannot hand it to anyone else. Its cost:
 //! a pooled connection, and a pooler server connection, per held key (size the

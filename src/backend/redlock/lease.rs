@@ -211,7 +211,7 @@ impl Inner {
             for (master, _) in answered.iter().enumerate().filter(|(_, seen)| !**seen) {
                 votes.count(Vote::NoAnswer);
                 let address = self.masters[master].address.clone();
-                failed.push((address, "no answer within the command timeout".to_owned()));
+                failed.push((address, "no answer by the attempt's limit".to_owned()));
             }
         }
         (votes, failed)
