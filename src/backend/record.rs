@@ -80,7 +80,6 @@ impl Acquired {
 
     /// The same, its lease marked contended if `contended` (an acquisition that was
     /// tried again), as contended as before otherwise.
-    #[cfg(feature = "postgres")]
     pub(crate) fn contended_if(self, contended: bool) -> Self {
         let mark = |lease: Lease| match contended {
             true => lease.with_contention(true),

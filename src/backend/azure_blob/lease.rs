@@ -24,8 +24,10 @@ use super::metadata::{grant_metadata, FENCE};
 use super::Inner;
 use crate::backend::located::Located;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round, Timing,
+    TtlBackend,
 };
+use crate::backend::Lease;
 use crate::LockError;
 
 /// The first pause of a waiter; pauses double from here up to `poll_interval`.
@@ -524,12 +526,24 @@ async fn delete_released(blob: Arc<BlobClient>, etag: Etag, due: Instant, limit:
 
 impl Contend for Inner {
     type Key = Arc<BlobClient>;
+    type Grant = Lease;
+    type Contender = ();
+
+    fn contender(self: &Arc<Self>, _: &Self::Key, _: Instant) -> Result<(), BoxError> {
+        Ok(())
+    }
 
     fn pauses(&self) -> Backoff {
         Backoff::new(FIRST_POLL, self.config.poll_interval)
     }
 
-    async fn attempt(self: &Arc<Self>, blob: &Arc<BlobClient>, limit: Instant) -> Attempt {
+    async fn attempt(
+        self: &Arc<Self>,
+        _: &mut (),
+        blob: &Arc<BlobClient>,
+        round: Round,
+    ) -> Attempt {
+        let limit = round.limit;
         let token = match fresh_token() {
             Ok(token) => lease_id(&token),
             Err(error) => return Attempt::Failed(Box::new(error)),

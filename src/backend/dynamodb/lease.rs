@@ -21,8 +21,10 @@ use super::retry::{is_transient, CommandTimeout};
 use super::Inner;
 use crate::backend::located::Located;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round, Timing,
+    TtlBackend,
 };
+use crate::backend::Lease;
 use crate::LockError;
 
 /// The primary key of one lock item.
@@ -368,6 +370,12 @@ fn is_delete_condition_failed(error: &SdkError<DeleteItemError>) -> bool {
 
 impl Contend for Inner {
     type Key = ItemKey;
+    type Grant = Lease;
+    type Contender = ();
+
+    fn contender(self: &Arc<Self>, _: &Self::Key, _: Instant) -> Result<(), BoxError> {
+        Ok(())
+    }
 
     fn pauses(&self) -> Backoff {
         Backoff::new(FIRST_POLL, self.config.settings.poll_interval)
@@ -375,12 +383,12 @@ impl Contend for Inner {
 
     /// Takes the key if it is free, or over a holder whose record stopped changing for
     /// a lease as this process saw it (what was seen is kept across acquisitions).
-    async fn attempt(self: &Arc<Self>, item: &ItemKey, _limit: Instant) -> Attempt {
+    async fn attempt(self: &Arc<Self>, _: &mut (), item: &ItemKey, round: Round) -> Attempt {
+        let sent_at = round.sent_at;
         let id = match item.get(&self.layout.partition_key) {
             Some(AttributeValue::S(value)) => value.clone(),
             _ => String::new(),
         };
-        let sent_at = Instant::now();
         let stale = self.watched.stale_version(&id, sent_at);
         let token = match fresh_token() {
             Ok(token) => token,

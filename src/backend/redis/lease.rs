@@ -9,16 +9,18 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use redis::{ErrorKind, RedisError, RetryMethod};
-use tokio::time::{sleep, Instant};
+use tokio::time::{sleep_until, Instant};
 
 use super::cached::{ACQUIRE, ACQUIRE_COUNTED, RELEASE, RELEASE_COUNTED};
 use super::connection::Failure;
 use super::eviction::{self, EvictionState};
 use super::keys::RedisKeys;
 use super::scripts::{RENEW, RENEW_COUNTED};
+use super::subscriber::Interest;
 use super::Inner;
 use crate::backend::ttl::{
-    self, fresh_token, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, jitter, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round,
+    Timing, TtlBackend,
 };
 use crate::backend::{Acquired, LockMode, RetryLater};
 use crate::LockError;
@@ -42,16 +44,6 @@ const ARGUMENTS_LEN: usize = 160;
 const FIRST_RETRY: Duration = Duration::from_millis(20);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// How a wait that reached its deadline ends: [`LockError::Timeout`] if the last
-/// answer was that the key is held, [`LockError::Backend`] with the last failure if no
-/// attempt was answered since (the layer then answers 503, not 409).
-fn out_of_time(last_failure: Option<BoxError>) -> LockError {
-    match last_failure {
-        Some(error) => LockError::Backend(error),
-        None => LockError::Timeout,
-    }
-}
 
 /// Whether another attempt may succeed after `error`: a broken or refused connection,
 /// an answer out of turn (the connection is replaced), a server loading, read-only
@@ -106,8 +98,8 @@ impl fmt::Display for NotReplicated {
 
 impl std::error::Error for NotReplicated {}
 
-/// What one acquire attempt found.
-enum Attempt {
+/// What one acquire script found.
+enum Found {
     /// Granted, with a fencing token (none for a reader of a key never written).
     Granted { fence: Option<u64> },
     /// Held by another token, which expires in this many ms (negative: no TTL).
@@ -119,181 +111,39 @@ enum Attempt {
     /// The replay record looked for is stored: nothing was granted.
     Recorded(Vec<u8>),
 }
+
+/// One acquisition's state from one attempt to the next.
+pub(super) struct Contender {
+    /// Its key's release messages, registered before the first attempt, so no release
+    /// after it goes unnoticed.
+    interest: Interest,
+    /// One token for every attempt (a failed attempt aside), armed while an attempt
+    /// may have been granted unseen and while a writer waits in the key's intent set
+    /// and queue.
+    in_flight: InFlight<Inner>,
+    /// Whether an attempt of this token was sent: it may be in the intent set.
+    token_sent: bool,
+    /// Whether the last attempt was answered. One that was not (an error, cut at its
+    /// limit) may still have been granted: the next gets a fresh token, and replacing
+    /// the `InFlight` gives the old one back.
+    answered: bool,
+    /// Release messages the key's waiters had had when the last attempt was sent: one
+    /// after that may have freed the key.
+    releases_seen: u64,
+    /// When the last attempt was sent: a grant a release hands on counts from it.
+    sent_at: Instant,
+    /// When the wait ends: only an attempt sent before it queues for a hand-off (one
+    /// that does not wait would be granted the key after it is gone).
+    deadline: Instant,
+}
+
 impl Inner {
     pub(super) async fn acquire(
         self: Arc<Self>,
         keys: Arc<RedisKeys>,
         wait: Duration,
     ) -> Result<Acquired, LockError> {
-        let deadline = ttl::deadline_after(wait);
-        // Registered before the first attempt, so no release after it goes unnoticed.
-        let interest = self.releases.register(&keys.lock);
-        // One token for every attempt of this acquisition (a reconnection aside).
-        let mut in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
-        let mut first = true;
-        // How many attempts were sent: a grant after more than one was contended.
-        let mut attempts = 0u32;
-        // Whether an attempt of the current token was sent: it may be in the intent set.
-        let mut token_sent = false;
-        // The last attempt's failure, if no attempt was answered since.
-        let mut last_failure: Option<BoxError> = None;
-        let mut backoff = Backoff::new(
-            FIRST_RETRY,
-            self.config.settings.command_timeout.max(FIRST_RETRY),
-        );
-        // After a failed attempt (no answer, a broken connection, an answer out of
-        // turn): only the wait bounds the waiting (DESIGN rule 11), so the attempt is
-        // tried again after a jittered pause, with a fresh token, until the wait ends.
-        // The failed attempt may still have been granted: replacing its `InFlight`
-        // gives that token back.
-        macro_rules! retry {
-            () => {{
-                let pause = backoff.pause();
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(out_of_time(last_failure));
-                }
-                in_flight = InFlight::new(self.clone(), keys.clone(), fresh_token()?);
-                token_sent = false;
-                tracing::debug!("redis acquire attempt failed; retrying within the wait");
-                sleep(pause.min(deadline - now)).await;
-                if Instant::now() >= deadline {
-                    return Err(out_of_time(last_failure));
-                }
-                continue;
-            }};
-        }
-        loop {
-            // No command of its own: the backend re-reads the policy in the background.
-            if let Some(refusal) = self.eviction_refusal() {
-                return Err(LockError::Backend(Box::new(refusal)));
-            }
-            // Read before the registration: a release between the two is one the
-            // attempt below sees the effect of.
-            let releases_seen = interest.releases();
-            let mut released = pin!(interest.notify.notified());
-            released.as_mut().enable();
-
-            let sent_at = Instant::now();
-            // The first attempt gets a whole command timeout (a zero wait still tries
-            // once); later ones end with the wait.
-            let limit = match first {
-                true => sent_at + self.config.settings.command_timeout,
-                false => (sent_at + self.config.settings.command_timeout).min(deadline),
-            };
-            first = false;
-            attempts += 1;
-            in_flight.sent(sent_at);
-            // Only a whole command timeout says the connection may be silent.
-            let counts = limit == sent_at + self.config.settings.command_timeout;
-            // Queued for a grant only if it waits after a refusal: one that does not
-            // (a zero wait) would be granted the key after it is gone.
-            let queues = sent_at < deadline && self.takes_grants(&keys);
-            let attempt = self.attempt(&keys, in_flight.token(), token_sent, limit, counts, queues);
-            token_sent = true;
-            // On an error or timeout `in_flight` stays armed: its drop gives back what
-            // the attempt may have been granted.
-            let ttl_ms = match attempt.await {
-                Ok(Attempt::Granted { fence }) => {
-                    let token = in_flight.granted();
-                    // Each attempt looked for the record (when there is one to look for).
-                    let looked = keys.record.is_some();
-                    let lease = ttl::grant(&self, keys, token, fence, sent_at)
-                        .with_contention(attempts > 1);
-                    return Ok(match looked {
-                        true => Acquired::NotRecorded(lease),
-                        false => Acquired::Granted(lease),
-                    });
-                }
-                Ok(Attempt::Recorded(record)) => {
-                    in_flight.answered();
-                    return Ok(Acquired::Recorded(record));
-                }
-                Ok(Attempt::Held { ttl_ms }) => {
-                    last_failure = None;
-                    ttl_ms
-                }
-                // `in_flight` stays armed: its drop gives the grant back.
-                Ok(Attempt::NotReplicated(error)) => {
-                    return Err(LockError::Backend(Box::new(error)))
-                }
-                Ok(Attempt::Restarted { wait_ms }) => {
-                    in_flight.answered();
-                    last_failure = None;
-                    let wait = Duration::from_millis(wait_ms);
-                    self.warn_of_restart_guard(wait);
-                    if Instant::now() + wait >= deadline {
-                        let guard = restart_guard(self.config.settings.lease, wait);
-                        return Err(LockError::Backend(Box::new(guard)));
-                    }
-                    sleep(wait).await;
-                    continue;
-                }
-                Err(Failure::TimedOut) if limit == deadline => {
-                    return Err(out_of_time(last_failure))
-                }
-                Err(Failure::TimedOut) => {
-                    let timeout = CommandTimeout(self.config.settings.command_timeout);
-                    last_failure = Some(Box::new(timeout));
-                    retry!()
-                }
-                Err(Failure::Redis(error)) if is_transient(&error) => {
-                    last_failure = Some(Box::new(error));
-                    retry!()
-                }
-                Err(Failure::Redis(error)) => return Err(LockError::Backend(Box::new(error))),
-            };
-            // A writer refused is in the key's intent set, and may be in its queue:
-            // `in_flight` stays armed, so that a writer that stops waiting (its wait
-            // over, its future dropped) gives the token back. The give-back takes it
-            // out of both, or hands on the key a release granted it meanwhile. Readers
-            // and permits enter neither.
-            if keys.mode != LockMode::Exclusive {
-                in_flight.answered();
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                in_flight.give_back().await;
-                return Err(LockError::Timeout);
-            }
-            let mut pause = pin!(sleep(self.pause(ttl_ms).min(deadline - now)));
-            // Woken by a release message or the end of the pause, whichever is first.
-            loop {
-                tokio::select! {
-                    biased;
-                    () = released.as_mut() => {}
-                    () = pause.as_mut() => break,
-                }
-                // Registered again before anything is read: a message from now on
-                // wakes this registration, one before it is read below.
-                released.set(interest.notify.notified());
-                released.as_mut().enable();
-                // A release granted the key to this waiter: the last attempt was
-                // refused, so it ran before the grant, and the lease counts from when
-                // it was sent.
-                if let Some(fence) = interest.take_grant(in_flight.token()) {
-                    let token = in_flight.granted();
-                    let lease = ttl::grant(&self, keys, token, Some(fence), sent_at);
-                    return Ok(Acquired::Granted(lease.with_contention(true)));
-                }
-                if interest.releases() != releases_seen {
-                    break;
-                }
-                // Only grants to other waiters: the key is held again, and an attempt
-                // now would only move this waiter back in the queue. It tries again
-                // when the grant's lease would be over, if that is sooner.
-                if let Some(until) = interest.granted_until() {
-                    let retry = until + Duration::from_millis(1);
-                    if retry < pause.deadline() {
-                        pause.as_mut().reset(retry);
-                    }
-                }
-            }
-            if Instant::now() >= deadline {
-                in_flight.give_back().await;
-                return Err(LockError::Timeout);
-            }
-        }
+        ttl::acquire(&self, &keys, wait).await
     }
 
     /// Why no lock may be granted now: a server may evict lock keys (and the risk was
@@ -336,21 +186,7 @@ impl Inner {
         );
     }
 
-    /// How long to wait for a release message before trying again.
-    fn pause(&self, holder_ttl_ms: i64) -> Duration {
-        let mut poll = self.config.settings.poll_interval;
-        if !*self.subscribed.borrow() {
-            poll = poll.min(UNSUBSCRIBED_POLL);
-        }
-        let pause = jitter(poll);
-        match u64::try_from(holder_ttl_ms) {
-            // One ms past the holder's expiry, the key is free.
-            Ok(ttl) => pause.min(Duration::from_millis(ttl + 1)),
-            Err(_) => pause,
-        }
-    }
-
-    async fn attempt(
+    async fn attempt_once(
         &self,
         keys: &RedisKeys,
         token: &str,
@@ -358,7 +194,7 @@ impl Inner {
         limit: Instant,
         counts: bool,
         queues: bool,
-    ) -> Result<Attempt, Failure> {
+    ) -> Result<Found, Failure> {
         let fence_ttl = self.config.record_ttl_ms(self.config.first_ttl());
         // Outlasts this waiter's longest pause and its next attempt's round trip.
         let waiting_ttl = self.config.settings.poll_interval + self.config.settings.command_timeout;
@@ -424,25 +260,25 @@ impl Inner {
             .await?;
         if outcome == 3 {
             let record = redis::from_redis_value(value).map_err(|e| Failure::Redis(e.into()))?;
-            return Ok(Attempt::Recorded(record));
+            return Ok(Found::Recorded(record));
         }
         let value: i64 = redis::from_redis_value(value).map_err(|e| Failure::Redis(e.into()))?;
         Ok(match outcome {
             1 => match (replicas, acknowledged) {
                 (Some(replicas), Some(acknowledged)) if acknowledged < replicas.count => {
-                    Attempt::NotReplicated(NotReplicated {
+                    Found::NotReplicated(NotReplicated {
                         acknowledged,
                         wanted: replicas.count,
                     })
                 }
-                _ => Attempt::Granted {
+                _ => Found::Granted {
                     fence: u64::try_from(value).ok(),
                 },
             },
-            2 => Attempt::Restarted {
+            2 => Found::Restarted {
                 wait_ms: u64::try_from(value).unwrap_or_default(),
             },
-            _ => Attempt::Held { ttl_ms: value },
+            _ => Found::Held { ttl_ms: value },
         })
     }
 
@@ -553,6 +389,186 @@ impl Inner {
                 GiveBack::NoAnswer
             }
         }
+    }
+}
+
+impl Contend for Inner {
+    type Key = Arc<RedisKeys>;
+    type Grant = Acquired;
+    type Contender = Contender;
+
+    fn contender(
+        self: &Arc<Self>,
+        keys: &Arc<RedisKeys>,
+        deadline: Instant,
+    ) -> Result<Contender, BoxError> {
+        Ok(Contender {
+            interest: self.releases.register(&keys.lock),
+            in_flight: InFlight::new(self.clone(), keys.clone(), fresh_token()?),
+            token_sent: false,
+            answered: true,
+            releases_seen: 0,
+            sent_at: Instant::now(),
+            deadline,
+        })
+    }
+
+    /// A waiter is woken by release messages: the pause is the poll in case one is
+    /// missed.
+    fn pauses(&self) -> Backoff {
+        let poll = self.config.settings.poll_interval;
+        Backoff::new(poll, poll)
+    }
+
+    fn retry_pauses(&self) -> Backoff {
+        let longest = self.config.settings.command_timeout.max(FIRST_RETRY);
+        Backoff::new(FIRST_RETRY, longest)
+    }
+
+    async fn attempt(
+        self: &Arc<Self>,
+        contender: &mut Contender,
+        keys: &Arc<RedisKeys>,
+        round: Round,
+    ) -> Attempt<Acquired> {
+        // No command of its own: the backend re-reads the policy in the background.
+        if let Some(refusal) = self.eviction_refusal() {
+            return Attempt::Failed(Box::new(refusal));
+        }
+        if !contender.answered {
+            let token = match fresh_token() {
+                Ok(token) => token,
+                Err(error) => return Attempt::Failed(Box::new(error)),
+            };
+            contender.in_flight = InFlight::new(self.clone(), keys.clone(), token);
+            contender.token_sent = false;
+        }
+        let Round { sent_at, limit } = round;
+        contender.answered = false;
+        contender.releases_seen = contender.interest.releases();
+        contender.sent_at = sent_at;
+        contender.in_flight.sent(sent_at);
+        // Only a whole command timeout says the connection may be silent.
+        let counts = limit == sent_at + self.config.settings.command_timeout;
+        let queues = sent_at < contender.deadline && self.takes_grants(keys);
+        let token = contender.in_flight.token();
+        let attempt = self.attempt_once(keys, token, contender.token_sent, limit, counts, queues);
+        let found = attempt.await;
+        contender.token_sent = true;
+        // On an error or timeout `in_flight` stays armed: its drop (or replacement)
+        // gives back what the attempt may have been granted.
+        let found = match found {
+            Ok(found) => found,
+            Err(Failure::TimedOut) => return Attempt::OutOfTime(None),
+            Err(Failure::Redis(error)) if is_transient(&error) => {
+                return Attempt::Retry(Box::new(error))
+            }
+            Err(Failure::Redis(error)) => return Attempt::Failed(Box::new(error)),
+        };
+        contender.answered = true;
+        match found {
+            Found::Granted { fence } => {
+                let token = contender.in_flight.granted();
+                let lease = ttl::grant(self, keys.clone(), token, fence, sent_at);
+                // Each attempt looked for the record (when there is one to look for).
+                Attempt::Granted(match keys.record.is_some() {
+                    true => Acquired::NotRecorded(lease),
+                    false => Acquired::Granted(lease),
+                })
+            }
+            Found::Recorded(record) => {
+                contender.in_flight.answered();
+                Attempt::Granted(Acquired::Recorded(record))
+            }
+            Found::Held { ttl_ms } => {
+                // A writer refused is in the key's intent set, and may be in its
+                // queue: `in_flight` stays armed, so that a writer that stops waiting
+                // gives the token back, which takes it out of both, or hands on the
+                // key a release granted it meanwhile. Readers and permits enter
+                // neither.
+                if keys.mode != LockMode::Exclusive {
+                    contender.in_flight.answered();
+                }
+                // One ms past the holder's expiry, the key is free.
+                let free_by = u64::try_from(ttl_ms)
+                    .ok()
+                    .map(|ttl| Instant::now() + Duration::from_millis(ttl + 1));
+                Attempt::Held { free_by }
+            }
+            // `in_flight` stays armed: its drop gives the grant back.
+            Found::NotReplicated(error) => Attempt::Failed(Box::new(error)),
+            Found::Restarted { wait_ms } => {
+                contender.in_flight.answered();
+                let wait = Duration::from_millis(wait_ms);
+                self.warn_of_restart_guard(wait);
+                let refusal = restart_guard(self.config.settings.lease, wait);
+                Attempt::HeldBack {
+                    until: Instant::now() + wait,
+                    refusal: Box::new(refusal),
+                }
+            }
+        }
+    }
+
+    /// Woken by a release message, or by a grant a release handed to this waiter.
+    async fn wait_for_change(
+        self: &Arc<Self>,
+        contender: &mut Contender,
+        keys: &Arc<RedisKeys>,
+        until: Instant,
+    ) -> Option<Acquired> {
+        let mut until = until;
+        // Unsubscribed, release messages go unheard: it looks again sooner.
+        if !*self.subscribed.borrow() {
+            until = until.min(Instant::now() + jitter(UNSUBSCRIBED_POLL));
+        }
+        let mut pause = pin!(sleep_until(until));
+        let notify = contender.interest.notify.clone();
+        loop {
+            // Registered before anything is read: a message from now on wakes this
+            // registration, one before it is read below.
+            let mut released = pin!(notify.notified());
+            released.as_mut().enable();
+            // A release granted the key to this waiter: its last attempt was refused,
+            // so it ran before the grant, and the lease counts from when it was sent.
+            if let Some(fence) = contender.interest.take_grant(contender.in_flight.token()) {
+                let token = contender.in_flight.granted();
+                let lease = ttl::grant(self, keys.clone(), token, Some(fence), contender.sent_at);
+                return Some(Acquired::Granted(lease));
+            }
+            if contender.interest.releases() != contender.releases_seen {
+                return None;
+            }
+            // Only grants to other waiters: the key is held again, and an attempt now
+            // would only move this waiter back in the queue. It tries again when the
+            // grant's lease would be over, if that is sooner.
+            if let Some(granted_until) = contender.interest.granted_until() {
+                let retry = granted_until + Duration::from_millis(1);
+                if retry < pause.deadline() {
+                    pause.as_mut().reset(retry);
+                }
+            }
+            tokio::select! {
+                biased;
+                () = released => {}
+                () = pause.as_mut() => return None,
+            }
+        }
+    }
+
+    /// A writer still queued would be granted the next release, and the key would stay
+    /// blocked until a background give-back ran: given back before the timeout is
+    /// answered.
+    async fn withdraw(&self, mut contender: Contender) {
+        contender.in_flight.give_back().await;
+    }
+
+    fn named(&self, error: BoxError) -> LockError {
+        LockError::Backend(error)
+    }
+
+    fn no_answer(&self) -> BoxError {
+        Box::new(CommandTimeout(self.config.settings.command_timeout))
     }
 }
 

@@ -15,9 +15,10 @@ use super::quorum::{ask_all, failed_masters, majority, Replies, Votes};
 use super::Inner;
 use crate::backend::redis::keys::RedisKeys;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round, Timing,
+    TtlBackend,
 };
-use crate::backend::RetryLater;
+use crate::backend::{Lease, RetryLater};
 use crate::LockError;
 
 /// The first pause between attempts on a held key; it doubles up to the poll interval.
@@ -70,6 +71,16 @@ impl std::error::Error for NoMajority {}
 
 impl Contend for Inner {
     type Key = Arc<RedisKeys>;
+    type Grant = Lease;
+    type Contender = ();
+
+    fn contender(
+        self: &Arc<Self>,
+        _: &Self::Key,
+        _: Instant,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        Ok(())
+    }
 
     fn pauses(&self) -> Backoff {
         Backoff::new(FIRST_RETRY, self.config.settings.poll_interval)
@@ -80,13 +91,13 @@ impl Contend for Inner {
     /// refused by that. It counts if a majority granted it within the validity budget
     /// (the lease minus the time the majority took, minus the drift margin): a majority
     /// reached after it is worth nothing.
-    async fn attempt(self: &Arc<Self>, keys: &Arc<RedisKeys>, limit: Instant) -> Attempt {
+    async fn attempt(self: &Arc<Self>, _: &mut (), keys: &Arc<RedisKeys>, round: Round) -> Attempt {
+        let Round { sent_at, limit } = round;
         let token = match fresh_token() {
             Ok(token) => token,
             Err(error) => return Attempt::Failed(Box::new(error)),
         };
         let mut in_flight = InFlight::new(self.clone(), keys.clone(), token);
-        let sent_at = Instant::now();
         in_flight.sent(sent_at);
         let (votes, failed) = self.ask(keys, in_flight.token(), limit).await;
         let timing = self.timing();

@@ -13,9 +13,11 @@ use super::record::Record;
 use super::Inner;
 use crate::backend::located::Located;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Timing, TtlBackend,
+    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round, Timing,
+    TtlBackend,
 };
 use crate::backend::unix_millis;
+use crate::backend::Lease;
 use crate::LockError;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -291,12 +293,19 @@ fn outcome_without<T, U>(outcome: Outcome<T>, value: U) -> Outcome<U> {
 
 impl Contend for Inner {
     type Key = Arc<String>;
+    type Grant = Lease;
+    type Contender = ();
+
+    fn contender(self: &Arc<Self>, _: &Self::Key, _: Instant) -> Result<(), BoxError> {
+        Ok(())
+    }
 
     fn pauses(&self) -> Backoff {
         Backoff::new(FIRST_POLL, self.config.poll_interval)
     }
 
-    async fn attempt(self: &Arc<Self>, object: &Arc<String>, limit: Instant) -> Attempt {
+    async fn attempt(self: &Arc<Self>, _: &mut (), object: &Arc<String>, round: Round) -> Attempt {
+        let limit = round.limit;
         let token = match fresh_token() {
             Ok(token) => token,
             Err(error) => return Attempt::Failed(Box::new(error)),

@@ -1,8 +1,10 @@
 //! The acquire loop of the engines whose lock is a record taken by a conditional write
-//! and waited for by looking again (DynamoDB, Azure Blob, S3, Redlock): an attempt,
-//! and while the key is held or the engine fails in passing, a pause and another
-//! attempt, until the wait ends. The engine brings the attempt ([`Contend::attempt`]);
-//! the loop owns the timing every such engine must get the same way:
+//! (Redis, Redlock, DynamoDB, Azure Blob, S3): an attempt, and while the key is held or
+//! the engine fails in passing, a wait and another attempt, until the wait ends. The
+//! engine brings the attempt ([`Contend::attempt`]) and, if it has one, a way to hear
+//! of a change sooner than by looking again ([`Contend::wait_for_change`]: Redis's
+//! release messages); the loop owns the timing every such engine must get the same
+//! way:
 //!
 //! - the first attempt gets a whole command timeout, so a zero wait still tries once;
 //!   later ones end with the wait, so no acquisition outlives its wait by more than one
@@ -12,7 +14,8 @@
 //!   within the wait;
 //! - a wait that ends while the engine's last word was a failure ends with that
 //!   failure (503), not with a timeout (409, 429): an unreachable engine is not a busy
-//!   key;
+//!   key; one that ends while the key was held withdraws the contender first
+//!   ([`Contend::withdraw`]), so it leaves no place in a queue behind;
 //! - contenders that raced for a free key and all lost (Redlock's split votes) try
 //!   again after a short random pause, even past the wait up to one command timeout
 //!   from the start, so that one of them wins even a try-once acquisition;
@@ -22,7 +25,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::{sleep, sleep_until, timeout_at, Instant};
+use tokio::time::{sleep_until, timeout_at, Instant};
 
 use super::{deadline_after, jitter, Backoff, TtlBackend};
 use crate::backend::Lease;
@@ -33,10 +36,10 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The longest pause before another attempt after a race that nobody won.
 const RACE_PAUSE: Duration = Duration::from_millis(10);
 
-/// What one attempt found.
-pub(crate) enum Attempt {
-    /// Granted: the lease, its in-flight guard disarmed.
-    Granted(Lease),
+/// What one attempt found; `G` is what a grant gives the caller.
+pub(crate) enum Attempt<G = Lease> {
+    /// Granted: the lease (or what carries it), its in-flight guard disarmed.
+    Granted(G),
     /// Held by another; the next attempt waits no longer than `free_by` if it is set
     /// (when the holder, as seen, may be taken over).
     Held { free_by: Option<Instant> },
@@ -50,10 +53,6 @@ pub(crate) enum Attempt {
     HeldBack { until: Instant, refusal: BoxError },
     /// Failed in passing: tried again within the wait; the acquisition ends with it if
     /// the wait ends first.
-    #[cfg_attr(
-        not(any(feature = "dynamodb", feature = "azure-blob", feature = "s3")),
-        allow(dead_code)
-    )]
     Retry(BoxError),
     /// Failed for good: the acquisition ends with it.
     Failed(BoxError),
@@ -62,23 +61,97 @@ pub(crate) enum Attempt {
     OutOfTime(Option<BoxError>),
 }
 
+/// What a grant gives the caller: a [`Lease`], or what carries one.
+pub(crate) trait Grant: Send {
+    /// The same, marked [`contended`](Lease::contended) if `contended`, as before
+    /// otherwise.
+    fn contended_if(self, contended: bool) -> Self;
+}
+
+impl Grant for Lease {
+    fn contended_if(self, contended: bool) -> Self {
+        match contended {
+            true => self.with_contention(true),
+            false => self,
+        }
+    }
+}
+
+/// An engine that looks for a replay record with the grant (Redis).
+#[cfg(feature = "redis")]
+impl Grant for crate::backend::Acquired {
+    fn contended_if(self, contended: bool) -> Self {
+        crate::backend::Acquired::contended_if(self, contended)
+    }
+}
+
+/// When one attempt is sent and when its calls must end.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Round {
+    pub(crate) sent_at: Instant,
+    pub(crate) limit: Instant,
+}
+
 /// An engine's side of the acquire loop; its [`timing`](TtlBackend::timing)'s command
 /// timeout is the longest one attempt may take.
 pub(crate) trait Contend: TtlBackend {
     /// What one acquisition contends for (an item's key, a blob).
     type Key: Send + Sync;
+    /// What a grant gives the caller.
+    type Grant: Grant;
+    /// What one acquisition keeps from one attempt to the next (Redis: its token and
+    /// its place in the key's queue); `()` where each attempt stands alone.
+    type Contender: Send;
 
-    /// The pauses between attempts: jittered, from short to the poll interval.
-    fn pauses(&self) -> Backoff;
-
-    /// One attempt on `key`, whose calls end by `limit` (the loop cuts it there too).
-    /// The attempt keeps its own in-flight guard, so that a grant whose answer never
-    /// came (an error, `limit`, this future dropped) is given back.
-    fn attempt(
+    /// The contender of an acquisition of `key` whose wait ends at `deadline`.
+    fn contender(
         self: &Arc<Self>,
         key: &Self::Key,
-        limit: Instant,
-    ) -> impl Future<Output = Attempt> + Send;
+        deadline: Instant,
+    ) -> Result<Self::Contender, BoxError>;
+
+    /// The pauses between attempts that found the key held: jittered, from short to
+    /// the poll interval.
+    fn pauses(&self) -> Backoff;
+
+    /// The pauses before an attempt that failed is tried again; by default the same.
+    fn retry_pauses(&self) -> Backoff {
+        self.pauses()
+    }
+
+    /// One attempt on `key`, whose calls end by the round's limit (the loop cuts it
+    /// there too). The attempt keeps its own in-flight guard (in the contender, if it
+    /// outlives the attempt), so that a grant whose answer never came (an error, the
+    /// limit, this future dropped) is given back.
+    fn attempt(
+        self: &Arc<Self>,
+        contender: &mut Self::Contender,
+        key: &Self::Key,
+        round: Round,
+    ) -> impl Future<Output = Attempt<Self::Grant>> + Send;
+
+    /// Waits until `until`, or until the key may have changed (then the loop attempts
+    /// again at once), or until a grant comes without an attempt (Redis: a release
+    /// handed the key on). By default it sleeps until `until`.
+    fn wait_for_change(
+        self: &Arc<Self>,
+        contender: &mut Self::Contender,
+        key: &Self::Key,
+        until: Instant,
+    ) -> impl Future<Output = Option<Self::Grant>> + Send {
+        let _ = (contender, key);
+        async move {
+            sleep_until(until).await;
+            None
+        }
+    }
+
+    /// Takes a contender whose wait ended while the key was held out of the engine's
+    /// queue, before the caller hears of the timeout; dropping it is enough by default.
+    fn withdraw(&self, contender: Self::Contender) -> impl Future<Output = ()> + Send {
+        drop(contender);
+        std::future::ready(())
+    }
 
     /// An engine failure as the caller sees it: the engine and where it is, then why.
     fn named(&self, error: BoxError) -> LockError;
@@ -92,18 +165,31 @@ pub(crate) async fn acquire<B: Contend>(
     backend: &Arc<B>,
     key: &B::Key,
     wait: Duration,
-) -> Result<Lease, LockError> {
+) -> Result<B::Grant, LockError> {
     let started = Instant::now();
     let deadline = deadline_after(wait);
     let command_timeout = backend.timing().command_timeout;
     let race_deadline = deadline.max(started + command_timeout);
-    let mut backoff = backend.pauses();
+    let mut contender = backend
+        .contender(key, deadline)
+        .map_err(|error| backend.named(error))?;
+    let mut held_pauses = backend.pauses();
+    let mut retry_pauses = backend.retry_pauses();
     // The last attempt's failure, if no attempt was answered since.
     let mut failing: Option<BoxError> = None;
-    let out_of_time = |failing: Option<BoxError>| match failing {
-        Some(error) => backend.named(error),
-        None => LockError::Timeout,
-    };
+    // The wait is over: a timeout if the key was held (the contender withdrawn), or the
+    // last failure.
+    macro_rules! out_of_time {
+        () => {
+            return Err(match failing {
+                Some(error) => backend.named(error),
+                None => {
+                    backend.withdraw(contender).await;
+                    LockError::Timeout
+                }
+            })
+        };
+    }
     let mut first = true;
     // When the next pause, and the attempt after it, must end: the wait's end, or after
     // a race the race's.
@@ -114,13 +200,14 @@ pub(crate) async fn acquire<B: Contend>(
             true => sent_at + command_timeout,
             false => (sent_at + command_timeout).min(until),
         };
-        let attempt = timeout_at(limit, backend.attempt(key, limit)).await;
+        let round = Round { sent_at, limit };
+        let attempt = timeout_at(limit, backend.attempt(&mut contender, key, round)).await;
         let limited_by_wait = limit == until;
         until = deadline;
         let mut free_by = None;
-        let mut raced = false;
+        let mut pause = None;
         match attempt.unwrap_or(Attempt::OutOfTime(None)) {
-            Attempt::Granted(lease) => return Ok(lease.with_contention(!first)),
+            Attempt::Granted(grant) => return Ok(grant.contended_if(!first)),
             Attempt::Held { free_by: by } => {
                 failing = None;
                 free_by = by;
@@ -128,7 +215,7 @@ pub(crate) async fn acquire<B: Contend>(
             Attempt::Raced { free_by: by } => {
                 failing = None;
                 free_by = by;
-                raced = true;
+                pause = Some(jitter(RACE_PAUSE));
                 until = race_deadline;
             }
             Attempt::HeldBack {
@@ -146,37 +233,44 @@ pub(crate) async fn acquire<B: Contend>(
             Attempt::Retry(error) => {
                 tracing::debug!(%error, "lock attempt failed; tried again within the wait");
                 failing = Some(error);
+                pause = Some(retry_pauses.pause());
             }
             Attempt::Failed(error) => return Err(backend.named(error)),
-            Attempt::OutOfTime(_) if limited_by_wait => return Err(out_of_time(failing)),
+            // Cut by the wait: no answer to withdraw with, so dropped (its in-flight
+            // guard gives back what it may hold).
+            Attempt::OutOfTime(_) if limited_by_wait => {
+                return Err(failing.map_or(LockError::Timeout, |error| backend.named(error)))
+            }
             // No answer within a whole command timeout: tried again within the wait,
             // as a broken connection is.
             Attempt::OutOfTime(error) => {
                 failing = Some(error.unwrap_or_else(|| backend.no_answer()));
+                pause = Some(retry_pauses.pause());
             }
         }
         first = false;
         let now = Instant::now();
         if now >= until {
-            return Err(out_of_time(failing));
+            out_of_time!();
         }
-        let mut pause = match raced {
-            true => jitter(RACE_PAUSE),
-            false => backoff.pause(),
-        };
-        pause = pause.min(until - now);
+        let mut pause_until = now + pause.unwrap_or_else(|| held_pauses.pause());
+        pause_until = pause_until.min(until);
         if let Some(by) = free_by.filter(|by| now < *by) {
-            pause = pause.min(by - now);
+            pause_until = pause_until.min(by);
         }
-        sleep(pause).await;
+        let change = backend.wait_for_change(&mut contender, key, pause_until);
+        if let Some(grant) = change.await {
+            return Ok(grant.contended_if(true));
+        }
         if Instant::now() >= until {
-            return Err(out_of_time(failing));
+            out_of_time!();
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
 
     use super::*;
@@ -196,18 +290,53 @@ mod tests {
         Silent,
     }
 
-    /// An engine whose attempts follow a script (then `Held`), and that records when
-    /// each was made and with what limit.
+    /// How a scripted wait between attempts ends.
+    #[derive(Clone, Copy, Debug)]
+    enum Wake {
+        /// At the end of the pause.
+        Sleep,
+        /// At once: the key may have changed.
+        Early,
+        /// At once, with a grant handed over.
+        HandOff,
+    }
+
+    /// An engine whose attempts and waits follow a script (then `Held` and `Sleep`),
+    /// and that records when each attempt was made and with what limit, and how its
+    /// contenders ended.
     struct Scripted {
         script: Mutex<Vec<Step>>,
+        wakes: Mutex<Vec<Wake>>,
         attempts: Mutex<Vec<(Instant, Instant)>>,
+        withdrawn: AtomicUsize,
+        dropped: Arc<AtomicUsize>,
     }
 
     fn scripted(steps: &[Step]) -> Arc<Scripted> {
+        scripted_waking(steps, &[])
+    }
+
+    fn scripted_waking(steps: &[Step], wakes: &[Wake]) -> Arc<Scripted> {
         Arc::new(Scripted {
             script: Mutex::new(steps.iter().rev().copied().collect()),
+            wakes: Mutex::new(wakes.iter().rev().copied().collect()),
             attempts: Mutex::default(),
+            withdrawn: AtomicUsize::new(0),
+            dropped: Arc::default(),
         })
+    }
+
+    /// A contender that counts its drop.
+    struct Tracked(Arc<AtomicUsize>);
+
+    impl Drop for Tracked {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn granted() -> Lease {
+        Lease::new(None, LeaseSignal::new().1, Nothing)
     }
 
     struct Nothing;
@@ -240,16 +369,23 @@ mod tests {
 
     impl Contend for Scripted {
         type Key = ();
+        type Grant = Lease;
+        type Contender = Tracked;
+
+        fn contender(self: &Arc<Self>, _: &(), _: Instant) -> Result<Tracked, BoxError> {
+            Ok(Tracked(self.dropped.clone()))
+        }
 
         fn pauses(&self) -> Backoff {
             Backoff::new(Duration::from_millis(5), Duration::from_millis(20))
         }
 
-        async fn attempt(self: &Arc<Self>, _: &(), limit: Instant) -> Attempt {
-            self.attempts.lock().unwrap().push((Instant::now(), limit));
+        async fn attempt(self: &Arc<Self>, _: &mut Tracked, _: &(), round: Round) -> Attempt {
+            let Round { sent_at, limit } = round;
+            self.attempts.lock().unwrap().push((sent_at, limit));
             let step = self.script.lock().unwrap().pop().unwrap_or(Step::Held);
             match step {
-                Step::Grant => Attempt::Granted(Lease::new(None, LeaseSignal::new().1, Nothing)),
+                Step::Grant => Attempt::Granted(granted()),
                 Step::Held => Attempt::Held { free_by: None },
                 Step::Raced => Attempt::Raced { free_by: None },
                 Step::HeldBackFor(wait) => Attempt::HeldBack {
@@ -259,6 +395,26 @@ mod tests {
                 Step::Retry => Attempt::Retry("failed in passing".into()),
                 Step::Silent => std::future::pending().await,
             }
+        }
+
+        async fn wait_for_change(
+            self: &Arc<Self>,
+            _: &mut Tracked,
+            _: &(),
+            until: Instant,
+        ) -> Option<Lease> {
+            let wake = self.wakes.lock().unwrap().pop().unwrap_or(Wake::Sleep);
+            match wake {
+                Wake::Sleep => sleep_until(until).await,
+                Wake::Early => {}
+                Wake::HandOff => return Some(granted()),
+            }
+            None
+        }
+
+        async fn withdraw(&self, contender: Tracked) {
+            self.withdrawn.fetch_add(1, Ordering::SeqCst);
+            drop(contender);
         }
 
         fn named(&self, error: BoxError) -> LockError {
@@ -357,5 +513,61 @@ mod tests {
         let result = acquire(&engine, &(), Duration::from_millis(200)).await;
         assert!(failed_with(result, "held back"));
         assert_eq!(Instant::now(), started, "refused at once, not waited out");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_handed_over_during_a_wait_ends_it_contended() {
+        let engine = scripted_waking(&[Step::Held], &[Wake::HandOff]);
+        let lease = acquire(&engine, &(), Duration::from_secs(1)).await.unwrap();
+        assert!(lease.contended());
+        assert_eq!(engine.attempts.lock().unwrap().len(), 1);
+        assert_eq!(engine.dropped.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_change_during_a_wait_is_attempted_at_once() {
+        let engine = scripted_waking(&[Step::Held, Step::Grant], &[Wake::Early]);
+        acquire(&engine, &(), Duration::from_secs(1)).await.unwrap();
+        let attempts = engine.attempts.lock().unwrap().clone();
+        assert_eq!(attempts.len(), 2);
+        assert_eq!(attempts[0].0, attempts[1].0, "no pause after the change");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_a_wait_that_ends_on_a_held_key_withdraws_the_contender() {
+        let wait = Duration::from_millis(50);
+        // Held until the wait's end: withdrawn, once.
+        let engine = scripted(&[]);
+        let result = acquire(&engine, &(), wait).await;
+        assert!(matches!(result, Err(LockError::Timeout)), "{result:?}");
+        assert_eq!(engine.withdrawn.load(Ordering::SeqCst), 1);
+        assert_eq!(engine.dropped.load(Ordering::SeqCst), 1);
+        // Failing, or cut mid-attempt by the wait: no answer to withdraw with, dropped.
+        for steps in [&[Step::Retry; 100][..], &[Step::Held, Step::Silent]] {
+            let engine = scripted(steps);
+            acquire(&engine, &(), wait).await.unwrap_err();
+            assert_eq!(engine.withdrawn.load(Ordering::SeqCst), 0, "{steps:?}");
+            assert_eq!(engine.dropped.load(Ordering::SeqCst), 1, "{steps:?}");
+        }
+    }
+
+    /// Dropped at each await (an attempt, a pause, a hold-back, a wait for a change),
+    /// the acquisition drops its contender, which gives back what it may hold.
+    #[tokio::test(start_paused = true)]
+    async fn a_dropped_acquisition_drops_its_contender_at_every_await() {
+        let one_ms = Duration::from_millis(1);
+        let cases: [(&[Step], &[Wake]); 4] = [
+            (&[Step::Silent], &[]),
+            (&[Step::Retry], &[]),
+            (&[Step::HeldBackFor(Duration::from_millis(300))], &[]),
+            (&[Step::Held], &[Wake::Sleep]),
+        ];
+        for (steps, wakes) in cases {
+            let engine = scripted_waking(steps, wakes);
+            let cut = tokio::time::timeout(one_ms, acquire(&engine, &(), Duration::from_secs(1)));
+            assert!(cut.await.is_err(), "{steps:?} ended by itself");
+            assert_eq!(engine.dropped.load(Ordering::SeqCst), 1, "{steps:?}");
+            assert_eq!(engine.withdrawn.load(Ordering::SeqCst), 0, "{steps:?}");
+        }
     }
 }

@@ -120,7 +120,7 @@ impl<B: TtlBackend> InFlight<B> {
     }
 
     /// Disarms the guard and hands over the token: the attempt was granted.
-    pub(crate) fn granted(mut self) -> String {
+    pub(crate) fn granted(&mut self) -> String {
         self.sent_at = None;
         std::mem::take(&mut self.token)
     }

@@ -19,7 +19,8 @@
 //!   record would expire anyway, and the in-flight guard that gives back what an
 //!   attempt whose answer never came may have been granted;
 //! - `acquire`: the acquire loop of the engines that take a record by a conditional
-//!   write and wait by looking again (DynamoDB, Azure Blob, S3, Redlock);
+//!   write (Redis, Redlock, DynamoDB, Azure Blob, S3) and wait by looking again or,
+//!   where the engine tells of a change (Redis's release messages), until it does;
 //! - `watched`: the record versions a backend saw on other holders' records, for the
 //!   engines that take a record over once it stopped changing for a lease (DynamoDB,
 //!   S3);
@@ -59,7 +60,7 @@ use tokio::time::Instant;
     feature = "azure-blob",
     feature = "s3"
 ))]
-pub(crate) use self::acquire::{acquire, Attempt, Contend};
+pub(crate) use self::acquire::{acquire, Attempt, Contend, Round};
 pub(crate) use self::backoff::jitter;
 pub(crate) use self::backoff::Backoff;
 #[cfg(feature = "zookeeper")]
