@@ -26,11 +26,10 @@ use support::process;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::engine::{alternating, hand_off, report_hand_off};
+use support::engine::{hand_off, report_hand_off, EngineBench};
 
 use azure_storage_blob::models::BlobClientAcquireLeaseOptions;
 use azure_storage_blob::BlobClient;
-use criterion::Criterion;
 use tower_keyed_lock::backend::azure_blob::{AzureBlobBackend, DEFAULT_POLL_INTERVAL};
 use tower_keyed_lock::{Key, LockBackend};
 
@@ -41,53 +40,30 @@ const BARE_LEASE_ID: &str = "00000000-0000-4000-8000-000000000001";
 const SETTLE: Duration = Duration::from_millis(1000);
 
 fn main() {
-    let mut c = Criterion::default()
-        .sample_size(30)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_millis(500))
-        .configure_from_args();
-    let quick = std::env::args().any(|arg| arg == "--test");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
+    let mut bench = EngineBench::new();
     let server = azurite_server::AzuriteServer::start();
     let url = server.container_url("bench");
-    let backend = rt.block_on(azure_backend(&url, DEFAULT_POLL_INTERVAL));
+    let backend = bench
+        .rt
+        .block_on(azure_backend(&url, DEFAULT_POLL_INTERVAL));
     let key = Key::new("order-1", 256).unwrap();
-    // The backend's round makes the blob; the bare round leases another one.
-    rt.block_on(backend_round(&backend, &key));
+    // The backend's round makes its blob; the bare round leases another one.
     let bare = backend.container().blob_client("bare/order-1");
-    rt.block_on(async {
+    bench.rt.block_on(async {
         let _ = bare.append_blob_client().create(None).await;
     });
-    rt.block_on(bare_round(&bare));
-
-    let mut group = c.benchmark_group("azure-blob-uncontended");
-    group.bench_function("backend-acquire-release", |b| {
-        b.to_async(&rt).iter(|| backend_round(&backend, &key));
-    });
-    group.bench_function("bare-lease-acquire-release", |b| {
-        b.to_async(&rt).iter(|| bare_round(&bare));
-    });
-    group.finish();
-
-    let (rounds, batch) = if quick { (2, 5) } else { (11, 50) };
-    let measured = rt.block_on(alternating(
+    bench.uncontended(
+        "azure-blob",
         || backend_round(&backend, &key),
-        || bare_round(&bare),
-        rounds,
-        batch,
-    ));
-    let (backend_us, bare_us, ratio) = (measured.a_us, measured.b_us, measured.ratio);
-    println!(
-        "azure-blob uncontended acquire+release: backend {backend_us:.0} µs, bare lease \
-         acquire + release {bare_us:.0} µs, ratio {ratio:.2}x (median of {rounds} alternating \
-         rounds of {batch})"
+        (
+            "bare-lease-acquire-release",
+            "lease acquire + release",
+            || bare_round(&bare),
+        ),
+        50,
     );
 
-    let handoffs = if quick { 3 } else { 30 };
+    let (rt, handoffs) = (&bench.rt, if bench.quick { 3 } else { 30 });
     for poll in [DEFAULT_POLL_INTERVAL, Duration::from_millis(50)] {
         let (a, b) = rt.block_on(async {
             let a: Arc<dyn LockBackend> = Arc::new(azure_backend(&url, poll).await);
@@ -100,7 +76,7 @@ fn main() {
             &times,
         );
     }
-    c.final_summary();
+    bench.finish();
 }
 
 async fn azure_backend(url: &str, poll: Duration) -> AzureBlobBackend {

@@ -25,9 +25,8 @@ use support::{ports, process};
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::engine::{alternating, hand_off, reference_hand_offs, report_hand_off};
+use support::engine::{hand_off, reference_hand_offs, report_hand_off, EngineBench};
 
-use criterion::Criterion;
 use etcd_client::{Client, LockOptions};
 use etcd_server::EtcdCluster;
 use tower_keyed_lock::backend::etcd::EtcdBackend;
@@ -37,55 +36,28 @@ use tower_keyed_lock::{Key, LockBackend};
 const SETTLE: Duration = Duration::from_millis(50);
 
 fn main() {
-    let mut c = Criterion::default()
-        .sample_size(30)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_millis(500))
-        .configure_from_args();
-    let quick = std::env::args().any(|arg| arg == "--test");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
+    let mut bench = EngineBench::new();
     let cluster = EtcdCluster::start();
-    let backend = rt.block_on(etcd_backend(&cluster));
+    let backend = bench.rt.block_on(etcd_backend(&cluster));
     let bare = backend.client().clone();
     let key = Key::new("order-1", 256).unwrap();
-    rt.block_on(backend_round(&backend, &key));
-    rt.block_on(bare_round(&bare));
-
-    let mut group = c.benchmark_group("etcd-uncontended");
-    group.bench_function("backend-acquire-release", |b| {
-        b.to_async(&rt).iter(|| backend_round(&backend, &key));
-    });
-    group.bench_function("bare-grant-lock-revoke", |b| {
-        b.to_async(&rt).iter(|| bare_round(&bare));
-    });
-    group.finish();
-
-    let (rounds, batch) = if quick { (2, 5) } else { (11, 100) };
-    let measured = rt.block_on(alternating(
+    bench.uncontended(
+        "etcd",
         || backend_round(&backend, &key),
-        || bare_round(&bare),
-        rounds,
-        batch,
-    ));
-    let (backend_us, bare_us, ratio) = (measured.a_us, measured.b_us, measured.ratio);
-    println!(
-        "etcd uncontended acquire+release: backend {backend_us:.0} µs, bare grant + Lock + \
-         revoke {bare_us:.0} µs, ratio {ratio:.2}x (median of {rounds} alternating rounds of \
-         {batch})"
+        ("bare-grant-lock-revoke", "grant + Lock + revoke", || {
+            bare_round(&bare)
+        }),
+        100,
     );
 
-    let handoffs = if quick { 3 } else { 50 };
+    let handoffs = if bench.quick { 3 } else { 50 };
     let a: Arc<dyn LockBackend> = Arc::new(backend.clone());
-    let b: Arc<dyn LockBackend> = Arc::new(rt.block_on(etcd_backend(&cluster)));
-    let etcd = rt.block_on(hand_off(a, b, handoffs, SETTLE));
+    let b: Arc<dyn LockBackend> = Arc::new(bench.rt.block_on(etcd_backend(&cluster)));
+    let etcd = bench.rt.block_on(hand_off(a, b, handoffs, SETTLE));
     report_hand_off("etcd (3 members)", &etcd);
 
-    reference_hand_offs(&rt, handoffs, SETTLE);
-    c.final_summary();
+    reference_hand_offs(&bench.rt, handoffs, SETTLE);
+    bench.finish();
 }
 
 async fn etcd_backend(cluster: &EtcdCluster) -> EtcdBackend {

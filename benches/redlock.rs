@@ -25,9 +25,8 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::engine::{alternating, hand_off, report_hand_off};
+use support::engine::{alternating, hand_off, report_hand_off, EngineBench};
 
-use criterion::Criterion;
 use support::redis_pair::{fresh_token, SafePair};
 use support::redis_server::RedisServer;
 use tokio::task::JoinSet;
@@ -40,17 +39,11 @@ const MASTERS: usize = 5;
 const SETTLE: Duration = Duration::from_millis(50);
 
 fn main() {
-    let mut c = Criterion::default()
-        .sample_size(30)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_millis(500))
-        .configure_from_args();
-    let quick = std::env::args().any(|arg| arg == "--test");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
+    let EngineBench {
+        criterion: mut c,
+        quick,
+        rt,
+    } = EngineBench::new();
     let masters: Vec<RedisServer> = (0..MASTERS).map(|_| RedisServer::start()).collect();
     let urls: Vec<String> = masters.iter().map(RedisServer::url).collect();
     let redlock = rt.block_on(redlock_backend(&urls));

@@ -28,11 +28,10 @@ use support::process;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::engine::{alternating, hand_off, report_hand_off};
+use support::engine::{hand_off, report_hand_off, EngineBench};
 
 use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::Client;
-use criterion::Criterion;
 use tower_keyed_lock::backend::s3::{S3Backend, DEFAULT_POLL_INTERVAL};
 use tower_keyed_lock::{Key, LockBackend};
 
@@ -43,21 +42,11 @@ const LEASE: Duration = Duration::from_secs(10);
 const SETTLE: Duration = Duration::from_millis(1000);
 
 fn main() {
-    let mut c = Criterion::default()
-        .sample_size(30)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_millis(500))
-        .configure_from_args();
-    let quick = std::env::args().any(|arg| arg == "--test");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
+    let mut bench = EngineBench::new();
     let server = moto_server::MotoServer::start();
     let url = server.url();
     let client = s3_client(&url);
-    rt.block_on(async {
+    bench.rt.block_on(async {
         client
             .create_bucket()
             .bucket(BUCKET)
@@ -65,35 +54,18 @@ fn main() {
             .await
             .expect("creating the bucket")
     });
-    let backend = rt.block_on(s3_backend(&url, DEFAULT_POLL_INTERVAL));
+    let backend = bench.rt.block_on(s3_backend(&url, DEFAULT_POLL_INTERVAL));
     let key = Key::new("order-1", 256).unwrap();
-    rt.block_on(backend_round(&backend, &key));
-    rt.block_on(bare_round(&client));
-
-    let mut group = c.benchmark_group("s3-uncontended");
-    group.bench_function("backend-acquire-release", |b| {
-        b.to_async(&rt).iter(|| backend_round(&backend, &key));
-    });
-    group.bench_function("bare-create-delete", |b| {
-        b.to_async(&rt).iter(|| bare_round(&client));
-    });
-    group.finish();
-
-    let (rounds, batch) = if quick { (2, 5) } else { (11, 50) };
-    let measured = rt.block_on(alternating(
+    bench.uncontended(
+        "s3",
         || backend_round(&backend, &key),
-        || bare_round(&client),
-        rounds,
-        batch,
-    ));
-    let (backend_us, bare_us, ratio) = (measured.a_us, measured.b_us, measured.ratio);
-    println!(
-        "s3 uncontended acquire+release: backend {backend_us:.0} µs, bare conditional \
-         create + delete {bare_us:.0} µs, ratio {ratio:.2}x (median of {rounds} alternating \
-         rounds of {batch})"
+        ("bare-create-delete", "conditional create + delete", || {
+            bare_round(&client)
+        }),
+        50,
     );
 
-    let handoffs = if quick { 3 } else { 30 };
+    let (rt, handoffs) = (&bench.rt, if bench.quick { 3 } else { 30 });
     for poll in [DEFAULT_POLL_INTERVAL, Duration::from_millis(50)] {
         let (a, b) = rt.block_on(async {
             let a: Arc<dyn LockBackend> = Arc::new(s3_backend(&url, poll).await);
@@ -103,7 +75,7 @@ fn main() {
         let times = rt.block_on(hand_off(a, b, handoffs, SETTLE));
         report_hand_off(&format!("s3 (moto), poll interval {poll:?}"), &times);
     }
-    c.final_summary();
+    bench.finish();
 }
 
 async fn s3_backend(url: &str, poll: Duration) -> S3Backend {

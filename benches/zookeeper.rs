@@ -27,9 +27,8 @@ mod zookeeper_server;
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::engine::{alternating, hand_off, reference_hand_offs, report_hand_off};
+use support::engine::{hand_off, reference_hand_offs, report_hand_off, EngineBench};
 
-use criterion::Criterion;
 use tower_keyed_lock::backend::zookeeper::ZooKeeperBackend;
 use tower_keyed_lock::{Key, LockBackend};
 use zookeeper_client as zk;
@@ -39,48 +38,23 @@ use zookeeper_server::ZooKeeperEnsemble;
 const SETTLE: Duration = Duration::from_millis(50);
 
 fn main() {
-    let mut c = Criterion::default()
-        .sample_size(30)
-        .measurement_time(Duration::from_secs(3))
-        .warm_up_time(Duration::from_millis(500))
-        .configure_from_args();
-    let quick = std::env::args().any(|arg| arg == "--test");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("a tokio runtime");
+    let mut bench = EngineBench::new();
     let ensemble = ZooKeeperEnsemble::start();
-    let backend = rt.block_on(zookeeper_backend(&ensemble));
-    let bare = rt.block_on(bare_client(&ensemble));
+    let backend = bench.rt.block_on(zookeeper_backend(&ensemble));
+    let bare = bench.rt.block_on(bare_client(&ensemble));
     let key = Key::new("order-1", 256).unwrap();
-    rt.block_on(backend_round(&backend, &key));
-    rt.block_on(bare_round(&bare));
-
-    let mut group = c.benchmark_group("zookeeper-uncontended");
-    group.bench_function("backend-acquire-release", |b| {
-        b.to_async(&rt).iter(|| backend_round(&backend, &key));
-    });
-    group.bench_function("bare-create-delete", |b| {
-        b.to_async(&rt).iter(|| bare_round(&bare));
-    });
-    group.finish();
-
-    let (rounds, batch) = if quick { (2, 5) } else { (11, 100) };
-    let measured = rt.block_on(alternating(
+    bench.uncontended(
+        "zookeeper",
         || backend_round(&backend, &key),
-        || bare_round(&bare),
-        rounds,
-        batch,
-    ));
-    let (backend_us, bare_us, ratio) = (measured.a_us, measured.b_us, measured.ratio);
-    println!(
-        "zookeeper uncontended acquire+release: backend {backend_us:.0} µs, bare create \
-         ephemeral sequential + delete {bare_us:.0} µs, ratio {ratio:.2}x (median of \
-         {rounds} alternating rounds of {batch})"
+        (
+            "bare-create-delete",
+            "create ephemeral sequential + delete",
+            || bare_round(&bare),
+        ),
+        100,
     );
 
-    let handoffs = if quick { 3 } else { 50 };
+    let (rt, handoffs) = (&bench.rt, if bench.quick { 3 } else { 50 });
     let a: Arc<dyn LockBackend> = Arc::new(backend.clone());
     let b: Arc<dyn LockBackend> = Arc::new(rt.block_on(zookeeper_backend(&ensemble)));
     report_hand_off(
@@ -103,8 +77,8 @@ fn main() {
             &rt.block_on(hand_off(a, b, handoffs, SETTLE)),
         );
     }
-    reference_hand_offs(&rt, handoffs, SETTLE);
-    c.final_summary();
+    reference_hand_offs(rt, handoffs, SETTLE);
+    bench.finish();
 }
 
 async fn zookeeper_backend(ensemble: &ZooKeeperEnsemble) -> ZooKeeperBackend {

@@ -5,9 +5,86 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use criterion::Criterion;
+use tokio::runtime::Runtime;
 use tower_keyed_lock::{Key, LockBackend, PostgresBackend, RedisBackend};
 
 use super::{pg_server, redis_server};
+
+/// What an engine's bench starts with, and the first measure each one takes.
+pub struct EngineBench {
+    pub criterion: Criterion,
+    /// `--test`: each measure once and small (CI).
+    pub quick: bool,
+    pub rt: Runtime,
+}
+
+impl EngineBench {
+    /// Criterion at 30 samples of 3 s, and a runtime of two workers (the machine's
+    /// cores).
+    pub fn new() -> Self {
+        let criterion = Criterion::default()
+            .sample_size(30)
+            .measurement_time(Duration::from_secs(3))
+            .warm_up_time(Duration::from_millis(500))
+            .configure_from_args();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        let quick = std::env::args().any(|arg| arg == "--test");
+        EngineBench {
+            criterion,
+            quick,
+            rt,
+        }
+    }
+
+    /// Uncontended acquire + release through the backend (`backend`) against the
+    /// engine's bare calls (`bare`, named `bare_id` for criterion and described by
+    /// `bare_what`): criterion times each in the group `<engine>-uncontended`, then
+    /// both run in alternating batches of `batch` and the medians and their ratio are
+    /// printed.
+    pub fn uncontended<A, B, FA, FB>(
+        &mut self,
+        engine: &str,
+        backend: A,
+        (bare_id, bare_what, bare): (&str, &str, B),
+        batch: usize,
+    ) where
+        A: Fn() -> FA,
+        B: Fn() -> FB,
+        FA: Future<Output = ()>,
+        FB: Future<Output = ()>,
+    {
+        let EngineBench { criterion, rt, .. } = self;
+        // One of each first: connections made, scripts loaded, records created.
+        rt.block_on(backend());
+        rt.block_on(bare());
+        let mut group = criterion.benchmark_group(format!("{engine}-uncontended"));
+        group.bench_function("backend-acquire-release", |b| {
+            b.to_async(&*rt).iter(&backend)
+        });
+        group.bench_function(bare_id, |b| b.to_async(&*rt).iter(&bare));
+        group.finish();
+
+        let (rounds, batch) = if self.quick { (2, 5) } else { (11, batch) };
+        let measured = self
+            .rt
+            .block_on(alternating(&backend, &bare, rounds, batch));
+        println!(
+            "{engine} uncontended acquire+release: backend {:.0} µs, bare {bare_what} {:.0} \
+             µs, ratio {:.2}x (median of {rounds} alternating rounds of {batch})",
+            measured.a_us, measured.b_us, measured.ratio
+        );
+    }
+
+    /// Prints criterion's summary: the end of the run.
+    pub fn finish(self) {
+        self.criterion.final_summary();
+    }
+}
 
 /// Two operations timed in alternating batches: medians per operation and of the
 /// per-round ratio.
