@@ -517,6 +517,13 @@ impl Contend for Inner {
         keys: &Arc<RedisKeys>,
         until: Instant,
     ) -> Option<Acquired> {
+        // After a failed attempt, a pause as long as asked: that attempt may have run
+        // after a grant of its token, or not at all, so a grant announced now has no
+        // known start to count the lease from (the token is given back instead).
+        if !contender.answered {
+            sleep_until(until).await;
+            return None;
+        }
         let mut until = until;
         // Unsubscribed, release messages go unheard: it looks again sooner.
         if !*self.subscribed.borrow() {
