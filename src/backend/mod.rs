@@ -29,6 +29,8 @@
 //! - `retry_later.rs`: [`RetryLater`], an error that says when to come back.
 //! - `record.rs`: [`RecordLookup`] and [`Acquired`]: a replay record read in an
 //!   acquisition's own round trip; `RecordWrite`, one written in a release's.
+//! - `engine_head.rs`: `engine_head!`, the part of `impl LockBackend` every built-in
+//!   engine answers the same way (its name, its identity, its configuration check).
 //! - `key_component.rs`: a key as a path component (etcd, ZooKeeper, Azure Blob, S3).
 //! - `settings.rs`: the settings every lease engine's builder shares, and their check;
 //!   `setup_error.rs`: [`SetupError`], why a backend could not be built.
@@ -59,6 +61,7 @@ mod detach;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
+mod engine_head;
 #[cfg(feature = "etcd")]
 #[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;

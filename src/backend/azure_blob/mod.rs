@@ -484,18 +484,11 @@ async fn ensure_container(
 }
 
 impl LockBackend for AzureBlobBackend {
-    /// Clones share one client: one backend.
-    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
-        Some(crate::backend::BackendIdentity::of(&self.inner))
-    }
+    super::engine_head::engine_head!("azure-blob");
 
     fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
         let findings = deployment::findings(&self.inner);
         Box::pin(async move { findings })
-    }
-
-    fn engine(&self) -> &'static str {
-        "azure-blob"
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {

@@ -424,19 +424,7 @@ impl DynamoDbBackendBuilder {
 }
 
 impl LockBackend for DynamoDbBackend {
-    /// Clones share one client: one backend.
-    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
-        Some(crate::backend::BackendIdentity::of(&self.inner))
-    }
-
-    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
-        let inner = self.inner.clone();
-        Box::pin(async move { deployment::findings(&inner).await })
-    }
-
-    fn engine(&self) -> &'static str {
-        "dynamodb"
-    }
+    super::engine_head::engine_head!("dynamodb", findings = deployment::findings);
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let item =

@@ -442,19 +442,7 @@ impl EtcdBackendBuilder {
 }
 
 impl LockBackend for EtcdBackend {
-    /// Clones share one client: one backend.
-    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
-        Some(crate::backend::BackendIdentity::of(&self.inner))
-    }
-
-    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
-        let inner = self.inner.clone();
-        Box::pin(async move { deployment::findings(&inner).await })
-    }
-
-    fn engine(&self) -> &'static str {
-        "etcd"
-    }
+    super::engine_head::engine_head!("etcd", findings = deployment::findings);
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let keys = LockKeys::new(&self.inner.config.prefix, name, key.as_str());

@@ -758,19 +758,7 @@ impl Inner {
 }
 
 impl LockBackend for PostgresBackend {
-    /// Clones share one client: one backend.
-    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
-        Some(crate::backend::BackendIdentity::of(&self.inner))
-    }
-
-    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
-        let inner = self.inner.clone();
-        Box::pin(async move { deployment::findings(&inner).await })
-    }
-
-    fn engine(&self) -> &'static str {
-        "postgres"
-    }
+    super::engine_head::engine_head!("postgres", findings = deployment::findings);
 
     /// Only with [`fencing(true)`](PostgresBackendBuilder::fencing).
     fn issues_fencing_tokens(&self) -> bool {

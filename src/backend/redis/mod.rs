@@ -937,19 +937,7 @@ fn timed_out(what: &'static str) -> RedisError {
 }
 
 impl LockBackend for RedisBackend {
-    /// Clones share one client: one backend.
-    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
-        Some(crate::backend::BackendIdentity::of(&self.inner))
-    }
-
-    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
-        let inner = self.inner.clone();
-        Box::pin(async move { deployment::findings(&inner).await })
-    }
-
-    fn engine(&self) -> &'static str {
-        "redis"
-    }
+    super::engine_head::engine_head!("redis", findings = deployment::findings);
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         self.acquire_mode(name, key, LockMode::Exclusive, wait)

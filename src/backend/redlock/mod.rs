@@ -449,10 +449,7 @@ impl RedlockBackendBuilder {
 }
 
 impl LockBackend for RedlockBackend {
-    /// Clones share one client: one backend.
-    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
-        Some(crate::backend::BackendIdentity::of(&self.inner))
-    }
+    super::engine_head::engine_head!("redlock");
 
     /// Each master's eviction policy and clock, side by side.
     fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
@@ -470,10 +467,6 @@ impl LockBackend for RedlockBackend {
                 .flat_map(|(_, findings)| findings)
                 .collect()
         })
-    }
-
-    fn engine(&self) -> &'static str {
-        "redlock"
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {

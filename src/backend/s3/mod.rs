@@ -408,19 +408,7 @@ impl S3BackendBuilder {
 }
 
 impl LockBackend for S3Backend {
-    /// Clones share one client: one backend.
-    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
-        Some(crate::backend::BackendIdentity::of(&self.inner))
-    }
-
-    fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
-        let inner = self.inner.clone();
-        Box::pin(async move { deployment::findings(&inner).await })
-    }
-
-    fn engine(&self) -> &'static str {
-        "s3"
-    }
+    super::engine_head::engine_head!("s3", findings = deployment::findings);
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
         let object = Arc::new(self.object_name(name, key.as_str()));

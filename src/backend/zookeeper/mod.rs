@@ -448,19 +448,12 @@ impl Inner {
 }
 
 impl LockBackend for ZooKeeperBackend {
-    /// Clones share one client: one backend.
-    fn identity(&self) -> Option<crate::backend::BackendIdentity> {
-        Some(crate::backend::BackendIdentity::of(&self.inner))
-    }
+    super::engine_head::engine_head!("zookeeper");
 
     fn check_configuration(&self) -> BoxFuture<Vec<crate::backend::Finding>> {
         let config = &self.inner.config;
         let finding = deployment::session_timeout(config.asked, config.settings.lease);
         Box::pin(async move { vec![finding] })
-    }
-
-    fn engine(&self) -> &'static str {
-        "zookeeper"
     }
 
     fn acquire(&self, name: &str, key: &Key, wait: Duration) -> Acquisition {
