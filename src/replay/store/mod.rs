@@ -154,6 +154,17 @@ pub enum Stored {
     Fenced,
 }
 
+#[cfg(any(feature = "redis", feature = "postgres"))]
+impl Stored {
+    /// What a fenced write did: done, or refused by the fence.
+    pub(crate) fn from_written(written: bool) -> Self {
+        match written {
+            true => Stored::Written,
+            false => Stored::Fenced,
+        }
+    }
+}
+
 /// What [`ReplayStore::get`] returns: the record, if any, or why the store failed.
 pub type Get = BoxFuture<Result<Option<Record>, StoreError>>;
 

@@ -298,11 +298,7 @@ impl ReplayStore for PostgresReplayStore {
                 .map_err(StoreError::new)?;
             drop(client);
             store.count_write();
-            Ok(if written == 1 {
-                Stored::Written
-            } else {
-                Stored::Fenced
-            })
+            Ok(Stored::from_written(written == 1))
         })
     }
 
@@ -332,10 +328,7 @@ impl ReplayStore for PostgresReplayStore {
         Some(Box::pin(async move {
             let written = written.await.map_err(StoreError::new)?;
             store.count_write();
-            Ok(match written {
-                true => Stored::Written,
-                false => Stored::Fenced,
-            })
+            Ok(Stored::from_written(written))
         }))
     }
 

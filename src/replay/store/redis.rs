@@ -109,7 +109,7 @@ impl ReplayStore for RedisReplayStore {
                     "the Redis replay store needs the Redis lock backend's fencing token",
                 )
             })?;
-            let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+            let ttl_ms = ttl_millis(ttl);
             let mut invocation = put.key(lock);
             invocation
                 .key(holder)
@@ -121,11 +121,7 @@ impl ReplayStore for RedisReplayStore {
                 invocation.invoke_async(&mut connection).await
             };
             let written: i64 = backend.run(write).await.map_err(StoreError::new)?;
-            Ok(if written == 1 {
-                Stored::Written
-            } else {
-                Stored::Fenced
-            })
+            Ok(Stored::from_written(written == 1))
         })
     }
 
@@ -161,20 +157,22 @@ impl ReplayStore for RedisReplayStore {
         let backend = self.backend.clone();
         let key = key.clone();
         let bytes = record.to_bytes();
-        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let ttl_ms = ttl_millis(ttl);
         Some(Box::pin(async move {
             let names = (key.layer(), key.key(), key.scope());
             let written = backend
                 .put_and_release(names, token, bytes, ttl_ms)
                 .await
                 .map_err(StoreError::new)?;
-            Ok(if written {
-                Stored::Written
-            } else {
-                Stored::Fenced
-            })
+            Ok(Stored::from_written(written))
         }))
     }
+}
+
+/// A record's time to live as the scripts take it: whole milliseconds, at least one
+/// (Redis refuses an expiry of zero).
+fn ttl_millis(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 impl std::fmt::Debug for RedisReplayStore {
