@@ -293,6 +293,16 @@ impl DistributedGuard {
     /// first waits until then. Dropping this future midway does not stop the release:
     /// it goes on in a task of its own.
     pub async fn release(mut self) {
+        if let Some((lease, local)) = self.end_hold().await {
+            release_in_place(lease, local).await;
+        }
+    }
+
+    /// What both releases do first: wait until [`hold_at_least`](Self::hold_at_least)'s
+    /// end, count the hold and leave the registry. Returns the lease to give back and
+    /// the local guard to drop after it; `None` for a key held in this process only,
+    /// whose local guard is dropped here.
+    async fn end_hold(&mut self) -> Option<(Lease, Option<KeyGuard<Key>>)> {
         // Not taken: a release cancelled during this sleep still holds the key till then.
         if let Some(until) = self.hold_until {
             tokio::time::sleep_until(until).await;
@@ -301,9 +311,9 @@ impl DistributedGuard {
         self.unregister();
         let Some(lease) = self.lease.take() else {
             self.local.take();
-            return; // the local guard drops with `self`
+            return None;
         };
-        release_in_place(*lease, self.local.take()).await;
+        Some((*lease, self.local.take()))
     }
 }
 
@@ -325,17 +335,9 @@ impl DistributedGuard {
     /// # }
     /// ```
     pub async fn release_checked(mut self) -> Result<(), LeaseLost> {
-        // As in `release`: not taken, a release cancelled here still holds the key.
-        if let Some(until) = self.hold_until {
-            tokio::time::sleep_until(until).await;
-        }
-        self.record_hold();
-        self.unregister();
-        let Some(lease) = self.lease.take() else {
-            self.local.take();
+        let Some((lease, local)) = self.end_hold().await else {
             return Ok(());
         };
-        let local = self.local.take();
         let lost_before = lease.signal().lost_reason();
         // Like `release`: dropping this future midway does not stop it.
         let released = Box::pin(async move {
