@@ -131,14 +131,9 @@ impl Master {
         limit: Instant,
         instance_id: &str,
     ) -> (Vote, Option<RedisError>) {
-        let bytes = 2 * keys.lock.len() + keys.holder().len() + 3 * token.len() + instance_id.len();
-        let command = ACQUIRE_SCRIPT.command(bytes + 64, |command| {
+        let rest_bytes = instance_id.len() + 64;
+        let command = token_command(&ACQUIRE_SCRIPT, keys, token, rest_bytes, |command| {
             command
-                .arg(3)
-                .arg(&*keys.lock)
-                .arg(keys.given_back(token))
-                .arg(keys.holder())
-                .arg(token)
                 .arg(ttl_ms)
                 .arg(restart_guard_ms)
                 .arg(instance_id)
@@ -201,15 +196,8 @@ impl Master {
     /// Deletes the lock if `token` holds it; otherwise marks the token given back for
     /// `mark_ms`, so a late attempt of it grants nothing here.
     pub(super) async fn release(&self, keys: &RedisKeys, token: &str, mark_ms: u64) -> Reply {
-        let bytes = 2 * keys.lock.len() + keys.holder().len() + 3 * token.len();
-        let command = RELEASE.command(bytes + 32, |command| {
-            command
-                .arg(3)
-                .arg(&*keys.lock)
-                .arg(keys.given_back(token))
-                .arg(keys.holder())
-                .arg(token)
-                .arg(mark_ms);
+        let command = token_command(&RELEASE, keys, token, 32, |command| {
+            command.arg(mark_ms);
         });
         let limit = Instant::now() + self.command_timeout;
         let released = self
@@ -282,4 +270,27 @@ impl Master {
             ))),
         }
     }
+}
+
+/// A call of the acquire or release script, which share their keys and first argument
+/// (`KEYS[1]` the lock, `KEYS[2]` `token`'s given-back mark, `KEYS[3]` the holder
+/// record; `ARGV[1]` `token`); `rest` adds the script's other arguments, about
+/// `rest_bytes` long.
+fn token_command(
+    script: &CachedScript,
+    keys: &RedisKeys,
+    token: &str,
+    rest_bytes: usize,
+    rest: impl FnOnce(&mut redis::Cmd),
+) -> redis::Cmd {
+    let bytes = 2 * keys.lock.len() + keys.holder().len() + 3 * token.len() + rest_bytes;
+    script.command(bytes, |command| {
+        command
+            .arg(3)
+            .arg(&*keys.lock)
+            .arg(keys.given_back(token))
+            .arg(keys.holder())
+            .arg(token);
+        rest(command);
+    })
 }
