@@ -1,8 +1,9 @@
 //! One settings core for every lease engine: each concept has one name (`instance_id`,
 //! `lease`, `renewal`, `drift_margin`, `command_timeout`, `poll_interval`, `prefix`), its
 //! setter and its doc written once ([`lease_settings!`]), one default per engine
-//! ([`Defaults`]), and one check when the backend is built ([`Settings::check`]), which
-//! refuses with the [`SetupError`] every engine's `build` returns.
+//! ([`Defaults`], made from the engine's constants by [`defaults!`]), and one check
+//! when the backend is built ([`Settings::check`]), which refuses with the
+//! [`SetupError`] every engine's `build` returns.
 
 use std::fmt;
 use std::ops::RangeInclusive;
@@ -120,6 +121,34 @@ impl fmt::Debug for Settings {
             .finish()
     }
 }
+
+/// An engine's [`Defaults`], from the constants its module has for
+/// [`lease_settings!`] (`DEFAULT_LEASE`, `MIN_LEASE`, `DEFAULT_COMMAND_TIMEOUT`,
+/// `DEFAULT_POLL_INTERVAL`, `DEFAULT_PREFIX`): `defaults!(engine, prefix_rule)` for
+/// leases of `MIN_LEASE` or more, `defaults!(engine, prefix_rule, max_lease = MAX)`
+/// for an engine that keeps none longer than `MAX`.
+macro_rules! defaults {
+    ($engine:expr, $prefix_rule:expr) => {
+        $crate::backend::settings::defaults!(
+            $engine,
+            $prefix_rule,
+            max_lease = std::time::Duration::MAX
+        )
+    };
+    ($engine:expr, $prefix_rule:expr, max_lease = $max_lease:expr) => {
+        $crate::backend::settings::Defaults {
+            engine: $engine,
+            lease: DEFAULT_LEASE,
+            leases: MIN_LEASE..=$max_lease,
+            command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            prefix: DEFAULT_PREFIX,
+            prefix_rule: $prefix_rule,
+        }
+    };
+}
+
+pub(crate) use defaults;
 
 /// `prefix` with `separator` appended, unless it is empty or ends with it.
 #[cfg(any(feature = "redis", feature = "dynamodb"))]

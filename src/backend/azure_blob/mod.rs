@@ -290,15 +290,7 @@ pub struct AzureBlobBackendBuilder {
 }
 
 /// Azure Blob's defaults and limits.
-static DEFAULTS: Defaults = Defaults {
-    engine: ENGINE,
-    lease: DEFAULT_LEASE,
-    leases: MIN_LEASE..=MAX_LEASE,
-    command_timeout: DEFAULT_COMMAND_TIMEOUT,
-    poll_interval: DEFAULT_POLL_INTERVAL,
-    prefix: DEFAULT_PREFIX,
-    prefix_rule: blob_prefix,
-};
+static DEFAULTS: Defaults = settings::defaults!(ENGINE, blob_prefix, max_lease = MAX_LEASE);
 
 /// A prefix as blob names start with it: ending with `/`, and short enough to leave
 /// room for the layer's name and the key in a blob name.

@@ -260,15 +260,7 @@ struct Config {
 }
 
 /// DynamoDB's defaults and limits.
-static DEFAULTS: Defaults = Defaults {
-    engine: table::ENGINE,
-    lease: DEFAULT_LEASE,
-    leases: MIN_LEASE..=Duration::MAX,
-    command_timeout: DEFAULT_COMMAND_TIMEOUT,
-    poll_interval: DEFAULT_POLL_INTERVAL,
-    prefix: DEFAULT_PREFIX,
-    prefix_rule: item_prefix,
-};
+static DEFAULTS: Defaults = settings::defaults!(table::ENGINE, item_prefix);
 
 /// A prefix as partition key values start with it: not empty (it keeps lock items
 /// apart from the table's others), ending with `:`.

@@ -295,15 +295,7 @@ pub struct EtcdBackendBuilder {
 }
 
 /// etcd's defaults and limits.
-static DEFAULTS: Defaults = Defaults {
-    engine: setup::ENGINE,
-    lease: DEFAULT_LEASE,
-    leases: MIN_LEASE..=Duration::MAX,
-    command_timeout: DEFAULT_COMMAND_TIMEOUT,
-    poll_interval: DEFAULT_POLL_INTERVAL,
-    prefix: DEFAULT_PREFIX,
-    prefix_rule: |prefix| Ok(with_slash(prefix)),
-};
+static DEFAULTS: Defaults = settings::defaults!(setup::ENGINE, |prefix| Ok(with_slash(prefix)));
 
 /// What every clone of a backend shares.
 struct Inner {

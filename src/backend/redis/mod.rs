@@ -459,15 +459,7 @@ struct Config {
 }
 
 /// Redis's defaults and limits.
-static DEFAULTS: Defaults = Defaults {
-    engine: "Redis",
-    lease: DEFAULT_LEASE,
-    leases: MIN_LEASE..=Duration::MAX,
-    command_timeout: DEFAULT_COMMAND_TIMEOUT,
-    poll_interval: DEFAULT_POLL_INTERVAL,
-    prefix: DEFAULT_PREFIX,
-    prefix_rule: key_prefix,
-};
+static DEFAULTS: Defaults = settings::defaults!("Redis", key_prefix);
 
 /// A prefix as Redis keys start with it: ending with `:`, and without braces, which
 /// would break the Redis Cluster hash tag.

@@ -246,15 +246,7 @@ struct Config {
 }
 
 /// Redlock's defaults and limits: a Redis backend's, with shorter command timeouts.
-static DEFAULTS: Defaults = Defaults {
-    engine: "Redlock",
-    lease: DEFAULT_LEASE,
-    leases: MIN_LEASE..=Duration::MAX,
-    command_timeout: DEFAULT_COMMAND_TIMEOUT,
-    poll_interval: DEFAULT_POLL_INTERVAL,
-    prefix: DEFAULT_PREFIX,
-    prefix_rule: key_prefix,
-};
+static DEFAULTS: Defaults = settings::defaults!("Redlock", key_prefix);
 
 struct Inner {
     masters: Arc<[Master]>,

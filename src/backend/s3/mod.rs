@@ -244,15 +244,7 @@ pub fn record_window(command_timeout: Duration) -> Duration {
 const ENGINE: &str = "S3";
 
 /// S3's defaults and limits.
-static DEFAULTS: Defaults = Defaults {
-    engine: ENGINE,
-    lease: DEFAULT_LEASE,
-    leases: MIN_LEASE..=Duration::MAX,
-    command_timeout: DEFAULT_COMMAND_TIMEOUT,
-    poll_interval: DEFAULT_POLL_INTERVAL,
-    prefix: DEFAULT_PREFIX,
-    prefix_rule: object_prefix,
-};
+static DEFAULTS: Defaults = settings::defaults!(ENGINE, object_prefix);
 
 /// A [`LockBackend`] on an S3 bucket: one client, shared by every clone. See the
 /// [module docs](self).

@@ -299,15 +299,7 @@ struct Inner {
 }
 
 /// ZooKeeper's defaults and limits.
-static DEFAULTS: Defaults = Defaults {
-    engine: "ZooKeeper",
-    lease: DEFAULT_LEASE,
-    leases: MIN_LEASE..=Duration::MAX,
-    command_timeout: DEFAULT_COMMAND_TIMEOUT,
-    poll_interval: DEFAULT_POLL_INTERVAL,
-    prefix: DEFAULT_PREFIX,
-    prefix_rule: node_prefix,
-};
+static DEFAULTS: Defaults = settings::defaults!("ZooKeeper", node_prefix);
 
 /// A prefix as node paths start with it: a leading `/` added, trailing ones removed,
 /// not under `/zookeeper`, without empty, `.` or `..` parts.
