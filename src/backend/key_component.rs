@@ -52,6 +52,23 @@ pub(crate) fn push_url_safe(out: &mut String, text: &str) {
     push_component(out, text, url_safe, MAX_PLAIN_LEN);
 }
 
+/// `<prefix><name>/<key>`, the layer's name and the key each written by `push_part`
+/// (which keeps `/` out of a part): the path of a lock's etcd keys, blob or object.
+#[cfg(any(feature = "etcd", feature = "azure-blob", feature = "s3"))]
+pub(crate) fn name_and_key(
+    prefix: &str,
+    name: &str,
+    key: &str,
+    push_part: fn(&mut String, &str),
+) -> String {
+    let mut path = String::with_capacity(prefix.len() + name.len() + key.len() + 8);
+    path.push_str(prefix);
+    push_part(&mut path, name);
+    path.push('/');
+    push_part(&mut path, key);
+    path
+}
+
 /// `prefix` as the start of every name: a trailing `/` added if missing.
 #[cfg(any(feature = "etcd", feature = "azure-blob", feature = "s3"))]
 pub(crate) fn with_slash(prefix: &str) -> String {

@@ -1,7 +1,7 @@
 //! The name of a lock's blob (see [blob names](super#blob-names)).
 
-use crate::backend::key_component::push_url_safe as push_component;
 pub(super) use crate::backend::key_component::with_slash;
+use crate::backend::key_component::{name_and_key, push_url_safe as push_component};
 
 /// The longest prefix accepted: with the longest name and key parts (two hashes) the
 /// blob name stays far below Azure's 1024 characters.
@@ -11,12 +11,7 @@ pub(super) const MAX_PREFIX_LEN: usize = 512;
 /// ending with `.` written with `%2E` instead: Azure advises against blob names (and
 /// path segments) that end with a dot, and `.`/`..` are no path segments at all then.
 pub(super) fn blob_name(prefix: &str, name: &str, key: &str) -> String {
-    let mut blob = String::with_capacity(prefix.len() + name.len() + key.len() + 8);
-    blob.push_str(prefix);
-    push_part(&mut blob, name);
-    blob.push('/');
-    push_part(&mut blob, key);
-    blob
+    name_and_key(prefix, name, key, push_part)
 }
 
 /// One escaped part. `.` is plain in the escaped form, so `%2E` never appears in it

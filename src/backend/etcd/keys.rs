@@ -2,8 +2,8 @@
 
 use std::fmt::Write as _;
 
-use crate::backend::key_component::push_url_safe as push_component;
 pub(super) use crate::backend::key_component::with_slash;
+use crate::backend::key_component::{name_and_key, push_url_safe};
 
 /// The etcd keys of one lock: the queue's prefix, under which every contender's key
 /// lives.
@@ -17,11 +17,7 @@ pub(super) struct LockKeys {
 impl LockKeys {
     /// `prefix` is normalized (non-empty, ending with `/`).
     pub(super) fn new(prefix: &str, name: &str, key: &str) -> Self {
-        let mut queue = String::with_capacity(prefix.len() + name.len() + key.len() + 2);
-        queue.push_str(prefix);
-        push_component(&mut queue, name);
-        queue.push('/');
-        push_component(&mut queue, key);
+        let mut queue = name_and_key(prefix, name, key, push_url_safe);
         queue.push('/');
         Self { queue }
     }

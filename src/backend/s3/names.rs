@@ -1,6 +1,6 @@
 //! The name of a lock's object (see [object names](super#object-names)).
 
-use crate::backend::key_component::push_url_safe;
+use crate::backend::key_component::{name_and_key, push_url_safe};
 
 /// The longest prefix accepted: with the longest name and key parts (two hashes or
 /// 128 escaped bytes each) an object name stays far below S3's 1024 bytes.
@@ -14,12 +14,7 @@ const PROBE_PART: &str = "#probe";
 /// `<prefix><name>/<key>`, each part escaped (or hashed) as etcd keys and blob names
 /// are: no `/` inside a part, and distinct parts stay distinct.
 pub(super) fn object_name(prefix: &str, name: &str, key: &str) -> String {
-    let mut object = String::with_capacity(prefix.len() + name.len() + key.len() + 8);
-    object.push_str(prefix);
-    push_url_safe(&mut object, name);
-    object.push('/');
-    push_url_safe(&mut object, key);
-    object
+    name_and_key(prefix, name, key, push_url_safe)
 }
 
 /// The object the setup probe writes, under the prefix but outside every layer's
