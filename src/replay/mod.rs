@@ -117,7 +117,8 @@
 //!   metric handles per lock layer name).
 //! - `service.rs`: [`Replay`]; `future.rs`: [`ReplayFuture`].
 //! - `respond.rs`: one request, step by step: admit, read, look up, replay or run
-//!   and store.
+//!   and store; `read_now.rs`: what a request body holds already, read without
+//!   waiting.
 //! - `lookup.rs`: a request's record named before its key is taken, for the lock's
 //!   acquisition to look for.
 //! - `record.rs`: [`Record`] and its bytes; `fingerprint.rs`: the request fingerprint,
@@ -131,6 +132,7 @@ mod future;
 mod layer;
 mod lookup;
 mod metrics;
+mod read_now;
 mod record;
 mod respond;
 mod service;

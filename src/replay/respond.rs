@@ -13,7 +13,8 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tower_service::Service;
 
-use crate::buffer::{content_length, read_body, read_now, BodyReadError, ReadNow};
+use super::read_now::{read_now, ReadNow};
+use crate::buffer::{content_length, read_body, BodyReadError};
 use crate::layer::{LockInfo, PassedWithoutKey};
 use crate::reject::Rejection;
 
