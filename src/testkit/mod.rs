@@ -8,8 +8,9 @@
 //! Every [`LockBackend`] of this crate passes these checks against a real server; a
 //! backend you write yourself can run the same ones, as tower-sessions lets a session
 //! store run its shared suite. Each check starts instances of an application (one
-//! [`DistributedLocks`] per backend that [`Deployment::backend`] makes) and panics with
-//! a message saying which guarantee broke.
+//! [`DistributedLocks`], or for the checks through the layer one
+//! [`KeyedLockLayer`](crate::KeyedLockLayer), per backend that [`Deployment::backend`]
+//! makes) and panics with a message saying which guarantee broke.
 //!
 //! ```no_run
 //! # #[cfg(feature = "redis")]
