@@ -8,8 +8,9 @@
 //! Every [`LockBackend`] of this crate passes these checks against a real server; a
 //! backend you write yourself can run the same ones, as tower-sessions lets a session
 //! store run its shared suite. Each check starts instances of an application (one
-//! [`DistributedLocks`] per backend that [`Deployment::backend`] makes) and panics with
-//! a message saying which guarantee broke.
+//! [`DistributedLocks`], or for the checks through the layer one
+//! [`KeyedLockLayer`](crate::KeyedLockLayer), per backend that [`Deployment::backend`]
+//! makes) and panics with a message saying which guarantee broke.
 //!
 //! ```no_run
 //! # #[cfg(feature = "redis")]
@@ -73,11 +74,15 @@
 //! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone, for the reason `Expired` |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
 //! | [`a_released_lease_is_never_renewed`] | no renewal of a released lease touches the key: the next holder keeps its lease for a whole loss bound, and the key is free after its release |
+//! | [`renewal_keeps_a_key_held_past_several_leases`] | a running holder keeps its key through another instance's waits of 1.5 loss bounds each, never told it is lost, and its checked release finds the lease its own |
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
 //! | [`health_answers`] | the health check of a reachable engine is healthy with a round trip, from several instances at once, and leaves nothing held |
 //! | [`the_holder_is_read_without_taking_the_key`] | [`DistributedLocks::holder`] is `None` for a free key, names the holder's instance id and fencing token while held, `None` after the release, and never takes or keeps the key |
 //! | [`the_deployment_live_run_passes`] | [`DistributedLocks::check_deployment`] runs live on a working engine and passes: a held key refused to a second acquisition, hand-offs, nothing left held, tokens going up where issued |
 //! | [`contention_is_reported`] | a guard granted only after another instance released the key says it was [`contended`](crate::DistributedGuard::contended); guards of free keys say they were not |
+//! | [`a_key_held_on_another_instance_times_out_with_409`] | through [`KeyedLockLayer`](crate::KeyedLockLayer): a request for a key held on another instance is answered 409 (`problem+json`, `"reason":"timeout"`, `Retry-After`) once its wait is over, not before nor much after |
+//! | [`a_client_that_disconnects_while_holding_leaves_no_key`] | through the layer: a request dropped while it holds its key gives the key back well before the loss bound |
+//! | [`clients_that_disconnect_while_waiting_leave_no_key`] | through the layer: requests dropped while they wait (at the engine, or in their instance's queue) never run and leave nothing held |
 //! | [`released_keys_leave_no_records`] | the server's state follows the keys in use: after [`FOOTPRINT_KEYS`] distinct keys are locked and released and the record window has passed, the namespace holds at most [`MOST_RECORDS_AT_REST`] records |
 //!
 //! Backends that hold a key shared and count permits ([`LockBackend::supports`]) also
@@ -106,6 +111,7 @@
 //! | [`a_reset_connection_is_a_lost_lease_and_recovers`] | a holder whose connections are reset is told before another grant (within [`Proxied::reset_notice`]), and reconnects |
 //! | [`the_health_check_fails_on_a_silent_path_and_recovers`] | the health check on a silent path is unhealthy within about one command timeout, and healthy after the heal |
 //! | [`a_dropped_path_does_not_end_a_wait`] | a reset, then a silent path, during their waits ends no waiter's wait: all granted in arrival order, one at a time, after the release |
+//! | [`abort_on_lease_lost_answers_503`] | through the layer with `abort_on_lease_lost`: a request holding its key on a path gone silent is answered 503 `"reason":"lease_lost"`, and another instance gets the key |
 
 mod contention;
 mod deployment;
@@ -116,11 +122,13 @@ mod holder;
 mod inside;
 mod isolated;
 mod lateness;
+mod layer;
 mod lease;
 mod memory;
 mod modes;
 mod mutual;
 mod proxy;
+mod renewal;
 mod several;
 
 use std::future::Future;
@@ -142,6 +150,11 @@ pub use self::footprint::{released_keys_leave_no_records, FOOTPRINT_KEYS, MOST_R
 pub use self::health::health_answers;
 pub use self::holder::the_holder_is_read_without_taking_the_key;
 pub use self::lateness::Lateness;
+pub use self::layer::{
+    a_client_that_disconnects_while_holding_leaves_no_key,
+    a_key_held_on_another_instance_times_out_with_409, abort_on_lease_lost_answers_503,
+    clients_that_disconnect_while_waiting_leave_no_key,
+};
 pub use self::lease::{
     a_crashed_holder_is_taken_over, a_released_lease_is_never_renewed,
     a_stalled_holder_sees_its_lease_lost,
@@ -156,6 +169,7 @@ pub use self::mutual::{
     busy_and_timeout, dropped_acquisitions_leave_nothing_held, fencing_tokens_increase,
     one_holder_at_a_time, release_hands_over,
 };
+pub use self::renewal::renewal_keeps_a_key_held_past_several_leases;
 pub use self::several::several_keys_all_or_nothing;
 use crate::backend::default_instance_id;
 use crate::{DistributedLocks, LockBackend};
@@ -193,7 +207,7 @@ pub trait Deployment: Send + Sync {
 }
 
 /// The names of the checks [`run_all`] runs, in its order.
-pub const CHECKS: [&str; 14] = [
+pub const CHECKS: [&str; 18] = [
     "one_holder_at_a_time",
     "busy_and_timeout",
     "release_hands_over",
@@ -202,12 +216,16 @@ pub const CHECKS: [&str; 14] = [
     "a_stalled_holder_sees_its_lease_lost",
     "a_crashed_holder_is_taken_over",
     "a_released_lease_is_never_renewed",
+    "renewal_keeps_a_key_held_past_several_leases",
     "several_keys_all_or_nothing",
     "health_answers",
     "the_holder_is_read_without_taking_the_key",
     "released_keys_leave_no_records",
     "the_deployment_live_run_passes",
     "contention_is_reported",
+    "a_key_held_on_another_instance_times_out_with_409",
+    "a_client_that_disconnects_while_holding_leaves_no_key",
+    "clients_that_disconnect_while_waiting_leave_no_key",
 ];
 
 /// Runs every check of [`CHECKS`], each on keys of its own.
@@ -220,12 +238,16 @@ pub async fn run_all<D: Deployment>(deployment: &D) {
     a_stalled_holder_sees_its_lease_lost(deployment).await;
     a_crashed_holder_is_taken_over(deployment).await;
     a_released_lease_is_never_renewed(deployment).await;
+    renewal_keeps_a_key_held_past_several_leases(deployment).await;
     several_keys_all_or_nothing(deployment).await;
     health_answers(deployment).await;
     the_holder_is_read_without_taking_the_key(deployment).await;
     released_keys_leave_no_records(deployment).await;
     the_deployment_live_run_passes(deployment).await;
     contention_is_reported(deployment).await;
+    a_key_held_on_another_instance_times_out_with_409(deployment).await;
+    a_client_that_disconnects_while_holding_leaves_no_key(deployment).await;
+    clients_that_disconnect_while_waiting_leave_no_key(deployment).await;
 }
 
 /// The names of the checks [`run_modes`] runs, in its order: for backends that hold
@@ -255,13 +277,14 @@ pub async fn run_modes<D: Deployment>(deployment: &D) {
 
 /// The names of the checks [`run_faults`] runs, in its order: for backends whose
 /// instances reach their engine over TCP, through a [`FaultProxy`].
-pub const FAULT_CHECKS: [&str; 6] = [
+pub const FAULT_CHECKS: [&str; 7] = [
     "a_cut_off_holder_is_told_before_another_instance_is_granted",
     "no_acquisition_outlives_its_wait_on_a_silent_path",
     "a_slow_path_keeps_the_lease",
     "a_reset_connection_is_a_lost_lease_and_recovers",
     "the_health_check_fails_on_a_silent_path_and_recovers",
     "a_dropped_path_does_not_end_a_wait",
+    "abort_on_lease_lost_answers_503",
 ];
 
 /// Runs every check of [`FAULT_CHECKS`], each on keys of its own.
@@ -272,6 +295,7 @@ pub async fn run_faults<P: Proxied>(deployment: &P) {
     a_reset_connection_is_a_lost_lease_and_recovers(deployment).await;
     the_health_check_fails_on_a_silent_path_and_recovers(deployment).await;
     a_dropped_path_does_not_end_a_wait(deployment).await;
+    abort_on_lease_lost_answers_503(deployment).await;
 }
 
 /// One instance of the application: locks named like the check, on a fresh backend.

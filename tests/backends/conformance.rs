@@ -98,10 +98,14 @@ macro_rules! conformance {
                 a_stalled_holder_sees_its_lease_lost,
                 a_crashed_holder_is_taken_over,
                 a_released_lease_is_never_renewed,
+                renewal_keeps_a_key_held_past_several_leases,
                 several_keys_all_or_nothing,
                 health_answers,
                 the_deployment_live_run_passes,
                 contention_is_reported,
+                a_key_held_on_another_instance_times_out_with_409,
+                a_client_that_disconnects_while_holding_leaves_no_key,
+                clients_that_disconnect_while_waiting_leave_no_key,
             );
         }
     };
@@ -264,6 +268,7 @@ macro_rules! faults {
                 a_slow_path_keeps_the_lease,
                 a_reset_connection_is_a_lost_lease_and_recovers,
                 the_health_check_fails_on_a_silent_path_and_recovers,
+                abort_on_lease_lost_answers_503,
                 $($($also,)*)?
             );
         }
@@ -790,10 +795,7 @@ const COLUMNS: [(&str, &str); 12] = [
     ("Redis", "redis"),
     ("Redis Cluster", "redis_cluster"),
     ("PostgreSQL", "postgres"),
-    (
-        "PostgreSQL, transaction scope via PgBouncer",
-        "pgbouncer_transaction",
-    ),
+    ("PgBouncer (transaction)", "pgbouncer_transaction"),
     ("DynamoDB", "dynamodb"),
     ("etcd", "etcd"),
     ("MySQL (MariaDB)", "mysql"),

@@ -5,8 +5,8 @@
 //! Redis (`redis`, `redis_cluster`, `redis_faults`, `redis_handoff`, `redis_sentinel`), PostgreSQL
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
 //! (`etcd`), MySQL (`mysql`), Redlock (`redlock`), Azure Blob Storage on Azurite
-//! (`azure_blob`), S3 on moto (`s3`), ZooKeeper (`zookeeper`); and
-//! the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
+//! (`azure_blob`), S3 on moto (`s3`), ZooKeeper (`zookeeper`); what engines of one family promise alike, one
+//! body run on each (`queues`: etcd and ZooKeeper; `session_locks`: PostgreSQL and MySQL); and the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
 //! `tests/redis_restart_guard.rs`, a process of its own.
 
 #[path = "../support/mod.rs"]
@@ -26,6 +26,7 @@ mod dynamodb;
 mod postgres;
 mod postgres_faults;
 mod postgres_pgbouncer;
+mod queues;
 #[cfg(feature = "axum")]
 mod redis;
 mod redis_cluster;
@@ -35,5 +36,6 @@ mod redis_handoff;
 mod redis_sentinel;
 mod redlock;
 mod s3;
+mod session_locks;
 mod tcp_proxy;
 mod zookeeper;

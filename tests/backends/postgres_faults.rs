@@ -11,10 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio_postgres::{Client, NoTls};
-use tower_keyed_lock::backend::postgres::{
-    LockScope, PostgresBackend, PostgresBackendBuilder, DEFAULT_COMMAND_TIMEOUT,
-    DEFAULT_LIVENESS_INTERVAL,
-};
+use tower_keyed_lock::backend::postgres::{PostgresBackend, PostgresBackendBuilder};
 use tower_keyed_lock::{Key, Lease, LockBackend, LockError};
 
 use crate::support::pg_server::PgServer;
@@ -30,19 +27,19 @@ const SERVER_LIMIT: Duration = Duration::from_millis(100 + 2 * 300);
 /// Scheduling slack on a busy 2-core machine.
 const SLACK: Duration = Duration::from_millis(250);
 
-fn trials() -> usize {
+pub(crate) fn trials() -> usize {
     std::env::var("PG_FAULT_TRIALS")
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(3)
 }
 
-fn pg_addr(pg: &PgServer) -> SocketAddr {
+pub(crate) fn pg_addr(pg: &PgServer) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], pg.port()))
 }
 
 /// An instance whose connections go to `host_port` (the proxy or the server).
-fn builder(host_port: &str, instance: &str) -> PostgresBackendBuilder {
+pub(crate) fn builder(host_port: &str, instance: &str) -> PostgresBackendBuilder {
     let (host, port) = host_port.split_once(':').unwrap();
     let mut config = tokio_postgres::Config::new();
     config
@@ -77,7 +74,7 @@ fn key(key: &str) -> Key {
     Key::new(key, 64).unwrap()
 }
 
-async fn admin(pg: &PgServer) -> Client {
+pub(crate) async fn admin(pg: &PgServer) -> Client {
     let (client, connection) = tokio_postgres::connect(&pg.conn_str(), NoTls)
         .await
         .unwrap();
@@ -93,22 +90,8 @@ async fn eventually<F: Future<Output = bool>>(what: &str, mut condition: impl Fn
     }
 }
 
-/// Takes and gives back a key of its own on `backend` until that works, so that its
-/// pool holds a connection: connecting is setup, not what a test with a short network
-/// timeout is about, and on a loaded machine a first connect can outlast it.
-async fn warm(backend: &PostgresBackend) {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        match backend.acquire("warm", &key("warm"), Duration::ZERO).await {
-            Ok(lease) => return lease.release().await,
-            Err(error) => assert!(Instant::now() < deadline, "never connected: {error}"),
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Whether a session of `instance` waits on an advisory lock now.
-async fn waits_in_postgres(admin: &Client, instance: &str) -> bool {
+pub(crate) async fn waits_in_postgres(admin: &Client, instance: &str) -> bool {
     let waiting: i64 = admin
         .query_one(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
@@ -143,12 +126,12 @@ fn spawn_lost_watch(lease: &Lease) -> tokio::task::JoinHandle<Instant> {
     })
 }
 
-fn ms(duration: Duration) -> String {
+pub(crate) fn ms(duration: Duration) -> String {
     format!("{:.1} ms", duration.as_secs_f64() * 1e3)
 }
 
 /// A figure from several trials: min / median / max.
-fn spread(mut figures: Vec<Duration>) -> String {
+pub(crate) fn spread(mut figures: Vec<Duration>) -> String {
     figures.sort();
     format!(
         "min {} / median {} / max {} ({} trials)",
@@ -434,131 +417,6 @@ async fn delayed_path_keeps_the_lease_until_it_exceeds_the_command_timeout() {
         ms(granted_at.duration_since(lost_at))
     );
     granted.release().await;
-}
-
-/// A statement waiting in PostgreSQL is granted while its answer is slow (400 ms each
-/// way against a 250 ms network timeout, liveness 200 ms; then the default timings with
-/// 2.3 s each way). PostgreSQL's idle limit starts when it grants, but the holder
-/// learns of the grant only when the answer arrives: counted from the answer, the
-/// holder's first check came after the server had ended the session and granted the
-/// next waiter (before the fix: A told 150 ms after C was granted, 3 of 3). A grant
-/// counts only from a round trip that answered within the network timeout: so A is
-/// either refused (its confirmation was too slow) or told before C is granted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_grant_answered_late_never_overlaps_the_next_holder() {
-    let millis = Duration::from_millis;
-    let timings = [
-        (millis(200), millis(250), millis(400), trials()),
-        (
-            DEFAULT_LIVENESS_INTERVAL,
-            DEFAULT_COMMAND_TIMEOUT,
-            millis(2_300),
-            1,
-        ),
-    ];
-    let pg = PgServer::start();
-    let admin = admin(&pg).await;
-    for (scope, (liveness, network, delay, trials)) in [LockScope::Session, LockScope::Transaction]
-        .into_iter()
-        .flat_map(|scope| timings.map(|timing| (scope, timing)))
-    {
-        let mut margins = Vec::new();
-        for trial in 0..trials {
-            let proxy = TcpProxy::start(pg_addr(&pg)).await;
-            let timed = |builder: PostgresBackendBuilder| {
-                builder
-                    .liveness_interval(liveness)
-                    .command_timeout(network)
-                    .lock_scope(scope)
-                    .build_lazy()
-            };
-            let a = timed(builder(&proxy.host_port(), "late-a"));
-            warm(&a).await;
-            // B and C, the holders before and after A, are not what is tested: the
-            // default timeouts, so that a slow connect on a loaded machine fails no
-            // trial.
-            let untested = |builder: PostgresBackendBuilder| {
-                builder
-                    .liveness_interval(DEFAULT_LIVENESS_INTERVAL)
-                    .command_timeout(DEFAULT_COMMAND_TIMEOUT)
-                    .lock_scope(scope)
-                    .build_lazy()
-            };
-            let b = untested(direct_builder(&pg, "late-b"));
-            let c = untested(direct_builder(&pg, "late-c"));
-            let name = format!("late-{scope:?}-{network:?}-{trial}");
-
-            let held = b
-                .acquire("orders", &key(&name), Duration::ZERO)
-                .await
-                .unwrap();
-            // A waits behind the proxy; when granted it watches its lease at once.
-            let acquiring = a.acquire("orders", &key(&name), Duration::from_secs(4));
-            let a_task = tokio::spawn(async move {
-                match acquiring.await {
-                    Ok(lease) => {
-                        let granted_at = Instant::now();
-                        let lost = tokio::time::timeout(PATIENCE, lease.signal().lost()).await;
-                        Ok((granted_at, lost.map(|()| Instant::now()).ok(), lease))
-                    }
-                    Err(error) => Err((error, Instant::now())),
-                }
-            });
-            eventually("A waits in PostgreSQL", || {
-                waits_in_postgres(&admin, "late-a")
-            })
-            .await;
-            proxy.delay(delay);
-            let acquiring = c.acquire("orders", &key(&name), Duration::from_secs(9));
-            let c_task = tokio::spawn(async move {
-                let lease = acquiring.await.expect("C is granted");
-                (lease, Instant::now())
-            });
-            eventually("C waits in PostgreSQL", || {
-                waits_in_postgres(&admin, "late-c")
-            })
-            .await;
-            let released = Instant::now();
-            held.release().await;
-
-            let (c_lease, c_at) = tokio::time::timeout(PATIENCE, c_task)
-                .await
-                .expect("C was never granted")
-                .unwrap();
-            let since = |at: Instant| ms(at.duration_since(released));
-            match a_task.await.unwrap() {
-                Ok((a_at, lost_at, _lease)) => {
-                    let lost_at = lost_at.unwrap_or_else(|| {
-                        panic!("A (granted at +{}) was never told", since(a_at))
-                    });
-                    assert!(
-                        lost_at < c_at,
-                        "{scope:?}: C entered at +{}, A entered at +{} and was told at +{}",
-                        since(c_at),
-                        since(a_at),
-                        since(lost_at)
-                    );
-                    margins.push(c_at.duration_since(lost_at));
-                }
-                // Never told it holds the key: no overlap, whenever C entered.
-                Err((LockError::Backend(error), refused_at)) => {
-                    println!(
-                        "{scope:?}: A refused at +{} ({error}), C entered at +{}",
-                        since(refused_at),
-                        since(c_at)
-                    );
-                    margins.push(c_at.saturating_duration_since(refused_at));
-                }
-                Err((other, _)) => panic!("{scope:?}: A failed oddly: {other:?}"),
-            }
-            c_lease.release().await;
-        }
-        println!(
-            "late grant answer, {scope:?}, {delay:?} each way, network timeout {network:?}: \
-             A refused or told before C entered by {}",
-            spread(margins)
-        );
-    }
 }
 
 /// Connections reset under the holder: it is told at once, and the same instance

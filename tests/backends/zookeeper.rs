@@ -1,9 +1,9 @@
-//! What the ZooKeeper backend promises beyond the conformance suite, on a real 3-server
-//! ensemble: waiters served in arrival order across instances, a hold that survives the
-//! leader's death or a server's restart (or is signalled lost before anyone else is
-//! granted), a holder cut off in a minority or left without a majority told before
-//! anyone else is granted, the node of a create whose answer never came deleted, and
-//! the key mapping seen from ZooKeeper. The holder whose link goes silent past its
+//! What the ZooKeeper backend promises beyond the conformance suite and the queue
+//! engines' shared tests (`queues.rs`: arrival order, odd keys, the leader killed
+//! mid-hold, a majority down), on a real 3-server ensemble: waiters that keep their
+//! place through the leader's death, a hold that survives a server's restart, a holder
+//! cut off in a minority told before anyone else is granted, and the node of a create
+//! whose answer never came deleted. The holder whose link goes silent past its
 //! session timeout is the conformance suite's fault check
 //! (`conformance::faults::zookeeper`), and here once more on a session heard for a
 //! while first.
@@ -21,14 +21,14 @@ use tower_keyed_lock::DistributedLocks;
 use zookeeper_client as zk;
 
 /// The session timeout of the fixture's backends.
-const SESSION_TIMEOUT: Duration = servers::zookeeper::SESSION_TIMEOUT;
+pub(crate) const SESSION_TIMEOUT: Duration = servers::zookeeper::SESSION_TIMEOUT;
 
-async fn backend(ensemble: &ZooKeeperEnsemble) -> ZooKeeperBackend {
+pub(crate) async fn backend(ensemble: &ZooKeeperEnsemble) -> ZooKeeperBackend {
     servers::ZooKeeper::backend_on_servers(&ensemble.connect_string()).await
 }
 
 /// A plain client of the ensemble, to look at the nodes.
-async fn probe(ensemble: &ZooKeeperEnsemble) -> zk::Client {
+pub(crate) async fn probe(ensemble: &ZooKeeperEnsemble) -> zk::Client {
     zk::Client::connect(&ensemble.connect_string())
         .await
         .expect("a probe connects to ZooKeeper")
@@ -37,7 +37,7 @@ async fn probe(ensemble: &ZooKeeperEnsemble) -> zk::Client {
 /// How many contenders (holder and waiters) the queue of `key` has at ZooKeeper, after
 /// the probe's server caught up with the leader (`sync`): the probe may be connected to
 /// a follower that has not applied the backend's last create yet.
-async fn queued(probe: &zk::Client, backend: &ZooKeeperBackend, key: &str) -> usize {
+pub(crate) async fn queued(probe: &zk::Client, backend: &ZooKeeperBackend, key: &str) -> usize {
     let queue = backend.queue_path(servers::NAME, key);
     match probe.sync(&queue).await {
         Ok(()) | Err(zk::Error::NoNode) => {}
@@ -59,49 +59,6 @@ async fn until_queued(probe: &zk::Client, backend: &ZooKeeperBackend, key: &str,
         );
         sleep(Duration::from_millis(10)).await;
     }
-}
-
-/// Four instances: one holds, three queue one after another. On release the key passes
-/// in the order they arrived, whatever instance they are on, the fencing tokens follow
-/// that order, and no node is left.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn waiters_are_served_in_arrival_order_across_instances() {
-    let ensemble = ZooKeeperEnsemble::start();
-    let probe = probe(&ensemble).await;
-    let paths = backend(&ensemble).await;
-    let holder = locks_on(Arc::new(backend(&ensemble).await));
-    let guard = holder.lock("fifo").await.unwrap();
-    let order = Arc::new(Mutex::new(Vec::new()));
-    let mut waiters = Vec::new();
-    for (n, name) in ["first", "second", "third"].into_iter().enumerate() {
-        let locks = locks_on(Arc::new(backend(&ensemble).await));
-        let order = order.clone();
-        waiters.push(tokio::spawn(async move {
-            let guard = locks.lock_timeout("fifo", 3 * PATIENCE).await.unwrap();
-            order
-                .lock()
-                .unwrap()
-                .push((name, guard.fencing_token().unwrap()));
-            sleep(Duration::from_millis(20)).await;
-            guard.release().await;
-        }));
-        // The next waiter arrives only once this one is in the queue.
-        until_queued(&probe, &paths, "fifo", n + 2).await;
-    }
-    guard.release().await;
-    for waiter in waiters {
-        servers::within("every waiter is served", 3 * PATIENCE, waiter)
-            .await
-            .unwrap();
-    }
-    let order = order.lock().unwrap().clone();
-    let names: Vec<&str> = order.iter().map(|(name, _)| *name).collect();
-    assert_eq!(names, ["first", "second", "third"], "not FIFO: {order:?}");
-    assert!(
-        order.windows(2).all(|pair| pair[0].1 < pair[1].1),
-        "fencing tokens out of order: {order:?}"
-    );
-    until_queued(&probe, &paths, "fifo", 0).await;
 }
 
 /// A holder and five waiters, each on an instance of its own, with waits of 30 s; the
@@ -206,7 +163,7 @@ async fn waiters_keep_their_place_through_the_leaders_death() {
 }
 
 /// Locks on a backend with `session_timeout` on `servers` (a connect string).
-async fn with_session(servers: &str, session_timeout: Duration) -> DistributedLocks {
+pub(crate) async fn with_session(servers: &str, session_timeout: Duration) -> DistributedLocks {
     let backend = ZooKeeperBackend::builder(servers)
         .lease(session_timeout)
         .command_timeout(Duration::from_millis(500))
@@ -214,33 +171,6 @@ async fn with_session(servers: &str, session_timeout: Duration) -> DistributedLo
         .await
         .expect("the backend connects to ZooKeeper");
     locks_on(Arc::new(backend))
-}
-
-/// The leader dies while a key is held: the other two elect a new one within a few
-/// ticks, which restarts every session's timeout, and the holder's client reconnects
-/// to a live server within its session. With a session of 4 s the hold normally goes
-/// on; on a machine too loaded to elect and reconnect in time it is signalled lost
-/// before the waiter is granted. Either way, no unsignalled overlap.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_leader_killed_mid_hold() {
-    let mut ensemble = ZooKeeperEnsemble::start();
-    let session = 2 * SESSION_TIMEOUT;
-    let holder = with_session(&ensemble.connect_string(), session).await;
-    let waiter = with_session(&ensemble.connect_string(), session).await;
-    let leader = ensemble.leader().expect("a leader");
-    let ensemble_ref = &mut ensemble;
-    let survived = hold_through(&holder, waiter, "leader", 2 * session, async {
-        ensemble_ref.kill(leader);
-    })
-    .await;
-    eprintln!("leader {leader} killed mid-hold: hold survived = {survived}");
-    ensemble
-        .wait_for_leader(PATIENCE)
-        .expect("the two others elect a leader");
-    assert_ne!(ensemble.leader(), Some(leader));
-    // Serving goes on with two servers of three.
-    let again = holder.lock_timeout("after", PATIENCE).await.unwrap();
-    again.release().await;
 }
 
 /// A follower is killed and started again on its data while a key is held: the hold
@@ -395,90 +325,6 @@ async fn a_holder_heard_for_a_while_is_told_well_before_its_session_expires() {
     taken.release().await;
 }
 
-/// Two servers of three die, the leader among them: no quorum, no heartbeat answered,
-/// and the holder is told at its local deadline (by the clock alone). Nobody can be
-/// granted meanwhile (a create needs the quorum). When the servers come back, the
-/// holder's session is closed (declared lost, it is never used again) and the waiter
-/// is granted — after the holder was told.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_majority_down_is_a_lost_lease_then_recovers() {
-    let mut ensemble = ZooKeeperEnsemble::start();
-    let holder = with_session(&ensemble.connect_string(), SESSION_TIMEOUT).await;
-    let waiter = with_session(&ensemble.connect_string(), SESSION_TIMEOUT).await;
-    let guard = holder.lock("majority").await.unwrap();
-    let signal = guard.lease().unwrap().clone();
-    let told = tokio::spawn(async move {
-        signal.lost().await;
-        Instant::now()
-    });
-    let leader = ensemble.leader().expect("a leader");
-    let down = [leader, (leader + 1) % ensemble.size()];
-    for server in down {
-        ensemble.kill(server);
-    }
-    let killed = Instant::now();
-    let granted = Arc::new(Mutex::new(None));
-    let other = tokio::spawn({
-        let granted = granted.clone();
-        async move {
-            loop {
-                match waiter
-                    .lock_timeout("majority", Duration::from_millis(500))
-                    .await
-                {
-                    Ok(guard) => {
-                        *granted.lock().unwrap() = Some(Instant::now());
-                        return guard;
-                    }
-                    Err(_) => sleep(Duration::from_millis(20)).await,
-                }
-            }
-        }
-    });
-    // The last heartbeat answered was sent before the kill.
-    tokio::time::sleep_until(killed + SESSION_TIMEOUT).await;
-    assert!(
-        guard.is_lost(),
-        "the holder's lease still counts as valid a session timeout after the quorum was lost"
-    );
-    let told = told.await.unwrap();
-    eprintln!(
-        "majority down: the holder was told after {:?}",
-        told - killed
-    );
-    for server in down {
-        ensemble.restart(server);
-    }
-    ensemble
-        .wait_for_leader(3 * PATIENCE)
-        .expect("the servers elect a leader again");
-    let taken = servers::within("the waiter gets the key", 3 * PATIENCE, other)
-        .await
-        .unwrap();
-    let granted = granted.lock().unwrap().expect("granted");
-    assert!(
-        told <= granted,
-        "unsignalled overlap: granted {:?} before the holder was told",
-        told - granted
-    );
-    eprintln!(
-        "majority down: waiter granted {:?} after the holder was told",
-        granted - told
-    );
-    taken.release().await;
-    drop(guard);
-    let again = servers::within("the backend serves again", 3 * PATIENCE, async {
-        loop {
-            match holder.lock_timeout("majority-after", PATIENCE).await {
-                Ok(guard) => break guard,
-                Err(_) => sleep(Duration::from_millis(50)).await,
-            }
-        }
-    })
-    .await;
-    again.release().await;
-}
-
 /// The create of an acquisition reaches ZooKeeper only after the acquisition gave up
 /// (its bytes held on the path, then delivered): the node is created for a contender
 /// that is gone. The in-flight guard finds it by its token and deletes it, while the
@@ -555,44 +401,6 @@ async fn a_create_whose_answer_never_came_is_deleted() {
     );
     eprintln!("late create: {late} created after its acquisition gave up, then deleted");
     until_queued(&probe, &paths, "late", 0).await;
-}
-
-/// Keys with separators, dots, `%`, non-ASCII text, reserved names and more than 128
-/// bytes each get a queue of their own, exactly one level under the layer name, and two
-/// such keys exclude nobody but themselves; the nodes go with the release.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn odd_keys_map_to_one_queue_each() {
-    let ensemble = ZooKeeperEnsemble::start();
-    let probe = probe(&ensemble).await;
-    let backend = backend(&ensemble).await;
-    let locks = locks_on(Arc::new(backend.clone()));
-    let long = "é".repeat(100);
-    let keys = [
-        "a/b",
-        "a%2Fb",
-        "..",
-        ".",
-        "zookeeper",
-        "é",
-        long.as_str(),
-        "#",
-        "a b",
-    ];
-    let mut guards = Vec::new();
-    for key in keys {
-        // Each is free although the others are held: no two share a queue.
-        guards.push(locks.try_lock(key).await.expect("a queue of its own"));
-        let queue = backend.queue_path(servers::NAME, key);
-        assert_eq!(queue.matches('/').count(), 3, "{queue}");
-        assert!(queue.len() <= "/keyed-lock/".len() + 4 + 1 + 129, "{queue}");
-        assert_eq!(queued(&probe, &backend, key).await, 1, "{queue}");
-    }
-    for guard in guards {
-        guard.release().await;
-    }
-    for key in keys {
-        until_queued(&probe, &backend, key, 0).await;
-    }
 }
 
 /// Building a backend against an address nobody listens on fails with an error that

@@ -181,6 +181,10 @@ async fn redis_work_stops_when_an_unrenewed_lease_runs_out() {
         took < lateness.allowing(lease + Duration::from_millis(200)),
         "lost after {took:?}"
     );
+    // Never sooner: the acquire went out after `granted`, and its deadline is the lease
+    // less the default drift margin (1% + 2 ms) from then.
+    let deadline = lease - (lease / 100 + Duration::from_millis(2));
+    assert!(took >= deadline, "lost after {took:?}, before {deadline:?}");
     eprintln!("an unrenewed {lease:?} lease was declared lost after {took:?}");
     // A lost lease stops new work at once, without running it.
     let ran = AtomicBool::new(false);
