@@ -30,6 +30,9 @@
 //!    lines between two markers are counted over 200 uncontended locks of one key,
 //!    prepared statements warmed up. A simple-query message of several statements is
 //!    one line and one round trip, as is one `Bind`/`Execute` of a prepared statement.
+//! 4. **Steps apart**, one task: the backend's acquire and its release each timed on
+//!    its own, beside the bare `pg_advisory_lock` and `pg_advisory_unlock` they stand
+//!    for, call by call: where the time over the bare pair goes.
 //!
 //! What each statement of an uncontended lock is for (see the backend's module docs):
 //!
@@ -100,6 +103,7 @@ fn main() {
     rt.block_on(hot_key(&conn, hot_rounds, run));
 
     rt.block_on(statements_per_lock(&pg));
+    rt.block_on(steps_apart(&conn, if quick { 20 } else { 2000 }));
     drop(pg);
 }
 
@@ -457,5 +461,50 @@ async fn statements_per_lock(pg: &PgServer) {
         "statements per uncontended acquire+release (PostgresBackend, fencing on): {:.2} \
          ({statements} logged for {LOCKS}; the bare pair: 2)",
         statements as f64 / LOCKS as f64
+    );
+}
+
+/// Each step of one lock timed on its own, one task, beside the bare call it stands
+/// for on the same server: the backend's acquire against a bare `pg_advisory_lock`,
+/// its release against a bare `pg_advisory_unlock`, alternating call by call so both
+/// see the same load. Medians of `locks` of each.
+async fn steps_apart(conn: &str, locks: usize) {
+    let direct = backend(conn);
+    let bare = Bare::connect(conn).await;
+    let key = Key::new("steps", 64).unwrap();
+    let mut times: [Vec<Duration>; 4] = Default::default();
+    for round in 0..locks + 20 {
+        let started = Instant::now();
+        let lease = direct.acquire(NAME, &key, WAIT).await.expect("uncontended");
+        let acquired = Instant::now();
+        lease.release().await;
+        let released = Instant::now();
+        bare.client.execute(&bare.lock, &[&7i64]).await.unwrap();
+        let locked = Instant::now();
+        bare.client.execute(&bare.unlock, &[&7i64]).await.unwrap();
+        let unlocked = Instant::now();
+        // The first ones open the connections and prepare the statements.
+        if round >= 20 {
+            let steps = [
+                acquired - started,
+                released - acquired,
+                locked - released,
+                unlocked - locked,
+            ];
+            for (times, step) in times.iter_mut().zip(steps) {
+                times.push(step);
+            }
+        }
+    }
+    let [acquire, release, lock, unlock] = times.map(|mut times| {
+        times.sort();
+        times[times.len() / 2].as_secs_f64() * 1e6
+    });
+    println!(
+        "steps apart, 1 task (medians of {locks}): acquire {acquire:.1} µs against a bare \
+         lock's {lock:.1} µs (+{:.1}); release {release:.1} µs against a bare unlock's \
+         {unlock:.1} µs (+{:.1})",
+        acquire - lock,
+        release - unlock
     );
 }
