@@ -185,7 +185,7 @@ impl Inner {
                 deadline,
                 self.settings.timing.command_timeout,
                 self.max_pooled_idle(),
-                &self.session_setup(),
+                self.session_setup(),
             )
             .await
     }

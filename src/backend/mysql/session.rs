@@ -8,10 +8,11 @@
 //! close it. Here a [`Session`] is closed unless it is explicitly given back.
 //!
 //! Beside the pooled connections, the pool keeps one control connection, opened on
-//! first use, for releases alone: [`Pool::interrupt`], the `KILL QUERY` that ends a
-//! holder's pending statement when its lock is released, and [`Pool::holds`], which
-//! sees a closed holder's session end. It never holds a lock and never serves one, so
-//! releasing moves no lock connection in or out of the pool.
+//! first use, for releases and closes alone: [`Pool::interrupt`], the `KILL QUERY` that
+//! ends a holder's pending statement when its lock is released, or a dropped session's
+//! (a cancelled wait), and [`Pool::holds`], which sees a closed holder's session end.
+//! It never holds a lock and never serves one, so releasing moves no lock connection in
+//! or out of the pool.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -52,6 +53,10 @@ pub(super) struct SessionState {
     /// `CONNECTION_ID()` as the session first answered it: every later statement on
     /// this connection must be answered by the same session.
     pub(super) id: Option<u64>,
+    /// Whether the server's handshake named session `id` too: nothing in between hands
+    /// this connection's statements to another session, so `KILL QUERY id` ends this
+    /// connection's own statement (see [`Session`]'s drop).
+    pub(super) direct: bool,
     /// Whether a round trip of its own found the session still holding a lock after the
     /// granting statement: nothing resets this session between statements.
     pub(super) checked: bool,
@@ -59,7 +64,9 @@ pub(super) struct SessionState {
 
 /// A connection whose session may hold a lock. Dropped, it is closed — the server then
 /// ends the session and frees its locks; only [`give_back`](Self::give_back), for a
-/// session known to hold nothing, pools it again.
+/// session known to hold nothing, pools it again. A statement still running when it is
+/// dropped is interrupted first: a `GET_LOCK` left queued would be granted the lock at
+/// its holder's release, and the next holder would wait for this close to free it.
 pub(super) struct Session {
     conn: Option<Conn>,
     pub(super) state: SessionState,
@@ -73,6 +80,10 @@ pub(super) struct Session {
     unknown: bool,
     pool: Arc<Pool>,
     close_within: Duration,
+    /// How the control connection that interrupts a statement on drop is kept and
+    /// opened (see [`Pool::interrupt`]).
+    max_idle: Duration,
+    setup: String,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -115,7 +126,7 @@ impl Pool {
         deadline: Instant,
         command_timeout: Duration,
         max_idle: Duration,
-        setup: &str,
+        setup: String,
     ) -> Result<Session, LockError> {
         let permit = match self.permits.clone().try_acquire_owned() {
             Ok(permit) => permit,
@@ -133,38 +144,55 @@ impl Pool {
                 None => break None,
             }
         };
-        if let Some(idle) = reused {
-            return Ok(Session {
-                conn: Some(idle.conn),
-                state: idle.state,
-                reused: true,
-                unknown: false,
-                pool: self.clone(),
-                close_within: command_timeout,
-                _permit: permit,
-            });
-        }
-        let conn = self.connect(command_timeout, setup).await?;
+        let (conn, state, reused) = match reused {
+            Some(idle) => (idle.conn, idle.state, true),
+            None => {
+                let (conn, state) = self.connect(command_timeout, &setup).await?;
+                (conn, state, false)
+            }
+        };
         Ok(Session {
             conn: Some(conn),
-            state: SessionState::default(),
-            reused: false,
+            state,
+            reused,
             unknown: false,
             pool: self.clone(),
             close_within: command_timeout,
+            max_idle,
+            setup,
             _permit: permit,
         })
     }
 
-    /// A new connection that ran `setup`, within `command_timeout`.
-    async fn connect(&self, command_timeout: Duration, setup: &str) -> Result<Conn, MyError> {
+    /// A new connection that ran `setup`, within `command_timeout`, and its session as
+    /// `CONNECTION_ID()` answers in the same round trip.
+    async fn connect(
+        &self,
+        command_timeout: Duration,
+        setup: &str,
+    ) -> Result<(Conn, SessionState), MyError> {
         let connect = async {
             let mut conn = Conn::new(self.opts.clone()).await?;
-            conn.query_drop(setup).await?;
-            Ok::<_, mysql_async::Error>(conn)
+            let mut id = None;
+            let mut answer = conn
+                .query_iter(format!("{setup}; SELECT CONNECTION_ID()"))
+                .await?;
+            while !answer.is_empty() {
+                let rows: Vec<Row> = answer.collect().await?;
+                id = rows.first().and_then(|row| number(row, 0)).or(id);
+            }
+            drop(answer);
+            let id = id.map(|id| id as u64);
+            let direct = id == Some(u64::from(conn.id()));
+            let state = SessionState {
+                id,
+                direct,
+                checked: false,
+            };
+            Ok::<_, mysql_async::Error>((conn, state))
         };
         match timeout(command_timeout, connect).await {
-            Ok(Ok(conn)) => Ok(conn),
+            Ok(Ok(connected)) => Ok(connected),
             Ok(Err(error)) => Err(MyError::new(
                 format!("cannot connect to MySQL at {}", self.address()),
                 error,
@@ -232,9 +260,9 @@ impl Pool {
             Some((conn, since)) if since.elapsed() < max_idle => conn,
             Some((conn, _)) => {
                 close(conn, command_timeout);
-                self.connect(command_timeout, setup).await?
+                self.connect(command_timeout, setup).await?.0
             }
-            None => self.connect(command_timeout, setup).await?,
+            None => self.connect(command_timeout, setup).await?.0,
         };
         match timeout(command_timeout, conn.query_first::<Row, _>(sql)).await {
             Ok(Ok(row)) => {
@@ -325,8 +353,25 @@ impl Session {
 
 impl Drop for Session {
     fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            close(conn, self.close_within);
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        // Only a session known to be this connection's own is named.
+        let running = match self.unknown && self.state.direct {
+            true => self.state.id,
+            false => None,
+        };
+        match (running, tokio::runtime::Handle::try_current()) {
+            (Some(id), Ok(runtime)) => {
+                let pool = self.pool.clone();
+                let (within, max_idle) = (self.close_within, self.max_idle);
+                let setup = std::mem::take(&mut self.setup);
+                runtime.spawn(async move {
+                    let _ = pool.interrupt(id, within, max_idle, &setup).await;
+                    let _ = timeout(within, conn.disconnect()).await;
+                });
+            }
+            _ => close(conn, self.close_within),
         }
     }
 }
