@@ -31,8 +31,6 @@ use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
 
-use crate::support::fixtures::Remote;
-
 /// Shows the figures the checks log (hand-over and takeover times) with
 /// `--nocapture`.
 fn show_figures() {
@@ -360,7 +358,9 @@ mod through_the_layer {
 /// order at once: their handlers never overlap, every request is answered 200, and the
 /// fencing tokens the handlers see grow in the order they ran.
 #[cfg(feature = "axum")]
-async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F) {
+async fn one_handler_at_a_time_across_instances_over_http<F: crate::support::fixtures::Remote>(
+    fixture: &F,
+) {
     use crate::support::Overlap;
     use axum::extract::Extension;
     use axum::routing::post;
@@ -419,7 +419,11 @@ async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F
 /// Four requests for four keys, two on each instance: every handler waits until all
 /// four are inside, so they only finish if the keys run in parallel across instances.
 #[cfg(feature = "axum")]
-async fn different_keys_run_in_parallel_across_instances_over_http<F: Remote>(fixture: &F) {
+async fn different_keys_run_in_parallel_across_instances_over_http<
+    F: crate::support::fixtures::Remote,
+>(
+    fixture: &F,
+) {
     use axum::routing::post;
     use http::StatusCode;
     use tower_keyed_lock::KeyedLockLayer;
