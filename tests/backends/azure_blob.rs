@@ -85,7 +85,7 @@ async fn instances_exclude_each_other_around_a_shared_counter() {
 /// The holder's process dies without releasing (its runtime dropped, no renewal):
 /// another instance is refused until Azure's lease ends, then gets the blob.
 async fn a_crashed_holder_is_taken_over_one_lease_later(fixture: &servers::AzureBlob) {
-    let backend = fixture.backend("crashed").await;
+    let backend = fixture.backend_named("crashed").await;
     let granted = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()

@@ -31,49 +31,6 @@ use tower_keyed_lock::testkit::Deployment;
 use tower_keyed_lock::testkit::PATIENCE;
 use tower_keyed_lock::{Key, Lease, LeaseSignal, LockBackend, LockError};
 
-use crate::support::fixtures::{Fixture, Proxied, Remote};
-
-/// A fixture's server, as the suite sees it: shared by the checks running at once
-/// ([`shared`](crate::support::fixtures::shared)), each under names of its own, except
-/// for the footprint check, which counts every record on its server.
-struct Conformance<F>(Arc<F>);
-
-impl<F: Fixture + Remote + Send + Sync> Deployment for Conformance<F> {
-    async fn backend(&self) -> Arc<dyn LockBackend> {
-        self.0.backend("instance").await
-    }
-
-    fn loss_bound(&self) -> Duration {
-        self.0.loss_bound()
-    }
-
-    async fn records(&self, name: &str) -> usize {
-        self.0.records(name).await
-    }
-
-    fn record_window(&self) -> Duration {
-        self.0.record_window()
-    }
-}
-
-impl<F: Fixture + Proxied + Send + Sync> tower_keyed_lock::testkit::Proxied for Conformance<F> {
-    fn upstream(&self) -> std::net::SocketAddr {
-        self.0.upstream()
-    }
-
-    async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
-        self.0.backend_via(host_port).await
-    }
-
-    fn command_timeout(&self) -> Duration {
-        self.0.command_timeout()
-    }
-
-    fn reset_notice(&self) -> Duration {
-        self.0.reset_notice()
-    }
-}
-
 /// Shows the figures the checks log (hand-over and takeover times) with
 /// `--nocapture`.
 fn show_figures() {
@@ -84,7 +41,10 @@ fn show_figures() {
     let _ = tracing::subscriber::set_global_default(subscriber);
 }
 
-/// `conformance!(fixture_module, Fixture, "feature")`: one test per check.
+/// `conformance!(fixture_module, Fixture, "feature")`: one test per check, run on the
+/// fixture itself (a testkit `Deployment`), on the server the checks running at once
+/// share ([`shared`](crate::support::fixtures::shared)), each under names of its own;
+/// the footprint check counts every record on its server, so it runs on one of its own.
 macro_rules! conformance {
     ($module:ident, $fixture:ty, $feature:literal) => {
         #[cfg(feature = $feature)]
@@ -128,8 +88,8 @@ macro_rules! conformance {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $check() {
                 crate::conformance::show_figures();
-                let deployment = crate::conformance::Conformance($start);
-                tower_keyed_lock::testkit::$check(&deployment).await;
+                let fixture = $start;
+                tower_keyed_lock::testkit::$check(&*fixture).await;
             }
         )*
     };
@@ -279,8 +239,7 @@ macro_rules! faults {
             async fn $check() {
                 crate::conformance::show_figures();
                 let fixture = <$fixture as crate::support::fixtures::Fixture>::start();
-                let deployment = crate::conformance::Conformance(std::sync::Arc::new(fixture));
-                tower_keyed_lock::testkit::$check(&deployment).await;
+                tower_keyed_lock::testkit::$check(&fixture).await;
             }
         )*
     };
@@ -399,7 +358,9 @@ mod through_the_layer {
 /// order at once: their handlers never overlap, every request is answered 200, and the
 /// fencing tokens the handlers see grow in the order they ran.
 #[cfg(feature = "axum")]
-async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F) {
+async fn one_handler_at_a_time_across_instances_over_http<F: crate::support::fixtures::Remote>(
+    fixture: &F,
+) {
     use crate::support::Overlap;
     use axum::extract::Extension;
     use axum::routing::post;
@@ -422,7 +383,7 @@ async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F
                 KeyedLockLayer::by_path("id")
                     .name("conformance-http")
                     .wait_timeout(PATIENCE)
-                    .backend(fixture.backend(name).await),
+                    .backend(fixture.backend_named(name).await),
             );
         servers.push(Arc::new(crate::support::serve(app).await));
     }
@@ -458,7 +419,11 @@ async fn one_handler_at_a_time_across_instances_over_http<F: Remote>(fixture: &F
 /// Four requests for four keys, two on each instance: every handler waits until all
 /// four are inside, so they only finish if the keys run in parallel across instances.
 #[cfg(feature = "axum")]
-async fn different_keys_run_in_parallel_across_instances_over_http<F: Remote>(fixture: &F) {
+async fn different_keys_run_in_parallel_across_instances_over_http<
+    F: crate::support::fixtures::Remote,
+>(
+    fixture: &F,
+) {
     use axum::routing::post;
     use http::StatusCode;
     use tower_keyed_lock::KeyedLockLayer;
@@ -482,7 +447,7 @@ async fn different_keys_run_in_parallel_across_instances_over_http<F: Remote>(fi
                 KeyedLockLayer::by_path("id")
                     .name("conformance-parallel")
                     .wait_timeout(PATIENCE)
-                    .backend(fixture.backend(name).await),
+                    .backend(fixture.backend_named(name).await),
             );
         servers.push(Arc::new(crate::support::serve(app).await));
     }

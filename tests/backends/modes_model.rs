@@ -22,7 +22,7 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use tokio::time::Instant;
 use tower_keyed_lock::{DistributedGuard, DistributedLocks, LeaseSignal, LockBackend};
 
-use crate::support::fixtures::{Fixture, Proxied};
+use crate::support::fixtures::{Proxied, Remote};
 use crate::support::tcp_proxy::TcpProxy;
 
 /// Permits per key of the permit locks.
@@ -251,7 +251,7 @@ async fn run(
 
 /// Random plans against `fixture`'s server, every instance direct: nothing fails and
 /// the model holds throughout.
-fn model_holds<F: Fixture + Proxied + Send + Sync>(cases: u32) {
+fn model_holds<F: Remote + Proxied>(cases: u32) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
@@ -261,7 +261,7 @@ fn model_holds<F: Fixture + Proxied + Send + Sync>(cases: u32) {
     let instances: Vec<Arc<Instance>> = runtime.block_on(async {
         let mut instances = Vec::new();
         for index in 0..INSTANCES {
-            let backend = fixture.backend(&format!("model-{index}")).await;
+            let backend = fixture.backend_named(&format!("model-{index}")).await;
             instances.push(Arc::new(Instance::on(backend)));
         }
         instances
@@ -282,7 +282,7 @@ fn model_holds<F: Fixture + Proxied + Send + Sync>(cases: u32) {
 /// Random plans with the first instance behind the fault proxy, `fault` applied to its
 /// path for a while mid-run: acquisitions through it may fail, and any overlap with a
 /// holder it cut off must come after that holder was told.
-fn model_holds_through<F: Fixture + Proxied + Send + Sync>(fault: Fault, cases: u32) {
+fn model_holds_through<F: Remote + Proxied>(fault: Fault, cases: u32) {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
         .enable_all()
@@ -295,7 +295,7 @@ fn model_holds_through<F: Fixture + Proxied + Send + Sync>(fault: Fault, cases: 
             fixture.backend_via(&proxy.host_port()).await,
         ))];
         for index in 1..INSTANCES {
-            let backend = fixture.backend(&format!("model-{index}")).await;
+            let backend = fixture.backend_named(&format!("model-{index}")).await;
             instances.push(Arc::new(Instance::on(backend)));
         }
         (proxy, instances)

@@ -140,7 +140,7 @@ async fn the_object_carries_each_holders_token() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_crashed_holder_is_taken_over_one_lease_after_it_was_seen() {
     let (fixture, _backend) = start().await;
-    let backend = fixture.backend("crashed").await;
+    let backend = fixture.backend_named("crashed").await;
     let (granted, crashed_token) = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()

@@ -73,7 +73,7 @@ async fn dropped_after_the_local_grant<F: Fixture>() {
 /// released, the detached attempt may still win it, and must give it back.
 async fn dropped_while_waiting_at_the_backend<F: Remote>() {
     let fixture = F::start();
-    let counting = Counting::new(fixture.backend("a").await);
+    let counting = Counting::new(fixture.backend_named("a").await);
     let a = locks_on(counting.clone());
     let b = fixture.instance("b").await;
 
@@ -104,7 +104,7 @@ async fn dropped_while_waiting_at_the_backend<F: Remote>() {
 /// and gives the grant back.
 async fn dropped_right_after_the_remote_grant<F: Remote>() {
     let fixture = F::start();
-    let counting = Counting::new(fixture.backend("a").await);
+    let counting = Counting::new(fixture.backend_named("a").await);
     let a = locks_on(counting.clone());
     let b = fixture.instance("b").await;
 

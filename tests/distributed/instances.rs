@@ -241,7 +241,7 @@ async fn fencing_tokens_increase_across_instances<F: Remote>() {
 async fn local_waiters_share_one_remote_contender<F: Remote>() {
     const WAITERS: usize = 10;
     let fixture = F::start();
-    let counting = Counting::new(fixture.backend("a").await);
+    let counting = Counting::new(fixture.backend_named("a").await);
     let a = locks_on(counting.clone());
     let b = fixture.instance("b").await;
 
@@ -294,7 +294,7 @@ async fn server_down_fails_closed_or_open<F: Remote>() {
     let mut fixture = F::start();
     let closed = fixture.instance("closed").await;
     let open = DistributedLocks::builder(crate::support::fixtures::NAME)
-        .shared_backend(fixture.backend("open").await)
+        .shared_backend(fixture.backend_named("open").await)
         .fail_open(true)
         .build();
     // Both reach the server while it is up.

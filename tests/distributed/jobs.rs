@@ -156,7 +156,7 @@ async fn a_crashed_holder_is_taken_over_after_its_lease<F: Remote + Sync>() {
                     .build()
                     .unwrap();
                 let (locks, guard) = runtime.block_on(async {
-                    let locks = locks_on(fixture.backend("a").await);
+                    let locks = locks_on(fixture.backend_named("a").await);
                     let guard = locks.try_lock(JOB).await.expect("the job is free");
                     (locks, guard)
                 });

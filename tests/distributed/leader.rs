@@ -170,7 +170,7 @@ async fn leader_names_the_current_leader<F: Fixture>() {
 /// The leader's path to the engine goes silent (it is cut off, as a crashed or
 /// partitioned leader is): the other candidate is elected, but only after the old
 /// leader's lost signal fired, and the old leader's work was dropped.
-async fn a_cut_off_leader_is_told_before_the_next_is_elected<F: Proxied>() {
+async fn a_cut_off_leader_is_told_before_the_next_is_elected<F: Remote + Proxied>() {
     let fixture = F::start();
     let proxy = TcpProxy::start(fixture.upstream()).await;
     let a = LeaderElection::new(locks_on(fixture.backend_via(&proxy.host_port()).await), KEY);

@@ -107,7 +107,7 @@ fn message(panic: Box<dyn std::any::Any + Send>) -> String {
 /// not.)
 async fn two_layers_left_at_the_default_name_on_one_backend_are_refused<F: Remote>() {
     let fixture = F::start();
-    let backend = fixture.backend("a").await;
+    let backend = fixture.backend_named("a").await;
     let gate = Gate::new();
     let pay = gate.app(
         "/orders/{order_id}/pay",
@@ -154,7 +154,7 @@ async fn two_layers_left_at_the_default_name_on_one_backend_are_refused<F: Remot
 /// that count permits: the others refuse `permits(2)` itself.
 async fn an_exclusive_and_a_counted_layer_under_one_name_are_refused<F: Remote>() {
     let fixture = F::start();
-    let backend = fixture.backend("a").await;
+    let backend = fixture.backend_named("a").await;
     if !backend.supports(LockMode::permits(2)) {
         return;
     }
@@ -215,8 +215,8 @@ async fn an_exclusive_and_a_counted_layer_under_one_name_are_refused<F: Remote>(
 /// order 1 there gets 409.
 async fn named_layers_exclude_their_namesakes_on_other_instances_only<F: Remote>() {
     let fixture = F::start();
-    let a = fixture.backend("a").await;
-    let b = fixture.backend("b").await;
+    let a = fixture.backend_named("a").await;
+    let b = fixture.backend_named("b").await;
     let gate = Gate::new();
     let layer = |name: &'static str, backend: &Arc<dyn LockBackend>| {
         KeyedLockLayer::by_path("order_id")
@@ -253,7 +253,7 @@ async fn named_layers_exclude_their_namesakes_on_other_instances_only<F: Remote>
 /// layer built again under it is applied.
 async fn clones_share_a_name_and_a_dropped_layer_frees_it<F: Remote>() {
     let fixture = F::start();
-    let backend = fixture.backend("a").await;
+    let backend = fixture.backend_named("a").await;
     let gate = Gate::new();
     let orders = KeyedLockLayer::by_path("order_id")
         .name("orders")

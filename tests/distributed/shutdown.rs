@@ -208,7 +208,7 @@ async fn a_layer_shut_down_answers_503_with_retry_after_and_hands_the_key_over<F
     let entered = std::sync::Arc::new(Semaphore::new(0));
     let layer = KeyedLockLayer::by_header("idempotency-key")
         .name(crate::support::fixtures::NAME)
-        .backend(fixture.backend("a").await);
+        .backend(fixture.backend_named("a").await);
     let shutdown = layer.shutdown_handle();
     let app = Router::new()
         .route(
@@ -331,7 +331,7 @@ async fn a_layers_readiness_turns_503_as_its_shutdown_begins<F: Remote>() {
     let entered = std::sync::Arc::new(Semaphore::new(0));
     let layer = KeyedLockLayer::by_header("idempotency-key")
         .name(crate::support::fixtures::NAME)
-        .backend(fixture.backend("a").await);
+        .backend(fixture.backend_named("a").await);
     let health = layer.health_check();
     let shutdown = layer.shutdown_handle();
     let app = Router::new()

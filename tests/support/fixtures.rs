@@ -1,7 +1,9 @@
-//! The servers the `distributed` tests and the conformance suite run against, behind one
-//! trait so every test body is written once and runs on Redis, on a Redis Cluster, on
-//! PostgreSQL and (where it makes sense) in process. The servers themselves are the
-//! sibling modules (`redis_server`, `redis_cluster`, `pg_server`, …).
+//! The servers the `distributed` tests and the conformance suite run against, so every
+//! test body is written once and runs on each engine (and, where it makes sense, in
+//! process). A remote fixture is a testkit `Deployment` (and `Proxied` where the fault
+//! proxy can stand in front of it), which the conformance suite runs on as it is;
+//! `Fixture` and `Remote` add what only the tests do: start, kill, an instance by name.
+//! The servers themselves are the sibling modules (`redis_server`, `pg_server`, …).
 // A binary uses part of it: the fixtures it re-exports too.
 #![allow(dead_code, unused_imports)]
 
@@ -14,6 +16,9 @@ use std::time::{Duration, Instant};
 
 use tower_keyed_lock::backend::Acquisition;
 
+// The testkit's traits, which every remote fixture implements: the tests use them as
+// their own.
+pub use tower_keyed_lock::testkit::{Deployment, Proxied};
 // Declared here rather than in every binary that includes this file.
 use tower_keyed_lock::{DistributedAcquire, DistributedLocks, Key, Lease, LockBackend, LockError};
 
@@ -58,47 +63,21 @@ pub trait Fixture: Sized {
     }
 }
 
-/// A fixture with a real server that instances reach over the network.
-pub trait Remote: Fixture {
-    /// A fresh backend, as the instance `name` would build it.
-    fn backend(&self, name: &str) -> impl Future<Output = Arc<dyn LockBackend>> + Send;
+/// A fixture with a real server that instances reach over the network: a testkit
+/// [`Deployment`] (its backends, loss bound, records and record window), and
+/// [`Proxied`] where the fault proxy can stand in an instance's path. This adds what
+/// only the tests do with it.
+pub trait Remote: Fixture + Deployment {
+    /// A fresh backend for the instance `name`: [`Deployment::backend`], labelled with
+    /// the name where the engine shows one (PostgreSQL's `application_name`).
+    fn backend_named(&self, name: &str) -> impl Future<Output = Arc<dyn LockBackend>> + Send {
+        let _ = name;
+        self.backend()
+    }
 
     /// Kills the server (SIGKILL for Redis, a fast shutdown for PostgreSQL): every
     /// session and every lock on it is gone.
     fn kill(&mut self);
-
-    /// The most a held lease may take to be declared lost once the server is killed:
-    /// the Redis lease, or PostgreSQL's liveness interval plus network timeout.
-    fn loss_bound(&self) -> Duration;
-
-    /// The records the server keeps for the lock name `name` (keys, rows, items,
-    /// nodes, blobs, held session locks), counted on the server itself: what the
-    /// conformance suite's footprint check bounds.
-    fn records(&self, name: &str) -> impl Future<Output = usize> + Send;
-
-    /// How long after a release the engine, as this fixture configures it, may keep a
-    /// released key's records (the window its module docs give).
-    fn record_window(&self) -> Duration;
-}
-
-/// A remote fixture whose instances can reach the server through the fault proxy.
-pub trait Proxied: Remote {
-    /// Where the server listens.
-    fn upstream(&self) -> std::net::SocketAddr;
-
-    /// A backend whose connections go to `host_port` (the proxy) instead.
-    fn backend_via(&self, host_port: &str) -> impl Future<Output = Arc<dyn LockBackend>> + Send;
-
-    /// The longest one round trip may take before the backend counts it as lost.
-    fn command_timeout(&self) -> Duration;
-
-    /// How long after another instance is granted a key the holder may hear that its
-    /// lease is lost when its connection is reset: zero for a TTL lease (the record
-    /// outlives the connection); for a session lock, which the server frees the moment
-    /// the connection dies, the bound the backend documents.
-    fn reset_notice(&self) -> Duration {
-        Duration::ZERO
-    }
 }
 
 /// The server of fixture type `F` that the tests running now share: started by the
@@ -143,6 +122,16 @@ pub struct Scoped<F> {
     scope: String,
 }
 
+impl<F: Remote + Send + Sync + 'static> Scoped<F> {
+    /// `inner`, sending every lock name in this test's scope.
+    fn in_scope(&self, inner: Arc<dyn LockBackend>) -> Arc<dyn LockBackend> {
+        Arc::new(InScope {
+            inner,
+            scope: self.scope.clone(),
+        })
+    }
+}
+
 impl<F: Remote + Send + Sync + 'static> Fixture for Scoped<F> {
     const NAMES_HOLDERS: bool = F::NAMES_HOLDERS;
 
@@ -155,7 +144,7 @@ impl<F: Remote + Send + Sync + 'static> Fixture for Scoped<F> {
     }
 
     async fn instance(&self, name: &str) -> DistributedLocks {
-        locks_on(self.backend(name).await)
+        locks_on(self.backend_named(name).await)
     }
 
     fn freed_within(&self) -> Duration {
@@ -163,20 +152,17 @@ impl<F: Remote + Send + Sync + 'static> Fixture for Scoped<F> {
     }
 }
 
-impl<F: Remote + Send + Sync + 'static> Remote for Scoped<F> {
-    async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
-        Arc::new(InScope {
-            inner: self.fixture.backend(name).await,
-            scope: self.scope.clone(),
-        })
-    }
-
-    fn kill(&mut self) {
-        panic!("a shared server is never killed: list the test as `alone`")
+impl<F: Remote + Send + Sync + 'static> Deployment for Scoped<F> {
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        self.in_scope(self.fixture.backend().await)
     }
 
     fn loss_bound(&self) -> Duration {
         self.fixture.loss_bound()
+    }
+
+    fn instance_id(&self) -> String {
+        self.fixture.instance_id()
     }
 
     async fn records(&self, name: &str) -> usize {
@@ -188,16 +174,23 @@ impl<F: Remote + Send + Sync + 'static> Remote for Scoped<F> {
     }
 }
 
-impl<F: Proxied + Send + Sync + 'static> Proxied for Scoped<F> {
+impl<F: Remote + Send + Sync + 'static> Remote for Scoped<F> {
+    async fn backend_named(&self, name: &str) -> Arc<dyn LockBackend> {
+        self.in_scope(self.fixture.backend_named(name).await)
+    }
+
+    fn kill(&mut self) {
+        panic!("a shared server is never killed: list the test as `alone`")
+    }
+}
+
+impl<F: Remote + Proxied + Send + Sync + 'static> Proxied for Scoped<F> {
     fn upstream(&self) -> std::net::SocketAddr {
         self.fixture.upstream()
     }
 
     async fn backend_via(&self, host_port: &str) -> Arc<dyn LockBackend> {
-        Arc::new(InScope {
-            inner: self.fixture.backend_via(host_port).await,
-            scope: self.scope.clone(),
-        })
+        self.in_scope(self.fixture.backend_via(host_port).await)
     }
 
     fn command_timeout(&self) -> Duration {
@@ -418,7 +411,7 @@ mod redis {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
     }
 
@@ -450,13 +443,9 @@ mod redis {
             .expect("the backend connects to Redis")
     }
 
-    impl Remote for Redis {
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+    impl Deployment for Redis {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             Arc::new(backend_on(self.0.client()).await)
-        }
-
-        fn kill(&mut self) {
-            self.0.stop();
         }
 
         fn loss_bound(&self) -> Duration {
@@ -471,6 +460,12 @@ mod redis {
             // The records expire a window (default: one lease) after the lock's own TTL,
             // itself at most a lease after the release.
             2 * LEASE
+        }
+    }
+
+    impl Remote for Redis {
+        fn kill(&mut self) {
+            self.0.stop();
         }
     }
 }
@@ -503,12 +498,12 @@ mod cluster {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
     }
 
-    impl Remote for RedisCluster {
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+    impl Deployment for RedisCluster {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             let backend = RedisBackend::cluster_builder(self.0.client())
                 .restart_guard(false)
                 .lease(LEASE)
@@ -517,10 +512,6 @@ mod cluster {
                 .await
                 .expect("the backend connects to the cluster");
             Arc::new(backend)
-        }
-
-        fn kill(&mut self) {
-            self.0.stop_all();
         }
 
         fn loss_bound(&self) -> Duration {
@@ -540,6 +531,12 @@ mod cluster {
             // The records expire a window (default: one lease) after the lock's own TTL,
             // itself at most a lease after the release.
             2 * LEASE
+        }
+    }
+
+    impl Remote for RedisCluster {
+        fn kill(&mut self) {
+            self.0.stop_all();
         }
     }
 }
@@ -602,7 +599,7 @@ mod postgres {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
     }
 
@@ -645,13 +642,9 @@ mod postgres {
         }
     }
 
-    impl Remote for Postgres {
-        async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
-            backend_on(self.0.conn_str().parse().unwrap(), name)
-        }
-
-        fn kill(&mut self) {
-            tokio::task::block_in_place(|| self.0.stop());
+    impl Deployment for Postgres {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
+            self.backend_named("instance").await
         }
 
         fn loss_bound(&self) -> Duration {
@@ -666,6 +659,16 @@ mod postgres {
         /// Session locks go with their release; what stays is PostgreSQL backend's own.
         fn record_window(&self) -> Duration {
             Duration::ZERO
+        }
+    }
+
+    impl Remote for Postgres {
+        async fn backend_named(&self, name: &str) -> Arc<dyn LockBackend> {
+            backend_on(self.0.conn_str().parse().unwrap(), name)
+        }
+
+        fn kill(&mut self) {
+            tokio::task::block_in_place(|| self.0.stop());
         }
     }
 }
@@ -709,25 +712,13 @@ mod pgbouncer {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
     }
 
-    impl Remote for PgBouncerTransaction {
-        async fn backend(&self, name: &str) -> Arc<dyn LockBackend> {
-            let mut config: tokio_postgres::Config = self.bouncer.conn_str().parse().unwrap();
-            config.application_name(name);
-            let backend = PostgresBackend::builder_from_config(config)
-                .lock_scope(LockScope::Transaction)
-                .liveness_interval(LIVENESS)
-                .command_timeout(COMMAND_TIMEOUT)
-                .fencing(true)
-                .build_lazy();
-            Arc::new(backend)
-        }
-
-        fn kill(&mut self) {
-            tokio::task::block_in_place(|| self._server.stop());
+    impl Deployment for PgBouncerTransaction {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
+            self.backend_named("instance").await
         }
 
         fn loss_bound(&self) -> Duration {
@@ -741,6 +732,24 @@ mod pgbouncer {
 
         fn record_window(&self) -> Duration {
             Duration::ZERO
+        }
+    }
+
+    impl Remote for PgBouncerTransaction {
+        async fn backend_named(&self, name: &str) -> Arc<dyn LockBackend> {
+            let mut config: tokio_postgres::Config = self.bouncer.conn_str().parse().unwrap();
+            config.application_name(name);
+            let backend = PostgresBackend::builder_from_config(config)
+                .lock_scope(LockScope::Transaction)
+                .liveness_interval(LIVENESS)
+                .command_timeout(COMMAND_TIMEOUT)
+                .fencing(true)
+                .build_lazy();
+            Arc::new(backend)
+        }
+
+        fn kill(&mut self) {
+            tokio::task::block_in_place(|| self._server.stop());
         }
     }
 }
@@ -774,7 +783,7 @@ mod mysql {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
     }
 
@@ -807,13 +816,9 @@ mod mysql {
         }
     }
 
-    impl Remote for MySql {
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+    impl Deployment for MySql {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             Arc::new(backend_on(&self.0.url()))
-        }
-
-        fn kill(&mut self) {
-            tokio::task::block_in_place(|| self.0.stop());
         }
 
         fn loss_bound(&self) -> Duration {
@@ -854,6 +859,12 @@ mod mysql {
             Duration::ZERO
         }
     }
+
+    impl Remote for MySql {
+        fn kill(&mut self) {
+            tokio::task::block_in_place(|| self.0.stop());
+        }
+    }
 }
 
 #[cfg(feature = "dynamodb")]
@@ -882,7 +893,7 @@ mod dynamodb {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
 
         /// A give-back is a call to moto, which answers one request at a time (slow on
@@ -920,13 +931,9 @@ mod dynamodb {
         }
     }
 
-    impl Remote for DynamoDb {
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+    impl Deployment for DynamoDb {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             backend_on(&self.0.url(), GENEROUS_TIMEOUT).await
-        }
-
-        fn kill(&mut self) {
-            self.0.stop();
         }
 
         fn loss_bound(&self) -> Duration {
@@ -962,9 +969,15 @@ mod dynamodb {
             }
         }
 
-        /// The backends of [`Remote::backend`] wait a generous command timeout.
+        /// The backends of [`Deployment::backend`] wait a generous command timeout.
         fn record_window(&self) -> Duration {
             tower_keyed_lock::backend::dynamodb::record_window(GENEROUS_TIMEOUT)
+        }
+    }
+
+    impl Remote for DynamoDb {
+        fn kill(&mut self) {
+            self.0.stop();
         }
     }
 }
@@ -997,7 +1010,7 @@ mod s3 {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
 
         /// A give-back is a call to moto, which answers one request at a time (slow on
@@ -1078,13 +1091,9 @@ mod s3 {
         }
     }
 
-    impl Remote for S3 {
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+    impl Deployment for S3 {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             Arc::new(Self::backend_on(&self.0.url(), GENEROUS_TIMEOUT).await)
-        }
-
-        fn kill(&mut self) {
-            self.0.stop();
         }
 
         fn loss_bound(&self) -> Duration {
@@ -1097,9 +1106,15 @@ mod s3 {
             self.objects(&prefix).await
         }
 
-        /// The backends of [`Remote::backend`] wait a generous command timeout.
+        /// The backends of [`Deployment::backend`] wait a generous command timeout.
         fn record_window(&self) -> Duration {
             tower_keyed_lock::backend::s3::record_window(GENEROUS_TIMEOUT)
+        }
+    }
+
+    impl Remote for S3 {
+        fn kill(&mut self) {
+            self.0.stop();
         }
     }
 }
@@ -1125,7 +1140,7 @@ mod etcd {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
     }
 
@@ -1164,13 +1179,9 @@ mod etcd {
         }
     }
 
-    impl Remote for Etcd {
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+    impl Deployment for Etcd {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             Arc::new(backend_on(self.0.endpoints()).await)
-        }
-
-        fn kill(&mut self) {
-            self.0.kill_all();
         }
 
         /// The lease: the test cluster's shortest is 900 ms, so 1 s is granted as
@@ -1198,6 +1209,12 @@ mod etcd {
         /// A contender's key goes with its lease, revoked at the release.
         fn record_window(&self) -> Duration {
             Duration::ZERO
+        }
+    }
+
+    impl Remote for Etcd {
+        fn kill(&mut self) {
+            self.0.kill_all();
         }
     }
 }
@@ -1228,7 +1245,7 @@ mod redlock {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
     }
 
@@ -1252,14 +1269,10 @@ mod redlock {
         }
     }
 
-    impl Remote for Redlock {
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+    impl Deployment for Redlock {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             // Servers started for this run: none can have lost a key an instance holds.
             Arc::new(Self::backend_on(self.urls(), false).await)
-        }
-
-        fn kill(&mut self) {
-            self.0.iter_mut().for_each(RedisServer::stop);
         }
 
         fn loss_bound(&self) -> Duration {
@@ -1283,6 +1296,12 @@ mod redlock {
                 .max(Duration::from_secs(5))
                 .clamp(LEASE, LEASE * 10);
             mark.max(2 * LEASE)
+        }
+    }
+
+    impl Remote for Redlock {
+        fn kill(&mut self) {
+            self.0.iter_mut().for_each(RedisServer::stop);
         }
     }
 }
@@ -1367,7 +1386,7 @@ mod azure_blob {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
     }
 
@@ -1408,16 +1427,12 @@ mod azure_blob {
         }
     }
 
-    impl Remote for AzureBlob {
+    impl Deployment for AzureBlob {
         /// Azurite on a loaded machine takes over 500 ms for a call now and then: an
         /// instance's backend, in a test not about timeouts, waits longer.
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             let url = self.0.container_url(CONTAINER);
             Arc::new(Self::backend_with(url, GENEROUS_TIMEOUT).await)
-        }
-
-        fn kill(&mut self) {
-            self.0.kill();
         }
 
         /// The lease: Azure's shortest, 15 s.
@@ -1435,9 +1450,15 @@ mod azure_blob {
             blob_count(&self.0.container_url(CONTAINER), &prefix).await
         }
 
-        /// The backends of [`Remote::backend`] wait a generous command timeout.
+        /// The backends of [`Deployment::backend`] wait a generous command timeout.
         fn record_window(&self) -> Duration {
             tower_keyed_lock::backend::azure_blob::record_window(GENEROUS_TIMEOUT)
+        }
+    }
+
+    impl Remote for AzureBlob {
+        fn kill(&mut self) {
+            self.0.kill();
         }
     }
 }
@@ -1462,7 +1483,7 @@ pub mod zookeeper {
         }
 
         async fn instance(&self, name: &str) -> DistributedLocks {
-            locks_on(self.backend(name).await)
+            locks_on(self.backend_named(name).await)
         }
 
         /// A dropped acquisition's give-back may first look its unanswered create up by
@@ -1516,13 +1537,9 @@ pub mod zookeeper {
         }
     }
 
-    impl Remote for ZooKeeper {
-        async fn backend(&self, _name: &str) -> Arc<dyn LockBackend> {
+    impl Deployment for ZooKeeper {
+        async fn backend(&self) -> Arc<dyn LockBackend> {
             Arc::new(ZooKeeper::backend_on_servers(&self.0.connect_string()).await)
-        }
-
-        fn kill(&mut self) {
-            self.0.kill_all();
         }
 
         /// The session timeout, plus a tick: the leader expires sessions in buckets of
@@ -1561,6 +1578,12 @@ pub mod zookeeper {
         /// [`CONTAINER_SWEEP`](crate::support::zookeeper_server::CONTAINER_SWEEP)).
         fn record_window(&self) -> Duration {
             crate::support::zookeeper_server::CONTAINER_SWEEP
+        }
+    }
+
+    impl Remote for ZooKeeper {
+        fn kill(&mut self) {
+            self.0.kill_all();
         }
     }
 }

@@ -7,8 +7,9 @@
 //!   says only how to run its server and tell it is ready: `process` runs them all
 //!   (free ports and retries, the log, readiness, pause, kill, restart, cleanup);
 //!   `redis_monitor`: the commands a Redis server runs, to count round trips;
-//! - `fixtures`: those servers behind one trait (`Fixture`, `Remote`, `Proxied`) and
-//!   `for_each_fixture!`, so a distributed test body is written once;
+//! - `fixtures`: those servers as the testkit's `Deployment` and `Proxied`, with what
+//!   the tests add (`Fixture`, `Remote`) and `for_each_fixture!`, so a distributed
+//!   test body is written once;
 //! - `lateness`: how late the test's timers fire, the margin of a timing assertion;
 //! - `occupancy`: who is inside each key's handler, and whether an overlap was signalled;
 //! - `ports`: the ports those servers bind, outside the kernel's ephemeral range;
