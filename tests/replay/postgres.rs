@@ -710,8 +710,10 @@ async fn a_write_given_up_on_is_finished_with_its_unlock() {
     let pg = PgServer::start();
     // The write goes out well within the store timeout, even on a loaded machine (a
     // timeout that passes before it is sent abandons it, honestly, and the table of
-    // the warm-up's first write too), and sleeps well past it.
-    let slow = ("slow-write", "PERFORM pg_sleep(2)");
+    // the warm-up's first write too), and sleeps well past it, but well within the
+    // backend's command timeout (2 s): a write unanswered by then is given up and its
+    // session closed, which cancels it.
+    let slow = ("slow-write", "PERFORM pg_sleep(1)");
     let store_timeout = |replay: ReplayLayer| replay.store_timeout(Duration::from_millis(500));
     let (backend, app, admin) = one_step_app(&pg, store_timeout, slow).await;
 
