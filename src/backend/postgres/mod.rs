@@ -79,10 +79,7 @@
 //! transaction). A connection whose state is unknown — an error or timeout while
 //! acquiring or unlocking, a task dropped mid-statement — is never returned to the
 //! pool: it is taken out of the pool and closed, and PostgreSQL frees every lock of a
-//! session that ends. Its statement is cancelled too (a cancel request, sent without
-//! TLS): PostgreSQL does not notice a closed connection while a statement waits for a
-//! lock, so a cancelled wait would stay queued, be granted first at the release and
-//! keep a server process until then.
+//! session that ends.
 //!
 //! # Lock scopes and poolers
 //!

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{Object, PoolError, TimeoutType, Timeouts};
 use tokio::time::{timeout, Instant};
-use tokio_postgres::{NoTls, SimpleQueryMessage, SimpleQueryRow};
+use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
 use super::error::{PgError, CONNECT};
 use super::Inner;
@@ -16,26 +16,16 @@ use crate::error::LockError;
 /// A pooled connection whose session may hold a lock. Dropped, it is taken out of the
 /// pool and closed — PostgreSQL then ends the session and frees its locks; only
 /// [`give_back`](Self::give_back), for a session known to hold nothing, pools it again.
-///
-/// Closed, its statement is cancelled too (a cancel request on a connection of its
-/// own, within `cancel_within`): PostgreSQL does not look at a closed connection while
-/// a statement waits for a lock, so a cut wait would stay queued until it is granted —
-/// first, ahead of live waiters — or its `lock_timeout` ends, keeping a server process
-/// busy all along. A cancel that finds the session idle is ignored; one that cannot be
-/// sent (a server that takes TLS connections only) leaves just that.
-pub(super) struct Session {
-    object: Option<Object>,
-    cancel_within: Duration,
-}
+pub(super) struct Session(Option<Object>);
 
 impl Session {
     pub(super) fn give_back(mut self) {
-        drop(self.object.take());
+        drop(self.0.take());
     }
 
     /// Whether the connection served an earlier request.
     pub(super) fn reused(&self) -> bool {
-        self.object
+        self.0
             .as_ref()
             .is_some_and(|object| Object::metrics(object).recycle_count > 0)
     }
@@ -45,29 +35,17 @@ impl std::ops::Deref for Session {
     type Target = deadpool_postgres::ClientWrapper;
 
     fn deref(&self) -> &Self::Target {
-        self.object.as_ref().expect("a session until dropped")
+        self.0.as_ref().expect("a session until dropped")
     }
 }
 
 impl Drop for Session {
     fn drop(&mut self) {
-        let Some(object) = self.object.take() else {
-            return;
-        };
-        if !object.is_closed() {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                let cancel = object.cancel_token();
-                let within = self.cancel_within;
-                runtime.spawn(async move {
-                    if let Ok(Err(error)) = timeout(within, cancel.cancel_query(NoTls)).await {
-                        tracing::debug!(%error, "the closed session's statement was not cancelled");
-                    }
-                });
-            }
+        if let Some(object) = self.0.take() {
+            // Detached from the pool; dropping the client aborts its connection task,
+            // which closes the socket.
+            drop(Object::take(object));
         }
-        // Detached from the pool; dropping the client aborts its connection task,
-        // which closes the socket.
-        drop(Object::take(object));
     }
 }
 
@@ -107,10 +85,7 @@ impl Inner {
             };
         }
         match got {
-            Ok(object) => Ok(Session {
-                object: Some(object),
-                cancel_within: self.settings.timing.command_timeout,
-            }),
+            Ok(object) => Ok(Session(Some(object))),
             Err(PoolError::Timeout(TimeoutType::Wait)) => Err(LockError::Timeout),
             Err(error) => Err(PgError::new(CONNECT, error)
                 .at(self.address.clone())
