@@ -251,6 +251,7 @@ pub(crate) use lease_settings;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::setup_error::assert_invalid;
 
     static TEST: Defaults = Defaults {
         engine: "Test",
@@ -342,10 +343,7 @@ mod tests {
             ),
         ];
         for (settings, named) in cases {
-            match settings.check() {
-                Err(SetupError::Invalid(why)) => assert!(why.contains(named), "{why}"),
-                other => panic!("{named}: not refused: {other:?}"),
-            }
+            assert_invalid(settings.check(), named);
         }
     }
 }

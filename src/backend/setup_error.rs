@@ -78,6 +78,17 @@ impl ServerFailure {
     }
 }
 
+/// Asserts that `built` was refused as [`SetupError::Invalid`], for a reason that names
+/// `named` (a setting, a limit): the check of every engine's builder tests.
+#[cfg(test)]
+#[track_caller]
+pub(crate) fn assert_invalid<T: fmt::Debug>(built: Result<T, SetupError>, named: &str) {
+    match built {
+        Err(SetupError::Invalid(why)) => assert!(why.contains(named), "{named}: {why}"),
+        other => panic!("not refused ({named}): {other:?}"),
+    }
+}
+
 impl fmt::Display for SetupError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -3,6 +3,8 @@
 //! joined the queue), whose create revision is the fencing token, and whose etcd
 //! lease tells the time left.
 
+use std::sync::Arc;
+
 use etcd_client::{GetOptions, SortOrder, SortTarget};
 use tokio::time::timeout;
 
@@ -14,7 +16,10 @@ use crate::error::LockError;
 
 impl Inner {
     /// Two reads: the queue's oldest key, then its lease's time to live.
-    pub(super) async fn holder(&self, keys: LockKeys) -> Result<Option<Holder>, LockError> {
+    pub(super) async fn holder(
+        self: Arc<Self>,
+        keys: LockKeys,
+    ) -> Result<Option<Holder>, LockError> {
         let failed = |error: etcd_client::Error| LockError::Backend(Box::new(error));
         let timed_out =
             || LockError::Backend(Box::new(EtcdLockError::TimedOut("reading the holder")));

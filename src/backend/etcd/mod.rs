@@ -443,26 +443,21 @@ impl LockBackend for EtcdBackend {
 
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
         let keys = LockKeys::new(&self.inner.config.prefix, name, key.as_str());
-        let inner = self.inner.clone();
-        Box::pin(async move { inner.holder(keys).await })
+        Box::pin(self.inner.clone().holder(keys))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::setup_error::assert_invalid;
 
     #[tokio::test]
     async fn a_drift_of_half_the_lease_is_refused_by_name() {
-        let refused = EtcdBackend::builder(["http://127.0.0.1:1"])
+        let builder = EtcdBackend::builder(["http://127.0.0.1:1"])
             .lease(Duration::from_secs(2))
-            .drift_margin(Duration::from_secs(1))
-            .build()
-            .await;
-        match refused {
-            Err(SetupError::Invalid(why)) => assert!(why.contains("drift margin"), "{why}"),
-            other => panic!("not refused: {other:?}"),
-        }
+            .drift_margin(Duration::from_secs(1));
+        assert_invalid(builder.build().await, "drift margin");
     }
 
     #[test]

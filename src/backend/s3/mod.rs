@@ -418,6 +418,7 @@ impl LockBackend for S3Backend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::setup_error::assert_invalid;
     use aws_sdk_s3::config::{BehaviorVersion, Region};
 
     fn builder() -> S3BackendBuilder {
@@ -439,10 +440,7 @@ mod tests {
             (S3Backend::builder(builder().client, ""), "bucket"),
         ];
         for (builder, named) in refused {
-            match builder.build().await {
-                Err(SetupError::Invalid(why)) => assert!(why.contains(named), "{why}"),
-                other => panic!("not refused ({named}): {other:?}"),
-            }
+            assert_invalid(builder.build().await, named);
         }
     }
 }

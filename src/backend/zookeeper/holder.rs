@@ -2,6 +2,8 @@
 //! of the queue, whose node carries its instance id (written by the create that joined
 //! the queue) and its creation zxid, the fencing token.
 
+use std::sync::Arc;
+
 use tokio::time::{timeout_at, Instant};
 use zookeeper_client as zk;
 
@@ -14,7 +16,10 @@ use crate::error::LockError;
 
 impl Inner {
     /// Reads the queue of `path` and its first node, after a sync; nothing written.
-    pub(super) async fn holder(&self, path: LockPath) -> Result<Option<Holder>, LockError> {
+    pub(super) async fn holder(
+        self: Arc<Self>,
+        path: LockPath,
+    ) -> Result<Option<Holder>, LockError> {
         let session = self.session().await.map_err(backend)?;
         let client = session
             .client()

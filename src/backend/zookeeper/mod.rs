@@ -455,35 +455,24 @@ impl LockBackend for ZooKeeperBackend {
 
     fn holder(&self, name: &str, key: &Key) -> BoxFuture<Result<Option<Holder>, LockError>> {
         let path = LockPath::new(&self.inner.config.settings.prefix, name, key.as_str());
-        let inner = self.inner.clone();
-        Box::pin(async move { inner.holder(path).await })
+        Box::pin(self.inner.clone().holder(path))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::setup_error::assert_invalid;
 
     #[tokio::test]
     async fn a_drift_of_half_the_timeout_and_a_bad_prefix_are_refused_by_name() {
-        let refused = ZooKeeperBackend::builder("127.0.0.1:1")
+        let builder = ZooKeeperBackend::builder("127.0.0.1:1")
             .lease(Duration::from_secs(2))
-            .drift_margin(Duration::from_secs(1))
-            .build()
-            .await;
-        match refused {
-            Err(SetupError::Invalid(why)) => assert!(why.contains("drift margin"), "{why}"),
-            other => panic!("not refused: {other:?}"),
-        }
+            .drift_margin(Duration::from_secs(1));
+        assert_invalid(builder.build().await, "drift margin");
         for prefix in ["/zookeeper/locks", "/", "/a/../b"] {
-            let refused = ZooKeeperBackend::builder("127.0.0.1:1")
-                .prefix(prefix)
-                .build()
-                .await;
-            assert!(
-                matches!(refused, Err(SetupError::Invalid(_))),
-                "{prefix}: {refused:?}"
-            );
+            let builder = ZooKeeperBackend::builder("127.0.0.1:1").prefix(prefix);
+            assert_invalid(builder.build().await, prefix);
         }
     }
 
