@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::{sleep, Instant};
 
-use super::{instance, within_for, Deployment, Lateness, PATIENCE};
+use super::{instance, taken_over, within_for, Deployment, Lateness, PATIENCE};
 use crate::backend::{LostReason, HEALTH_PROBE_WAIT};
 use crate::{DistributedLocks, LockBackend, LockError};
 
@@ -78,13 +78,7 @@ pub async fn a_cut_off_holder_is_told_before_another_instance_is_granted<P: Prox
     });
     proxy.blackhole();
     let cut = Instant::now();
-    let taken = within_for(
-        "b takes the cut-off holder's key",
-        3 * PATIENCE,
-        b.lock_timeout("cut", 3 * PATIENCE),
-    )
-    .await
-    .expect("b is granted the key once the holder's lease is gone");
+    let taken = taken_over(&b, "cut", "b takes the cut-off holder's key").await;
     let granted = Instant::now();
     let told = within_for("the holder is told", PATIENCE, told)
         .await

@@ -22,7 +22,7 @@ use tower_service::Service;
 
 use super::faults::{FaultProxy, Proxied};
 use super::mutual::eventually_free;
-use super::{instance, within, within_for, Deployment, Lateness, PATIENCE};
+use super::{instance, taken_over, within, within_for, Deployment, Lateness, PATIENCE};
 use crate::{HeaderKey, KeyedLock, KeyedLockLayer, LockError, LockInfo};
 
 /// The request header the checks' layers take their key from.
@@ -371,13 +371,7 @@ pub async fn abort_on_lease_lost_answers_503<P: Proxied>(deployment: &P) {
         }
     })
     .await;
-    let taken = within_for(
-        "another instance takes the lost key",
-        3 * PATIENCE,
-        b.lock_timeout("cut", 3 * PATIENCE),
-    )
-    .await
-    .expect("conformance: another instance was not granted a key whose lease was lost");
+    let taken = taken_over(&b, "cut", "another instance takes the lost key").await;
     taken.release().await;
     proxy.heal();
 }

@@ -172,7 +172,7 @@ pub use self::mutual::{
 pub use self::renewal::renewal_keeps_a_key_held_past_several_leases;
 pub use self::several::several_keys_all_or_nothing;
 use crate::backend::default_instance_id;
-use crate::{DistributedLocks, LockBackend};
+use crate::{DistributedGuard, DistributedLocks, LockBackend};
 
 /// Long enough for anything that should happen on a loaded machine: a check fails
 /// instead of hanging.
@@ -303,6 +303,17 @@ async fn instance<D: Deployment>(deployment: &D, check: &'static str) -> Distrib
     DistributedLocks::builder(check)
         .shared_backend(deployment.backend().await)
         .build()
+}
+
+/// `locks` (another instance) takes `key` from a holder that lost its lease: granted
+/// within three [`PATIENCE`]s (the lost lease may run out first), or a panic naming
+/// `what`.
+async fn taken_over(locks: &DistributedLocks, key: &str, what: &str) -> DistributedGuard {
+    within_for(what, 3 * PATIENCE, locks.lock_timeout(key, 3 * PATIENCE))
+        .await
+        .unwrap_or_else(|error| {
+            panic!("conformance: {what}: not granted a key whose lease was lost: {error}")
+        })
 }
 
 /// `future`, or a panic naming `what` after [`PATIENCE`].
