@@ -388,69 +388,6 @@ async fn an_acquisition_cancelled_at_any_await_leaves_nothing_held() {
     eprintln!("cut points up to {:?}", cold * 24 / 20);
 }
 
-/// Sessions waiting in `GET_LOCK` now, as the server lists them.
-fn waiting_sessions(server: &MySqlServer) -> usize {
-    server
-        .admin(
-            "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
-             WHERE COMMAND = 'Query' AND INFO LIKE '%GET_LOCK(%' AND ID <> CONNECTION_ID()",
-        )
-        .trim()
-        .parse()
-        .expect("a count")
-}
-
-/// A wait cut while another instance holds the key leaves the server's queue within
-/// one command timeout (the `KILL QUERY` of its statement), not when the server next
-/// looks at the closed connection (about a second on MariaDB) or at the holder's
-/// release: left queued, the dead waiter would be granted the key first, and the next
-/// holder would wait for its connection's close to free it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancelled_wait_leaves_the_server_queue_while_the_key_is_held() {
-    let server = MySqlServer::start();
-    let holder_locks = locks(&server.url());
-    let waiter = backend(&server.url());
-    let key = Key::new("queued", 256).unwrap();
-    // A lease's release opens the control connection the interrupt goes out on: the
-    // bound below is the interrupt's, not a connect's.
-    let lease = waiter.acquire(NAME, &key, PATIENCE).await.unwrap();
-    lease.release().await;
-    for round in 0..3 {
-        let held = holder_locks.lock("queued").await.unwrap();
-        {
-            let acquisition = waiter.acquire(NAME, &key, PATIENCE);
-            let mut acquisition = std::pin::pin!(acquisition);
-            let queued = Instant::now();
-            while waiting_sessions(&server) == 0 {
-                assert!(
-                    queued.elapsed() < PATIENCE,
-                    "round {round}: the wait never queued"
-                );
-                tokio::select! {
-                    _ = &mut acquisition => panic!("round {round}: granted a key held elsewhere"),
-                    () = tokio::time::sleep(Duration::from_millis(5)) => {}
-                }
-            }
-        }
-        // Cut (dropped above) while queued; the key is still held.
-        let cut = Instant::now();
-        while waiting_sessions(&server) > 0 {
-            assert!(
-                cut.elapsed() < COMMAND_TIMEOUT,
-                "round {round}: the cut wait still queued in the server {:?} later",
-                cut.elapsed()
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        assert!(
-            holder(&server, &format!("{DEFAULT_PREFIX}:{NAME}:queued")).is_some(),
-            "the holder kept its key"
-        );
-        held.release().await;
-        eventually_free(&holder_locks, "queued", COMMAND_TIMEOUT + SLACK).await;
-    }
-}
-
 /// Who holds a key, as far as the instances know: each grant registers its signal, each
 /// release removes it.
 #[derive(Default)]

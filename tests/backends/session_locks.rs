@@ -4,7 +4,8 @@
 //! session's idle limit) from when it grants; the holder learns of it only when the
 //! answer arrives. A grant counts only from a round trip answered within the command
 //! timeout: the late holder is refused (the grant given back) or told its lease is
-//! lost before the next holder is granted.
+//! lost before the next holder is granted. And a wait cut while the key is held leaves
+//! the server's queue at once.
 #![cfg(any(feature = "postgres", feature = "mysql"))]
 
 use std::future::Future;
@@ -181,6 +182,77 @@ async fn a_grant_answered_late_never_overlaps_the_next_holder<S: SessionLockServ
     }
 }
 
+/// A wait cut while another instance holds the key leaves the server's queue within
+/// one command timeout, while the key is still held (MySQL: the backend interrupts
+/// its statement; PostgreSQL: the server looks at the closed connection every 50 ms),
+/// not at the holder's release: left queued, the dead waiter is granted the key first,
+/// and the next holder waits for its close to free it; a burst of cut waits keeps as
+/// many server sessions busy.
+async fn a_cancelled_wait_leaves_the_queue_while_the_key_is_held<S: SessionLockServer>() {
+    let server = S::start().await;
+    let direct = server.upstream().to_string();
+    let mut gone_after = Vec::new();
+    for (number, case) in S::late_grant_cases().into_iter().enumerate() {
+        let holder = server.backend(&direct, "cut-holder", &case, false);
+        let waiter = server.backend(&direct, "cut-waiter", &case, true);
+        // Connected, and (MySQL) with the control connection a release opens: the bound
+        // below is the interrupt's, not a connect's.
+        warm(&*waiter).await;
+        for round in 0..3 {
+            let name = format!("cut-{number}-{round}");
+            let round = format!(
+                "{:?}, {:?}, round {round}",
+                case.variant, case.command_timeout
+            );
+            let held = holder
+                .acquire(NAME, &key(&name), Duration::ZERO)
+                .await
+                .unwrap();
+            {
+                let mut acquisition = std::pin::pin!(waiter.acquire(NAME, &key(&name), PATIENCE));
+                let queued = Instant::now();
+                loop {
+                    tokio::select! {
+                        _ = &mut acquisition => panic!("round {round}: granted a key held elsewhere"),
+                        () = tokio::time::sleep(Duration::from_millis(5)) => {}
+                    }
+                    if server.waits("cut-waiter", 0).await {
+                        break;
+                    }
+                    assert!(
+                        queued.elapsed() < PATIENCE,
+                        "round {round}: the wait never queued"
+                    );
+                }
+            }
+            // Cut (dropped above) while queued.
+            let cut = Instant::now();
+            while server.waits("cut-waiter", 0).await {
+                assert!(
+                    cut.elapsed() < case.command_timeout,
+                    "round {round}: the cut wait still queued in the server {:?} later",
+                    cut.elapsed()
+                );
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            gone_after.push(cut.elapsed());
+            // Still held: the cut alone ended the wait.
+            let busy = holder.acquire(NAME, &key(&name), Duration::ZERO).await;
+            assert!(
+                matches!(busy, Err(LockError::Timeout)),
+                "round {round}: the key was not held any more"
+            );
+            held.release().await;
+        }
+    }
+    gone_after.sort();
+    println!(
+        "a cut wait left the queue {} to {} after the cut",
+        ms(gone_after[0]),
+        ms(gone_after[gone_after.len() - 1])
+    );
+}
+
 /// `session_locks!(module, Server, "feature")`: the shared tests on one engine.
 macro_rules! session_locks {
     ($module:ident, $server:ty, $feature:literal) => {
@@ -189,6 +261,11 @@ macro_rules! session_locks {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn a_grant_answered_late_never_overlaps_the_next_holder() {
                 super::a_grant_answered_late_never_overlaps_the_next_holder::<$server>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn a_cancelled_wait_leaves_the_queue_while_the_key_is_held() {
+                super::a_cancelled_wait_leaves_the_queue_while_the_key_is_held::<$server>().await;
             }
         }
     };

@@ -15,6 +15,7 @@ use tokio::time::{timeout, Instant};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
+use super::client_check::{CLIENT_CHECK, CLIENT_CHECK_INTERVAL};
 use super::error::PgError;
 use super::holder::SAVED_NAME;
 use super::lease::Held;
@@ -36,11 +37,44 @@ pub(super) const LEASE_MARKER: &str = "tower_keyed_lock.lease";
 /// `server_reset_query_always`, would clear both, and this setting with them).
 pub(super) const CHECKED_MARKER: &str = "tower_keyed_lock.checked";
 
-/// The server-side limits set on every session that tries a lock, for the rest of its
-/// life (see `Inner::server_idle_limit`): a session cut off from its client, holding a
-/// lock or not, ends once idle that long. `current_setting(.., true)` is NULL on a
-/// server without the setting, which skips it.
-pub(super) const LIMITED_SETTINGS: [&str; 2] = ["idle_session_timeout", "tcp_user_timeout"];
+impl Inner {
+    /// The server-side limits set on every session that tries a lock, for the rest of
+    /// its life, as `(setting, value)`: a session cut off from its client, holding a
+    /// lock or not, ends once idle that long (see `Inner::server_idle_limit`); where the
+    /// server allows it, one whose client closed the connection mid-statement ends
+    /// within [`CLIENT_CHECK_INTERVAL`] (see `client_check.rs`).
+    fn session_limits(&self) -> Vec<(&'static str, String)> {
+        let idle = format!("'{}ms'", self.server_idle_limit().as_millis());
+        let mut limits = vec![
+            ("idle_session_timeout", idle.clone()),
+            ("tcp_user_timeout", idle),
+        ];
+        if self.sets_client_check() {
+            limits.push((
+                CLIENT_CHECK,
+                format!("'{}ms'", CLIENT_CHECK_INTERVAL.as_millis()),
+            ));
+        }
+        limits
+    }
+
+    /// Sets each of [`session_limits`](Self::session_limits) the server has for the
+    /// session, where the SQL condition `only_if` (empty: always) holds: one column
+    /// each. `current_setting(.., true)` is NULL on a server without the setting, which
+    /// skips it.
+    pub(super) fn limits_sql(&self, only_if: &str) -> String {
+        self.session_limits()
+            .into_iter()
+            .map(|(name, value)| {
+                format!(
+                    "CASE WHEN {only_if}current_setting('{name}', true) IS NOT NULL \
+                     THEN set_config('{name}', {value}, false) END"
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
 
 /// What a granting statement answered: its row is `pid, locked, token`.
 pub(super) struct Grant {
@@ -268,7 +302,7 @@ impl Inner {
                         THEN NULL {recorded} \
                         ELSE {try_lock} END AS locked) AS try",
             granted = self.granted(&format!("'{marker}'"), shared),
-            limits = limits_sql(&format!("'{}ms'", self.server_idle_limit().as_millis())),
+            limits = self.limits_sql(""),
         );
         // Read again after the try, for a record written just before the lock was.
         if let Some(record) = record {
@@ -554,18 +588,6 @@ pub(super) fn nonce() -> u64 {
 /// `duration` in milliseconds, rounded up: a lock wait never ends before the deadline.
 pub(super) fn whole_millis(duration: Duration) -> u128 {
     duration.as_micros().div_ceil(1000)
-}
-
-/// Sets every setting of [`LIMITED_SETTINGS`] the server has to `value` for the session.
-fn limits_sql(value: &str) -> String {
-    LIMITED_SETTINGS
-        .map(|name| {
-            format!(
-                "CASE WHEN current_setting('{name}', true) IS NOT NULL \
-                 THEN set_config('{name}', {value}, false) END"
-            )
-        })
-        .join(", ")
 }
 
 /// The token of the prepared wait's row; no row means a transaction pooler.

@@ -79,7 +79,11 @@
 //! transaction). A connection whose state is unknown — an error or timeout while
 //! acquiring or unlocking, a task dropped mid-statement — is never returned to the
 //! pool: it is taken out of the pool and closed, and PostgreSQL frees every lock of a
-//! session that ends.
+//! session that ends. A closed connection's wait leaves PostgreSQL's queue within
+//! 50 ms: the backend sets `client_connection_check_interval` (PostgreSQL 14 and later)
+//! on its sessions where the server allows it (probed once, by `build` or the first
+//! acquisition), as PostgreSQL does not otherwise notice a closed connection during a
+//! lock wait (the wait would be granted first, and keep a server process until then).
 //!
 //! # Lock scopes and poolers
 //!
@@ -331,6 +335,7 @@
 // client's own, `setup` builds the backend (and `SetupError`). This file has the public
 // type and its configuration.
 mod acquire;
+mod client_check;
 mod deployment;
 mod error;
 mod fencing;
@@ -435,6 +440,9 @@ struct Inner {
     /// Whether this pool's sessions are the client's own (see `pooler.rs`): probed once,
     /// by `build` or the first session-scope acquisition; shared by clones.
     sessions: Arc<OnceCell<pooler::Sessions>>,
+    /// Whether the server lets sessions set the client check (see `client_check.rs`):
+    /// probed once, by `build` or the first acquisition; shared by clones.
+    client_check: Arc<OnceCell<bool>>,
     /// The SQL of the prepared statements, made from the settings above on first use.
     statements: std::sync::OnceLock<Arc<prepared::Statements>>,
 }
@@ -497,6 +505,7 @@ impl PostgresBackend {
                 instance_literal: holder::instance_literal(&default_instance_id()).into(),
                 address: None,
                 sessions: Arc::default(),
+                client_check: Arc::default(),
                 statements: Default::default(),
             },
             invalid: None,
@@ -852,6 +861,7 @@ impl PostgresBackend {
             let acquire = async {
                 let deadline = Instant::now() + wait;
                 inner.prepare_fencing(deadline).await?;
+                inner.probe_client_check(deadline).await?;
                 match inner.scope {
                     LockScope::Session if !permits.is_empty() => inner
                         .clone()

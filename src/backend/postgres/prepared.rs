@@ -14,7 +14,7 @@
 
 use tokio::time::Instant;
 
-use super::acquire::{shared_suffix, Grant, CHECKED_MARKER, LEASE_MARKER, LIMITED_SETTINGS};
+use super::acquire::{shared_suffix, Grant, CHECKED_MARKER, LEASE_MARKER};
 use super::error::PgError;
 use super::holder::SAVED_NAME;
 use super::lease::Held;
@@ -42,17 +42,9 @@ impl Statements {
     pub(super) fn new(inner: &Inner) -> Self {
         let try_lock = |shared: bool| {
             let suffix = shared_suffix(shared);
-            let limit = format!("'{}ms'", inner.server_idle_limit().as_millis());
             // The server-side limits are set once per session: a session is marked
             // checked only after a try on it set them (see `acquire.rs`).
-            let limits = LIMITED_SETTINGS
-                .map(|name| {
-                    format!(
-                        "CASE WHEN NOT checked AND current_setting('{name}', true) IS NOT NULL \
-                         THEN set_config('{name}', {limit}, false) END"
-                    )
-                })
-                .join(", ");
+            let limits = inner.limits_sql("NOT checked AND ");
             format!(
                 "SELECT pid, locked, CASE WHEN locked THEN {granted} END, checked, {limits} \
                  FROM (SELECT pg_backend_pid() AS pid, \

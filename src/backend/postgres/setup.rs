@@ -157,6 +157,10 @@ impl PostgresBackendBuilder {
                 }
                 error => inner.setup_failed_with(error),
             })?;
+        inner
+            .probe_client_check(Instant::now() + inner.settings.timing.command_timeout)
+            .await
+            .map_err(|error| inner.setup_failed_with(error))?;
         Ok(backend)
     }
 }

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 
 use super::acquire::{whole_millis, Grant};
+use super::client_check::{CLIENT_CHECK, CLIENT_CHECK_INTERVAL};
 use super::error::PgError;
 use super::lease::Held;
 use super::session::{last_row, Session};
@@ -46,10 +47,18 @@ impl Inner {
                 // PostgreSQL's own queue, bounded by the wait. A try first, its answer kept
                 // for the last row, says whether the lock was held (then the wait was
                 // contended); a transaction lock taken twice is still one, ended with
-                // the transaction.
+                // the transaction. Where the server allows it, the wait ends with a
+                // closed client connection too (see `client_check.rs`).
+                let client_check = match self.sets_client_check() {
+                    true => format!(
+                        ", set_config('{CLIENT_CHECK}', '{}ms', true)",
+                        CLIENT_CHECK_INTERVAL.as_millis()
+                    ),
+                    false => String::new(),
+                };
                 format!(
                     "{begin}; SELECT set_config('{FREE_AT_TRY}', \
-                                       pg_try_advisory_xact_lock({id})::text, true); \
+                                       pg_try_advisory_xact_lock({id})::text, true){client_check}; \
                      SET LOCAL lock_timeout = '{millis}ms'; \
                      SELECT pg_advisory_xact_lock({id}); SET LOCAL lock_timeout TO DEFAULT; \
                      SELECT pg_backend_pid(), true, {token}, current_setting('{FREE_AT_TRY}')"
