@@ -107,10 +107,10 @@ async fn redis_killed_and_restarted_during_a_soak() {
         "a request was lost"
     );
     assert_eq!(report.other, 0, "{report:?}");
-    assert!(
-        report.unavailable > 0,
-        "the outages were not seen: {report:?}"
-    );
+    // No count of 503s is asserted: an outage shorter than the wait is ridden out (a
+    // failed attempt is tried again within the wait), so whether a wait ends inside
+    // one depends on timing (4 000 requests through 3 outages once answered none).
+    // That the outages came while requests flowed is `faults >= 1` above.
 
     // Recovery without restarting the app. The load may have ended mid-outage: start
     // Redis (again), wait for the first request to be served, then all must be.
