@@ -48,7 +48,7 @@ struct Idle {
 }
 
 /// What the backend learned of a server session.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub(super) struct SessionState {
     /// `CONNECTION_ID()` as the session first answered it: every later statement on
     /// this connection must be answered by the same session.
