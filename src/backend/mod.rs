@@ -56,6 +56,17 @@ mod aws;
 #[cfg(feature = "azure-blob")]
 #[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
 pub mod azure_blob;
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "dynamodb",
+    feature = "etcd",
+    feature = "zookeeper",
+    feature = "mysql",
+    feature = "azure-blob",
+    feature = "s3"
+))]
+mod backoff;
 pub mod deployment;
 mod detach;
 #[cfg(feature = "dynamodb")]

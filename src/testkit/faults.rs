@@ -355,6 +355,42 @@ pub async fn a_dropped_path_does_not_end_a_wait<P: Proxied>(deployment: &P) {
     );
 }
 
+/// An acquisition that starts while its instance's path is down (every connection
+/// reset, new ones silent) is granted once the path heals within its wait: an engine
+/// that answered before is not given up on at its first failure, whether that is a
+/// dead pooled connection or a connect that goes unanswered.
+pub async fn an_outage_that_heals_within_the_wait_is_ridden_out<P: Proxied>(deployment: &P) {
+    const CHECK: &str = "an_outage_that_heals_within_the_wait_is_ridden_out";
+    const WAIT: Duration = Duration::from_secs(30);
+    let proxy = FaultProxy::start(deployment.upstream()).await;
+    let a = instance_via(deployment, &proxy, CHECK).await;
+    // The engine answered this instance, over a connection kept for the next lock.
+    a.lock("outage").await.unwrap().release().await;
+    proxy.reset();
+    proxy.blackhole();
+    let started = Instant::now();
+    let acquire = tokio::spawn(async move {
+        let outcome = a.lock_timeout("outage", WAIT).await;
+        (outcome, started.elapsed())
+    });
+    // Down for three command timeouts: at least one attempt meets the dead pooled
+    // connection, and one more a connect that is never answered.
+    let outage = 3 * deployment.command_timeout();
+    sleep(outage).await;
+    proxy.heal();
+    let (outcome, ended_after) = within_for("the acquisition after the heal", 2 * WAIT, acquire)
+        .await
+        .expect("the acquisition panicked");
+    let guard = outcome.unwrap_or_else(|error| {
+        panic!(
+            "conformance: an outage of {outage:?} ended a wait of {WAIT:?} after \
+             {ended_after:?}: {error}"
+        )
+    });
+    tracing::info!(?outage, granted_after = ?ended_after, "outage: the wait outlasted it");
+    guard.release().await;
+}
+
 /// Takes `key` on `locks` once the backend serves again, failing after three
 /// [`PATIENCE`]s.
 async fn until_granted(locks: &DistributedLocks, key: &str, what: &str) -> crate::DistributedGuard {

@@ -111,6 +111,7 @@
 //! | [`a_reset_connection_is_a_lost_lease_and_recovers`] | a holder whose connections are reset is told before another grant (within [`Proxied::reset_notice`]), and reconnects |
 //! | [`the_health_check_fails_on_a_silent_path_and_recovers`] | the health check on a silent path is unhealthy within about one command timeout, and healthy after the heal |
 //! | [`a_dropped_path_does_not_end_a_wait`] | a reset, then a silent path, during their waits ends no waiter's wait: all granted in arrival order, one at a time, after the release |
+//! | [`an_outage_that_heals_within_the_wait_is_ridden_out`] | an acquisition that starts with its path down (connections reset, connects unanswered) is granted once the path heals within its wait |
 //! | [`abort_on_lease_lost_answers_503`] | through the layer with `abort_on_lease_lost`: a request holding its key on a path gone silent is answered 503 `"reason":"lease_lost"`, and another instance gets the key |
 
 mod contention;
@@ -143,7 +144,8 @@ pub use self::deployment::the_deployment_live_run_passes;
 pub use self::faults::{
     a_cut_off_holder_is_told_before_another_instance_is_granted,
     a_dropped_path_does_not_end_a_wait, a_reset_connection_is_a_lost_lease_and_recovers,
-    a_slow_path_keeps_the_lease, no_acquisition_outlives_its_wait_on_a_silent_path,
+    a_slow_path_keeps_the_lease, an_outage_that_heals_within_the_wait_is_ridden_out,
+    no_acquisition_outlives_its_wait_on_a_silent_path,
     the_health_check_fails_on_a_silent_path_and_recovers, FaultProxy, Proxied,
 };
 pub use self::footprint::{released_keys_leave_no_records, FOOTPRINT_KEYS, MOST_RECORDS_AT_REST};
@@ -277,13 +279,14 @@ pub async fn run_modes<D: Deployment>(deployment: &D) {
 
 /// The names of the checks [`run_faults`] runs, in its order: for backends whose
 /// instances reach their engine over TCP, through a [`FaultProxy`].
-pub const FAULT_CHECKS: [&str; 7] = [
+pub const FAULT_CHECKS: [&str; 8] = [
     "a_cut_off_holder_is_told_before_another_instance_is_granted",
     "no_acquisition_outlives_its_wait_on_a_silent_path",
     "a_slow_path_keeps_the_lease",
     "a_reset_connection_is_a_lost_lease_and_recovers",
     "the_health_check_fails_on_a_silent_path_and_recovers",
     "a_dropped_path_does_not_end_a_wait",
+    "an_outage_that_heals_within_the_wait_is_ridden_out",
     "abort_on_lease_lost_answers_503",
 ];
 
@@ -295,6 +298,7 @@ pub async fn run_faults<P: Proxied>(deployment: &P) {
     a_reset_connection_is_a_lost_lease_and_recovers(deployment).await;
     the_health_check_fails_on_a_silent_path_and_recovers(deployment).await;
     a_dropped_path_does_not_end_a_wait(deployment).await;
+    an_outage_that_heals_within_the_wait_is_ridden_out(deployment).await;
     abort_on_lease_lost_answers_503(deployment).await;
 }
 

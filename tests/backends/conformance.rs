@@ -228,6 +228,7 @@ macro_rules! faults {
                 a_slow_path_keeps_the_lease,
                 a_reset_connection_is_a_lost_lease_and_recovers,
                 the_health_check_fails_on_a_silent_path_and_recovers,
+                an_outage_that_heals_within_the_wait_is_ridden_out,
                 abort_on_lease_lost_answers_503,
                 $($($also,)*)?
             );

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::error::MyError;
+use super::error::{is_transient, MyError};
 use super::lock_name::hex_literal;
 use super::session::{number, Session};
 use super::Inner;
-use crate::backend::session::Answered;
+use crate::backend::session::{within_the_wait, Answered};
 use crate::backend::Lease;
 use crate::locks::LockError;
 
@@ -24,14 +24,28 @@ pub(super) struct Granted {
 }
 
 impl Inner {
+    /// Takes `name` within `wait`: attempts (see [`attempt`](Self::attempt)) until one
+    /// is granted, fails for good, or the wait ends; one that failed in passing is tried
+    /// again on a fresh connection ([`within_the_wait`]).
     pub(super) async fn acquire(
         self: Arc<Self>,
         name: String,
         wait: Duration,
     ) -> Result<Lease, LockError> {
         let deadline = deadline_after(wait);
+        let attempt = || self.clone().attempt(&name, deadline);
+        let (lease, retried) =
+            within_the_wait(&self.pool.reached, deadline, is_transient, attempt).await?;
+        let contended = retried || lease.contended();
+        Ok(lease.with_contention(contended))
+    }
+
+    /// One attempt: `GET_LOCK` with the remaining wait on a session, then what a grant
+    /// needs ([`after_grant`](Self::after_grant)). On every failure the session is
+    /// dropped: closed, not pooled.
+    async fn attempt(self: Arc<Self>, name: &str, deadline: Instant) -> Result<Lease, LockError> {
         let server = self.prepare(deadline).await?;
-        let literal = hex_literal(&name);
+        let literal = hex_literal(name);
         let mut session = self.session(deadline).await?;
         // A session that already holds this lock would be granted it again (GET_LOCK is
         // re-entrant): only a session shared with another client can be found so.
@@ -44,39 +58,17 @@ impl Inner {
                 secs = server.wait_argument(remaining),
             )
         };
-        let mut first = true;
         // Whether a statement found the lock held (or ran more than once): contended.
         let mut contended = false;
         let (sent, id) = loop {
-            let mut sent = Instant::now();
+            let sent = Instant::now();
             let remaining = deadline.saturating_duration_since(sent);
-            let mut answer = session
+            let answer = session
                 .rows(
                     &sql(remaining),
                     remaining + self.settings.timing.command_timeout,
                 )
                 .await;
-            if first
-                && answer.is_err()
-                && session.reused
-                && sent.elapsed() < self.settings.timing.command_timeout
-            {
-                // A pooled connection that died idle (a server restart, a kill) fails at
-                // once: its session, and any lock of it, is gone; try once more on a
-                // fresh connection.
-                drop(session);
-                session = self.session(deadline).await?;
-                sent = Instant::now();
-                let remaining = deadline.saturating_duration_since(sent);
-                answer = session
-                    .rows(
-                        &sql(remaining),
-                        remaining + self.settings.timing.command_timeout,
-                    )
-                    .await;
-            }
-            first = false;
-            // On every early return below, `session` is dropped: closed, not pooled.
             let rows = answer.map_err(|error| {
                 tracing::debug!(lock = %name, %error, "GET_LOCK failed; closing the connection");
                 error.into_lock_error()
@@ -116,7 +108,7 @@ impl Inner {
             .after_grant(&mut session, &literal, id as u64, answered)
             .await?;
         Ok(self
-            .hold(session, name, id as u64, granted)
+            .hold(session, name.to_owned(), id as u64, granted)
             .with_contention(contended))
     }
 
@@ -149,10 +141,10 @@ impl Inner {
             .await
             .map_err(|error| {
                 tracing::warn!(%error, "MySQL lock grant not confirmed in time; given back");
-                MyError::with_detail(
+                MyError::because(
                     "MySQL did not confirm the lock grant within the command timeout (the \
                      server could free it before the holder would hear of it): given back",
-                    error.to_string(),
+                    error,
                 )
             })?;
         let row = rows

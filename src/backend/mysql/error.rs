@@ -21,18 +21,30 @@ pub(super) struct MyError {
     what: Cow<'static, str>,
     /// The server's error code, if the server answered with an error.
     pub(super) code: Option<u16>,
+    /// Whether another attempt on a fresh connection may succeed (see
+    /// [`is_transient`]).
+    transient: bool,
     source: Option<Box<dyn Error + Send + Sync>>,
 }
 
+/// The server's errors that end a session or refuse one in passing: too many
+/// connections (1040), a shutdown (1053), a statement interrupted (1317, `KILL QUERY`),
+/// a session killed (MariaDB 1927, MySQL 3169) or ended idle (MySQL 4031).
+const PASSING: [u16; 6] = [1040, 1053, 1317, 1927, 3169, 4031];
+
 impl MyError {
     pub(super) fn new(what: impl Into<Cow<'static, str>>, source: mysql_async::Error) -> Self {
-        let code = match &source {
-            mysql_async::Error::Server(error) => Some(error.code),
-            _ => None,
+        // Without a server's answer, the connection broke (a reset, a refused connect,
+        // a closed socket): another one may work.
+        let (code, transient) = match &source {
+            mysql_async::Error::Server(error) => (Some(error.code), PASSING.contains(&error.code)),
+            mysql_async::Error::Url(_) => (None, false),
+            _ => (None, true),
         };
         Self {
             what: what.into(),
             code,
+            transient,
             source: Some(Box::new(source)),
         }
     }
@@ -41,15 +53,33 @@ impl MyError {
         Self {
             what: what.into(),
             code: None,
+            transient: false,
             source: None,
         }
     }
 
     pub(super) fn with_detail(what: impl Into<Cow<'static, str>>, detail: String) -> Self {
         Self {
+            source: Some(detail.into()),
+            ..Self::message(what)
+        }
+    }
+
+    /// A round trip (or a connect) that went unanswered within its limit.
+    pub(super) fn unanswered(what: impl Into<Cow<'static, str>>) -> Self {
+        Self {
+            transient: true,
+            ..Self::message(what)
+        }
+    }
+
+    /// `what` went wrong because of `cause`, which tells whether it was in passing.
+    pub(super) fn because(what: impl Into<Cow<'static, str>>, cause: MyError) -> Self {
+        Self {
             what: what.into(),
             code: None,
-            source: Some(detail.into()),
+            transient: cause.transient,
+            source: Some(Box::new(cause)),
         }
     }
 
@@ -61,6 +91,19 @@ impl MyError {
 
     pub(super) fn into_lock_error(self) -> LockError {
         LockError::Backend(Box::new(self))
+    }
+}
+
+/// Whether an acquisition that failed with `error` may be granted by another attempt on
+/// a fresh connection: the connection broke or went unanswered, or the server ended or
+/// refused the session in passing. Not an answer, a refused login, a proxy that shares
+/// sessions.
+pub(super) fn is_transient(error: &LockError) -> bool {
+    match error {
+        LockError::Backend(error) => error
+            .downcast_ref::<MyError>()
+            .is_some_and(|error| error.transient),
+        _ => false,
     }
 }
 

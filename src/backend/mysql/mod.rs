@@ -92,10 +92,18 @@
 //! from the moment it grants, which a late answer does not date. A `GET_LOCK` that
 //! waited answers later than that, so one more round trip confirms the grant
 //! (`IS_USED_LOCK(name) = CONNECTION_ID()`); if it does not answer in time, the grant
-//! is given back (the connection is closed) and the acquisition fails with
-//! [`LockError::Backend`] (503). The first grant on each connection is confirmed the
-//! same way. With [fencing](self#fencing-tokens), the round trip that takes the token
-//! is that confirmation.
+//! is given back (the connection is closed) and the acquisition tries again (below).
+//! The first grant on each connection is confirmed the same way. With
+//! [fencing](self#fencing-tokens), the round trip that takes the token is that
+//! confirmation.
+//!
+//! Only the wait bounds the waiting: once the server accepted a connection of the
+//! backend, an attempt that fails in passing — a dead pooled connection, a connect or a
+//! statement left unanswered, a broken connection, a server shutting down, a session
+//! killed, too many connections — closes its connection and tries again on a fresh one
+//! after a jittered pause (10 ms, doubling to 500 ms), until the wait ends; then it
+//! fails with the last such error ([`LockError::Backend`], 503). A server that never
+//! accepted a connection is told at once (503).
 //!
 //! While the lock is held, its connection always has a statement pending (see
 //! [Timing](self#timing)). Release first ends it: `KILL QUERY <connection id>` on

@@ -23,6 +23,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{timeout, timeout_at, Instant};
 
 use super::error::MyError;
+use crate::backend::session::Reached;
 use crate::locks::LockError;
 
 /// Connections to one server, at most `max` at once (held, waiting, or idle in the
@@ -34,6 +35,8 @@ pub(super) struct Pool {
     max: usize,
     /// The control connection (see the module docs), with when it was last used.
     control: tokio::sync::Mutex<Option<(Conn, Instant)>>,
+    /// Whether the server ever accepted a connection (see `session::retry`).
+    pub(super) reached: Reached,
 }
 
 /// The server's error for a statement ended by `KILL QUERY` (`ER_QUERY_INTERRUPTED`):
@@ -70,8 +73,6 @@ pub(super) struct SessionState {
 pub(super) struct Session {
     conn: Option<Conn>,
     pub(super) state: SessionState,
-    /// Whether the connection served an earlier acquisition (it may have died idle).
-    pub(super) reused: bool,
     /// Set while a statement is in flight, and left set if it did not end well (cut by
     /// a timeout or a dropped future, or the connection failed; an error answer from
     /// the server ends a statement well): the connection's state is unknown —
@@ -95,6 +96,7 @@ impl Pool {
             permits: Arc::new(Semaphore::new(max)),
             max,
             control: tokio::sync::Mutex::new(None),
+            reached: Reached::default(),
         }
     }
 
@@ -135,7 +137,7 @@ impl Pool {
                 _ => return Err(LockError::Timeout),
             },
         };
-        let reused = loop {
+        let pooled = loop {
             let idle = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop();
             match idle {
                 Some(idle) if idle.since.elapsed() < max_idle => break Some(idle),
@@ -144,17 +146,13 @@ impl Pool {
                 None => break None,
             }
         };
-        let (conn, state, reused) = match reused {
-            Some(idle) => (idle.conn, idle.state, true),
-            None => {
-                let (conn, state) = self.connect(command_timeout, &setup).await?;
-                (conn, state, false)
-            }
+        let (conn, state) = match pooled {
+            Some(idle) => (idle.conn, idle.state),
+            None => self.connect(command_timeout, &setup).await?,
         };
         Ok(Session {
             conn: Some(conn),
             state,
-            reused,
             unknown: false,
             pool: self.clone(),
             close_within: command_timeout,
@@ -192,12 +190,15 @@ impl Pool {
             Ok::<_, mysql_async::Error>((conn, state))
         };
         match timeout(command_timeout, connect).await {
-            Ok(Ok(connected)) => Ok(connected),
+            Ok(Ok(connected)) => {
+                self.reached.mark();
+                Ok(connected)
+            }
             Ok(Err(error)) => Err(MyError::new(
                 format!("cannot connect to MySQL at {}", self.address()),
                 error,
             )),
-            Err(_) => Err(MyError::message(format!(
+            Err(_) => Err(MyError::unanswered(format!(
                 "MySQL at {} did not accept a connection in time",
                 self.address()
             ))),
@@ -340,7 +341,7 @@ impl Session {
                 Err(MyError::new("MySQL statement failed", error))
             }
             Ok(Err(error)) => Err(MyError::new("MySQL statement failed", error)),
-            Err(_) => Err(MyError::message("MySQL did not answer in time")),
+            Err(_) => Err(MyError::unanswered("MySQL did not answer in time")),
         }
     }
 

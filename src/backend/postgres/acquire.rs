@@ -21,7 +21,7 @@ use super::holder::SAVED_NAME;
 use super::lease::Held;
 use super::session::{last_row, Session};
 use super::Inner;
-use crate::backend::session::Answered;
+use crate::backend::session::{within_the_wait, Answered};
 use crate::backend::{Acquired, Lease};
 use crate::error::LockError;
 
@@ -136,13 +136,12 @@ impl Inner {
     /// gives `key` back if `id` was taken: both or neither, in the try's one statement
     /// (`CASE` evaluates its branches in order).
     ///
-    /// Only the wait bounds the waiting: once the server answered a try, an attempt
-    /// that fails on a transient error (a broken connection, an unanswered statement,
-    /// a refused connect) before its grant was confirmed is tried again on a fresh
-    /// pooled session after a jittered pause, behind whoever queued meanwhile, until
+    /// Only the wait bounds the waiting (see [`within_the_wait`]): an attempt that
+    /// fails on a transient error (a broken connection, an unanswered statement, a
+    /// refused connect) before its grant was confirmed is tried again on a fresh pooled
+    /// session after a jittered pause, behind whoever queued meanwhile, until
     /// `deadline`. The failed attempt's session is dropped, never pooled: closed, it
-    /// frees any lock the server granted it, and no grant of it was counted. Out of time, the last transient error is returned if
-    /// nothing answered since, else [`LockError::Timeout`].
+    /// frees any lock the server granted it, and no grant of it was counted.
     pub(super) async fn acquire_unless_recorded(
         self: Arc<Self>,
         id: i64,
@@ -151,37 +150,15 @@ impl Inner {
         deadline: Instant,
         record: Option<&str>,
     ) -> Result<Acquired, LockError> {
-        let mut backoff = Backoff::new(RETRY_PAUSE, MAX_RETRY_PAUSE);
-        let mut answered = false;
-        // Whether an attempt failed before: a grant now was contended.
-        let mut retried = false;
-        loop {
-            let error = match self
-                .clone()
-                .attempt(id, shared, key, deadline, record, &mut answered)
-                .await
-            {
-                // Before the server ever answered (it is down, or out of reach), the
-                // outage is told at once (503) rather than waited out.
-                Err(error) if answered && is_transient(&error) => error,
-                done => return done.map(|acquired| acquired.contended_if(retried)),
-            };
-            retried = true;
-            // The last pause ends with the wait: nothing answered since the failure.
-            let pause = backoff
-                .pause()
-                .min(deadline.saturating_duration_since(Instant::now()));
-            tracing::debug!(lock_id = id, %error, ?pause, "PostgreSQL lock wait failed; queueing again");
-            tokio::time::sleep(pause).await;
-            if Instant::now() >= deadline {
-                return Err(error);
-            }
-        }
+        let attempt = || self.clone().attempt(id, shared, key, deadline, record);
+        let (acquired, retried) =
+            within_the_wait(&self.reached, deadline, is_transient, attempt).await?;
+        Ok(acquired.contended_if(retried))
     }
 
     /// One attempt of [`acquire_unless_recorded`](Self::acquire_unless_recorded): a try,
-    /// then a wait in PostgreSQL's queue on the same session. Sets `answered` once the
-    /// server answered the try.
+    /// then a wait in PostgreSQL's queue on the same session. Marks the server reached
+    /// once it answered the try.
     async fn attempt(
         self: Arc<Self>,
         id: i64,
@@ -189,7 +166,6 @@ impl Inner {
         key: Option<i64>,
         deadline: Instant,
         record: Option<&str>,
-        answered: &mut bool,
     ) -> Result<Acquired, LockError> {
         let marker = format!("{id}/{:016x}", nonce());
         let (session, sent, tried) = match (key, record) {
@@ -207,7 +183,7 @@ impl Inner {
         };
         // On every early return below, `session` is dropped: closed, not pooled.
         let (grant, checked, stored) = tried.map_err(PgError::into_lock_error)?;
-        *answered = true;
+        self.reached.mark();
         let held = Held {
             id,
             shared,
@@ -499,36 +475,6 @@ impl Inner {
                                coalesce(current_setting('{SAVED_NAME}', true), ''), false){key} \
              WHERE pg_backend_pid() = {pid}"
         )
-    }
-}
-
-/// The first pause before a failed attempt is tried again; it doubles per failure.
-const RETRY_PAUSE: Duration = Duration::from_millis(10);
-
-/// The longest pause between attempts.
-const MAX_RETRY_PAUSE: Duration = Duration::from_millis(500);
-
-/// Exponential backoff from `first` to `max`, each pause between half of its step and
-/// all of it (a random draw, so that the waiters of a broken path spread out).
-struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    fn new(first: Duration, max: Duration) -> Self {
-        Self {
-            next: first.min(max),
-            max,
-        }
-    }
-
-    fn pause(&mut self) -> Duration {
-        let half = self.next / 2;
-        let spread = u64::try_from((self.next - half).as_micros()).unwrap_or(u64::MAX);
-        let pause = half + Duration::from_micros(nonce() % spread.saturating_add(1));
-        self.next = (self.next * 2).min(self.max);
-        pause
     }
 }
 

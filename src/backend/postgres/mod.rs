@@ -309,14 +309,14 @@
 //! a backend made with [`builder_from_config`](PostgresBackend::builder_from_config);
 //! never a user or password); [`build`](PostgresBackendBuilder::build) fails with it as
 //! [`SetupError::Failed`]. Only the wait bounds the waiting: once the server answered
-//! an acquisition's try, a connection that breaks or a statement left unanswered during
-//! its wait (before a grant is confirmed) is not the end of it — the broken session is
-//! closed, never pooled (the server frees any lock it was granted, and that grant is
-//! never counted), and the acquisition queues again on a fresh connection after a
-//! jittered pause (10 ms, doubling to 500 ms), behind whoever queued meanwhile, until
-//! its wait ends; then it fails with the last such error (503) if nothing was answered
-//! since, else [`LockError::Timeout`]. A server out of reach before it ever answered is
-//! told at once (503). An acquisition takes at most the
+//! the backend (its build, or any acquisition's try), a connection that breaks, a
+//! connect or a statement left unanswered, or a server restarting during a wait (before
+//! a grant is confirmed) is not the end of it — the broken session is closed, never
+//! pooled (the server frees any lock it was granted, and that grant is never counted),
+//! and the acquisition queues again on a fresh connection after a jittered pause (10
+//! ms, doubling to 500 ms), behind whoever queued meanwhile, until its wait ends; then
+//! it fails with the last such error (503). A server out of reach before it ever
+//! answered is told at once (503). An acquisition takes at most the
 //! request's remaining wait plus one [`command_timeout`](PostgresBackendBuilder::command_timeout)
 //! in all, however many round trips were slow (the first ones of a session-scope
 //! backend not [built](PostgresBackendBuilder::build), up to four command timeouts more, for
@@ -443,6 +443,8 @@ struct Inner {
     /// Whether the server lets sessions set the client check (see `client_check.rs`):
     /// probed once, by `build` or the first acquisition; shared by clones.
     client_check: Arc<OnceCell<bool>>,
+    /// Whether the server ever answered (see `session::retry`); shared by clones.
+    reached: Arc<session_core::Reached>,
     /// The SQL of the prepared statements, made from the settings above on first use.
     statements: std::sync::OnceLock<Arc<prepared::Statements>>,
 }
@@ -506,6 +508,7 @@ impl PostgresBackend {
                 address: None,
                 sessions: Arc::default(),
                 client_check: Arc::default(),
+                reached: Arc::default(),
                 statements: Default::default(),
             },
             invalid: None,

@@ -161,6 +161,7 @@ impl PostgresBackendBuilder {
             .probe_client_check(Instant::now() + inner.settings.timing.command_timeout)
             .await
             .map_err(|error| inner.setup_failed_with(error))?;
+        inner.reached.mark();
         Ok(backend)
     }
 }

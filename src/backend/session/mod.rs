@@ -18,10 +18,14 @@
 //!   moves the deadline; a session that ended, went silent or answers for another
 //!   raises the lease's lost signal at once), then stops the check and unlocks; a
 //!   session that cannot be unlocked cleanly is closed, never returned to the pool;
+//! - `retry`: only the wait bounds the waiting: an attempt that failed in passing is
+//!   tried again on a fresh session until the wait ends (a server that never answered
+//!   is told at once);
 //! - `settings`: the settings both builders share (prefix, liveness interval, command
 //!   timeout) and their checks.
 
 mod hold;
+mod retry;
 mod settings;
 mod timing;
 
@@ -33,6 +37,7 @@ use std::time::Duration;
 use tokio::time::{timeout, Instant};
 
 pub(crate) use self::hold::hold;
+pub(crate) use self::retry::{within_the_wait, Reached};
 pub(crate) use self::settings::{is_plain_or_qualified, refused_pool_size, Builder, Settings};
 pub(crate) use self::timing::{
     Answered, Timing, DEFAULT_COMMAND_TIMEOUT, DEFAULT_LIVENESS_INTERVAL,

@@ -24,7 +24,7 @@
 //! - `watched`: the record versions a backend saw on other holders' records, for the
 //!   engines that take a record over once it stopped changing for a lease (DynamoDB,
 //!   S3);
-//! - `backoff`: jittered pauses; `token`: fresh random tokens.
+//! - `token`: fresh random tokens.
 
 // etcd uses the engine without the helpers of record-based engines (random tokens, the
 // Redis prefix rule, re-arming an attempt's guard).
@@ -40,7 +40,6 @@
     feature = "s3"
 ))]
 mod acquire;
-mod backoff;
 mod give_back;
 mod lease;
 mod renewal;
@@ -61,12 +60,11 @@ use tokio::time::Instant;
     feature = "s3"
 ))]
 pub(crate) use self::acquire::{acquire, Attempt, Contend, Round};
-pub(crate) use self::backoff::jitter;
-pub(crate) use self::backoff::Backoff;
 #[cfg(feature = "zookeeper")]
 pub(crate) use self::give_back::give_back;
 pub(crate) use self::give_back::InFlight;
 pub(crate) use self::lease::grant;
+pub(crate) use super::backoff::{jitter, Backoff};
 // The engines that keep a schedule (Redis, Redlock) name it; the others only use it.
 #[cfg_attr(not(feature = "redis"), allow(unused_imports))]
 pub(crate) use self::schedule::{GoneForAll, Schedule};
