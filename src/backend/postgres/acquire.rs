@@ -480,7 +480,7 @@ impl Inner {
 
 /// Whether an attempt's `error` is worth another attempt within the wait (see
 /// [`PgError::is_transient`]).
-fn is_transient(error: &LockError) -> bool {
+pub(super) fn is_transient(error: &LockError) -> bool {
     match error {
         LockError::Backend(error) => error
             .downcast_ref::<PgError>()

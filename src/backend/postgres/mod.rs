@@ -879,7 +879,7 @@ impl PostgresBackend {
                             .await
                     }
                     LockScope::Transaction => inner
-                        .acquire_in_transaction(id, wait, deadline)
+                        .acquire_in_transaction(id, deadline)
                         .await
                         .map(Acquired::Granted),
                 }

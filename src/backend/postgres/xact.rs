@@ -3,17 +3,17 @@
 //! transaction pooler keeps the server session pinned to this connection meanwhile.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 
-use super::acquire::{whole_millis, Grant};
+use super::acquire::{is_transient, whole_millis, Grant};
 use super::client_check::{CLIENT_CHECK, CLIENT_CHECK_INTERVAL};
 use super::error::PgError;
 use super::lease::Held;
 use super::session::{last_row, Session};
 use super::Inner;
+use crate::backend::session::within_the_wait;
 use crate::backend::Lease;
 use crate::error::LockError;
 
@@ -21,12 +21,27 @@ use crate::error::LockError;
 const FREE_AT_TRY: &str = "tower_keyed_lock.free_at_try";
 
 impl Inner {
-    /// Takes the transaction lock `id`, waiting at most `wait`, until `deadline` (fencing
-    /// prepared).
+    /// Takes the transaction lock `id`, waiting until `deadline` (fencing prepared):
+    /// attempts until one is granted, fails for good, or the wait ends; one that failed
+    /// in passing is tried again on a fresh connection ([`within_the_wait`]).
     pub(super) async fn acquire_in_transaction(
         self: Arc<Self>,
         id: i64,
-        wait: Duration,
+        deadline: Instant,
+    ) -> Result<Lease, LockError> {
+        let attempt = || self.clone().attempt_in_transaction(id, deadline);
+        let (lease, retried) =
+            within_the_wait(&self.reached, deadline, is_transient, attempt).await?;
+        let contended = retried || lease.contended();
+        Ok(lease.with_contention(contended))
+    }
+
+    /// One attempt of [`acquire_in_transaction`](Self::acquire_in_transaction): the
+    /// lock statement, waiting in PostgreSQL's queue until `deadline`, then what a
+    /// grant needs. Marks the server reached once it answered.
+    async fn attempt_in_transaction(
+        self: Arc<Self>,
+        id: i64,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
         let token = self.token_recording_holder_sql();
@@ -65,14 +80,15 @@ impl Inner {
                 )
             }
         };
-        let (session, sent, answer) = self
-            .first_query(deadline, sql, wait + self.settings.timing.command_timeout)
-            .await?;
+        let limit = deadline.saturating_duration_since(Instant::now())
+            + self.settings.timing.command_timeout;
+        let (session, sent, answer) = self.first_query(deadline, sql, limit).await?;
         let answered = self.settings.timing.answered(sent);
         // On every early return below, `session` is dropped: closed, not pooled, so
         // its transaction and lock end.
         let (grant, waited) = match answer {
             Ok(answer) => {
+                self.reached.mark();
                 let row = last_row(&answer)
                     .ok_or_else(|| PgError::message("no answer to the lock").into_lock_error())?;
                 // Only the wait's answer has the fourth column.
