@@ -1,6 +1,9 @@
 //! Pauses between attempts: jittered, so instances woken by one event do not retry in
 //! lockstep, and growing, so a failing engine is not hammered.
 
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Exponential backoff from `first` to `max`, each pause jittered.
@@ -31,8 +34,17 @@ impl Backoff {
 pub(crate) fn jitter(max: Duration) -> Duration {
     let half = max / 2;
     let spread = u64::try_from((max - half).as_micros()).unwrap_or(u64::MAX);
-    let random = getrandom::u64().unwrap_or(0);
-    half + Duration::from_micros(random % spread.saturating_add(1))
+    half + Duration::from_micros(random() % spread.saturating_add(1))
+}
+
+/// A number no other caller, of this process or another, is likely to draw: the std
+/// hasher's random keys (fresh per call) over a counter. For spreading pauses and
+/// marking statements, not for secrets.
+pub(crate) fn random() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    hasher.finish()
 }
 
 #[cfg(test)]

@@ -56,17 +56,6 @@ mod aws;
 #[cfg(feature = "azure-blob")]
 #[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
 pub mod azure_blob;
-#[cfg(any(
-    feature = "redis",
-    feature = "postgres",
-    feature = "dynamodb",
-    feature = "etcd",
-    feature = "zookeeper",
-    feature = "mysql",
-    feature = "azure-blob",
-    feature = "s3"
-))]
-mod backoff;
 pub mod deployment;
 mod detach;
 #[cfg(feature = "dynamodb")]
@@ -120,6 +109,8 @@ mod session;
 ))]
 mod settings;
 // Each engine's feature uses only some of the helpers.
+#[allow(dead_code)]
+mod backoff;
 #[allow(dead_code)]
 mod setup_error;
 #[cfg(any(

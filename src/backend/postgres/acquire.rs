@@ -6,8 +6,6 @@
 //! others are simple queries (numbers and a checked sequence name formatted in). The
 //! checks below are what tells a transaction pooler apart.
 
-use std::hash::{BuildHasher, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +19,7 @@ use super::holder::SAVED_NAME;
 use super::lease::Held;
 use super::session::{last_row, Session};
 use super::Inner;
+use crate::backend::backoff::random;
 use crate::backend::session::{within_the_wait, Answered};
 use crate::backend::{Acquired, Lease};
 use crate::error::LockError;
@@ -167,7 +166,7 @@ impl Inner {
         deadline: Instant,
         record: Option<&str>,
     ) -> Result<Acquired, LockError> {
-        let marker = format!("{id}/{:016x}", nonce());
+        let marker = format!("{id}/{:016x}", random());
         let (session, sent, tried) = match (key, record) {
             // The common case: prepared statements (see `prepared.rs`).
             (None, None) => {
@@ -520,15 +519,6 @@ fn holds_sql(id: i64, pid: i32) -> String {
          WHERE locktype = 'advisory' AND pid = {pid} AND granted AND objsubid = 1 \
          AND classid::bigint = {high} AND objid::bigint = {low})"
     )
-}
-
-/// A number no other acquisition, of this process or another, is likely to draw: the
-/// std hasher's random keys (fresh per call) over a counter.
-pub(super) fn nonce() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
-    hasher.finish()
 }
 
 /// `duration` in milliseconds, rounded up: a lock wait never ends before the deadline.

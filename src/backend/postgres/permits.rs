@@ -21,6 +21,7 @@ use std::time::Duration;
 use tokio::time::{sleep, Instant};
 
 use super::{lock_id, Inner};
+use crate::backend::backoff::random;
 use crate::backend::Lease;
 use crate::error::LockError;
 
@@ -46,7 +47,7 @@ impl Inner {
         ids: Vec<i64>,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
-        let start = usize::try_from(super::acquire::nonce() % ids.len() as u64).unwrap_or(0);
+        let start = usize::try_from(random() % ids.len() as u64).unwrap_or(0);
         loop {
             for place in 0..ids.len() {
                 let id = ids[(start + place) % ids.len()];
@@ -66,7 +67,7 @@ impl Inner {
                 return Err(LockError::Timeout);
             }
             let half = PERMIT_POLL / 2;
-            let jitter = Duration::from_micros(super::acquire::nonce() % half.as_micros() as u64);
+            let jitter = Duration::from_micros(random() % half.as_micros() as u64);
             sleep((half + jitter).min(deadline - now)).await;
         }
     }

@@ -57,10 +57,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::acquire::nonce;
 use super::error::PgError;
 use super::session::{last_row, Session};
 use super::Inner;
+use crate::backend::backoff::random;
 use crate::backend::SetupError;
 
 /// The session setting that names the probe (a random value), so its next statement
@@ -174,7 +174,7 @@ impl Inner {
     /// One probe on a fresh connection, whose session PostgreSQL ends once idle for
     /// `idle_limit` (see the module docs), until `deadline`.
     async fn probe(&self, deadline: Instant, idle_limit: Duration) -> Result<Probed, SetupError> {
-        let marker = format!("{:016x}", nonce());
+        let marker = format!("{:016x}", random());
         let session = self
             .session(deadline)
             .await

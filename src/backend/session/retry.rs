@@ -107,41 +107,47 @@ mod tests {
         assert!(Instant::now() < deadline, "waited out");
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_passing_failure_is_tried_again_until_it_succeeds_and_counts_as_contended() {
+    /// The loop on attempts that fail in passing `failures` times, then succeed with
+    /// their number; each attempt first marks `reached` if `answers` (its server
+    /// answered before the failure).
+    async fn failing_then_granted(
+        reached: &Reached,
+        failures: usize,
+        answers: bool,
+    ) -> (usize, bool) {
         let attempts = AtomicUsize::new(0);
         let deadline = Instant::now() + Duration::from_secs(5);
-        let outcome = within_the_wait(&reached(), deadline, transient, || {
+        let outcome = within_the_wait(reached, deadline, transient, || {
             let n = attempts.fetch_add(1, Ordering::Relaxed);
+            if answers {
+                reached.mark();
+            }
             async move {
-                match n {
-                    0..3 => passing(),
-                    _ => Ok(n),
+                if n < failures {
+                    passing()
+                } else {
+                    Ok(n)
                 }
             }
         })
         .await;
-        assert_eq!(outcome.unwrap(), (3, true));
+        outcome.unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_passing_failure_is_tried_again_until_it_succeeds_and_counts_as_contended() {
+        assert_eq!(failing_then_granted(&reached(), 3, false).await, (3, true));
+        assert_eq!(failing_then_granted(&reached(), 0, false).await, (0, false));
     }
 
     #[tokio::test(start_paused = true)]
     async fn an_answer_during_the_wait_makes_its_failures_passing_ones() {
-        let reached = Reached::default();
-        let attempts = AtomicUsize::new(0);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let outcome = within_the_wait(&reached, deadline, transient, || {
-            let n = attempts.fetch_add(1, Ordering::Relaxed);
-            // The server answered the first attempt, then its connection broke.
-            reached.mark();
-            async move {
-                match n {
-                    0 => passing(),
-                    _ => Ok(n),
-                }
-            }
-        })
-        .await;
-        assert_eq!(outcome.unwrap(), (1, true));
+        // The server answered the first attempt, then its connection broke.
+        let never_before = Reached::default();
+        assert_eq!(
+            failing_then_granted(&never_before, 1, true).await,
+            (1, true)
+        );
     }
 
     #[tokio::test(start_paused = true)]
