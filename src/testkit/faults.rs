@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use tokio::time::{sleep, Instant};
 
+use super::mutual::eventually_free;
 use super::{instance, taken_over, within_for, Deployment, Lateness, PATIENCE};
 use crate::backend::{LostReason, HEALTH_PROBE_WAIT};
 use crate::{DistributedLocks, LockBackend, LockError};
@@ -358,7 +359,8 @@ pub async fn a_dropped_path_does_not_end_a_wait<P: Proxied>(deployment: &P) {
 /// An acquisition that starts while its instance's path is down (every connection
 /// reset, new ones silent) is granted once the path heals within its wait: an engine
 /// that answered before is not given up on at its first failure, whether that is a
-/// dead pooled connection or a connect that goes unanswered.
+/// dead pooled connection or a connect that goes unanswered. Another acquisition,
+/// dropped while it tries again, leaves its key free for another instance.
 pub async fn an_outage_that_heals_within_the_wait_is_ridden_out<P: Proxied>(deployment: &P) {
     const CHECK: &str = "an_outage_that_heals_within_the_wait_is_ridden_out";
     const WAIT: Duration = Duration::from_secs(30);
@@ -369,6 +371,11 @@ pub async fn an_outage_that_heals_within_the_wait_is_ridden_out<P: Proxied>(depl
     proxy.reset();
     proxy.blackhole();
     let started = Instant::now();
+    // Another acquisition, of a key of its own, is dropped while it tries again.
+    let cut = tokio::spawn({
+        let a = a.clone();
+        async move { a.lock_timeout("cut-in-the-outage", WAIT).await }
+    });
     let acquire = tokio::spawn(async move {
         let outcome = a.lock_timeout("outage", WAIT).await;
         (outcome, started.elapsed())
@@ -376,7 +383,9 @@ pub async fn an_outage_that_heals_within_the_wait_is_ridden_out<P: Proxied>(depl
     // Down for three command timeouts: at least one attempt meets the dead pooled
     // connection, and one more a connect that is never answered.
     let outage = 3 * deployment.command_timeout();
-    sleep(outage).await;
+    sleep(2 * deployment.command_timeout()).await;
+    cut.abort();
+    sleep(outage - 2 * deployment.command_timeout()).await;
     proxy.heal();
     let (outcome, ended_after) = within_for("the acquisition after the heal", 2 * WAIT, acquire)
         .await
@@ -389,6 +398,12 @@ pub async fn an_outage_that_heals_within_the_wait_is_ridden_out<P: Proxied>(depl
     });
     tracing::info!(?outage, granted_after = ?ended_after, "outage: the wait outlasted it");
     guard.release().await;
+    // The dropped acquisition left nothing held: another instance takes its key at
+    // once, not after a lease (as `dropped_acquisitions_leave_nothing_held` allows).
+    let b = instance(deployment, CHECK).await;
+    let loss_bound = deployment.loss_bound();
+    let within = (loss_bound / 2).max(Duration::from_millis(100));
+    eventually_free(&b, "cut-in-the-outage", within, loss_bound * 9 / 10).await;
 }
 
 /// Takes `key` on `locks` once the backend serves again, failing after three

@@ -111,7 +111,7 @@
 //! | [`a_reset_connection_is_a_lost_lease_and_recovers`] | a holder whose connections are reset is told before another grant (within [`Proxied::reset_notice`]), and reconnects |
 //! | [`the_health_check_fails_on_a_silent_path_and_recovers`] | the health check on a silent path is unhealthy within about one command timeout, and healthy after the heal |
 //! | [`a_dropped_path_does_not_end_a_wait`] | a reset, then a silent path, during their waits ends no waiter's wait: all granted in arrival order, one at a time, after the release |
-//! | [`an_outage_that_heals_within_the_wait_is_ridden_out`] | an acquisition that starts with its path down (connections reset, connects unanswered) is granted once the path heals within its wait |
+//! | [`an_outage_that_heals_within_the_wait_is_ridden_out`] | an acquisition that starts with its path down (connections reset, connects unanswered) is granted once the path heals within its wait; one dropped while it tries again leaves its key free |
 //! | [`abort_on_lease_lost_answers_503`] | through the layer with `abort_on_lease_lost`: a request holding its key on a path gone silent is answered 503 `"reason":"lease_lost"`, and another instance gets the key |
 
 mod contention;
