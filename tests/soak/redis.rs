@@ -82,13 +82,15 @@ async fn redis_killed_and_restarted_during_a_soak() {
     let inject = async {
         loop {
             tokio::time::sleep(Duration::from_millis(300)).await;
-            redis.stop();
+            // The kill and the start wait on the process: off the runtime's workers, so
+            // the requests in flight are not held up by the fault injector itself.
+            tokio::task::block_in_place(|| redis.stop());
             faults += 1;
             // Redis keeps nothing on disk: it stays down for longer than a lease, as
             // the Redis docs ask, so no lease granted before the crash is still valid
             // when it comes back empty.
             tokio::time::sleep(lease + Duration::from_millis(100)).await;
-            redis.restart();
+            tokio::task::block_in_place(|| redis.restart());
         }
     };
 
