@@ -3,8 +3,8 @@
 //! a slow path never overlaps the next holder. The server counts the grant (and the
 //! session's idle limit) from when it grants; the holder learns of it only when the
 //! answer arrives. A grant counts only from a round trip answered within the command
-//! timeout: the late holder is refused (the grant given back) or told its lease is
-//! lost before the next holder is granted. And a wait cut while the key is held leaves
+//! timeout: the late holder is never granted (each grant given back, tried again until
+//! its wait ends) or told its lease is lost before the next holder is granted. And a wait cut while the key is held leaves
 //! the server's queue at once.
 #![cfg(any(feature = "postgres", feature = "mysql"))]
 

@@ -13,7 +13,7 @@ use tokio::time::{timeout, Instant};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
-use super::client_check::{CLIENT_CHECK, CLIENT_CHECK_INTERVAL};
+use super::client_check::{set_client_check_sql, CLIENT_CHECK};
 use super::error::PgError;
 use super::holder::SAVED_NAME;
 use super::lease::Held;
@@ -38,21 +38,19 @@ pub(super) const CHECKED_MARKER: &str = "tower_keyed_lock.checked";
 
 impl Inner {
     /// The server-side limits set on every session that tries a lock, for the rest of
-    /// its life, as `(setting, value)`: a session cut off from its client, holding a
-    /// lock or not, ends once idle that long (see `Inner::server_idle_limit`); where the
-    /// server allows it, one whose client closed the connection mid-statement ends
-    /// within [`CLIENT_CHECK_INTERVAL`] (see `client_check.rs`).
+    /// its life, as `(setting, its set_config)`: a session cut off from its client,
+    /// holding a lock or not, ends once idle that long (see `Inner::server_idle_limit`);
+    /// where the server allows it, one whose client closed the connection mid-statement
+    /// ends within [`CLIENT_CHECK_INTERVAL`](super::client_check::CLIENT_CHECK_INTERVAL)
+    /// (see `client_check.rs`).
     fn session_limits(&self) -> Vec<(&'static str, String)> {
-        let idle = format!("'{}ms'", self.server_idle_limit().as_millis());
-        let mut limits = vec![
-            ("idle_session_timeout", idle.clone()),
-            ("tcp_user_timeout", idle),
-        ];
+        let idle = |name| {
+            let millis = self.server_idle_limit().as_millis();
+            (name, format!("set_config('{name}', '{millis}ms', false)"))
+        };
+        let mut limits = vec![idle("idle_session_timeout"), idle("tcp_user_timeout")];
         if self.sets_client_check() {
-            limits.push((
-                CLIENT_CHECK,
-                format!("'{}ms'", CLIENT_CHECK_INTERVAL.as_millis()),
-            ));
+            limits.push((CLIENT_CHECK, set_client_check_sql(false)));
         }
         limits
     }
@@ -64,10 +62,9 @@ impl Inner {
     pub(super) fn limits_sql(&self, only_if: &str) -> String {
         self.session_limits()
             .into_iter()
-            .map(|(name, value)| {
+            .map(|(name, set)| {
                 format!(
-                    "CASE WHEN {only_if}current_setting('{name}', true) IS NOT NULL \
-                     THEN set_config('{name}', {value}, false) END"
+                    "CASE WHEN {only_if}current_setting('{name}', true) IS NOT NULL THEN {set} END"
                 )
             })
             .collect::<Vec<_>>()

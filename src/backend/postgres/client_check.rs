@@ -27,6 +27,14 @@ pub(super) const CLIENT_CHECK_INTERVAL: Duration = Duration::from_millis(50);
 /// The setting's name.
 pub(super) const CLIENT_CHECK: &str = "client_connection_check_interval";
 
+/// `set_config` of the client check, `local` to the transaction or for the session.
+pub(super) fn set_client_check_sql(local: bool) -> String {
+    format!(
+        "set_config('{CLIENT_CHECK}', '{}ms', {local})",
+        CLIENT_CHECK_INTERVAL.as_millis()
+    )
+}
+
 impl Inner {
     /// Whether the lock statements set the client check; probed on the first call (and
     /// again after a failure that was not the server's refusal).
@@ -36,8 +44,8 @@ impl Inner {
             // Local to the probe's own statement: the pooled session is left as it was.
             let sql = format!(
                 "SELECT CASE WHEN current_setting('{CLIENT_CHECK}', true) IS NOT NULL \
-                             THEN set_config('{CLIENT_CHECK}', '{}ms', true) END",
-                CLIENT_CHECK_INTERVAL.as_millis()
+                             THEN {} END",
+                set_client_check_sql(true)
             );
             match self.round_trip(session.simple_query(&sql)).await {
                 Ok(answer) => {

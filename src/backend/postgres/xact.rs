@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 
 use super::acquire::{is_transient, whole_millis, Grant};
-use super::client_check::{CLIENT_CHECK, CLIENT_CHECK_INTERVAL};
+use super::client_check::set_client_check_sql;
 use super::error::PgError;
 use super::lease::Held;
 use super::session::{last_row, Session};
@@ -65,10 +65,7 @@ impl Inner {
                 // the transaction. Where the server allows it, the wait ends with a
                 // closed client connection too (see `client_check.rs`).
                 let client_check = match self.sets_client_check() {
-                    true => format!(
-                        ", set_config('{CLIENT_CHECK}', '{}ms', true)",
-                        CLIENT_CHECK_INTERVAL.as_millis()
-                    ),
+                    true => format!(", {}", set_client_check_sql(true)),
                     false => String::new(),
                 };
                 format!(
