@@ -529,8 +529,11 @@ async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() 
     // unanswered attempts until its wait ends, then fails (or opens), not before.
     const WAIT: Duration = Duration::from_millis(300);
     const COMMAND_TIMEOUT: Duration = Duration::from_millis(200);
+    // An attempt the paused server runs once resumed can land after its give-back
+    // gave up: the lease bounds how long that item holds the key.
+    const LEASE: Duration = Duration::from_secs(2);
     let dynamo = MotoServer::start();
-    let configure = |b: DynamoDbBackendBuilder| b.command_timeout(COMMAND_TIMEOUT);
+    let configure = |b: DynamoDbBackendBuilder| b.command_timeout(COMMAND_TIMEOUT).lease(LEASE);
     let (gate, _entered) = gate();
     let server = Arc::new(
         serve(
@@ -583,11 +586,16 @@ async fn a_silent_server_times_out_instead_of_hanging_and_fails_open_if_asked() 
         (StatusCode::OK, "ok")
     );
 
+    let resumed = Instant::now();
     until("requests succeed again", || {
         let server = server.clone();
         async move { server.post("/quick/1").await.status == StatusCode::OK }
     })
     .await;
+    println!(
+        "requests succeed again {:?} after the resume",
+        resumed.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1733,10 +1733,13 @@ pub fn state(acquire: &DistributedAcquire) -> String {
 
 /// Takes `key` on `locks` with `try_lock` until it is free, failing the test after
 /// `limit`; returns how long that took.
-/// `limit` is stretched by how late this runtime's timers fired meanwhile.
+/// `limit` is stretched by how late this runtime's timers fired meanwhile. A backend
+/// error is looked past until then: `try_lock` waits one command timeout, which a
+/// loaded machine can exceed now and then (a 503 to a user, not a key left held).
 pub async fn wait_free(locks: &DistributedLocks, key: &str, limit: Duration) -> Duration {
     let lateness = crate::support::lateness::Lateness::watch();
     let started = Instant::now();
+    let mut failed = None;
     loop {
         match locks.try_lock(key).await {
             Ok(guard) => {
@@ -1744,12 +1747,16 @@ pub async fn wait_free(locks: &DistributedLocks, key: &str, limit: Duration) -> 
                 return started.elapsed();
             }
             Err(LockError::Busy) => {}
+            Err(LockError::Backend(error)) => {
+                eprintln!("try_lock({key:?}) failed, trying again: {error}");
+                failed = Some(error);
+            }
             Err(error) => panic!("try_lock({key:?}) failed: {error}"),
         }
         let limit = lateness.allowing(limit);
         assert!(
             started.elapsed() < limit,
-            "{key:?} still held after {limit:?}"
+            "{key:?} still held after {limit:?} (the last backend error: {failed:?})"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

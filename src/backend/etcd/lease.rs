@@ -612,7 +612,7 @@ impl TtlBackend for Inner {
 
     /// At once: etcd refuses to attach a key to a revoked or expired lease, so once
     /// the lease is found gone, nothing of this contender can come back.
-    fn settles_at(&self, sent_at: Instant) -> Instant {
+    fn settles_at(&self, sent_at: Instant, _answered_at: Instant) -> Instant {
         sent_at
     }
 }

@@ -322,7 +322,7 @@ impl TtlBackend for Inner {
 
     /// At once: a give-back that finds the key not ours marks the token, and the
     /// acquire script grants nothing to a marked token.
-    fn settles_at(&self, sent_at: Instant) -> Instant {
+    fn settles_at(&self, sent_at: Instant, _answered_at: Instant) -> Instant {
         sent_at
     }
 }

@@ -18,19 +18,22 @@ const RETRY_MAX: Duration = Duration::from_secs(1);
 /// nothing, tries again in the background with backoff until `until` (when the record
 /// expires, or a waiter takes it over, by itself).
 ///
-/// Until `settled`, a write made with `token` may still land: the attempt of a dropped
-/// acquisition can reach the engine after its give-back (another connection, served
-/// first). A give-back that finds the record not ours before then looks again, so such
-/// a late grant is cleared too, not left to expire.
+/// `in_flight_since`: when the token's attempt whose answer never came was sent (`None`
+/// when every write of the token was answered). Such a write may still land (the
+/// attempt of a dropped acquisition can reach the engine after its give-back: another
+/// connection, served first; a paused server runs it once resumed), so a give-back that
+/// finds the record not ours looks again until the engine's
+/// [`settles_at`](TtlBackend::settles_at), and a late grant is cleared too, not left to
+/// expire.
 pub(crate) async fn give_back<B: TtlBackend>(
     backend: &Arc<B>,
     target: B::Target,
     token: String,
     until: Instant,
-    settled: Instant,
+    in_flight_since: Option<Instant>,
 ) {
-    let done = move |outcome| is_settled(outcome, settled);
-    if done(backend.try_give_back(&target, &token).await) {
+    let mut settling = Settling::new(in_flight_since);
+    if settling.is_over(&**backend, backend.try_give_back(&target, &token).await) {
         return;
     }
     let backend = backend.clone();
@@ -43,7 +46,7 @@ pub(crate) async fn give_back<B: TtlBackend>(
                 break;
             }
             sleep(pause).await;
-            if done(backend.try_give_back(&target, &token).await) {
+            if settling.is_over(&*backend, backend.try_give_back(&target, &token).await) {
                 return;
             }
         }
@@ -54,13 +57,34 @@ pub(crate) async fn give_back<B: TtlBackend>(
     });
 }
 
-/// Whether a give-back that had `outcome` is over: no record of the token can be left
-/// or still land after `settled`.
-fn is_settled(outcome: GiveBack, settled: Instant) -> bool {
-    match outcome {
-        GiveBack::Cleared => true,
-        GiveBack::NotOurs => Instant::now() >= settled,
-        GiveBack::NoAnswer => false,
+/// Whether a give-back is over: no record of the token can be left, or still land.
+struct Settling {
+    /// When the attempt in flight was sent, if one is.
+    in_flight_since: Option<Instant>,
+    /// When the engine first answered a try of this give-back.
+    answered_at: Option<Instant>,
+}
+
+impl Settling {
+    fn new(in_flight_since: Option<Instant>) -> Self {
+        Settling {
+            in_flight_since,
+            answered_at: None,
+        }
+    }
+
+    /// Whether a try that had `outcome`, just now, ends the give-back.
+    fn is_over<B: TtlBackend>(&mut self, backend: &B, outcome: GiveBack) -> bool {
+        let now = Instant::now();
+        match outcome {
+            GiveBack::Cleared => true,
+            GiveBack::NoAnswer => false,
+            GiveBack::NotOurs => {
+                let answered_at = *self.answered_at.get_or_insert(now);
+                self.in_flight_since
+                    .is_none_or(|sent_at| now >= backend.settles_at(sent_at, answered_at))
+            }
+        }
     }
 }
 
@@ -114,7 +138,7 @@ impl<B: TtlBackend> InFlight<B> {
             return;
         };
         let outcome = self.backend.try_give_back(&self.target, &self.token).await;
-        if is_settled(outcome, self.backend.settles_at(sent_at)) {
+        if Settling::new(Some(sent_at)).is_over(&*self.backend, outcome) {
             self.sent_at = None;
         }
     }
@@ -136,8 +160,94 @@ impl<B: TtlBackend> Drop for InFlight<B> {
             let (backend, target) = (self.backend.clone(), self.target.clone());
             let token = std::mem::take(&mut self.token);
             let until = backend.give_back_until(sent_at);
-            let settled = backend.settles_at(sent_at);
-            runtime.spawn(async move { give_back(&backend, target, token, until, settled).await });
+            runtime.spawn(
+                async move { give_back(&backend, target, token, until, Some(sent_at)).await },
+            );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::backend::ttl::{Renewal, Timing};
+
+    const COMMAND_TIMEOUT: Duration = Duration::from_millis(100);
+
+    /// One record on an engine paused until `resumes_at`: tries before then go
+    /// unanswered. Whoever holds the record is its token. A `queued` write runs right
+    /// after the first try the resumed engine answers.
+    struct Paused {
+        resumes_at: Instant,
+        record: Mutex<Option<String>>,
+        queued: Mutex<Option<String>>,
+    }
+
+    impl TtlBackend for Paused {
+        type Target = ();
+
+        fn timing(&self) -> Timing {
+            Timing::new(Duration::from_secs(10), Duration::ZERO, COMMAND_TIMEOUT)
+        }
+
+        async fn renew(&self, _: &(), _: &str, _: Duration, _: Instant, _: Instant) -> Renewal {
+            Renewal::Unknown
+        }
+
+        async fn try_give_back(&self, _: &(), token: &str) -> GiveBack {
+            if Instant::now() < self.resumes_at {
+                sleep(COMMAND_TIMEOUT).await;
+                return GiveBack::NoAnswer;
+            }
+            let mut record = self.record.lock().unwrap();
+            let outcome = if record.as_deref() == Some(token) {
+                *record = None;
+                GiveBack::Cleared
+            } else {
+                GiveBack::NotOurs
+            };
+            if let Some(late) = self.queued.lock().unwrap().take() {
+                *record = Some(late);
+            }
+            outcome
+        }
+
+        fn engine(&self) -> &'static str {
+            "paused"
+        }
+    }
+
+    /// An attempt sent to a paused engine lands after it resumes, just after the
+    /// give-back's first answered try found the record free: the give-back keeps
+    /// looking a command timeout past that answer and clears the late grant.
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_landing_after_a_paused_engine_resumes_is_cleared() {
+        let sent_at = Instant::now();
+        let engine = Arc::new(Paused {
+            resumes_at: sent_at + 10 * COMMAND_TIMEOUT,
+            record: Mutex::default(),
+            queued: Mutex::new(Some("ours".to_owned())),
+        });
+        let until = sent_at + engine.timing().lease;
+        give_back(&engine, (), "ours".to_owned(), until, Some(sent_at)).await;
+        tokio::time::sleep_until(until).await;
+        assert_eq!(engine.queued.lock().unwrap().as_deref(), None, "it landed");
+        assert_eq!(engine.record.lock().unwrap().as_deref(), None);
+    }
+
+    /// Without an attempt in flight, a record found not ours ends the give-back.
+    #[tokio::test(start_paused = true)]
+    async fn a_record_not_ours_ends_a_give_back_of_answered_writes() {
+        let engine = Arc::new(Paused {
+            resumes_at: Instant::now(),
+            record: Mutex::new(Some("theirs".to_owned())),
+            queued: Mutex::new(Some("ours".to_owned())),
+        });
+        let until = Instant::now() + engine.timing().lease;
+        give_back(&engine, (), "ours".to_owned(), until, None).await;
+        tokio::time::sleep_until(until).await;
+        assert_eq!(engine.record.lock().unwrap().as_deref(), Some("ours"));
     }
 }

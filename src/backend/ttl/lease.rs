@@ -90,7 +90,7 @@ impl<B: TtlBackend> ReleaseLease for TtlRelease<B> {
         Box::pin(async move {
             let (target, token) = (self.target.clone(), self.token.clone());
             // The grant was answered: no write of this token is still on its way.
-            give_back(&self.backend, target, token, until, now).await;
+            give_back(&self.backend, target, token, until, None).await;
         })
     }
 

@@ -211,10 +211,14 @@ pub(crate) trait TtlBackend: Send + Sync + 'static {
     }
 
     /// From when a give-back of such an attempt that finds the record not ours can
-    /// stop: no write of the attempt can land after that. By default two command
-    /// timeouts after it was sent (it was abandoned after one, and an engine that read
-    /// it by then has applied it by another).
-    fn settles_at(&self, sent_at: Instant) -> Instant {
-        sent_at + 2 * self.timing().command_timeout
+    /// stop: no write of the attempt can land after that. The engine first answered
+    /// the give-back at `answered_at`. By default two command timeouts after the
+    /// attempt was sent (it was abandoned after one, and an engine that read it by
+    /// then has applied it by another), and one after that first answer: an engine
+    /// that was paused with the attempt queued runs it once resumed, beside the
+    /// give-back, not always before it.
+    fn settles_at(&self, sent_at: Instant, answered_at: Instant) -> Instant {
+        let command_timeout = self.timing().command_timeout;
+        (sent_at + 2 * command_timeout).max(answered_at + command_timeout)
     }
 }

@@ -129,7 +129,7 @@ impl ReleaseLease for ZooKeeperRelease {
             // this contender is still on its way.
             let until = now + inner.give_back_horizon();
             let token = contender.token.clone();
-            give_back(&inner, contender, token, until, now).await;
+            give_back(&inner, contender, token, until, None).await;
         })
     }
 }
