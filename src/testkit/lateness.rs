@@ -47,7 +47,13 @@ impl Lateness {
     /// `bound` plus what the load cost: twice the worst delay seen (a deadline's timer
     /// and the answer's task can each be that late).
     pub fn allowing(&self, bound: Duration) -> Duration {
-        bound + 2 * self.worst()
+        self.allowing_hops(bound, 2)
+    }
+
+    /// `bound` plus the worst delay seen for each of `hops` wake-ups on the measured
+    /// path that the load can each put off (a task's first poll, a timer, a join).
+    pub fn allowing_hops(&self, bound: Duration, hops: u32) -> Duration {
+        bound + hops * self.worst()
     }
 }
 

@@ -104,9 +104,8 @@ enum Failure {
     /// wait.
     SessionExpired,
     /// The session ended with ZooKeeper out of reach (unheard past its local deadline,
-    /// its heartbeats unanswered; or closed): the acquisition queues again only if a
-    /// new session opens within one command timeout, and fails (closed or open)
-    /// otherwise, rather than wait on an ensemble that is gone.
+    /// its heartbeats unanswered; or closed): the acquisition queues again on a new
+    /// session once one opens within the wait.
     SessionLost,
     /// The wait ended.
     WaitOver,
@@ -220,12 +219,11 @@ impl Attempt {
 /// How long opening a session may take.
 #[derive(Clone, Copy)]
 enum Connect {
-    /// The acquisition's first: the whole connect timeout.
+    /// The acquisition's first: the whole connect timeout, so that a wait of zero
+    /// still tries once.
     First,
-    /// After the session ended with ZooKeeper in reach: within the wait.
+    /// After a failure: within the wait.
     Again,
-    /// After the session was lost unheard: one command timeout, within the wait.
-    AfterLoss,
 }
 
 /// What one look at the queue found.
@@ -240,8 +238,9 @@ impl Inner {
     /// Queues for `path` until granted or the wait ends. A transient failure is tried
     /// again (the node, and so its place, kept) as long as the session lives; a session
     /// that ended took the node along: the acquisition queues again on a new session,
-    /// at the back, or fails if none can be opened (within one command timeout when
-    /// the session was lost with ZooKeeper out of reach).
+    /// at the back. Opening one is tried again too, until the wait ends: the backend
+    /// reached ZooKeeper when it was built, so an ensemble out of reach now is an outage
+    /// to ride out within the wait (DESIGN rule 11), not a setup error.
     pub(super) async fn acquire(
         self: Arc<Self>,
         path: LockPath,
@@ -250,32 +249,20 @@ impl Inner {
         let mut attempt = Attempt::new(wait, self.config.settings.command_timeout);
         let mut connect = Connect::First;
         loop {
-            // No session to be had: the ensemble is out of reach, whatever the wait
-            // left.
-            let session = match self.session_within(&attempt, connect).await {
-                Ok(session) => session,
-                Err(Failure::Transient(error)) => return Err(backend(error)),
-                Err(Failure::WaitOver) => return Err(attempt.wait_over()),
-                Err(Failure::Definite(error)) => return Err(error),
-                Err(Failure::SessionLost | Failure::SessionExpired) => {
-                    return Err(backend(ZooKeeperLockError::SessionLost))
-                }
+            let failure = match self.session_within(&attempt, connect).await {
+                Ok(session) => match self.clone().queue(&path, session, &mut attempt).await {
+                    Ok(lease) => return Ok(lease),
+                    Err(failure) => failure,
+                },
+                Err(failure) => failure,
             };
-            let error = match self.clone().queue(&path, session, &mut attempt).await {
-                Ok(lease) => return Ok(lease),
-                // Queue again on a new session, if ZooKeeper can be reached again.
-                Err(Failure::SessionExpired) => {
-                    connect = Connect::Again;
-                    ZooKeeperLockError::SessionLost
-                }
-                // Unheard: queue again only if the ensemble answers at once.
-                Err(Failure::SessionLost) => {
-                    connect = Connect::AfterLoss;
-                    ZooKeeperLockError::SessionLost
-                }
-                Err(Failure::Transient(error)) => error,
-                Err(Failure::WaitOver) => return Err(attempt.wait_over()),
-                Err(Failure::Definite(error)) => return Err(error),
+            connect = Connect::Again;
+            let error = match failure {
+                Failure::Transient(error) => error,
+                // Queue again on a new session.
+                Failure::SessionExpired | Failure::SessionLost => ZooKeeperLockError::SessionLost,
+                Failure::WaitOver => return Err(attempt.wait_over()),
+                Failure::Definite(error) => return Err(error),
             };
             match attempt.pause(error).await {
                 Ok(()) => {}
@@ -292,24 +279,11 @@ impl Inner {
         connect: Connect,
     ) -> Result<Arc<Session>, Failure> {
         match connect {
-            // Its whole connect timeout, so that a wait of zero still tries once.
             Connect::First => self.session().await.map_err(Failure::Transient),
             Connect::Again => match timeout_at(attempt.deadline, self.session()).await {
                 Ok(session) => session.map_err(Failure::Transient),
                 Err(_) => Err(Failure::WaitOver),
             },
-            // One command timeout, so that a wait without limit fails (closed or open)
-            // when the ensemble is gone rather than keep waiting.
-            Connect::AfterLoss => {
-                let limit = attempt
-                    .deadline
-                    .min(Instant::now() + self.config.settings.command_timeout);
-                match timeout_at(limit, self.session()).await {
-                    Ok(session) => session.map_err(Failure::Transient),
-                    Err(_) if limit == attempt.deadline => Err(Failure::WaitOver),
-                    Err(_) => Err(Failure::SessionLost),
-                }
-            }
         }
     }
 

@@ -89,11 +89,10 @@
 //!   that ended while ZooKeeper could be reached (expired by ZooKeeper, or past its
 //!   local deadline while this process stalled) took the waiter's node with it: the
 //!   waiter queues again on a new session (at the back), still within its wait; so
-//!   does one whose session was lost with its heartbeats unanswered, if a new session
-//!   opens within one command timeout. What ends a wait early is the ensemble out of
-//!   reach — no session to be opened (then), so that a request without a wait limit is
-//!   failed closed (or open) rather than kept waiting — and the server's own refusals
-//!   (no such node, not authorized, …).
+//!   does one whose session was lost with its heartbeats unanswered, and opening that
+//!   session is tried again as long as the wait lasts (the backend reached the
+//!   ensemble when it was built: an ensemble out of reach now is an outage). What ends
+//!   a wait early is the server's own refusals (no such node, not authorized, …).
 //! - **Fencing token.** The holder node's creation zxid
 //!   ([`LockInfo::fencing_token`](crate::LockInfo::fencing_token)): one counter for the
 //!   whole ensemble, raised by every write and by every new leader's epoch, so strictly
