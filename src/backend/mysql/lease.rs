@@ -190,6 +190,10 @@ impl SessionLock for Inner {
         session.give_back();
     }
 
+    fn holds(&self) -> &session::Holds<Self> {
+        &self.holds
+    }
+
     /// Found not holding the lock (or sharing its session): nothing of ours to wait
     /// for. Otherwise the session may still hold it: closed, and waited for until the
     /// server shows it freed.

@@ -346,6 +346,9 @@ struct Inner {
     fencing: Option<Fencing>,
     /// Set once the first-use checks passed; shared by clones with the same settings.
     checked: Arc<OnceCell<server::Server>>,
+    /// The locks held, each with its holding task from the grant (the statement it
+    /// keeps pending shows the session's end).
+    holds: session_core::Holds<Inner>,
 }
 
 #[derive(Clone)]
@@ -388,6 +391,7 @@ impl MySqlBackend {
                 table: DEFAULT_FENCING_TABLE.into(),
                 fencing: None,
                 checked: Arc::default(),
+                holds: session_core::Holds::new(None),
             },
             invalid: None,
         }

@@ -22,7 +22,7 @@ use crate::error::LockError;
 
 /// How often a held connection is looked at (no round trip: whether its connection task
 /// ended), so a session that ended raises the lost-lease signal within this period.
-const CLOSED_CHECK_PERIOD: Duration = Duration::from_millis(5);
+pub(super) const CLOSED_CHECK_PERIOD: Duration = Duration::from_millis(5);
 
 /// A lock held on a session: its lock id, whether it is held shared, a permit's key
 /// lock id held shared beside it, and the server process that holds them.
@@ -40,9 +40,8 @@ impl fmt::Display for Held {
 }
 
 impl Inner {
-    /// Hands the locked session to the core's holding task (see
-    /// [`session::hold`]); `since` is when the round trip that counts for the grant was
-    /// sent.
+    /// Hands the locked session to the session-lock core (see [`session::hold`]);
+    /// `since` is when the round trip that counts for the grant was sent.
     pub(super) fn hold(
         self: Arc<Self>,
         session: Session,
@@ -159,6 +158,14 @@ impl SessionLock for Inner {
 
     fn give_back(&self, session: Session) {
         session.give_back();
+    }
+
+    fn holds(&self) -> &session::Holds<Self> {
+        &self.holds
+    }
+
+    fn is_closed(&self, session: &Session) -> bool {
+        session.is_closed()
     }
 
     /// A session lock's not held shared: its unlock can carry the record of this backend's

@@ -196,10 +196,13 @@
 //! ends — a server restart, `pg_terminate_backend`, a connection reset, the idle limit
 //! below — the lock is gone and another instance may take the key.
 //!
-//! The holder watches its connection: every 5 ms it looks whether the connection has
-//! closed (no round trip: whether its connection task ended), and every
+//! The backend watches each holding connection: every 5 ms it looks whether the
+//! connection has closed (no round trip: whether its connection task ended), and every
 //! [`liveness_interval`](PostgresBackendBuilder::liveness_interval) (default
-//! [`DEFAULT_LIVENESS_INTERVAL`], 1 s) it asks `SELECT pg_backend_pid()`. A closed
+//! [`DEFAULT_LIVENESS_INTERVAL`], 1 s) it asks `SELECT pg_backend_pid()`. Until its
+//! first check, a lock costs no task: one task looks at every such connection, and
+//! the release unlocks on the caller's task; from then on, a task of its own runs the
+//! checks. A closed
 //! connection, a check that fails, takes longer than the
 //! [`command_timeout`](PostgresBackendBuilder::command_timeout) or is answered by another
 //! server process raises the lease-lost signal of [`LockInfo`](crate::LockInfo), the
@@ -329,7 +332,7 @@
 // runs the session lock's try and wait statements, `xact` the transaction lock's,
 // `fencing` checks the sequence, `schema` creates it (and the replay store's table)
 // safely under concurrency, `lease` is this engine's side of a held lock (its liveness
-// check and unlock; the holding task, the lease's deadline and the release are the
+// check and unlock; the holding tasks, the lease's deadline and the release are the
 // session-lock core's, in `backend/session`), and `error` is the backend's error,
 // `holder` records and reads who holds a lock, `pooler` checks that sessions are the
 // client's own, `setup` builds the backend (and `SetupError`). This file has the public
@@ -447,6 +450,8 @@ struct Inner {
     reached: Arc<session_core::Reached>,
     /// The SQL of the prepared statements, made from the settings above on first use.
     statements: std::sync::OnceLock<Arc<prepared::Statements>>,
+    /// The locks held; young sessions looked at every `CLOSED_CHECK_PERIOD`.
+    holds: session_core::Holds<Inner>,
 }
 
 #[derive(Clone)]
@@ -510,6 +515,7 @@ impl PostgresBackend {
                 client_check: Arc::default(),
                 reached: Arc::default(),
                 statements: Default::default(),
+                holds: session_core::Holds::new(Some(lease::CLOSED_CHECK_PERIOD)),
             },
             invalid: None,
         }

@@ -1,5 +1,6 @@
 //! A lock held on a session: the task that watches the session until release, and the
-//! release that stops it.
+//! release that stops it (or, for a lock still young in the backend's `Holds`, that
+//! unlocks on the caller's task).
 //!
 //! The task runs the engine's liveness check again and again: each answer from the
 //! holding session moves the lease's deadline to one interval plus one command timeout
@@ -15,12 +16,12 @@
 //! drops the task instead, the session's drop closes it too.
 
 use std::pin::pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::holds::{Holds, Taken, YoungLease};
 use super::{Checked, SessionLock, Timing};
 #[cfg(feature = "replay")]
 use crate::backend::RecordWrite;
@@ -30,10 +31,10 @@ use crate::LockError;
 
 /// How a hold ended: `Ok` when the unlock answered that this session gave the lock up,
 /// else why the lock was not (or no longer) this holder's.
-type Ended = Result<(), LostReason>;
+pub(super) type Ended = Result<(), LostReason>;
 
-/// Hands the locked `session` to a task that watches it, with `timing`, until the
-/// lease is released. `since` is when the last round trip known to have reset the
+/// Adds the locked `session` to the backend's [`Holds`], watched with `timing` until
+/// the lease is released. `since` is when the last round trip known to have reset the
 /// server's idle limit was sent (it answered within the command timeout): the lease
 /// counts from there, so the holder is told a command timeout before that limit can
 /// end the session.
@@ -49,21 +50,26 @@ pub(crate) fn hold<E: SessionLock>(
     // clock, so a holder whose runtime stalls knows it too.
     let deadline = timing.valid_until(since);
     let (lost, signal) = LeaseSignal::with_deadline(deadline);
-    let (stop, stopped) = oneshot::channel();
     #[cfg(feature = "replay")]
     let writes_records = engine.writes_records(&held);
-    let watched = Watched {
-        timing,
-        deadline,
-        lost,
-    };
-    let task = tokio::spawn(watch(engine, session, held, watched, stopped));
+    let holds = engine.holds().clone();
+    let id = holds.add(YoungLease {
+        engine,
+        session,
+        held,
+        watched: Watched {
+            timing,
+            deadline,
+            lost,
+        },
+        due: timing.check_due(deadline),
+    });
     Lease::new(
         token,
         signal,
-        SessionRelease::<E> {
-            stop: Mutex::new(Some(stop)),
-            task,
+        SessionRelease {
+            holds,
+            id,
             #[cfg(feature = "replay")]
             writes_records,
         },
@@ -72,7 +78,7 @@ pub(crate) fn hold<E: SessionLock>(
 
 /// What the holding task keeps of a lease: its timing, its deadline, and the sender of
 /// its lost signal.
-struct Watched {
+pub(super) struct Watched {
     timing: Timing,
     deadline: Instant,
     lost: LeaseLostSender,
@@ -80,7 +86,7 @@ struct Watched {
 
 /// Watches the held session until release or loss, then gives it back to the pool if
 /// it is known to hold nothing, or closes it.
-async fn watch<E: SessionLock>(
+pub(super) async fn watch<E: SessionLock>(
     engine: Arc<E>,
     mut session: E::Session,
     held: E::Held,
@@ -88,12 +94,52 @@ async fn watch<E: SessionLock>(
     stop: oneshot::Receiver<E::Release>,
 ) -> Ended {
     let ended = hold_until_released(&*engine, &mut session, &held, watched, stop).await;
+    end(&*engine, session, &held, ended).await
+}
+
+/// Releases a lock that has no holding task, on the caller's task: unlocks, unless the
+/// lease is past its deadline.
+async fn release_young<E: SessionLock>(lease: YoungLease<E>, release: E::Release) -> Ended {
+    let YoungLease {
+        engine,
+        mut session,
+        held,
+        watched,
+        due: _,
+    } = lease;
+    let ended = match expired::<E>(&held, &watched) {
+        Some(ended) => ended,
+        None => engine.unlock(&mut session, &held, release).await,
+    };
+    drop(watched);
+    end(&*engine, session, &held, ended).await
+}
+
+/// Gives a session whose hold `ended` back to the pool if it is known to hold nothing,
+/// or closes it.
+async fn end<E: SessionLock>(
+    engine: &E,
+    session: E::Session,
+    held: &E::Held,
+    ended: Ended,
+) -> Ended {
     match ended {
         Ok(()) => engine.give_back(session),
         // A record write still in `stop` was dropped with it, which tells its writer.
-        Err(reason) => engine.close(session, &held, reason).await,
+        Err(reason) => engine.close(session, held, reason).await,
     }
     ended
+}
+
+/// A lease past its deadline is lost (by the clock, whatever the session would say):
+/// its signal is raised, and its session will be closed, not unlocked.
+fn expired<E: SessionLock>(held: &E::Held, watched: &Watched) -> Option<Ended> {
+    if Instant::now() < watched.deadline {
+        return None;
+    }
+    tracing::warn!(lock = %held, "{} lock lost: its holder stalled past its deadline", E::ENGINE);
+    watched.lost.lose_at_deadline();
+    Some(Err(LostReason::Expired))
 }
 
 /// Checks the session until release (then unlocks) or loss (then raises the signal).
@@ -101,23 +147,16 @@ async fn hold_until_released<E: SessionLock>(
     engine: &E,
     session: &mut E::Session,
     held: &E::Held,
-    watched: Watched,
+    mut watched: Watched,
     mut stop: oneshot::Receiver<E::Release>,
 ) -> Ended {
-    let Watched {
-        timing,
-        mut deadline,
-        lost,
-    } = watched;
     let engine_name = E::ENGINE;
     loop {
-        if Instant::now() >= deadline {
-            tracing::warn!(lock = %held, "{engine_name} lock lost: its holder stalled past its deadline");
-            lost.lose_at_deadline();
-            return Err(LostReason::Expired);
+        if let Some(ended) = expired::<E>(held, &watched) {
+            return ended;
         }
         let (checked, release) = {
-            let mut check = pin!(engine.check(session, held, deadline));
+            let mut check = pin!(engine.check(session, held, watched.deadline));
             // An answer already there is read first; `stop` fires on release, and on
             // its sender's drop (a plain unlock).
             tokio::select! {
@@ -129,10 +168,11 @@ async fn hold_until_released<E: SessionLock>(
                 }
             }
         };
+        let lost = &watched.lost;
         match (checked, release) {
             (Checked::Alive(alive_at), None) => {
-                deadline = timing.valid_until(alive_at);
-                if !lost.extend(deadline) {
+                watched.deadline = watched.timing.valid_until(alive_at);
+                if !lost.extend(watched.deadline) {
                     tracing::warn!(lock = %held, "{engine_name} lock lost: its holder stalled past its deadline");
                     return Err(LostReason::Expired);
                 }
@@ -161,37 +201,44 @@ async fn hold_until_released<E: SessionLock>(
     }
 }
 
-/// Ends a lease: stops its watch task, which then unlocks.
+/// Ends a lease: unlocks a young one on the caller's task, or stops its holding task,
+/// which then unlocks.
 struct SessionRelease<E: SessionLock> {
-    /// Taken by the release, or by a record's write, which releases too.
-    stop: Mutex<Option<oneshot::Sender<E::Release>>>,
-    task: JoinHandle<Ended>,
+    holds: Holds<E>,
+    id: u64,
     /// The backend whose replay store may write its record with the release.
     #[cfg(feature = "replay")]
     writes_records: Option<usize>,
 }
 
 impl<E: SessionLock> SessionRelease<E> {
-    fn take_stop(&self) -> Option<oneshot::Sender<E::Release>> {
-        self.stop
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
-    }
-
-    /// Stops the watch task (unless a record's write did already) and waits for its end.
-    fn stop_and_wait(self) -> BoxFuture<Ended> {
-        if let Some(stop) = self.take_stop() {
-            let _ = stop.send(E::Release::default());
+    /// Ends the hold (unless a record's write did already) and waits for its end.
+    fn end(&self) -> BoxFuture<Ended> {
+        match self.holds.take(self.id) {
+            Some(Taken::Young(lease)) => Box::pin(release_young(lease, E::Release::default())),
+            Some(Taken::Running(running)) => {
+                if let Some(stop) = running.stop {
+                    let _ = stop.send(E::Release::default());
+                }
+                let task = running.task;
+                Box::pin(async move { task.await.unwrap_or(Err(LostReason::Unreachable)) })
+            }
+            None => Box::pin(std::future::ready(Err(LostReason::Unreachable))),
         }
-        let task = self.task;
-        Box::pin(async move { task.await.unwrap_or(Err(LostReason::Unreachable)) })
+    }
+}
+
+/// Without a release (its runtime is gone): a young session is closed, which frees the
+/// lock; a holding task's stop is dropped, which unlocks.
+impl<E: SessionLock> Drop for SessionRelease<E> {
+    fn drop(&mut self) {
+        drop(self.holds.take(self.id));
     }
 }
 
 impl<E: SessionLock> ReleaseLease for SessionRelease<E> {
     fn release(self: Box<Self>) -> BoxFuture<()> {
-        let ended = (*self).stop_and_wait();
+        let ended = self.end();
         Box::pin(async move {
             let _ = ended.await;
         })
@@ -202,7 +249,7 @@ impl<E: SessionLock> ReleaseLease for SessionRelease<E> {
     /// found it not held or could not confirm it (then the session was closed, which
     /// frees the lock).
     fn release_checked(self: Box<Self>) -> BoxFuture<Result<(), LostReason>> {
-        let ended = (*self).stop_and_wait();
+        let ended = self.end();
         Box::pin(async move {
             let ended = ended.await;
             match E::REPORTS_RELEASE {
@@ -213,13 +260,14 @@ impl<E: SessionLock> ReleaseLease for SessionRelease<E> {
     }
 
     /// For a record of the replay store of this lease's backend: the write and the
-    /// unlock go together on the lock's session. The watch task takes it from here: a
-    /// caller that stops waiting leaves neither half undone.
+    /// unlock go together on the lock's session. The holding task (a young lease gets
+    /// one now) takes it from here: a caller that stops waiting leaves neither half
+    /// undone.
     #[cfg(feature = "replay")]
     fn release_writing(&self, record: RecordWrite) -> Option<BoxFuture<Result<bool, LockError>>> {
         let writer = self.writes_records?;
         let (release, written) = E::release_writing(record, writer)?;
-        let stop = self.take_stop()?;
+        let stop = self.holds.stop(self.id)?;
         // A lease lost already has no watch task to take it: the answer's sender is
         // dropped with the message, which tells the writer.
         let _ = stop.send(release);
@@ -230,6 +278,9 @@ impl<E: SessionLock> ReleaseLease for SessionRelease<E> {
 #[cfg(test)]
 mod tests {
     use std::collections::VecDeque;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::Ordering::SeqCst;
+    use std::sync::Mutex;
     use std::time::Duration;
 
     use super::*;
@@ -240,14 +291,29 @@ mod tests {
         checks: Mutex<VecDeque<Checked>>,
         unlock: Result<(), LostReason>,
         asked: Mutex<Vec<&'static str>>,
+        holds: Holds<Scripted>,
+        /// What `is_closed` answers.
+        closed: AtomicBool,
     }
 
     impl Scripted {
+        /// Each lease handed to its task at once.
         fn new(checks: impl IntoIterator<Item = Checked>, unlock: Ended) -> Arc<Self> {
+            Self::looking(checks, unlock, None)
+        }
+
+        /// Young leases looked at every `looks`.
+        fn looking(
+            checks: impl IntoIterator<Item = Checked>,
+            unlock: Ended,
+            looks: Option<Duration>,
+        ) -> Arc<Self> {
             Arc::new(Scripted {
                 checks: Mutex::new(checks.into_iter().collect()),
                 unlock,
                 asked: Mutex::default(),
+                holds: Holds::new(looks),
+                closed: AtomicBool::new(false),
             })
         }
 
@@ -279,6 +345,14 @@ mod tests {
 
         fn give_back(&self, (): ()) {
             self.asked.lock().unwrap().push("give back");
+        }
+
+        fn holds(&self) -> &Holds<Self> {
+            &self.holds
+        }
+
+        fn is_closed(&self, (): &()) -> bool {
+            self.closed.load(SeqCst)
         }
 
         async fn close(&self, (): (), _: &&'static str, _: LostReason) {
@@ -351,5 +425,76 @@ mod tests {
         assert_eq!(lease.signal().lost_reason(), Some(LostReason::Expired));
         lease.release().await;
         assert_eq!(engine.asked(), ["close"]);
+    }
+
+    const LOOKS: Option<Duration> = Some(Duration::from_millis(5));
+
+    #[tokio::test(start_paused = true)]
+    async fn a_young_lease_released_before_its_check_unlocks_without_a_task() {
+        let engine = Scripted::looking([], Ok(()), LOOKS);
+        let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+        tokio::time::advance(Duration::from_millis(50)).await;
+        assert_eq!(engine.holds.counts(), (1, 0), "young, no task");
+        assert_eq!(lease.release_checked().await, Ok(()));
+        assert_eq!(engine.asked(), ["unlock", "give back"]);
+        assert_eq!(engine.holds.counts(), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_young_lease_gets_its_task_when_its_check_is_due() {
+        let since = Instant::now();
+        let alive_at = since + Duration::from_millis(100);
+        let engine = Scripted::looking([Checked::Alive(alive_at)], Ok(()), LOOKS);
+        let lease = hold(engine.clone(), TIMING, (), "k", None, since);
+        let due = TIMING.check_due(TIMING.valid_until(since));
+        tokio::time::sleep_until(due - Duration::from_millis(1)).await;
+        assert_eq!(engine.holds.counts(), (1, 0));
+        tokio::time::sleep_until(due + LOOKS.unwrap()).await;
+        assert_eq!(engine.holds.counts(), (0, 1), "handed over within a look");
+        assert_eq!(
+            lease.signal().valid_until(),
+            Some(TIMING.valid_until(alive_at))
+        );
+        assert_eq!(lease.release_checked().await, Ok(()));
+        assert_eq!(engine.asked(), ["unlock", "give back"]);
+        assert_eq!(engine.holds.counts(), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_young_session_that_ends_is_lost_within_a_look() {
+        let engine = Scripted::looking([Checked::Failed("closed".into())], Ok(()), LOOKS);
+        let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+        tokio::time::advance(Duration::from_millis(20)).await;
+        engine.closed.store(true, SeqCst);
+        tokio::time::sleep(2 * LOOKS.unwrap()).await;
+        assert_eq!(lease.signal().lost_reason(), Some(LostReason::Unreachable));
+        lease.release().await;
+        assert_eq!(engine.asked(), ["close"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_young_lease_past_its_deadline_is_closed_not_unlocked() {
+        // Looked at too rarely to be handed over: released young, by a holder whose
+        // runtime stalled past the deadline.
+        let engine = Scripted::looking([], Ok(()), Some(Duration::from_secs(3600)));
+        let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+        tokio::time::advance(Duration::from_millis(200)).await;
+        assert_eq!(engine.holds.counts(), (1, 0));
+        assert_eq!(lease.release_checked().await, Err(LostReason::Expired));
+        assert_eq!(engine.asked(), ["close"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_looking_task_ends_with_the_last_young_lease_and_comes_back() {
+        let engine = Scripted::looking([], Ok(()), LOOKS);
+        for _ in 0..2 {
+            let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+            lease.release().await;
+            tokio::time::sleep(2 * LOOKS.unwrap()).await;
+            assert!(!engine.holds.is_looking(), "ended with none young");
+        }
+        let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+        assert!(engine.holds.is_looking());
+        lease.release().await;
     }
 }

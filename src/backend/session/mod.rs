@@ -18,6 +18,9 @@
 //!   moves the deadline; a session that ended, went silent or answers for another
 //!   raises the lease's lost signal at once), then stops the check and unlocks; a
 //!   session that cannot be unlocked cleanly is closed, never returned to the pool;
+//! - `holds`: the locks a backend holds; a young one gets its holding task only once
+//!   its first check is due (most are released before, and unlock on the caller's
+//!   task), its session looked at meanwhile with the others;
 //! - `retry`: only the wait bounds the waiting: an attempt that failed in passing is
 //!   tried again on a fresh session until the wait ends (a server that never answered
 //!   is told at once);
@@ -25,6 +28,7 @@
 //!   timeout) and their checks.
 
 mod hold;
+mod holds;
 mod retry;
 mod settings;
 mod timing;
@@ -37,6 +41,7 @@ use std::time::Duration;
 use tokio::time::{timeout, Instant};
 
 pub(crate) use self::hold::hold;
+pub(crate) use self::holds::Holds;
 pub(crate) use self::retry::{within_the_wait, Reached};
 pub(crate) use self::settings::{is_plain_or_qualified, refused_pool_size, Builder, Settings};
 pub(crate) use self::timing::{
@@ -123,6 +128,18 @@ pub(crate) trait SessionLock: Send + Sync + 'static {
 
     /// Returns a session known to hold nothing to the pool.
     fn give_back(&self, session: Self::Session);
+
+    /// The locks this backend holds.
+    fn holds(&self) -> &Holds<Self>
+    where
+        Self: Sized;
+
+    /// Whether `session` shows that it ended, seen without a round trip; for an engine
+    /// whose [`Holds`] look at young sessions. Never, by default.
+    fn is_closed(&self, session: &Self::Session) -> bool {
+        let _ = session;
+        false
+    }
 
     /// Closes a session whose hold ended for `reason` and which may still hold the
     /// lock. By default it is dropped (closed).
