@@ -20,7 +20,7 @@ use tokio::sync::oneshot;
 use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::{Instant, MissedTickBehavior};
 
-use super::hold::{watch, Ended, Watched};
+use super::watch::{watch, Ended, Watched};
 use super::SessionLock;
 
 /// A lock held on a session, not yet handed to a task of its own.

@@ -14,13 +14,15 @@
 //!   command timeout later, and the rule that a grant counts only from a round trip
 //!   answered within the command timeout (else a confirming round trip must, or the
 //!   grant is given back);
-//! - `hold`: the task that watches a held session until release (the check's answer
+//! - `watch`: the task that watches a held session until release (the check's answer
 //!   moves the deadline; a session that ended, went silent or answers for another
 //!   raises the lease's lost signal at once), then stops the check and unlocks; a
 //!   session that cannot be unlocked cleanly is closed, never returned to the pool;
-//! - `holds`: the locks a backend holds; a young one gets its holding task only once
-//!   its first check is due (most are released before, and unlock on the caller's
-//!   task), its session looked at meanwhile with the others;
+//! - `holds`: the locks a backend holds; a young one gets its watching task only once
+//!   its first check is due (most are released before), its session looked at
+//!   meanwhile with the others;
+//! - `hold`: the lease handed out, and its release: on the caller's task while the
+//!   lock is young, else through its task;
 //! - `retry`: only the wait bounds the waiting: an attempt that failed in passing is
 //!   tried again on a fresh session until the wait ends (a server that never answered
 //!   is told at once);
@@ -32,6 +34,7 @@ mod holds;
 mod retry;
 mod settings;
 mod timing;
+mod watch;
 
 use std::fmt;
 use std::future::Future;
