@@ -14,8 +14,8 @@
 //!    crate through `DistributedLocks` (the in-process tier, then the backend) and
 //!    through `PostgresBackend` directly (`acquire`, `Lease::release`), against the
 //!    bare pair on prepared statements — `pg_advisory_lock($1)`, `pg_advisory_unlock($1)`
-//!    on a connection per task — and sqlx's `PgAdvisoryLock` (`acquire` on a pooled
-//!    connection, `release_now`). Interleaved rounds: each round runs every contender
+//!    on a connection per task, and the same through a deadpool pool — and sqlx's
+//!    `PgAdvisoryLock` (`acquire` on a pooled connection, `release_now`). Interleaved rounds: each round runs every contender
 //!    for one batch, the order turning from round to round, so all see the same load;
 //!    printed are the medians of the per-round speed ratios (bare time / crate time:
 //!    above 1 is faster than the pair).
@@ -83,8 +83,8 @@ fn main() {
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    // Four contenders' 32 connections each, or 64 bare sessions beside two pools.
-    let pg = PgServer::start_with_max_connections(200);
+    // Five contenders' 32 connections each, or 64 bare sessions beside two pools.
+    let pg = PgServer::start_with_max_connections(300);
     let conn = pg.conn_str();
     let (rounds, batch) = if quick { (2, 5) } else { (21, 100) };
 
@@ -197,11 +197,46 @@ async fn uncontended_contenders(conn: &str) -> Vec<(&'static str, Op)> {
             .collect(),
     );
 
+    // The bare pair through a deadpool pool as the backend's own (last in, first out:
+    // the connection just given back, whose server process is awake): what the pool
+    // costs.
+    let pooled = {
+        let mut config = deadpool_postgres::Config::new();
+        config.url = Some(conn.to_owned());
+        config.manager = Some(deadpool_postgres::ManagerConfig {
+            recycling_method: deadpool_postgres::RecyclingMethod::Fast,
+        });
+        let mut pool = deadpool_postgres::PoolConfig::new(TASKS);
+        pool.queue_mode = deadpool_postgres::QueueMode::Lifo;
+        config.pool = Some(pool);
+        config
+            .create_pool(Some(deadpool_postgres::Runtime::Tokio1), NoTls)
+            .unwrap()
+    };
     let contenders: Vec<(&'static str, Op)> = vec![
         ("bare pair", {
             Arc::new(move |task| {
                 let bare = bare.clone();
                 Box::pin(async move { bare[task].lock_unlock(1000 + task as i64).await })
+            })
+        }),
+        ("pooled pair", {
+            Arc::new(move |task| {
+                let pooled = pooled.clone();
+                Box::pin(async move {
+                    let id = 1000 + task as i64;
+                    let client = pooled.get().await.unwrap();
+                    let lock = client
+                        .prepare_cached("SELECT pg_advisory_lock($1)")
+                        .await
+                        .unwrap();
+                    client.execute(&lock, &[&id]).await.unwrap();
+                    let unlock = client
+                        .prepare_cached("SELECT pg_advisory_unlock($1)")
+                        .await
+                        .unwrap();
+                    client.query_one(&unlock, &[&id]).await.unwrap();
+                })
             })
         }),
         ("DistributedLocks", {

@@ -358,7 +358,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, QueueMode, RecyclingMethod, Runtime};
 use tokio::sync::OnceCell;
 use tokio::time::Instant;
 use tokio_postgres::NoTls;
@@ -706,6 +706,10 @@ fn own_pool(config: tokio_postgres::Config, size: usize) -> Pool {
     );
     Pool::builder(manager)
         .max_size(size)
+        // The connection given back last, whose server process is still awake: first
+        // in, first out cycles through every connection, each a cold process to wake
+        // (a bare pair through such a pool took 1.7x as long at one task).
+        .queue_mode(QueueMode::Lifo)
         .runtime(Runtime::Tokio1)
         .build()
         .expect("a pool with a runtime always builds")
