@@ -59,6 +59,16 @@ async fn instance_via<P: Proxied>(
         .build()
 }
 
+/// A check's two instances: the first behind a new fault proxy, the other direct.
+async fn proxied_and_direct<P: Proxied>(
+    deployment: &P,
+    check: &'static str,
+) -> (FaultProxy, DistributedLocks, DistributedLocks) {
+    let proxy = FaultProxy::start(deployment.upstream()).await;
+    let behind = instance_via(deployment, &proxy, check).await;
+    (proxy, behind, instance(deployment, check).await)
+}
+
 /// The holder's path goes silent (no reset: a partition, a dead NAT entry) while
 /// another instance waits for its key: the holder is told its lease is lost before that
 /// instance is granted.
@@ -66,9 +76,7 @@ pub async fn a_cut_off_holder_is_told_before_another_instance_is_granted<P: Prox
     deployment: &P,
 ) {
     const CHECK: &str = "a_cut_off_holder_is_told_before_another_instance_is_granted";
-    let proxy = FaultProxy::start(deployment.upstream()).await;
-    let a = instance_via(deployment, &proxy, CHECK).await;
-    let b = instance(deployment, CHECK).await;
+    let (proxy, a, b) = proxied_and_direct(deployment, CHECK).await;
     let guard = within_for("a takes the key", PATIENCE, a.lock("cut"))
         .await
         .unwrap();
@@ -139,9 +147,7 @@ pub async fn no_acquisition_outlives_its_wait_on_a_silent_path<P: Proxied>(deplo
 /// keeps the lease: renewals or liveness checks get through, for twice the loss bound.
 pub async fn a_slow_path_keeps_the_lease<P: Proxied>(deployment: &P) {
     const CHECK: &str = "a_slow_path_keeps_the_lease";
-    let proxy = FaultProxy::start(deployment.upstream()).await;
-    let a = instance_via(deployment, &proxy, CHECK).await;
-    let b = instance(deployment, CHECK).await;
+    let (proxy, a, b) = proxied_and_direct(deployment, CHECK).await;
     let guard = a.lock("slow").await.unwrap();
     proxy.delay(deployment.command_timeout() / 4);
     sleep(2 * deployment.loss_bound()).await;
@@ -195,9 +201,7 @@ pub async fn the_health_check_fails_on_a_silent_path_and_recovers<P: Proxied>(de
 /// reconnects for the next acquisition.
 pub async fn a_reset_connection_is_a_lost_lease_and_recovers<P: Proxied>(deployment: &P) {
     const CHECK: &str = "a_reset_connection_is_a_lost_lease_and_recovers";
-    let proxy = FaultProxy::start(deployment.upstream()).await;
-    let a = instance_via(deployment, &proxy, CHECK).await;
-    let b = instance(deployment, CHECK).await;
+    let (proxy, a, b) = proxied_and_direct(deployment, CHECK).await;
     let guard = a.lock("reset").await.unwrap();
     let signal = guard.lease().expect("a remote lease").clone();
     let told = tokio::spawn(async move {

@@ -10,9 +10,9 @@ use tokio::time::Instant;
 
 use super::isolated::Isolated;
 use super::mutual::eventually_free;
-use super::{instance, within, Deployment, PATIENCE};
+use super::{instance, taken_after_crash, within, Deployment, PATIENCE};
 use crate::backend::LostReason;
-use crate::{DistributedGuard, LockError};
+use crate::DistributedGuard;
 
 /// The holder's runtime stalls (none of its tasks runs: no renewal, no signal raised by
 /// a task) until another instance has taken the key. When the holder looks again,
@@ -89,23 +89,7 @@ pub async fn a_crashed_holder_is_taken_over<D: Deployment>(deployment: &D) {
     isolated.kill();
     let crashed = Instant::now();
     let limit = deployment.loss_bound() + PATIENCE;
-    let wait = Duration::from_millis(300);
-    let taken = loop {
-        let waiting = Instant::now();
-        match b.lock_timeout("k", wait).await {
-            Ok(guard) => break guard,
-            Err(LockError::Timeout) => {}
-            // A wait that ran out while its last look at the engine went unanswered
-            // (a loaded machine) ends with that failure: not granted, try again.
-            Err(LockError::Backend(_)) if waiting.elapsed() >= wait => {}
-            Err(error) => panic!("conformance: lock_timeout failed: {error}"),
-        }
-        assert!(
-            crashed.elapsed() < limit,
-            "conformance: a crashed holder's key was not taken over in {limit:?} of 300 ms waits"
-        );
-    };
-    tracing::info!(took = ?crashed.elapsed(), "conformance: a crashed holder's key taken over");
+    let taken = taken_after_crash(&b, "k", crashed, limit, "a crashed holder's key").await;
     taken.release().await;
 }
 

@@ -138,6 +138,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 pub use self::contention::contention_is_reported;
 pub use self::deployment::the_deployment_live_run_passes;
@@ -174,7 +175,7 @@ pub use self::mutual::{
 pub use self::renewal::renewal_keeps_a_key_held_past_several_leases;
 pub use self::several::several_keys_all_or_nothing;
 use crate::backend::default_instance_id;
-use crate::{DistributedGuard, DistributedLocks, LockBackend};
+use crate::{DistributedGuard, DistributedLocks, LockBackend, LockError};
 
 /// Long enough for anything that should happen on a loaded machine: a check fails
 /// instead of hanging.
@@ -318,6 +319,37 @@ async fn taken_over(locks: &DistributedLocks, key: &str, what: &str) -> Distribu
         .unwrap_or_else(|error| {
             panic!("conformance: {what}: not granted a key whose lease was lost: {error}")
         })
+}
+
+/// `locks` (another instance) takes `key` from a crashed holder with waits of 300 ms
+/// at a time, as a user retrying would: granted before `limit` has passed since
+/// `crashed`, or a panic naming `what`. What was seen of the dead holder must not be
+/// forgotten between acquisitions.
+async fn taken_after_crash(
+    locks: &DistributedLocks,
+    key: &str,
+    crashed: Instant,
+    limit: Duration,
+    what: &str,
+) -> DistributedGuard {
+    let wait = Duration::from_millis(300);
+    let guard = loop {
+        let waiting = Instant::now();
+        match locks.lock_timeout(key, wait).await {
+            Ok(guard) => break guard,
+            Err(LockError::Timeout) => {}
+            // A wait that ran out while its last look at the engine went unanswered
+            // (a loaded machine) ends with that failure: not granted, try again.
+            Err(LockError::Backend(_)) if waiting.elapsed() >= wait => {}
+            Err(error) => panic!("conformance: lock_timeout failed: {error}"),
+        }
+        assert!(
+            crashed.elapsed() < limit,
+            "conformance: {what} was not taken over in {limit:?} of 300 ms waits"
+        );
+    };
+    tracing::info!(took = ?crashed.elapsed(), "conformance: {what} taken over");
+    guard
 }
 
 /// `future`, or a panic naming `what` after [`PATIENCE`].

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::isolated::Isolated;
 use super::mutual::{eventually_free, FreeWithin};
-use super::{within, Deployment, PATIENCE};
+use super::{taken_after_crash, within, Deployment, PATIENCE};
 use crate::{DistributedLocks, LockError};
 
 /// One instance whose locks have `permits` holders per key.
@@ -201,18 +201,7 @@ pub async fn a_crashed_permit_comes_back<D: Deployment>(deployment: &D) {
         .await
         .expect("conformance: the second permit was not free beside a crashed holder");
     let limit = deployment.loss_bound() + PATIENCE;
-    let second = loop {
-        match b.lock_timeout("k", Duration::from_millis(300)).await {
-            Ok(guard) => break guard,
-            Err(LockError::Timeout) => {}
-            Err(error) => panic!("conformance: lock_timeout failed: {error}"),
-        }
-        assert!(
-            at.elapsed() < limit,
-            "conformance: a crashed holder's permit did not come back in {limit:?}"
-        );
-    };
-    tracing::info!(took = ?at.elapsed(), "conformance: a crashed holder's permit came back");
+    let second = taken_after_crash(&b, "k", at, limit, "a crashed holder's permit").await;
     other.release().await;
     second.release().await;
 }
