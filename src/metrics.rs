@@ -121,10 +121,15 @@ pub fn use_naming(naming: Naming) -> Result<(), NamingAlreadyFixed> {
     }
 }
 
-/// The metric names in use: fixed by [`use_naming`], or Prometheus style at the first
-/// series registered.
+/// The naming in use: fixed by [`use_naming`], or Prometheus style at the first series
+/// registered.
+pub(crate) fn naming() -> Naming {
+    *NAMING.get_or_init(Naming::default)
+}
+
+/// The metric names in use (see [`naming`]).
 pub(crate) fn names() -> &'static Names {
-    match NAMING.get_or_init(Naming::default) {
+    match naming() {
         Naming::Prometheus => &PROMETHEUS,
         Naming::OpenTelemetry => &OPENTELEMETRY,
     }
@@ -140,10 +145,6 @@ pub(crate) struct Names {
     pub(crate) keys: &'static str,
     pub(crate) lease_lost: &'static str,
     pub(crate) renewal_failed: &'static str,
-    #[cfg(feature = "replay")]
-    pub(crate) replayed: &'static str,
-    #[cfg(feature = "replay")]
-    pub(crate) stored: &'static str,
 }
 
 const PROMETHEUS: Names = Names {
@@ -155,10 +156,6 @@ const PROMETHEUS: Names = Names {
     keys: KEYS,
     lease_lost: LEASE_LOST_TOTAL,
     renewal_failed: RENEWAL_FAILED_TOTAL,
-    #[cfg(feature = "replay")]
-    replayed: REPLAYED_TOTAL,
-    #[cfg(feature = "replay")]
-    stored: STORED_TOTAL,
 };
 
 const OPENTELEMETRY: Names = Names {
@@ -170,10 +167,6 @@ const OPENTELEMETRY: Names = Names {
     keys: "keyed_lock.keys",
     lease_lost: "keyed_lock.lease.lost",
     renewal_failed: "keyed_lock.renewal.failed",
-    #[cfg(feature = "replay")]
-    replayed: "keyed_lock.replayed",
-    #[cfg(feature = "replay")]
-    stored: "keyed_lock.stored",
 };
 
 /// Histogram of the time from a request's arrival to its guard (or its rejection).

@@ -252,28 +252,6 @@ impl Rejection {
         )
     }
 
-    /// The replay store could not be reached (fail closed).
-    #[cfg(feature = "replay")]
-    pub(crate) fn store_unreachable() -> Self {
-        Self::new(
-            RejectionKind::Backend,
-            StatusCode::SERVICE_UNAVAILABLE,
-            Some(STORE_RETRY_AFTER),
-            "the replay store is unreachable",
-        )
-    }
-
-    /// A replay key used before for a different request.
-    #[cfg(feature = "replay")]
-    pub(crate) fn fingerprint_mismatch(status: StatusCode) -> Self {
-        Self::new(
-            RejectionKind::FingerprintMismatch,
-            status,
-            None,
-            "this key was already used for a different request",
-        )
-    }
-
     /// The layers are set up in a way that cannot work: 500, explained by `detail`.
     pub(crate) fn misconfigured(detail: impl Into<Cow<'static, str>>) -> Self {
         Self::new(
@@ -284,10 +262,6 @@ impl Rejection {
         )
     }
 }
-
-/// How long a client should wait before retrying when the replay store is unreachable.
-#[cfg(feature = "replay")]
-const STORE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Whole seconds, rounded up so a client never retries too early, and at least
 /// 1 because `Retry-After: 0` invites an immediate retry storm.

@@ -8,7 +8,7 @@
 
 use metrics::Counter;
 
-use crate::metrics::{names, Rejected};
+use crate::metrics::{naming, Naming, Rejected};
 use crate::reject::RejectionKind;
 
 pub use crate::metrics::{REPLAYED_TOTAL, STORED_TOTAL};
@@ -23,12 +23,15 @@ pub(crate) struct ReplayMetrics {
 impl ReplayMetrics {
     pub(crate) fn new(name: &str) -> Self {
         let name = metrics::SharedString::from(name.to_owned());
-        let n = names();
-        metrics::describe_counter!(n.replayed, "Responses replayed from the replay store.");
-        metrics::describe_counter!(n.stored, "Responses written to the replay store.");
+        let (replayed, stored) = match naming() {
+            Naming::Prometheus => (REPLAYED_TOTAL, STORED_TOTAL),
+            Naming::OpenTelemetry => ("keyed_lock.replayed", "keyed_lock.stored"),
+        };
+        metrics::describe_counter!(replayed, "Responses replayed from the replay store.");
+        metrics::describe_counter!(stored, "Responses written to the replay store.");
         Self {
-            replayed: metrics::counter!(n.replayed, "name" => name.clone()),
-            stored: metrics::counter!(n.stored, "name" => name.clone()),
+            replayed: metrics::counter!(replayed, "name" => name.clone()),
+            stored: metrics::counter!(stored, "name" => name.clone()),
             rejected: Rejected::new(&name),
         }
     }

@@ -134,6 +134,7 @@ mod lookup;
 mod metrics;
 mod read_now;
 mod record;
+mod rejections;
 mod respond;
 mod service;
 mod shared;
