@@ -571,27 +571,9 @@ impl DistributedLocksBuilder {
         self.max_key_len
     }
 
-    /// Whether the locks will have a backend.
-    #[cfg(feature = "replay")]
-    pub(crate) fn has_backend(&self) -> bool {
-        self.backend.is_some()
-    }
-
     /// The backend the locks will have, if any.
     pub(crate) fn backend_handle(&self) -> Option<Arc<dyn LockBackend>> {
         self.backend.clone()
-    }
-
-    /// Whether the locks will have a backend that issues no fencing tokens.
-    #[cfg(feature = "replay")]
-    pub(crate) fn lacks_fencing_tokens(&self) -> bool {
-        (self.backend.as_ref()).is_some_and(|backend| !backend.issues_fencing_tokens())
-    }
-
-    /// Why the backend can never issue fencing tokens, if it says (Redlock).
-    #[cfg(feature = "replay")]
-    pub(crate) fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
-        (self.backend.as_ref()).and_then(|backend| backend.no_fencing_tokens_reason())
     }
 
     /// Why the backend cannot hold keys in `mode`, naming it; `None` if it can (or

@@ -615,10 +615,10 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         crate::HealthCheck::new(self.handed_out().locks.clone())
     }
 
-    /// Whether a distributed backend is configured.
+    /// The distributed backend configured, if any.
     #[cfg(feature = "replay")]
-    pub(crate) fn is_distributed(&self) -> bool {
-        self.locks.has_backend()
+    pub(crate) fn backend_handle(&self) -> Option<Arc<dyn crate::LockBackend>> {
+        self.locks.backend_handle()
     }
 
     /// The lock around `inner`, looking for each request's replay record before it
@@ -630,18 +630,6 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
         lookup: Arc<crate::replay::LookupFirst>,
     ) -> KeyedLock<S, E> {
         KeyedLock::new(inner, self.extractor.clone(), self.shared()).looking_up(lookup)
-    }
-
-    /// Whether a distributed backend is configured that issues no fencing tokens.
-    #[cfg(feature = "replay")]
-    pub(crate) fn lacks_fencing_tokens(&self) -> bool {
-        self.locks.lacks_fencing_tokens()
-    }
-
-    /// Why the backend can never issue fencing tokens, if it says (Redlock).
-    #[cfg(feature = "replay")]
-    pub(crate) fn no_fencing_tokens_reason(&self) -> Option<&'static str> {
-        self.locks.no_fencing_tokens_reason()
     }
 
     fn shared(&self) -> Arc<Shared> {

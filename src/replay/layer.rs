@@ -284,14 +284,18 @@ impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
     /// nothing would ever be stored; the message names the backend's reason if it has
     /// one.
     pub fn replay(self, replay: ReplayLayer) -> LockAndReplay<E> {
+        let backend = self.backend_handle();
         assert!(
-            !(self.is_distributed() && replay.is_per_instance()),
+            !(backend.is_some() && replay.is_per_instance()),
             "KeyedLockLayer::replay: a per-instance store (MemoryStore) behind a distributed \
              lock backend would replay only on the instance that stored the response; use a \
              shared store (RedisReplayStore, PostgresReplayStore)"
         );
-        if self.lacks_fencing_tokens() && replay.needs_fencing_tokens() {
-            match self.no_fencing_tokens_reason() {
+        let tokenless = backend
+            .as_ref()
+            .filter(|backend| !backend.issues_fencing_tokens());
+        if let Some(backend) = tokenless.filter(|_| replay.needs_fencing_tokens()) {
+            match backend.no_fencing_tokens_reason() {
                 Some(reason) => panic!(
                     "KeyedLockLayer::replay: the replay store needs fencing tokens (its \
                      writes are fenced by the lock) and {reason}"
@@ -301,7 +305,7 @@ impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
         }
         // A store kept on the lock's engine is looked up by the lock's own acquisition;
         // one in this process's memory before the key is taken.
-        let looks_up_first = self.is_distributed() || replay.settings.memory.is_some();
+        let looks_up_first = backend.is_some() || replay.settings.memory.is_some();
         let lookup =
             looks_up_first.then(|| Arc::new(LookupFirst::new(Arc::new(replay.settings.clone()))));
         LockAndReplay {
