@@ -366,6 +366,7 @@ use tokio_postgres::NoTls;
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
 
+use self::acquire::Request;
 use self::error::PgError;
 use super::session::{self as session_core, Builder as _, Draft, Settings};
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
@@ -885,11 +886,14 @@ impl PostgresBackend {
                         .await
                         .map(Acquired::Granted),
                     LockScope::Session => {
-                        let record = record.as_deref();
-                        inner
-                            .clone()
-                            .acquire_unless_recorded(id, shared, None, deadline, record)
-                            .await
+                        let request = Request {
+                            id,
+                            shared,
+                            key: None,
+                            deadline,
+                            record: record.as_deref(),
+                        };
+                        inner.clone().acquire_unless_recorded(request).await
                     }
                     LockScope::Transaction => inner
                         .acquire_in_transaction(id, deadline)
