@@ -34,7 +34,7 @@ impl<I> Draft<I> {
         }
     }
 
-    /// The backend's state, or the first setting refused.
+    /// The backend's state, to share, or the first setting refused, for `build`.
     pub(crate) fn finish(self) -> Result<Arc<I>, SetupError> {
         match self.refused {
             Some(problem) => Err(SetupError::Invalid(problem)),
