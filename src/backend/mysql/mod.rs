@@ -285,7 +285,7 @@ pub use self::lock_name::{lock_name, MAX_LOCK_NAME_LEN};
 use self::error::MyError;
 use self::lock_name::MAX_PREFIX_LEN;
 use self::session::Pool;
-use super::session::{self as session_core, Builder as _, Settings};
+use super::session::{self as session_core, Builder as _, Draft, Settings};
 use super::SetupError;
 use super::{Acquisition, BoxFuture, Holder, LockBackend};
 use crate::error::LockError;
@@ -331,9 +331,9 @@ pub struct MySqlBackend {
 #[derive(Clone)]
 #[must_use]
 pub struct MySqlBackendBuilder {
-    inner: Inner,
-    /// The first setting refused, which [`build`](Self::build) returns.
-    invalid: Option<String>,
+    /// The backend's state, and the first setting refused, which [`build`](Self::build)
+    /// returns.
+    draft: Draft<Inner>,
 }
 
 #[derive(Clone)]
@@ -385,15 +385,14 @@ impl MySqlBackend {
     /// ```
     pub fn builder(opts: impl Into<Opts>) -> MySqlBackendBuilder {
         MySqlBackendBuilder {
-            inner: Inner {
+            draft: Draft::new(Inner {
                 pool: Arc::new(Pool::new(opts.into(), DEFAULT_MAX_CONNECTIONS)),
                 settings: Settings::new(DEFAULT_PREFIX),
                 table: DEFAULT_FENCING_TABLE.into(),
                 fencing: None,
                 checked: Arc::default(),
                 holds: session_core::Holds::new(None),
-            },
-            invalid: None,
+            }),
         }
     }
 
@@ -433,10 +432,9 @@ impl MySqlBackendBuilder {
     /// (see [Proxies](self#proxies)), and, with fencing, the counter table; within one
     /// command timeout per step.
     pub async fn build(self) -> Result<MySqlBackend, SetupError> {
-        if let Some(problem) = self.invalid {
-            return Err(SetupError::Invalid(problem));
-        }
-        let backend = self.build_lazy();
+        let backend = MySqlBackend {
+            inner: self.draft.finish()?,
+        };
         let inner = &backend.inner;
         let deadline = Instant::now() + 4 * inner.settings.timing.command_timeout;
         inner.prepare(deadline).await.map_err(|error| {
@@ -457,11 +455,8 @@ impl MySqlBackendBuilder {
     /// If a setting was refused (what [`build`](Self::build) returns as
     /// [`SetupError::Invalid`]): a configuration mistake, not a server's state.
     pub fn build_lazy(self) -> MySqlBackend {
-        if let Some(problem) = self.invalid {
-            panic!("MySqlBackendBuilder: {problem}");
-        }
         MySqlBackend {
-            inner: Arc::new(self.inner),
+            inner: self.draft.finish_lazy("MySqlBackendBuilder"),
         }
     }
 
@@ -544,23 +539,22 @@ impl MySqlBackendBuilder {
             });
         })
     }
+}
 
-    fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
-        change(&mut self.inner);
-        // New settings are checked anew.
-        self.inner.checked = Arc::default();
-        self
+impl session_core::Builder<Inner> for MySqlBackendBuilder {
+    fn draft(&mut self) -> &mut Draft<Inner> {
+        &mut self.draft
     }
 }
 
-impl session_core::Builder for MySqlBackendBuilder {
-    fn configure_settings(self, change: impl FnOnce(&mut Settings)) -> Self {
-        self.configure(|inner| change(&mut inner.settings))
+impl session_core::Configurable for Inner {
+    fn settings_mut(&mut self) -> &mut Settings {
+        &mut self.settings
     }
 
-    fn refuse(mut self, problem: String) -> Self {
-        self.invalid.get_or_insert(problem);
-        self
+    fn settings_changed(&mut self) {
+        // New settings are checked anew.
+        self.checked = Arc::default();
     }
 }
 
@@ -591,7 +585,7 @@ impl fmt::Debug for MySqlBackend {
 
 impl fmt::Debug for MySqlBackendBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.inner.debug("MySqlBackendBuilder", f)
+        self.draft.inner.debug("MySqlBackendBuilder", f)
     }
 }
 
@@ -638,6 +632,7 @@ impl LockBackend for MySqlBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::session::testing::{assert_invalid, assert_refused};
 
     fn backend() -> MySqlBackendBuilder {
         MySqlBackend::builder_from_url("mysql://localhost/app").unwrap()
@@ -647,11 +642,7 @@ mod tests {
     fn table_names_are_checked() {
         let _ = backend().fencing_table("locks.tokens");
         for bad in ["", "a b", "x;drop", "a.b.c", "1abc", "a'b", "a`b"] {
-            let invalid = backend().fencing_table(bad).invalid;
-            assert!(
-                invalid.is_some_and(|problem| problem.contains("fencing_table")),
-                "{bad:?} was accepted"
-            );
+            assert_refused(backend().fencing_table(bad), "fencing_table", bad);
         }
     }
 
@@ -659,22 +650,13 @@ mod tests {
     async fn a_refused_setting_is_the_error_of_build() {
         let builder = backend().max_connections(0).prefix("a:b");
         // The first refused setting, before any connection is tried.
-        match builder.build().await {
-            Err(SetupError::Invalid(problem)) => {
-                assert!(problem.contains("max_connections"), "{problem}")
-            }
-            other => panic!("expected Invalid, got {:?}", other.map(|_| ())),
-        }
+        assert_invalid(builder.build().await, "max_connections");
     }
 
     #[test]
     fn prefixes_are_checked() {
         for bad in ["", "a:b", "a#b", "é", &"n".repeat(25)] {
-            let invalid = backend().prefix(bad).invalid;
-            assert!(
-                invalid.is_some_and(|problem| problem.contains("prefix")),
-                "{bad:?} was accepted"
-            );
+            assert_refused(backend().prefix(bad), "prefix", bad);
         }
     }
 
@@ -683,11 +665,18 @@ mod tests {
         let backend = backend()
             .liveness_interval(Duration::from_millis(100))
             .command_timeout(Duration::from_millis(500));
-        assert_eq!(backend.inner.server_idle_limit(), Duration::from_secs(2));
-        assert_eq!(backend.inner.max_pooled_idle(), Duration::from_millis(1500));
+        assert_eq!(
+            backend.draft.inner.server_idle_limit(),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            backend.draft.inner.max_pooled_idle(),
+            Duration::from_millis(1500)
+        );
         assert_eq!(
             MySqlBackend::builder_from_url("mysql://x/y")
                 .unwrap()
+                .draft
                 .inner
                 .server_idle_limit(),
             Duration::from_secs(5)

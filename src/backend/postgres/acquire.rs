@@ -104,6 +104,17 @@ impl Grant {
     }
 }
 
+/// What an acquisition asks for, the same in each of its attempts: see
+/// [`Inner::acquire_unless_recorded`].
+#[derive(Clone, Copy)]
+pub(super) struct Request<'a> {
+    pub(super) id: i64,
+    pub(super) shared: bool,
+    pub(super) key: Option<i64>,
+    pub(super) deadline: Instant,
+    pub(super) record: Option<&'a str>,
+}
+
 impl Inner {
     /// Takes the session lock `id` (`shared` beside other shared holders, else alone),
     /// and with it `key` (a permit's key lock id, see `permits.rs`) in shared mode,
@@ -115,12 +126,17 @@ impl Inner {
         key: Option<i64>,
         deadline: Instant,
     ) -> Result<Lease, LockError> {
-        self.acquire_unless_recorded(id, shared, key, deadline, None)
-            .await?
-            .into_lease()
+        let request = Request {
+            id,
+            shared,
+            key,
+            deadline,
+            record: None,
+        };
+        self.acquire_unless_recorded(request).await?.into_lease()
     }
 
-    /// [`acquire`](Self::acquire), and when `record` is given (an SQL expression whose
+    /// [`acquire`](Self::acquire) of `request`, and when its `record` is given (an SQL expression whose
     /// value is a replay record's bytes, or NULL) the try takes nothing if the record
     /// is stored, and reads it again in a statement of its own after the try, in the
     /// same round trip: that statement's snapshot is taken after the try, so a record
@@ -140,29 +156,25 @@ impl Inner {
     /// frees any lock the server granted it, and no grant of it was counted.
     pub(super) async fn acquire_unless_recorded(
         self: Arc<Self>,
-        id: i64,
-        shared: bool,
-        key: Option<i64>,
-        deadline: Instant,
-        record: Option<&str>,
+        request: Request<'_>,
     ) -> Result<Acquired, LockError> {
-        let attempt = || self.clone().attempt(id, shared, key, deadline, record);
+        let attempt = || self.clone().attempt(request);
         let (acquired, retried) =
-            within_the_wait(&self.reached, deadline, is_transient, attempt).await?;
+            within_the_wait(&self.reached, request.deadline, is_transient, attempt).await?;
         Ok(acquired.contended_if(retried))
     }
 
     /// One attempt of [`acquire_unless_recorded`](Self::acquire_unless_recorded): a try,
     /// then a wait in PostgreSQL's queue on the same session. Marks the server reached
     /// once it answered the try.
-    async fn attempt(
-        self: Arc<Self>,
-        id: i64,
-        shared: bool,
-        key: Option<i64>,
-        deadline: Instant,
-        record: Option<&str>,
-    ) -> Result<Acquired, LockError> {
+    async fn attempt(self: Arc<Self>, request: Request<'_>) -> Result<Acquired, LockError> {
+        let Request {
+            id,
+            shared,
+            key,
+            deadline,
+            record,
+        } = request;
         let marker = format!("{id}/{:016x}", random());
         let (session, sent, tried) = match (key, record) {
             // The common case: prepared statements (see `prepared.rs`).

@@ -366,8 +366,9 @@ use tokio_postgres::NoTls;
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
 
+use self::acquire::Request;
 use self::error::PgError;
-use super::session::{self as session_core, Builder as _, Settings};
+use super::session::{self as session_core, Builder as _, Draft, Settings};
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
 #[cfg(feature = "replay")]
 use super::{Place, RecordLookup};
@@ -417,9 +418,9 @@ pub struct PostgresBackend {
 #[derive(Clone)]
 #[must_use]
 pub struct PostgresBackendBuilder {
-    inner: Inner,
-    /// The first setting refused, which [`build`](Self::build) returns.
-    invalid: Option<String>,
+    /// The backend's state, and the first setting refused, which [`build`](Self::build)
+    /// returns.
+    draft: Draft<Inner>,
 }
 
 #[derive(Clone)]
@@ -506,7 +507,7 @@ impl PostgresBackend {
     /// ```
     pub fn builder(pool: Pool) -> PostgresBackendBuilder {
         PostgresBackendBuilder {
-            inner: Inner {
+            draft: Draft::new(Inner {
                 pool,
                 pool_config: None,
                 pool_without_runtime: Arc::default(),
@@ -521,8 +522,7 @@ impl PostgresBackend {
                 reached: Arc::default(),
                 statements: Default::default(),
                 holds: session_core::Holds::new(Some(lease::CLOSED_CHECK_PERIOD)),
-            },
-            invalid: None,
+            }),
         }
     }
 
@@ -535,8 +535,8 @@ impl PostgresBackend {
             config.application_name("tower-keyed-lock");
         }
         let mut builder = Self::builder(own_pool(config.clone(), DEFAULT_MAX_CONNECTIONS));
-        builder.inner.address = Some(setup::address(&config).into());
-        builder.inner.pool_config = Some(config);
+        builder.draft.inner.address = Some(setup::address(&config).into());
+        builder.draft.inner.pool_config = Some(config);
         builder
     }
 
@@ -589,7 +589,7 @@ impl PostgresBackendBuilder {
         if let Some(problem) = session_core::refused_pool_size(max) {
             return self.refuse(problem);
         }
-        let Some(config) = self.inner.pool_config.clone() else {
+        let Some(config) = self.draft.inner.pool_config.clone() else {
             return self.refuse(
                 "max_connections: the pool was passed to PostgresBackend::builder; size it there"
                     .into(),
@@ -678,23 +678,22 @@ impl PostgresBackendBuilder {
     pub fn lock_scope(self, scope: LockScope) -> Self {
         self.configure(|inner| inner.scope = scope)
     }
+}
 
-    fn configure(mut self, change: impl FnOnce(&mut Inner)) -> Self {
-        change(&mut self.inner);
-        // Made again from the new settings.
-        self.inner.statements = Default::default();
-        self
+impl session_core::Builder<Inner> for PostgresBackendBuilder {
+    fn draft(&mut self) -> &mut Draft<Inner> {
+        &mut self.draft
     }
 }
 
-impl session_core::Builder for PostgresBackendBuilder {
-    fn configure_settings(self, change: impl FnOnce(&mut Settings)) -> Self {
-        self.configure(|inner| change(&mut inner.settings))
+impl session_core::Configurable for Inner {
+    fn settings_mut(&mut self) -> &mut Settings {
+        &mut self.settings
     }
 
-    fn refuse(mut self, problem: String) -> Self {
-        self.invalid.get_or_insert(problem);
-        self
+    fn settings_changed(&mut self) {
+        // Made again from the new settings.
+        self.statements = Default::default();
     }
 }
 
@@ -746,7 +745,7 @@ impl fmt::Debug for PostgresBackend {
 
 impl fmt::Debug for PostgresBackendBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.inner.debug("PostgresBackendBuilder", f)
+        self.draft.inner.debug("PostgresBackendBuilder", f)
     }
 }
 
@@ -887,11 +886,14 @@ impl PostgresBackend {
                         .await
                         .map(Acquired::Granted),
                     LockScope::Session => {
-                        let record = record.as_deref();
-                        inner
-                            .clone()
-                            .acquire_unless_recorded(id, shared, None, deadline, record)
-                            .await
+                        let request = Request {
+                            id,
+                            shared,
+                            key: None,
+                            deadline,
+                            record: record.as_deref(),
+                        };
+                        inner.clone().acquire_unless_recorded(request).await
                     }
                     LockScope::Transaction => inner
                         .acquire_in_transaction(id, deadline)
@@ -913,17 +915,14 @@ impl PostgresBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::session::testing::{assert_invalid, assert_refused};
 
     #[test]
     fn sequence_names_are_checked() {
         let backend = || PostgresBackend::builder_from_str("host=localhost").unwrap();
         let _ = backend().fencing_sequence("locks.tokens");
         for bad in ["", "a b", "x;drop", "a.b.c", "1abc", "a'b"] {
-            let invalid = backend().fencing_sequence(bad).invalid;
-            assert!(
-                invalid.is_some_and(|problem| problem.contains("fencing_sequence")),
-                "{bad:?} was accepted"
-            );
+            assert_refused(backend().fencing_sequence(bad), "fencing_sequence", bad);
         }
     }
 
@@ -934,12 +933,7 @@ mod tests {
             .command_timeout(Duration::ZERO)
             .liveness_interval(Duration::ZERO);
         // The first refused setting, before any connection is tried.
-        match builder.build().await {
-            Err(SetupError::Invalid(problem)) => {
-                assert!(problem.contains("command_timeout"), "{problem}")
-            }
-            other => panic!("expected Invalid, got {:?}", other.map(|_| ())),
-        }
+        assert_invalid(builder.build().await, "command_timeout");
         let pool = PostgresBackend::builder_from_str("host=localhost")
             .unwrap()
             .build_lazy()
@@ -947,8 +941,8 @@ mod tests {
             .pool
             .clone();
         // A pool of the caller's is sized by the caller.
-        let invalid = PostgresBackend::builder(pool).max_connections(4).invalid;
-        assert!(invalid.is_some_and(|problem| problem.contains("size it there")));
+        let sized = PostgresBackend::builder(pool).max_connections(4);
+        assert_refused(sized, "size it there", "4");
     }
 
     #[test]
@@ -959,7 +953,7 @@ mod tests {
             .fencing(false)
             .fencing(true);
         assert_eq!(
-            backend.inner.fencing.as_ref().map(|f| &*f.sequence),
+            backend.draft.inner.fencing.as_ref().map(|f| &*f.sequence),
             Some("tokens")
         );
     }

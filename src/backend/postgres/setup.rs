@@ -4,7 +4,6 @@
 //! be reached.
 
 use std::error::Error;
-use std::sync::Arc;
 
 use tokio::time::Instant;
 use tokio_postgres::config::Host;
@@ -90,11 +89,8 @@ impl PostgresBackendBuilder {
     /// If a setting was refused (what [`build`](Self::build) returns as
     /// [`SetupError::Invalid`]): a configuration mistake, not a server's state.
     pub fn build_lazy(self) -> PostgresBackend {
-        if let Some(problem) = self.invalid {
-            panic!("PostgresBackendBuilder: {problem}");
-        }
         PostgresBackend {
-            inner: Arc::new(self.inner),
+            inner: self.draft.finish_lazy("PostgresBackendBuilder"),
         }
     }
 
@@ -123,10 +119,9 @@ impl PostgresBackendBuilder {
     /// # }
     /// ```
     pub async fn build(self) -> Result<PostgresBackend, SetupError> {
-        if let Some(problem) = self.invalid {
-            return Err(SetupError::Invalid(problem));
-        }
-        let backend = self.build_lazy();
+        let backend = PostgresBackend {
+            inner: self.draft.finish()?,
+        };
         let inner = &backend.inner;
         let deadline = Instant::now() + inner.settings.timing.command_timeout;
         match inner.scope {

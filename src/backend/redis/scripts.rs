@@ -55,6 +55,31 @@ macro_rules! last_token {
 #[cfg(feature = "replay")]
 pub(crate) use last_token;
 
+/// Lua, for `concat!`: announces a release to the waiters, as `$message`, on the
+/// release channel `$channel`, or, when `$channel` is empty (on a cluster), on the
+/// lock's own shard channel `$lock`. The one place that knows where releases are heard.
+macro_rules! announce {
+    ($channel:literal, $lock:literal, $message:literal) => {
+        concat!(
+            "if ",
+            $channel,
+            " == '' then\n",
+            "  redis.call('SPUBLISH', ",
+            $lock,
+            ", ",
+            $message,
+            ")\n",
+            "else\n",
+            "  redis.call('PUBLISH', ",
+            $channel,
+            ", ",
+            $message,
+            ")\n",
+            "end\n"
+        )
+    };
+}
+
 /// `KEYS[1]` lock, `KEYS[2]` the holder record (it carries the last fencing token),
 /// `KEYS[3]` waiting, `KEYS[4]` the token's given-back mark, `KEYS[5]` readers,
 /// `KEYS[6]` writers' intent, `KEYS[7]` the queue, `KEYS[8]` permit holders,
@@ -288,21 +313,17 @@ if redis.call('EXISTS', KEYS[5]) == 1 then
       redis.call('ZREM', KEYS[4], token)
       redis.call('HDEL', KEYS[5], token)
       local message = KEYS[1] .. '\n' .. token .. '\n' .. text .. '\n' .. lease
-      if ARGV[2] == '' then
-        redis.call('SPUBLISH', KEYS[1], message)
-      else
-        redis.call('PUBLISH', ARGV[2], message)
-      end
+",
+    announce!("ARGV[2]", "KEYS[1]", "message"),
+    r"
       return 1
     end
   end
 end
 if redis.call('DEL', KEYS[1], KEYS[2]) == 2 then
-  if ARGV[2] == '' then
-    redis.call('SPUBLISH', KEYS[1], KEYS[1])
-  else
-    redis.call('PUBLISH', ARGV[2], KEYS[1])
-  end
+",
+    announce!("ARGV[2]", "KEYS[1]", "KEYS[1]"),
+    r"
 end
 return 1
 "
@@ -325,11 +346,9 @@ if redis.call('EXISTS', KEYS[1]) == 1 and ",
     r" == ARGV[1] then
   redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
   if redis.call('DEL', KEYS[1], KEYS[3]) == 2 then
-    if ARGV[4] == '' then
-      redis.call('SPUBLISH', KEYS[1], KEYS[1])
-    else
-      redis.call('PUBLISH', ARGV[4], KEYS[1])
-    end
+",
+    announce!("ARGV[4]", "KEYS[1]", "KEYS[1]"),
+    r"
   end
   return 1
 end
@@ -433,17 +452,17 @@ return 0
 /// release channel, or empty on a cluster (the lock's shard channel); `ARGV[3]` the
 /// mark's TTL ms. Takes the token out of the holders and announces it if a waiter
 /// marked the key: 1. If it was not there, marks it given back (see `ACQUIRE`): 0.
-pub(super) const RELEASE_COUNTED: &str = r"
+pub(super) const RELEASE_COUNTED: &str = concat!(
+    r"
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   if redis.call('DEL', KEYS[2]) == 1 then
-    if ARGV[2] == '' then
-      redis.call('SPUBLISH', KEYS[4], KEYS[4])
-    else
-      redis.call('PUBLISH', ARGV[2], KEYS[4])
-    end
+",
+    announce!("ARGV[2]", "KEYS[4]", "KEYS[4]"),
+    r"
   end
   return 1
 end
 redis.call('SET', KEYS[3], '1', 'PX', ARGV[3])
 return 0
-";
+"
+);

@@ -485,12 +485,27 @@ impl LockBackend for RedlockBackend {
 mod tests {
     use super::*;
 
+    /// Three masters no test reaches: each refusal comes before any connection.
+    fn three_masters() -> RedlockBackendBuilder {
+        RedlockBackend::builder([
+            "redis://127.0.0.1:1/",
+            "redis://127.0.0.1:2/",
+            "redis://127.0.0.1:3/",
+        ])
+    }
+
+    /// What `build` refused `builder` with, which must name `reason`.
+    async fn refusal(builder: RedlockBackendBuilder, reason: &str) -> SetupError {
+        let error = builder.build().await.unwrap_err();
+        assert!(error.to_string().contains(reason), "{error}");
+        error
+    }
+
     #[tokio::test]
     async fn too_few_masters_are_refused() {
         let two = RedlockBackend::builder(["redis://127.0.0.1:1/", "redis://127.0.0.1:2/"]);
-        let error = two.build().await.unwrap_err();
+        let error = refusal(two, "at least 3").await;
         assert!(matches!(error, SetupError::Invalid(_)), "{error}");
-        assert!(error.to_string().contains("at least 3"), "{error}");
     }
 
     #[tokio::test]
@@ -500,47 +515,23 @@ mod tests {
             "redis://127.0.0.1:2/",
             "redis://127.0.0.1:1/0",
         ];
-        let error = RedlockBackend::builder(urls).build().await.unwrap_err();
+        let error = refusal(RedlockBackend::builder(urls), "listed twice").await;
         assert!(matches!(error, SetupError::Invalid(_)), "{error}");
-        assert!(error.to_string().contains("listed twice"), "{error}");
     }
 
     #[tokio::test]
     async fn fencing_is_refused_with_the_reason() {
-        let urls = [
-            "redis://127.0.0.1:1/",
-            "redis://127.0.0.1:2/",
-            "redis://127.0.0.1:3/",
-        ];
-        let error = RedlockBackend::builder(urls)
-            .fencing(true)
-            .build()
-            .await
-            .unwrap_err();
+        let fencing = three_masters().fencing(true);
+        let error = refusal(fencing, "cannot issue fencing tokens").await;
         assert!(matches!(error, SetupError::Unsafe(_)), "{error}");
-        assert!(
-            error.to_string().contains("cannot issue fencing tokens"),
-            "{error}"
-        );
     }
 
     #[tokio::test]
     async fn a_command_timeout_long_against_the_lease_is_refused() {
-        let urls = [
-            "redis://127.0.0.1:1/",
-            "redis://127.0.0.1:2/",
-            "redis://127.0.0.1:3/",
-        ];
-        let error = RedlockBackend::builder(urls)
+        let slow = three_masters()
             .lease(Duration::from_millis(300))
-            .command_timeout(Duration::from_millis(200))
-            .build()
-            .await
-            .unwrap_err();
+            .command_timeout(Duration::from_millis(200));
+        let error = refusal(slow, "a third of the lease").await;
         assert!(matches!(error, SetupError::Invalid(_)), "{error}");
-        assert!(
-            error.to_string().contains("a third of the lease"),
-            "{error}"
-        );
     }
 }

@@ -245,12 +245,18 @@ mod tests {
         assert!(!votes.nothing_granted(), "a silent master may have granted");
     }
 
+    /// The tally of `masters` masters' replies, `so_far` counted.
+    fn counted(masters: usize, so_far: &[Reply]) -> Replies {
+        let mut replies = Replies::new(masters);
+        for reply in so_far {
+            replies.count(*reply);
+        }
+        replies
+    }
+
     #[test]
     fn a_renewal_counts_a_majority_either_way() {
-        let mut replies = Replies::new(5);
-        replies.count(Reply::Ours);
-        replies.count(Reply::NotOurs);
-        replies.count(Reply::NoAnswer);
+        let mut replies = counted(5, &[Reply::Ours, Reply::NotOurs, Reply::NoAnswer]);
         assert!(!replies.ours_on_a_majority() && !replies.lost_on_a_majority());
         replies.count(Reply::NotOurs);
         replies.count(Reply::NotOurs);
@@ -259,10 +265,7 @@ mod tests {
 
     #[test]
     fn a_master_that_is_down_is_no_reason_to_retry() {
-        let mut replies = Replies::new(3);
-        replies.count(Reply::Ours);
-        replies.count(Reply::Down);
-        replies.count(Reply::NotOurs);
+        let replies = counted(3, &[Reply::Ours, Reply::Down, Reply::NotOurs]);
         assert_eq!(replies.no_answer, 0);
         assert!(!replies.ours_on_a_majority() && !replies.lost_on_a_majority());
     }

@@ -27,8 +27,11 @@
 //!   tried again on a fresh session until the wait ends (a server that never answered
 //!   is told at once);
 //! - `settings`: the settings both builders share (prefix, liveness interval, command
-//!   timeout) and their checks.
+//!   timeout) and the checks of other settings both make;
+//! - `builder`: what both builders do with their settings: a change drops what was made
+//!   from the old ones, and the first setting refused is kept for `build` to return.
 
+mod builder;
 mod hold;
 mod holds;
 mod retry;
@@ -43,10 +46,13 @@ use std::time::Duration;
 
 use tokio::time::{timeout, Instant};
 
+#[cfg(test)]
+pub(crate) use self::builder::testing;
+pub(crate) use self::builder::{Builder, Configurable, Draft};
 pub(crate) use self::hold::hold;
 pub(crate) use self::holds::Holds;
 pub(crate) use self::retry::{within_the_wait, Reached};
-pub(crate) use self::settings::{is_plain_or_qualified, refused_pool_size, Builder, Settings};
+pub(crate) use self::settings::{is_plain_or_qualified, refused_pool_size, Settings};
 pub(crate) use self::timing::{
     Answered, Timing, DEFAULT_COMMAND_TIMEOUT, DEFAULT_LIVENESS_INTERVAL,
 };

@@ -1,10 +1,8 @@
 //! The settings both session backends' builders share — the prefix, the liveness
-//! interval and the command timeout — with their checks written once: a builder keeps
-//! the first setting it refused, and `build` returns it.
+//! interval and the command timeout — and the checks of other settings both make.
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use super::Timing;
 
@@ -30,37 +28,6 @@ impl Settings {
         f.field("prefix", &self.prefix)
             .field("liveness_interval", &self.timing.liveness_interval)
             .field("command_timeout", &self.timing.command_timeout);
-    }
-}
-
-/// A session backend's builder: the shared setters' checks run here, once.
-pub(crate) trait Builder: Sized {
-    /// Applies `change` to the shared settings (and drops whatever was made from the
-    /// old ones).
-    fn configure_settings(self, change: impl FnOnce(&mut Settings)) -> Self;
-
-    /// Keeps the first refused setting for `build` to return.
-    fn refuse(self, problem: String) -> Self;
-
-    /// Sets the liveness interval; zero is refused.
-    fn with_liveness_interval(self, interval: Duration) -> Self {
-        if interval.is_zero() {
-            return self.refuse("liveness_interval must not be zero".into());
-        }
-        self.configure_settings(|settings| settings.timing.liveness_interval = interval)
-    }
-
-    /// Sets the command timeout; zero is refused.
-    fn with_command_timeout(self, timeout: Duration) -> Self {
-        if timeout.is_zero() {
-            return self.refuse("command_timeout must not be zero".into());
-        }
-        self.configure_settings(|settings| settings.timing.command_timeout = timeout)
-    }
-
-    /// Sets the prefix, as given.
-    fn with_prefix(self, prefix: String) -> Self {
-        self.configure_settings(|settings| settings.prefix = prefix.into())
     }
 }
 

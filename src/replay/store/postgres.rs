@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio::sync::OnceCell;
+use tokio_postgres::Statement;
 
 use crate::backend::postgres::schema::create_if_missing;
 
@@ -209,6 +210,17 @@ impl PostgresReplayStore {
             .await?;
         Ok(client)
     }
+
+    /// A pooled connection, as [`client`](Self::client), with `sql` prepared on it
+    /// (once per connection).
+    async fn prepared(
+        &self,
+        sql: &str,
+    ) -> Result<(deadpool_postgres::Object, Statement), StoreError> {
+        let client = self.client().await?;
+        let statement = client.prepare_cached(sql).await.map_err(StoreError::new)?;
+        Ok((client, statement))
+    }
 }
 
 /// The fenced upsert into `table` of a record: its layer, key, scope, fence, bytes and
@@ -254,12 +266,8 @@ impl ReplayStore for PostgresReplayStore {
         let store = self.clone();
         let key = key.clone();
         Box::pin(async move {
-            let client = store.client().await?;
             // Prepared once per connection: a read is one round trip.
-            let get = client
-                .prepare_cached(&store.statements.get)
-                .await
-                .map_err(StoreError::new)?;
+            let (client, get) = store.prepared(&store.statements.get).await?;
             let row = client
                 .query_opt(&get, &[&key.layer(), &key.key(), &key.scope()])
                 .await
@@ -277,11 +285,7 @@ impl ReplayStore for PostgresReplayStore {
                 StoreError::new("the PostgreSQL replay store needs fencing tokens: PostgresBackendBuilder::fencing(true)")
             })?;
             let (fence, ttl_ms) = fence_and_ttl(token, ttl)?;
-            let client = store.client().await?;
-            let put = client
-                .prepare_cached(&store.statements.put)
-                .await
-                .map_err(StoreError::new)?;
+            let (client, put) = store.prepared(&store.statements.put).await?;
             let written = client
                 .execute(
                     &put,
