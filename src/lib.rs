@@ -133,11 +133,9 @@ pub mod metrics;
 pub mod reject;
 mod rejection_kind;
 #[cfg(feature = "replay")]
-#[cfg_attr(docsrs, doc(cfg(feature = "replay")))]
 pub mod replay;
 mod sync;
 #[cfg(all(feature = "testkit", not(loom)))]
-#[cfg_attr(docsrs, doc(cfg(feature = "testkit")))]
 pub mod testkit;
 mod within;
 
@@ -146,31 +144,22 @@ mod within;
 pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
 
 #[cfg(feature = "azure-blob")]
-#[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
 pub use backend::azure_blob::AzureBlobBackend;
 #[cfg(feature = "dynamodb")]
-#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use backend::dynamodb::DynamoDbBackend;
 #[cfg(feature = "etcd")]
-#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub use backend::etcd::EtcdBackend;
 #[cfg(feature = "mysql")]
-#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use backend::mysql::MySqlBackend;
 #[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use backend::postgres::PostgresBackend;
 #[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redis::RedisBackend;
 #[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use backend::redlock::RedlockBackend;
 #[cfg(feature = "s3")]
-#[cfg_attr(docsrs, doc(cfg(feature = "s3")))]
 pub use backend::s3::S3Backend;
 #[cfg(feature = "zookeeper")]
-#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub use backend::zookeeper::ZooKeeperBackend;
 pub use backend::{Lease, LeaseSignal, LockBackend};
 pub use buffer::{BufferRequestBody, BufferRequestBodyLayer, BufferedBody};
@@ -180,10 +169,8 @@ pub use distributed::{
 };
 pub use error::LockError;
 #[cfg(feature = "json")]
-#[cfg_attr(docsrs, doc(cfg(feature = "json")))]
 pub use key::JsonBodyKey;
 #[cfg(feature = "axum")]
-#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use key::PathParam;
 pub use key::{ExtensionKey, FnKey, HeaderKey, Key, KeyError, KeyExtractor, DEFAULT_MAX_KEY_LEN};
 pub use layer::{
@@ -196,25 +183,20 @@ pub use reject::{Rejection, RejectionKind};
 // match this crate's: `tower_keyed_lock::http::StatusCode` for `timeout_status`, the
 // clients the backends are built from.
 #[cfg(feature = "dynamodb")]
-#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 #[doc(no_inline)]
 pub use aws_sdk_dynamodb;
 #[cfg(feature = "s3")]
-#[cfg_attr(docsrs, doc(cfg(feature = "s3")))]
 #[doc(no_inline)]
 pub use aws_sdk_s3;
 #[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 #[doc(no_inline)]
 pub use deadpool_postgres;
 #[doc(no_inline)]
 pub use http;
 #[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 #[doc(no_inline)]
 pub use redis;
 #[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 #[doc(no_inline)]
 pub use tokio_postgres;
 

@@ -54,16 +54,13 @@ use crate::key::Key;
 #[cfg(any(feature = "dynamodb", feature = "s3"))]
 mod aws;
 #[cfg(feature = "azure-blob")]
-#[cfg_attr(docsrs, doc(cfg(feature = "azure-blob")))]
 pub mod azure_blob;
 pub mod deployment;
 mod detach;
 #[cfg(feature = "dynamodb")]
-#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
 mod engine_head;
 #[cfg(feature = "etcd")]
-#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub mod etcd;
 pub(crate) mod health;
 mod holder;
@@ -79,21 +76,16 @@ mod located;
 mod lost;
 mod mode;
 #[cfg(feature = "mysql")]
-#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub mod mysql;
 #[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub mod postgres;
 mod record;
 #[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 #[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redlock;
 mod retry_later;
 #[cfg(feature = "s3")]
-#[cfg_attr(docsrs, doc(cfg(feature = "s3")))]
 pub mod s3;
 #[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
 mod server_clock;
@@ -123,7 +115,6 @@ mod setup_error;
 ))]
 mod ttl;
 #[cfg(feature = "zookeeper")]
-#[cfg_attr(docsrs, doc(cfg(feature = "zookeeper")))]
 pub mod zookeeper;
 
 pub use deployment::{DeploymentReport, Finding, Verdict};

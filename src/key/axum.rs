@@ -24,7 +24,6 @@ use super::{Key, KeyError, KeyExtractor};
 /// let app: Router = Router::new().route("/orders/{order_id}/pay", post(|| async {}));
 /// # let _ = (extractor, app);
 /// ```
-#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 #[derive(Clone, Debug)]
 pub struct PathParam {
     name: Arc<str>,

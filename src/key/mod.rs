@@ -46,11 +46,9 @@ use text::Text;
 #[cfg(feature = "axum")]
 pub(crate) use self::axum::is_unrouted;
 #[cfg(feature = "axum")]
-#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 pub use self::axum::PathParam;
 pub use extract::{ExtensionKey, FnKey, HeaderKey, KeyExtractor};
 #[cfg(feature = "json")]
-#[cfg_attr(docsrs, doc(cfg(feature = "json")))]
 pub use json::JsonBodyKey;
 
 /// The default limit on a key's length, in bytes.

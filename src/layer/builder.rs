@@ -82,7 +82,6 @@ struct Table {
 }
 
 #[cfg(feature = "axum")]
-#[cfg_attr(docsrs, doc(cfg(feature = "axum")))]
 impl KeyedLockLayer<crate::key::PathParam> {
     /// Keys requests by the axum path parameter `name` (as in `/orders/{order_id}`).
     ///
@@ -167,7 +166,6 @@ impl KeyedLockLayer<ExtensionKey<()>> {
 }
 
 #[cfg(feature = "json")]
-#[cfg_attr(docsrs, doc(cfg(feature = "json")))]
 impl KeyedLockLayer<crate::key::JsonBodyKey> {
     /// Keys requests by the value at a JSON pointer (RFC 6901) in the JSON request
     /// body, such as Stripe's event id at `/id`: a string is the key, an integer its

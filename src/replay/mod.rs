@@ -152,9 +152,7 @@ pub use record::{Fingerprint, Record, DEFAULT_REPLAYED_HEADERS};
 pub use respond::IDEMPOTENT_REPLAYED;
 pub use service::Replay;
 #[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::RedisReplayStore;
 pub use store::{MemoryStore, RecordKey, ReplayStore, StoreError, Stored, DEFAULT_MEMORY_CAPACITY};
 #[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::{PostgresReplayStore, DEFAULT_TABLE};

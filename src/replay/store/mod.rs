@@ -29,10 +29,8 @@ use super::record::Record;
 pub use error::StoreError;
 pub use memory::{MemoryStore, DEFAULT_MEMORY_CAPACITY};
 #[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::{PostgresReplayStore, DEFAULT_TABLE};
 #[cfg(feature = "redis")]
-#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use redis::RedisReplayStore;
 
 /// Where a record lives: the lock layer's name, the request key, and the scope (a hex
