@@ -9,6 +9,7 @@ use tokio::time::timeout;
 use super::lease::AzureBlobLockError;
 use super::metadata::{FENCE, INSTANCE, SINCE_MS};
 use super::Inner;
+use crate::backend::ttl::PolledRecord as _;
 use crate::backend::{from_unix_millis, Holder};
 use crate::error::LockError;
 

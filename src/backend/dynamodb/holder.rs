@@ -9,6 +9,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::item::{FENCE, OWNER};
 use super::Inner;
+use crate::backend::ttl::PolledRecord as _;
 use crate::backend::{from_unix_millis, Holder};
 use crate::error::LockError;
 

@@ -20,11 +20,10 @@ use super::item::{self, epoch_seconds, millis, Holder};
 use super::retry::{is_transient, CommandTimeout};
 use super::Inner;
 use crate::backend::located::Located;
+use crate::backend::settings::Settings;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round, Timing,
-    TtlBackend,
+    self, fresh_token, Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal, Round,
 };
-use crate::backend::Lease;
 use crate::LockError;
 
 /// The primary key of one lock item.
@@ -40,9 +39,6 @@ pub(super) struct Held {
 
 /// How many times a deferred delete of a released item is sent while unanswered.
 const DELETE_TRIES: u32 = 3;
-
-/// The first pause of a waiter; pauses double from here up to `poll_interval`.
-const FIRST_POLL: Duration = Duration::from_millis(5);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -98,15 +94,6 @@ fn is_condition_failed(error: &SdkError<UpdateItemError>) -> bool {
 }
 
 impl Inner {
-    /// `error` inside [`LockError::Backend`], after the engine and its endpoint.
-    pub(super) fn named(&self, error: BoxError) -> LockError {
-        LockError::Backend(Box::new(Located::new(
-            super::table::ENGINE,
-            self.endpoint.describe().into(),
-            error,
-        )))
-    }
-
     /// An update of the lock item, with the attribute names every update uses.
     fn update(&self, item: &ItemKey) -> UpdateItemFluentBuilder {
         let layout = &self.layout;
@@ -222,34 +209,6 @@ impl Inner {
             Err(error) if is_condition_failed(&error) => Ok(false),
             Err(error) => Err(error.into()),
         }
-    }
-
-    /// One release attempt. The item goes with the lease once DynamoDB's clock is
-    /// surely past its fence counter: a later item of the key then starts above it
-    /// ([`Self::seed`]). Until then the owner is cleared and the item is deleted once
-    /// the clock is past, if nobody holds it by then.
-    async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
-        let clock = &self.endpoint.clock;
-        if held.fence.is_some_and(|fence| clock.is_past(fence)) {
-            return self.delete_held(&held.item, token).await;
-        }
-        let cleared = self.clear_owner(&held.item, token).await;
-        if !matches!(cleared, GiveBack::NoAnswer) {
-            // An attempt's item (fence unknown) has a fence below this at most.
-            let fence = held
-                .fence
-                .or_else(|| clock.at_most_on_landing(self.config.settings.command_timeout));
-            if let Some(due) = fence.and_then(|fence| clock.surely_past(fence)) {
-                let deleter = Deleter {
-                    client: self.client.clone(),
-                    table: self.layout.table.clone(),
-                    endpoint: self.endpoint.clone(),
-                    command_timeout: self.config.settings.command_timeout,
-                };
-                tokio::spawn(deleter.delete_released(held.item.clone(), due));
-            }
-        }
-        cleared
     }
 
     /// Deletes the item if `token` holds it.
@@ -368,40 +327,38 @@ fn is_delete_condition_failed(error: &SdkError<DeleteItemError>) -> bool {
     )
 }
 
-impl Contend for Inner {
+impl PolledRecord for Inner {
     type Key = ItemKey;
-    type Grant = Lease;
-    type Contender = ();
+    type Held = Held;
 
-    fn contender(self: &Arc<Self>, _: &Self::Key, _: Instant) -> Result<(), BoxError> {
-        Ok(())
+    const ENGINE: &'static str = "dynamodb";
+    const FIRST_POLL: Duration = Duration::from_millis(5);
+
+    fn settings(&self) -> &Settings {
+        &self.config.settings
     }
 
-    fn pauses(&self) -> Backoff {
-        Backoff::new(FIRST_POLL, self.config.settings.poll_interval)
+    fn unanswered(item: &ItemKey) -> Held {
+        Held {
+            item: item.clone(),
+            fence: None,
+        }
     }
 
     /// Takes the key if it is free, or over a holder whose record stopped changing for
     /// a lease as this process saw it (what was seen is kept across acquisitions).
-    async fn attempt(self: &Arc<Self>, _: &mut (), item: &ItemKey, round: Round) -> Attempt {
+    async fn try_grant(
+        self: &Arc<Self>,
+        item: &ItemKey,
+        in_flight: &mut InFlight<Self>,
+        round: Round,
+    ) -> Attempt<Granted<Held>> {
         let sent_at = round.sent_at;
         let id = match item.get(&self.layout.partition_key) {
             Some(AttributeValue::S(value)) => value.clone(),
             _ => String::new(),
         };
         let stale = self.watched.stale_version(&id, sent_at);
-        let token = match fresh_token() {
-            Ok(token) => token,
-            Err(error) => return Attempt::Failed(Box::new(error)),
-        };
-        // Armed until the answer is known: if it never comes (error, timeout, or this
-        // future dropped) the write may still have happened, and dropping `in_flight`
-        // gives the token's hold back.
-        let held = Held {
-            item: item.clone(),
-            fence: None,
-        };
-        let mut in_flight = InFlight::new(self.clone(), held, token);
         in_flight.sent(sent_at);
         match self
             .write_grant(item, in_flight.token(), stale.as_deref())
@@ -410,12 +367,15 @@ impl Contend for Inner {
             Ok(Written::Granted { fence }) => {
                 self.watched.forget(&id);
                 self.endpoint.clock.saw_token(fence);
-                let token = in_flight.granted();
                 let held = Held {
                     item: item.clone(),
                     fence: Some(fence),
                 };
-                Attempt::Granted(ttl::grant(self, held, token, Some(fence), sent_at))
+                Attempt::Granted(Granted {
+                    held,
+                    fence,
+                    sent_at,
+                })
             }
             Ok(Written::Held(holder)) => {
                 in_flight.answered();
@@ -440,30 +400,7 @@ impl Contend for Inner {
         }
     }
 
-    fn named(&self, error: BoxError) -> LockError {
-        Inner::named(self, error)
-    }
-
-    fn no_answer(&self) -> BoxError {
-        Box::new(CommandTimeout(self.config.settings.command_timeout))
-    }
-}
-
-impl TtlBackend for Inner {
-    type Target = Held;
-
-    fn timing(&self) -> Timing {
-        self.config.settings.timing()
-    }
-
-    async fn renew(
-        &self,
-        held: &Held,
-        token: &str,
-        _ttl: Duration,
-        _sent: Instant,
-        limit: Instant,
-    ) -> Renewal {
+    async fn renew_by(&self, held: &Held, token: &str, limit: Instant) -> Renewal {
         match timeout_at(limit, self.write_new_version(&held.item, token)).await {
             Ok(Ok(true)) => Renewal::Renewed,
             Ok(Ok(false)) => Renewal::NotOurs,
@@ -471,11 +408,44 @@ impl TtlBackend for Inner {
         }
     }
 
-    async fn try_give_back(&self, held: &Held, token: &str) -> GiveBack {
-        self.give_back(held, token).await
+    /// One release attempt. The item goes with the lease once DynamoDB's clock is
+    /// surely past its fence counter: a later item of the key then starts above it
+    /// ([`Self::seed`]). Until then the owner is cleared and the item is deleted once
+    /// the clock is past, if nobody holds it by then.
+    async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
+        let clock = &self.endpoint.clock;
+        if held.fence.is_some_and(|fence| clock.is_past(fence)) {
+            return self.delete_held(&held.item, token).await;
+        }
+        let cleared = self.clear_owner(&held.item, token).await;
+        if !matches!(cleared, GiveBack::NoAnswer) {
+            // An attempt's item (fence unknown) has a fence below this at most.
+            let fence = held
+                .fence
+                .or_else(|| clock.at_most_on_landing(self.config.settings.command_timeout));
+            if let Some(due) = fence.and_then(|fence| clock.surely_past(fence)) {
+                let deleter = Deleter {
+                    client: self.client.clone(),
+                    table: self.layout.table.clone(),
+                    endpoint: self.endpoint.clone(),
+                    command_timeout: self.config.settings.command_timeout,
+                };
+                tokio::spawn(deleter.delete_released(held.item.clone(), due));
+            }
+        }
+        cleared
     }
 
-    fn engine(&self) -> &'static str {
-        "dynamodb"
+    /// `error` inside [`LockError::Backend`], after the engine and its endpoint.
+    fn named(&self, error: BoxError) -> LockError {
+        LockError::Backend(Box::new(Located::new(
+            super::table::ENGINE,
+            self.endpoint.describe().into(),
+            error,
+        )))
+    }
+
+    fn no_answer(&self) -> BoxError {
+        Box::new(CommandTimeout(self.config.settings.command_timeout))
     }
 }
