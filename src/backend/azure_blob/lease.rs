@@ -24,7 +24,9 @@ use super::metadata::{grant_metadata, FENCE};
 use super::Inner;
 use crate::backend::located::Located;
 use crate::backend::settings::Settings;
-use crate::backend::ttl::{Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal, Round};
+use crate::backend::ttl::{
+    give_back_call, Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal, Round,
+};
 use crate::LockError;
 
 /// How many times a deferred delete of a released blob is sent while unanswered.
@@ -146,6 +148,12 @@ fn is_conflict(error: &azure_core::Error) -> bool {
         status(error),
         Some(StatusCode::Conflict | StatusCode::PreconditionFailed)
     )
+}
+
+/// Whether Azure refused a lease call or a delete because the lease is not ours (another
+/// lease id, a broken or released lease) or the blob is gone.
+fn not_ours(error: &azure_core::Error) -> bool {
+    is_conflict(error) || status(error) == Some(StatusCode::NotFound)
 }
 
 /// The token after the one in `metadata`; a blob without one (new, deleted at a
@@ -411,32 +419,6 @@ impl From<azure_core::Error> for AttemptError {
     }
 }
 
-impl Inner {
-    /// A release by `call`, bounded by the command timeout.
-    async fn give_back_by<T>(
-        &self,
-        what: &str,
-        call: impl Future<Output = azure_core::Result<T>>,
-    ) -> GiveBack {
-        match timeout(self.config.command_timeout, call).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error))
-                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
-            {
-                GiveBack::NotOurs
-            }
-            Ok(Err(error)) => {
-                tracing::debug!(%error, "azure blob {what} failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("azure blob {what} timed out");
-                GiveBack::NoAnswer
-            }
-        }
-    }
-}
-
 /// Deletes a released blob at `due`, when Azure's clock is surely past its token, if
 /// it is still as the grant left it (`If-Match: etag`; a new grant rewrites the
 /// metadata) and unleased (Azure refuses to delete a leased blob without its lease
@@ -524,12 +506,7 @@ impl PolledRecord for Inner {
         let renew = held.blob.renew_lease(token.to_owned(), None);
         match timeout_at(limit, renew).await {
             Ok(Ok(_)) => Renewal::Renewed,
-            // Another lease id, a broken or released lease, or no blob any more.
-            Ok(Err(error))
-                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
-            {
-                Renewal::NotOurs
-            }
+            Ok(Err(error)) if not_ours(&error) => Renewal::NotOurs,
             Ok(Err(_)) | Err(_) => Renewal::Unknown,
         }
     }
@@ -541,18 +518,20 @@ impl PolledRecord for Inner {
     /// the grant's write by then (`If-Match`).
     async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
         let blob = &held.blob;
+        let limit = self.config.command_timeout;
         match &held.grant {
             Some((fence, _)) if self.clock.is_past(*fence) => {
                 let options = BlobClientDeleteOptions {
                     lease_id: Some(token.to_owned()),
                     ..Default::default()
                 };
-                self.give_back_by("delete", blob.delete(Some(options)))
-                    .await
+                let delete = blob.delete(Some(options));
+                give_back_call("azure blob delete", limit, delete, not_ours).await
             }
             grant => {
                 let release = blob.release_lease(token.to_owned(), None);
-                let given_back = self.give_back_by("lease release", release).await;
+                let given_back =
+                    give_back_call("azure blob lease release", limit, release, not_ours).await;
                 if let (GiveBack::Cleared, Some((fence, Some(etag)))) = (&given_back, grant) {
                     if let Some(due) = self.clock.surely_past(*fence) {
                         let command_timeout = self.config.command_timeout;

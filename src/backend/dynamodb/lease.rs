@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::delete_item::builders::DeleteItemFluentBuilder;
-use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
@@ -22,7 +21,8 @@ use super::Inner;
 use crate::backend::located::Located;
 use crate::backend::settings::Settings;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal, Round,
+    self, fresh_token, give_back_call, Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal,
+    Round,
 };
 use crate::LockError;
 
@@ -217,8 +217,7 @@ impl Inner {
             .condition_expression("#owner = :token")
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .send();
-        self.give_back_by("delete", delete, is_delete_condition_failed)
-            .await
+        self.give_back_by("dynamodb lock delete", delete).await
     }
 
     /// One release attempt: clears the owner if `token` still holds the key.
@@ -229,8 +228,7 @@ impl Inner {
             .condition_expression("#owner = :token")
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .send();
-        self.give_back_by("release", release, is_condition_failed)
-            .await
+        self.give_back_by("dynamodb lock release", release).await
     }
 
     /// A give-back by one write conditional on the owner token, bounded by the command
@@ -239,24 +237,19 @@ impl Inner {
         &self,
         what: &str,
         write: impl Future<Output = Result<T, SdkError<E>>>,
-        condition_failed: fn(&SdkError<E>) -> bool,
     ) -> GiveBack
     where
         aws_sdk_dynamodb::Error: From<SdkError<E>>,
     {
-        match timeout(self.config.settings.command_timeout, write).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error)) if condition_failed(&error) => GiveBack::NotOurs,
-            Ok(Err(error)) => {
-                let error = aws_sdk_dynamodb::Error::from(error);
-                tracing::debug!(%error, "dynamodb lock {what} failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("dynamodb lock {what} timed out");
-                GiveBack::NoAnswer
-            }
-        }
+        let write = async { write.await.map_err(aws_sdk_dynamodb::Error::from) };
+        let limit = self.config.settings.command_timeout;
+        give_back_call(what, limit, write, |error| {
+            matches!(
+                error,
+                aws_sdk_dynamodb::Error::ConditionalCheckFailedException(_)
+            )
+        })
+        .await
     }
 }
 
@@ -318,13 +311,6 @@ fn fresh_rvn() -> Result<String, CallError> {
         LockError::Backend(error) => CallError::local(error),
         other => CallError::local(Box::new(other)),
     })
-}
-
-fn is_delete_condition_failed(error: &SdkError<DeleteItemError>) -> bool {
-    matches!(
-        error.as_service_error(),
-        Some(DeleteItemError::ConditionalCheckFailedException(_))
-    )
 }
 
 impl PolledRecord for Inner {

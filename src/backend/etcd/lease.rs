@@ -452,19 +452,9 @@ impl Inner {
     /// Revokes the contender's lease (its key goes with it); one try.
     async fn revoke(&self, contender: &Contender) -> GiveBack {
         let mut leases = self.client.lease_client();
-        let limit = Instant::now() + self.config.command_timeout;
-        match timeout_at(limit, leases.revoke(contender.lease)).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error)) if lease_not_found(&error) => GiveBack::NotOurs,
-            Ok(Err(error)) => {
-                tracing::debug!(%error, "etcd lease revoke failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("etcd lease revoke timed out");
-                GiveBack::NoAnswer
-            }
-        }
+        let revoke = leases.revoke(contender.lease);
+        let limit = self.config.command_timeout;
+        ttl::give_back_call("etcd lease revoke", limit, revoke, lease_not_found).await
     }
 }
 

@@ -67,6 +67,8 @@ use tokio::time::Instant;
 pub(crate) use self::acquire::{acquire, Attempt, Contend, Round};
 #[cfg(feature = "zookeeper")]
 pub(crate) use self::give_back::give_back;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "etcd"))]
+pub(crate) use self::give_back::give_back_call;
 pub(crate) use self::give_back::InFlight;
 pub(crate) use self::lease::grant;
 #[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
