@@ -4,7 +4,6 @@
 //! (validity deadline, renewal every lease/3, background give-back, the in-flight
 //! guard) is the engine's (`backend::ttl`).
 
-use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
@@ -75,15 +74,6 @@ impl Contender {
             // Never: the sender lives as long as the contender.
             std::future::pending::<()>().await;
         }
-    }
-}
-
-impl fmt::Debug for Contender {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Contender")
-            .field("lease", &self.lease)
-            .field("key", &self.key)
-            .finish_non_exhaustive()
     }
 }
 
