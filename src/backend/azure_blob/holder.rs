@@ -6,9 +6,9 @@ use azure_storage_blob::models::{BlobClientGetPropertiesResultHeaders, LeaseStat
 use azure_storage_blob::BlobClient;
 use tokio::time::timeout;
 
-use super::lease::AzureBlobLockError;
 use super::metadata::{FENCE, INSTANCE, SINCE_MS};
 use super::Inner;
+use crate::backend::ttl::PolledRecord as _;
 use crate::backend::{from_unix_millis, Holder};
 use crate::error::LockError;
 
@@ -21,10 +21,7 @@ impl Inner {
             Ok(Ok(properties)) => properties,
             Ok(Err(error)) if error.http_status() == Some(StatusCode::NotFound) => return Ok(None),
             Ok(Err(error)) => return Err(failed(error)),
-            Err(_) => {
-                let limit = self.config.command_timeout;
-                return Err(self.named(Box::new(AzureBlobLockError::CommandTimeout(limit))));
-            }
+            Err(_) => return Err(self.named(self.no_answer())),
         };
         if !matches!(
             properties.lease_state().map_err(failed)?,

@@ -23,15 +23,11 @@ use tokio::time::{sleep_until, timeout, timeout_at, Instant};
 use super::metadata::{grant_metadata, FENCE};
 use super::Inner;
 use crate::backend::located::Located;
+use crate::backend::settings::Settings;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round, Timing,
-    TtlBackend,
+    give_back_call, Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal, Round,
 };
-use crate::backend::Lease;
 use crate::LockError;
-
-/// The first pause of a waiter; pauses double from here up to `poll_interval`.
-const FIRST_POLL: Duration = Duration::from_millis(10);
 
 /// How many times a deferred delete of a released blob is sent while unanswered.
 const DELETE_TRIES: u32 = 3;
@@ -154,6 +150,12 @@ fn is_conflict(error: &azure_core::Error) -> bool {
     )
 }
 
+/// Whether Azure refused a lease call or a delete because the lease is not ours (another
+/// lease id, a broken or released lease) or the blob is gone.
+fn not_ours(error: &azure_core::Error) -> bool {
+    is_conflict(error) || status(error) == Some(StatusCode::NotFound)
+}
+
 /// The token after the one in `metadata`; a blob without one (new, deleted at a
 /// release, or in a container made again) starts after `start`: Azure's clock when
 /// the write lands, and above every token seen (`ServerClock::token_start`).
@@ -194,15 +196,6 @@ impl Inner {
         }
     }
 
-    /// `error` inside [`LockError::Backend`], after the engine and the container.
-    pub(super) fn named(&self, error: BoxError) -> LockError {
-        LockError::Backend(Box::new(Located::new(
-            super::ENGINE,
-            self.address.clone(),
-            error,
-        )))
-    }
-
     /// Takes Azure's clock from the `Date` of an answer to a request sent at `sent`.
     fn observe(&self, headers: &Headers, sent: Instant) {
         let received = Instant::now();
@@ -212,24 +205,6 @@ impl Inner {
             .and_then(|date| u64::try_from(date.unix_timestamp()).ok());
         if let Some(secs) = date {
             self.clock.observe(secs, sent, received);
-        }
-    }
-
-    /// One attempt, read again once if the blob changed between its read and the lease
-    /// (see [`Taken::Changed`]): a key freed by a release is never answered "held"
-    /// because its blob was being deleted meanwhile.
-    async fn try_take(
-        &self,
-        blob: &BlobClient,
-        in_flight: &mut InFlight<Self>,
-        cap: Instant,
-    ) -> Result<Taken, AttemptError> {
-        match self.attempt_once(blob, in_flight, cap).await? {
-            Taken::Changed => match self.attempt_once(blob, in_flight, cap).await? {
-                Taken::Changed => Ok(Taken::Held),
-                other => Ok(other),
-            },
-            other => Ok(other),
         }
     }
 
@@ -444,63 +419,6 @@ impl From<azure_core::Error> for AttemptError {
     }
 }
 
-impl Inner {
-    /// One release attempt. The blob goes with the lease (`Delete Blob` with the lease
-    /// id) once Azure's clock is surely past its token: a later blob of the key then
-    /// starts above it (`ServerClock::token_start`). Until then the lease is released, and the
-    /// blob is deleted once the clock is past, if it is unleased and unchanged since
-    /// the grant's write by then (`If-Match`).
-    async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
-        let blob = &held.blob;
-        match &held.grant {
-            Some((fence, _)) if self.clock.is_past(*fence) => {
-                let options = BlobClientDeleteOptions {
-                    lease_id: Some(token.to_owned()),
-                    ..Default::default()
-                };
-                self.give_back_by("delete", blob.delete(Some(options)))
-                    .await
-            }
-            grant => {
-                let release = blob.release_lease(token.to_owned(), None);
-                let given_back = self.give_back_by("lease release", release).await;
-                if let (GiveBack::Cleared, Some((fence, Some(etag)))) = (&given_back, grant) {
-                    if let Some(due) = self.clock.surely_past(*fence) {
-                        let command_timeout = self.config.command_timeout;
-                        let (blob, etag) = (blob.clone(), etag.clone());
-                        tokio::spawn(delete_released(blob, etag, due, command_timeout));
-                    }
-                }
-                given_back
-            }
-        }
-    }
-
-    /// A release by `call`, bounded by the command timeout.
-    async fn give_back_by<T>(
-        &self,
-        what: &str,
-        call: impl Future<Output = azure_core::Result<T>>,
-    ) -> GiveBack {
-        match timeout(self.config.command_timeout, call).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error))
-                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
-            {
-                GiveBack::NotOurs
-            }
-            Ok(Err(error)) => {
-                tracing::debug!(%error, "azure blob {what} failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("azure blob {what} timed out");
-                GiveBack::NoAnswer
-            }
-        }
-    }
-}
-
 /// Deletes a released blob at `due`, when Azure's clock is surely past its token, if
 /// it is still as the grant left it (`If-Match: etag`; a new grant rewrites the
 /// metadata) and unleased (Azure refuses to delete a leased blob without its lease
@@ -524,50 +442,56 @@ async fn delete_released(blob: Arc<BlobClient>, etag: Etag, due: Instant, limit:
     }
 }
 
-impl Contend for Inner {
+impl PolledRecord for Inner {
     type Key = Arc<BlobClient>;
-    type Grant = Lease;
-    type Contender = ();
+    type Held = Held;
 
-    fn contender(self: &Arc<Self>, _: &Self::Key, _: Instant) -> Result<(), BoxError> {
-        Ok(())
+    const ENGINE: &'static str = "azure-blob";
+    const FIRST_POLL: Duration = Duration::from_millis(10);
+
+    fn settings(&self) -> &Settings {
+        &self.config
     }
 
-    fn pauses(&self) -> Backoff {
-        Backoff::new(FIRST_POLL, self.config.poll_interval)
-    }
-
-    async fn attempt(
-        self: &Arc<Self>,
-        _: &mut (),
-        blob: &Arc<BlobClient>,
-        round: Round,
-    ) -> Attempt {
-        let limit = round.limit;
-        let token = match fresh_token() {
-            Ok(token) => lease_id(&token),
-            Err(error) => return Attempt::Failed(Box::new(error)),
-        };
-        // Armed while a lease call is unanswered or a granted lease is not handed over:
-        // dropping it (an error, the wait over, this future dropped) releases what the
-        // token may hold.
-        let held = Held {
+    fn unanswered(blob: &Arc<BlobClient>) -> Held {
+        Held {
             blob: blob.clone(),
             grant: None,
-        };
-        let mut in_flight = InFlight::new(self.clone(), held, token);
-        match self.try_take(blob, &mut in_flight, limit).await {
+        }
+    }
+
+    fn token(fresh: String) -> String {
+        lease_id(&fresh)
+    }
+
+    /// One attempt, read again once if the blob changed between its read and the lease
+    /// (see [`Taken::Changed`]): a key freed by a release is never answered "held"
+    /// because its blob was being deleted meanwhile.
+    async fn try_grant(
+        self: &Arc<Self>,
+        blob: &Arc<BlobClient>,
+        in_flight: &mut InFlight<Self>,
+        round: Round,
+    ) -> Attempt<Granted<Held>> {
+        let mut taken = self.attempt_once(blob, in_flight, round.limit).await;
+        if let Ok(Taken::Changed) = taken {
+            taken = self.attempt_once(blob, in_flight, round.limit).await;
+        }
+        match taken {
             Ok(Taken::Granted {
                 fence,
                 etag,
                 sent_at,
             }) => {
-                let token = in_flight.granted();
                 let held = Held {
                     blob: blob.clone(),
                     grant: Some((fence, etag)),
                 };
-                Attempt::Granted(ttl::grant(self, held, token, Some(fence), sent_at))
+                Attempt::Granted(Granted {
+                    held,
+                    fence,
+                    sent_at,
+                })
             }
             Ok(Taken::Held | Taken::Changed) => Attempt::Held { free_by: None },
             Err(AttemptError::WaitOver) => Attempt::OutOfTime(None),
@@ -578,50 +502,60 @@ impl Contend for Inner {
         }
     }
 
+    async fn renew_by(&self, held: &Held, token: &str, limit: Instant) -> Renewal {
+        let renew = held.blob.renew_lease(token.to_owned(), None);
+        match timeout_at(limit, renew).await {
+            Ok(Ok(_)) => Renewal::Renewed,
+            Ok(Err(error)) if not_ours(&error) => Renewal::NotOurs,
+            Ok(Err(_)) | Err(_) => Renewal::Unknown,
+        }
+    }
+
+    /// One release attempt. The blob goes with the lease (`Delete Blob` with the lease
+    /// id) once Azure's clock is surely past its token: a later blob of the key then
+    /// starts above it (`ServerClock::token_start`). Until then the lease is released, and the
+    /// blob is deleted once the clock is past, if it is unleased and unchanged since
+    /// the grant's write by then (`If-Match`).
+    async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
+        let blob = &held.blob;
+        let limit = self.config.command_timeout;
+        match &held.grant {
+            Some((fence, _)) if self.clock.is_past(*fence) => {
+                let options = BlobClientDeleteOptions {
+                    lease_id: Some(token.to_owned()),
+                    ..Default::default()
+                };
+                let delete = blob.delete(Some(options));
+                give_back_call("azure blob delete", limit, delete, not_ours).await
+            }
+            grant => {
+                let release = blob.release_lease(token.to_owned(), None);
+                let given_back =
+                    give_back_call("azure blob lease release", limit, release, not_ours).await;
+                if let (GiveBack::Cleared, Some((fence, Some(etag)))) = (&given_back, grant) {
+                    if let Some(due) = self.clock.surely_past(*fence) {
+                        let command_timeout = self.config.command_timeout;
+                        let (blob, etag) = (blob.clone(), etag.clone());
+                        tokio::spawn(delete_released(blob, etag, due, command_timeout));
+                    }
+                }
+                given_back
+            }
+        }
+    }
+
+    /// `error` inside [`LockError::Backend`], after the engine and the container.
     fn named(&self, error: BoxError) -> LockError {
-        Inner::named(self, error)
+        LockError::Backend(Box::new(Located::new(
+            super::ENGINE,
+            self.address.clone(),
+            error,
+        )))
     }
 
     fn no_answer(&self) -> BoxError {
         Box::new(AzureBlobLockError::CommandTimeout(
             self.config.command_timeout,
         ))
-    }
-}
-
-impl TtlBackend for Inner {
-    type Target = Held;
-
-    fn timing(&self) -> Timing {
-        self.config.timing()
-    }
-
-    async fn renew(
-        &self,
-        held: &Held,
-        token: &str,
-        _ttl: Duration,
-        _sent: Instant,
-        limit: Instant,
-    ) -> Renewal {
-        let renew = held.blob.renew_lease(token.to_owned(), None);
-        match timeout_at(limit, renew).await {
-            Ok(Ok(_)) => Renewal::Renewed,
-            // Another lease id, a broken or released lease, or no blob any more.
-            Ok(Err(error))
-                if is_conflict(&error) || status(&error) == Some(StatusCode::NotFound) =>
-            {
-                Renewal::NotOurs
-            }
-            Ok(Err(_)) | Err(_) => Renewal::Unknown,
-        }
-    }
-
-    async fn try_give_back(&self, held: &Held, token: &str) -> GiveBack {
-        self.give_back(held, token).await
-    }
-
-    fn engine(&self) -> &'static str {
-        "azure-blob"
     }
 }

@@ -9,6 +9,7 @@ use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::item::{FENCE, OWNER};
 use super::Inner;
+use crate::backend::ttl::PolledRecord as _;
 use crate::backend::{from_unix_millis, Holder};
 use crate::error::LockError;
 
@@ -35,10 +36,7 @@ impl Inner {
         let output = match tokio::time::timeout(self.config.settings.command_timeout, read).await {
             Ok(Ok(output)) => output,
             Ok(Err(error)) => return Err(self.named(Box::new(error))),
-            Err(_) => {
-                let limit = super::retry::CommandTimeout(self.config.settings.command_timeout);
-                return Err(self.named(Box::new(limit)));
-            }
+            Err(_) => return Err(self.named(self.no_answer())),
         };
         Ok(output.item().and_then(from_item))
     }

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use aws_sdk_dynamodb::error::SdkError;
 use aws_sdk_dynamodb::operation::delete_item::builders::DeleteItemFluentBuilder;
-use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::update_item::builders::UpdateItemFluentBuilder;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure};
@@ -20,11 +19,11 @@ use super::item::{self, epoch_seconds, millis, Holder};
 use super::retry::{is_transient, CommandTimeout};
 use super::Inner;
 use crate::backend::located::Located;
+use crate::backend::settings::Settings;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round, Timing,
-    TtlBackend,
+    self, fresh_token, give_back_call, Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal,
+    Round,
 };
-use crate::backend::Lease;
 use crate::LockError;
 
 /// The primary key of one lock item.
@@ -40,9 +39,6 @@ pub(super) struct Held {
 
 /// How many times a deferred delete of a released item is sent while unanswered.
 const DELETE_TRIES: u32 = 3;
-
-/// The first pause of a waiter; pauses double from here up to `poll_interval`.
-const FIRST_POLL: Duration = Duration::from_millis(5);
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -98,15 +94,6 @@ fn is_condition_failed(error: &SdkError<UpdateItemError>) -> bool {
 }
 
 impl Inner {
-    /// `error` inside [`LockError::Backend`], after the engine and its endpoint.
-    pub(super) fn named(&self, error: BoxError) -> LockError {
-        LockError::Backend(Box::new(Located::new(
-            super::table::ENGINE,
-            self.endpoint.describe().into(),
-            error,
-        )))
-    }
-
     /// An update of the lock item, with the attribute names every update uses.
     fn update(&self, item: &ItemKey) -> UpdateItemFluentBuilder {
         let layout = &self.layout;
@@ -224,42 +211,13 @@ impl Inner {
         }
     }
 
-    /// One release attempt. The item goes with the lease once DynamoDB's clock is
-    /// surely past its fence counter: a later item of the key then starts above it
-    /// ([`Self::seed`]). Until then the owner is cleared and the item is deleted once
-    /// the clock is past, if nobody holds it by then.
-    async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
-        let clock = &self.endpoint.clock;
-        if held.fence.is_some_and(|fence| clock.is_past(fence)) {
-            return self.delete_held(&held.item, token).await;
-        }
-        let cleared = self.clear_owner(&held.item, token).await;
-        if !matches!(cleared, GiveBack::NoAnswer) {
-            // An attempt's item (fence unknown) has a fence below this at most.
-            let fence = held
-                .fence
-                .or_else(|| clock.at_most_on_landing(self.config.settings.command_timeout));
-            if let Some(due) = fence.and_then(|fence| clock.surely_past(fence)) {
-                let deleter = Deleter {
-                    client: self.client.clone(),
-                    table: self.layout.table.clone(),
-                    endpoint: self.endpoint.clone(),
-                    command_timeout: self.config.settings.command_timeout,
-                };
-                tokio::spawn(deleter.delete_released(held.item.clone(), due));
-            }
-        }
-        cleared
-    }
-
     /// Deletes the item if `token` holds it.
     async fn delete_held(&self, item: &ItemKey, token: &str) -> GiveBack {
         let delete = delete(&self.client, &self.layout.table, item)
             .condition_expression("#owner = :token")
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .send();
-        self.give_back_by("delete", delete, is_delete_condition_failed)
-            .await
+        self.give_back_by("dynamodb lock delete", delete).await
     }
 
     /// One release attempt: clears the owner if `token` still holds the key.
@@ -270,8 +228,7 @@ impl Inner {
             .condition_expression("#owner = :token")
             .expression_attribute_values(":token", AttributeValue::S(token.to_owned()))
             .send();
-        self.give_back_by("release", release, is_condition_failed)
-            .await
+        self.give_back_by("dynamodb lock release", release).await
     }
 
     /// A give-back by one write conditional on the owner token, bounded by the command
@@ -280,24 +237,19 @@ impl Inner {
         &self,
         what: &str,
         write: impl Future<Output = Result<T, SdkError<E>>>,
-        condition_failed: fn(&SdkError<E>) -> bool,
     ) -> GiveBack
     where
         aws_sdk_dynamodb::Error: From<SdkError<E>>,
     {
-        match timeout(self.config.settings.command_timeout, write).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error)) if condition_failed(&error) => GiveBack::NotOurs,
-            Ok(Err(error)) => {
-                let error = aws_sdk_dynamodb::Error::from(error);
-                tracing::debug!(%error, "dynamodb lock {what} failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("dynamodb lock {what} timed out");
-                GiveBack::NoAnswer
-            }
-        }
+        let write = async { write.await.map_err(aws_sdk_dynamodb::Error::from) };
+        let limit = self.config.settings.command_timeout;
+        give_back_call(what, limit, write, |error| {
+            matches!(
+                error,
+                aws_sdk_dynamodb::Error::ConditionalCheckFailedException(_)
+            )
+        })
+        .await
     }
 }
 
@@ -361,47 +313,38 @@ fn fresh_rvn() -> Result<String, CallError> {
     })
 }
 
-fn is_delete_condition_failed(error: &SdkError<DeleteItemError>) -> bool {
-    matches!(
-        error.as_service_error(),
-        Some(DeleteItemError::ConditionalCheckFailedException(_))
-    )
-}
-
-impl Contend for Inner {
+impl PolledRecord for Inner {
     type Key = ItemKey;
-    type Grant = Lease;
-    type Contender = ();
+    type Held = Held;
 
-    fn contender(self: &Arc<Self>, _: &Self::Key, _: Instant) -> Result<(), BoxError> {
-        Ok(())
+    const ENGINE: &'static str = "dynamodb";
+    const FIRST_POLL: Duration = Duration::from_millis(5);
+
+    fn settings(&self) -> &Settings {
+        &self.config.settings
     }
 
-    fn pauses(&self) -> Backoff {
-        Backoff::new(FIRST_POLL, self.config.settings.poll_interval)
+    fn unanswered(item: &ItemKey) -> Held {
+        Held {
+            item: item.clone(),
+            fence: None,
+        }
     }
 
     /// Takes the key if it is free, or over a holder whose record stopped changing for
     /// a lease as this process saw it (what was seen is kept across acquisitions).
-    async fn attempt(self: &Arc<Self>, _: &mut (), item: &ItemKey, round: Round) -> Attempt {
+    async fn try_grant(
+        self: &Arc<Self>,
+        item: &ItemKey,
+        in_flight: &mut InFlight<Self>,
+        round: Round,
+    ) -> Attempt<Granted<Held>> {
         let sent_at = round.sent_at;
         let id = match item.get(&self.layout.partition_key) {
             Some(AttributeValue::S(value)) => value.clone(),
             _ => String::new(),
         };
         let stale = self.watched.stale_version(&id, sent_at);
-        let token = match fresh_token() {
-            Ok(token) => token,
-            Err(error) => return Attempt::Failed(Box::new(error)),
-        };
-        // Armed until the answer is known: if it never comes (error, timeout, or this
-        // future dropped) the write may still have happened, and dropping `in_flight`
-        // gives the token's hold back.
-        let held = Held {
-            item: item.clone(),
-            fence: None,
-        };
-        let mut in_flight = InFlight::new(self.clone(), held, token);
         in_flight.sent(sent_at);
         match self
             .write_grant(item, in_flight.token(), stale.as_deref())
@@ -410,12 +353,15 @@ impl Contend for Inner {
             Ok(Written::Granted { fence }) => {
                 self.watched.forget(&id);
                 self.endpoint.clock.saw_token(fence);
-                let token = in_flight.granted();
                 let held = Held {
                     item: item.clone(),
                     fence: Some(fence),
                 };
-                Attempt::Granted(ttl::grant(self, held, token, Some(fence), sent_at))
+                Attempt::Granted(Granted {
+                    held,
+                    fence,
+                    sent_at,
+                })
             }
             Ok(Written::Held(holder)) => {
                 in_flight.answered();
@@ -440,30 +386,7 @@ impl Contend for Inner {
         }
     }
 
-    fn named(&self, error: BoxError) -> LockError {
-        Inner::named(self, error)
-    }
-
-    fn no_answer(&self) -> BoxError {
-        Box::new(CommandTimeout(self.config.settings.command_timeout))
-    }
-}
-
-impl TtlBackend for Inner {
-    type Target = Held;
-
-    fn timing(&self) -> Timing {
-        self.config.settings.timing()
-    }
-
-    async fn renew(
-        &self,
-        held: &Held,
-        token: &str,
-        _ttl: Duration,
-        _sent: Instant,
-        limit: Instant,
-    ) -> Renewal {
+    async fn renew_by(&self, held: &Held, token: &str, limit: Instant) -> Renewal {
         match timeout_at(limit, self.write_new_version(&held.item, token)).await {
             Ok(Ok(true)) => Renewal::Renewed,
             Ok(Ok(false)) => Renewal::NotOurs,
@@ -471,11 +394,44 @@ impl TtlBackend for Inner {
         }
     }
 
-    async fn try_give_back(&self, held: &Held, token: &str) -> GiveBack {
-        self.give_back(held, token).await
+    /// One release attempt. The item goes with the lease once DynamoDB's clock is
+    /// surely past its fence counter: a later item of the key then starts above it
+    /// ([`Self::seed`]). Until then the owner is cleared and the item is deleted once
+    /// the clock is past, if nobody holds it by then.
+    async fn give_back(&self, held: &Held, token: &str) -> GiveBack {
+        let clock = &self.endpoint.clock;
+        if held.fence.is_some_and(|fence| clock.is_past(fence)) {
+            return self.delete_held(&held.item, token).await;
+        }
+        let cleared = self.clear_owner(&held.item, token).await;
+        if !matches!(cleared, GiveBack::NoAnswer) {
+            // An attempt's item (fence unknown) has a fence below this at most.
+            let fence = held
+                .fence
+                .or_else(|| clock.at_most_on_landing(self.config.settings.command_timeout));
+            if let Some(due) = fence.and_then(|fence| clock.surely_past(fence)) {
+                let deleter = Deleter {
+                    client: self.client.clone(),
+                    table: self.layout.table.clone(),
+                    endpoint: self.endpoint.clone(),
+                    command_timeout: self.config.settings.command_timeout,
+                };
+                tokio::spawn(deleter.delete_released(held.item.clone(), due));
+            }
+        }
+        cleared
     }
 
-    fn engine(&self) -> &'static str {
-        "dynamodb"
+    /// `error` inside [`LockError::Backend`], after the engine and its endpoint.
+    fn named(&self, error: BoxError) -> LockError {
+        LockError::Backend(Box::new(Located::new(
+            super::table::ENGINE,
+            self.endpoint.describe().into(),
+            error,
+        )))
+    }
+
+    fn no_answer(&self) -> BoxError {
+        Box::new(CommandTimeout(self.config.settings.command_timeout))
     }
 }

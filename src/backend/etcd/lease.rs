@@ -4,7 +4,6 @@
 //! (validity deadline, renewal every lease/3, background give-back, the in-flight
 //! guard) is the engine's (`backend::ttl`).
 
-use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
@@ -75,15 +74,6 @@ impl Contender {
             // Never: the sender lives as long as the contender.
             std::future::pending::<()>().await;
         }
-    }
-}
-
-impl fmt::Debug for Contender {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Contender")
-            .field("lease", &self.lease)
-            .field("key", &self.key)
-            .finish_non_exhaustive()
     }
 }
 
@@ -452,19 +442,9 @@ impl Inner {
     /// Revokes the contender's lease (its key goes with it); one try.
     async fn revoke(&self, contender: &Contender) -> GiveBack {
         let mut leases = self.client.lease_client();
-        let limit = Instant::now() + self.config.command_timeout;
-        match timeout_at(limit, leases.revoke(contender.lease)).await {
-            Ok(Ok(_)) => GiveBack::Cleared,
-            Ok(Err(error)) if lease_not_found(&error) => GiveBack::NotOurs,
-            Ok(Err(error)) => {
-                tracing::debug!(%error, "etcd lease revoke failed");
-                GiveBack::NoAnswer
-            }
-            Err(_) => {
-                tracing::debug!("etcd lease revoke timed out");
-                GiveBack::NoAnswer
-            }
-        }
+        let revoke = leases.revoke(contender.lease);
+        let limit = self.config.command_timeout;
+        ttl::give_back_call("etcd lease revoke", limit, revoke, lease_not_found).await
     }
 }
 

@@ -4,6 +4,7 @@
 use tokio::time::Instant;
 
 use super::Inner;
+use crate::backend::ttl::PolledRecord as _;
 use crate::backend::{from_unix_millis, Holder};
 use crate::error::LockError;
 

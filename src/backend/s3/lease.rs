@@ -12,18 +12,14 @@ use super::object::{CallError, Condition, Found, Outcome, S3LockError};
 use super::record::Record;
 use super::Inner;
 use crate::backend::located::Located;
+use crate::backend::settings::Settings;
 use crate::backend::ttl::{
-    self, fresh_token, Attempt, Backoff, Contend, GiveBack, InFlight, Renewal, Round, Timing,
-    TtlBackend,
+    self, Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal, Round,
 };
 use crate::backend::unix_millis;
-use crate::backend::Lease;
 use crate::LockError;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The first pause of a waiter; pauses double from here up to `poll_interval`.
-const FIRST_POLL: Duration = Duration::from_millis(10);
 
 /// How many times a deferred delete of a released object is sent while unanswered.
 const DELETE_TRIES: u32 = 3;
@@ -62,15 +58,6 @@ enum Taken {
 }
 
 impl Inner {
-    /// `error` inside [`LockError::Backend`], after the engine and its endpoint.
-    pub(super) fn named(&self, error: BoxError) -> LockError {
-        LockError::Backend(Box::new(Located::new(
-            super::ENGINE,
-            self.endpoint.describe().into(),
-            error,
-        )))
-    }
-
     /// The record a grant writes now.
     fn grant_record(&self, token: &str, fence: u64) -> Record {
         Record {
@@ -163,6 +150,131 @@ impl Inner {
         Ok(found.filter(|found| found.record.owner.as_deref() == Some(token)))
     }
 
+    /// Deletes a released object once S3's clock is surely past its token `fence`, if
+    /// its ETag is still `etag` (nobody took the key since).
+    fn delete_later(&self, object: &Arc<String>, etag: String, fence: u64) {
+        let Some(due) = self.clock().surely_past(fence) else {
+            return;
+        };
+        let Some(inner) = self.this.upgrade() else {
+            return;
+        };
+        let object = object.clone();
+        tokio::spawn(async move {
+            sleep_until(due).await;
+            for _ in 0..DELETE_TRIES {
+                let cap = Instant::now() + inner.config.command_timeout;
+                match inner.delete(&object, &etag, cap).await {
+                    // Deleted, or changed or gone meanwhile.
+                    Ok(_) => return,
+                    Err(error) if !error.transient => return,
+                    Err(error) => {
+                        tracing::debug!(error = %error.error, "s3 delete after release failed");
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// A delete's or refused write's outcome, with `value` for done.
+fn outcome_without<T, U>(outcome: Outcome<T>, value: U) -> Outcome<U> {
+    match outcome {
+        Outcome::Done(_) => Outcome::Done(value),
+        Outcome::Refused => Outcome::Refused,
+        Outcome::Gone => Outcome::Gone,
+    }
+}
+
+impl PolledRecord for Inner {
+    type Key = Arc<String>;
+    type Held = Held;
+
+    const ENGINE: &'static str = "s3";
+    const FIRST_POLL: Duration = Duration::from_millis(10);
+
+    fn settings(&self) -> &Settings {
+        &self.config
+    }
+
+    fn unanswered(object: &Arc<String>) -> Held {
+        Held {
+            object: object.clone(),
+            granted: None,
+            etag: Arc::default(),
+        }
+    }
+
+    async fn try_grant(
+        self: &Arc<Self>,
+        object: &Arc<String>,
+        in_flight: &mut InFlight<Self>,
+        round: Round,
+    ) -> Attempt<Granted<Held>> {
+        match self.take(object, in_flight, round.limit).await {
+            Ok(Taken::Granted {
+                record,
+                etag,
+                sent_at,
+            }) => {
+                self.watched.forget(object);
+                self.clock().saw_token(record.fence);
+                let fence = record.fence;
+                let held = Held {
+                    object: object.clone(),
+                    granted: Some(record),
+                    etag: Arc::new(Mutex::new(Some(etag))),
+                };
+                Attempt::Granted(Granted {
+                    held,
+                    fence,
+                    sent_at,
+                })
+            }
+            Ok(Taken::Held { free_by }) => Attempt::Held { free_by },
+            Err(error) if error.cut => Attempt::OutOfTime(None),
+            // No answer, S3 busy or failing: tried again within the wait.
+            Err(error) if error.transient => Attempt::Retry(error.error),
+            Err(error) => Attempt::Failed(error.error),
+        }
+    }
+
+    /// Writes a new record version if `token` still holds the object.
+    async fn renew_by(&self, held: &Held, token: &str, cap: Instant) -> Renewal {
+        let Some(record) = &held.granted else {
+            return Renewal::NotOurs;
+        };
+        for _ in 0..2 {
+            let etag = match held.etag() {
+                Some(etag) => etag,
+                None => match self.read_ours(&held.object, token, cap).await {
+                    Ok(Some(found)) => found.etag,
+                    Ok(None) => return Renewal::NotOurs,
+                    Err(_) => return Renewal::Unknown,
+                },
+            };
+            // The grant's record again, under a fresh record version: a new ETag.
+            match self
+                .write(&held.object, record, Condition::Matches(&etag), cap)
+                .await
+            {
+                Ok(Outcome::Done(etag)) => {
+                    held.set_etag(Some(etag));
+                    return Renewal::Renewed;
+                }
+                Ok(Outcome::Gone) => return Renewal::NotOurs,
+                // Changed since our last answered write: ours still if a write whose
+                // answer never came landed; the read tells.
+                Ok(Outcome::Refused) => held.set_etag(None),
+                Err(_) => {
+                    held.set_etag(None);
+                    return Renewal::Unknown;
+                }
+            }
+        }
+        Renewal::Unknown
+    }
+
     /// One release attempt. The object goes (a delete conditional on this lease's
     /// ETag) once S3's clock is surely past its fencing token: a later object of the
     /// key then starts above it (`ServerClock::token_start`). Until then the record is
@@ -219,162 +331,16 @@ impl Inner {
         GiveBack::NoAnswer
     }
 
-    /// Deletes a released object once S3's clock is surely past its token `fence`, if
-    /// its ETag is still `etag` (nobody took the key since).
-    fn delete_later(&self, object: &Arc<String>, etag: String, fence: u64) {
-        let Some(due) = self.clock().surely_past(fence) else {
-            return;
-        };
-        let Some(inner) = self.this.upgrade() else {
-            return;
-        };
-        let object = object.clone();
-        tokio::spawn(async move {
-            sleep_until(due).await;
-            for _ in 0..DELETE_TRIES {
-                let cap = Instant::now() + inner.config.command_timeout;
-                match inner.delete(&object, &etag, cap).await {
-                    // Deleted, or changed or gone meanwhile.
-                    Ok(_) => return,
-                    Err(error) if !error.transient => return,
-                    Err(error) => {
-                        tracing::debug!(error = %error.error, "s3 delete after release failed");
-                    }
-                }
-            }
-        });
-    }
-
-    /// Writes a new record version if `token` still holds the object.
-    async fn write_new_version(&self, held: &Held, token: &str, cap: Instant) -> Renewal {
-        let Some(record) = &held.granted else {
-            return Renewal::NotOurs;
-        };
-        for _ in 0..2 {
-            let etag = match held.etag() {
-                Some(etag) => etag,
-                None => match self.read_ours(&held.object, token, cap).await {
-                    Ok(Some(found)) => found.etag,
-                    Ok(None) => return Renewal::NotOurs,
-                    Err(_) => return Renewal::Unknown,
-                },
-            };
-            // The grant's record again, under a fresh record version: a new ETag.
-            match self
-                .write(&held.object, record, Condition::Matches(&etag), cap)
-                .await
-            {
-                Ok(Outcome::Done(etag)) => {
-                    held.set_etag(Some(etag));
-                    return Renewal::Renewed;
-                }
-                Ok(Outcome::Gone) => return Renewal::NotOurs,
-                // Changed since our last answered write: ours still if a write whose
-                // answer never came landed; the read tells.
-                Ok(Outcome::Refused) => held.set_etag(None),
-                Err(_) => {
-                    held.set_etag(None);
-                    return Renewal::Unknown;
-                }
-            }
-        }
-        Renewal::Unknown
-    }
-}
-
-/// A delete's or refused write's outcome, with `value` for done.
-fn outcome_without<T, U>(outcome: Outcome<T>, value: U) -> Outcome<U> {
-    match outcome {
-        Outcome::Done(_) => Outcome::Done(value),
-        Outcome::Refused => Outcome::Refused,
-        Outcome::Gone => Outcome::Gone,
-    }
-}
-
-impl Contend for Inner {
-    type Key = Arc<String>;
-    type Grant = Lease;
-    type Contender = ();
-
-    fn contender(self: &Arc<Self>, _: &Self::Key, _: Instant) -> Result<(), BoxError> {
-        Ok(())
-    }
-
-    fn pauses(&self) -> Backoff {
-        Backoff::new(FIRST_POLL, self.config.poll_interval)
-    }
-
-    async fn attempt(self: &Arc<Self>, _: &mut (), object: &Arc<String>, round: Round) -> Attempt {
-        let limit = round.limit;
-        let token = match fresh_token() {
-            Ok(token) => token,
-            Err(error) => return Attempt::Failed(Box::new(error)),
-        };
-        // Armed while a grant's write is unanswered: dropping it (an error, the wait
-        // over, this future dropped) gives back what the token may hold.
-        let held = Held {
-            object: object.clone(),
-            granted: None,
-            etag: Arc::default(),
-        };
-        let mut in_flight = InFlight::new(self.clone(), held, token);
-        match self.take(object, &mut in_flight, limit).await {
-            Ok(Taken::Granted {
-                record,
-                etag,
-                sent_at,
-            }) => {
-                self.watched.forget(object);
-                self.clock().saw_token(record.fence);
-                let token = in_flight.granted();
-                let fence = record.fence;
-                let held = Held {
-                    object: object.clone(),
-                    granted: Some(record),
-                    etag: Arc::new(Mutex::new(Some(etag))),
-                };
-                Attempt::Granted(ttl::grant(self, held, token, Some(fence), sent_at))
-            }
-            Ok(Taken::Held { free_by }) => Attempt::Held { free_by },
-            Err(error) if error.cut => Attempt::OutOfTime(None),
-            // No answer, S3 busy or failing: tried again within the wait.
-            Err(error) if error.transient => Attempt::Retry(error.error),
-            Err(error) => Attempt::Failed(error.error),
-        }
-    }
-
+    /// `error` inside [`LockError::Backend`], after the engine and its endpoint.
     fn named(&self, error: BoxError) -> LockError {
-        Inner::named(self, error)
+        LockError::Backend(Box::new(Located::new(
+            super::ENGINE,
+            self.endpoint.describe().into(),
+            error,
+        )))
     }
 
     fn no_answer(&self) -> BoxError {
         Box::new(S3LockError::CommandTimeout(self.config.command_timeout))
-    }
-}
-
-impl TtlBackend for Inner {
-    type Target = Held;
-
-    fn timing(&self) -> Timing {
-        self.config.timing()
-    }
-
-    async fn renew(
-        &self,
-        held: &Held,
-        token: &str,
-        _ttl: Duration,
-        _sent: Instant,
-        limit: Instant,
-    ) -> Renewal {
-        self.write_new_version(held, token, limit).await
-    }
-
-    async fn try_give_back(&self, held: &Held, token: &str) -> GiveBack {
-        self.give_back(held, token).await
-    }
-
-    fn engine(&self) -> &'static str {
-        "s3"
     }
 }

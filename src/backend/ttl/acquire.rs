@@ -61,6 +61,22 @@ pub(crate) enum Attempt<G = Lease> {
     OutOfTime(Option<BoxError>),
 }
 
+impl<G> Attempt<G> {
+    /// The same outcome, with a grant turned into what `grant` makes of it.
+    #[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
+    pub(crate) fn map_grant<H>(self, grant: impl FnOnce(G) -> H) -> Attempt<H> {
+        match self {
+            Attempt::Granted(granted) => Attempt::Granted(grant(granted)),
+            Attempt::Held { free_by } => Attempt::Held { free_by },
+            Attempt::Raced { free_by } => Attempt::Raced { free_by },
+            Attempt::HeldBack { until, refusal } => Attempt::HeldBack { until, refusal },
+            Attempt::Retry(error) => Attempt::Retry(error),
+            Attempt::Failed(error) => Attempt::Failed(error),
+            Attempt::OutOfTime(error) => Attempt::OutOfTime(error),
+        }
+    }
+}
+
 /// What a grant gives the caller: a [`Lease`], or what carries one.
 pub(crate) trait Grant: Send {
     /// The same, marked [`contended`](Lease::contended) if `contended`, as before

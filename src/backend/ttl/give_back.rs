@@ -57,6 +57,30 @@ pub(crate) async fn give_back<B: TtlBackend>(
     });
 }
 
+/// One give-back try by one `call`, answered within `limit`: cleared if it succeeded,
+/// not ours if its refusal says so (`not_ours`), no answer otherwise (logged as `what`
+/// failed or timed out).
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "etcd"))]
+pub(crate) async fn give_back_call<T, E: std::fmt::Display>(
+    what: &str,
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, E>>,
+    not_ours: impl Fn(&E) -> bool,
+) -> GiveBack {
+    match tokio::time::timeout(limit, call).await {
+        Ok(Ok(_)) => GiveBack::Cleared,
+        Ok(Err(error)) if not_ours(&error) => GiveBack::NotOurs,
+        Ok(Err(error)) => {
+            tracing::debug!(%error, "{what} failed");
+            GiveBack::NoAnswer
+        }
+        Err(_) => {
+            tracing::debug!("{what} timed out");
+            GiveBack::NoAnswer
+        }
+    }
+}
+
 /// Whether a give-back is over: no record of the token can be left, or still land.
 struct Settling {
     /// When the attempt in flight was sent, if one is.

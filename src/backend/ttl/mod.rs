@@ -21,6 +21,9 @@
 //! - `acquire`: the acquire loop of the engines that take a record by a conditional
 //!   write (Redis, Redlock, DynamoDB, Azure Blob, S3) and wait by looking again or,
 //!   where the engine tells of a change (Redis's release messages), until it does;
+//! - `polled`: the engines whose lock is one record taken by a conditional write and
+//!   polled by waiters (DynamoDB, S3, Azure Blob) bring their attempt, renewal and
+//!   give-back; their token, in-flight guard, grant and pauses are written once;
 //! - `watched`: the record versions a backend saw on other holders' records, for the
 //!   engines that take a record over once it stopped changing for a lease (DynamoDB,
 //!   S3);
@@ -42,6 +45,8 @@
 mod acquire;
 mod give_back;
 mod lease;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
+mod polled;
 mod renewal;
 mod schedule;
 mod token;
@@ -62,8 +67,12 @@ use tokio::time::Instant;
 pub(crate) use self::acquire::{acquire, Attempt, Contend, Round};
 #[cfg(feature = "zookeeper")]
 pub(crate) use self::give_back::give_back;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "etcd"))]
+pub(crate) use self::give_back::give_back_call;
 pub(crate) use self::give_back::InFlight;
 pub(crate) use self::lease::grant;
+#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
+pub(crate) use self::polled::{Granted, PolledRecord};
 pub(crate) use super::backoff::{jitter, Backoff};
 // The engines that keep a schedule (Redis, Redlock) name it; the others only use it.
 #[cfg_attr(not(feature = "redis"), allow(unused_imports))]

@@ -305,7 +305,10 @@ impl Inner {
         // dropped at any await) deletes the contender's node, found by its token if the
         // create's answer never came.
         let mut in_flight = InFlight::new(self.clone(), contender.clone(), token);
-        let outcome = self.wait_turn(&contender, &mut in_flight, attempt).await;
+        let outcome = match self.join(&contender, &mut in_flight, attempt).await {
+            Ok(fence) => self.wait_turn(&contender, attempt).await.map(|()| fence),
+            Err(failure) => Err(failure),
+        };
         match outcome {
             Ok(fence) => {
                 let Some(lease) = lease::grant(&self, contender, fence) else {
@@ -335,22 +338,16 @@ impl Inner {
         }
     }
 
-    /// Joins the queue and waits until no contender is older; returns the fencing
-    /// token. Transient failures are tried again here, keeping the node.
-    async fn wait_turn(
-        &self,
-        contender: &Contender,
-        in_flight: &mut InFlight<Inner>,
-        attempt: &mut Attempt,
-    ) -> Result<u64, Failure> {
+    /// Waits until no contender in the queue is older than the contender's node.
+    /// Transient failures are tried again here, keeping the node.
+    async fn wait_turn(&self, contender: &Contender, attempt: &mut Attempt) -> Result<(), Failure> {
         let session = &contender.session;
-        let fence = self.join(contender, in_flight, attempt).await?;
         loop {
             if session.is_lost() {
                 return Err(Failure::SessionLost);
             }
             let predecessor = match self.look(contender, attempt).await {
-                Ok(Turn::Ours) => return Ok(fence),
+                Ok(Turn::Ours) => return Ok(()),
                 Ok(Turn::Behind(predecessor)) => {
                     attempt.contended = true;
                     predecessor
