@@ -120,17 +120,6 @@ pub mod zookeeper;
 pub use deployment::{DeploymentReport, Finding, Verdict};
 pub(crate) use detach::Detach;
 pub use health::{Health, LastError, HEALTH_LOCK_NAME, HEALTH_PROBE_KEY, HEALTH_PROBE_WAIT};
-#[cfg(any(
-    feature = "redis",
-    feature = "dynamodb",
-    feature = "azure-blob",
-    feature = "zookeeper",
-    feature = "postgres",
-    feature = "s3"
-))]
-pub(crate) use holder::from_unix_millis;
-#[cfg(any(feature = "dynamodb", feature = "azure-blob", feature = "s3"))]
-pub(crate) use holder::unix_millis;
 pub use holder::{default_instance_id, Holder};
 pub use lost::LostReason;
 pub use mode::LockMode;

@@ -8,8 +8,9 @@ use tokio::time::timeout;
 
 use super::metadata::{FENCE, INSTANCE, SINCE_MS};
 use super::Inner;
+use crate::backend::holder::from_unix_millis;
 use crate::backend::ttl::PolledRecord as _;
-use crate::backend::{from_unix_millis, Holder};
+use crate::backend::Holder;
 use crate::error::LockError;
 
 impl Inner {

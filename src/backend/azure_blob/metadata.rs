@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::backend::unix_millis;
+use crate::backend::holder::unix_millis;
 
 /// The blob metadata entry that holds the last fencing token issued for the key.
 pub(super) const FENCE: &str = "fence";

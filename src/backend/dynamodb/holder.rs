@@ -9,8 +9,9 @@ use aws_sdk_dynamodb::types::AttributeValue;
 
 use super::item::{FENCE, OWNER};
 use super::Inner;
+use crate::backend::holder::from_unix_millis;
 use crate::backend::ttl::PolledRecord as _;
-use crate::backend::{from_unix_millis, Holder};
+use crate::backend::Holder;
 use crate::error::LockError;
 
 /// The instance id of the holder, written with each grant.
@@ -66,5 +67,5 @@ fn from_item(item: &HashMap<String, AttributeValue>) -> Option<Holder> {
 
 /// The grant time to write now.
 pub(super) fn since_now() -> String {
-    crate::backend::unix_millis(SystemTime::now()).to_string()
+    crate::backend::holder::unix_millis(SystemTime::now()).to_string()
 }

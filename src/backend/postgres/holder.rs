@@ -7,7 +7,8 @@ use tokio::time::Instant;
 use super::error::PgError;
 use super::session::last_row;
 use super::Inner;
-use crate::backend::{from_unix_millis, Holder};
+use crate::backend::holder::from_unix_millis;
+use crate::backend::Holder;
 use crate::error::LockError;
 
 /// How a holding session's `application_name` starts: `tkl <grant ms> <token or -> <id>`.

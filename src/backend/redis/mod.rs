@@ -381,9 +381,10 @@ use self::keys::RedisKeys;
 pub(crate) use self::scripts::last_token;
 use self::scripts::{ACQUIRE, ACQUIRE_COUNTED, HOLDER};
 use self::subscriber::{Releases, Subscriber};
+use super::holder::from_unix_millis;
 use super::settings::{self, Defaults, Settings};
 use super::SetupError;
-use super::{from_unix_millis, ttl, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
+use super::{ttl, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
 #[cfg(feature = "replay")]
 use super::{Acquired, Place, RecordLookup};
 use crate::error::LockError;

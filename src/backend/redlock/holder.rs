@@ -7,8 +7,9 @@ use std::time::Duration;
 use super::lease::NoMajority;
 use super::quorum::ask_all;
 use super::Inner;
+use crate::backend::holder::from_unix_millis;
 use crate::backend::redis::keys::RedisKeys;
-use crate::backend::{from_unix_millis, Holder};
+use crate::backend::Holder;
 use crate::error::LockError;
 
 impl Inner {

@@ -4,8 +4,9 @@
 use tokio::time::Instant;
 
 use super::Inner;
+use crate::backend::holder::from_unix_millis;
 use crate::backend::ttl::PolledRecord as _;
-use crate::backend::{from_unix_millis, Holder};
+use crate::backend::Holder;
 use crate::error::LockError;
 
 impl Inner {

@@ -11,12 +11,12 @@ use tokio::time::{sleep_until, Instant};
 use super::object::{CallError, Condition, Found, Outcome, S3LockError};
 use super::record::Record;
 use super::Inner;
+use crate::backend::holder::unix_millis;
 use crate::backend::located::Located;
 use crate::backend::settings::Settings;
 use crate::backend::ttl::{
     self, Attempt, GiveBack, Granted, InFlight, PolledRecord, Renewal, Round,
 };
-use crate::backend::unix_millis;
 use crate::LockError;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;

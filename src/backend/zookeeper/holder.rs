@@ -10,7 +10,7 @@ use zookeeper_client as zk;
 use super::acquire::{backend, ZooKeeperLockError};
 use super::keys::{parse_contender, LockPath};
 use super::Inner;
-use crate::backend::from_unix_millis;
+use crate::backend::holder::from_unix_millis;
 use crate::backend::Holder;
 use crate::error::LockError;
 
