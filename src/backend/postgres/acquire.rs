@@ -17,6 +17,7 @@ use super::client_check::{set_client_check_sql, CLIENT_CHECK};
 use super::error::PgError;
 use super::holder::SAVED_NAME;
 use super::lease::Held;
+use super::request::Request;
 use super::session::{last_row, Session};
 use super::Inner;
 use crate::backend::backoff::random;
@@ -102,17 +103,6 @@ impl Grant {
             token: row.get(2).and_then(|token| token.parse().ok()),
         })
     }
-}
-
-/// What an acquisition asks for, the same in each of its attempts: see
-/// [`Inner::acquire_unless_recorded`].
-#[derive(Clone, Copy)]
-pub(super) struct Request<'a> {
-    pub(super) id: i64,
-    pub(super) shared: bool,
-    pub(super) key: Option<i64>,
-    pub(super) deadline: Instant,
-    pub(super) record: Option<&'a str>,
 }
 
 impl Inner {

@@ -348,6 +348,7 @@ mod lock_id;
 mod permits;
 mod pooler;
 mod prepared;
+mod request;
 pub(crate) mod schema;
 mod session;
 mod setup;
@@ -366,8 +367,8 @@ use tokio_postgres::NoTls;
 pub use self::lock_id::{lock_id, LOCK_ID_SQL};
 pub use self::permits::PERMIT_POLL;
 
-use self::acquire::Request;
 use self::error::PgError;
+use self::request::Request;
 use super::session::{self as session_core, Builder as _, Draft, Settings};
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
 #[cfg(feature = "replay")]
