@@ -98,6 +98,8 @@
 //! and only the local winner contends at the backend. See [`backend`].
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
+// `loom` is the model checks' build, never a user's: not named in the docs.
+#![cfg_attr(docsrs, doc(auto_cfg(hide(loom))))]
 
 /// `get_ref`, `get_mut` and `into_inner` for a service that wraps its inner service
 /// in a field `inner` (as tower-http's middleware have them).
