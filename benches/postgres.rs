@@ -13,12 +13,13 @@
 //! 1. **Uncontended acquire + release**, 1 task and 32 tasks (each its own key): the
 //!    crate through `DistributedLocks` (the in-process tier, then the backend) and
 //!    through `PostgresBackend` directly (`acquire`, `Lease::release`), against the
-//!    bare pair on prepared statements — `pg_advisory_lock($1)`, `pg_advisory_unlock($1)`
-//!    on a connection per task, and the same through a deadpool pool — and sqlx's
-//!    `PgAdvisoryLock` (`acquire` on a pooled connection, `release_now`). Interleaved rounds: each round runs every contender
-//!    for one batch, the order turning from round to round, so all see the same load;
-//!    printed are the medians of the per-round speed ratios (bare time / crate time:
-//!    above 1 is faster than the pair).
+//!    bare pair on prepared statements — `pg_advisory_lock($1)`,
+//!    `pg_advisory_unlock($1)` on a connection per task, and the same through a
+//!    deadpool pool — and sqlx's `PgAdvisoryLock` (`acquire` on a pooled connection,
+//!    `release_now`). Interleaved rounds: each round runs every contender for one
+//!    batch, the order turning from round to round, so all see the same load; printed
+//!    are the medians of the per-round speed ratios (bare time / crate time: above 1 is
+//!    faster than the pair).
 //! 2. **Hot key, 2 instances × 32 tasks**: every task locks one key, counts, releases,
 //!    again, for a fixed time: the crate (two `DistributedLocks`, each with a backend of
 //!    its own) against 64 bare sessions queued in PostgreSQL itself

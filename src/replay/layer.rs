@@ -291,10 +291,10 @@ impl<E: crate::KeyExtractor> KeyedLockLayer<E> {
              lock backend would replay only on the instance that stored the response; use a \
              shared store (RedisReplayStore, PostgresReplayStore)"
         );
-        let tokenless = backend
-            .as_ref()
-            .filter(|backend| !backend.issues_fencing_tokens());
-        if let Some(backend) = tokenless.filter(|_| replay.needs_fencing_tokens()) {
+        let unfenced = |backend: &&Arc<dyn crate::LockBackend>| {
+            replay.needs_fencing_tokens() && !backend.issues_fencing_tokens()
+        };
+        if let Some(backend) = backend.as_ref().filter(unfenced) {
             match backend.no_fencing_tokens_reason() {
                 Some(reason) => panic!(
                     "KeyedLockLayer::replay: the replay store needs fencing tokens (its \

@@ -534,9 +534,8 @@ impl PolledRecord for Inner {
                     give_back_call("azure blob lease release", limit, release, not_ours).await;
                 if let (GiveBack::Cleared, Some((fence, Some(etag)))) = (&given_back, grant) {
                     if let Some(due) = self.clock.surely_past(*fence) {
-                        let command_timeout = self.config.command_timeout;
                         let (blob, etag) = (blob.clone(), etag.clone());
-                        tokio::spawn(delete_released(blob, etag, due, command_timeout));
+                        tokio::spawn(delete_released(blob, etag, due, limit));
                     }
                 }
                 given_back

@@ -126,13 +126,13 @@ impl Inner {
         self.acquire_unless_recorded(request).await?.into_lease()
     }
 
-    /// [`acquire`](Self::acquire) of `request`, and when its `record` is given (an SQL expression whose
-    /// value is a replay record's bytes, or NULL) the try takes nothing if the record
-    /// is stored, and reads it again in a statement of its own after the try, in the
-    /// same round trip: that statement's snapshot is taken after the try, so a record
-    /// whose writer released the lock after the try's snapshot but before its lock is
-    /// seen too (the lock the try took then is given back). A stored record is
-    /// answered. A grant after a wait has not looked: [`Acquired::Granted`].
+    /// [`acquire`](Self::acquire) of `request`, and when its `record` is given (an SQL
+    /// expression whose value is a replay record's bytes, or NULL) the try takes nothing if
+    /// the record is stored, and reads it again in a statement of its own after the try, in
+    /// the same round trip: that statement's snapshot is taken after the try, so a record
+    /// whose writer released the lock after the try's snapshot but before its lock is seen
+    /// too (the lock the try took then is given back). A stored record is answered. A grant
+    /// after a wait has not looked: [`Acquired::Granted`].
     ///
     /// With `key` (a permit), the try takes `key` in shared mode first, then `id`, and
     /// gives `key` back if `id` was taken: both or neither, in the try's one statement
