@@ -174,10 +174,8 @@ impl Inner {
                 let tried = tried.map(|(grant, checked)| (grant, checked, None));
                 (session, sent, tried)
             }
-            _ => {
-                self.try_simple(id, shared, key, &marker, deadline, record)
-                    .await?
-            }
+            // Boxed: the common case's future does not carry this one.
+            _ => Box::pin(self.try_simple(id, shared, key, &marker, deadline, record)).await?,
         };
         // On every early return below, `session` is dropped: closed, not pooled.
         let (grant, checked, stored) = tried.map_err(PgError::into_lock_error)?;

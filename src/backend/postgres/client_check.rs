@@ -39,6 +39,9 @@ impl Inner {
     /// Whether the lock statements set the client check; probed on the first call (and
     /// again after a failure that was not the server's refusal).
     pub(super) async fn probe_client_check(&self, deadline: Instant) -> Result<bool, LockError> {
+        if let Some(sets) = self.client_check.get() {
+            return Ok(*sets);
+        }
         let probe = async {
             let session = self.session(deadline).await?;
             // Local to the probe's own statement: the pooled session is left as it was.
@@ -67,7 +70,10 @@ impl Inner {
                 Err(error) => Err(error.into_lock_error()),
             }
         };
-        self.client_check.get_or_try_init(|| probe).await.copied()
+        // Boxed: the probe's future is not carried by every acquisition's.
+        Box::pin(self.client_check.get_or_try_init(|| probe))
+            .await
+            .copied()
     }
 
     /// Whether the lock statements set the client check: as probed (never before).

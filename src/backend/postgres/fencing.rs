@@ -41,6 +41,9 @@ impl Inner {
         let Some(fencing) = &self.fencing else {
             return Ok(());
         };
+        if fencing.checked.initialized() {
+            return Ok(());
+        }
         let prepare = async {
             let session = self.session(deadline).await?;
             let sequence = &fencing.sequence;
@@ -88,9 +91,8 @@ impl Inner {
             session.give_back();
             Ok(())
         };
-        fencing
-            .checked
-            .get_or_try_init(|| prepare)
+        // Boxed: the preparation's future is not carried by every acquisition's.
+        Box::pin(fencing.checked.get_or_try_init(|| prepare))
             .await
             .map(|_| ())
     }

@@ -127,10 +127,11 @@ impl Inner {
     /// Refuses session locks when sessions are not the client's own; probes once per
     /// backend (again after an error or an undecided probe).
     pub(super) async fn check_own_sessions(&self) -> Result<(), SetupError> {
-        let found = self
-            .sessions
-            .get_or_try_init(|| self.probe_sessions())
-            .await?;
+        let found = match self.sessions.get() {
+            Some(found) => found,
+            // Boxed: the probe's future is not carried by every acquisition's.
+            None => Box::pin(self.sessions.get_or_try_init(|| self.probe_sessions())).await?,
+        };
         match found {
             Sessions::Shared => Err(shared_sessions()),
             Sessions::Own | Sessions::Unchecked => Ok(()),

@@ -11,6 +11,7 @@ use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
 use super::error::{PgError, CONNECT};
 use super::Inner;
+use crate::backend::session::bounded;
 use crate::error::LockError;
 
 /// A pooled connection whose session may hold a lock. Dropped, it is taken out of the
@@ -125,25 +126,24 @@ impl Inner {
     }
 
     /// Runs one round trip within the command timeout.
-    pub(super) async fn round_trip<T>(
+    pub(super) fn round_trip<T>(
         &self,
         query: impl Future<Output = Result<T, tokio_postgres::Error>>,
-    ) -> Result<T, PgError> {
+    ) -> impl Future<Output = Result<T, PgError>> {
         self.round_trip_within(self.settings.timing.command_timeout, query)
-            .await
     }
 
     /// Runs one round trip within `limit`.
-    pub(super) async fn round_trip_within<T>(
+    pub(super) fn round_trip_within<T>(
         &self,
         limit: Duration,
         query: impl Future<Output = Result<T, tokio_postgres::Error>>,
-    ) -> Result<T, PgError> {
-        match timeout(limit, query).await {
+    ) -> impl Future<Output = Result<T, PgError>> {
+        bounded(limit, query, |answer| match answer {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => Err(PgError::new("PostgreSQL statement failed", error)),
             Err(_) => Err(PgError::unanswered("PostgreSQL did not answer in time")),
-        }
+        })
     }
 }
 

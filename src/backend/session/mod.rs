@@ -29,8 +29,11 @@
 //! - `settings`: the settings both builders share (prefix, liveness interval, command
 //!   timeout) and the checks of other settings both make;
 //! - `builder`: what both builders do with their settings: a change drops what was made
-//!   from the old ones, and the first setting refused is kept for `build` to return.
+//!   from the old ones, and the first setting refused is kept for `build` to return;
+//! - `bounded`: a round trip or an acquisition within its limit, without the copy of
+//!   the future an `async fn` wrapper keeps.
 
+mod bounded;
 mod builder;
 mod hold;
 mod holds;
@@ -44,8 +47,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::Duration;
 
-use tokio::time::{timeout, Instant};
+use tokio::time::Instant;
 
+pub(crate) use self::bounded::bounded;
 #[cfg(test)]
 pub(crate) use self::builder::testing;
 pub(crate) use self::builder::{Builder, Configurable, Draft};
@@ -184,15 +188,14 @@ pub(crate) trait SessionLock: Send + Sync + 'static {
 /// Runs `acquire` within the wait plus one command timeout, however many of its round
 /// trips were slow; cut short, it drops its session (closed, so whatever the server
 /// granted it is freed) and fails with `unanswered`.
-pub(crate) async fn within_wait<T>(
+pub(crate) fn within_wait<T>(
     timing: Timing,
     wait: Duration,
     acquire: impl Future<Output = Result<T, LockError>>,
     unanswered: impl FnOnce() -> LockError,
-) -> Result<T, LockError> {
+) -> impl Future<Output = Result<T, LockError>> {
     let limit = wait.saturating_add(timing.command_timeout);
-    match timeout(limit, acquire).await {
-        Ok(result) => result,
-        Err(_) => Err(unanswered()),
-    }
+    bounded(limit, acquire, |outcome| {
+        outcome.unwrap_or_else(|_| Err(unanswered()))
+    })
 }
