@@ -155,6 +155,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::backend::session::holds::IDLE_LOOKS;
     use crate::backend::session::Checked;
 
     /// An engine whose checks answer from a script (then never), and which writes down
@@ -356,14 +357,19 @@ mod tests {
         assert_eq!(engine.asked(), ["close"]);
     }
 
+    /// It outlives a short gap between locks (no spawn per lock of a steady stream),
+    /// and ends once none was young for a while.
     #[tokio::test(start_paused = true)]
-    async fn the_looking_task_ends_with_the_last_young_lease_and_comes_back() {
+    async fn the_looking_task_ends_a_while_after_the_last_young_lease_and_comes_back() {
         let engine = Scripted::looking([], Ok(()), LOOKS);
+        let looks = LOOKS.unwrap();
         for _ in 0..2 {
             let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
             lease.release().await;
-            tokio::time::sleep(2 * LOOKS.unwrap()).await;
-            assert!(!engine.holds.is_looking(), "ended with none young");
+            tokio::time::sleep(2 * looks).await;
+            assert!(engine.holds.is_looking(), "ended at the first gap");
+            tokio::time::sleep(IDLE_LOOKS * looks).await;
+            assert!(!engine.holds.is_looking(), "still looking with none young");
         }
         let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
         assert!(engine.holds.is_looking());

@@ -72,7 +72,7 @@ struct State<E: SessionLock> {
     running: HashMap<u64, Running<E>>,
     next_id: u64,
     /// The looking task, while it runs: it clears this under the lock as it ends (none
-    /// young left); one that ended without saying so (its runtime shut down) is
+    /// young for a while); one that ended without saying so (its runtime shut down) is
     /// replaced by the next young lease.
     looking: Option<AbortHandle>,
 }
@@ -173,19 +173,31 @@ impl<E: SessionLock> State<E> {
     }
 }
 
+/// How many looks in a row find no young lock before the looking task ends. Ended at
+/// the first, it was spawned again every few locks of a steady stream, and each spawn
+/// woke a parked worker to run it: more than the looks of an idle backend cost.
+pub(super) const IDLE_LOOKS: u32 = 100;
+
 /// The looking task: every `period`, hands the young locks whose check is due, or
-/// whose session shows it ended, to tasks of their own; ends once none is young.
+/// whose session shows it ended, to tasks of their own; ends once none was young for
+/// [`IDLE_LOOKS`] looks.
 async fn look<E: SessionLock>(shared: Arc<Shared<E>>, period: Duration) {
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut ready = Vec::new();
+    let mut idle = 0;
     loop {
         ticks.tick().await;
         let mut state = shared.lock();
         if state.young.is_empty() {
-            state.looking = None;
-            return;
+            idle += 1;
+            if idle >= IDLE_LOOKS {
+                state.looking = None;
+                return;
+            }
+            continue;
         }
+        idle = 0;
         let now = Instant::now();
         ready.extend(state.young.iter().filter_map(|(id, lease)| {
             (lease.due <= now || lease.engine.is_closed(&lease.session)).then_some(*id)
@@ -321,7 +333,8 @@ mod tests {
     /// Against a model of holds: every lease not released is young or running; one
     /// whose session ended is lost within two looks, and closed at its release; any
     /// other is never lost, and is unlocked and pooled at its release; each session
-    /// goes back once; the looking task ends with the last young lease.
+    /// goes back once; the looking task ends [`IDLE_LOOKS`] looks after the last young
+    /// lease.
     async fn run(ops: Vec<Op>) {
         let engine = engine();
         let mut leases: Vec<Modelled> = Vec::new();
@@ -406,7 +419,7 @@ mod tests {
             .collect();
         assert_eq!(ended, expected);
         assert_eq!(engine.holds.counts(), (0, 0));
-        tokio::time::sleep(2 * LOOKS).await;
+        tokio::time::sleep((IDLE_LOOKS + 1) * LOOKS).await;
         assert!(!engine.holds.is_looking());
     }
 
