@@ -98,7 +98,6 @@ fn postgres(rt: &Runtime, rounds: usize, polled: usize) -> Vec<String> {
 async fn pg_breakdown(server: &pg_server::PgServer, rounds: usize) {
     const GRANTED: &str = "(SELECT token FROM (SELECT token, \
         set_config('tower_keyed_lock.lease', '33/0123456789abcdef', false), \
-        set_config('tower_keyed_lock.application_name', current_setting('application_name'), false), \
         set_config('application_name', left('tkl ' || (extract(epoch from clock_timestamp()) \
           * 1000)::bigint || ' ' || coalesce(token::text, '-') || ' ' || 'bench', 63), false) \
         FROM (SELECT nextval('tower_keyed_lock_fencing') AS token) AS issued) AS granted)";

@@ -15,7 +15,7 @@ use tokio_postgres::{SimpleQueryMessage, SimpleQueryRow};
 
 use super::client_check::{set_client_check_sql, CLIENT_CHECK};
 use super::error::PgError;
-use super::holder::SAVED_NAME;
+use super::holder::RESET_NAME;
 use super::lease::Held;
 use super::request::Request;
 use super::session::{last_row, Session};
@@ -467,8 +467,7 @@ impl Inner {
         };
         format!(
             "SELECT pg_advisory_unlock{suffix}({id}), set_config('{LEASE_MARKER}', NULL, false), \
-                    set_config('application_name', \
-                               coalesce(current_setting('{SAVED_NAME}', true), ''), false){key} \
+                    {RESET_NAME}{key} \
              WHERE pg_backend_pid() = {pid}"
         )
     }

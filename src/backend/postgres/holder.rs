@@ -13,8 +13,10 @@ use crate::error::LockError;
 
 /// How a holding session's `application_name` starts: `tkl <grant ms> <token or -> <id>`.
 const RECORD_TAG: &str = "tkl ";
-/// Where the session's own `application_name` is kept while it holds a lock.
-pub(super) const SAVED_NAME: &str = "tower_keyed_lock.application_name";
+
+/// Resets a session's `application_name` to the one it connected with (`set_config`
+/// with NULL is `RESET`): the unlock of a session-scope lock ends its holder record so.
+pub(super) const RESET_NAME: &str = "set_config('application_name', NULL, false)";
 
 /// The instance id as it can sit in a SQL string literal and in `application_name`:
 /// printable ASCII only (PostgreSQL shows other bytes as `?`), `'` doubled.
@@ -30,23 +32,16 @@ pub(super) fn instance_literal(instance_id: &str) -> String {
 }
 
 impl Inner {
-    /// The `set_config` calls, evaluated with the grant (`token` is the column of the
-    /// fencing token), that record the holder in `application_name`; session scope
-    /// (`is_local` false) first saves the session's own name, which the unlock restores.
+    /// The `set_config`, evaluated with the grant (`token` is the column of the fencing
+    /// token), that records the holder in `application_name`: for the transaction
+    /// (`is_local`), or for the session until the unlock resets it ([`RESET_NAME`]).
     pub(super) fn record_holder_sql(&self, token: &str, is_local: bool) -> String {
         let record = format!(
             "left('{RECORD_TAG}' || (extract(epoch from clock_timestamp()) * 1000)::bigint \
              || ' ' || coalesce({token}::text, '-') || ' ' || '{instance}', 63)",
             instance = self.instance_literal,
         );
-        if is_local {
-            format!("set_config('application_name', {record}, true)")
-        } else {
-            format!(
-                "set_config('{SAVED_NAME}', current_setting('application_name'), false), \
-                 set_config('application_name', {record}, false)"
-            )
-        }
+        format!("set_config('application_name', {record}, {is_local})")
     }
 
     /// For a transaction-scoped grant: the fencing token (NULL without fencing), with

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::acquire::{shared_suffix, Grant, CHECKED_MARKER, LEASE_MARKER};
 use super::error::PgError;
-use super::holder::SAVED_NAME;
+use super::holder::RESET_NAME;
 use super::lease::Held;
 use super::session::Session;
 use super::Inner;
@@ -60,9 +60,7 @@ impl Statements {
             let suffix = shared_suffix(shared);
             format!(
                 "SELECT pg_advisory_unlock{suffix}($1), \
-                        set_config('{LEASE_MARKER}', NULL, false), \
-                        set_config('application_name', \
-                                   coalesce(current_setting('{SAVED_NAME}', true), ''), false) \
+                        set_config('{LEASE_MARKER}', NULL, false), {RESET_NAME} \
                  WHERE pg_backend_pid() = $2"
             )
         };
