@@ -16,7 +16,10 @@
 //!    bare pair on prepared statements — `pg_advisory_lock($1)`,
 //!    `pg_advisory_unlock($1)` on a connection per task, and the same through a
 //!    deadpool pool — and sqlx's `PgAdvisoryLock` (`acquire` on a pooled connection,
-//!    `release_now`). Interleaved rounds: each round runs every contender for one
+//!    `release_now`). Beside them, the backend's own two statements (read from the
+//!    server's log, see 3) sent by a bare client on a connection per task: what the
+//!    statements cost the server and the wire, apart from the backend's client side.
+//!    Interleaved rounds: each round runs every contender for one
 //!    batch, the order turning from round to round, so all see the same load; printed
 //!    are the medians of the per-round speed ratios (bare time / crate time: above 1 is
 //!    faster than the pair).
@@ -46,7 +49,8 @@
 //!   limits there, and one more round trip confirms its first grant after the granting
 //!   transaction ended (a pooler resetting sessions would have dropped the lock);
 //! - the **unlock** (prepared, one round trip): `pg_advisory_unlock(id)` on that server
-//!   process only, clearing the marker and restoring `application_name`.
+//!   process only, clearing the marker and resetting `application_name` to the name
+//!   the session connected with.
 //!
 //! A wait (the key held elsewhere) adds one simple-query round trip: `lock_timeout`
 //! set for its implicit transaction, then `pg_advisory_lock(id)` in PostgreSQL's queue.
@@ -89,7 +93,8 @@ fn main() {
     let conn = pg.conn_str();
     let (rounds, batch) = if quick { (2, 5) } else { (21, 100) };
 
-    let contenders = rt.block_on(uncontended_contenders(&conn));
+    let statements = rt.block_on(statements_per_lock(&pg));
+    let contenders = rt.block_on(uncontended_contenders(&conn, &statements));
     for tasks in [1, TASKS] {
         let ratios = rt.block_on(interleaved(&contenders, tasks, rounds, batch));
         ratios.print(tasks);
@@ -103,7 +108,6 @@ fn main() {
     };
     rt.block_on(hot_key(&conn, hot_rounds, run));
 
-    rt.block_on(statements_per_lock(&pg));
     rt.block_on(steps_apart(&conn, if quick { 20 } else { 2000 }));
     drop(pg);
 }
@@ -151,6 +155,65 @@ impl Bare {
     }
 }
 
+/// The backend's two statements of an uncontended lock as it prepared them (read from
+/// the server's log): the try and the unlock.
+struct Statements {
+    try_lock: String,
+    unlock: String,
+}
+
+/// The backend's statements on a connection of their own, sent as a bare client sends
+/// the pair: what they cost the server and the wire, apart from the backend's client
+/// side.
+struct BareStatements {
+    client: Client,
+    try_lock: Statement,
+    unlock: Statement,
+    pid: i32,
+}
+
+impl BareStatements {
+    async fn connect(conn: &str, statements: &Statements) -> BareStatements {
+        let (client, connection) = tokio_postgres::connect(conn, NoTls).await.unwrap();
+        tokio::spawn(connection);
+        // Checked, as the backend's sessions are after their first lock: the try sets
+        // no session limits.
+        client
+            .batch_execute("SELECT set_config('tower_keyed_lock.checked', 'on', false)")
+            .await
+            .unwrap();
+        let try_lock = client.prepare(&statements.try_lock).await.unwrap();
+        let unlock = client.prepare(&statements.unlock).await.unwrap();
+        let pid = client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .unwrap()
+            .get(0);
+        BareStatements {
+            client,
+            try_lock,
+            unlock,
+            pid,
+        }
+    }
+
+    async fn lock_unlock(&self, id: i64) {
+        let marker = format!("{id}/0123456789abcdef");
+        let tried = self
+            .client
+            .query_one(&self.try_lock, &[&id, &marker])
+            .await
+            .unwrap();
+        assert_eq!(tried.get::<_, Option<bool>>(1), Some(true), "not granted");
+        let unlocked = self
+            .client
+            .query_one(&self.unlock, &[&id, &self.pid])
+            .await
+            .unwrap();
+        assert_eq!(unlocked.get::<_, Option<bool>>(0), Some(true), "not held");
+    }
+}
+
 async fn sqlx_pool(conn: &str, size: u32) -> PgPool {
     PgPoolOptions::new()
         .max_connections(size)
@@ -178,7 +241,7 @@ fn sqlx_url(conn: &str) -> String {
 
 /// The four ways to lock and release a task's own key, warmed up (connections open,
 /// statements prepared).
-async fn uncontended_contenders(conn: &str) -> Vec<(&'static str, Op)> {
+async fn uncontended_contenders(conn: &str, statements: &Statements) -> Vec<(&'static str, Op)> {
     let locks = DistributedLocks::new(NAME, backend(conn));
     let direct = backend(conn);
     let keys: Arc<Vec<Key>> = Arc::new(
@@ -191,6 +254,11 @@ async fn uncontended_contenders(conn: &str) -> Vec<(&'static str, Op)> {
         bare.push(Bare::connect(conn).await);
     }
     let bare = Arc::new(bare);
+    let mut its_statements = Vec::new();
+    for _ in 0..TASKS {
+        its_statements.push(BareStatements::connect(conn, statements).await);
+    }
+    let its_statements = Arc::new(its_statements);
     let pool = sqlx_pool(conn, TASKS as u32).await;
     let sqlx_locks: Arc<Vec<PgAdvisoryLock>> = Arc::new(
         (0..TASKS)
@@ -238,6 +306,12 @@ async fn uncontended_contenders(conn: &str) -> Vec<(&'static str, Op)> {
                         .unwrap();
                     client.query_one(&unlock, &[&id]).await.unwrap();
                 })
+            })
+        }),
+        ("its statements, bare", {
+            Arc::new(move |task| {
+                let its_statements = its_statements.clone();
+                Box::pin(async move { its_statements[task].lock_unlock(1000 + task as i64).await })
             })
         }),
         ("DistributedLocks", {
@@ -447,7 +521,7 @@ async fn hot_key(conn: &str, rounds: usize, run: Duration) {
 }
 
 /// Statements the server ran per uncontended acquire + release, from its log.
-async fn statements_per_lock(pg: &PgServer) {
+async fn statements_per_lock(pg: &PgServer) -> Statements {
     const LOCKS: usize = 200;
     let (admin, connection) = tokio_postgres::connect(&pg.conn_str(), NoTls)
         .await
@@ -498,6 +572,20 @@ async fn statements_per_lock(pg: &PgServer) {
          ({statements} logged for {LOCKS}; the bare pair: 2)",
         statements as f64 / LOCKS as f64
     );
+    // `... LOG:  execute <name>: <the prepared statement's text>`
+    let prepared = |marking: &str| {
+        counted
+            .lines()
+            .filter_map(|line| line.split_once("LOG:  execute ")?.1.split_once(": "))
+            .map(|(_, sql)| sql)
+            .find(|sql| sql.contains(marking))
+            .unwrap_or_else(|| panic!("no statement with {marking} in the log"))
+            .to_owned()
+    };
+    Statements {
+        try_lock: prepared("pg_try_advisory_lock($1)"),
+        unlock: prepared("pg_advisory_unlock($1)"),
+    }
 }
 
 /// Each step of one lock timed on its own, one task, beside the bare call it stands
