@@ -9,6 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
@@ -168,25 +169,38 @@ impl<B: TtlBackend> Shared<B> {
     }
 }
 
+/// How long the schedule's task waits for the next lease once none waits, before it
+/// ends. Ended at once, it was spawned again for nearly every lock of a stream of short
+/// ones (each released before the task first ran), and each spawn woke a parked worker.
+const IDLE: Duration = Duration::from_millis(500);
+
 /// The schedule's task: sleeps until the first lease is due, or the backend shows
-/// holds gone, and hands leases over; ends once none waits (the next `add` starts it
-/// again). It keeps no backend alive: every lease it waits for holds one.
+/// holds gone, and hands leases over; ends once none waited for [`IDLE`] (the next
+/// `add` starts it again). It keeps no backend alive: every lease it waits for holds
+/// one.
 async fn run<B: TtlBackend>(shared: Arc<Shared<B>>, backend: Weak<B>) {
+    let mut idle_since = None;
     loop {
         let gone = (shared.gone)();
         let next = {
             let mut state = shared.lock();
-            match state.waiting.first_key_value() {
+            let now = Instant::now();
+            let next = match state.waiting.first_key_value() {
                 Some(((due, _), _)) => {
-                    let due = *due;
-                    state.sleeps_until = Some(due);
-                    due
+                    idle_since = None;
+                    *due
                 }
                 None => {
-                    state.sleeps_until = None;
-                    return;
+                    let ends = *idle_since.get_or_insert(now) + IDLE;
+                    if now >= ends {
+                        state.sleeps_until = None;
+                        return;
+                    }
+                    ends
                 }
-            }
+            };
+            state.sleeps_until = Some(next);
+            next
         };
         let all = tokio::select! {
             biased;
@@ -202,5 +216,125 @@ async fn run<B: TtlBackend>(shared: Arc<Shared<B>>, backend: Weak<B>) {
         // ends it.
         let now = (!all).then(Instant::now);
         shared.hand_over(&backend, now);
+        if all {
+            // Every lease went to a task of its own, and what the backend shows gone
+            // may stay so: with none waiting, end rather than look at it again.
+            let mut state = shared.lock();
+            if state.waiting.is_empty() {
+                state.sleeps_until = None;
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use crate::backend::ttl::{GiveBack, Renewal, Timing};
+    use crate::backend::LeaseSignal;
+
+    /// A backend whose schedule is all there is to it; `gone_for_all` as given.
+    struct Scheduled {
+        schedule: Schedule<Scheduled>,
+    }
+
+    impl Scheduled {
+        fn new(gone: GoneForAll) -> Arc<Self> {
+            Arc::new(Scheduled {
+                schedule: Schedule::new(gone),
+            })
+        }
+
+        /// Adds a lease due in a second; its signal is dropped (nobody watches it).
+        fn add(self: &Arc<Self>) -> Entry {
+            let now = Instant::now();
+            let (lost, _signal) = LeaseSignal::with_deadline(now + Duration::from_secs(3));
+            let due = now + Duration::from_secs(1);
+            self.schedule
+                .add(self, (), "token".to_owned(), now, lost, due)
+        }
+
+        /// Whether the schedule's task runs, and how many leases have tasks of their own.
+        fn task(&self) -> (bool, usize) {
+            let state = self.schedule.shared.lock();
+            let runs = state.sleeps_until.is_some()
+                && state.task.as_ref().is_some_and(|task| !task.is_finished());
+            (runs, state.running.len())
+        }
+    }
+
+    impl TtlBackend for Scheduled {
+        type Target = ();
+
+        fn timing(&self) -> Timing {
+            Timing::new(
+                Duration::from_secs(3),
+                Duration::ZERO,
+                Duration::from_millis(100),
+            )
+        }
+
+        async fn renew(&self, _: &(), _: &str, _: Duration, _: Instant, _: Instant) -> Renewal {
+            Renewal::Unknown
+        }
+
+        async fn try_give_back(&self, _: &(), _: &str) -> GiveBack {
+            GiveBack::Cleared
+        }
+
+        fn engine(&self) -> &'static str {
+            "scheduled"
+        }
+
+        fn schedule(&self) -> Option<&Schedule<Self>> {
+            Some(&self.schedule)
+        }
+    }
+
+    /// Short leases one after the other, each released before the schedule's task
+    /// looked at it: the task started for the first one is still there for the next,
+    /// and ends once none waited for `IDLE`.
+    #[tokio::test(start_paused = true)]
+    async fn the_task_outlives_a_gap_between_short_leases_and_then_ends() {
+        let backend = Scheduled::new(Box::new(|| Box::pin(std::future::pending())));
+        let first = backend.add();
+        let task = backend
+            .schedule
+            .shared
+            .lock()
+            .task
+            .as_ref()
+            .map(AbortHandle::id);
+        backend.schedule.cancel(first);
+        for _ in 0..5 {
+            tokio::time::sleep(IDLE / 10).await;
+            let entry = backend.add();
+            tokio::task::yield_now().await;
+            backend.schedule.cancel(entry);
+            let now = backend
+                .schedule
+                .shared
+                .lock()
+                .task
+                .as_ref()
+                .map(AbortHandle::id);
+            assert_eq!(now, task, "a task of its own per lease");
+        }
+        assert_eq!(backend.task(), (true, 0));
+        tokio::time::sleep(IDLE + IDLE / 10).await;
+        assert_eq!(backend.task(), (false, 0), "still there with none waiting");
+    }
+
+    /// What the backend shows gone may stay so: once it handed every lease to a task
+    /// of its own, the schedule's task ends instead of looking at it again and again.
+    #[tokio::test(start_paused = true)]
+    async fn the_task_ends_once_gone_handed_every_lease_over() {
+        let backend = Scheduled::new(Box::new(|| Box::pin(std::future::ready(()))));
+        let entry = backend.add();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(backend.task(), (false, 1));
+        backend.schedule.cancel(entry);
+        assert_eq!(backend.task(), (false, 0));
     }
 }
