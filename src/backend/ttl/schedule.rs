@@ -255,6 +255,12 @@ mod tests {
                 .add(self, (), "token".to_owned(), now, lost, due)
         }
 
+        /// The schedule's task, the last one started.
+        fn task_id(&self) -> Option<tokio::task::Id> {
+            let state = self.schedule.shared.lock();
+            state.task.as_ref().map(AbortHandle::id)
+        }
+
         /// Whether the schedule's task runs, and how many leases have tasks of their own.
         fn task(&self) -> (bool, usize) {
             let state = self.schedule.shared.lock();
@@ -299,27 +305,14 @@ mod tests {
     async fn the_task_outlives_a_gap_between_short_leases_and_then_ends() {
         let backend = Scheduled::new(Box::new(|| Box::pin(std::future::pending())));
         let first = backend.add();
-        let task = backend
-            .schedule
-            .shared
-            .lock()
-            .task
-            .as_ref()
-            .map(AbortHandle::id);
+        let task = backend.task_id();
         backend.schedule.cancel(first);
         for _ in 0..5 {
             tokio::time::sleep(IDLE / 10).await;
             let entry = backend.add();
             tokio::task::yield_now().await;
             backend.schedule.cancel(entry);
-            let now = backend
-                .schedule
-                .shared
-                .lock()
-                .task
-                .as_ref()
-                .map(AbortHandle::id);
-            assert_eq!(now, task, "a task of its own per lease");
+            assert_eq!(backend.task_id(), task, "a task of its own per lease");
         }
         assert_eq!(backend.task(), (true, 0));
         tokio::time::sleep(IDLE + IDLE / 10).await;
