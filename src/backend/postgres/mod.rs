@@ -297,11 +297,11 @@
 //! the grant; the unlock of a session-scope lock resets it to the name the session
 //! connected with, transaction scope sets it with `set_config(.., true)`, so the
 //! transaction's end restores it. `application_name` was chosen over a table: no write
-//! of its own per grant, nothing to clean up after a crash (the name goes with the session, as the
-//! lock does), and readable by every role. So the holding sessions show as `tkl …` in
-//! `pg_stat_activity` while they hold a key. No lease is left to tell: a session lock
-//! lasts as long as its session, so `lease_left` is `None`; a lock taken by another
-//! program (with the same id) shows as held by an unknown instance.
+//! of its own per grant, nothing to clean up after a crash (the name goes with the
+//! session, as the lock does), and readable by every role. So the holding sessions show
+//! as `tkl …` in `pg_stat_activity` while they hold a key. No lease is left to tell: a
+//! session lock lasts as long as its session, so `lease_left` is `None`; a lock taken by
+//! another program (with the same id) shows as held by an unknown instance.
 //!
 //! # Failures
 //!
