@@ -59,13 +59,11 @@
 
 mod support;
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgAdvisoryLock, PgPool, PgPoolOptions};
+use support::hot_key::{self, Op};
 use support::pg_server::PgServer;
 use tokio_postgres::{Client, NoTls, Statement};
 use tower_keyed_lock::backend::postgres::PostgresBackend;
@@ -76,10 +74,6 @@ const NAME: &str = "bench";
 const TASKS: usize = 32;
 /// Far more than any acquisition here takes.
 const WAIT: Duration = Duration::from_secs(10);
-
-type BoxFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
-/// One acquire + release by task `task`.
-type Op = Arc<dyn Fn(usize) -> BoxFuture + Send + Sync>;
 
 fn main() {
     let quick = std::env::args().any(|arg| arg == "--test");
@@ -442,52 +436,13 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
-/// Jain's fairness index of the grants per task.
-fn jain(counts: &[u64]) -> f64 {
-    let sum: f64 = counts.iter().map(|&c| c as f64).sum();
-    let squares: f64 = counts.iter().map(|&c| (c as f64).powi(2)).sum();
-    if squares == 0.0 {
-        return 0.0;
-    }
-    sum * sum / (counts.len() as f64 * squares)
-}
-
-/// Runs `op` on 64 tasks for `run`; the grants of each task.
-async fn hammer(op: Op, run: Duration) -> Vec<u64> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let counts: Arc<Vec<AtomicU64>> = Arc::new((0..2 * TASKS).map(|_| AtomicU64::new(0)).collect());
-    let handles: Vec<_> = (0..2 * TASKS)
-        .map(|task| {
-            let (op, stop, counts) = (op.clone(), stop.clone(), counts.clone());
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    op(task).await;
-                    counts[task].fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        })
-        .collect();
-    tokio::time::sleep(run).await;
-    stop.store(true, Ordering::Relaxed);
-    for handle in handles {
-        handle.await.unwrap();
-    }
-    counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
-}
-
 /// One key, 2 instances × 32 tasks against 64 bare sessions; interleaved rounds.
 async fn hot_key(conn: &str, rounds: usize, run: Duration) {
     let instances = [
         DistributedLocks::new(NAME, backend(conn)),
         DistributedLocks::new(NAME, backend(conn)),
     ];
-    let ours: Op = Arc::new(move |task| {
-        let locks = instances[task % 2].clone();
-        Box::pin(async move {
-            let guard = locks.lock("hot").await.expect("granted in the end");
-            guard.release().await;
-        })
-    });
+    let ours = hot_key::locking(instances);
     let mut sessions = Vec::new();
     for _ in 0..2 * TASKS {
         sessions.push(Bare::connect(conn).await);
@@ -497,26 +452,13 @@ async fn hot_key(conn: &str, rounds: usize, run: Duration) {
         let sessions = sessions.clone();
         Box::pin(async move { sessions[task].lock_unlock(7).await })
     });
-    let (mut ratios, mut rates, mut fairness) = (Vec::new(), [vec![], vec![]], [vec![], vec![]]);
-    for round in 0..rounds {
-        let mut rate = [0.0; 2];
-        for turn in 0..2 {
-            let which = (round + turn) % 2;
-            let op = [&ours, &bare][which].clone();
-            let counts = hammer(op, run).await;
-            rate[which] = counts.iter().sum::<u64>() as f64 / run.as_secs_f64();
-            rates[which].push(rate[which]);
-            fairness[which].push(jain(&counts));
-        }
-        ratios.push(rate[0] / rate[1]);
-    }
-    let [ours_rate, bare_rate] = rates.map(median);
-    let [ours_fair, bare_fair] = fairness.map(median);
+    let hot = hot_key::interleaved([&ours, &bare], 2 * TASKS, rounds, run).await;
+    let ([ours_rate, bare_rate], [ours_fair, bare_fair]) = (hot.rates, hot.fairness);
     println!(
         "hot key, 2 instances x {TASKS} tasks: {ours_rate:.0} hand-offs/s (Jain {ours_fair:.3}) \
          vs 64 bare sessions {bare_rate:.0}/s (Jain {bare_fair:.3}): {:.2}x \
          (median of {rounds} interleaved rounds of {run:?})",
-        median(ratios)
+        hot.ratio
     );
 }
 

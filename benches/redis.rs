@@ -27,6 +27,12 @@
 //!    the time Redis spent on them (the top-level commands' `usec`).
 //! 3. Commands per request when 32 requests for one key arrive at once at one
 //!    instance (a layer with the backend, driven with `ServiceExt::oneshot`).
+//! 4. Hot key, 2 instances × 32 tasks: every task locks one key, releases, again, for
+//!    a fixed time: the crate (two `DistributedLocks`, each with a backend of its own)
+//!    against the two-tier shape a user builds from bare commands, per instance a FIFO
+//!    mutex (tokio's) in front of the safe pair, its holder sending `SET NX PX` again
+//!    at once until granted. Hand-offs per second, their ratio, and Jain's fairness
+//!    index over the tasks' grants.
 //!
 //! For a profiler (`perf record`, `perf stat -p`): `PROFILE_WAY=backend` (or `locks`,
 //! `pair`, `rslock`) runs that way alone, 32 tasks, for 12 s, and prints locks per
@@ -43,7 +49,8 @@ use axum::body::Body;
 use axum::routing::post;
 use axum::Router;
 use http::{Request, StatusCode};
-use support::redis_pair::SafePair;
+use support::hot_key::{self, Op};
+use support::redis_pair::{fresh_token, SafePair};
 use support::redis_server::{command_calls, command_stat, RedisServer};
 use tower::ServiceExt;
 use tower_keyed_lock::backend::redis::RedisBackend;
@@ -77,6 +84,14 @@ fn main() {
         for tasks in TASK_COUNTS {
             lines.extend(rt.block_on(uncontended(&ways, tasks, rounds, ops)));
         }
+    }
+    if wanted("hot") {
+        let (rounds, run) = if quick {
+            (1, Duration::from_millis(200))
+        } else {
+            (7, Duration::from_secs(2))
+        };
+        rt.block_on(hot_key(&client, rounds, run));
     }
     if wanted("commands") {
         let ops = if quick { 20 } else { 500 };
@@ -402,4 +417,47 @@ async fn send(app: Router) {
     let request = Request::post("/orders/1").body(Body::empty()).unwrap();
     let response = app.oneshot(request).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
+}
+
+/// One key, 2 instances × `WAITERS` tasks: the crate against two instances of a FIFO
+/// mutex in front of the bare pair; interleaved rounds.
+async fn hot_key(client: &redis::Client, rounds: usize, run: Duration) {
+    let instance = || async {
+        // Past the restart guard already (`Ways::new` waited it out).
+        let backend = RedisBackend::builder(client.clone())
+            .lease(Duration::from_secs(1))
+            .build()
+            .await
+            .unwrap();
+        DistributedLocks::new("bench-hot", backend)
+    };
+    let ours = hot_key::locking([instance().await, instance().await]);
+    let mut tiers = Vec::new();
+    for _ in 0..2 {
+        tiers.push(Arc::new((
+            tokio::sync::Mutex::new(()),
+            SafePair::new(client).await,
+        )));
+    }
+    let bare: Op = Arc::new(move |task| {
+        let tier = tiers[task % 2].clone();
+        Box::pin(async move {
+            let (local, pair) = &*tier;
+            let _local = local.lock().await;
+            let token = fresh_token();
+            while !pair.set("hot-bare", &token).await {}
+            assert!(
+                pair.delete("hot-bare", &token).await,
+                "the bare key was lost"
+            );
+        })
+    });
+    let hot = hot_key::interleaved([&ours, &bare], 2 * WAITERS, rounds, run).await;
+    let ([ours_rate, bare_rate], [ours_fair, bare_fair]) = (hot.rates, hot.fairness);
+    println!(
+        "redis hot key, 2 instances x {WAITERS} tasks: {ours_rate:.0} hand-offs/s (Jain \
+         {ours_fair:.3}) vs the two-tier bare shape {bare_rate:.0}/s (Jain {bare_fair:.3}): \
+         {:.2}x (median of {rounds} interleaved rounds of {run:?})",
+        hot.ratio
+    );
 }

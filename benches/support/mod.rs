@@ -1,9 +1,11 @@
 //! Helpers shared by the bench binaries: CPU time, quantiles, where results go;
 //! `engine`: measuring a distributed backend; `round_trips`: counting them on the wire;
-//! `redis_pair`: the bare safe Redis pair the Redis benches measure against.
+//! `redis_pair`: the bare safe Redis pair the Redis benches measure against;
+//! `hot_key`: one key hammered by many tasks, two ways side by side.
 #![allow(dead_code)]
 
 pub mod engine;
+pub mod hot_key;
 pub mod redis_pair;
 pub mod round_trips;
 #[path = "../../tests/support/tcp_proxy.rs"]
