@@ -458,7 +458,7 @@ async fn hot_key(conn: &str, rounds: usize, run: Duration) {
         "hot key, 2 instances x {TASKS} tasks: {ours_rate:.0} hand-offs/s (Jain {ours_fair:.3}) \
          vs 64 bare sessions {bare_rate:.0}/s (Jain {bare_fair:.3}): {:.2}x \
          (median of {rounds} interleaved rounds of {run:?})",
-        hot.ratio
+        hot.ratios[1]
     );
 }
 

@@ -458,6 +458,6 @@ async fn hot_key(client: &redis::Client, rounds: usize, run: Duration) {
         "redis hot key, 2 instances x {WAITERS} tasks: {ours_rate:.0} hand-offs/s (Jain \
          {ours_fair:.3}) vs the two-tier bare shape {bare_rate:.0}/s (Jain {bare_fair:.3}): \
          {:.2}x (median of {rounds} interleaved rounds of {run:?})",
-        hot.ratio
+        hot.ratios[1]
     );
 }

@@ -1,5 +1,6 @@
-//! One hot key hammered by many tasks for a fixed time, two ways in interleaved rounds:
-//! hand-offs per second, and how evenly the tasks were served.
+//! Many tasks hammering locks for a fixed time, several ways in interleaved rounds:
+//! grants per second, and how evenly the tasks were served. On one hot key these are
+//! hand-offs; with a key per task, uncontended locks.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -24,34 +25,43 @@ pub fn locking(instances: [DistributedLocks; 2]) -> Op {
 }
 
 /// What [`interleaved`] measured of each way: medians over the rounds.
-pub struct HotKey {
-    /// Grants per second of the first way and of the second.
-    pub rates: [f64; 2],
+pub struct HotKey<const N: usize> {
+    /// Grants per second of each way.
+    pub rates: [f64; N],
     /// Jain's fairness index over the tasks' grants of each way.
-    pub fairness: [f64; 2],
-    /// The median of the per-round ratios, first ÷ second.
-    pub ratio: f64,
+    pub fairness: [f64; N],
+    /// The median of the per-round ratios of the first way's rate to each way's (1 for
+    /// the first itself).
+    pub ratios: [f64; N],
 }
 
-/// Runs `ways[0]` and `ways[1]` on `tasks` tasks for `run` each, `rounds` times, the
-/// order turning from round to round.
-pub async fn interleaved(ways: [&Op; 2], tasks: usize, rounds: usize, run: Duration) -> HotKey {
-    let (mut ratios, mut rates, mut fairness) = (Vec::new(), [vec![], vec![]], [vec![], vec![]]);
+/// Runs each of `ways` on `tasks` tasks for `run`, `rounds` times, the order turning
+/// from round to round.
+pub async fn interleaved<const N: usize>(
+    ways: [&Op; N],
+    tasks: usize,
+    rounds: usize,
+    run: Duration,
+) -> HotKey<N> {
+    let mut rates: [Vec<f64>; N] = std::array::from_fn(|_| Vec::new());
+    let (mut ratios, mut fairness) = (rates.clone(), rates.clone());
     for round in 0..rounds {
-        let mut rate = [0.0; 2];
-        for turn in 0..2 {
-            let which = (round + turn) % 2;
+        let mut rate = [0.0; N];
+        for turn in 0..N {
+            let which = (round + turn) % N;
             let counts = hammer(ways[which].clone(), tasks, run).await;
             rate[which] = counts.iter().sum::<u64>() as f64 / run.as_secs_f64();
             rates[which].push(rate[which]);
             fairness[which].push(jain(&counts));
         }
-        ratios.push(rate[0] / rate[1]);
+        for (ratios, each) in ratios.iter_mut().zip(rate) {
+            ratios.push(rate[0] / each);
+        }
     }
     HotKey {
         rates: rates.map(median),
         fairness: fairness.map(median),
-        ratio: median(ratios),
+        ratios: ratios.map(median),
     }
 }
 
