@@ -270,6 +270,48 @@ async fn waiters_queued_through_a_leader_kill_are_all_granted() {
     .await;
 }
 
+/// Many holders on one backend share its watch stream: deleting the keys of some, by
+/// hand, tells exactly those, each with its own reason, and the others hold on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_holder_on_the_shared_watch_is_told_of_its_own_key_only() {
+    const HOLDERS: usize = 20;
+    let cluster = EtcdCluster::start();
+    let probe = backend(&cluster).await;
+    let locks = locks_on(Arc::new(backend(&cluster).await));
+    let mut guards = Vec::new();
+    for i in 0..HOLDERS {
+        guards.push(locks.lock(&format!("shared-watch-{i}")).await.unwrap());
+    }
+    let mut client = probe.client().clone();
+    for i in (0..HOLDERS).step_by(2) {
+        let prefix = probe.queue_prefix(servers::NAME, &format!("shared-watch-{i}"));
+        let options = etcd_client::DeleteOptions::new().with_prefix();
+        let deleted = client.delete(prefix, Some(options)).await.unwrap();
+        assert_eq!(deleted.deleted(), 1, "holder {i} had one key");
+    }
+    for (i, guard) in guards.iter().enumerate().step_by(2) {
+        let signal = guard.lease().expect("a remote lease").clone();
+        servers::within(&format!("holder {i} is told"), PATIENCE, signal.lost()).await;
+        assert_eq!(
+            guard.lost_reason(),
+            Some(LostReason::NotOwner),
+            "holder {i}"
+        );
+    }
+    // Told at once, by the stream that told the others: a lease later, they hold on.
+    sleep(2 * LEASE).await;
+    for (i, guard) in guards.iter().enumerate().skip(1).step_by(2) {
+        assert_eq!(
+            guard.lost_reason(),
+            None,
+            "holder {i} was told of another's key"
+        );
+    }
+    for guard in guards {
+        guard.release().await;
+    }
+}
+
 /// How a holder's key is taken from it behind its back.
 #[derive(Clone, Copy, Debug)]
 enum Removal {

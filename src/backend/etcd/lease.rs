@@ -4,15 +4,14 @@
 //! (validity deadline, renewal every lease/3, background give-back, the in-flight
 //! guard) is the engine's (`backend::ttl`).
 
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, EventType, GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, PutOptions,
-    SortOrder, SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
+    EventType, GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, PutOptions, SortOrder,
+    SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
 };
 use tokio::sync::{watch, Mutex as AsyncMutex};
-use tokio::task::AbortHandle;
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 
 use super::failure::{backend, lease_not_found, step, EtcdLockError, Failure};
@@ -43,8 +42,6 @@ pub(super) struct Contender {
     /// Set when the watch on the holder's own key sees it deleted (by hand, or its
     /// lease revoked or run out): the lease is lost at once (see `TtlBackend::gone`).
     deleted: watch::Sender<bool>,
-    /// The task watching the holder's own key; stops with the contender.
-    watch: Mutex<Option<AbortHandle>>,
 }
 
 impl Contender {
@@ -54,7 +51,6 @@ impl Contender {
             key,
             keeper: AsyncMutex::new(None),
             deleted: watch::Sender::new(false),
-            watch: Mutex::new(None),
         }
     }
 
@@ -63,7 +59,7 @@ impl Contender {
         *self.deleted.borrow()
     }
 
-    fn mark_deleted(&self) {
+    pub(super) fn mark_deleted(&self) {
         self.deleted.send_replace(true);
     }
 
@@ -73,15 +69,6 @@ impl Contender {
         if deleted.wait_for(|deleted| *deleted).await.is_err() {
             // Never: the sender lives as long as the contender.
             std::future::pending::<()>().await;
-        }
-    }
-}
-
-impl Drop for Contender {
-    fn drop(&mut self) {
-        let watch = self.watch.get_mut().unwrap_or_else(PoisonError::into_inner);
-        if let Some(watch) = watch.take() {
-            watch.abort();
         }
     }
 }
@@ -259,7 +246,7 @@ impl Inner {
             if first {
                 if Instant::now() < self.valid_until(confirmed) {
                     in_flight.granted();
-                    self.watch_own_key(&contender, place);
+                    self.watches.watch(&contender, place);
                     let fence = u64::try_from(place).ok();
                     let lease = ttl::grant(self, contender, String::new(), fence, confirmed);
                     return Ok(Round::Granted(lease.with_contention(contended)));
@@ -422,23 +409,6 @@ impl Inner {
         renewal
     }
 
-    /// Watches the holder's own key from its creation on, and marks the contender
-    /// when it is deleted: its lease is lost at once.
-    fn watch_own_key(&self, contender: &Arc<Contender>, place: i64) {
-        let task = tokio::spawn(watch_key(
-            self.client.clone(),
-            Arc::downgrade(contender),
-            contender.key.clone(),
-            place,
-            self.config.command_timeout,
-        ));
-        let mut watch = contender
-            .watch
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        *watch = Some(task.abort_handle());
-    }
-
     /// Revokes the contender's lease (its key goes with it); one try.
     async fn revoke(&self, contender: &Contender) -> GiveBack {
         let mut leases = self.client.lease_client();
@@ -489,65 +459,6 @@ async fn renew_on(
     // with "lease not found" if the lease is gone.
     *slot = Some(leases.keep_alive(lease).await?);
     Ok(true)
-}
-
-/// Watches `key` for its deletion from revision `from` on, and marks the contender
-/// when it happens. Ends then, or with the contender.
-async fn watch_key(
-    client: Client,
-    contender: Weak<Contender>,
-    key: String,
-    mut from: i64,
-    command_timeout: Duration,
-) {
-    let mut backoff = Backoff::new(REWATCH_PAUSE, command_timeout.max(REWATCH_PAUSE));
-    loop {
-        let mut watches = client.watch_client();
-        let options = WatchOptions::new()
-            .with_start_revision(from + 1)
-            .with_filters([WatchFilterType::NoPut]);
-        if let Ok(Ok(mut stream)) = tokio::time::timeout(
-            command_timeout,
-            watches.watch(key.as_bytes(), Some(options)),
-        )
-        .await
-        {
-            while let Ok(Some(answer)) = stream.message().await {
-                if answer
-                    .events()
-                    .iter()
-                    .any(|event| event.event_type() == EventType::Delete)
-                {
-                    if let Some(contender) = contender.upgrade() {
-                        contender.mark_deleted();
-                    }
-                    return;
-                }
-                if answer.canceled() {
-                    // Compacted past `from`: look at the key itself, then watch on.
-                    break;
-                }
-                if let Some(header) = answer.header() {
-                    from = from.max(header.revision());
-                }
-            }
-        }
-        // The stream broke (or was cancelled): the key may have gone meanwhile.
-        let mut kv = client.kv_client();
-        let look = kv.get(key.as_bytes(), Some(GetOptions::new().with_keys_only()));
-        if let Ok(Ok(found)) = tokio::time::timeout(command_timeout, look).await {
-            if found.kvs().is_empty() {
-                if let Some(contender) = contender.upgrade() {
-                    contender.mark_deleted();
-                }
-                return;
-            }
-            if let Some(header) = found.header() {
-                from = from.max(header.revision());
-            }
-        }
-        sleep(backoff.pause()).await;
-    }
 }
 
 impl TtlBackend for Inner {

@@ -221,6 +221,7 @@ mod holder;
 mod keys;
 mod lease;
 mod setup;
+mod watches;
 
 use std::fmt;
 use std::sync::Arc;
@@ -303,6 +304,8 @@ struct Inner {
     config: Settings,
     /// The TTL asked of etcd, in whole seconds.
     ttl: i64,
+    /// The holders' own keys, watched for their deletion.
+    watches: watches::Watches,
 }
 
 impl EtcdBackend {
@@ -425,6 +428,7 @@ impl EtcdBackendBuilder {
         let ttl = i64::try_from(config.lease.as_millis().div_ceil(1000)).unwrap_or(i64::MAX);
         Ok(EtcdBackend {
             inner: Arc::new(Inner {
+                watches: watches::Watches::new(client.clone(), config.command_timeout),
                 client,
                 config,
                 ttl,
