@@ -312,6 +312,68 @@ async fn each_holder_on_the_shared_watch_is_told_of_its_own_key_only() {
     }
 }
 
+/// The backend's watches (each holder's on its own key, each waiter's on its
+/// predecessor's) are etcd watchers for as long as they are needed only: after holds
+/// on many keys and waits that time out, the members count none left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn holds_and_abandoned_waits_leave_no_watcher_at_etcd() {
+    let cluster = EtcdCluster::start();
+    let a = locks_on(Arc::new(backend(&cluster).await));
+    let b = locks_on(Arc::new(backend(&cluster).await));
+    for i in 0..20 {
+        a.lock(&format!("watchers-{i}"))
+            .await
+            .unwrap()
+            .release()
+            .await;
+    }
+    let held = a.lock("watchers-held").await.unwrap();
+    for _ in 0..20 {
+        let wait = b
+            .lock_timeout("watchers-held", Duration::from_millis(30))
+            .await;
+        assert!(wait.is_err(), "the key is held");
+    }
+    until_watchers(&cluster, 1, "the holder's own, after the waits ended").await;
+    held.release().await;
+    until_watchers(&cluster, 0, "after every hold and wait ended").await;
+}
+
+async fn until_watchers(cluster: &EtcdCluster, count: u64, when: &str) {
+    let started = Instant::now();
+    loop {
+        let now = watchers(cluster);
+        if now == count {
+            return;
+        }
+        assert!(
+            started.elapsed() < PATIENCE,
+            "{now} watchers at etcd {when}, not {count}"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The watchers every member counts (`etcd_debugging_mvcc_watcher_total`).
+fn watchers(cluster: &EtcdCluster) -> u64 {
+    use std::io::{Read, Write};
+    (0..cluster.size())
+        .map(|member| {
+            let mut http = std::net::TcpStream::connect(("127.0.0.1", cluster.client_port(member)))
+                .expect("the member's client port answers");
+            http.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+                .unwrap();
+            let mut text = String::new();
+            http.read_to_string(&mut text).unwrap();
+            let line = text
+                .lines()
+                .find(|line| line.starts_with("etcd_debugging_mvcc_watcher_total "))
+                .expect("etcd reports its watchers");
+            line.split(' ').nth(1).unwrap().parse::<f64>().unwrap() as u64
+        })
+        .sum()
+}
+
 /// How a holder's key is taken from it behind its back.
 #[derive(Clone, Copy, Debug)]
 enum Removal {

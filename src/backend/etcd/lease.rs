@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    EventType, GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, PutOptions, SortOrder,
-    SortTarget, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
+    GetOptions, LeaseClient, LeaseKeepAliveStream, LeaseKeeper, PutOptions, SortOrder, SortTarget,
+    Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
 use tokio::sync::{watch, Mutex as AsyncMutex};
 use tokio::time::{sleep, sleep_until, timeout_at, Instant};
@@ -21,9 +21,10 @@ use crate::backend::ttl::{self, jitter, Backoff, GiveBack, InFlight, Renewal, Ti
 use crate::backend::Lease;
 use crate::LockError;
 
-/// The pause before a watch that failed (a broken stream, a cancelled watch) is set up
-/// again, so a failing member is not hammered; the wait's deadline still bounds it.
-const REWATCH_PAUSE: Duration = Duration::from_millis(50);
+/// The first pause before a look at the queue that failed is made again (growing to
+/// the poll interval), so a failing member is not hammered; the wait's deadline still
+/// bounds it.
+const RELOOK_PAUSE: Duration = Duration::from_millis(50);
 
 /// The first pause before a contender that lost its place queues again (growing to
 /// the poll interval).
@@ -155,7 +156,8 @@ impl Inner {
                 "a lease granted without TTL",
             )));
         }
-        let contender = Arc::new(Contender::new(grant.id(), keys.contender(grant.id())));
+        let lease_id = grant.id();
+        let contender = Arc::new(Contender::new(lease_id, keys.contender(lease_id)));
         // From here on, dropping the guard (an error, the wait over, the future
         // dropped) revokes the lease, which deletes the contender's key with it.
         let mut in_flight = InFlight::new(self.clone(), contender.clone(), String::new());
@@ -214,7 +216,7 @@ impl Inner {
         // place.
         let period = self.config.lease / 3;
         let mut next_keep_alive = confirmed + period;
-        let mut retry = Backoff::new(REWATCH_PAUSE, self.config.poll_interval);
+        let mut retry = Backoff::new(RELOOK_PAUSE, self.config.poll_interval);
         // Why the last look failed, if none was answered since: what the wait ends
         // with if it ends now (else a timeout).
         let mut failing: Option<LockError> = None;
@@ -230,7 +232,7 @@ impl Inner {
                     Ok(Queue::First) => first = true,
                     Ok(Queue::Behind { key, revision }) => {
                         failing = None;
-                        retry = Backoff::new(REWATCH_PAUSE, self.config.poll_interval);
+                        retry = Backoff::new(RELOOK_PAUSE, self.config.poll_interval);
                         predecessor = Some((key, revision));
                     }
                     Err(Failure::Gone) => {
@@ -246,7 +248,7 @@ impl Inner {
             if first {
                 if Instant::now() < self.valid_until(confirmed) {
                     in_flight.granted();
-                    self.watches.watch(&contender, place);
+                    self.watches.holder(&contender, place);
                     let fence = u64::try_from(place).ok();
                     let lease = ttl::grant(self, contender, String::new(), fence, confirmed);
                     return Ok(Round::Granted(lease.with_contention(contended)));
@@ -258,33 +260,19 @@ impl Inner {
             }
 
             // Events after the look: the predecessor's deletion cannot slip between.
-            let mut stream = None;
-            if let Some((key, revision)) = predecessor {
-                let options = WatchOptions::new()
-                    .with_start_revision(revision + 1)
-                    .with_filters([WatchFilterType::NoPut]);
-                let watch_limit = (Instant::now() + command_timeout).min(deadline);
-                let watch = step(watch_limit, command_timeout, || {
-                    let mut watches = self.client.watch_client();
-                    let (key, options) = (key.clone(), options.clone());
-                    async move { watches.watch(key, Some(options)).await }
-                });
-                match watch.await {
-                    Ok(watching) => stream = Some(watching),
-                    // The backstop below looks again; the keep-alive goes on.
-                    Err(_) => tracing::debug!("etcd watch failed; polling"),
-                }
-            }
-            // Without a watch (it failed, or the look did), look again soon.
+            // On the backend's one stream (see `watches.rs`); forgotten when dropped.
+            let mut deletion =
+                predecessor.map(|(key, revision)| self.watches.waiter(key, revision));
+            // Without a watch (the look failed), look again soon.
             let backstop = Instant::now()
-                + match stream {
+                + match deletion {
                     Some(_) => jitter(self.config.poll_interval),
                     None => retry.pause(),
                 };
             loop {
-                let message = async {
-                    match stream.as_mut() {
-                        Some(stream) => stream.message().await,
+                let seen = async {
+                    match deletion.as_mut() {
+                        Some(deletion) => deletion.seen().await,
                         None => std::future::pending().await,
                     }
                 };
@@ -311,22 +299,7 @@ impl Inner {
                         }
                     }
                     () = sleep_until(backstop) => break,
-                    message = message => match message {
-                        Ok(Some(response)) => {
-                            let deleted = response
-                                .events()
-                                .iter()
-                                .any(|event| event.event_type() == EventType::Delete);
-                            if deleted || response.canceled() {
-                                break;
-                            }
-                        }
-                        // The stream ended or broke: look again after a pause.
-                        Ok(None) | Err(_) => {
-                            sleep(REWATCH_PAUSE.min(deadline.saturating_duration_since(Instant::now()))).await;
-                            break;
-                        }
-                    },
+                    () = seen => break,
                 }
             }
         }

@@ -1,22 +1,27 @@
-//! The holders' own keys, watched on one stream per backend: a holder learns that its
-//! key was deleted (by hand, or with its lease: revoked, expired, or revoked by a stale
-//! leader) as soon as its member applies the deletion, without a stream and a task of
-//! its own per lock (opening and closing one per lock cost a quarter of the backend's
-//! throughput at 32 tasks).
+//! Every watch of a backend on one stream: a holder's watch on its own key (it learns
+//! that the key was deleted, by hand or with its lease: revoked, expired, or revoked by
+//! a stale leader, as soon as its member applies the deletion) and a waiter's watch on
+//! its predecessor's key (it looks at the queue again once that key is gone). Opening
+//! and closing a stream, with a task to read it, for each lock and each wait cost the
+//! backend a quarter of its throughput at 32 tasks, and a round trip on every
+//! hand-off.
 //!
-//! Each key has a watch of its own on the stream, under an id this side gives (etcd
-//! 3.4 and newer), from the revision after the key's grant: a watch made late still
-//! sees a deletion made before. The deletion ends the watch (a cancel on the stream).
-//! A stream that breaks is opened again with every key still watched, each from its
-//! revision; a watch etcd cancels (history compacted past its revision) becomes a look
-//! at the key, then a watch from the revision of that look.
+//! Each watch has an id of its own on the stream, given by this side (etcd 3.4 and
+//! newer), and starts at the revision after the one it is made for: a watch that
+//! arrives late still sees a deletion made before. A deletion ends the watch (a cancel
+//! on the stream), as does a waiter that stops waiting. A stream that breaks is opened
+//! again with every watch from its revision. A watch etcd cancels (its history
+//! compacted) sends a waiter to look again, and makes a holder's key looked at, then
+//! watched from the revision of that look.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use etcd_client::{Client, EventType, GetOptions, WatchFilterType, WatchOptions, WatchStream};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
+use tokio::sync::oneshot;
 use tokio::time::{sleep_until, timeout, Instant};
 
 use super::lease::Contender;
@@ -26,20 +31,56 @@ use crate::backend::ttl::Backoff;
 /// command timeout).
 const REOPEN_PAUSE: Duration = Duration::from_millis(50);
 
-/// One holder's key to watch, from the revision after `from`.
+/// A key to watch for its deletion after revision `from`, and who is told.
 struct Watched {
     key: Vec<u8>,
     from: i64,
-    contender: Weak<Contender>,
+    told: Told,
+}
+
+enum Told {
+    /// A holder, watching its own key: the lease is lost once the key is gone.
+    Holder(Weak<Contender>),
+    /// A waiter, watching its predecessor's key: it looks at the queue again.
+    Waiter(oneshot::Sender<()>),
+}
+
+enum Command {
+    Watch(i64, Watched),
+    /// The waiter stopped waiting.
+    Forget(i64),
 }
 
 /// A backend's watches; cheap to keep when nothing is watched (no task, no stream).
 pub(super) struct Watches {
     client: Client,
     command_timeout: Duration,
+    /// Ids of watches, unique on the stream.
+    next_id: Arc<AtomicI64>,
     /// The task that owns the stream, fed by this channel; started by the first watch,
     /// and again if its runtime went away.
-    task: Mutex<Option<UnboundedSender<Watched>>>,
+    task: Mutex<Option<UnboundedSender<Command>>>,
+}
+
+/// A waiter's watch on its predecessor's key; forgotten when dropped.
+pub(super) struct Deletion {
+    id: i64,
+    told: oneshot::Receiver<()>,
+    commands: UnboundedSender<Command>,
+}
+
+impl Deletion {
+    /// Resolves once the key is deleted, or when the waiter must look again without
+    /// it (etcd cancelled the watch, or the backend is going away).
+    pub(super) async fn seen(&mut self) {
+        let _ = (&mut self.told).await;
+    }
+}
+
+impl Drop for Deletion {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Forget(self.id));
+    }
 }
 
 impl Watches {
@@ -47,36 +88,57 @@ impl Watches {
         Self {
             client,
             command_timeout,
+            next_id: Arc::new(AtomicI64::new(1)),
             task: Mutex::new(None),
         }
     }
 
     /// Watches the holder's own key, created at revision `place`, until it is deleted.
-    pub(super) fn watch(&self, contender: &Arc<Contender>, place: i64) {
-        let mut watched = Watched {
-            key: contender.key.as_bytes().to_vec(),
-            from: place,
-            contender: Arc::downgrade(contender),
-        };
+    pub(super) fn holder(&self, contender: &Arc<Contender>, place: i64) {
+        let told = Told::Holder(Arc::downgrade(contender));
+        self.watch(contender.key.as_bytes().to_vec(), place, told);
+    }
+
+    /// Watches `key` for its deletion after revision `after`, for a waiter.
+    pub(super) fn waiter(&self, key: Vec<u8>, after: i64) -> Deletion {
+        let (sender, told) = oneshot::channel();
+        let (id, commands) = self.watch(key, after, Told::Waiter(sender));
+        Deletion { id, told, commands }
+    }
+
+    fn watch(&self, key: Vec<u8>, from: i64, told: Told) -> (i64, UnboundedSender<Command>) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut command = Command::Watch(id, Watched { key, from, told });
         let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(sender) = task.as_ref() {
-            match sender.send(watched) {
-                Ok(()) => return,
-                Err(mpsc::error::SendError(back)) => watched = back,
+            match sender.send(command) {
+                Ok(()) => return (id, sender.clone()),
+                Err(mpsc::error::SendError(back)) => command = back,
             }
         }
         let (sender, commands) = mpsc::unbounded_channel();
-        sender.send(watched).expect("the receiver is here");
-        tokio::spawn(run(self.client.clone(), self.command_timeout, commands));
-        *task = Some(sender);
+        let _ = sender.send(command);
+        let next_id = self.next_id.clone();
+        tokio::spawn(run(
+            self.client.clone(),
+            self.command_timeout,
+            next_id,
+            commands,
+        ));
+        *task = Some(sender.clone());
+        (id, sender)
     }
 }
 
-/// The stream's owner: opens it when a key is to be watched, sends each watch, routes
-/// each deletion to its holder. Ends when the backend is gone (the channel closed).
-async fn run(client: Client, command_timeout: Duration, mut commands: UnboundedReceiver<Watched>) {
+/// The stream's owner: opens it when a key is to be watched, sends each watch, tells
+/// each deletion. Ends when the backend is gone (the channel closed).
+async fn run(
+    client: Client,
+    command_timeout: Duration,
+    next_id: Arc<AtomicI64>,
+    mut commands: UnboundedReceiver<Command>,
+) {
     let mut watched: HashMap<i64, Watched> = HashMap::new();
-    let mut next_id: i64 = 1;
     let mut stream: Option<WatchStream> = None;
     let mut backoff = Backoff::new(REOPEN_PAUSE, command_timeout.max(REOPEN_PAUSE));
     let mut reopen_at: Option<Instant> = None;
@@ -101,40 +163,37 @@ async fn run(client: Client, command_timeout: Duration, mut commands: UnboundedR
                 None => std::future::pending().await,
             }
         };
+        // What the stream is to be sent, once the select is over: a watch or a cancel.
+        let mut send: Option<(i64, bool)> = None;
         tokio::select! {
-            command = commands.recv() => {
-                let Some(new) = command else { return };
-                let id = next_id;
-                next_id += 1;
-                if let Some(open) = stream.as_mut() {
-                    if !create(open, id, &new, command_timeout).await {
-                        stream = None;
+            command = commands.recv() => match command {
+                None => return,
+                Some(Command::Watch(id, new)) => {
+                    watched.insert(id, new);
+                    send = Some((id, true));
+                }
+                Some(Command::Forget(id)) => {
+                    if watched.remove(&id).is_some() {
+                        send = Some((id, false));
                     }
                 }
-                watched.insert(id, new);
-            }
+            },
             message = message => match message {
                 Ok(Some(response)) => {
                     let id = response.watch_id();
                     if response.canceled() {
-                        // Compacted past its revision (or refused): look, then again.
+                        // Compacted past its revision (or refused).
                         if let Some(old) = watched.remove(&id) {
-                            match look(&client, old, command_timeout).await {
-                                Looked::Deleted => {}
-                                Looked::There(still) => {
-                                    let id = next_id;
-                                    next_id += 1;
-                                    if let Some(open) = stream.as_mut() {
-                                        if !create(open, id, &still, command_timeout).await {
-                                            stream = None;
-                                        }
-                                    }
+                            match look_again(&client, old, command_timeout).await {
+                                Looked::Done => {}
+                                Looked::Watch(still) => {
+                                    let id = next_id.fetch_add(1, Ordering::Relaxed);
                                     watched.insert(id, still);
+                                    send = Some((id, true));
                                 }
                                 // Watched again with the stream, after a pause.
                                 Looked::Failed(kept) => {
-                                    watched.insert(next_id, kept);
-                                    next_id += 1;
+                                    watched.insert(id, kept);
                                     stream = None;
                                     reopen_at = Some(Instant::now() + backoff.pause());
                                 }
@@ -146,18 +205,12 @@ async fn run(client: Client, command_timeout: Duration, mut commands: UnboundedR
                         .any(|event| event.event_type() == EventType::Delete)
                     {
                         if let Some(gone) = watched.remove(&id) {
-                            if let Some(contender) = gone.contender.upgrade() {
-                                contender.mark_deleted();
-                            }
+                            tell(gone.told);
                         }
-                        if let Some(open) = stream.as_mut() {
-                            if timeout(command_timeout, open.cancel(id)).await.is_err() {
-                                stream = None;
-                            }
-                        }
+                        send = Some((id, false));
                     }
                 }
-                // Broken or ended: open again, every key from its revision.
+                // Broken or ended: open again, every watch from its revision.
                 Ok(None) | Err(_) => {
                     stream = None;
                     reopen_at = Some(Instant::now() + backoff.pause());
@@ -165,6 +218,35 @@ async fn run(client: Client, command_timeout: Duration, mut commands: UnboundedR
             },
             // The pause is over: the top of the loop opens the stream.
             () = sleep_until(reopen.unwrap_or_else(Instant::now)), if reopen.is_some() => {}
+        }
+        if let (Some((id, create)), Some(open)) = (send, stream.as_mut()) {
+            let sent = match (create, watched.get(&id)) {
+                (true, Some(new)) => {
+                    timeout(
+                        command_timeout,
+                        open.watch(new.key.clone(), Some(options(id, new))),
+                    )
+                    .await
+                }
+                (true, None) => Ok(Ok(())),
+                (false, _) => timeout(command_timeout, open.cancel(id)).await,
+            };
+            if !matches!(sent, Ok(Ok(()))) {
+                stream = None;
+            }
+        }
+    }
+}
+
+fn tell(told: Told) {
+    match told {
+        Told::Holder(contender) => {
+            if let Some(contender) = contender.upgrade() {
+                contender.mark_deleted();
+            }
+        }
+        Told::Waiter(waiter) => {
+            let _ = waiter.send(());
         }
     }
 }
@@ -195,32 +277,35 @@ async fn open(
         return None;
     };
     for (&id, watched) in each {
-        if !create(&mut stream, id, watched, command_timeout).await {
+        let sent = stream.watch(watched.key.clone(), Some(options(id, watched)));
+        if !matches!(timeout(command_timeout, sent).await, Ok(Ok(()))) {
             return None;
         }
     }
     Some(stream)
 }
 
-/// Sends watch `id` on the stream; false if the stream is broken.
-async fn create(stream: &mut WatchStream, id: i64, watched: &Watched, limit: Duration) -> bool {
-    let sent = stream.watch(watched.key.clone(), Some(options(id, watched)));
-    matches!(timeout(limit, sent).await, Ok(Ok(())))
-}
-
-/// What a look at a key whose watch etcd cancelled found.
+/// What a look at a key whose watch etcd cancelled came to.
 enum Looked {
-    /// Deleted (its holder told), or its holder gone: nothing more to watch.
-    Deleted,
-    /// There: to be watched from the look's revision.
-    There(Watched),
+    /// The waiter told to look itself; or the holder's key deleted (the holder told),
+    /// or the holder gone: nothing more to watch.
+    Done,
+    /// The holder's key is there: to be watched from the look's revision.
+    Watch(Watched),
     /// No answer: to be watched again from its revision, after a pause.
     Failed(Watched),
 }
 
-async fn look(client: &Client, mut watched: Watched, limit: Duration) -> Looked {
-    let Some(contender) = watched.contender.upgrade() else {
-        return Looked::Deleted;
+async fn look_again(client: &Client, mut watched: Watched, limit: Duration) -> Looked {
+    let contender = match &watched.told {
+        Told::Waiter(_) => {
+            tell(watched.told);
+            return Looked::Done;
+        }
+        Told::Holder(contender) => match contender.upgrade() {
+            Some(contender) => contender,
+            None => return Looked::Done,
+        },
     };
     let mut kv = client.kv_client();
     let found = kv.get(
@@ -232,10 +317,10 @@ async fn look(client: &Client, mut watched: Watched, limit: Duration) -> Looked 
     };
     if found.kvs().is_empty() {
         contender.mark_deleted();
-        return Looked::Deleted;
+        return Looked::Done;
     }
     if let Some(header) = found.header() {
         watched.from = watched.from.max(header.revision());
     }
-    Looked::There(watched)
+    Looked::Watch(watched)
 }
