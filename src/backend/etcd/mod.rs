@@ -93,10 +93,14 @@
 //!   message each way; a stream that failed or timed out is dropped and a new one
 //!   opened, so a late answer never counts for a later send). A holder also watches
 //!   its own key: when it is deleted (by hand, or with its lease revoked), the lease is
-//!   declared lost at once, not at the next renewal. These watches share one stream
-//!   per backend (a watch per held key on it, from the revision after its grant; a
-//!   broken stream is opened again with each from its revision). Renewal stops when
-//!   the lease is released, dropped or lost.
+//!   declared lost at once, not at the next renewal. Renewal stops when the lease is
+//!   released, dropped or lost.
+//! - **Watches.** A backend's watches, the holders' on their own keys and the
+//!   waiters' on their predecessors', share one watch stream: each is a watch of its
+//!   own on it, from the revision after the grant or the look it follows, ended by
+//!   the deletion it waits for or by a waiter that stops waiting. A broken stream is
+//!   opened again with each from its revision. etcd keeps one watcher per held key
+//!   and per waiter, none after.
 //! - **Release.** The lease is revoked, which deletes the key with it: the next waiter's
 //!   watch fires. If etcd cannot be reached within the command timeout, the revocation
 //!   is retried in the background until the lease would have expired anyway.
