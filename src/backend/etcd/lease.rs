@@ -156,8 +156,7 @@ impl Inner {
                 "a lease granted without TTL",
             )));
         }
-        let lease_id = grant.id();
-        let contender = Arc::new(Contender::new(lease_id, keys.contender(lease_id)));
+        let contender = Arc::new(Contender::new(grant.id(), keys.contender(grant.id())));
         // From here on, dropping the guard (an error, the wait over, the future
         // dropped) revokes the lease, which deletes the contender's key with it.
         let mut in_flight = InFlight::new(self.clone(), contender.clone(), String::new());
