@@ -16,6 +16,7 @@ use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 
 use super::failure::{backend, lease_not_found, step, EtcdLockError, Failure};
 use super::keys::LockKeys;
+use super::watches::Deletion;
 use super::Inner;
 use crate::backend::ttl::{self, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend};
 use crate::backend::Lease;
@@ -78,8 +79,8 @@ impl Contender {
 enum Queue {
     /// No older contender: the lock is ours.
     First,
-    /// The newest older contender's key, and the revision the look was made at.
-    Behind { key: Vec<u8>, revision: i64 },
+    /// The newest older contender's key.
+    Behind(Vec<u8>),
 }
 
 /// What one round of contention (one lease, one place in the queue) came to.
@@ -219,6 +220,8 @@ impl Inner {
         // Why the last look failed, if none was answered since: what the wait ends
         // with if it ends now (else a timeout).
         let mut failing: Option<LockError> = None;
+        // The watch on the predecessor's key, made before the look that found it there.
+        let mut watching: Option<(Vec<u8>, Deletion)> = None;
         loop {
             let mut predecessor = None;
             if !first {
@@ -229,10 +232,10 @@ impl Inner {
                 let limit = (now + command_timeout).min(deadline);
                 match self.look(keys, &contender, place, limit).await {
                     Ok(Queue::First) => first = true,
-                    Ok(Queue::Behind { key, revision }) => {
+                    Ok(Queue::Behind(key)) => {
                         failing = None;
                         retry = Backoff::new(RELOOK_PAUSE, self.config.poll_interval);
-                        predecessor = Some((key, revision));
+                        predecessor = Some(key);
                     }
                     Err(Failure::Gone) => {
                         return Ok(Round::Requeue(backend(EtcdLockError::LeaseLostWhileQueued)))
@@ -258,20 +261,31 @@ impl Inner {
                 next_keep_alive = Instant::now();
             }
 
-            // Events after the look: the predecessor's deletion cannot slip between.
-            // On the backend's one stream (see `watches.rs`); forgotten when dropped.
-            let mut deletion =
-                predecessor.map(|(key, revision)| self.watches.waiter(key, revision));
-            // Without a watch (the look failed), look again soon.
+            // A watch on the predecessor's key (on the backend's one stream, see
+            // `watches.rs`), then a look again: a deletion cannot slip between.
+            match predecessor {
+                Some(key) if watching.as_ref().is_none_or(|(watched, _)| *watched != key) => {
+                    let mut deletion = self.watches.waiter(key.clone());
+                    let limit = (Instant::now() + command_timeout).min(deadline);
+                    watching = None;
+                    if timeout_at(limit, deletion.created()).await == Ok(true) {
+                        watching = Some((key, deletion));
+                        continue;
+                    }
+                }
+                Some(_) => {}
+                None => watching = None,
+            }
+            // Without a watch (not made, or the look failed), look again soon.
             let backstop = Instant::now()
-                + match deletion {
+                + match watching {
                     Some(_) => jitter(self.config.poll_interval),
                     None => retry.pause(),
                 };
             loop {
                 let seen = async {
-                    match deletion.as_mut() {
-                        Some(deletion) => deletion.seen().await,
+                    match watching.as_mut() {
+                        Some((_, deletion)) => deletion.seen().await,
                         None => std::future::pending().await,
                     }
                 };
@@ -341,13 +355,9 @@ impl Inner {
         if first_key(&answer, 1).is_none() {
             return Err(Failure::Gone);
         }
-        let revision = answer
-            .header()
-            .map(|header| header.revision())
-            .ok_or(Failure::TimedOut)?;
         Ok(match first_key(&answer, 0) {
             None => Queue::First,
-            Some((key, _)) => Queue::Behind { key, revision },
+            Some((key, _)) => Queue::Behind(key),
         })
     }
 

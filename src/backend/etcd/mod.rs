@@ -69,8 +69,9 @@
 //!   write, so places are unique and ordered by arrival at the Raft leader. If the
 //!   oldest key is the contender's own, the lock is granted.
 //! - **Wait.** Otherwise the waiter watches the newest key older than its own (its
-//!   predecessor only: one release wakes one waiter, no herd), from the revision of the
-//!   look on, so a deletion in between is not missed. When it is deleted (released,
+//!   predecessor only: one release wakes one waiter, no herd), from when etcd makes the
+//!   watch, and looks again once it is made, so a deletion in between is not missed (a
+//!   watch from an earlier revision is one etcd catches up on every 100 ms only). When it is deleted (released,
 //!   revoked, expired, or the predecessor gave up) the waiter looks again, and holds the
 //!   lock once no older key is left. Keys pass in FIFO order across instances. A watch
 //!   that breaks, and a jittered [`poll_interval`](EtcdBackendBuilder::poll_interval),
@@ -97,10 +98,10 @@
 //!   released, dropped or lost.
 //! - **Watches.** A backend's watches, the holders' on their own keys and the
 //!   waiters' on their predecessors', share one watch stream: each is a watch of its
-//!   own on it, from the revision after the grant or the look it follows, ended by
-//!   the deletion it waits for or by a waiter that stops waiting. A broken stream is
-//!   opened again with each from its revision. etcd keeps one watcher per held key
-//!   and per waiter, none after.
+//!   own on it, ended by the deletion it waits for or by a waiter that stops waiting.
+//!   A broken stream is opened again with each holder's watch from the revision after
+//!   its grant; its waiters look again. etcd keeps one watcher per held key and per
+//!   waiter, none after.
 //! - **Release.** The lease is revoked, which deletes the key with it: the next waiter's
 //!   watch fires. If etcd cannot be reached within the command timeout, the revocation
 //!   is retried in the background until the lease would have expired anyway.

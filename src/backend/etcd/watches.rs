@@ -3,16 +3,17 @@
 //! a stale leader, as soon as its member applies the deletion) and a waiter's watch on
 //! its predecessor's key (it looks at the queue again once that key is gone). Opening
 //! and closing a stream, with a task to read it, for each lock and each wait cost the
-//! backend a quarter of its throughput at 32 tasks, and a round trip on every
-//! hand-off.
+//! backend a quarter of its throughput at 32 tasks.
 //!
 //! Each watch has an id of its own on the stream, given by this side (etcd 3.4 and
-//! newer), and starts at the revision after the one it is made for: a watch that
-//! arrives late still sees a deletion made before. A deletion ends the watch (a cancel
-//! on the stream), as does a waiter that stops waiting. A stream that breaks is opened
-//! again with every watch from its revision. A watch etcd cancels (its history
-//! compacted) sends a waiter to look again, and makes a holder's key looked at, then
-//! watched from the revision of that look.
+//! newer). A holder's starts at the revision after its grant: made late, it still sees
+//! a deletion made before. A waiter's starts when etcd makes it, which the waiter is
+//! told of before it looks at the queue again: a watch from a past revision is one
+//! etcd catches up on only every 100 ms, and a hand-off waited for it. A deletion ends
+//! the watch (a cancel on the stream), as does a waiter that stops waiting. A stream
+//! that breaks sends every waiter to look again, and is opened again with every
+//! holder's watch from its revision. A holder's watch that etcd cancels (its history
+//! compacted) becomes a look at the key, then a watch from the revision of that look.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -31,7 +32,11 @@ use crate::backend::ttl::Backoff;
 /// command timeout).
 const REOPEN_PAUSE: Duration = Duration::from_millis(50);
 
-/// A key to watch for its deletion after revision `from`, and who is told.
+/// The revision a waiter's watch starts from: the current one when etcd makes it.
+const NOW: i64 = 0;
+
+/// A key to watch for its deletion after revision `from` ([`NOW`]: from when etcd
+/// makes the watch), and who is told.
 struct Watched {
     key: Vec<u8>,
     from: i64,
@@ -41,8 +46,13 @@ struct Watched {
 enum Told {
     /// A holder, watching its own key: the lease is lost once the key is gone.
     Holder(Weak<Contender>),
-    /// A waiter, watching its predecessor's key: it looks at the queue again.
-    Waiter(oneshot::Sender<()>),
+    /// A waiter, watching its predecessor's key from when the watch was made: told
+    /// once etcd has made it (`created`), and when the key is gone, or the watch is,
+    /// so it looks at the queue again (`deleted`).
+    Waiter {
+        created: Option<oneshot::Sender<()>>,
+        deleted: oneshot::Sender<()>,
+    },
 }
 
 enum Command {
@@ -65,15 +75,21 @@ pub(super) struct Watches {
 /// A waiter's watch on its predecessor's key; forgotten when dropped.
 pub(super) struct Deletion {
     id: i64,
-    told: oneshot::Receiver<()>,
+    created: oneshot::Receiver<()>,
+    deleted: oneshot::Receiver<()>,
     commands: UnboundedSender<Command>,
 }
 
 impl Deletion {
+    /// Whether etcd made the watch: from then on it sends the key's deletion at once.
+    pub(super) async fn created(&mut self) -> bool {
+        (&mut self.created).await.is_ok()
+    }
+
     /// Resolves once the key is deleted, or when the waiter must look again without
-    /// it (etcd cancelled the watch, or the backend is going away).
+    /// the watch (etcd cancelled it, the stream broke, or the backend is going away).
     pub(super) async fn seen(&mut self) {
-        let _ = (&mut self.told).await;
+        let _ = (&mut self.deleted).await;
     }
 }
 
@@ -99,11 +115,24 @@ impl Watches {
         self.watch(contender.key.as_bytes().to_vec(), place, told);
     }
 
-    /// Watches `key` for its deletion after revision `after`, for a waiter.
-    pub(super) fn waiter(&self, key: Vec<u8>, after: i64) -> Deletion {
-        let (sender, told) = oneshot::channel();
-        let (id, commands) = self.watch(key, after, Told::Waiter(sender));
-        Deletion { id, told, commands }
+    /// Watches `key` for its deletion from when etcd makes the watch on, for a
+    /// waiter. A watch from an earlier revision would be one etcd catches up on only
+    /// every 100 ms, late by that much; the waiter looks at the queue again once the
+    /// watch is made instead, so no deletion slips between.
+    pub(super) fn waiter(&self, key: Vec<u8>) -> Deletion {
+        let (created_sender, created) = oneshot::channel();
+        let (deleted_sender, deleted) = oneshot::channel();
+        let told = Told::Waiter {
+            created: Some(created_sender),
+            deleted: deleted_sender,
+        };
+        let (id, commands) = self.watch(key, NOW, told);
+        Deletion {
+            id,
+            created,
+            deleted,
+            commands,
+        }
     }
 
     fn watch(&self, key: Vec<u8>, from: i64, told: Told) -> (i64, UnboundedSender<Command>) {
@@ -181,6 +210,13 @@ async fn run(
             message = message => match message {
                 Ok(Some(response)) => {
                     let id = response.watch_id();
+                    if response.created() {
+                        if let Some(Watched { told: Told::Waiter { created, .. }, .. }) = watched.get_mut(&id) {
+                            if let Some(created) = created.take() {
+                                let _ = created.send(());
+                            }
+                        }
+                    }
                     if response.canceled() {
                         // Compacted past its revision (or refused).
                         if let Some(old) = watched.remove(&id) {
@@ -210,8 +246,13 @@ async fn run(
                         send = Some((id, false));
                     }
                 }
-                // Broken or ended: open again, every watch from its revision.
+                // Broken or ended: the waiters look again; the holders' watches are
+                // made again, each from its revision.
                 Ok(None) | Err(_) => {
+                    watched.retain(|_, watch| match &watch.told {
+                        Told::Holder(_) => true,
+                        Told::Waiter { .. } => false,
+                    });
                     stream = None;
                     reopen_at = Some(Instant::now() + backoff.pause());
                 }
@@ -245,18 +286,21 @@ fn tell(told: Told) {
                 contender.mark_deleted();
             }
         }
-        Told::Waiter(waiter) => {
-            let _ = waiter.send(());
+        Told::Waiter { deleted, .. } => {
+            let _ = deleted.send(());
         }
     }
 }
 
 /// The options of watch `id` on `watched`'s key: its deletions after its revision.
 fn options(id: i64, watched: &Watched) -> WatchOptions {
-    WatchOptions::new()
-        .with_start_revision(watched.from + 1)
+    let options = WatchOptions::new()
         .with_filters([WatchFilterType::NoPut])
-        .with_watch_id(id)
+        .with_watch_id(id);
+    match watched.from {
+        NOW => options,
+        from => options.with_start_revision(from + 1),
+    }
 }
 
 /// A stream with a watch for each of `watched`; `None` if it could not be opened.
@@ -298,7 +342,7 @@ enum Looked {
 
 async fn look_again(client: &Client, mut watched: Watched, limit: Duration) -> Looked {
     let contender = match &watched.told {
-        Told::Waiter(_) => {
+        Told::Waiter { .. } => {
             tell(watched.told);
             return Looked::Done;
         }
