@@ -374,6 +374,63 @@ fn watchers(cluster: &EtcdCluster) -> u64 {
         .sum()
 }
 
+/// An acquisition takes a lease granted ahead (a spare, granted in the background by
+/// the one before) while the spare has most of its lease left, and grants its own
+/// once the spare is older than a third of the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lease_granted_ahead_is_taken_only_while_fresh() {
+    let cluster = EtcdCluster::start();
+    let probe = backend(&cluster).await;
+    let locks = locks_on(Arc::new(backend(&cluster).await));
+    locks.lock("spare-0").await.unwrap().release().await;
+    let spare = until_one_lease(&probe).await;
+    let guard = locks.lock("spare-1").await.unwrap();
+    assert_eq!(
+        holder_lease(&probe, "spare-1").await,
+        spare,
+        "the spare was taken"
+    );
+    guard.release().await;
+    let stale = until_one_lease(&probe).await;
+    sleep(LEASE / 3 + Duration::from_millis(100)).await;
+    let guard = locks.lock("spare-2").await.unwrap();
+    let own = holder_lease(&probe, "spare-2").await;
+    assert_ne!(
+        own, stale,
+        "a spare older than a third of the lease was taken"
+    );
+    guard.release().await;
+}
+
+/// The one lease etcd has once the holders' are revoked: the spare.
+async fn until_one_lease(probe: &EtcdBackend) -> i64 {
+    let mut client = probe.client().clone();
+    let started = Instant::now();
+    loop {
+        let leases = client.leases().await.unwrap();
+        if let [lease] = leases.leases() {
+            return lease.id();
+        }
+        assert!(
+            started.elapsed() < PATIENCE,
+            "etcd holds {} leases, not the one spare",
+            leases.leases().len()
+        );
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The lease of the holder of `key`.
+async fn holder_lease(probe: &EtcdBackend, key: &str) -> i64 {
+    let mut client = probe.client().clone();
+    let options = etcd_client::GetOptions::new().with_prefix();
+    let found = client
+        .get(probe.queue_prefix(servers::NAME, key), Some(options))
+        .await
+        .unwrap();
+    found.kvs()[0].lease()
+}
+
 /// How a holder's key is taken from it behind its back.
 #[derive(Clone, Copy, Debug)]
 enum Removal {

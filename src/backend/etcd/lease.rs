@@ -142,22 +142,32 @@ impl Inner {
     ) -> Result<Round, LockError> {
         let command_timeout = self.config.command_timeout;
 
-        // 1. A lease of this contender's own. A grant whose answer never comes leaves a
-        // lease with no key attached, which expires by itself.
-        let granted_at = Instant::now();
-        let grant = step(budget, command_timeout, || {
-            let mut leases = self.client.lease_client();
-            let ttl = self.ttl;
-            async move { leases.grant(ttl, None).await }
-        })
-        .await
-        .map_err(|failure| failure.into_error("granting a lease"))?;
-        if grant.ttl() <= 0 {
-            return Err(backend(EtcdLockError::Unexpected(
-                "a lease granted without TTL",
-            )));
-        }
-        let contender = Arc::new(Contender::new(grant.id(), keys.contender(grant.id())));
+        // 1. A lease of this contender's own: a spare granted ahead (see `spares.rs`)
+        // while one has most of its lease left, else granted now; one more spare for
+        // the next. A grant whose answer never comes leaves a lease with no key
+        // attached, which expires by itself.
+        let spare = self.spares.take(self.config.lease / 3);
+        self.grant_spare();
+        let (lease, granted_at) = match spare {
+            Some(spare) => spare,
+            None => {
+                let granted_at = Instant::now();
+                let grant = step(budget, command_timeout, || {
+                    let mut leases = self.client.lease_client();
+                    let ttl = self.ttl;
+                    async move { leases.grant(ttl, None).await }
+                })
+                .await
+                .map_err(|failure| failure.into_error("granting a lease"))?;
+                if grant.ttl() <= 0 {
+                    return Err(backend(EtcdLockError::Unexpected(
+                        "a lease granted without TTL",
+                    )));
+                }
+                (grant.id(), granted_at)
+            }
+        };
+        let contender = Arc::new(Contender::new(lease, keys.contender(lease)));
         // From here on, dropping the guard (an error, the wait over, the future
         // dropped) revokes the lease, which deletes the contender's key with it.
         let mut in_flight = InFlight::new(self.clone(), contender.clone(), String::new());

@@ -60,9 +60,13 @@
 //! This is etcd's own lock recipe (`clientv3/concurrency.Mutex`), with its timing
 //! made explicit:
 //!
-//! - **Lease.** Each acquisition grants an etcd lease of its own
+//! - **Lease.** Each acquisition has an etcd lease of its own
 //!   ([`lease`](EtcdBackendBuilder::lease), rounded up to whole seconds, as etcd counts
-//!   them; etcd may grant a longer one, never a shorter).
+//!   them; etcd may grant a longer one, never a shorter): one granted ahead, in the
+//!   background, while that one has more than two thirds of its lease left (counted
+//!   from when its grant was sent, as any grant), else one granted then. Either way one
+//!   more is granted ahead for the next, so a lock waits for two Raft writes, not three.
+//!   A lease granted ahead has no key, holds nothing, and expires by itself if unused.
 //! - **Queue.** One transaction puts the contender's key, attached to that lease, and
 //!   reads the oldest key of the queue. The key's create revision is its place in the
 //!   queue: etcd's revision is one counter for the whole cluster, raised by every
@@ -228,6 +232,7 @@ mod holder;
 mod keys;
 mod lease;
 mod setup;
+mod spares;
 mod watches;
 
 use std::fmt;
@@ -313,6 +318,8 @@ struct Inner {
     ttl: i64,
     /// The holders' own keys, watched for their deletion.
     watches: watches::Watches,
+    /// Leases granted ahead of the acquisitions that take them.
+    spares: spares::Spares,
 }
 
 impl EtcdBackend {
@@ -436,6 +443,7 @@ impl EtcdBackendBuilder {
         Ok(EtcdBackend {
             inner: Arc::new(Inner {
                 watches: watches::Watches::new(client.clone(), config.command_timeout),
+                spares: spares::Spares::default(),
                 client,
                 config,
                 ttl,
