@@ -16,7 +16,6 @@ use tokio::time::{sleep, sleep_until, timeout_at, Instant};
 
 use super::failure::{backend, lease_not_found, step, EtcdLockError, Failure};
 use super::keys::LockKeys;
-use super::watches::Deletion;
 use super::Inner;
 use crate::backend::ttl::{self, jitter, Backoff, GiveBack, InFlight, Renewal, Timing, TtlBackend};
 use crate::backend::Lease;
@@ -231,7 +230,7 @@ impl Inner {
         // with if it ends now (else a timeout).
         let mut failing: Option<LockError> = None;
         // The watch on the predecessor's key, made before the look that found it there.
-        let mut watching: Option<(Vec<u8>, Deletion)> = None;
+        let mut watching = None;
         loop {
             let mut predecessor = None;
             if !first {
