@@ -321,7 +321,11 @@ impl Inner {
                         }
                     }
                     () = sleep_until(backstop) => break,
-                    () = seen => break,
+                    // Seen, or gone: the next look makes a new watch if it is needed.
+                    () = seen => {
+                        watching = None;
+                        break;
+                    }
                 }
             }
         }

@@ -76,20 +76,26 @@ pub(super) struct Watches {
 pub(super) struct Deletion {
     id: i64,
     created: oneshot::Receiver<()>,
-    deleted: oneshot::Receiver<()>,
+    /// `None` once told: a oneshot is not awaited again after it answered.
+    deleted: Option<oneshot::Receiver<()>>,
     commands: UnboundedSender<Command>,
 }
 
 impl Deletion {
     /// Whether etcd made the watch: from then on it sends the key's deletion at once.
+    /// Asked once.
     pub(super) async fn created(&mut self) -> bool {
         (&mut self.created).await.is_ok()
     }
 
     /// Resolves once the key is deleted, or when the waiter must look again without
-    /// the watch (etcd cancelled it, the stream broke, or the backend is going away).
+    /// the watch (etcd cancelled it, the stream broke, or the backend is going away);
+    /// at once after that.
     pub(super) async fn seen(&mut self) {
-        let _ = (&mut self.deleted).await;
+        if let Some(deleted) = self.deleted.as_mut() {
+            let _ = deleted.await;
+            self.deleted = None;
+        }
     }
 }
 
@@ -130,7 +136,7 @@ impl Watches {
         Deletion {
             id,
             created,
-            deleted,
+            deleted: Some(deleted),
             commands,
         }
     }
