@@ -374,3 +374,26 @@ async fn look_again(client: &Client, mut watched: Watched, limit: Duration) -> L
     }
     Looked::Watch(watched)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A waiter sent to look again may find the same predecessor and wait again: the
+    /// watch it already saw answers at once (awaiting its oneshot again panicked).
+    #[tokio::test]
+    async fn a_deletion_seen_answers_again_at_once() {
+        let (_created, created) = oneshot::channel();
+        let (deleted_sender, deleted) = oneshot::channel();
+        let (commands, _hub) = mpsc::unbounded_channel();
+        let mut deletion = Deletion {
+            id: 1,
+            created,
+            deleted: Some(deleted),
+            commands,
+        };
+        drop(deleted_sender);
+        deletion.seen().await;
+        deletion.seen().await;
+    }
+}
