@@ -1,0 +1,1 @@
+//! Nothing: this crate exists for its dependencies' features (see `scripts/feature-pins`).
