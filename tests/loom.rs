@@ -1,6 +1,6 @@
 //! Model checks of the lock table's hand-off and removal under every interleaving.
 //!
-//! Run with `LOOM_MAX_PREEMPTIONS=3 RUSTFLAGS="--cfg loom" cargo test --release --no-default-features --test loom`.
+//! Run with `LOOM_MAX_PREEMPTIONS=3 RUSTFLAGS="--cfg loom" cargo test --no-default-features --test loom`.
 #![cfg(loom)]
 
 use std::future::Future;
