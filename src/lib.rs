@@ -85,9 +85,16 @@
 //! - `zookeeper`: `ZooKeeperBackend`, the same through ZooKeeper (an ephemeral
 //!   sequential node per contender, waiters queued in arrival order across instances
 //!   and woken by a watch on their predecessor, fencing tokens from the node's zxid).
+//! - `mysql`: `MySqlBackend`, the same through MySQL / MariaDB named locks
+//!   (`GET_LOCK`; waiters queue inside the server; lost sessions are detected;
+//!   optional fencing tokens from a counter table).
 //! - `replay`: [`replay::ReplayLayer`], replaying the stored response of a completed
 //!   request to later requests with its key (in memory; in Redis or PostgreSQL with
 //!   `redis` / `postgres` too).
+//! - `json`: `KeyedLockLayer::by_json_body` and `JsonBodyKey`, the key from a field of
+//!   the JSON request body.
+//! - `testkit`: the backend conformance suite (`testkit` module), to prove a
+//!   `LockBackend` of your own the way every engine here is proven.
 //!
 //! [`BufferRequestBodyLayer`] reads the request body before the key is taken, so a
 //! client that trickles its body cannot hold the key for others.
