@@ -78,3 +78,44 @@ pub(crate) fn with_slash(prefix: &str) -> String {
     }
     prefix
 }
+
+/// (name, key) pairs a slip in the escaping would give one path: a separator inside a
+/// part and its escaped form, the hash marker, dots and their escaped form, empty text.
+#[cfg(test)]
+const CONFUSABLE: [(&str, &str); 13] = [
+    ("a", "b/c"),
+    ("a/b", "c"),
+    ("a", "b"),
+    ("a", "bc"),
+    ("a", "b%2Fc"),
+    ("a", "#"),
+    ("a", ""),
+    ("", "a"),
+    ("a", "."),
+    ("a", "%2E"),
+    ("a", "b."),
+    ("a", "b%2E"),
+    ("a.", "b"),
+];
+
+/// The paths `path` gives the [`CONFUSABLE`] pairs, a key long enough to be hashed and
+/// `extra`, asserting that no two pairs share one.
+#[cfg(test)]
+pub(crate) fn distinct_paths(
+    extra: &[(&str, &str)],
+    path: impl Fn(&str, &str) -> String,
+) -> Vec<String> {
+    let long = "x".repeat(200);
+    let long = [("a", long.as_str())];
+    let mut seen = std::collections::HashMap::new();
+    let pairs = CONFUSABLE.iter().chain(&long).chain(extra);
+    pairs
+        .map(|&pair| {
+            let path = path(pair.0, pair.1);
+            if let Some(other) = seen.insert(path.clone(), pair) {
+                panic!("{other:?} and {pair:?} both get {path}");
+            }
+            path
+        })
+        .collect()
+}

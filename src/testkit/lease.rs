@@ -12,7 +12,7 @@ use super::isolated::Isolated;
 use super::mutual::eventually_free;
 use super::{instance, taken_after_crash, within, Deployment, PATIENCE};
 use crate::backend::LostReason;
-use crate::DistributedGuard;
+use crate::{DistributedGuard, DistributedLocks};
 
 /// The holder's runtime stalls (none of its tasks runs: no renewal, no signal raised by
 /// a task) until another instance has taken the key. When the holder looks again,
@@ -82,15 +82,21 @@ pub async fn a_stalled_holder_sees_its_lease_lost<D: Deployment>(deployment: &D)
 pub async fn a_crashed_holder_is_taken_over<D: Deployment>(deployment: &D) {
     let a = instance(deployment, "conformance-crash").await;
     let b = instance(deployment, "conformance-crash").await;
-    let isolated = Isolated::start();
-    isolated
-        .run(move |runtime| std::mem::forget(runtime.block_on(a.lock("k")).unwrap()))
-        .await;
-    isolated.kill();
-    let crashed = Instant::now();
+    let crashed = crash_holding(a, "k").await;
     let limit = deployment.loss_bound() + PATIENCE;
     let taken = taken_after_crash(&b, "k", crashed, limit, "a crashed holder's key").await;
     taken.release().await;
+}
+
+/// Takes `key` with `locks` on a runtime of its own, then kills that runtime, the guard
+/// never released: a holder's process that died. Returns when it died.
+pub(super) async fn crash_holding(locks: DistributedLocks, key: &'static str) -> Instant {
+    let isolated = Isolated::start();
+    isolated
+        .run(move |runtime| std::mem::forget(runtime.block_on(locks.lock(key)).unwrap()))
+        .await;
+    isolated.kill();
+    Instant::now()
 }
 
 /// A holder keeps its key past a renewal, then releases it: nothing of that lease

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::isolated::Isolated;
+use super::lease::crash_holding;
 use super::mutual::{eventually_free, FreeWithin};
 use super::{taken_after_crash, within, Deployment, PATIENCE};
 use crate::{DistributedLocks, LockError};
@@ -191,12 +191,7 @@ pub async fn at_most_n_permit_holders<D: Deployment>(deployment: &D) {
 pub async fn a_crashed_permit_comes_back<D: Deployment>(deployment: &D) {
     let crashed = counted(deployment, "conformance-permit-crash", 2).await;
     let b = counted(deployment, "conformance-permit-crash", 2).await;
-    let isolated = Isolated::start();
-    isolated
-        .run(move |runtime| std::mem::forget(runtime.block_on(crashed.lock("k")).unwrap()))
-        .await;
-    isolated.kill();
-    let at = Instant::now();
+    let at = crash_holding(crashed, "k").await;
     let other = within("the permit left free", b.try_lock("k"))
         .await
         .expect("conformance: the second permit was not free beside a crashed holder");

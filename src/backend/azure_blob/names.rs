@@ -28,7 +28,7 @@ fn push_part(out: &mut String, text: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::key_component::MAX_PLAIN_LEN;
+    use crate::backend::key_component::{distinct_paths, MAX_PLAIN_LEN};
     use crate::backend::ttl::sha256_hex;
 
     #[test]
@@ -68,21 +68,6 @@ mod tests {
 
     #[test]
     fn distinct_pairs_get_distinct_blobs() {
-        let pairs = [
-            ("a", "b/c"),
-            ("a/b", "c"),
-            ("a", "b"),
-            ("a", "b."),
-            ("a", "b%2E"),
-            ("a.", "b"),
-            ("a", "#"),
-            ("a", ""),
-            ("", "a"),
-        ];
-        let names: std::collections::HashSet<String> = pairs
-            .iter()
-            .map(|(name, key)| blob_name("p/", name, key))
-            .collect();
-        assert_eq!(names.len(), pairs.len());
+        distinct_paths(&[], |name, key| blob_name("p/", name, key));
     }
 }
