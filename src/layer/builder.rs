@@ -622,12 +622,12 @@ impl<E: KeyExtractor> KeyedLockLayer<E> {
     /// The lock around `inner`, looking for each request's replay record before it
     /// takes the key (see [`KeyedLockLayer::replay`]); on this layer value's table.
     #[cfg(feature = "replay")]
-    pub(crate) fn layer_looking_up<S>(
+    pub(crate) fn layer_looking_first<S>(
         &self,
         inner: S,
-        lookup: Arc<crate::replay::LookupFirst>,
+        look: Arc<dyn super::LookFirst>,
     ) -> KeyedLock<S, E> {
-        KeyedLock::new(inner, self.extractor.clone(), self.shared()).looking_up(lookup)
+        KeyedLock::new(inner, self.extractor.clone(), self.shared()).looking_first(look)
     }
 
     fn shared(&self) -> Arc<Shared> {

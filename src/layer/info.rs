@@ -244,7 +244,6 @@ impl LayerName {
 
 impl LayerTag {
     /// The layer's name.
-    #[cfg(feature = "replay")]
     pub(crate) fn name(&self) -> &LayerName {
         &self.name
     }

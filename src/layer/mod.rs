@@ -117,6 +117,8 @@
 //! - `names.rs`: the names layers hold on their backends: two layers under one name on
 //!   one backend are refused.
 //! - `service.rs`: [`KeyedLock`], which takes the key from the request and starts the wait.
+//! - `look_first.rs`: the hook a layer stacked inside (replay) looks through before the
+//!   key is taken.
 //! - `future.rs`: [`ResponseFuture`], which waits for the key, readies the inner service
 //!   and runs it under the key.
 //! - `held.rs`: a request's hold on its key, released on drop.
@@ -132,6 +134,7 @@ mod future;
 mod health;
 mod held;
 mod info;
+mod look_first;
 mod names;
 mod rejected;
 mod service;
@@ -145,10 +148,13 @@ pub use builder::{
 };
 pub use future::ResponseFuture;
 pub use health::HealthCheck;
+// For the replay module, which looks through the hook.
 #[cfg(feature = "replay")]
 pub(crate) use info::LayerName;
 pub use info::LockInfo;
 #[cfg(feature = "replay")]
 pub(crate) use info::PassedWithoutKey;
+#[cfg(feature = "replay")]
+pub(crate) use look_first::LookFirst;
 pub use service::KeyedLock;
 pub use shutdown::ShutdownHandle;

@@ -12,6 +12,7 @@ use super::body::KeyedLockBody;
 use super::future::{Pending, ResponseFuture, WaitTicket};
 use super::held::HeldKey;
 use super::info::LockInfo;
+use super::look_first::LookFirst;
 use super::shared::Shared;
 use super::trace;
 use crate::backend::RecordLookup;
@@ -26,10 +27,9 @@ pub struct KeyedLock<S, E> {
     inner: S,
     extractor: E,
     shared: Arc<Shared>,
-    /// Names each request's replay record, for the remote acquisition to look for or
-    /// for a look in memory before the key is taken (`KeyedLockLayer::replay`).
-    #[cfg(feature = "replay")]
-    lookup: Option<Arc<crate::replay::LookupFirst>>,
+    /// The look before the key is taken (`KeyedLockLayer::replay`: the request's
+    /// replay record, at the backend or in memory).
+    look_first: Option<Arc<dyn LookFirst>>,
 }
 
 impl<S, E> KeyedLock<S, E> {
@@ -38,14 +38,13 @@ impl<S, E> KeyedLock<S, E> {
             inner,
             extractor,
             shared,
-            #[cfg(feature = "replay")]
-            lookup: None,
+            look_first: None,
         }
     }
 
     #[cfg(feature = "replay")]
-    pub(crate) fn looking_up(mut self, lookup: Arc<crate::replay::LookupFirst>) -> Self {
-        self.lookup = Some(lookup);
+    pub(crate) fn looking_first(mut self, look: Arc<dyn LookFirst>) -> Self {
+        self.look_first = Some(look);
         self
     }
 
@@ -209,7 +208,6 @@ impl<S, E> KeyedLock<S, E> {
     }
 }
 
-#[cfg(feature = "replay")]
 impl<S, E> KeyedLock<S, E> {
     /// The replay record an exclusive request's remote acquisition looks for first,
     /// when the layer was stacked with [`replay`](crate::KeyedLockLayer::replay) on a
@@ -221,8 +219,8 @@ impl<S, E> KeyedLock<S, E> {
         key: &Key,
         mode: Mode,
     ) -> Option<RecordLookup> {
-        match (&self.lookup, mode) {
-            (Some(lookup), Mode::Exclusive) => lookup.lookup(parts, shared.tag.name(), key),
+        match (&self.look_first, mode) {
+            (Some(look), Mode::Exclusive) => look.lookup(parts, shared.tag.name(), key),
             _ => None,
         }
     }
@@ -231,23 +229,10 @@ impl<S, E> KeyedLock<S, E> {
     /// replay layer stacked with [`replay`](crate::KeyedLockLayer::replay): then the
     /// replay layer replays it, and the request takes no key.
     fn found_in_memory(&self, shared: &Shared, parts: &mut Parts, key: &Key, mode: Mode) -> bool {
-        match (&self.lookup, mode) {
-            (Some(lookup), Mode::Exclusive) => {
-                lookup.found_in_memory(parts, shared.tag.name(), key)
-            }
+        match (&self.look_first, mode) {
+            (Some(look), Mode::Exclusive) => look.found_in_memory(parts, shared.tag.name(), key),
             _ => false,
         }
-    }
-}
-
-#[cfg(not(feature = "replay"))]
-impl<S, E> KeyedLock<S, E> {
-    fn record_lookup(&self, _: &Shared, _: &mut Parts, _: &Key, _: Mode) -> Option<RecordLookup> {
-        None
-    }
-
-    fn found_in_memory(&self, _: &Shared, _: &mut Parts, _: &Key, _: Mode) -> bool {
-        false
     }
 }
 
@@ -304,8 +289,7 @@ impl<S: Clone, E: Clone> Clone for KeyedLock<S, E> {
             inner: self.inner.clone(),
             extractor: self.extractor.clone(),
             shared: self.shared.clone(),
-            #[cfg(feature = "replay")]
-            lookup: self.lookup.clone(),
+            look_first: self.look_first.clone(),
         }
     }
 }

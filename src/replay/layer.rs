@@ -232,7 +232,7 @@ impl<S, E: crate::KeyExtractor> Layer<S> for LockAndReplay<E> {
     fn layer(&self, inner: S) -> Self::Service {
         let replay = self.replay.layer(inner);
         match &self.lookup {
-            Some(lookup) => self.lock.layer_looking_up(replay, Arc::clone(lookup)),
+            Some(lookup) => self.lock.layer_looking_first(replay, lookup.clone()),
             None => self.lock.layer(replay),
         }
     }

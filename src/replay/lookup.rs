@@ -15,7 +15,7 @@ use super::shared::Settings;
 use super::store::{RecordKey, RecordPlace};
 use crate::backend::RecordLookup;
 use crate::key::Key;
-use crate::layer::LayerName;
+use crate::layer::{LayerName, LookFirst};
 
 /// Names a request's record for the lock layer; made by
 /// [`KeyedLockLayer::replay`](crate::KeyedLockLayer::replay) when the store is kept on
@@ -43,16 +43,33 @@ impl LookupFirst {
         Self { settings }
     }
 
+    /// The request's record key; `None` without the principal the records are scoped
+    /// by.
+    fn name(&self, parts: &Parts, layer: &LayerName, key: &Key) -> Option<RecordKey> {
+        let principal = self.principal(parts)?;
+        Some(RecordKey::new(
+            layer,
+            key,
+            Head::new(parts, principal.as_deref()),
+        ))
+    }
+
+    /// The principal records are scoped by: `Some(None)` when they are not, `None` when
+    /// the request carries none.
+    fn principal(&self, parts: &Parts) -> Option<Option<String>> {
+        match &self.settings.principal {
+            Some(principal) => Some(Some(principal(&parts.extensions)?)),
+            None => Some(None),
+        }
+    }
+}
+
+impl LookFirst for LookupFirst {
     /// Where the record of the request `parts`, under `key` of the layer `layer`, is
     /// looked for; its [`RecordKey`] goes into the request's extensions for the replay
     /// layer. `None` when the request has no principal to scope it by (the replay
     /// layer answers that) or the store cannot be read in the acquisition.
-    pub(crate) fn lookup(
-        &self,
-        parts: &mut Parts,
-        layer: &LayerName,
-        key: &Key,
-    ) -> Option<RecordLookup> {
+    fn lookup(&self, parts: &mut Parts, layer: &LayerName, key: &Key) -> Option<RecordLookup> {
         let record = self.name(parts, layer, key)?;
         let lookup = self.settings.store.lookup(&record)?;
         parts.extensions.insert(record);
@@ -63,7 +80,7 @@ impl LookupFirst {
     /// it goes into the request's extensions as [`FoundInMemory`], and the request
     /// needs no key. If not, its [`RecordKey`] goes there, for the replay layer to
     /// look again once the key is held.
-    pub(crate) fn found_in_memory(&self, parts: &mut Parts, layer: &LayerName, key: &Key) -> bool {
+    fn found_in_memory(&self, parts: &mut Parts, layer: &LayerName, key: &Key) -> bool {
         let Some(memory) = &self.settings.memory else {
             return false;
         };
@@ -86,26 +103,6 @@ impl LookupFirst {
                 parts.extensions.insert(name);
                 false
             }
-        }
-    }
-
-    /// The request's record key; `None` without the principal the records are scoped
-    /// by.
-    fn name(&self, parts: &Parts, layer: &LayerName, key: &Key) -> Option<RecordKey> {
-        let principal = self.principal(parts)?;
-        Some(RecordKey::new(
-            layer,
-            key,
-            Head::new(parts, principal.as_deref()),
-        ))
-    }
-
-    /// The principal records are scoped by: `Some(None)` when they are not, `None` when
-    /// the request carries none.
-    fn principal(&self, parts: &Parts) -> Option<Option<String>> {
-        match &self.settings.principal {
-            Some(principal) => Some(Some(principal(&parts.extensions)?)),
-            None => Some(None),
         }
     }
 }

@@ -146,7 +146,6 @@ pub use layer::{
     LockAndReplay, ReplayLayer, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_STORE_TIMEOUT, DEFAULT_TTL,
 };
-pub(crate) use lookup::LookupFirst;
 pub use metrics::{REPLAYED_TOTAL, STORED_TOTAL};
 pub use record::{Fingerprint, Record, DEFAULT_REPLAYED_HEADERS};
 pub use respond::IDEMPOTENT_REPLAYED;
