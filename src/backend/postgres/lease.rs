@@ -8,17 +8,13 @@ use std::time::Duration;
 
 use tokio::time::{sleep_until, Instant, MissedTickBehavior};
 
-#[cfg(feature = "replay")]
-use super::error::PgError;
 use super::error::SHARED_SESSION;
+#[cfg(feature = "replay")]
+use super::replay::RecordWriting;
 use super::session::{last_row, Session};
 use super::{Inner, LockScope};
 use crate::backend::session::{self, Checked, SessionLock};
 use crate::backend::{Lease, LostReason};
-#[cfg(feature = "replay")]
-use crate::backend::{Place, RecordWrite};
-#[cfg(feature = "replay")]
-use crate::error::LockError;
 
 /// How often a held connection is looked at (no round trip: whether its connection task
 /// ended), so a session that ended raises the lost-lease signal within this period.
@@ -54,7 +50,11 @@ impl Inner {
     }
 
     /// Unlocks a session lock; `Ok` when the session is known to hold nothing now.
-    async fn unlock_session(&self, session: &Session, held: &Held) -> Result<(), LostReason> {
+    pub(super) async fn unlock_session(
+        &self,
+        session: &Session,
+        held: &Held,
+    ) -> Result<(), LostReason> {
         let Held {
             id,
             shared,
@@ -140,7 +140,8 @@ impl SessionLock for Inner {
         match (self.scope, release) {
             #[cfg(feature = "replay")]
             (LockScope::Session, Release::Write(write)) => {
-                self.write_and_unlock(session, held, write).await
+                let unlock = self.unlock_session(session, held);
+                self.write_and_unlock(session, write, unlock).await
             }
             (LockScope::Session, _) => self.unlock_session(session, held).await,
             // Ending the transaction ends its lock (a lease of this scope is never
@@ -176,60 +177,12 @@ impl SessionLock for Inner {
     }
 
     #[cfg(feature = "replay")]
-    fn release_writing(record: RecordWrite, writer: usize) -> Option<(Release, session::Written)> {
-        #[allow(irrefutable_let_patterns)]
-        let Place::Postgres { engine, sql } = record.place
-        else {
-            return None;
-        };
-        if engine != writer {
-            return None;
-        }
-        let (written, answer) = tokio::sync::oneshot::channel();
-        let answer: session::Written = Box::pin(async move {
-            answer.await.unwrap_or_else(|_| {
-                Err(
-                    PgError::message("the lock was lost before its record was written")
-                        .into_lock_error(),
-                )
-            })
-        });
-        Some((Release::Write(RecordWriting { sql, written }), answer))
-    }
-}
-
-#[cfg(feature = "replay")]
-impl Inner {
-    /// Writes a replay record and unlocks `held` in one round trip: two simple queries
-    /// sent together. Two messages, not one: statements of one message share an
-    /// implicit transaction, and a session lock's unlock takes effect at once, before
-    /// that transaction commits, so the next holder's try could miss the record; as
-    /// two, the write commits before the unlock runs, and a write that fails leaves the
-    /// unlock to run all the same. The writer hears only once both answered. `Ok` when
-    /// the session is known to hold nothing now.
-    async fn write_and_unlock(
-        &self,
-        session: &Session,
-        held: &Held,
-        write: RecordWriting,
-    ) -> Result<(), LostReason> {
-        // Both requests are queued by their first poll, the write first.
-        let (written, released) = tokio::join!(
-            self.round_trip(session.simple_query(&write.sql)),
-            self.unlock_session(session, held),
-        );
-        let written = written
-            .map(|answer| {
-                answer.iter().any(|message| {
-                    matches!(
-                        message,
-                        tokio_postgres::SimpleQueryMessage::CommandComplete(1)
-                    )
-                })
-            })
-            .map_err(PgError::into_lock_error);
-        let _ = write.written.send(written);
-        released
+    fn release_writing(
+        record: crate::backend::RecordWrite,
+        writer: usize,
+    ) -> Option<(Release, session::Written)> {
+        let (writing, written) = RecordWriting::for_release(record, writer)?;
+        Some((Release::Write(writing), written))
     }
 }
 
@@ -242,12 +195,4 @@ pub(super) enum Release {
     /// Write a replay record, then unlock, in one round trip.
     #[cfg(feature = "replay")]
     Write(RecordWriting),
-}
-
-/// A replay record's write, run on the held session with its unlock, and who waits
-/// for whether it was done.
-#[cfg(feature = "replay")]
-pub(super) struct RecordWriting {
-    sql: String,
-    written: tokio::sync::oneshot::Sender<Result<bool, LockError>>,
 }

@@ -335,8 +335,9 @@
 // check and unlock; the holding tasks, the lease's deadline and the release are the
 // session-lock core's, in `backend/session`), and `error` is the backend's error,
 // `holder` records and reads who holds a lock, `pooler` checks that sessions are the
-// client's own, `setup` builds the backend (and `SetupError`). This file has the public
-// type and its configuration.
+// client's own, `setup` builds the backend (and `SetupError`), `replay` is what the
+// PostgreSQL replay store needs of it. This file has the public type and its
+// configuration.
 mod acquire;
 mod client_check;
 mod deployment;
@@ -348,6 +349,8 @@ mod lock_id;
 mod permits;
 mod pooler;
 mod prepared;
+#[cfg(feature = "replay")]
+mod replay;
 mod request;
 pub(crate) mod schema;
 mod session;
@@ -371,8 +374,6 @@ use self::error::PgError;
 use self::request::Request;
 use super::session::{self as session_core, Builder as _, Draft, Settings};
 use super::{default_instance_id, Acquired, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
-#[cfg(feature = "replay")]
-use super::{Place, RecordLookup};
 use crate::backend::SetupError;
 use crate::error::LockError;
 use crate::key::Key;
@@ -766,24 +767,6 @@ impl Inner {
     }
 }
 
-#[cfg(feature = "replay")]
-impl PostgresBackend {
-    /// Which backend this is (its clones included): a replay record lookup is read
-    /// only by the backend it was made for.
-    pub(crate) fn engine_id(&self) -> usize {
-        self.inner.engine_id()
-    }
-}
-
-#[cfg(feature = "replay")]
-impl Inner {
-    /// [`PostgresBackend::engine_id`], from a lease's side: where the backend's shared
-    /// state lives.
-    fn engine_id(&self) -> usize {
-        std::ptr::from_ref(self) as usize
-    }
-}
-
 impl LockBackend for PostgresBackend {
     super::engine_head::engine_head!("postgres", findings = deployment::findings);
 
@@ -830,10 +813,10 @@ impl LockBackend for PostgresBackend {
         name: &str,
         key: &Key,
         wait: Duration,
-        record: &RecordLookup,
+        record: &super::RecordLookup,
     ) -> Option<BoxFuture<Result<Acquired, LockError>>> {
         #[allow(irrefutable_let_patterns)]
-        let Place::Postgres { engine, sql } = &record.place
+        let super::Place::Postgres { engine, sql } = &record.place
         else {
             return None;
         };

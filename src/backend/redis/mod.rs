@@ -353,16 +353,24 @@
 // One concern per file: `keys` names the Redis keys, `scripts` holds the Lua run on
 // Redis, `cached` sends it by SHA1, `lease` acquires, renews and gives back leases, and `subscriber` turns release
 // messages into wake-ups. This file has the public types and their configuration.
-// `deployment` reads what the deployment check reports.
-// `cached`, `connection`, `eviction`, `keys` and `scripts` also serve `backend::redlock`.
+// `deployment` reads what the deployment check reports, and `replay` serves the Redis
+// replay store. `cached`, `connection`, `eviction`, `keys` and `scripts` also serve
+// `backend::redlock`.
 pub(super) mod cached;
 pub(super) mod connection;
 pub(super) mod deployment;
 pub(super) mod eviction;
 pub(super) mod keys;
 mod lease;
+#[cfg(feature = "replay")]
+mod replay;
 pub(super) mod scripts;
 mod subscriber;
+
+#[cfg(feature = "replay")]
+pub(crate) use self::connection::Connection;
+#[cfg(feature = "replay")]
+pub(crate) use self::scripts::last_token;
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -373,20 +381,14 @@ use redis::{Client, ErrorKind, RedisError, Script};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 
-#[cfg(feature = "replay")]
-pub(crate) use self::connection::Connection;
 use self::connection::{with_tcp_settings, Commands, Target};
 use self::keys::RedisKeys;
-#[cfg(feature = "replay")]
-pub(crate) use self::scripts::last_token;
 use self::scripts::{ACQUIRE, ACQUIRE_COUNTED, HOLDER};
 use self::subscriber::{Releases, Subscriber};
 use super::holder::from_unix_millis;
 use super::settings::{self, Defaults, Settings};
 use super::SetupError;
 use super::{ttl, Acquisition, BoxFuture, Holder, LockBackend, LockMode};
-#[cfg(feature = "replay")]
-use super::{Acquired, Place, RecordLookup};
 use crate::error::LockError;
 use crate::key::Key;
 
@@ -863,68 +865,6 @@ impl RedisBackendBuilder {
     }
 }
 
-#[cfg(feature = "replay")]
-impl RedisBackend {
-    /// Which backend this is (its clones included): a replay record lookup is read
-    /// only by the backend it was made for.
-    pub(crate) fn engine_id(&self) -> usize {
-        Arc::as_ptr(&self.inner) as usize
-    }
-
-    /// Where the replay record of `scope` for `key` of the layer `name` lives.
-    pub(crate) fn record_key(&self, name: &str, key: &str, scope: &str) -> String {
-        RedisKeys::new(&self.inner.config.settings.prefix, name, key).record_of(scope)
-    }
-
-    /// Writes `record` as the replay record of `scope` and releases the lock of `key`,
-    /// in one script, if the lock is still held by the grant of fencing token `token`:
-    /// whether it was. `EVAL`, as a release: one round trip even on a server that lost
-    /// its script cache.
-    pub(crate) async fn put_and_release(
-        &self,
-        (name, key, scope): (&str, &str, &str),
-        token: u64,
-        record: Vec<u8>,
-        ttl_ms: u64,
-    ) -> Result<bool, RedisError> {
-        let keys = RedisKeys::new(&self.inner.config.settings.prefix, name, key);
-        let mut command = redis::cmd("EVAL");
-        command
-            .arg(scripts::PUT_AND_RELEASE)
-            .arg(4)
-            .arg(&*keys.lock)
-            .arg(keys.holder())
-            .arg(keys.waiting())
-            .arg(keys.record_of(scope))
-            .arg(token)
-            .arg(record)
-            .arg(ttl_ms)
-            .arg(&self.inner.channel);
-        let written: i64 = self
-            .run(|mut connection| async move { command.query_async(&mut connection).await })
-            .await?;
-        Ok(written == 1)
-    }
-
-    /// Runs `command` on the backend's own connection (a single server or a cluster),
-    /// within the command timeout: how the Redis replay store reaches the server its
-    /// records share with the locks.
-    pub(crate) async fn run<T, F>(
-        &self,
-        command: impl FnOnce(Connection) -> F,
-    ) -> Result<T, RedisError>
-    where
-        F: std::future::Future<Output = Result<T, RedisError>>,
-    {
-        let limit = Instant::now() + self.inner.config.settings.command_timeout;
-        match self.inner.commands.run(limit, true, command).await {
-            Ok(value) => Ok(value),
-            Err(connection::Failure::Redis(error)) => Err(error),
-            Err(connection::Failure::TimedOut) => Err(timed_out("a replay store command")),
-        }
-    }
-}
-
 fn timed_out(what: &'static str) -> RedisError {
     RedisError::from((ErrorKind::Io, "timed out", what.to_owned()))
 }
@@ -951,10 +891,10 @@ impl LockBackend for RedisBackend {
         name: &str,
         key: &Key,
         wait: Duration,
-        record: &RecordLookup,
-    ) -> Option<BoxFuture<Result<Acquired, LockError>>> {
+        record: &super::RecordLookup,
+    ) -> Option<BoxFuture<Result<super::Acquired, LockError>>> {
         #[allow(irrefutable_let_patterns)]
-        let Place::Redis {
+        let super::Place::Redis {
             engine,
             key: record,
         } = &record.place
