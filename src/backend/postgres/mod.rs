@@ -252,6 +252,12 @@
 //! another one — every acquisition fails with a [`LockError::Backend`] saying what to
 //! change, until the sequence is altered (no restart needed).
 //!
+//! What a token costs the server: PostgreSQL logs a sequence 32 values ahead, so one
+//! grant in 32 (and the first after a checkpoint) writes WAL, and its transaction, like
+//! any that writes, waits for the WAL flush under `synchronous_commit = on` (and for a
+//! synchronous standby, if there is one): 3 200 `nextval` calls made 97 WAL flushes
+//! (`pg_stat_wal`). That flush keeps the tokens increasing across a crash of the server.
+//!
 //! # Shared locks and permits
 //!
 //! With [`LockScope::Session`] (the default) the backend gives every
