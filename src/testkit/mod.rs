@@ -74,7 +74,7 @@
 //! | [`a_stalled_holder_sees_its_lease_lost`] | a holder whose runtime stalled while another instance took the key reads `is_lost()` as true, by the clock alone, for the reason `Expired` |
 //! | [`a_crashed_holder_is_taken_over`] | a crashed holder's key is free again after the loss bound, whatever the waiters' timeouts |
 //! | [`a_released_lease_is_never_renewed`] | no renewal of a released lease touches the key: the next holder keeps its lease for a whole loss bound, and the key is free after its release |
-//! | [`renewal_keeps_a_key_held_past_several_leases`] | a running holder keeps its key through another instance's waits of 1.5 loss bounds each, never told it is lost, and its checked release finds the lease its own |
+//! | [`renewal_keeps_a_key_held_past_several_leases`] | a running holder keeps its key through another instance's waits of 1.5 loss bounds each, never told it is lost, and its checked release finds the lease its own; an engine that leaves the renewals unanswered for a whole lease (signalled to the holder) starts it over, three times at most |
 //! | [`several_keys_all_or_nothing`] | `lock_all` of overlapping keys, named in any order, never deadlocks nor overlaps; `try_lock_all` holds none when one is busy |
 //! | [`health_answers`] | the health check of a reachable engine is healthy with a round trip, from several instances at once, and leaves nothing held |
 //! | [`the_holder_is_read_without_taking_the_key`] | [`DistributedLocks::holder`] is `None` for a free key, names the holder's instance id and fencing token while held, `None` after the release, and never takes or keeps the key |

@@ -6,7 +6,8 @@
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
 //! (`etcd`), MySQL (`mysql`), Redlock (`redlock`), Azure Blob Storage on Azurite
 //! (`azure_blob`), S3 on moto (`s3`), ZooKeeper (`zookeeper`); what engines of one family promise alike, one
-//! body run on each (`queues`: etcd and ZooKeeper; `session_locks`: PostgreSQL and MySQL); and the fault proxy they rely on (`tcp_proxy`). The Redis restart guard's logs are
+//! body run on each (`queues`: etcd and ZooKeeper; `session_locks`: PostgreSQL and MySQL); the fault proxy they rely on (`tcp_proxy`); and the renewal check of the suite on a
+//! stalled server (`renewal_check`). The Redis restart guard's logs are
 //! `tests/redis_restart_guard.rs`, a process of its own.
 
 #[path = "../support/mod.rs"]
@@ -35,6 +36,7 @@ mod redis_faults;
 mod redis_handoff;
 mod redis_sentinel;
 mod redlock;
+mod renewal_check;
 mod s3;
 mod session_locks;
 mod tcp_proxy;
