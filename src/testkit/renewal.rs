@@ -5,17 +5,12 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{instance, within, within_for, Deployment, PATIENCE};
+use super::{instance, starting_over_past_a_stall, within, within_for, Deployment, PATIENCE};
 use crate::backend::LostReason;
 use crate::{DistributedLocks, LockError};
 
 /// How many waits of another instance the holder outlasts.
 const ROUNDS: u32 = 2;
-
-/// How many times the check starts over after an engine that left the holder's
-/// renewals unanswered until its deadline (a loaded machine): a loss that was
-/// signalled, so no breach, but no proof of renewal either.
-const ATTEMPTS: u32 = 3;
 
 /// One instance holds a key while another waits for it, again and again, each wait a
 /// loss bound and a half: time enough to take over a holder whose lease was not kept
@@ -25,28 +20,18 @@ const ATTEMPTS: u32 = 3;
 ///
 /// An engine that does not answer the renewals for a whole lease (a machine too
 /// loaded to serve it) takes the lease away, and the holder is told so, as it must
-/// be. The check then starts over on another key, up to three times; a grant to the
-/// waiter that the holder was not told of fails it at once.
+/// be. The check then starts over on another key, three attempts at most; a grant to
+/// the waiter that the holder was not told of fails it at once.
 pub async fn renewal_keeps_a_key_held_past_several_leases<D: Deployment>(deployment: &D) {
     let a = instance(deployment, "conformance-renewal").await;
     let b = instance(deployment, "conformance-renewal").await;
     let wait = deployment.loss_bound() * 3 / 2;
-    for attempt in 1..=ATTEMPTS {
-        let key = format!("k{attempt}");
-        let Some(unanswered_for) = unanswered_renewals(&a, &b, &key, wait).await else {
-            return;
-        };
-        tracing::warn!(
-            attempt,
-            ?unanswered_for,
-            "conformance: the engine left the holder's renewals unanswered until its \
-             lease ran out (signalled); starting over"
-        );
-    }
-    panic!(
-        "conformance: in each of {ATTEMPTS} attempts the engine left the holder's renewals \
-         unanswered until its lease ran out: renewal never kept a key past a lease"
-    );
+    let (a, b) = (&a, &b);
+    starting_over_past_a_stall(
+        "renewal_keeps_a_key_held_past_several_leases",
+        |key| async move { unanswered_renewals(a, b, &key, wait).await },
+    )
+    .await;
 }
 
 /// One attempt on `key`: `None` when the holder kept it through every wait of `b`,

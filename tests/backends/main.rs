@@ -6,7 +6,7 @@
 //! (`postgres`, `postgres_faults`, `postgres_pgbouncer`), DynamoDB (`dynamodb`), etcd
 //! (`etcd`), MySQL (`mysql`), Redlock (`redlock`), Azure Blob Storage on Azurite
 //! (`azure_blob`), S3 on moto (`s3`), ZooKeeper (`zookeeper`); what engines of one family promise alike, one
-//! body run on each (`queues`: etcd and ZooKeeper; `session_locks`: PostgreSQL and MySQL); the fault proxy they rely on (`tcp_proxy`); and the renewal check of the suite on a
+//! body run on each (`queues`: etcd and ZooKeeper; `session_locks`: PostgreSQL and MySQL); the fault proxy they rely on (`tcp_proxy`); and the suite's renewal checks on a
 //! stalled server (`renewal_check`). The Redis restart guard's logs are
 //! `tests/redis_restart_guard.rs`, a process of its own.
 
