@@ -14,7 +14,8 @@ use tokio::time::{sleep, Instant};
 
 use super::mutual::eventually_free;
 use super::{
-    instance, starting_over_past_a_stall, taken_over, within_for, Deployment, Lateness, PATIENCE,
+    after_a_stall, instance, starting_over_past_a_stall, taken_over, within_for, Deployment,
+    Lateness, PATIENCE,
 };
 use crate::backend::{LostReason, HEALTH_PROBE_WAIT};
 use crate::{DistributedLocks, LockBackend, LockError};
@@ -161,7 +162,7 @@ pub async fn a_slow_path_keeps_the_lease<P: Proxied>(deployment: &P) {
         proxy.delay(Duration::ZERO);
         match guard.lost_reason() {
             None => {}
-            Some(LostReason::Unreachable) => return Some(granted.elapsed()),
+            Some(reason) if after_a_stall(reason) => return Some(granted.elapsed()),
             Some(reason) => {
                 panic!("conformance: a slow path within the command timeout lost the lease ({reason:?})")
             }

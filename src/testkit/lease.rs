@@ -11,7 +11,8 @@ use tokio::time::Instant;
 use super::isolated::Isolated;
 use super::mutual::eventually_free;
 use super::{
-    instance, starting_over_past_a_stall, taken_after_crash, within, Deployment, PATIENCE,
+    after_a_stall, instance, starting_over_past_a_stall, taken_after_crash, within, Deployment,
+    PATIENCE,
 };
 use crate::backend::LostReason;
 use crate::{DistributedGuard, DistributedLocks};
@@ -146,7 +147,7 @@ async fn released_then_held_again(
     tokio::time::sleep(loss_bound).await;
     match next.lost_reason() {
         None => {}
-        Some(LostReason::Unreachable) => {
+        Some(reason) if after_a_stall(reason) => {
             within("a release", next.release()).await;
             return Some(granted.elapsed());
         }

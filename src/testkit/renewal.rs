@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{instance, starting_over_past_a_stall, within, within_for, Deployment, PATIENCE};
-use crate::backend::LostReason;
+use super::{
+    after_a_stall, instance, starting_over_past_a_stall, within, within_for, Deployment, PATIENCE,
+};
 use crate::{DistributedLocks, LockError};
 
 /// How many waits of another instance the holder outlasts.
@@ -63,7 +64,7 @@ async fn unanswered_renewals(
             Ok(taken) => {
                 let after = granted.elapsed();
                 match held.lost_reason() {
-                    Some(LostReason::Unreachable) => {
+                    Some(reason) if after_a_stall(reason) => {
                         within("a release", taken.release()).await;
                         drop(held);
                         return Some(after);
@@ -79,7 +80,7 @@ async fn unanswered_renewals(
         }
         match held.lost_reason() {
             None => {}
-            Some(LostReason::Unreachable) => return Some(granted.elapsed()),
+            Some(reason) if after_a_stall(reason) => return Some(granted.elapsed()),
             Some(reason) => panic!(
                 "conformance: a running holder was told its lease is lost ({reason:?}) {:?} \
                  after the grant",
@@ -90,7 +91,7 @@ async fn unanswered_renewals(
     let kept = granted.elapsed();
     if let Err(lost) = within("a checked release", held.release_checked()).await {
         match lost.reason() {
-            LostReason::Unreachable => return Some(kept),
+            reason if after_a_stall(reason) => return Some(kept),
             reason => panic!(
                 "conformance: the release of a lease held {kept:?} found it lost ({reason:?})"
             ),
