@@ -31,8 +31,8 @@ pub enum LostReason {
     /// held the lock broke (PostgreSQL, MySQL, ZooKeeper).
     Unreachable,
     /// The lease's deadline passed on this process's clock with no renewal failing
-    /// before it: renewal is off, or the maximum hold was reached, or this process
-    /// stalled (a pause, CPU starvation) past the deadline.
+    /// before it, and none on its way: renewal is off, or the maximum hold was reached,
+    /// or this process stalled (a pause, CPU starvation) past the deadline.
     Expired,
     /// The engine answered that the lock is no longer this holder's: another holder
     /// took the key, or the engine dropped it (it expired there, an operator deleted

@@ -592,6 +592,9 @@ struct Validity {
     /// A renewal went unanswered since the last one that was: if the deadline passes
     /// now, the engine was unreachable rather than this process late.
     unanswered: bool,
+    /// A renewal (or liveness check) is on its way: if the deadline passes before its
+    /// answer, the engine did not answer in time, rather than this process being late.
+    asking: bool,
     /// Renewals of this lease that went unanswered, answered ones between them or not.
     renewal_failures: u32,
 }
@@ -618,7 +621,7 @@ impl Validity {
 
     /// Why the lease is lost when its deadline passes.
     fn deadline_reason(&self) -> LostReason {
-        if self.unanswered {
+        if self.unanswered || self.asking {
             LostReason::Unreachable
         } else {
             LostReason::Expired
@@ -644,6 +647,7 @@ impl LeaseSignal {
             lost: None,
             valid_until,
             unanswered: false,
+            asking: false,
             renewal_failures: 0,
         });
         // The signal keeps a sender of its own, so that a shutdown can raise it (the
@@ -805,6 +809,27 @@ impl LeaseLostSender {
         })
     }
 
+    /// Records that a renewal (or liveness check) was sent: should the deadline pass
+    /// before it is answered, the lease is lost as [`LostReason::Unreachable`] (the
+    /// engine did not answer in time), not [`LostReason::Expired`]. Cleared by
+    /// [`extend`](Self::extend).
+    pub fn asking(&self) {
+        let now = Instant::now();
+        self.0.send_if_modified(|validity| {
+            // Once lost, the reason readers may have seen stays.
+            if !validity.is_lost_at(now) {
+                validity.asking = true;
+            }
+            false // nothing a waiter waits for changed
+        });
+    }
+
+    /// Why the signal was raised, once it is.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(crate) fn raised_for(&self) -> Option<LostReason> {
+        self.0.borrow().lost
+    }
+
     /// Records a renewal that went unanswered (a timeout, a broken connection): should
     /// the deadline pass before one is answered, the engine was unreachable. Cleared
     /// by [`extend`](Self::extend).
@@ -838,6 +863,7 @@ impl LeaseLostSender {
             }
             validity.valid_until = Some(valid_until);
             validity.unanswered = false;
+            validity.asking = false;
             extended = true;
             true
         });
@@ -887,6 +913,8 @@ mod lease_signal_tests {
         Extend(u64),
         /// A renewal went unanswered.
         Unanswered,
+        /// A renewal was sent.
+        Asking,
         /// The backend says the lease is gone, for this reason.
         Lose(LostReason),
         /// The backend's timer raises the signal at the deadline.
@@ -900,18 +928,20 @@ mod lease_signal_tests {
             4 => (0u64..40).prop_map(Step::Wait),
             3 => (0u64..40).prop_map(Step::Extend),
             2 => Just(Step::Unanswered),
+            2 => Just(Step::Asking),
             1 => prop::sample::select(LostReason::ALL.to_vec()).prop_map(Step::Lose),
             1 => Just(Step::LoseAtDeadline),
             1 => Just(Step::Release),
         ]
     }
 
-    /// The model's signal: raised with a reason, or a deadline and whether a renewal
-    /// went unanswered since the last answered one.
+    /// The model's signal: raised with a reason, or a deadline, whether a renewal
+    /// went unanswered since the last answered one, and whether one was sent since.
     struct Model {
         lost: Option<LostReason>,
         deadline: Option<Instant>,
         unanswered: bool,
+        asking: bool,
         failures: u32,
     }
 
@@ -919,12 +949,16 @@ mod lease_signal_tests {
         fn reason(&self, now: Instant) -> Option<LostReason> {
             self.lost.or_else(|| {
                 let passed = self.deadline.is_some_and(|d| now >= d);
-                passed.then_some(if self.unanswered {
-                    LostReason::Unreachable
-                } else {
-                    LostReason::Expired
-                })
+                passed.then_some(self.at_deadline())
             })
+        }
+
+        fn at_deadline(&self) -> LostReason {
+            if self.unanswered || self.asking {
+                LostReason::Unreachable
+            } else {
+                LostReason::Expired
+            }
         }
     }
 
@@ -932,8 +966,8 @@ mod lease_signal_tests {
         /// Against a model: lost once raised or once the clock passed the deadline,
         /// and never un-lost — a renewal answered after the deadline does not revive
         /// it, and a release freezes what was true then. The reason is the first one
-        /// that held (a passed deadline: unreachable after an unanswered renewal, else
-        /// expired), and once seen it never changes.
+        /// that held (a passed deadline: unreachable after an unanswered renewal or
+        /// with one on its way, else expired), and once seen it never changes.
         #[test]
         fn the_signal_follows_the_clock_and_stays_lost(steps in prop::collection::vec(step(), 1..40)) {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -948,6 +982,7 @@ mod lease_signal_tests {
                     lost: None,
                     deadline: Some(Instant::now() + Duration::from_millis(20)),
                     unanswered: false,
+                    asking: false,
                     failures: 0,
                 };
                 let mut seen: Option<LostReason> = None;
@@ -964,6 +999,7 @@ mod lease_signal_tests {
                                 None => {
                                     model.deadline = Some(now + Duration::from_millis(ms));
                                     model.unanswered = false;
+                                    model.asking = false;
                                 }
                             }
                         }
@@ -974,14 +1010,19 @@ mod lease_signal_tests {
                                 model.failures += 1;
                             }
                         }
+                        (Step::Asking, Some(sender)) => {
+                            sender.asking();
+                            if model.reason(now).is_none() {
+                                model.asking = true;
+                            }
+                        }
                         (Step::Lose(reason), Some(sender)) => {
                             sender.lose(reason);
                             model.lost = Some(model.reason(now).unwrap_or(reason));
                         }
                         (Step::LoseAtDeadline, Some(sender)) => {
                             sender.lose_at_deadline();
-                            let at_deadline = if model.unanswered { LostReason::Unreachable } else { LostReason::Expired };
-                            model.lost = Some(model.reason(now).unwrap_or(at_deadline));
+                            model.lost = Some(model.reason(now).unwrap_or(model.at_deadline()));
                         }
                         (Step::Release, Some(_)) => {
                             sender = None;
@@ -1018,6 +1059,24 @@ mod lease_signal_tests {
         drop(sender);
         // Released after the deadline: it stays lost.
         assert!(signal.is_lost());
+    }
+
+    /// A deadline that passes with a renewal on its way is the engine's (unreachable);
+    /// once that renewal is answered, a later deadline is this process's (expired).
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_that_passes_with_a_renewal_on_its_way_is_unreachable() {
+        let (sender, signal) =
+            LeaseSignal::with_deadline(Instant::now() + Duration::from_millis(50));
+        sender.asking();
+        signal.lost().await;
+        assert_eq!(signal.lost_reason(), Some(LostReason::Unreachable));
+
+        let (sender, signal) =
+            LeaseSignal::with_deadline(Instant::now() + Duration::from_millis(50));
+        sender.asking();
+        assert!(sender.extend(Instant::now() + Duration::from_millis(50)));
+        signal.lost().await;
+        assert_eq!(signal.lost_reason(), Some(LostReason::Expired));
     }
 
     /// Whether `future` is ready at its first poll.

@@ -17,7 +17,7 @@ use super::lock_name::hex_literal;
 use super::session::{number, Session, QUERY_INTERRUPTED};
 use super::Inner;
 use crate::backend::session::{self, Checked, SessionLock};
-use crate::backend::{Lease, LostReason};
+use crate::backend::{Lease, LeaseLostSender, LostReason};
 
 /// A lock held on a session: its name (and the name as an SQL literal), and the
 /// session's `CONNECTION_ID()`.
@@ -104,8 +104,15 @@ impl SessionLock for Inner {
     /// sleep, one command timeout before the deadline (where a check sent at the same
     /// instant would be due to answer), so an answer one command timeout late still
     /// comes in time.
-    async fn check(&self, session: &mut Session, held: &Held, deadline: Instant) -> Checked {
+    async fn check(
+        &self,
+        session: &mut Session,
+        held: &Held,
+        deadline: Instant,
+        lost: &LeaseLostSender,
+    ) -> Checked {
         let sent = Instant::now();
+        lost.asking();
         let limit = deadline.saturating_duration_since(sent);
         let sleep = self
             .settings

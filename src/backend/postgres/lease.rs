@@ -14,7 +14,7 @@ use super::replay::RecordWriting;
 use super::session::{last_row, Session};
 use super::{Inner, LockScope};
 use crate::backend::session::{self, Checked, SessionLock};
-use crate::backend::{Lease, LostReason};
+use crate::backend::{Lease, LeaseLostSender, LostReason};
 
 /// How often a held connection is looked at (no round trip: whether its connection task
 /// ended), so a session that ended raises the lost-lease signal within this period.
@@ -100,7 +100,13 @@ impl SessionLock for Inner {
     /// `SELECT pg_backend_pid()` once due; until then the connection is looked at every
     /// [`CLOSED_CHECK_PERIOD`]: a session that ended is noticed at once, not at the
     /// next check.
-    async fn check(&self, session: &mut Session, held: &Held, deadline: Instant) -> Checked {
+    async fn check(
+        &self,
+        session: &mut Session,
+        held: &Held,
+        deadline: Instant,
+        lost: &LeaseLostSender,
+    ) -> Checked {
         let due = self.settings.timing.check_due(deadline);
         let mut looks = tokio::time::interval(CLOSED_CHECK_PERIOD);
         looks.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -117,6 +123,7 @@ impl SessionLock for Inner {
             }
         }
         let sent = Instant::now();
+        lost.asking();
         let answer = self
             .round_trip(session.simple_query("SELECT pg_backend_pid()"))
             .await;

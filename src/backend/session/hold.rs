@@ -157,6 +157,7 @@ mod tests {
     use super::*;
     use crate::backend::session::holds::IDLE_LOOKS;
     use crate::backend::session::Checked;
+    use crate::backend::LeaseLostSender;
 
     /// An engine whose checks answer from a script (then never), and which writes down
     /// what the core asked of it.
@@ -203,7 +204,13 @@ mod tests {
         const ENGINE: &'static str = "Scripted";
         const SHARED_SESSION: &'static str = "shared";
 
-        async fn check(&self, (): &mut (), _: &&'static str, _: Instant) -> Checked {
+        async fn check(
+            &self,
+            (): &mut (),
+            _: &&'static str,
+            _: Instant,
+            _: &LeaseLostSender,
+        ) -> Checked {
             let next = self.checks.lock().unwrap().pop_front();
             match next {
                 Some(checked) => checked,

@@ -218,7 +218,7 @@ mod tests {
 
     use super::*;
     use crate::backend::session::{hold, Checked, Timing};
-    use crate::backend::{Lease, LostReason};
+    use crate::backend::{Lease, LeaseLostSender, LostReason};
 
     const LOOKS: Duration = Duration::from_millis(5);
     const TIMING: Timing = Timing {
@@ -268,7 +268,13 @@ mod tests {
         const ENGINE: &'static str = "model";
         const SHARED_SESSION: &'static str = "shared";
 
-        async fn check(&self, session: &mut u64, _: &Held, deadline: Instant) -> Checked {
+        async fn check(
+            &self,
+            session: &mut u64,
+            _: &Held,
+            deadline: Instant,
+            _: &LeaseLostSender,
+        ) -> Checked {
             let due = TIMING.check_due(deadline);
             while Instant::now() < due && !self.ended(*session) {
                 tokio::time::sleep(LOOKS).await;

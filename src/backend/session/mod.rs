@@ -60,9 +60,9 @@ pub(crate) use self::settings::{is_plain_or_qualified, refused_pool_size, Settin
 pub(crate) use self::timing::{
     Answered, Timing, DEFAULT_COMMAND_TIMEOUT, DEFAULT_LIVENESS_INTERVAL,
 };
-use crate::backend::LostReason;
 #[cfg(feature = "replay")]
 use crate::backend::{BoxFuture, RecordWrite};
+use crate::backend::{LeaseLostSender, LostReason};
 use crate::LockError;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -107,12 +107,15 @@ pub(crate) trait SessionLock: Send + Sync + 'static {
     const REPORTS_RELEASE: bool = true;
 
     /// The next liveness check of `session`, which holds `held` until `deadline`: due
-    /// at [`Timing::check_due`], answered by `deadline` at the latest.
+    /// at [`Timing::check_due`], answered by `deadline` at the latest. Calls
+    /// [`LeaseLostSender::asking`] on `lost` as it goes out to the server: a deadline
+    /// that passes before the answer is then the engine's, not a stalled holder's.
     fn check(
         &self,
         session: &mut Self::Session,
         held: &Self::Held,
         deadline: Instant,
+        lost: &LeaseLostSender,
     ) -> impl Future<Output = Checked> + Send;
 
     /// Ends a check still pending when the lease is released, with what it found. By

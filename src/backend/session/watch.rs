@@ -80,9 +80,25 @@ pub(super) fn expired<E: SessionLock>(held: &E::Held, watched: &Watched) -> Opti
     if Instant::now() < watched.deadline {
         return None;
     }
-    tracing::warn!(lock = %held, "{} lock lost: its holder stalled past its deadline", E::ENGINE);
     watched.lost.lose_at_deadline();
-    Some(Err(LostReason::Expired))
+    Some(Err(lost_at_deadline::<E>(held, &watched.lost)))
+}
+
+/// Why a lease whose deadline passed was lost, as its signal says, logged: a check still
+/// unanswered at the deadline, or a holder that stalled past it.
+fn lost_at_deadline<E: SessionLock>(held: &E::Held, lost: &LeaseLostSender) -> LostReason {
+    let reason = lost.raised_for().unwrap_or(LostReason::Expired);
+    match reason {
+        LostReason::Unreachable => tracing::warn!(
+            lock = %held,
+            "{} lock lost: its liveness check went unanswered until its deadline",
+            E::ENGINE
+        ),
+        _ => {
+            tracing::warn!(lock = %held, "{} lock lost: its holder stalled past its deadline", E::ENGINE)
+        }
+    }
+    reason
 }
 
 /// Checks the session until release (then unlocks) or loss (then raises the signal).
@@ -99,7 +115,7 @@ async fn hold_until_released<E: SessionLock>(
             return ended;
         }
         let (checked, release) = {
-            let mut check = pin!(engine.check(session, held, watched.deadline));
+            let mut check = pin!(engine.check(session, held, watched.deadline, &watched.lost));
             // An answer already there is read first; `stop` fires on release, and on
             // its sender's drop (a plain unlock).
             tokio::select! {
@@ -116,8 +132,7 @@ async fn hold_until_released<E: SessionLock>(
             (Checked::Alive(alive_at), None) => {
                 watched.deadline = watched.timing.valid_until(alive_at);
                 if !lost.extend(watched.deadline) {
-                    tracing::warn!(lock = %held, "{engine_name} lock lost: its holder stalled past its deadline");
-                    return Err(LostReason::Expired);
+                    return Err(lost_at_deadline::<E>(held, lost));
                 }
             }
             (Checked::Quiet, None) => {}

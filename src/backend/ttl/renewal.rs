@@ -51,6 +51,8 @@ pub(super) async fn keep<B: TtlBackend>(
             .max(Duration::from_millis(1));
         // An answer after the deadline comes too late to count.
         let limit = (sent + timing.command_timeout).min(valid_until);
+        // Should the deadline come first, the engine did not answer in time.
+        lost.asking();
         let renewal = tokio::select! {
             biased;
             () = &mut gone => Renewal::NotOurs,
