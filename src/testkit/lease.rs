@@ -106,9 +106,9 @@ pub(super) async fn crash_holding(locks: DistributedLocks, key: &'static str) ->
 /// renews the key afterwards (a renewal that outlives its release is a bug large
 /// clients have shipped). Another instance then holds the key for a whole loss bound
 /// without being told its lease is lost; once it releases, the key is free to either
-/// instance, and still is a third of a loss bound later. (An engine that leaves the
-/// next holder's renewals unanswered until its lease runs out, signalled to it, starts
-/// the check over on another key, three attempts at most.)
+/// instance, and still is a third of a loss bound later. (Renewals of the next holder
+/// not answered in time, its loss signalled to it, start the check over on another
+/// key, three attempts at most.)
 pub async fn a_released_lease_is_never_renewed<D: Deployment>(deployment: &D) {
     let a = instance(deployment, "conformance-renewed").await;
     let b = instance(deployment, "conformance-renewed").await;
@@ -122,7 +122,7 @@ pub async fn a_released_lease_is_never_renewed<D: Deployment>(deployment: &D) {
 
 /// One attempt on `key`: `None` when the next holder kept the key for a loss bound
 /// and it was free after, or how long the next holder held it when told its lease was
-/// lost because the engine did not answer.
+/// lost after a stall (see `after_a_stall`).
 async fn released_then_held_again(
     a: &DistributedLocks,
     b: &DistributedLocks,

@@ -19,10 +19,10 @@ const ROUNDS: u32 = 2;
 /// without the key, the holder is never told its lease is lost, and its checked release
 /// finds the lease still its own; then the key is free to the other instance.
 ///
-/// An engine that does not answer the renewals for a whole lease (a machine too
-/// loaded to serve it) takes the lease away, and the holder is told so, as it must
-/// be. The check then starts over on another key, three attempts at most; a grant to
-/// the waiter that the holder was not told of fails it at once.
+/// Renewals not answered in time for a whole lease (a machine too loaded to serve
+/// them) take the lease away, and the holder is told so, as it must be. The check
+/// then starts over on another key, three attempts at most; a grant to the waiter
+/// that the holder was not told of fails it at once.
 pub async fn renewal_keeps_a_key_held_past_several_leases<D: Deployment>(deployment: &D) {
     let a = instance(deployment, "conformance-renewal").await;
     let b = instance(deployment, "conformance-renewal").await;
@@ -36,8 +36,8 @@ pub async fn renewal_keeps_a_key_held_past_several_leases<D: Deployment>(deploym
 }
 
 /// One attempt on `key`: `None` when the holder kept it through every wait of `b`,
-/// or how long after the grant `b` took it from a holder that was told its lease was
-/// lost because the engine did not answer.
+/// or how long the holder had held it when told its lease was lost after a stall
+/// (see `after_a_stall`).
 async fn unanswered_renewals(
     a: &DistributedLocks,
     b: &DistributedLocks,
