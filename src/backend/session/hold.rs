@@ -159,8 +159,8 @@ mod tests {
     use crate::backend::session::Checked;
     use crate::backend::LeaseLostSender;
 
-    /// An engine whose checks answer from a script (then never), and which writes down
-    /// what the core asked of it.
+    /// An engine whose checks answer from a script (then go out and are never answered,
+    /// given up at the deadline), and which writes down what the core asked of it.
     struct Scripted {
         checks: Mutex<VecDeque<Checked>>,
         unlock: Result<(), LostReason>,
@@ -208,13 +208,18 @@ mod tests {
             &self,
             (): &mut (),
             _: &&'static str,
-            _: Instant,
-            _: &LeaseLostSender,
+            deadline: Instant,
+            lost: &LeaseLostSender,
         ) -> Checked {
             let next = self.checks.lock().unwrap().pop_front();
             match next {
                 Some(checked) => checked,
-                None => std::future::pending().await,
+                // Sent, and never answered: given up at the deadline, as the engines do.
+                None => {
+                    lost.asking();
+                    tokio::time::sleep_until(deadline).await;
+                    Checked::Failed("no answer".into())
+                }
             }
         }
 
@@ -303,6 +308,17 @@ mod tests {
         // unlocked.
         tokio::time::advance(Duration::from_millis(200)).await;
         assert_eq!(lease.signal().lost_reason(), Some(LostReason::Expired));
+        lease.release().await;
+        assert_eq!(engine.asked(), ["close"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_check_unanswered_at_the_deadline_is_lost_as_unreachable_and_its_session_closed() {
+        let engine = Scripted::new([], Ok(()));
+        let lease = hold(engine.clone(), TIMING, (), "k", None, Instant::now());
+        // The check went out and its answer never came: the engine's, not a stall.
+        lease.signal().lost().await;
+        assert_eq!(lease.signal().lost_reason(), Some(LostReason::Unreachable));
         lease.release().await;
         assert_eq!(engine.asked(), ["close"]);
     }
